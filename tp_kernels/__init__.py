@@ -1,0 +1,65 @@
+"""tp_kernels: tensor-parallel linear layers for PyTorch with communication overlapped.
+
+Public API (see docs/api.md):
+
+* process groups: :func:`initialize_model_parallel` and the ``get_*`` accessors;
+* :mod:`tp_kernels.mappings`: Megatron's communication mappings;
+* :mod:`tp_kernels.ops`: :func:`all_gather_matmul`, :func:`matmul_reduce_scatter`,
+  :func:`matmul_all_reduce` on the ``reference`` or ``pipelined`` backend;
+* layers: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
+  :class:`VocabParallelEmbedding`, :func:`vocab_parallel_cross_entropy`, :func:`parallelize`.
+"""
+
+from . import mappings, ops, schedule
+from ._comm import get_timeout, set_timeout
+from ._native import extension_status
+from .cross_entropy import vocab_parallel_cross_entropy
+from .embedding import VocabParallelEmbedding
+from .layers import ColumnParallelLinear, RowParallelLinear
+from .ops import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
+from .parallel_state import (
+    destroy_model_parallel,
+    get_data_parallel_group,
+    get_data_parallel_rank,
+    get_data_parallel_world_size,
+    get_pipeline_model_parallel_group,
+    get_pipeline_model_parallel_rank,
+    get_pipeline_model_parallel_world_size,
+    get_tensor_model_parallel_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    initialize_model_parallel,
+    model_parallel_is_initialized,
+)
+from .parallelize import parallelize
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "all_gather_matmul",
+    "destroy_model_parallel",
+    "extension_status",
+    "get_data_parallel_group",
+    "get_data_parallel_rank",
+    "get_data_parallel_world_size",
+    "get_pipeline_model_parallel_group",
+    "get_pipeline_model_parallel_rank",
+    "get_pipeline_model_parallel_world_size",
+    "get_tensor_model_parallel_group",
+    "get_tensor_model_parallel_rank",
+    "get_tensor_model_parallel_world_size",
+    "get_timeout",
+    "initialize_model_parallel",
+    "mappings",
+    "matmul_all_reduce",
+    "matmul_reduce_scatter",
+    "model_parallel_is_initialized",
+    "ops",
+    "parallelize",
+    "schedule",
+    "set_timeout",
+    "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,76 @@
+"""Argument checks shared by the ops and layers.
+
+Every check runs before any collective is issued and raises ``ValueError`` naming the
+argument, so a bad call fails on the rank that made it instead of hanging its peers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+
+def check_int(name: str, value, minimum: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    return value
+
+
+def check_divisible(name: str, value: int, p: int) -> int:
+    """``value // p``, or a ValueError when ``p`` does not divide ``value``."""
+    if value % p:
+        raise ValueError(f"{name} ({value}) is not divisible by the tensor-parallel size {p}")
+    return value // p
+
+
+def check_tensor(name: str, t, *, min_dim: int = 0, dim: Optional[int] = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name}: expected a {dim}-D tensor, got shape {tuple(t.shape)}")
+    if t.dim() < min_dim:
+        raise ValueError(f"{name}: expected at least {min_dim} dims, got shape {tuple(t.shape)}")
+    return t
+
+
+def check_same_dtype_device(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.dtype != ref.dtype:
+        raise ValueError(f"{name}: dtype {t.dtype} does not match {ref_name}'s dtype {ref.dtype}")
+    if t.device != ref.device:
+        raise ValueError(f"{name}: device {t.device} does not match {ref_name}'s device {ref.device}")
+
+
+def check_linear_args(
+    x, weight, bias, *, x_name: str = "x", weight_name: str = "weight", min_dim: int = 2
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Validate ``F.linear``-style arguments and apply autocast.
+
+    Returns ``(x, weight, bias)``, cast to the autocast dtype when autocast is enabled on the
+    input's device (the casts are differentiable, as in ``F.linear`` under autocast).
+    """
+    check_tensor(x_name, x, min_dim=min_dim)
+    check_tensor(weight_name, weight, dim=2)
+    if bias is not None:
+        check_tensor("bias", bias, dim=1)
+    if not weight.is_floating_point():
+        raise ValueError(f"{weight_name}: expected a floating-point tensor, got {weight.dtype}")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"{x_name}: expected the last dim to be {weight.shape[1]} to match {weight_name} "
+            f"{tuple(weight.shape)}, got {x_name} of shape {tuple(x.shape)}"
+        )
+    if bias is not None and bias.shape[0] != weight.shape[0]:
+        raise ValueError(
+            f"bias: expected {weight.shape[0]} elements to match {weight_name} {tuple(weight.shape)}, "
+            f"got shape {tuple(bias.shape)}"
+        )
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type) and x.is_floating_point():
+        dtype = torch.get_autocast_dtype(device_type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    check_same_dtype_device(x_name, x, weight_name, weight)
+    if bias is not None:
+        check_same_dtype_device("bias", bias, weight_name, weight)
+    return x, weight, bias

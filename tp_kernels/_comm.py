@@ -1,0 +1,233 @@
+"""Raw collectives on dim 0 and the last dim, with bounded waits.
+
+Everything that talks to ``torch.distributed`` goes through here:
+
+* group resolution (``group=None`` means the tensor-parallel group, or the default group when
+  :func:`tp_kernels.initialize_model_parallel` was never called, or "this process alone" when
+  ``torch.distributed`` is not initialized at all);
+* one compatibility shim for the collectives renamed in torch 2.13
+  (``all_gather_single``/``reduce_scatter_single``, formerly ``*_into_tensor``/``*_tensor``);
+* every collective is issued asynchronously and waited with :func:`wait`, which applies the
+  library-wide timeout and turns a stuck collective into an error naming the operation.
+
+The helpers take and return contiguous tensors and never touch autograd.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "Pending",
+    "all_gather_dim0",
+    "all_gather_last_dim",
+    "all_reduce",
+    "get_timeout",
+    "group_rank",
+    "group_size",
+    "reduce_scatter_dim0",
+    "resolve_group",
+    "set_timeout",
+    "split_dim0",
+    "split_last_dim",
+    "wait",
+]
+
+_DEFAULT_TIMEOUT_S = 300.0
+_timeout_s: Optional[float] = None
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def set_timeout(seconds: float) -> None:
+    """Set how long any tp_kernels collective may take before it raises (seconds, > 0).
+
+    The default is 300 s, or ``TP_KERNELS_TIMEOUT_S`` from the environment.
+    """
+    if not (isinstance(seconds, (int, float)) and seconds > 0):
+        raise ValueError(f"seconds: expected a positive number, got {seconds!r}")
+    global _timeout_s
+    _timeout_s = float(seconds)
+
+
+def get_timeout() -> float:
+    """The current collective timeout in seconds (see :func:`set_timeout`)."""
+    if _timeout_s is not None:
+        return _timeout_s
+    env = os.environ.get("TP_KERNELS_TIMEOUT_S")
+    if env:
+        try:
+            value = float(env)
+        except ValueError:
+            value = -1.0
+        if value <= 0:
+            raise ValueError(f"TP_KERNELS_TIMEOUT_S: expected a positive number of seconds, got {env!r}")
+        return value
+    return _DEFAULT_TIMEOUT_S
+
+
+def resolve_group(group):
+    """The process group an API call runs on, or ``None`` for "this process alone"."""
+    if group is not None:
+        if dist.get_rank(group) < 0:
+            raise ValueError(
+                f"group: this process (global rank {dist.get_rank()}) is not a member of the group it was given"
+            )
+        return group
+    from . import parallel_state
+
+    tp = parallel_state._TENSOR_MODEL_PARALLEL_GROUP
+    if tp is not None:
+        return tp
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+class Pending:
+    """Collectives in flight: ``wait()`` waits for them, applies ``finish`` once, returns the output.
+
+    ``finish(tensor)`` is a local epilogue that must run after the communication, e.g. adding a
+    bias once after a reduction.
+    """
+
+    __slots__ = ("tensor", "works", "what", "group", "finish")
+
+    def __init__(self, tensor: torch.Tensor, works=(), what: str = "", group=None, finish=None):
+        self.tensor = tensor
+        self.works = list(works)
+        self.what = what
+        self.group = group
+        self.finish = finish
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            wait(work, self.what, self.group)
+        self.works = []
+        if self.finish is not None:
+            self.finish(self.tensor)
+            self.finish = None
+        return self.tensor
+
+
+def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            wait(self.work, self.what, self.group)
+            self.work = None
+        return self.tensor
+
+
+def wait(work, what: str, group=None) -> None:
+    """Wait for ``work`` at most :func:`get_timeout` seconds; raise a readable error otherwise."""
+    timeout = get_timeout()
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except Exception as exc:  # the backends raise RuntimeError or DistBackendError
+        size = group_size(group)
+        raise RuntimeError(
+            f"tp_kernels: {what} did not complete on global rank {dist.get_rank()} "
+            f"(group of {size} ranks, timeout {timeout:g} s): {exc}. A peer rank may have died, "
+            "diverged, or called a different collective. The limit is set with "
+            "tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S."
+        ) from exc
+
+
+def _done(tensor: torch.Tensor, what: str) -> Pending:
+    return Pending(tensor, (), what)
+
+
+def all_gather_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] = None) -> Pending:
+    """Start ``[m/p, ...] -(AG)-> [m, ...]``, rank-major along dim 0."""
+    p = group_size(group)
+    x = x.contiguous()
+    if p == 1:
+        if out is None:
+            return _done(x, "all-gather")
+        out.copy_(x)
+        return _done(out, "all-gather")
+    if out is None:
+        out = x.new_empty((x.shape[0] * p,) + tuple(x.shape[1:]))
+    work = _all_gather_single(out, x, group=group, async_op=True)
+    return Pending(out, [work], f"all-gather of {tuple(x.shape)} {x.dtype}", group)
+
+
+def reduce_scatter_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] = None) -> Pending:
+    """Start ``[m, ...] -(RS, sum)-> [m/p, ...]``; rank r keeps rows ``[r*m/p, (r+1)*m/p)``."""
+    p = group_size(group)
+    x = x.contiguous()
+    if p == 1:
+        if out is None:
+            return _done(x, "reduce-scatter")
+        out.copy_(x)
+        return _done(out, "reduce-scatter")
+    if x.shape[0] % p:
+        raise ValueError(f"reduce-scatter: dim 0 ({x.shape[0]}) is not divisible by the group size {p}")
+    if out is None:
+        out = x.new_empty((x.shape[0] // p,) + tuple(x.shape[1:]))
+    work = _reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return Pending(out, [work], f"reduce-scatter of {tuple(x.shape)} {x.dtype}", group)
+
+
+def all_reduce(x: torch.Tensor, group, *, op=dist.ReduceOp.SUM, inplace: bool = False) -> Pending:
+    """Start a sum (or ``op``) all-reduce; on a copy of ``x`` unless ``inplace``."""
+    if group_size(group) == 1:
+        return _done(x, "all-reduce")
+    if not (inplace and x.is_contiguous()):
+        x = x.contiguous() if inplace else x.clone(memory_format=torch.contiguous_format)
+    work = dist.all_reduce(x, op=op, group=group, async_op=True)
+    return Pending(x, [work], f"all-reduce of {tuple(x.shape)} {x.dtype}", group)
+
+
+def all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+    """``[..., d/p] -(AG)-> [..., d]``, rank-major along the last dim (blocking)."""
+    p = group_size(group)
+    if p == 1:
+        return x
+    stacked = all_gather_dim0(x.unsqueeze(0), group).wait()  # (p, ..., d/p)
+    return stacked.movedim(0, -2).reshape(*x.shape[:-1], x.shape[-1] * p)
+
+
+def split_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's block of the last dim, ``[..., d] -> [..., d/p]`` (contiguous copy)."""
+    p = group_size(group)
+    if p == 1:
+        return x
+    d = x.shape[-1] // p
+    r = group_rank(group)
+    return x[..., r * d : (r + 1) * d].contiguous()
+
+
+def split_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's block of dim 0, ``[m, ...] -> [m/p, ...]`` (contiguous copy)."""
+    p = group_size(group)
+    if p == 1:
+        return x
+    m = x.shape[0] // p
+    r = group_rank(group)
+    return x[r * m : (r + 1) * m].contiguous()
+
+
+def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group, tag: int, what: str):
+    """Start sending ``send`` to the next rank of the ring and receiving ``recv`` from the previous.
+
+    The ring is ``r -> (r + 1) mod p`` in group ranks. Returns ``(send_work, recv_pending)``.
+    """
+    p, r = group_size(group), group_rank(group)
+    nxt = dist.get_global_rank(group, (r + 1) % p)
+    prv = dist.get_global_rank(group, (r - 1) % p)
+    send_work = dist.isend(send, nxt, group=group, tag=tag)
+    return send_work, Pending(recv, [dist.irecv(recv, prv, group=group, tag=tag)], what, group)

@@ -1,0 +1,36 @@
+"""The oracle: the collective, then the GEMM (or the reverse). Nothing is overlapped."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import _comm
+from .._comm import Pending
+
+
+def bias_epilogue(bias):
+    """The ``Pending.finish`` that adds ``bias`` once, after the reduction."""
+    if bias is None:
+        return None
+    return lambda out: out.add_(bias)
+
+
+def all_gather_matmul(x, weight, bias, group, num_chunks):
+    # (m/p, k) -(AG)-> (m, k) x (k, n/p) -> (m, n/p)
+    gathered = _comm.all_gather_dim0(x, group).wait()
+    return F.linear(gathered, weight, bias), gathered
+
+
+def matmul_reduce_scatter(x, weight, bias, group, num_chunks) -> Pending:
+    # (m, k/p) x (k/p, n) -> (m, n) partial -(RS)-> (m/p, n)
+    pending = _comm.reduce_scatter_dim0(F.linear(x, weight), group)
+    pending.finish = bias_epilogue(bias)
+    return pending
+
+
+def matmul_all_reduce(x, weight, bias, group, num_chunks) -> Pending:
+    # (m, k/p) x (k/p, n) -> (m, n) partial -(AR)-> (m, n)
+    pending = _comm.all_reduce(F.linear(x, weight), group, inplace=True)
+    pending.finish = bias_epilogue(bias)
+    return pending

@@ -1,0 +1,102 @@
+"""Cross-entropy over vocabulary-parallel logits, without gathering them."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import _comm
+from ._checks import check_tensor
+from .embedding import check_index_range
+
+__all__ = ["vocab_parallel_cross_entropy"]
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, label_smoothing, ignore_index, group):
+        p, r = _comm.group_size(group), _comm.group_rank(group)
+        v_local = logits.shape[-1]
+        vocab = v_local * p
+        start = r * v_local
+        z = logits.float()  # [N, V/p]
+        # Stabilize with the global max: [N] -(AR max)-> [N]
+        zmax = _comm.all_reduce(z.amax(dim=-1), group, op=dist.ReduceOp.MAX, inplace=True).wait()
+        z = z - zmax.unsqueeze(-1)
+        in_range = (target >= start) & (target < start + v_local)
+        local_target = (target - start).masked_fill(~in_range, 0)
+        target_logit = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
+        exp = z.exp()
+        # One sum all-reduce: the target's logit (held by one rank), Σ exp(z) and, for
+        # smoothing, Σ z over the whole vocabulary. [k, N] -(AR)-> [k, N]
+        parts = [target_logit, exp.sum(dim=-1)] + ([z.sum(dim=-1)] if label_smoothing > 0 else [])
+        stats = _comm.all_reduce(torch.stack(parts), group, inplace=True).wait()
+        log_z = stats[1].log()
+        loss = log_z - stats[0]  # -log softmax(z)[target]
+        if label_smoothing > 0:
+            # mean over the *global* vocabulary of -log softmax(z)_j = log Z - Σ_j z_j / V
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - stats[2] / vocab)
+        ignored = target == ignore_index
+        loss = loss.masked_fill(ignored, 0.0)
+        softmax = exp.div_(stats[1].unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, in_range, ignored)
+        ctx.label_smoothing, ctx.vocab, ctx.dtype = label_smoothing, vocab, logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        softmax, local_target, in_range, ignored = ctx.saved_tensors
+        eps = ctx.label_smoothing
+        # d loss / d z_j = softmax_j - (1 - eps) [j == target] - eps / V
+        grad = softmax - eps / ctx.vocab if eps > 0 else softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_target] -= (1.0 - eps) * in_range.to(grad.dtype)
+        grad *= dloss.masked_fill(ignored, 0.0).unsqueeze(-1)
+        return grad.to(ctx.dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float = 0.0,
+    group=None,
+    *,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Per-token cross-entropy of logits split along the vocabulary (last dim).
+
+    Equals ``F.cross_entropy(full_logits.reshape(-1, V), target.reshape(-1), reduction="none",
+    label_smoothing=label_smoothing, ignore_index=ignore_index)`` reshaped to ``target``'s shape,
+    where ``full_logits`` concatenates every rank's block. Smoothing spreads over the global
+    vocabulary ``V``. Computed in float32; the logits are never gathered (two small
+    all-reduces of ``[N]``-sized statistics: a max, then one stacked sum).
+
+    Args:
+        logits: ``[..., V/p]``, this rank's block of the vocabulary; any floating dtype.
+        target: ``[...]`` integer class ids in ``[0, V)`` or ``ignore_index`` (loss 0, no gradient).
+        label_smoothing: in ``[0, 1]``.
+        group: process group (default: the tensor-parallel group).
+    Returns:
+        ``[...]`` float32 loss per token.
+    """
+    check_tensor("logits", logits, min_dim=1)
+    check_tensor("target", target)
+    if not logits.is_floating_point():
+        raise ValueError(f"logits: expected a floating-point tensor, got {logits.dtype}")
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        raise ValueError(f"target: expected an integer tensor of class ids, got {target.dtype}")
+    if tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"target: expected shape {tuple(logits.shape[:-1])} (logits' leading dims), got {tuple(target.shape)}"
+        )
+    if target.device != logits.device:
+        raise ValueError(f"target: device {target.device} does not match logits' device {logits.device}")
+    if not (isinstance(label_smoothing, (int, float)) and 0.0 <= label_smoothing <= 1.0):
+        raise ValueError(f"label_smoothing: expected a float in [0, 1], got {label_smoothing!r}")
+    group = _comm.resolve_group(group)
+    vocab = logits.shape[-1] * _comm.group_size(group)
+    check_index_range("target", target, vocab, allowed=ignore_index)
+    loss = _VocabParallelCrossEntropy.apply(
+        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), float(label_smoothing), int(ignore_index), group
+    )
+    return loss.reshape(target.shape)

@@ -1,0 +1,140 @@
+"""Embedding split along the vocabulary."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import _comm
+from ._checks import check_divisible, check_int, check_tensor
+from .mappings import reduce_from_tensor_model_parallel_region
+
+__all__ = ["VocabParallelEmbedding", "check_index_range"]
+
+
+def _can_sync(t: torch.Tensor) -> bool:
+    """Whether a host-side look at ``t`` is allowed (not while compiling or capturing a graph)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def check_index_range(name: str, ids: torch.Tensor, size: int, allowed: Optional[int] = None) -> None:
+    """Raise ValueError unless every entry of ``ids`` is in ``[0, size)`` (or equals ``allowed``).
+
+    Skipped while compiling or capturing a CUDA graph, where it would need a host sync.
+    """
+    if ids.numel() == 0 or not _can_sync(ids):
+        return
+    bad = (ids < 0) | (ids >= size)
+    if allowed is not None:
+        bad &= ids != allowed
+    if bool(bad.any()):
+        first = ids[bad].flatten()[0].item()
+        raise ValueError(f"{name}: index {first} is out of range for a vocabulary of {size}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``nn.Embedding`` whose ``[num_embeddings, embedding_dim]`` table is split by rows.
+
+    Rank r holds rows ``[r*V/p, (r+1)*V/p)``. Each rank looks up the ids in its range, zeroes
+    the others, and the results are all-reduced, so every rank returns the full embedding.
+
+    Args:
+        num_embeddings: vocabulary size ``V``, divisible by p.
+        embedding_dim: ``D``.
+        padding_idx: as in ``nn.Embedding`` (that row gets no gradient and starts at zero).
+        group: process group (default: the tensor-parallel group).
+        init_method: ``f(full_weight)`` initializing the full ``[V, D]`` table in place;
+            default: ``nn.Embedding``'s (standard normal). Seed every rank alike.
+        device, dtype: of the weight.
+
+    Shapes: input ``[...]`` integer ids in ``[0, V)``; ``weight`` ``[V/p, D]``; output ``[..., D]``.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, padding_idx: Optional[int] = None,
+                 group=None, init_method: Optional[Callable[[torch.Tensor], object]] = None,
+                 device=None, dtype=None):
+        super().__init__()
+        check_int("num_embeddings", num_embeddings)
+        check_int("embedding_dim", embedding_dim)
+        if padding_idx is not None:
+            if padding_idx < 0:
+                padding_idx += num_embeddings
+            if not 0 <= padding_idx < num_embeddings:
+                raise ValueError(f"padding_idx: must be within num_embeddings ({num_embeddings}), got {padding_idx}")
+        self.group = _comm.resolve_group(group)
+        self.tp_size = _comm.group_size(self.group)
+        self.tp_rank = _comm.group_rank(self.group)
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        self.num_embeddings_per_partition = check_divisible("num_embeddings", num_embeddings, self.tp_size)
+        self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        self.weight = nn.Parameter(
+            torch.empty(self.num_embeddings_per_partition, embedding_dim, device=device, dtype=dtype)
+        )
+        if self.weight.device.type != "meta":
+            master = torch.empty(num_embeddings, embedding_dim, device=self.weight.device, dtype=self.weight.dtype)
+            if init_method is None:
+                nn.init.normal_(master)
+            else:
+                init_method(master)
+            if padding_idx is not None:
+                with torch.no_grad():
+                    master[padding_idx].fill_(0)
+            self.load_full_weight(master)
+
+    @property
+    def _local_padding_idx(self) -> Optional[int]:
+        pad = self.padding_idx
+        if pad is None or not self.vocab_start_index <= pad < self.vocab_end_index:
+            return None
+        return pad - self.vocab_start_index
+
+    @torch.no_grad()
+    def load_full_weight(self, weight: torch.Tensor) -> None:
+        """Copy this rank's rows of a full ``[num_embeddings, embedding_dim]`` table in place."""
+        check_tensor("weight", weight, dim=2)
+        if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(
+                f"weight: expected the full shape {(self.num_embeddings, self.embedding_dim)}, got {tuple(weight.shape)}"
+            )
+        self.weight.copy_(weight[self.vocab_start_index : self.vocab_end_index])
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, **kwargs) -> "VocabParallelEmbedding":
+        """A parallel embedding holding this rank's rows of ``embedding``'s table."""
+        if not isinstance(embedding, nn.Embedding):
+            raise ValueError(f"embedding: expected an nn.Embedding, got {type(embedding).__name__}")
+        for option in ("max_norm", "sparse", "scale_grad_by_freq"):
+            if getattr(embedding, option):
+                raise ValueError(f"embedding: {option}={getattr(embedding, option)!r} is not supported")
+        device = kwargs.pop("device", None) or embedding.weight.device
+        dtype = kwargs.pop("dtype", None) or embedding.weight.dtype
+        kwargs.setdefault("padding_idx", embedding.padding_idx)
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, device="meta", dtype=dtype, **kwargs)
+        layer.to_empty(device=device)
+        layer.load_full_weight(embedding.weight.detach())
+        return layer
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        check_tensor("input_", input_)
+        if input_.is_floating_point() or input_.is_complex() or input_.dtype == torch.bool:
+            raise ValueError(f"input_: expected an integer tensor of ids, got {input_.dtype}")
+        if input_.device != self.weight.device:
+            raise ValueError(f"input_: device {input_.device} does not match the weight's device {self.weight.device}")
+        check_index_range("input_", input_, self.num_embeddings)
+        if self.tp_size == 1:
+            return F.embedding(input_, self.weight, self.padding_idx)
+        outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+        local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight, self._local_padding_idx)  # [..., D], this rank's rows
+        out = out.masked_fill(outside.unsqueeze(-1), 0)
+        return reduce_from_tensor_model_parallel_region(out, self.group)  # sum over ranks: [..., D]
+
+    def extra_repr(self) -> str:
+        s = f"{self.num_embeddings}, {self.embedding_dim}, tp_size={self.tp_size}"
+        return s + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else "")

@@ -1,0 +1,284 @@
+"""Column- and row-parallel linear layers (Megatron semantics), drop-in for ``nn.Linear``.
+
+``Y = X Aᵀ + b`` with the full weight ``A`` of shape ``[out, in]``:
+
+* :class:`ColumnParallelLinear` splits ``A`` by rows, ``A = [A_1; …; A_p]``: rank r holds
+  ``A_r`` ``[out/p, in]`` and its bias block ``[out/p]``, and computes ``Y_r = X A_rᵀ + b_r``.
+* :class:`RowParallelLinear` splits ``A`` by columns, ``A = [A_1 … A_p]``: rank r holds
+  ``A_r`` ``[out, in/p]`` and multiplies its block of the input's last dim; the partial
+  products are summed across ranks, then the full bias ``[out]`` is added once.
+
+With ``sequence_parallel=True`` the activations outside the layer pair are split along dim 0
+(Megatron's ``[s, b, h]``): the column layer all-gathers its input and the row layer
+reduce-scatters its output, through :mod:`tp_kernels.ops`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from . import _comm, ops
+from ._checks import check_divisible, check_int, check_linear_args, check_tensor
+from .mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+
+InitMethod = Callable[[torch.Tensor], object]
+
+
+def _init_master(weight_shape, bias_len, fan_in, init_method, *, device, dtype):
+    """The full (unsharded) weight and bias, drawn as ``nn.Linear`` draws them.
+
+    ``init_method=None`` consumes the random stream exactly as ``nn.Linear(in, out)`` does on the
+    same device and dtype, so a model built under the same seed gets the same full matrix,
+    whatever p is. A given ``init_method`` initializes the weight; the bias is then zero
+    (Megatron's convention).
+    """
+    master_w = torch.empty(weight_shape, device=device, dtype=dtype)
+    master_b = None if bias_len is None else torch.empty(bias_len, device=device, dtype=dtype)
+    if init_method is None:
+        nn.init.kaiming_uniform_(master_w, a=math.sqrt(5))
+        if master_b is not None:
+            bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+            nn.init.uniform_(master_b, -bound, bound)
+    else:
+        init_method(master_w)
+        if master_b is not None:
+            nn.init.zeros_(master_b)
+    return master_w, master_b
+
+
+class _ParallelLinear(nn.Module):
+    """What both layers share: group, sharded parameters, initialization and loading."""
+
+    def __init__(self, in_features, out_features, bias, *, shard_dim, sequence_parallel, skip_bias_add,
+                 group, init_method, device, dtype, backend, num_chunks):
+        super().__init__()
+        check_int("in_features", in_features)
+        check_int("out_features", out_features)
+        ops.check_backend(backend)
+        if num_chunks is not None:
+            check_int("num_chunks", num_chunks)
+        self.group = _comm.resolve_group(group)
+        self.tp_size = _comm.group_size(self.group)
+        self.tp_rank = _comm.group_rank(self.group)
+        self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel = bool(sequence_parallel)
+        self.skip_bias_add = bool(skip_bias_add)
+        self.backend, self.num_chunks = backend, num_chunks
+        self._shard_dim = shard_dim  # 0: rows of [out, in] (column-parallel), 1: columns (row-parallel)
+        if shard_dim == 0:
+            self.out_features_per_partition = check_divisible("out_features", out_features, self.tp_size)
+            self.in_features_per_partition = in_features
+            shape = (self.out_features_per_partition, in_features)
+            bias_len = self.out_features_per_partition
+        else:
+            self.in_features_per_partition = check_divisible("in_features", in_features, self.tp_size)
+            self.out_features_per_partition = out_features
+            shape = (out_features, self.in_features_per_partition)
+            bias_len = out_features
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(shape, **factory))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(bias_len, **factory))
+        else:
+            self.register_parameter("bias", None)
+        if self.weight.device.type != "meta":
+            master_w, master_b = _init_master(
+                (out_features, in_features), out_features if bias else None, in_features, init_method,
+                device=self.weight.device, dtype=self.weight.dtype,
+            )
+            self._load(master_w, master_b)
+
+    # -- sharding -------------------------------------------------------------------------
+
+    def _weight_shard(self, full: torch.Tensor) -> torch.Tensor:
+        size = self.weight.shape[self._shard_dim]
+        return full.narrow(self._shard_dim, self.tp_rank * size, size)
+
+    def _bias_shard(self, full: torch.Tensor) -> torch.Tensor:
+        if self._shard_dim == 1:
+            return full  # row-parallel bias is full
+        size = self.out_features_per_partition
+        return full.narrow(0, self.tp_rank * size, size)
+
+    @torch.no_grad()
+    def _load(self, weight, bias):
+        self.weight.copy_(self._weight_shard(weight))
+        if bias is not None:
+            self.bias.copy_(self._bias_shard(bias))
+
+    def load_full_weight(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+        """Copy this rank's shard of a full ``[out, in]`` weight (and ``[out]`` bias) in place.
+
+        ``bias=None`` leaves the bias as it is. Dtype and device are converted as by ``copy_``.
+        """
+        check_tensor("weight", weight, dim=2)
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"weight: expected the full shape {(self.out_features, self.in_features)}, "
+                f"got {tuple(weight.shape)}"
+            )
+        if bias is not None:
+            if self.bias is None:
+                raise ValueError("bias: this layer was built with bias=False")
+            check_tensor("bias", bias, dim=1)
+            if bias.shape[0] != self.out_features:
+                raise ValueError(f"bias: expected shape ({self.out_features},), got {tuple(bias.shape)}")
+        self._load(weight, bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kwargs):
+        """A parallel layer holding this rank's shard of ``linear``'s weight and bias.
+
+        ``kwargs`` are the constructor's keyword arguments; device and dtype default to
+        ``linear``'s.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
+        device = kwargs.pop("device", None) or linear.weight.device
+        dtype = kwargs.pop("dtype", None) or linear.weight.dtype
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                    device="meta", dtype=dtype, **kwargs)
+        layer.to_empty(device=device)
+        layer._load(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+        return layer
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"tp_size={self.tp_size}, sequence_parallel={self.sequence_parallel}, backend={self.backend!r}"
+        )
+
+    def _op_kwargs(self):
+        return {"group": self.group, "backend": self.backend, "num_chunks": self.num_chunks}
+
+    def _check_input(self, input_):
+        """Validate the input against this rank's weight (naming ``input_``); applies autocast."""
+        min_dim = 2 if self.sequence_parallel else 1
+        return check_linear_args(input_, self.weight, self.bias, x_name="input_", min_dim=min_dim)[0]
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``Y = X Aᵀ + b`` with ``A = [A_1; …; A_p]`` split along the output dim.
+
+    Args:
+        in_features, out_features: sizes of the full layer; ``out_features`` divisible by p.
+        bias: whether to learn a bias (this rank holds its ``[out/p]`` block).
+        gather_output: all-gather the output's last dim, returning ``[..., out]`` on every rank
+            instead of this rank's ``[..., out/p]``.
+        sequence_parallel: the input is this rank's block of dim 0, ``[s/p, ..., in]``; it is
+            all-gathered (overlapped with the GEMM) to give ``[s, ..., out/p]``.
+        skip_bias_add: return ``(Y without bias, bias)`` for a later fused add. With
+            ``gather_output`` the returned bias is the full ``[out]``.
+        group: process group (default: the tensor-parallel group).
+        init_method: ``f(full_weight)`` initializing the full ``[out, in]`` weight in place;
+            default: ``nn.Linear``'s initialization. Seed every rank alike.
+        device, dtype: of the parameters.
+        backend: ``"auto"``, ``"reference"`` or ``"pipelined"`` (see :mod:`tp_kernels.ops`).
+        num_chunks: chunks of the pipelined schedule (default: the schedule's).
+
+    Shapes: input ``[..., in]`` (``[s/p, ..., in]`` with sequence parallelism); ``weight``
+    ``[out/p, in]``; output ``[..., out/p]`` (``[s, ..., out/p]``; last dim ``out`` with
+    ``gather_output``).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, gather_output: bool = False,
+                 sequence_parallel: bool = False, skip_bias_add: bool = False, group=None,
+                 init_method: Optional[InitMethod] = None, device=None, dtype=None, backend: str = "auto",
+                 num_chunks: Optional[int] = None):
+        self.gather_output = bool(gather_output)
+        super().__init__(in_features, out_features, bias, shard_dim=0, sequence_parallel=sequence_parallel,
+                         skip_bias_add=skip_bias_add, group=group, init_method=init_method, device=device,
+                         dtype=dtype, backend=backend, num_chunks=num_chunks)
+
+    def forward(self, input_: torch.Tensor):
+        input_ = self._check_input(input_)
+        bias = None if self.skip_bias_add else self.bias
+        if self.sequence_parallel:
+            # [s/p, ..., in] -(AG)-> [s, ..., in] x [in, out/p] -> [s, ..., out/p]
+            out = ops.all_gather_matmul(input_, self.weight, bias, **self._op_kwargs())
+        else:
+            # [..., in] x [in, out/p] -> [..., out/p]; backward all-reduces d(input)
+            out = ops.linear_with_grad_all_reduce(input_, self.weight, bias, **self._op_kwargs())
+        if self.gather_output:
+            out = gather_from_tensor_model_parallel_region(out, self.group)  # [..., out]
+        if not self.skip_bias_add:
+            return out
+        out_bias = self.bias
+        if out_bias is not None and self.gather_output:
+            out_bias = gather_from_tensor_model_parallel_region(out_bias, self.group)
+        return out, out_bias
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", gather_output={self.gather_output}"
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``Y = X Aᵀ + b`` with ``A = [A_1 … A_p]`` split along the input dim.
+
+    Args:
+        in_features, out_features: sizes of the full layer; ``in_features`` divisible by p.
+        bias: whether to learn a bias; it is full (``[out]``) and added once, after the reduction.
+        input_is_parallel: the input is already this rank's block of the last dim,
+            ``[..., in/p]`` (e.g. a column-parallel layer's output). If False the input is
+            ``[..., in]`` and this rank's block is taken here.
+        sequence_parallel: reduce-scatter the output along dim 0 instead of all-reducing it:
+            ``[s, ..., in/p] -> [s/p, ..., out]``. Requires ``input_is_parallel``.
+        skip_bias_add: return ``(Y without bias, bias)``. Under sequence parallelism the returned
+            bias carries an all-reduce in backward, so its gradient is still complete when added
+            to this rank's sequence block.
+        group, init_method, device, dtype, backend, num_chunks: as for :class:`ColumnParallelLinear`.
+
+    Shapes: input ``[..., in/p]``; ``weight`` ``[out, in/p]``; output ``[..., out]``
+    (``[s/p, ..., out]`` with sequence parallelism), the same on every rank without it.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, input_is_parallel: bool = True,
+                 sequence_parallel: bool = False, skip_bias_add: bool = False, group=None,
+                 init_method: Optional[InitMethod] = None, device=None, dtype=None, backend: str = "auto",
+                 num_chunks: Optional[int] = None):
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError(
+                "sequence_parallel: requires input_is_parallel=True (the input must already be "
+                "split along its last dim)"
+            )
+        self.input_is_parallel = bool(input_is_parallel)
+        super().__init__(in_features, out_features, bias, shard_dim=1, sequence_parallel=sequence_parallel,
+                         skip_bias_add=skip_bias_add, group=group, init_method=init_method, device=device,
+                         dtype=dtype, backend=backend, num_chunks=num_chunks)
+
+    def forward(self, input_: torch.Tensor):
+        if not self.input_is_parallel:
+            check_tensor("input_", input_, min_dim=1)
+            if input_.shape[-1] != self.in_features:
+                raise ValueError(
+                    f"input_: expected the last dim to be in_features={self.in_features} "
+                    f"(input_is_parallel=False), got shape {tuple(input_.shape)}"
+                )
+            input_ = scatter_to_tensor_model_parallel_region(input_, self.group)  # [..., in/p]
+        input_ = self._check_input(input_)
+        bias = None if self.skip_bias_add else self.bias
+        if self.sequence_parallel:
+            # [s, ..., in/p] x [in/p, out] -(RS)-> [s/p, ..., out]
+            out = ops.matmul_reduce_scatter(input_, self.weight, bias, **self._op_kwargs())
+        else:
+            # [..., in/p] x [in/p, out] -(AR)-> [..., out]
+            out = ops.matmul_all_reduce(input_, self.weight, bias, **self._op_kwargs())
+        if not self.skip_bias_add:
+            return out
+        out_bias = self.bias
+        if out_bias is not None and self.sequence_parallel:
+            out_bias = copy_to_tensor_model_parallel_region(out_bias, self.group)
+        return out, out_bias
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", input_is_parallel={self.input_is_parallel}"

@@ -1,0 +1,270 @@
+"""The three tensor-parallel primitives, differentiable, on any backend.
+
+With ``p`` ranks in ``group`` and dim 0 gathered/scattered rank-major:
+
+=========================  =====================  ==========================================
+op                         math                   shapes (leading dims after the first kept)
+=========================  =====================  ==========================================
+``all_gather_matmul``      ``AG(x) Wᵀ + b``       x ``[m/p, ..., k]``, W ``[n/p, k]`` → ``[m, ..., n/p]``
+``matmul_reduce_scatter``  ``RS(x Wᵀ) + b``       x ``[m, ..., k/p]``, W ``[n, k/p]`` → ``[m/p, ..., n]``
+``matmul_all_reduce``      ``AR(x Wᵀ) + b``       x ``[..., k/p]``, W ``[n, k/p]`` → ``[..., n]``
+=========================  =====================  ==========================================
+
+The backward passes are made of the same primitives (docs/architecture.md):
+
+* ``all_gather_matmul``: ``dx = matmul_reduce_scatter(dy, Wᵀ)``; ``dW = dyᵀ AG(x)``, with
+  ``AG(x)`` re-gathered (only the shard is saved) while ``dx`` multiplies.
+* ``matmul_reduce_scatter``: ``dx = all_gather_matmul(dy, Wᵀ)``, which also yields ``AG(dy)``
+  for ``dW = AG(dy)ᵀ x`` and ``db = Σ AG(dy)`` (so the bias gradient is complete).
+* ``matmul_all_reduce``: local GEMMs (``dy`` is replicated).
+
+``backend`` is ``"reference"`` (collective, then GEMM), ``"pipelined"`` (chunked overlap,
+:mod:`tp_kernels.schedule`) or ``"auto"``. ``num_chunks=None`` takes the schedule's default.
+Every argument is checked before any collective starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from . import _comm
+from ._checks import check_divisible, check_linear_args
+from .backends import BACKENDS
+from .schedule import resolve_num_chunks
+
+__all__ = [
+    "BACKEND_NAMES",
+    "all_gather_matmul",
+    "linear_with_grad_all_reduce",
+    "matmul_all_reduce",
+    "matmul_reduce_scatter",
+    "select_backend",
+]
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAMES = ("auto",) + tuple(BACKENDS)
+
+
+def check_backend(backend) -> str:
+    if backend not in BACKEND_NAMES:
+        raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKEND_NAMES))}, got {backend!r}")
+    return backend
+
+
+def select_backend(op: str, backend: str, x: torch.Tensor, p: int):
+    """The backend module that runs ``op`` for this call; resolves ``"auto"``.
+
+    ``"auto"`` runs ``reference`` with one rank (nothing to overlap) and ``pipelined`` otherwise.
+    """
+    check_backend(backend)
+    if backend == "auto":
+        backend = "reference" if p == 1 else "pipelined"
+        logger.debug("auto backend for %s (p=%d, x %s %s): %s", op, p, tuple(x.shape), x.dtype, backend)
+    return BACKENDS[backend]
+
+
+def _flatten(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+class _AllGatherMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, impl, num_chunks):
+        out, _ = impl.all_gather_matmul(x, weight, bias, group, num_chunks)
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.impl, ctx.num_chunks = group, impl, num_chunks
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        group, impl, c = ctx.group, ctx.impl, ctx.num_chunks
+        dy = dy.contiguous()
+        # Kick off the re-gather of x first, so that it travels while dx multiplies.
+        gather = _comm.all_gather_dim0(x, group) if ctx.needs_input_grad[1] else None
+        # dx: (m, n/p) x (n/p, k) -(RS)-> (m/p, k)
+        dx = impl.matmul_reduce_scatter(dy, weight.t(), None, group, c) if ctx.needs_input_grad[0] else None
+        # dW: (n/p, m) x (m, k) -> (n/p, k), overlapping the tail of dx's reduce-scatter
+        dw = dy.t().mm(gather.wait()) if gather is not None else None
+        db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return (dx.wait() if dx is not None else None), dw, db, None, None, None
+
+
+class _MatmulReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, impl, num_chunks):
+        out = impl.matmul_reduce_scatter(x, weight, bias, group, num_chunks).wait()
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.impl, ctx.num_chunks = group, impl, num_chunks
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        group, impl, c = ctx.group, ctx.impl, ctx.num_chunks
+        dy = dy.contiguous()
+        if ctx.needs_input_grad[0]:
+            # dx: (m/p, n) -(AG)-> (m, n) x (n, k/p) -> (m, k/p); keeps AG(dy) for dW and db
+            dx, dy_full = impl.all_gather_matmul(dy, weight.t(), None, group, c)
+        else:
+            dx, dy_full = None, _comm.all_gather_dim0(dy, group).wait()
+        # dW: (n, m) x (m, k/p) -> (n, k/p)
+        dw = dy_full.t().mm(x) if ctx.needs_input_grad[1] else None
+        # db over every rank's rows: the bias was added once to each shard
+        db = dy_full.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None, None
+
+
+class _MatmulAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, impl, num_chunks):
+        out = impl.matmul_all_reduce(x, weight, bias, group, num_chunks).wait()
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        # dy is replicated on every rank: the gradients are local GEMMs.
+        dx = dy.mm(weight) if ctx.needs_input_grad[0] else None  # (m, n) x (n, k/p)
+        dw = dy.t().mm(x) if ctx.needs_input_grad[1] else None  # (n, m) x (m, k/p)
+        db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None, None
+
+
+class _LinearWithGradAllReduce(torch.autograd.Function):
+    """Column-parallel linear without sequence parallelism: a local GEMM forward, and
+    ``dx = matmul_all_reduce(dy, W)`` backward with ``dW`` computed while ``dx`` reduces."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, impl, num_chunks):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.impl, ctx.num_chunks = group, impl, num_chunks
+        ctx.has_bias = bias is not None
+        return torch.nn.functional.linear(x, weight, bias)  # (m, k) x (k, n/p) -> (m, n/p)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy = dy.contiguous()
+        # dx: (m, n/p) x (n/p, k) -(AR)-> (m, k)
+        dx = (
+            ctx.impl.matmul_all_reduce(dy, weight.t(), None, ctx.group, ctx.num_chunks)
+            if ctx.needs_input_grad[0]
+            else None
+        )
+        dw = dy.t().mm(x) if ctx.needs_input_grad[1] else None  # (n/p, m) x (m, k)
+        db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return (dx.wait() if dx is not None else None), dw, db, None, None, None
+
+
+def _prepare(op: str, x, weight, bias, group, backend, num_chunks, min_dim: int):
+    group = _comm.resolve_group(group)
+    check_backend(backend)
+    num_chunks = resolve_num_chunks(op, num_chunks)
+    x, weight, bias = check_linear_args(x, weight, bias, min_dim=min_dim)
+    p = _comm.group_size(group)
+    return x, weight, bias, group, p, num_chunks
+
+
+def all_gather_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    group=None,
+    backend: str = "auto",
+    num_chunks: Optional[int] = None,
+) -> torch.Tensor:
+    """``Y = AG(X) Wᵀ + b``: all-gather dim 0, then multiply by this rank's weight shard.
+
+    Args:
+        x: ``[m/p, ..., k]``, this rank's block of dim 0 (rank-major).
+        weight: ``[n/p, k]``, this rank's rows of the full ``[n, k]`` weight.
+        bias: ``[n/p]`` or None.
+    Returns:
+        ``[m, ..., n/p]``.
+    """
+    x, weight, bias, group, p, c = _prepare("all_gather_matmul", x, weight, bias, group, backend, num_chunks, 2)
+    impl = select_backend("all_gather_matmul", backend, x, p)
+    out = _AllGatherMatmul.apply(_flatten(x), weight, bias, group, impl, c)
+    return out.reshape(x.shape[0] * p, *x.shape[1:-1], weight.shape[0])
+
+
+def matmul_reduce_scatter(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    group=None,
+    backend: str = "auto",
+    num_chunks: Optional[int] = None,
+) -> torch.Tensor:
+    """``Y = RS(X Wᵀ) + b``: multiply by this rank's input-dim shard, reduce-scatter dim 0.
+
+    Args:
+        x: ``[m, ..., k/p]``, this rank's block of the last dim; ``m`` divisible by p.
+        weight: ``[n, k/p]``, this rank's columns of the full ``[n, k]`` weight.
+        bias: ``[n]`` (full) or None; added once, after the reduction.
+    Returns:
+        ``[m/p, ..., n]``: rows ``[r*m/p, (r+1)*m/p)`` of dim 0 on rank r.
+    """
+    x, weight, bias, group, p, c = _prepare("matmul_reduce_scatter", x, weight, bias, group, backend, num_chunks, 2)
+    mp = check_divisible("x.shape[0]", x.shape[0], p)
+    impl = select_backend("matmul_reduce_scatter", backend, x, p)
+    out = _MatmulReduceScatter.apply(_flatten(x), weight, bias, group, impl, c)
+    return out.reshape(mp, *x.shape[1:-1], weight.shape[0])
+
+
+def matmul_all_reduce(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    group=None,
+    backend: str = "auto",
+    num_chunks: Optional[int] = None,
+) -> torch.Tensor:
+    """``Y = AR(X Wᵀ) + b``: multiply by this rank's input-dim shard, all-reduce (sum).
+
+    Args:
+        x: ``[..., k/p]``, this rank's block of the last dim.
+        weight: ``[n, k/p]``, this rank's columns of the full ``[n, k]`` weight.
+        bias: ``[n]`` (full) or None; added once, after the reduction.
+    Returns:
+        ``[..., n]``, the same on every rank.
+    """
+    x, weight, bias, group, p, c = _prepare("matmul_all_reduce", x, weight, bias, group, backend, num_chunks, 1)
+    impl = select_backend("matmul_all_reduce", backend, x, p)
+    out = _MatmulAllReduce.apply(_flatten(x), weight, bias, group, impl, c)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def linear_with_grad_all_reduce(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    group=None,
+    backend: str = "auto",
+    num_chunks: Optional[int] = None,
+) -> torch.Tensor:
+    """``Y = X Wᵀ + b`` locally, with ``dX`` all-reduced in backward (column-parallel, no SP).
+
+    Args:
+        x: ``[..., k]``, replicated on every rank.
+        weight: ``[n/p, k]``; bias: ``[n/p]`` or None.
+    Returns:
+        ``[..., n/p]``. Backward: ``dX = matmul_all_reduce(dY, W)``, ``dW`` computed meanwhile.
+    """
+    x, weight, bias, group, p, c = _prepare("matmul_all_reduce", x, weight, bias, group, backend, num_chunks, 1)
+    impl = select_backend("matmul_all_reduce", backend, x, p)
+    out = _LinearWithGradAllReduce.apply(_flatten(x), weight, bias, group, impl, c)
+    return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,164 @@
+"""Tensor-, pipeline- and data-parallel process groups with Megatron's rank layout.
+
+With ``W`` ranks, tensor-parallel size ``t`` and pipeline size ``q`` (data-parallel size
+``d = W / (t*q)``):
+
+* tensor-parallel groups are runs of ``t`` consecutive ranks;
+* pipeline groups are ranks ``i, i + W/q, i + 2W/q, ...`` for ``i < W/q``;
+* data-parallel groups take, inside each pipeline stage's block of ``W/q`` ranks, every
+  ``t``-th rank.
+
+Example, 8 ranks, t=2, q=2: TP [0,1] [2,3] [4,5] [6,7]; PP [0,4] [1,5] [2,6] [3,7];
+DP [0,2] [1,3] [4,6] [5,7].
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch.distributed as dist
+
+__all__ = [
+    "destroy_model_parallel",
+    "get_data_parallel_group",
+    "get_data_parallel_rank",
+    "get_data_parallel_world_size",
+    "get_pipeline_model_parallel_group",
+    "get_pipeline_model_parallel_rank",
+    "get_pipeline_model_parallel_world_size",
+    "get_tensor_model_parallel_group",
+    "get_tensor_model_parallel_rank",
+    "get_tensor_model_parallel_world_size",
+    "initialize_model_parallel",
+    "model_parallel_is_initialized",
+    "rank_layout",
+]
+
+_TENSOR_MODEL_PARALLEL_GROUP = None
+_PIPELINE_MODEL_PARALLEL_GROUP = None
+_DATA_PARALLEL_GROUP = None
+_ALL_GROUPS: List = []
+
+
+def rank_layout(world_size: int, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1):
+    """The rank lists of every TP, PP and DP group, as ``(tp, pp, dp)`` lists of lists.
+
+    Pure function (no communication); :func:`initialize_model_parallel` creates these groups.
+    """
+    t, q, w = tensor_model_parallel_size, pipeline_model_parallel_size, world_size
+    for name, v in (
+        ("world_size", w),
+        ("tensor_model_parallel_size", t),
+        ("pipeline_model_parallel_size", q),
+    ):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name}: expected a positive int, got {v!r}")
+    if w % (t * q):
+        raise ValueError(
+            f"tensor_model_parallel_size ({t}) x pipeline_model_parallel_size ({q}) = {t * q} "
+            f"does not divide the world size {w}"
+        )
+    stage = w // q  # ranks per pipeline stage
+    tp = [list(range(i * t, (i + 1) * t)) for i in range(w // t)]
+    pp = [list(range(i, w, stage)) for i in range(stage)]
+    dp = [list(range(s * stage + j, (s + 1) * stage, t)) for s in range(q) for j in range(t)]
+    return tp, pp, dp
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> None:
+    """Create the TP, PP and DP groups (Megatron layout, see the module docstring).
+
+    Call on every rank after ``torch.distributed.init_process_group``. Afterwards every
+    tp_kernels API given ``group=None`` runs on this rank's tensor-parallel group.
+    """
+    global _TENSOR_MODEL_PARALLEL_GROUP, _PIPELINE_MODEL_PARALLEL_GROUP, _DATA_PARALLEL_GROUP
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "initialize_model_parallel: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group first"
+        )
+    if model_parallel_is_initialized():
+        raise RuntimeError("initialize_model_parallel: already initialized; call destroy_model_parallel() first")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    layouts = rank_layout(world, tensor_model_parallel_size, pipeline_model_parallel_size)
+    mine = []
+    # Every rank creates every group, in the same order, as new_group requires.
+    for ranks_lists in layouts:
+        own = None
+        for ranks in ranks_lists:
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                own = g
+                _ALL_GROUPS.append(g)
+        mine.append(own)
+    _TENSOR_MODEL_PARALLEL_GROUP, _PIPELINE_MODEL_PARALLEL_GROUP, _DATA_PARALLEL_GROUP = mine
+
+
+def model_parallel_is_initialized() -> bool:
+    return _TENSOR_MODEL_PARALLEL_GROUP is not None
+
+
+def destroy_model_parallel() -> None:
+    """Destroy the groups made by :func:`initialize_model_parallel` (no-op if there are none)."""
+    global _TENSOR_MODEL_PARALLEL_GROUP, _PIPELINE_MODEL_PARALLEL_GROUP, _DATA_PARALLEL_GROUP
+    groups = list(_ALL_GROUPS)
+    _ALL_GROUPS.clear()
+    _TENSOR_MODEL_PARALLEL_GROUP = _PIPELINE_MODEL_PARALLEL_GROUP = _DATA_PARALLEL_GROUP = None
+    if dist.is_available() and dist.is_initialized():
+        for g in groups:
+            dist.destroy_process_group(g)
+
+
+def _require(group, kind: str):
+    if group is None:
+        raise RuntimeError(f"the {kind} group is not set: call initialize_model_parallel() first")
+    return group
+
+
+def get_tensor_model_parallel_group():
+    """This rank's TP group; the default group if :func:`initialize_model_parallel` was never called."""
+    if _TENSOR_MODEL_PARALLEL_GROUP is not None:
+        return _TENSOR_MODEL_PARALLEL_GROUP
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    raise RuntimeError("torch.distributed is not initialized: there is no tensor-parallel group")
+
+
+def get_pipeline_model_parallel_group():
+    return _require(_PIPELINE_MODEL_PARALLEL_GROUP, "pipeline-parallel")
+
+
+def get_data_parallel_group():
+    return _require(_DATA_PARALLEL_GROUP, "data-parallel")
+
+
+def _size(group: Optional[object]) -> int:
+    return dist.get_world_size(group)
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return _size(get_tensor_model_parallel_group())
+
+
+def get_tensor_model_parallel_rank() -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(get_tensor_model_parallel_group())
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return _size(get_pipeline_model_parallel_group())
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return dist.get_rank(get_pipeline_model_parallel_group())
+
+
+def get_data_parallel_world_size() -> int:
+    return _size(get_data_parallel_group())
+
+
+def get_data_parallel_rank() -> int:
+    return dist.get_rank(get_data_parallel_group())

@@ -1,0 +1,80 @@
+"""Shard an existing dense model in place, by a plan of name patterns."""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Dict, Mapping
+
+import torch.nn as nn
+
+from . import _comm
+from .embedding import VocabParallelEmbedding
+from .layers import ColumnParallelLinear, RowParallelLinear
+
+__all__ = ["STYLES", "parallelize"]
+
+#: plan style -> (module type it applies to, what replaces it)
+STYLES = {
+    "colwise": (nn.Linear, ColumnParallelLinear),
+    "rowwise": (nn.Linear, RowParallelLinear),
+    "vocab": (nn.Embedding, VocabParallelEmbedding),
+}
+
+
+def parallelize(module: nn.Module, plan: Mapping[str, str], *, group=None, sequence_parallel: bool = False) -> nn.Module:
+    """Replace, in place, the submodules of ``module`` that ``plan`` names by parallel layers.
+
+    ``plan`` maps ``fnmatch`` patterns over qualified submodule names (``"layers.*.mlp.fc1"``)
+    to a style: ``"colwise"`` (``nn.Linear`` → :class:`ColumnParallelLinear`), ``"rowwise"``
+    (``nn.Linear`` → :class:`RowParallelLinear`, input already parallel) or ``"vocab"``
+    (``nn.Embedding`` → :class:`VocabParallelEmbedding`). Each replacement holds this rank's
+    shard of the existing weights, so a dense model computes the same function afterwards
+    (the code around the layers must use the local sizes, e.g. heads per rank).
+
+    With ``sequence_parallel=True`` the linear layers are built with sequence parallelism: the
+    activations between a row layer and the next column layer are split along dim 0.
+
+    Everything is checked before anything is replaced: an unknown style, a pattern that matches
+    nothing, a style applied to the wrong module type, or one module given two styles raise
+    ``ValueError``. Returns ``module``.
+    """
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
+    if not isinstance(plan, Mapping) or not plan:
+        raise ValueError(f"plan: expected a non-empty mapping of name patterns to styles, got {plan!r}")
+    group = _comm.resolve_group(group)
+    named = [(name, m) for name, m in module.named_modules(remove_duplicate=False) if name]
+    chosen: Dict[str, str] = {}
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(f"plan[{pattern!r}]: unknown style {style!r}; expected one of {', '.join(map(repr, STYLES))}")
+        expected = STYLES[style][0]
+        hits = [(name, m) for name, m in named if fnmatch.fnmatchcase(name, pattern)]
+        if not hits:
+            raise ValueError(f"plan: pattern {pattern!r} matches no submodule of {type(module).__name__}")
+        for name, m in hits:
+            if not isinstance(m, expected):
+                raise ValueError(
+                    f"plan[{pattern!r}]: style {style!r} applies to {expected.__name__}, but {name!r} is a {type(m).__name__}"
+                )
+            if chosen.get(name, style) != style:
+                raise ValueError(f"plan: {name!r} is matched as both {chosen[name]!r} and {style!r}")
+            chosen[name] = style
+
+    replaced: Dict[int, nn.Module] = {}  # a module reachable under several names is sharded once
+    for name, style in chosen.items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = module.get_submodule(parent_name)
+        old = getattr(parent, attr)
+        if id(old) not in replaced:
+            build = STYLES[style][1]
+            if style == "vocab":
+                replaced[id(old)] = build.from_embedding(old, group=group)
+            elif style == "colwise":
+                replaced[id(old)] = build.from_linear(old, group=group, sequence_parallel=sequence_parallel)
+            else:
+                replaced[id(old)] = build.from_linear(
+                    old, group=group, sequence_parallel=sequence_parallel, input_is_parallel=True
+                )
+        setattr(parent, attr, replaced[id(old)])
+    return module
