@@ -1,0 +1,48 @@
+"""Shared fixtures: worlds of gloo processes, spawned once per size and reused.
+
+A test asks for ``world2``/``world4``/``world8`` or for ``world`` parametrized over sizes
+(``@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)``), then calls
+``world.run(check_fn, ...)`` with a module-level function that runs on every rank and asserts.
+A world that failed is closed and replaced by the next test that needs one.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tp_kernels.launch import World
+
+_WORLDS = {}
+
+
+def get_world(size: int) -> World:
+    world = _WORLDS.get(size)
+    if world is None or not world.alive:
+        world = _WORLDS[size] = World(size, backend="gloo", timeout_s=60.0)
+    return world
+
+
+@pytest.fixture
+def world(request):
+    return get_world(request.param)
+
+
+@pytest.fixture
+def world2():
+    return get_world(2)
+
+
+@pytest.fixture
+def world4():
+    return get_world(4)
+
+
+@pytest.fixture
+def world8():
+    return get_world(8)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for world in _WORLDS.values():
+        world.close()
+    _WORLDS.clear()

@@ -1,0 +1,53 @@
+"""Helpers used inside the ranks: rank info, shards and tolerance checks.
+
+Tolerances follow one rule. Every result is compared with a float64 reference computed from
+the same (already rounded) inputs.
+
+* float32: the largest error is at most 1e-6 of the largest reference magnitude.
+* bfloat16/float16: the largest error is at most ``2 * terms`` times plain PyTorch's own
+  largest error in that precision (the same computation done densely, in one process), plus
+  one unit in the last place at the largest magnitude. ``terms`` is the number of per-rank
+  partial results summed across ranks to make the value (p for a reduced tensor, 1
+  otherwise): each partial is rounded once and each sum step once more, so a sum of p
+  partials carries at most 2p - 1 roundings where the dense GEMM carries one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def rank_world():
+    return dist.get_rank(), dist.get_world_size()
+
+
+def block(t: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
+    """Rank ``rank``'s block of ``t`` along ``dim`` (``parts`` equal blocks)."""
+    size = t.shape[dim] // parts
+    return t.narrow(dim, rank * size, size)
+
+
+def max_err(actual: torch.Tensor, ref64: torch.Tensor) -> float:
+    return (actual.detach().double() - ref64.detach()).abs().max().item() if ref64.numel() else 0.0
+
+
+def assert_close(name, actual, ref64, plain=None, *, terms=1):
+    """Check ``actual`` against the float64 reference (see the module docstring)."""
+    assert actual is not None, f"{name}: missing (no gradient?)"
+    assert tuple(actual.shape) == tuple(ref64.shape), f"{name}: shape {tuple(actual.shape)} != {tuple(ref64.shape)}"
+    if ref64.numel() == 0:
+        return
+    scale = ref64.abs().max().item()
+    err = max_err(actual, ref64)
+    if actual.dtype in (torch.float32, torch.float64):
+        bound = 1e-6 * scale
+        assert err <= bound, f"{name}: max error {err:.3e} > {bound:.3e} (1e-6 of max |ref| {scale:.3e})"
+        return
+    assert plain is not None, f"{name}: a low-precision check needs the plain PyTorch result"
+    plain_err = max_err(plain, ref64)
+    ulp = torch.finfo(actual.dtype).eps * scale
+    bound = 2 * terms * plain_err + ulp
+    assert err <= bound, (
+        f"{name}: max error {err:.3e} > {bound:.3e} = 2*{terms}*plain error {plain_err:.3e} + ulp {ulp:.3e}"
+    )

@@ -1,0 +1,213 @@
+"""Column- and row-parallel layers against a dense single-process nn.Linear.
+
+Every rank builds the same dense layer and inputs (same seed), runs its shard, and compares
+output, input gradient and weight/bias gradients with the float64 reference (helpers.py).
+Sizes are odd: in = 13·p, out = 17·p, batch 7, and a sequence dim of 5·p.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tp_kernels
+from helpers import assert_close, block, rank_world
+
+DTYPES = ["float32", "bfloat16"]
+
+
+def _dense_case(dtype, bias, in_f, out_f, seq, batch=7, seed=0):
+    """Dense layer, inputs and output grad in ``dtype``, with the float64 reference and the
+    plain-PyTorch result of the same forward/backward."""
+    torch.manual_seed(seed)
+    dense = nn.Linear(in_f, out_f, bias=bias).to(dtype)
+    x = torch.randn(seq, batch, in_f).to(dtype)
+    dy = torch.randn(seq, batch, out_f).to(dtype)
+
+    def run(d):
+        xx = x.to(d, copy=True).requires_grad_()
+        w = dense.weight.detach().to(d).requires_grad_()
+        b = dense.bias.detach().to(d).requires_grad_() if bias else None
+        y = F.linear(xx, w, b)
+        y.backward(dy.to(d))
+        return {"y": y.detach(), "dx": xx.grad, "dw": w.grad, "db": None if b is None else b.grad}
+
+    return dense, x, dy, run(torch.float64), run(dtype)
+
+
+def check_column(dtype_name, bias, sequence_parallel, gather_output, skip_bias_add, backend, num_chunks=None):
+    r, p = rank_world()
+    dtype = getattr(torch, dtype_name)
+    dense, x, dy, ref, plain = _dense_case(dtype, bias, 13 * p, 17 * p, 5 * p)
+    layer = tp_kernels.ColumnParallelLinear.from_linear(
+        dense, gather_output=gather_output, sequence_parallel=sequence_parallel,
+        skip_bias_add=skip_bias_add, backend=backend, num_chunks=num_chunks,
+    )
+    assert layer.weight.shape == (17, 13 * p) and layer.weight.dtype == dtype
+
+    def out_view(t):  # what this rank's output holds of a full [s, b, out] tensor
+        return t if gather_output else block(t, -1, r, p)
+
+    def in_view(t):  # what this rank's input holds of a full [s, b, in] tensor
+        return block(t, 0, r, p) if sequence_parallel else t
+
+    xin = in_view(x).clone().requires_grad_()
+    y = layer(xin)
+    if skip_bias_add:
+        y, b = y
+        if bias:
+            assert b.shape == ((17 * p,) if gather_output else (17,))
+            y = y + b
+        else:
+            assert b is None
+    y.backward(out_view(dy))
+    assert_close("y", y, out_view(ref["y"]), out_view(plain["y"]))
+    assert_close("dx", xin.grad, in_view(ref["dx"]), in_view(plain["dx"]), terms=p)
+    assert_close("dw", layer.weight.grad, block(ref["dw"], 0, r, p), block(plain["dw"], 0, r, p))
+    if bias:
+        assert_close("db", layer.bias.grad, block(ref["db"], 0, r, p), block(plain["db"], 0, r, p))
+
+
+def check_row(dtype_name, bias, sequence_parallel, input_is_parallel, skip_bias_add, backend, num_chunks=None):
+    r, p = rank_world()
+    dtype = getattr(torch, dtype_name)
+    dense, x, dy, ref, plain = _dense_case(dtype, bias, 13 * p, 17 * p, 5 * p)
+    layer = tp_kernels.RowParallelLinear.from_linear(
+        dense, input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel,
+        skip_bias_add=skip_bias_add, backend=backend, num_chunks=num_chunks,
+    )
+    assert layer.weight.shape == (17 * p, 13)
+
+    def in_view(t):
+        return block(t, -1, r, p) if input_is_parallel else t
+
+    def out_view(t):
+        return block(t, 0, r, p) if sequence_parallel else t
+
+    xin = in_view(x).clone().requires_grad_()
+    y = layer(xin)
+    if skip_bias_add:
+        y, b = y
+        if bias:
+            y = y + b
+    y.backward(out_view(dy))
+    assert_close("y", y, out_view(ref["y"]), out_view(plain["y"]), terms=p)
+    assert_close("dx", xin.grad, in_view(ref["dx"]), in_view(plain["dx"]))
+    assert_close("dw", layer.weight.grad, block(ref["dw"], 1, r, p), block(plain["dw"], 1, r, p))
+    if bias:
+        # the full bias gradient, complete on every rank (also under sequence parallelism)
+        assert_close("db", layer.bias.grad, ref["db"], plain["db"])
+
+
+def check_layer_grid(kind, dtype_name, backend):
+    """Every flag combination of one layer kind, in one call to the ranks."""
+    check = check_column if kind == "column" else check_row
+    for bias, sp, flag, skip in itertools.product([True, False], repeat=4):
+        if kind == "row" and sp and not flag:
+            continue  # sequence parallelism needs input_is_parallel (tested as an error)
+        try:
+            check(dtype_name, bias, sp, flag, skip, backend)
+        except AssertionError as exc:
+            names = ("bias", "sequence_parallel", "gather_output" if kind == "column" else "input_is_parallel",
+                     "skip_bias_add")
+            raise AssertionError(f"{kind} {dtype_name} {backend} {dict(zip(names, (bias, sp, flag, skip)))}: {exc}")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", ["reference", "pipelined"])
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_layer_matches_dense(world, kind, dtype, backend):
+    world.run(check_layer_grid, kind, dtype, backend)
+
+
+def check_chunks(kind):
+    for c in range(1, 6):
+        if kind == "column":
+            check_column("float32", True, True, False, False, "pipelined", num_chunks=c)
+            check_column("float32", True, False, False, False, "pipelined", num_chunks=c)
+        else:
+            check_row("float32", True, True, True, False, "pipelined", num_chunks=c)
+            check_row("float32", True, False, True, False, "pipelined", num_chunks=c)
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_layer_pipelined_num_chunks(world4, kind):
+    world4.run(check_chunks, kind)
+
+
+def check_default_init(tp_size_expected):
+    r, p = rank_world()
+    assert p == tp_size_expected
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        dense = nn.Linear(13 * p, 17 * p)
+        torch.manual_seed(seed)
+        col = tp_kernels.ColumnParallelLinear(13 * p, 17 * p)
+        torch.manual_seed(seed)
+        row = tp_kernels.RowParallelLinear(13 * p, 17 * p)
+        # the same full matrix as nn.Linear under the same seed, whatever p is
+        assert torch.equal(col.weight, block(dense.weight, 0, r, p))
+        assert torch.equal(col.bias, block(dense.bias, 0, r, p))
+        assert torch.equal(row.weight, block(dense.weight, 1, r, p))
+        assert torch.equal(row.bias, dense.bias)
+    # a custom init_method initializes the full weight; the bias starts at zero
+    col = tp_kernels.ColumnParallelLinear(13 * p, 17 * p, init_method=lambda w: nn.init.constant_(w, 0.5))
+    assert torch.all(col.weight == 0.5) and torch.all(col.bias == 0)
+    torch.manual_seed(3)
+    full = torch.empty(17 * p, 13 * p)
+    nn.init.xavier_normal_(full)
+    torch.manual_seed(3)
+    row = tp_kernels.RowParallelLinear(13 * p, 17 * p, bias=False, init_method=nn.init.xavier_normal_)
+    assert row.bias is None and torch.equal(row.weight, block(full, 1, r, p))
+    # meta device: no initialization, shapes only
+    meta = tp_kernels.ColumnParallelLinear(13 * p, 17 * p, device="meta")
+    assert meta.weight.is_meta and meta.weight.shape == (17, 13 * p)
+    text = repr(col)
+    assert f"tp_size={p}" in text and f"out_features={17 * p}" in text
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_default_init_same_full_matrix(world):
+    world.run(check_default_init, world.world_size)
+
+
+def check_load_full_weight():
+    r, p = rank_world()
+    torch.manual_seed(5)
+    dense = nn.Linear(13 * p, 17 * p)
+    col = tp_kernels.ColumnParallelLinear(13 * p, 17 * p)
+    col.load_full_weight(dense.weight, dense.bias)
+    assert torch.equal(col.weight, block(dense.weight, 0, r, p)) and torch.equal(col.bias, block(dense.bias, 0, r, p))
+    row = tp_kernels.RowParallelLinear(13 * p, 17 * p, dtype=torch.bfloat16)
+    before = row.bias.clone()
+    row.load_full_weight(dense.weight)  # bias=None leaves the bias alone; dtype converted
+    assert torch.equal(row.weight, block(dense.weight, 1, r, p).to(torch.bfloat16))
+    assert torch.equal(row.bias, before)
+    with pytest.raises(ValueError, match="weight"):
+        row.load_full_weight(dense.weight.t())
+    with pytest.raises(ValueError, match="bias"):
+        tp_kernels.RowParallelLinear(13 * p, 17 * p, bias=False).load_full_weight(dense.weight, dense.bias)
+
+
+@pytest.mark.parametrize("world", [1, 2], indirect=True)
+def test_load_full_weight(world):
+    world.run(check_load_full_weight)
+
+
+def test_single_process_without_torch_distributed():
+    """Without init_process_group the layers act on one rank, like nn.Linear."""
+    torch.manual_seed(0)
+    dense = nn.Linear(13, 17)
+    x = torch.randn(7, 13)
+    col = tp_kernels.ColumnParallelLinear.from_linear(dense)
+    row = tp_kernels.RowParallelLinear.from_linear(dense)
+    assert col.tp_size == row.tp_size == 1
+    torch.testing.assert_close(col(x), dense(x), rtol=0, atol=0)
+    torch.testing.assert_close(row(x), dense(x), rtol=1e-6, atol=1e-6)
+    # 1-D input, as nn.Linear accepts
+    torch.testing.assert_close(row(x[0]), dense(x[0]), rtol=1e-6, atol=1e-6)
