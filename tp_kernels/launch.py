@@ -31,6 +31,9 @@ import torch.multiprocessing as mp
 __all__ = ["World", "WorkerError", "default_backend", "launched_by_torchrun"]
 
 
+_ERROR_GRACE_S = 3.0
+
+
 class WorkerError(RuntimeError):
     """A function failed (or did not finish) on one or more ranks of a :class:`World`."""
 
@@ -118,12 +121,18 @@ class World:
         errors, pending = {}, set(range(self.world_size))
         end = time.monotonic() + deadline_s
         while pending:
+            if errors:
+                # The other ranks are likely blocked in a collective the failed rank left: give
+                # them a moment to report their own errors, then stop the world.
+                end = min(end, time.monotonic() + _ERROR_GRACE_S)
             try:
                 rank, ok, value = self._results.get(timeout=max(0.05, min(1.0, end - time.monotonic())))
             except queue.Empty:
                 dead = [r for r in pending if not self._procs[r].is_alive()]
                 if dead or time.monotonic() > end:
                     self.close()
+                    if errors:
+                        break
                     why = f"ranks {sorted(dead)} exited" if dead else f"no answer within {deadline_s:g} s"
                     raise WorkerError(f"{what}: {why} (waiting for ranks {sorted(pending)})" + _format(errors))
                 continue
@@ -134,7 +143,8 @@ class World:
                 errors[rank] = value
         if errors:
             self.close()
-            raise WorkerError(f"{what} failed on ranks {sorted(errors)}" + _format(errors))
+            silent = f"; ranks {sorted(pending)} gave no answer" if pending else ""
+            raise WorkerError(f"{what} failed on ranks {sorted(errors)}{silent}" + _format(errors))
         return values
 
     def run(self, fn: Callable, *args, deadline_s: Optional[float] = None, **kwargs) -> List[Any]:

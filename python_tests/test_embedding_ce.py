@@ -1,0 +1,113 @@
+"""Vocabulary-parallel embedding and cross-entropy against nn.Embedding / F.cross_entropy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tp_kernels
+from helpers import assert_close, block, rank_world
+
+
+def check_embedding(padding_idx):
+    r, p = rank_world()
+    vocab, dim = 11 * p, 5
+    torch.manual_seed(0)
+    dense = nn.Embedding(vocab, dim, padding_idx=padding_idx)
+    torch.manual_seed(0)
+    built = tp_kernels.VocabParallelEmbedding(vocab, dim, padding_idx=padding_idx)
+    # default init draws the same full table as nn.Embedding under the same seed
+    assert torch.equal(built.weight, block(dense.weight, 0, r, p))
+    par = tp_kernels.VocabParallelEmbedding.from_embedding(dense)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (4, 7), generator=g)
+    ids[0, :3] = torch.tensor([0, vocab - 1, 11 * (p - 1)])  # both ends and the last rank's first row
+    dy = torch.randn(4, 7, dim, generator=g)
+    y = par(ids)
+    y.backward(dy)
+    ref = dense(ids)
+    ref.backward(dy)
+    assert torch.equal(y, ref)  # one nonzero term per output: exact
+    assert_close("embedding dW", par.weight.grad, block(dense.weight.grad, 0, r, p).double())
+    if padding_idx is not None:
+        pad_owner, pad_local = divmod(padding_idx, 11)
+        if pad_owner == r:
+            assert torch.all(par.weight.grad[pad_local] == 0)
+    with pytest.raises(ValueError, match="input_"):
+        par(torch.tensor([0, vocab]))
+    with pytest.raises(ValueError, match="input_"):
+        par(torch.tensor([-1]))
+    with pytest.raises(ValueError, match="input_"):
+        par(torch.zeros(3))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_embedding_matches_dense(world, padding_idx):
+    world.run(check_embedding, padding_idx)
+
+
+def check_cross_entropy(dtype_name, label_smoothing, scale):
+    r, p = rank_world()
+    dtype = getattr(torch, dtype_name)
+    vocab = 13 * p
+    g = torch.Generator().manual_seed(2)
+    full = (torch.randn(3, 7, vocab, generator=g) * scale).to(dtype)  # [s, b, V]
+    target = torch.randint(0, vocab, (3, 7), generator=g)
+    target[0, 0], target[1, 1] = -100, vocab - 1  # an ignored token, the last class
+    dloss = torch.rand(3, 7, generator=g)
+
+    def dense(d):
+        logits = full.to(d, copy=True).requires_grad_()
+        loss = F.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1), reduction="none",
+                               label_smoothing=label_smoothing).reshape(3, 7)
+        loss.backward(dloss.to(d))
+        return loss.detach(), logits.grad
+
+    ref_loss, ref_grad = dense(torch.float64)
+    plain_loss, plain_grad = dense(torch.float32)  # computed in float32, like ours
+    logits = block(full, -1, r, p).clone().requires_grad_()
+    loss = tp_kernels.vocab_parallel_cross_entropy(logits, target, label_smoothing)
+    assert loss.dtype == torch.float32 and loss.shape == target.shape
+    loss.backward(dloss)
+    assert logits.grad.dtype == dtype
+    assert loss[0, 0] == 0 and torch.all(logits.grad[0, 0] == 0)  # ignore_index
+    # float32 math: at most twice plain float32 PyTorch's error (whatever the logits' dtype)
+    err, plain_err = (loss.double() - ref_loss).abs().max(), (plain_loss.double() - ref_loss).abs().max()
+    assert err <= 2 * plain_err + 1e-6 * ref_loss.abs().max(), f"loss error {err:.3e} vs plain {plain_err:.3e}"
+    grad_ref = block(ref_grad, -1, r, p)
+    if dtype == torch.float32:
+        err, plain_err = (logits.grad.double() - grad_ref).abs().max(), (block(plain_grad, -1, r, p).double() - grad_ref).abs().max()
+        assert err <= 2 * plain_err + 1e-6 * grad_ref.abs().max(), f"grad error {err:.3e} vs plain {plain_err:.3e}"
+    else:
+        # the gradient is rounded once to the logits' dtype
+        assert_close("dlogits", logits.grad, grad_ref, block(plain_grad, -1, r, p).to(dtype))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("scale", [1.0, 1000.0])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cross_entropy_matches_dense(world, dtype, label_smoothing, scale):
+    world.run(check_cross_entropy, dtype, label_smoothing, scale)
+
+
+def check_cross_entropy_errors():
+    r, p = rank_world()
+    logits = torch.randn(4, 5)
+    with pytest.raises(ValueError, match="target"):
+        tp_kernels.vocab_parallel_cross_entropy(logits, torch.zeros(4, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="target"):
+        tp_kernels.vocab_parallel_cross_entropy(logits, torch.zeros(4))
+    with pytest.raises(ValueError, match="target"):
+        tp_kernels.vocab_parallel_cross_entropy(logits, torch.full((4,), 5 * p, dtype=torch.long))
+    with pytest.raises(ValueError, match="label_smoothing"):
+        tp_kernels.vocab_parallel_cross_entropy(logits, torch.zeros(4, dtype=torch.long), 1.5)
+    with pytest.raises(ValueError, match="logits"):
+        tp_kernels.vocab_parallel_cross_entropy(logits.long(), torch.zeros(4, dtype=torch.long))
+
+
+def test_cross_entropy_errors(world2):
+    world2.run(check_cross_entropy_errors)
