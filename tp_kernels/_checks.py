@@ -34,12 +34,6 @@ def check_tensor(name: str, t, *, min_dim: int = 0, dim: Optional[int] = None) -
     return t
 
 
-def check_same_dtype_device(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
-    if t.dtype != ref.dtype:
-        raise ValueError(f"{name}: dtype {t.dtype} does not match {ref_name}'s dtype {ref.dtype}")
-    if t.device != ref.device:
-        raise ValueError(f"{name}: device {t.device} does not match {ref_name}'s device {ref.device}")
-
 
 def check_linear_args(
     x, weight, bias, *, x_name: str = "x", weight_name: str = "weight", min_dim: int = 2
@@ -65,12 +59,21 @@ def check_linear_args(
             f"bias: expected {weight.shape[0]} elements to match {weight_name} {tuple(weight.shape)}, "
             f"got shape {tuple(bias.shape)}"
         )
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type) and x.is_floating_point():
-        dtype = torch.get_autocast_dtype(device_type)
+    for name, t in ((x_name, x), ("bias", bias)):
+        if t is not None and t.device != weight.device:
+            raise ValueError(f"{name}: device {t.device} does not match {weight_name}'s device {weight.device}")
+    if x.is_floating_point() and _autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
         x, weight = x.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
-    check_same_dtype_device(x_name, x, weight_name, weight)
-    if bias is not None:
-        check_same_dtype_device("bias", bias, weight_name, weight)
+    for name, t in ((x_name, x), ("bias", bias)):
+        if t is not None and t.dtype != weight.dtype:
+            raise ValueError(f"{name}: dtype {t.dtype} does not match {weight_name}'s dtype {weight.dtype}")
     return x, weight, bias
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type without autocast (e.g. meta)
+        return False

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 from typing import Optional
 
 import torch
@@ -99,24 +100,30 @@ def group_rank(group) -> int:
 
 
 class Pending:
-    """Collectives in flight: ``wait()`` waits for them, applies ``finish`` once, returns the output.
+    """Communication in flight: ``wait()`` completes it and returns the output.
 
-    ``finish(tensor)`` is a local epilogue that must run after the communication, e.g. adding a
-    bias once after a reduction.
+    ``wait()`` first waits for ``deps`` (other :class:`Pending`, e.g. one per chunk), then for
+    ``works``, then applies ``finish(tensor)`` once: a local epilogue that must follow the
+    communication, such as adding a bias once after a reduction.
     """
 
-    __slots__ = ("tensor", "works", "what", "group", "finish")
+    __slots__ = ("tensor", "works", "what", "group", "finish", "deps")
 
-    def __init__(self, tensor: torch.Tensor, works=(), what: str = "", group=None, finish=None):
+    def __init__(self, tensor: torch.Tensor, works=(), what: str = "", group=None, finish=None, deps=()):
         self.tensor = tensor
         self.works = list(works)
         self.what = what
         self.group = group
         self.finish = finish
+        self.deps = list(deps)
 
     def wait(self) -> torch.Tensor:
+        for dep in self.deps:
+            dep.wait()
+        self.deps = []
+        cuda = self.tensor.is_cuda
         for work in self.works:
-            wait(work, self.what, self.group)
+            wait(work, self.what, self.group, cuda=cuda)
         self.works = []
         if self.finish is not None:
             self.finish(self.tensor)
@@ -124,19 +131,28 @@ class Pending:
         return self.tensor
 
 
-def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            wait(self.work, self.what, self.group)
-            self.work = None
-        return self.tensor
+def wait(work, what: str, group=None, *, cuda: bool = False) -> None:
+    """Wait for ``work`` at most :func:`get_timeout` seconds; raise a readable error otherwise.
 
-
-def wait(work, what: str, group=None) -> None:
-    """Wait for ``work`` at most :func:`get_timeout` seconds; raise a readable error otherwise."""
+    The host never blocks on CUDA work (``cuda=True``): ``work.wait()`` only orders the current
+    stream after it, and NCCL's watchdog enforces the group's timeout. Host (gloo) work is
+    bounded by our own timeout, not the group's (``new_group`` defaults to 30 minutes): through
+    the work's future where it has one (all-reduce, all-gather), else through
+    ``wait(timeout)`` (send/recv honor it).
+    """
+    if cuda:
+        work.wait()
+        return
     timeout = get_timeout()
     try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout))
-    except Exception as exc:  # the backends raise RuntimeError or DistBackendError
+        future = _future(work)
+        if future is not None:
+            done = threading.Event()
+            future.add_done_callback(lambda _: done.set())
+            if not done.wait(timeout):
+                raise TimeoutError(f"not completed after {timeout:g} s")
+        work.wait(timeout=datetime.timedelta(seconds=timeout))  # raises the backend's error, if any
+    except Exception as exc:  # TimeoutError, RuntimeError or DistBackendError from the backend
         size = group_size(group)
         raise RuntimeError(
             f"tp_kernels: {what} did not complete on global rank {dist.get_rank()} "
@@ -144,6 +160,13 @@ def wait(work, what: str, group=None) -> None:
             "diverged, or called a different collective. The limit is set with "
             "tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S."
         ) from exc
+
+
+def _future(work):
+    try:
+        return work.get_future()
+    except RuntimeError:  # "Work::getFuture not implemented" (gloo send/recv)
+        return None
 
 
 def _done(tensor: torch.Tensor, what: str) -> Pending:
@@ -165,8 +188,14 @@ def all_gather_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] = Non
     return Pending(out, [work], f"all-gather of {tuple(x.shape)} {x.dtype}", group)
 
 
-def reduce_scatter_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] = None) -> Pending:
-    """Start ``[m, ...] -(RS, sum)-> [m/p, ...]``; rank r keeps rows ``[r*m/p, (r+1)*m/p)``."""
+def reduce_scatter_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] = None,
+                        scratch: bool = False) -> Pending:
+    """Start ``[m, ...] -(RS, sum)-> [m/p, ...]``; rank r keeps rows ``[r*m/p, (r+1)*m/p)``.
+
+    ``scratch=True`` lets the collective overwrite ``x``. Host tensors go through an
+    asynchronous all-reduce and keep this rank's block: gloo's reduce-scatter runs
+    synchronously inside ``wait()``, so it could neither overlap nor be bounded by a timeout.
+    """
     p = group_size(group)
     x = x.contiguous()
     if p == 1:
@@ -176,10 +205,17 @@ def reduce_scatter_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] =
         return _done(out, "reduce-scatter")
     if x.shape[0] % p:
         raise ValueError(f"reduce-scatter: dim 0 ({x.shape[0]}) is not divisible by the group size {p}")
+    mp = x.shape[0] // p
+    what = f"reduce-scatter of {tuple(x.shape)} {x.dtype}"
     if out is None:
-        out = x.new_empty((x.shape[0] // p,) + tuple(x.shape[1:]))
+        out = x.new_empty((mp,) + tuple(x.shape[1:]))
+    if not x.is_cuda:
+        summed = all_reduce(x, group, inplace=scratch)
+        r = group_rank(group)
+        return Pending(out, deps=[summed], what=what, group=group,
+                       finish=lambda o: o.copy_(summed.tensor[r * mp : (r + 1) * mp]))
     work = _reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return Pending(out, [work], f"reduce-scatter of {tuple(x.shape)} {x.dtype}", group)
+    return Pending(out, [work], what, group)
 
 
 def all_reduce(x: torch.Tensor, group, *, op=dist.ReduceOp.SUM, inplace: bool = False) -> Pending:

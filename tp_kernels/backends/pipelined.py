@@ -58,7 +58,7 @@ def all_gather_matmul(x, weight, bias, group, num_chunks):
             # (b-a, k) x (k, n/p) -> rows of (m, n/p)
             _mm_into(out[src + a : src + b], gathered[src + a : src + b], weight_t, bias)
     for work in sends:
-        _comm.wait(work, "all-gather+matmul ring send", group)
+        _comm.wait(work, "all-gather+matmul ring send", group, cuda=x.is_cuda)
     return out, gathered
 
 
@@ -72,12 +72,12 @@ def matmul_reduce_scatter(x, weight, bias, group, num_chunks) -> Pending:
     weight_t = weight.t()
     out = x.new_empty((mp, n))
     blocks = x.reshape(p, mp, kp)  # destination-major
-    works = []
+    chunks = []
     for a, b in chunk_bounds(mp, num_chunks):
         # rows [a, b) of every destination's block: (p*(b-a), k/p) x (k/p, n) -(RS)-> (b-a, n)
         partial = torch.mm(blocks[:, a:b].reshape(p * (b - a), kp), weight_t)
-        works += _comm.reduce_scatter_dim0(partial, group, out=out[a:b]).works
-    return Pending(out, works, "matmul+reduce-scatter", group, reference.bias_epilogue(bias))
+        chunks.append(_comm.reduce_scatter_dim0(partial, group, out=out[a:b], scratch=True))
+    return Pending(out, deps=chunks, what="matmul+reduce-scatter", group=group, finish=reference.bias_epilogue(bias))
 
 
 def matmul_all_reduce(x, weight, bias, group, num_chunks) -> Pending:
@@ -87,9 +87,9 @@ def matmul_all_reduce(x, weight, bias, group, num_chunks) -> Pending:
     m = x.shape[0]
     weight_t = weight.t()
     out = x.new_empty((m, weight.shape[0]))
-    works = []
+    chunks = []
     for a, b in chunk_bounds(m, num_chunks):
         # (b-a, k/p) x (k/p, n) -(AR)-> rows [a, b) of (m, n)
         torch.mm(x[a:b], weight_t, out=out[a:b])
-        works += _comm.all_reduce(out[a:b], group, inplace=True).works
-    return Pending(out, works, "matmul+all-reduce", group, reference.bias_epilogue(bias))
+        chunks.append(_comm.all_reduce(out[a:b], group, inplace=True))
+    return Pending(out, deps=chunks, what="matmul+all-reduce", group=group, finish=reference.bias_epilogue(bias))

@@ -24,13 +24,11 @@ def all_gather_matmul(x, weight, bias, group, num_chunks):
 
 def matmul_reduce_scatter(x, weight, bias, group, num_chunks) -> Pending:
     # (m, k/p) x (k/p, n) -> (m, n) partial -(RS)-> (m/p, n)
-    pending = _comm.reduce_scatter_dim0(F.linear(x, weight), group)
-    pending.finish = bias_epilogue(bias)
-    return pending
+    rs = _comm.reduce_scatter_dim0(F.linear(x, weight), group, scratch=True)
+    return Pending(rs.tensor, deps=[rs], what=rs.what, group=group, finish=bias_epilogue(bias))
 
 
 def matmul_all_reduce(x, weight, bias, group, num_chunks) -> Pending:
     # (m, k/p) x (k/p, n) -> (m, n) partial -(AR)-> (m, n)
-    pending = _comm.all_reduce(F.linear(x, weight), group, inplace=True)
-    pending.finish = bias_epilogue(bias)
-    return pending
+    ar = _comm.all_reduce(F.linear(x, weight), group, inplace=True)
+    return Pending(ar.tensor, deps=[ar], what=ar.what, group=group, finish=bias_epilogue(bias))

@@ -1,0 +1,172 @@
+"""Bad input raises ValueError naming the argument before any collective; nothing hangs."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import tp_kernels
+from tp_kernels import _comm, ops
+from helpers import rank_world
+
+
+@contextlib.contextmanager
+def no_collectives():
+    """Make any collective or point-to-point call fail loudly (not with ValueError)."""
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a collective was started before the input was checked")
+
+    names = ["all_reduce", "all_gather", "isend", "irecv", "broadcast"]
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(mock.patch.object(dist, name, boom))
+        stack.enter_context(mock.patch.object(_comm, "_all_gather_single", boom))
+        stack.enter_context(mock.patch.object(_comm, "_reduce_scatter_single", boom))
+        yield
+
+
+def bad_calls(p):
+    """(expected argument name in the message, zero-argument callable) pairs; sizes not
+    divisible by p only when p > 1."""
+    f32 = dict(dtype=torch.float32)
+    x, w, b = torch.randn(4, 6), torch.randn(5, 6), torch.randn(5)
+    col = tp_kernels.ColumnParallelLinear(6, 4 * p)
+    col_sp = tp_kernels.ColumnParallelLinear(6, 4 * p, sequence_parallel=True)
+    row = tp_kernels.RowParallelLinear(6 * p, 5)
+    row_full = tp_kernels.RowParallelLinear(6 * p, 5, input_is_parallel=False)
+    emb = tp_kernels.VocabParallelEmbedding(3 * p, 4)
+    divisibility = [
+        ("out_features", lambda: tp_kernels.ColumnParallelLinear(6, 4 * p + 1)),
+        ("in_features", lambda: tp_kernels.RowParallelLinear(6 * p + 1, 5)),
+        ("num_embeddings", lambda: tp_kernels.VocabParallelEmbedding(3 * p + 1, 4)),
+        ("x.shape[0]", lambda: ops.matmul_reduce_scatter(torch.randn(2 * p + 1, 6), w, b)),
+        ("input_.shape[0]", lambda: tp_kernels.mappings.scatter_to_sequence_parallel_region(torch.randn(2 * p + 1, 3))),
+        ("input_.shape[-1]", lambda: tp_kernels.mappings.scatter_to_tensor_model_parallel_region(torch.randn(3, 2 * p + 1))),
+    ]
+    calls = [
+        # wrong input width
+        ("input_", lambda: col(torch.randn(3, 7))),
+        ("input_", lambda: row(torch.randn(3, 7))),
+        ("input_", lambda: row_full(torch.randn(3, 6 * p + 1))),
+        ("x", lambda: ops.all_gather_matmul(torch.randn(4, 7), w, b)),
+        ("x", lambda: ops.matmul_all_reduce(torch.randn(4, 7), w, b)),
+        ("bias", lambda: ops.matmul_all_reduce(x, w, torch.randn(4))),
+        ("weight", lambda: ops.matmul_all_reduce(x, torch.randn(5, 6, 1), b)),
+        # dtype / device mismatch between input and weight
+        ("input_", lambda: col(torch.randn(3, 6, dtype=torch.float64))),
+        ("input_", lambda: row(torch.randn(3, 6, dtype=torch.bfloat16))),
+        ("x", lambda: ops.all_gather_matmul(x.double(), w, b)),
+        ("bias", lambda: ops.matmul_reduce_scatter(torch.randn(2 * p, 6), w, b.half())),
+        ("input_", lambda: col(torch.randn(3, 6, device="meta"))),
+        ("input_", lambda: emb(torch.zeros(3, dtype=torch.long, device="meta"))),
+        # sequence parallelism needs a dim 0 to split
+        ("input_", lambda: col_sp(torch.randn(6))),
+        # options
+        ("sequence_parallel", lambda: tp_kernels.RowParallelLinear(6 * p, 5, input_is_parallel=False, sequence_parallel=True)),
+        ("backend", lambda: ops.matmul_all_reduce(x, w, b, backend="fast")),
+        ("backend", lambda: tp_kernels.ColumnParallelLinear(6, 4 * p, backend="nccl")),
+        ("num_chunks", lambda: ops.matmul_all_reduce(x, w, b, num_chunks=0)),
+        ("num_chunks", lambda: ops.all_gather_matmul(x, w, b, num_chunks=2.5)),
+        ("in_features", lambda: tp_kernels.ColumnParallelLinear(0, 4 * p)),
+        ("linear", lambda: tp_kernels.ColumnParallelLinear.from_linear(nn.Conv1d(2, 2, 1))),
+        ("embedding", lambda: tp_kernels.VocabParallelEmbedding.from_embedding(nn.Embedding(3 * p, 2, max_norm=1.0))),
+        # parallelize plans
+        ("plan", lambda: tp_kernels.parallelize(_Tiny(p), {"fc1": "diagonal"})),
+        ("plan", lambda: tp_kernels.parallelize(_Tiny(p), {"fc9": "colwise"})),
+        ("plan", lambda: tp_kernels.parallelize(_Tiny(p), {"emb": "colwise"})),
+        ("plan", lambda: tp_kernels.parallelize(_Tiny(p), {"fc*": "colwise", "fc2": "rowwise"})),
+        ("plan", lambda: tp_kernels.parallelize(_Tiny(p), {})),
+        ("module", lambda: tp_kernels.parallelize("fc1", {"fc1": "colwise"})),
+    ]
+    return (divisibility if p > 1 else []) + calls
+
+
+class _Tiny(nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        self.emb = nn.Embedding(3 * p, 6)
+        self.fc1 = nn.Linear(6, 4 * p)
+        self.fc2 = nn.Linear(4 * p, 6)
+
+
+def check_bad_input():
+    r, p = rank_world()
+    for i, (name, call) in enumerate(bad_calls(p)):
+        with no_collectives():
+            with pytest.raises(ValueError) as info:
+                call()
+                pytest.fail(f"case {i} ({name}) did not raise")
+        assert name in str(info.value), f"expected {name!r} in the message, got: {info.value}"
+    # parallelize checks the whole plan before replacing anything
+    tiny = _Tiny(p)
+    with pytest.raises(ValueError):
+        tp_kernels.parallelize(tiny, {"fc1": "colwise", "fc9": "rowwise"})
+    assert isinstance(tiny.fc1, nn.Linear)
+
+
+@pytest.mark.parametrize("world", [1, 2], indirect=True)
+def test_bad_input_raises_before_collectives(world):
+    world.run(check_bad_input)
+
+
+def check_not_a_member():
+    r, p = rank_world()
+    group = dist.new_group([0, 1])
+    if r >= 2:
+        with no_collectives(), pytest.raises(ValueError, match="group"):
+            ops.matmul_all_reduce(torch.randn(3, 4), torch.randn(5, 4), group=group)
+        with pytest.raises(ValueError, match="group"):
+            tp_kernels.ColumnParallelLinear(4, 6, group=group)
+    else:
+        layer = tp_kernels.ColumnParallelLinear(4, 6, group=group)
+        assert layer.tp_size == 2 and layer.tp_rank == r
+
+
+def test_group_membership_checked(world4):
+    world4.run(check_not_a_member)
+
+
+def check_missing_peer_times_out(op, backend):
+    """Rank 0 calls the op, rank 1 never does: rank 0 gets a clear error, not a hang."""
+    r, p = rank_world()
+    group = dist.new_group([0, 1])  # used once, then abandoned: its state is undefined after
+    if r != 0:
+        return None
+    old = tp_kernels.get_timeout()
+    tp_kernels.set_timeout(2)
+    try:
+        x = torch.randn(4, 6)
+        w = torch.randn(5, 6)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="did not complete") as info:
+            getattr(ops, op)(x, w, group=group, backend=backend)
+        elapsed = time.monotonic() - start
+    finally:
+        tp_kernels.set_timeout(old)
+    assert elapsed < 15, f"the timeout of 2 s took {elapsed:.1f} s"
+    assert "set_timeout" in str(info.value)
+    return elapsed
+
+
+@pytest.mark.parametrize("backend", ["reference", "pipelined"])
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
+def test_missing_peer_times_out(world2, op, backend):
+    world2.run(check_missing_peer_times_out, op, backend)
+
+
+def test_timeout_setting():
+    old = tp_kernels.get_timeout()
+    try:
+        tp_kernels.set_timeout(12.5)
+        assert tp_kernels.get_timeout() == 12.5
+        with pytest.raises(ValueError, match="seconds"):
+            tp_kernels.set_timeout(0)
+    finally:
+        tp_kernels.set_timeout(old)

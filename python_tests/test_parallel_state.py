@@ -1,0 +1,90 @@
+"""Megatron rank layout: the pure function, and the real groups on 8 ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, strategies as st
+
+import tp_kernels
+from tp_kernels.parallel_state import rank_layout
+from helpers import rank_world
+
+
+def test_layout_8_ranks_tp2_pp2():
+    tp, pp, dp = rank_layout(8, 2, 2)
+    assert tp == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert pp == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert dp == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+@given(t=st.integers(1, 4), q=st.integers(1, 4), d=st.integers(1, 4))
+def test_layout_partitions(t, q, d):
+    w = t * q * d
+    tp, pp, dp = rank_layout(w, t, q)
+    for groups, size in ((tp, t), (pp, q), (dp, d)):
+        assert sorted(r for g in groups for r in g) == list(range(w))  # a partition of the ranks
+        assert all(len(g) == size for g in groups)
+    # a rank is identified by its (TP group, PP group, DP group) coordinates
+    coords = {}
+    for kind, groups in (("tp", tp), ("pp", pp), ("dp", dp)):
+        for i, g in enumerate(groups):
+            for r in g:
+                coords.setdefault(r, {})[kind] = i
+    assert len({(c["tp"], c["pp"], c["dp"]) for c in coords.values()}) == w
+
+
+def test_layout_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="does not divide"):
+        rank_layout(8, 3, 1)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size"):
+        rank_layout(8, 0, 1)
+
+
+def _members(group):
+    """The global ranks of ``group``, found by communicating over it."""
+    size = dist.get_world_size(group)
+    gathered = [torch.empty(1, dtype=torch.long) for _ in range(size)]
+    dist.all_gather(gathered, torch.tensor([dist.get_rank()]), group=group)
+    return [int(t) for t in gathered]
+
+
+def check_layout(t, q):
+    rank, world = rank_world()
+    tp_kernels.initialize_model_parallel(t, q)
+    try:
+        with pytest.raises(RuntimeError, match="already initialized"):
+            tp_kernels.initialize_model_parallel(t, q)
+        tp, pp, dp = rank_layout(world, t, q)
+        mine = lambda groups: next(g for g in groups if rank in g)
+        assert _members(tp_kernels.get_tensor_model_parallel_group()) == mine(tp)
+        assert _members(tp_kernels.get_pipeline_model_parallel_group()) == mine(pp)
+        assert _members(tp_kernels.get_data_parallel_group()) == mine(dp)
+        assert tp_kernels.get_tensor_model_parallel_world_size() == t
+        assert tp_kernels.get_pipeline_model_parallel_world_size() == q
+        assert tp_kernels.get_data_parallel_world_size() == world // (t * q)
+        assert tp_kernels.get_tensor_model_parallel_rank() == mine(tp).index(rank)
+        assert tp_kernels.get_pipeline_model_parallel_rank() == mine(pp).index(rank)
+        assert tp_kernels.get_data_parallel_rank() == mine(dp).index(rank)
+        # group=None now means the TP group: a layer sees p = t and sums over its TP group only
+        layer = tp_kernels.RowParallelLinear(4 * t, 3, bias=False, init_method=torch.nn.init.ones_)
+        assert layer.tp_size == t
+        y = layer(torch.full((2, 4), float(rank)))  # [2, 4] x [4, 3] summed over the TP group
+        assert torch.equal(y, torch.full((2, 3), 4.0 * sum(mine(tp))))
+    finally:
+        tp_kernels.destroy_model_parallel()
+    assert not tp_kernels.model_parallel_is_initialized()
+    assert tp_kernels.get_tensor_model_parallel_world_size() == world  # back to the default group
+    with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+        tp_kernels.get_pipeline_model_parallel_group()
+
+
+def test_groups_on_8_ranks(world8):
+    world8.run(check_layout, 2, 2)
+    world8.run(check_layout, 4, 1)
+    world8.run(check_layout, 1, 8)
+
+
+def test_groups_on_4_ranks(world4):
+    world4.run(check_layout, 2, 1)
