@@ -45,6 +45,7 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], *, group=None, seque
     group = _comm.resolve_group(group)
     named = [(name, m) for name, m in module.named_modules(remove_duplicate=False) if name]
     chosen: Dict[str, str] = {}
+    style_of: Dict[int, tuple] = {}  # id(module) -> (style, name): one style per module object
     for pattern, style in plan.items():
         if style not in STYLES:
             raise ValueError(f"plan[{pattern!r}]: unknown style {style!r}; expected one of {', '.join(map(repr, STYLES))}")
@@ -57,24 +58,31 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], *, group=None, seque
                 raise ValueError(
                     f"plan[{pattern!r}]: style {style!r} applies to {expected.__name__}, but {name!r} is a {type(m).__name__}"
                 )
-            if chosen.get(name, style) != style:
-                raise ValueError(f"plan: {name!r} is matched as both {chosen[name]!r} and {style!r}")
+            first_style, first_name = style_of.setdefault(id(m), (style, name))
+            if first_style != style:
+                raise ValueError(
+                    f"plan: {name!r} is matched as {style!r}, but the same module ({first_name!r}) as {first_style!r}"
+                )
             chosen[name] = style
 
-    replaced: Dict[int, nn.Module] = {}  # a module reachable under several names is sharded once
+    # Build each replacement once, then swap every name under which the module is reachable
+    # (a module shared under two names must not stay dense under the one the plan missed).
+    replaced: Dict[int, nn.Module] = {}
     for name, style in chosen.items():
-        parent_name, _, attr = name.rpartition(".")
-        parent = module.get_submodule(parent_name)
-        old = getattr(parent, attr)
-        if id(old) not in replaced:
-            build = STYLES[style][1]
-            if style == "vocab":
-                replaced[id(old)] = build.from_embedding(old, group=group)
-            elif style == "colwise":
-                replaced[id(old)] = build.from_linear(old, group=group, sequence_parallel=sequence_parallel)
-            else:
-                replaced[id(old)] = build.from_linear(
-                    old, group=group, sequence_parallel=sequence_parallel, input_is_parallel=True
-                )
-        setattr(parent, attr, replaced[id(old)])
+        old = module.get_submodule(name)
+        if id(old) in replaced:
+            continue
+        build = STYLES[style][1]
+        if style == "vocab":
+            replaced[id(old)] = build.from_embedding(old, group=group)
+        elif style == "colwise":
+            replaced[id(old)] = build.from_linear(old, group=group, sequence_parallel=sequence_parallel)
+        else:
+            replaced[id(old)] = build.from_linear(
+                old, group=group, sequence_parallel=sequence_parallel, input_is_parallel=True
+            )
+    for name, m in named:
+        if id(m) in replaced:
+            parent_name, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(parent_name), attr, replaced[id(m)])
     return module

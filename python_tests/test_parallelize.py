@@ -1,0 +1,131 @@
+"""A dense transformer block parallelized with `parallelize` matches the dense block over
+forward, backward and two SGD steps."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tp_kernels
+from helpers import assert_close, block, rank_world
+
+HEAD_DIM = 5
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.q_proj = nn.Linear(hidden, heads * HEAD_DIM)
+        self.k_proj = nn.Linear(hidden, heads * HEAD_DIM)
+        self.v_proj = nn.Linear(hidden, heads * HEAD_DIM)
+        self.o_proj = nn.Linear(heads * HEAD_DIM, hidden)
+
+    def forward(self, x):  # [s, b, h]
+        q, k, v = (proj(x) for proj in (self.q_proj, self.k_proj, self.v_proj))  # [s, b, heads_local*d]
+        s, b = q.shape[:2]
+        # the number of heads comes from the layer's output width: the local heads once sharded
+        q, k, v = (t.reshape(s, b, -1, HEAD_DIM).permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(att.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, hidden, heads, ffn):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden)
+        self.attn = Attention(hidden, heads)
+        self.norm2 = nn.LayerNorm(hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+PLAN = {"attn.[qkv]_proj": "colwise", "attn.o_proj": "rowwise", "mlp.0": "colwise", "mlp.2": "rowwise"}
+
+
+def check_block():
+    r, p = rank_world()
+    hidden, heads, ffn, s, b = 23, 3 * p, 17 * p, 6, 3
+    torch.manual_seed(0)
+    dense = Block(hidden, heads, ffn)
+    ref = copy.deepcopy(dense).double()
+    par = tp_kernels.parallelize(copy.deepcopy(dense), PLAN)
+    assert isinstance(par.attn.q_proj, tp_kernels.ColumnParallelLinear)
+    assert isinstance(par.mlp[2], tp_kernels.RowParallelLinear)
+    assert par.attn.q_proj.weight.shape == (3 * HEAD_DIM, hidden)
+
+    def sharded(name, full):
+        """What this rank's parameter holds of the dense parameter ``full``."""
+        if name.startswith(("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.0")):
+            return block(full, 0, r, p)
+        if name in ("attn.o_proj.weight", "mlp.2.weight"):
+            return block(full, 1, r, p)
+        return full
+
+    models = {"ref": ref, "plain": dense, "par": par}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.1) for k, m in models.items()}
+    g = torch.Generator().manual_seed(1)
+    for step in range(2):
+        x = torch.randn(s, b, hidden, generator=g)
+        w_loss = torch.randn(s, b, hidden, generator=g)
+        outs = {}
+        for k, m in models.items():
+            d = torch.float64 if k == "ref" else torch.float32
+            xx = x.to(d, copy=True).requires_grad_()
+            y = m(xx)
+            (y * w_loss.to(d)).sum().backward()
+            outs[k] = (y.detach(), xx.grad)
+        # float32 against float64: at most twice the dense float32 model's own error
+        for what, i in (("y", 0), ("dx", 1)):
+            err = (outs["par"][i].double() - outs["ref"][i]).abs().max()
+            plain_err = (outs["plain"][i].double() - outs["ref"][i]).abs().max()
+            assert err <= 2 * plain_err + 1e-6 * outs["ref"][i].abs().max(), f"step {step} {what}: {err} vs {plain_err}"
+        ref_params = dict(ref.named_parameters())
+        plain_params = dict(dense.named_parameters())
+        # Some gradients are mathematically zero (a key bias: softmax ignores shifts), so the
+        # floor scales with the largest gradient in the model, not with each value.
+        floor = 1e-6 * max(q.grad.abs().max() for q in ref.parameters())
+        for name, param in par.named_parameters():
+            want, plain = sharded(name, ref_params[name].grad), sharded(name, plain_params[name].grad)
+            err = (param.grad.double() - want).abs().max()
+            plain_err = (plain.double() - want).abs().max()
+            assert err <= 2 * plain_err + floor, f"step {step} grad {name}: {err} vs plain {plain_err}"
+        for opt in opts.values():
+            opt.step()
+            opt.zero_grad()
+    for name, param in par.named_parameters():
+        want = sharded(name, dict(ref.named_parameters())[name].detach())
+        assert_close(f"{name} after two steps", param.detach(), want)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_parallelized_block_matches_dense(world):
+    world.run(check_block)
+
+
+def check_vocab_plan_and_shared_modules():
+    r, p = rank_world()
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"emb": nn.Embedding(7 * p, 6), "head": nn.Linear(6, 7 * p, bias=False)})
+    model["tied"] = model["head"]  # one module under two names is sharded once
+    dense = copy.deepcopy(model)
+    tp_kernels.parallelize(model, {"emb": "vocab", "head": "colwise"})
+    assert isinstance(model["emb"], tp_kernels.VocabParallelEmbedding)
+    assert model["tied"] is model["head"]
+    ids = torch.tensor([[0, 7 * p - 1, 3]])
+    assert torch.equal(model["emb"](ids), dense["emb"](ids))
+    assert torch.equal(model["head"].weight, block(dense["head"].weight, 0, r, p))
+    shared = nn.ModuleDict({"a": nn.Linear(4, 2 * p)})
+    shared["b"] = shared["a"]
+    with pytest.raises(ValueError, match="same module"):
+        tp_kernels.parallelize(shared, {"a": "colwise", "b": "rowwise"})
+
+
+def test_vocab_plan_and_shared_modules(world2):
+    world2.run(check_vocab_plan_and_shared_modules)
