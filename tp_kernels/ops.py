@@ -58,12 +58,17 @@ def check_backend(backend) -> str:
 def select_backend(op: str, backend: str, x: torch.Tensor, p: int):
     """The backend module that runs ``op`` for this call; resolves ``"auto"``.
 
-    ``"auto"`` runs ``reference`` with one rank (nothing to overlap) and ``pipelined`` otherwise.
+    ``"auto"`` must never be slower than ``"reference"``, so it picks another backend only where
+    a measurement says it wins. None does yet: with one rank there is nothing to overlap; on
+    gloo the portable pipelined schedule measured no faster than the reference
+    (``bench/results/cpu-gloo-p2.json``, 2 CPU cores, where gloo's thread has no spare core to
+    overlap on); on GPUs it has not been measured. So ``"auto"`` runs ``"reference"`` for now.
     """
     check_backend(backend)
     if backend == "auto":
-        backend = "reference" if p == 1 else "pipelined"
-        logger.debug("auto backend for %s (p=%d, x %s %s): %s", op, p, tuple(x.shape), x.dtype, backend)
+        backend = "reference"
+        logger.debug("auto backend for %s (p=%d, x %s %s on %s): %s", op, p, tuple(x.shape), x.dtype,
+                     x.device.type, backend)
     return BACKENDS[backend]
 
 
