@@ -49,13 +49,15 @@ class Block(nn.Module):
 PLAN = {"attn.[qkv]_proj": "colwise", "attn.o_proj": "rowwise", "mlp.0": "colwise", "mlp.2": "rowwise"}
 
 
-def check_block():
+def check_block(sequence_parallel):
     r, p = rank_world()
-    hidden, heads, ffn, s, b = 23, 3 * p, 17 * p, 6, 3
+    hidden, heads, ffn, s, b = 23, 3 * p, 17 * p, 3 * p, 3
     torch.manual_seed(0)
     dense = Block(hidden, heads, ffn)
     ref = copy.deepcopy(dense).double()
-    par = tp_kernels.parallelize(copy.deepcopy(dense), PLAN)
+    par = tp_kernels.parallelize(copy.deepcopy(dense), PLAN, sequence_parallel=sequence_parallel)
+    # with sequence parallelism the activations between the parallel layers are [s/p, b, h]
+    seq = (lambda t: block(t, 0, r, p)) if sequence_parallel else (lambda t: t)
     assert isinstance(par.attn.q_proj, tp_kernels.ColumnParallelLinear)
     assert isinstance(par.mlp[2], tp_kernels.RowParallelLinear)
     assert par.attn.q_proj.weight.shape == (3 * HEAD_DIM, hidden)
@@ -77,10 +79,15 @@ def check_block():
         outs = {}
         for k, m in models.items():
             d = torch.float64 if k == "ref" else torch.float32
-            xx = x.to(d, copy=True).requires_grad_()
+            is_par = k == "par"
+            xx = (seq(x) if is_par else x).to(d, copy=True).requires_grad_()
             y = m(xx)
-            (y * w_loss.to(d)).sum().backward()
-            outs[k] = (y.detach(), xx.grad)
+            (y * (seq(w_loss) if is_par else w_loss).to(d)).sum().backward()
+            # compare what this rank holds: its sequence block of the dense results under SP
+            outs[k] = (y.detach(), xx.grad) if is_par else (seq(y.detach()), seq(xx.grad))
+        if sequence_parallel:
+            norms = [q for name, q in par.named_parameters() if name.startswith("norm")]
+            tp_kernels.allreduce_sequence_parallel_grads(norms)
         # float32 against float64: at most twice the dense float32 model's own error
         for what, i in (("y", 0), ("dx", 1)):
             err = (outs["par"][i].double() - outs["ref"][i]).abs().max()
@@ -105,8 +112,9 @@ def check_block():
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
-def test_parallelized_block_matches_dense(world):
-    world.run(check_block)
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_parallelized_block_matches_dense(world, sequence_parallel):
+    world.run(check_block, sequence_parallel)
 
 
 def check_vocab_plan_and_shared_modules():

@@ -31,7 +31,7 @@ from .parallel_state import (
     initialize_model_parallel,
     model_parallel_is_initialized,
 )
-from .parallelize import parallelize
+from .parallelize import allreduce_sequence_parallel_grads, parallelize
 
 __version__ = "0.1.0"
 
@@ -40,6 +40,7 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "all_gather_matmul",
+    "allreduce_sequence_parallel_grads",
     "destroy_model_parallel",
     "extension_status",
     "get_data_parallel_group",

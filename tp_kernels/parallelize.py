@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import fnmatch
-from typing import Dict, Mapping
+from typing import Dict, Iterable, Mapping
 
+import torch
 import torch.nn as nn
 
 from . import _comm
 from .embedding import VocabParallelEmbedding
 from .layers import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["STYLES", "parallelize"]
+__all__ = ["STYLES", "allreduce_sequence_parallel_grads", "parallelize"]
 
 #: plan style -> (module type it applies to, what replaces it)
 STYLES = {
@@ -86,3 +87,30 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], *, group=None, seque
             parent_name, _, attr = name.rpartition(".")
             setattr(module.get_submodule(parent_name), attr, replaced[id(m)])
     return module
+
+
+def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], group=None) -> None:
+    """Sum the gradients of ``params`` over the tensor-parallel group, in place.
+
+    Under sequence parallelism, a replicated parameter applied to this rank's sequence block
+    (a layer norm between the parallel layers) gets only this block's share of its gradient.
+    Call this after backward, before the optimizer step, with exactly those parameters; the
+    parallel layers' own parameters (including a row-parallel bias) are already complete.
+    Parameters without a gradient are skipped. One all-reduce for all of them.
+    """
+    params = list(params)
+    for i, param in enumerate(params):
+        if not isinstance(param, torch.Tensor):
+            raise ValueError(f"params[{i}]: expected a tensor, got {type(param).__name__}")
+    grads = [param.grad for param in params if param.grad is not None]
+    group = _comm.resolve_group(group)
+    if not grads or _comm.group_size(group) == 1:
+        return
+    for grad in grads[1:]:
+        if grad.dtype != grads[0].dtype or grad.device != grads[0].device:
+            raise ValueError("params: every gradient must share one dtype and device")
+    flat = _comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group, inplace=True).wait()
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
