@@ -7,6 +7,7 @@ Sizes are odd: in = 13·p, out = 17·p, batch 7, and a sequence dim of 5·p.
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -192,6 +193,25 @@ def check_load_full_weight():
         row.load_full_weight(dense.weight.t())
     with pytest.raises(ValueError, match="bias"):
         tp_kernels.RowParallelLinear(13 * p, 17 * p, bias=False).load_full_weight(dense.weight, dense.bias)
+
+
+def check_deepcopy_shares_group():
+    r, p = rank_world()
+    for layer in (tp_kernels.ColumnParallelLinear(4, 2 * p), tp_kernels.RowParallelLinear(2 * p, 3),
+                  tp_kernels.VocabParallelEmbedding(2 * p, 3)):
+        twin = copy.deepcopy(layer)
+        assert twin.group is layer.group
+        assert twin.weight is not layer.weight and torch.equal(twin.weight, layer.weight)
+        with torch.no_grad():
+            twin.weight.add_(1)
+        assert not torch.equal(twin.weight, layer.weight)
+        x = torch.zeros(2, dtype=torch.long) if isinstance(layer, tp_kernels.VocabParallelEmbedding) else torch.randn(2, layer.weight.shape[1])
+        twin(x)  # the copy communicates over the shared group
+
+
+@pytest.mark.parametrize("world", [1, 2], indirect=True)
+def test_deepcopy_shares_group(world):
+    world.run(check_deepcopy_shares_group)
 
 
 @pytest.mark.parametrize("world", [1, 2], indirect=True)

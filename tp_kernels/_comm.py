@@ -169,8 +169,11 @@ def _future(work):
         return None
 
 
-def _done(tensor: torch.Tensor, what: str) -> Pending:
-    return Pending(tensor, (), what)
+def _local(x: torch.Tensor, out: Optional[torch.Tensor], what: str) -> Pending:
+    """A one-rank collective: ``x`` itself, or copied into ``out``."""
+    if out is not None:
+        x = out.copy_(x)
+    return Pending(x, (), what)
 
 
 def all_gather_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] = None) -> Pending:
@@ -178,10 +181,7 @@ def all_gather_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] = Non
     p = group_size(group)
     x = x.contiguous()
     if p == 1:
-        if out is None:
-            return _done(x, "all-gather")
-        out.copy_(x)
-        return _done(out, "all-gather")
+        return _local(x, out, "all-gather")
     if out is None:
         out = x.new_empty((x.shape[0] * p,) + tuple(x.shape[1:]))
     work = _all_gather_single(out, x, group=group, async_op=True)
@@ -199,10 +199,7 @@ def reduce_scatter_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] =
     p = group_size(group)
     x = x.contiguous()
     if p == 1:
-        if out is None:
-            return _done(x, "reduce-scatter")
-        out.copy_(x)
-        return _done(out, "reduce-scatter")
+        return _local(x, out, "reduce-scatter")
     if x.shape[0] % p:
         raise ValueError(f"reduce-scatter: dim 0 ({x.shape[0]}) is not divisible by the group size {p}")
     mp = x.shape[0] // p
@@ -221,7 +218,7 @@ def reduce_scatter_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] =
 def all_reduce(x: torch.Tensor, group, *, op=dist.ReduceOp.SUM, inplace: bool = False) -> Pending:
     """Start a sum (or ``op``) all-reduce; on a copy of ``x`` unless ``inplace``."""
     if group_size(group) == 1:
-        return _done(x, "all-reduce")
+        return _local(x, None, "all-reduce")
     if not (inplace and x.is_contiguous()):
         x = x.contiguous() if inplace else x.clone(memory_format=torch.contiguous_format)
     work = dist.all_reduce(x, op=op, group=group, async_op=True)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from . import _comm
 from ._checks import check_divisible, check_int, check_tensor
+from .layers import ShareGroupOnCopy
 from .mappings import reduce_from_tensor_model_parallel_region
 
 __all__ = ["VocabParallelEmbedding", "check_index_range"]
@@ -37,7 +38,7 @@ def check_index_range(name: str, ids: torch.Tensor, size: int, allowed: Optional
         raise ValueError(f"{name}: index {first} is out of range for a vocabulary of {size}")
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
     """``nn.Embedding`` whose ``[num_embeddings, embedding_dim]`` table is split by rows.
 
     Rank r holds rows ``[r*V/p, (r+1)*V/p)``. Each rank looks up the ids in its range, zeroes

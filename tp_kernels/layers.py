@@ -15,6 +15,7 @@ reduce-scatters its output, through :mod:`tp_kernels.ops`.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Callable, Optional
 
@@ -56,7 +57,20 @@ def _init_master(weight_shape, bias_len, fan_in, init_method, *, device, dtype):
     return master_w, master_b
 
 
-class _ParallelLinear(nn.Module):
+class ShareGroupOnCopy:
+    """``copy.deepcopy`` of a module holding ``self.group``: the copy shares the process group
+    (which cannot be copied) and deep-copies everything else."""
+
+    def __deepcopy__(self, memo):
+        if self.group is not None:
+            memo[id(self.group)] = self.group
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        return new
+
+
+class _ParallelLinear(ShareGroupOnCopy, nn.Module):
     """What both layers share: group, sharded parameters, initialization and loading."""
 
     def __init__(self, in_features, out_features, bias, *, shard_dim, sequence_parallel, skip_bias_add,

@@ -171,12 +171,13 @@ class _LinearWithGradAllReduce(torch.autograd.Function):
 
 
 def _prepare(op: str, x, weight, bias, group, backend, num_chunks, min_dim: int):
+    """Check every argument (before any communication) and pick the backend."""
     group = _comm.resolve_group(group)
     check_backend(backend)
     num_chunks = resolve_num_chunks(op, num_chunks)
     x, weight, bias = check_linear_args(x, weight, bias, min_dim=min_dim)
     p = _comm.group_size(group)
-    return x, weight, bias, group, p, num_chunks
+    return x, weight, bias, group, p, num_chunks, select_backend(op, backend, x, p)
 
 
 def all_gather_matmul(
@@ -197,8 +198,7 @@ def all_gather_matmul(
     Returns:
         ``[m, ..., n/p]``.
     """
-    x, weight, bias, group, p, c = _prepare("all_gather_matmul", x, weight, bias, group, backend, num_chunks, 2)
-    impl = select_backend("all_gather_matmul", backend, x, p)
+    x, weight, bias, group, p, c, impl = _prepare("all_gather_matmul", x, weight, bias, group, backend, num_chunks, 2)
     out = _AllGatherMatmul.apply(_flatten(x), weight, bias, group, impl, c)
     return out.reshape(x.shape[0] * p, *x.shape[1:-1], weight.shape[0])
 
@@ -221,9 +221,8 @@ def matmul_reduce_scatter(
     Returns:
         ``[m/p, ..., n]``: rows ``[r*m/p, (r+1)*m/p)`` of dim 0 on rank r.
     """
-    x, weight, bias, group, p, c = _prepare("matmul_reduce_scatter", x, weight, bias, group, backend, num_chunks, 2)
+    x, weight, bias, group, p, c, impl = _prepare("matmul_reduce_scatter", x, weight, bias, group, backend, num_chunks, 2)
     mp = check_divisible("x.shape[0]", x.shape[0], p)
-    impl = select_backend("matmul_reduce_scatter", backend, x, p)
     out = _MatmulReduceScatter.apply(_flatten(x), weight, bias, group, impl, c)
     return out.reshape(mp, *x.shape[1:-1], weight.shape[0])
 
@@ -246,8 +245,7 @@ def matmul_all_reduce(
     Returns:
         ``[..., n]``, the same on every rank.
     """
-    x, weight, bias, group, p, c = _prepare("matmul_all_reduce", x, weight, bias, group, backend, num_chunks, 1)
-    impl = select_backend("matmul_all_reduce", backend, x, p)
+    x, weight, bias, group, p, c, impl = _prepare("matmul_all_reduce", x, weight, bias, group, backend, num_chunks, 1)
     out = _MatmulAllReduce.apply(_flatten(x), weight, bias, group, impl, c)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -269,7 +267,6 @@ def linear_with_grad_all_reduce(
     Returns:
         ``[..., n/p]``. Backward: ``dX = matmul_all_reduce(dY, W)``, ``dW`` computed meanwhile.
     """
-    x, weight, bias, group, p, c = _prepare("matmul_all_reduce", x, weight, bias, group, backend, num_chunks, 1)
-    impl = select_backend("matmul_all_reduce", backend, x, p)
+    x, weight, bias, group, p, c, impl = _prepare("matmul_all_reduce", x, weight, bias, group, backend, num_chunks, 1)
     out = _LinearWithGradAllReduce.apply(_flatten(x), weight, bias, group, impl, c)
     return out.reshape(*x.shape[:-1], weight.shape[0])
