@@ -216,7 +216,10 @@ def reduce_scatter_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] =
 
 
 def all_reduce(x: torch.Tensor, group, *, op=dist.ReduceOp.SUM, inplace: bool = False) -> Pending:
-    """Start a sum (or ``op``) all-reduce; on a copy of ``x`` unless ``inplace``."""
+    """Start a sum (or ``op``) all-reduce; on a copy of ``x`` unless ``inplace``.
+
+    With one rank nothing is copied: the result is ``x`` itself.
+    """
     if group_size(group) == 1:
         return _local(x, None, "all-reduce")
     if not (inplace and x.is_contiguous()):
