@@ -21,13 +21,14 @@ from helpers import assert_close, block, rank_world
 DTYPES = ["float32", "bfloat16"]
 
 
-def _dense_case(dtype, bias, in_f, out_f, seq, batch=7, seed=0):
-    """Dense layer, inputs and output grad in ``dtype``, with the float64 reference and the
-    plain-PyTorch result of the same forward/backward."""
+def _dense_case(dtype, bias, in_f, out_f, seq, batch=7, seed=0, device="cpu"):
+    """Dense layer, inputs and output grad in ``dtype`` on ``device``, with the float64 reference
+    and the plain-PyTorch result of the same forward/backward (drawn on the CPU, then moved, so
+    every device sees the same numbers)."""
     torch.manual_seed(seed)
-    dense = nn.Linear(in_f, out_f, bias=bias).to(dtype)
-    x = torch.randn(seq, batch, in_f).to(dtype)
-    dy = torch.randn(seq, batch, out_f).to(dtype)
+    dense = nn.Linear(in_f, out_f, bias=bias).to(device=device, dtype=dtype)
+    x = torch.randn(seq, batch, in_f).to(device=device, dtype=dtype)
+    dy = torch.randn(seq, batch, out_f).to(device=device, dtype=dtype)
 
     def run(d):
         xx = x.to(d, copy=True).requires_grad_()
@@ -40,10 +41,11 @@ def _dense_case(dtype, bias, in_f, out_f, seq, batch=7, seed=0):
     return dense, x, dy, run(torch.float64), run(dtype)
 
 
-def check_column(dtype_name, bias, sequence_parallel, gather_output, skip_bias_add, backend, num_chunks=None):
+def check_column(dtype_name, bias, sequence_parallel, gather_output, skip_bias_add, backend, num_chunks=None,
+                 device="cpu"):
     r, p = rank_world()
     dtype = getattr(torch, dtype_name)
-    dense, x, dy, ref, plain = _dense_case(dtype, bias, 13 * p, 17 * p, 5 * p)
+    dense, x, dy, ref, plain = _dense_case(dtype, bias, 13 * p, 17 * p, 5 * p, device=device)
     layer = tp_kernels.ColumnParallelLinear.from_linear(
         dense, gather_output=gather_output, sequence_parallel=sequence_parallel,
         skip_bias_add=skip_bias_add, backend=backend, num_chunks=num_chunks,
@@ -73,10 +75,11 @@ def check_column(dtype_name, bias, sequence_parallel, gather_output, skip_bias_a
         assert_close("db", layer.bias.grad, block(ref["db"], 0, r, p), block(plain["db"], 0, r, p))
 
 
-def check_row(dtype_name, bias, sequence_parallel, input_is_parallel, skip_bias_add, backend, num_chunks=None):
+def check_row(dtype_name, bias, sequence_parallel, input_is_parallel, skip_bias_add, backend, num_chunks=None,
+              device="cpu"):
     r, p = rank_world()
     dtype = getattr(torch, dtype_name)
-    dense, x, dy, ref, plain = _dense_case(dtype, bias, 13 * p, 17 * p, 5 * p)
+    dense, x, dy, ref, plain = _dense_case(dtype, bias, 13 * p, 17 * p, 5 * p, device=device)
     layer = tp_kernels.RowParallelLinear.from_linear(
         dense, input_is_parallel=input_is_parallel, sequence_parallel=sequence_parallel,
         skip_bias_add=skip_bias_add, backend=backend, num_chunks=num_chunks,
@@ -104,14 +107,14 @@ def check_row(dtype_name, bias, sequence_parallel, input_is_parallel, skip_bias_
         assert_close("db", layer.bias.grad, ref["db"], plain["db"])
 
 
-def check_layer_grid(kind, dtype_name, backend):
+def check_layer_grid(kind, dtype_name, backend, device="cpu"):
     """Every flag combination of one layer kind, in one call to the ranks."""
     check = check_column if kind == "column" else check_row
     for bias, sp, flag, skip in itertools.product([True, False], repeat=4):
         if kind == "row" and sp and not flag:
             continue  # sequence parallelism needs input_is_parallel (tested as an error)
         try:
-            check(dtype_name, bias, sp, flag, skip, backend)
+            check(dtype_name, bias, sp, flag, skip, backend, device=device)
         except AssertionError as exc:
             names = ("bias", "sequence_parallel", "gather_output" if kind == "column" else "input_is_parallel",
                      "skip_bias_add")

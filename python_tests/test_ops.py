@@ -10,8 +10,8 @@ from tp_kernels import ops
 from helpers import assert_close, block, rank_world
 
 
-def _case(op, m_per_rank, k, n, dtype, seed=0):
-    """Full float inputs for ``op`` and this rank's arguments."""
+def _case(op, m_per_rank, k, n, dtype, seed=0, device="cpu"):
+    """Full float inputs for ``op`` and this rank's arguments (drawn on the CPU, then moved)."""
     r, p = rank_world()
     g = torch.Generator().manual_seed(seed)
     m = m_per_rank * p
@@ -25,7 +25,8 @@ def _case(op, m_per_rank, k, n, dtype, seed=0):
         w_full = torch.randn(n, k * p, generator=g)
         b_full = torch.randn(n, generator=g)
         args = (block(x_full, -1, r, p), block(w_full, 1, r, p), b_full)
-    return tuple(t.to(dtype).contiguous() for t in args), (x_full, w_full, b_full)
+    args = tuple(t.to(device=device, dtype=dtype).contiguous() for t in args)
+    return args, tuple(t.to(device) for t in (x_full, w_full, b_full))
 
 
 def _run(op, args, dy, **kw):
@@ -36,12 +37,12 @@ def _run(op, args, dy, **kw):
     return y.detach(), [t.grad for t in leaves]
 
 
-def check_pipelined_matches_reference(op, m_per_rank):
+def check_pipelined_matches_reference(op, m_per_rank, device="cpu"):
     """For num_chunks 1..5, the pipelined schedule gives the reference's output and grads."""
     r, p = rank_world()
-    args, _ = _case(op, m_per_rank, 11, 7, torch.float32)
+    args, _ = _case(op, m_per_rank, 11, 7, torch.float32, device=device)
     out_shape = getattr(ops, op)(*args, backend="reference").shape
-    dy = torch.randn(out_shape, generator=torch.Generator().manual_seed(1))  # same on every rank
+    dy = torch.randn(out_shape, generator=torch.Generator().manual_seed(1)).to(device)  # same on every rank
     y_ref, grads_ref = _run(op, args, dy, backend="reference")
     for c in range(1, 6):
         y, grads = _run(op, args, dy, backend="pipelined", num_chunks=c)
@@ -58,10 +59,10 @@ def test_pipelined_matches_reference(world, op, m_per_rank):
     world.run(check_pipelined_matches_reference, op, m_per_rank)
 
 
-def check_against_float64(op, dtype_name, backend):
+def check_against_float64(op, dtype_name, backend, device="cpu"):
     r, p = rank_world()
     dtype = getattr(torch, dtype_name)
-    args, (x_full, w_full, b_full) = _case(op, 5, 13, 17, dtype)
+    args, (x_full, w_full, b_full) = _case(op, 5, 13, 17, dtype, device=device)
     # the math of each op on the full (rounded) tensors, in float64 and in plain `dtype`
     full = [t.to(dtype) for t in (x_full, w_full, b_full)]
 
