@@ -104,3 +104,73 @@ def check_empty_and_frozen(op):
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
 def test_empty_batch_and_frozen_weight(world2, op):
     world2.run(check_empty_and_frozen, op)
+
+
+def check_random_shapes():
+    """Random shapes, leading dims, chunk counts and backends for every op, against float64
+    (forward and all three gradients). Every rank draws the same examples (derandomized), so
+    the collectives stay matched."""
+    from hypothesis import given, settings, strategies as st
+
+    r, p = rank_world()
+
+    @settings(derandomize=True, database=None, deadline=None, max_examples=30)
+    @given(
+        op=st.sampled_from(["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"]),
+        m_per_rank=st.integers(0, 9),
+        lead=st.integers(1, 3),
+        k=st.integers(1, 12),
+        n=st.integers(1, 12),
+        bias=st.booleans(),
+        backend=st.sampled_from(["reference", "pipelined", "auto"]),
+        num_chunks=st.one_of(st.none(), st.integers(1, 7)),
+    )
+    def one(op, m_per_rank, lead, k, n, bias, backend, num_chunks):
+        g = torch.Generator().manual_seed(m_per_rank * 1000 + k * 31 + n)
+        m = m_per_rank * p
+        if op == "all_gather_matmul":
+            x_full, w_full = torch.randn(m, lead, k, generator=g), torch.randn(n * p, k, generator=g)
+            b_full = torch.randn(n * p, generator=g)
+            x, w, b = block(x_full, 0, r, p), block(w_full, 0, r, p), block(b_full, 0, r, p)
+        else:
+            x_full, w_full = torch.randn(m, lead, k * p, generator=g), torch.randn(n, k * p, generator=g)
+            b_full = torch.randn(n, generator=g)
+            x, w, b = block(x_full, -1, r, p), block(w_full, 1, r, p), b_full
+        dy_full = torch.randn(m, lead, n * p if op == "all_gather_matmul" else n, generator=g)
+        # float64 reference on the full tensors, and again on their absolute values: the second
+        # gives each result's magnitude scale |A| |B| (some results cancel to almost nothing)
+        def reference(transform):
+            xr, wr, br = (transform(t).double().requires_grad_() for t in (x_full, w_full, b_full))
+            yr = F.linear(xr, wr, br if bias else None)
+            yr.backward(transform(dy_full).double())
+            db = br.grad if bias else None
+            if op == "all_gather_matmul":
+                return block(yr, -1, r, p), (block(xr.grad, 0, r, p), block(wr.grad, 0, r, p),
+                                             None if db is None else block(db, 0, r, p))
+            if op == "matmul_reduce_scatter":
+                return block(yr, 0, r, p), (block(xr.grad, -1, r, p), block(wr.grad, 1, r, p), db)
+            return yr, (block(xr.grad, -1, r, p), block(wr.grad, 1, r, p), db)
+
+        want_y, want = reference(lambda t: t)
+        scale_y, scales = reference(torch.abs)
+        dy = {"all_gather_matmul": lambda t: block(t, -1, r, p),
+              "matmul_reduce_scatter": lambda t: block(t, 0, r, p)}.get(op, lambda t: t)(dy_full)
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        y = getattr(ops, op)(leaves[0], leaves[1], leaves[2] if bias else None,
+                             backend=backend, num_chunks=num_chunks)
+        y.backward(dy)
+        label = f"{op} m/p={m_per_rank} lead={lead} k={k} n={n} {backend} c={num_chunks}"
+        max_of = lambda t: t.abs().max().item() if t.numel() else 0.0
+        assert_close(f"{label} y", y, want_y.detach(), scale=max_of(scale_y))
+        for name, leaf, ref_grad, ref_scale in zip(("dx", "dw", "db"), leaves, want, scales):
+            if ref_grad is None:
+                assert leaf.grad is None, f"{label}: a gradient for the absent bias"
+                continue
+            assert_close(f"{label} {name}", leaf.grad, ref_grad, scale=max_of(ref_scale))
+
+    one()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_random_shapes_against_float64(world):
+    world.run(check_random_shapes)
