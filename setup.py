@@ -33,17 +33,27 @@ def _log(msg: str) -> None:
     print(f"tp_kernels setup: {msg}", file=sys.stderr, flush=True)
 
 
+def _toolkit_root(nvcc: Path):
+    """The CUDA toolkit holding ``nvcc``, or None (e.g. a wrapper script elsewhere on PATH)."""
+    root = nvcc.resolve().parent.parent
+    return root if (root / "include" / "cuda_runtime.h").is_file() else None
+
+
 def _find_nvcc():
+    """``(nvcc, toolkit root or None)``: ``CUDA_HOME``, then an nvcc on PATH that sits in a
+    toolkit, then ``/usr/local/cuda``, then any nvcc on PATH; ``(None, None)`` if none."""
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    candidates = [Path(cuda_home) / "bin" / "nvcc"] if cuda_home else []
     on_path = shutil.which("nvcc")
-    if on_path:
+    candidates = [Path(cuda_home) / "bin" / "nvcc"] if cuda_home else []
+    if on_path and _toolkit_root(Path(on_path)):
         candidates.append(Path(on_path))
     candidates.append(Path("/usr/local/cuda/bin/nvcc"))
+    if on_path:
+        candidates.append(Path(on_path))
     for nvcc in candidates:
         if nvcc.is_file() and os.access(nvcc, os.X_OK):
-            return nvcc.resolve()
-    return None
+            return nvcc, _toolkit_root(nvcc)
+    return None, None
 
 
 def _wheel_root(package: str, marker: str) -> Path:
@@ -67,7 +77,7 @@ class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
         if not isinstance(ext, CMakeExtension):
             return super().build_extension(ext)
-        nvcc = _find_nvcc()
+        nvcc, toolkit = _find_nvcc()
         import cmake  # noqa: F401  (build requirements: cmake, ninja, pybind11, NVIDIA wheels)
         import pybind11
 
@@ -80,12 +90,13 @@ class CMakeBuild(build_ext):
             f"-DCMAKE_BUILD_TYPE={os.environ.get('TP_KERNELS_BUILD_TYPE', 'Release')}",
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
             f"-DCMAKE_CUDA_COMPILER={nvcc}",
-            f"-DCUDAToolkit_ROOT={nvcc.parent.parent}",
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DTP_KERNELS_NCCL_ROOT={_wheel_root('nvidia.nccl', 'nccl.h')}",
             f"-DTP_KERNELS_CUBLAS_ROOT={_wheel_root('nvidia.cu13', 'cublasLt.h')}",
         ]
+        if toolkit is not None:
+            configure.append(f"-DCUDAToolkit_ROOT={toolkit}")
         jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
         _log(f"building tp_kernels._C with {nvcc} (archs {os.environ.get('TP_KERNELS_CUDA_ARCHS', '80;90a')}, {jobs} jobs)")
         subprocess.run(configure, check=True)
@@ -96,7 +107,7 @@ def _ext_modules():
     if os.environ.get("TP_KERNELS_SKIP_CUDA_BUILD", "0") not in ("", "0"):
         _log("TP_KERNELS_SKIP_CUDA_BUILD is set: installing the pure-Python package only")
         return []
-    if _find_nvcc() is None:
+    if _find_nvcc()[0] is None:
         _log("no nvcc found (set CUDA_HOME): installing the pure-Python package only; "
              "tp_kernels.extension_status() will say so")
         return []
