@@ -86,7 +86,8 @@ class CMakeBuild(build_ext):
         build_dir.mkdir(parents=True, exist_ok=True)
         cmake_bin = shutil.which("cmake") or str(Path(sys.executable).parent / "cmake")
         configure = [
-            cmake_bin, "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja",
+            # --fresh: a cache from an earlier build points into its own (deleted) build environment
+            cmake_bin, "--fresh", "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja",
             f"-DCMAKE_BUILD_TYPE={os.environ.get('TP_KERNELS_BUILD_TYPE', 'Release')}",
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
             f"-DCMAKE_CUDA_COMPILER={nvcc}",
