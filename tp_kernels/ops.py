@@ -30,8 +30,9 @@ from typing import Optional
 
 import torch
 
-from . import _comm
+from . import _comm, _library  # noqa: F401  (_library registers torch.ops.tp_kernels.*)
 from ._checks import check_divisible, check_linear_args
+from ._library import group_name
 from .backends import BACKENDS
 from .schedule import resolve_num_chunks
 
@@ -55,8 +56,8 @@ def check_backend(backend) -> str:
     return backend
 
 
-def select_backend(op: str, backend: str, x: torch.Tensor, p: int):
-    """The backend module that runs ``op`` for this call; resolves ``"auto"``.
+def select_backend(op: str, backend: str, x: torch.Tensor, p: int) -> str:
+    """The backend that runs ``op`` for this call (a name in ``BACKENDS``); resolves ``"auto"``.
 
     ``"auto"`` must never be slower than ``"reference"``, so it picks another backend only where
     a measurement says it wins. None does yet: with one rank there is nothing to overlap; on
@@ -69,105 +70,11 @@ def select_backend(op: str, backend: str, x: torch.Tensor, p: int):
         backend = "reference"
         logger.debug("auto backend for %s (p=%d, x %s %s on %s): %s", op, p, tuple(x.shape), x.dtype,
                      x.device.type, backend)
-    return BACKENDS[backend]
+    return backend
 
 
 def _flatten(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
-
-
-class _AllGatherMatmul(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, group, impl, num_chunks):
-        out, _ = impl.all_gather_matmul(x, weight, bias, group, num_chunks)
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.impl, ctx.num_chunks = group, impl, num_chunks
-        ctx.has_bias = bias is not None
-        return out
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        group, impl, c = ctx.group, ctx.impl, ctx.num_chunks
-        dy = dy.contiguous()
-        # Kick off the re-gather of x first, so that it travels while dx multiplies.
-        gather = _comm.all_gather_dim0(x, group) if ctx.needs_input_grad[1] else None
-        # dx: (m, n/p) x (n/p, k) -(RS)-> (m/p, k)
-        dx = impl.matmul_reduce_scatter(dy, weight.t(), None, group, c) if ctx.needs_input_grad[0] else None
-        # dW: (n/p, m) x (m, k) -> (n/p, k), overlapping the tail of dx's reduce-scatter
-        dw = dy.t().mm(gather.wait()) if gather is not None else None
-        db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return (dx.wait() if dx is not None else None), dw, db, None, None, None
-
-
-class _MatmulReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, group, impl, num_chunks):
-        out = impl.matmul_reduce_scatter(x, weight, bias, group, num_chunks).wait()
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.impl, ctx.num_chunks = group, impl, num_chunks
-        ctx.has_bias = bias is not None
-        return out
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        group, impl, c = ctx.group, ctx.impl, ctx.num_chunks
-        dy = dy.contiguous()
-        if ctx.needs_input_grad[0]:
-            # dx: (m/p, n) -(AG)-> (m, n) x (n, k/p) -> (m, k/p); keeps AG(dy) for dW and db
-            dx, dy_full = impl.all_gather_matmul(dy, weight.t(), None, group, c)
-        else:
-            dx, dy_full = None, _comm.all_gather_dim0(dy, group).wait()
-        # dW: (n, m) x (m, k/p) -> (n, k/p)
-        dw = dy_full.t().mm(x) if ctx.needs_input_grad[1] else None
-        # db over every rank's rows: the bias was added once to each shard
-        db = dy_full.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None, None
-
-
-class _MatmulAllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, group, impl, num_chunks):
-        out = impl.matmul_all_reduce(x, weight, bias, group, num_chunks).wait()
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return out
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        # dy is replicated on every rank: the gradients are local GEMMs.
-        dx = dy.mm(weight) if ctx.needs_input_grad[0] else None  # (m, n) x (n, k/p)
-        dw = dy.t().mm(x) if ctx.needs_input_grad[1] else None  # (n, m) x (m, k/p)
-        db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None, None
-
-
-class _LinearWithGradAllReduce(torch.autograd.Function):
-    """Column-parallel linear without sequence parallelism: a local GEMM forward, and
-    ``dx = matmul_all_reduce(dy, W)`` backward with ``dW`` computed while ``dx`` reduces."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, group, impl, num_chunks):
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.impl, ctx.num_chunks = group, impl, num_chunks
-        ctx.has_bias = bias is not None
-        return torch.nn.functional.linear(x, weight, bias)  # (m, k) x (k, n/p) -> (m, n/p)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dy = dy.contiguous()
-        # dx: (m, n/p) x (n/p, k) -(AR)-> (m, k)
-        dx = (
-            ctx.impl.matmul_all_reduce(dy, weight.t(), None, ctx.group, ctx.num_chunks)
-            if ctx.needs_input_grad[0]
-            else None
-        )
-        dw = dy.t().mm(x) if ctx.needs_input_grad[1] else None  # (n/p, m) x (m, k)
-        db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return (dx.wait() if dx is not None else None), dw, db, None, None, None
 
 
 def _prepare(op: str, x, weight, bias, group, backend, num_chunks, min_dim: int):
@@ -177,7 +84,7 @@ def _prepare(op: str, x, weight, bias, group, backend, num_chunks, min_dim: int)
     num_chunks = resolve_num_chunks(op, num_chunks)
     x, weight, bias = check_linear_args(x, weight, bias, min_dim=min_dim)
     p = _comm.group_size(group)
-    return x, weight, bias, group, p, num_chunks, select_backend(op, backend, x, p)
+    return x, weight, bias, group_name(group), p, num_chunks, select_backend(op, backend, x, p)
 
 
 def all_gather_matmul(
@@ -199,7 +106,7 @@ def all_gather_matmul(
         ``[m, ..., n/p]``.
     """
     x, weight, bias, group, p, c, impl = _prepare("all_gather_matmul", x, weight, bias, group, backend, num_chunks, 2)
-    out = _AllGatherMatmul.apply(_flatten(x), weight, bias, group, impl, c)
+    out = torch.ops.tp_kernels.all_gather_matmul(_flatten(x), weight, bias, group, impl, c)
     return out.reshape(x.shape[0] * p, *x.shape[1:-1], weight.shape[0])
 
 
@@ -223,7 +130,7 @@ def matmul_reduce_scatter(
     """
     x, weight, bias, group, p, c, impl = _prepare("matmul_reduce_scatter", x, weight, bias, group, backend, num_chunks, 2)
     mp = check_divisible("x.shape[0]", x.shape[0], p)
-    out = _MatmulReduceScatter.apply(_flatten(x), weight, bias, group, impl, c)
+    out = torch.ops.tp_kernels.matmul_reduce_scatter(_flatten(x), weight, bias, group, impl, c)
     return out.reshape(mp, *x.shape[1:-1], weight.shape[0])
 
 
@@ -246,7 +153,7 @@ def matmul_all_reduce(
         ``[..., n]``, the same on every rank.
     """
     x, weight, bias, group, p, c, impl = _prepare("matmul_all_reduce", x, weight, bias, group, backend, num_chunks, 1)
-    out = _MatmulAllReduce.apply(_flatten(x), weight, bias, group, impl, c)
+    out = torch.ops.tp_kernels.matmul_all_reduce(_flatten(x), weight, bias, group, impl, c)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -268,5 +175,5 @@ def linear_with_grad_all_reduce(
         ``[..., n/p]``. Backward: ``dX = matmul_all_reduce(dY, W)``, ``dW`` computed meanwhile.
     """
     x, weight, bias, group, p, c, impl = _prepare("matmul_all_reduce", x, weight, bias, group, backend, num_chunks, 1)
-    out = _LinearWithGradAllReduce.apply(_flatten(x), weight, bias, group, impl, c)
+    out = torch.ops.tp_kernels.linear_with_grad_all_reduce(_flatten(x), weight, bias, group, impl, c)
     return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,82 @@
+"""The custom ops: torch.library.opcheck, and torch.compile of a parallel MLP equal to eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import tp_kernels
+from tp_kernels._library import group_name
+from helpers import assert_close, block, rank_world
+
+OPS = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "linear_with_grad_all_reduce"]
+
+
+def check_opcheck(op):
+    r, p = rank_world()
+    group = group_name(dist.group.WORLD)
+    g = torch.Generator().manual_seed(0)
+    rows = 2 * p if op == "matmul_reduce_scatter" else 3
+    for backend in ("reference", "pipelined"):
+        for bias in (True, False):
+            x = torch.randn(rows, 5, generator=g, requires_grad=True)
+            w = torch.randn(4, 5, generator=g, requires_grad=True)
+            b = torch.randn(4, generator=g, requires_grad=True) if bias else None
+            torch.library.opcheck(getattr(torch.ops.tp_kernels, op), (x, w, b, group, backend, 2))
+
+
+@pytest.mark.parametrize("world", [1, 2], indirect=True)
+@pytest.mark.parametrize("op", OPS)
+def test_opcheck(world, op):
+    world.run(check_opcheck, op)
+
+
+class _Recorder:
+    """A torch.compile backend that records the captured graphs' call targets."""
+
+    def __init__(self):
+        self.targets = []
+
+    def __call__(self, gm, example_inputs):
+        self.targets += [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        return gm.forward
+
+
+def check_compiled_mlp(sequence_parallel, backend):
+    r, p = rank_world()
+    torch.manual_seed(0)
+    fc1 = tp_kernels.ColumnParallelLinear(8, 6 * p, sequence_parallel=sequence_parallel)
+    fc2 = tp_kernels.RowParallelLinear(6 * p, 8, sequence_parallel=sequence_parallel)
+    model = nn.Sequential(fc1, nn.GELU(), fc2)
+    x_full = torch.randn(2 * p, 3, 8, generator=torch.Generator().manual_seed(1))
+    x_in = block(x_full, 0, r, p) if sequence_parallel else x_full
+
+    def run(m):
+        x = x_in.clone().requires_grad_()
+        y = m(x)
+        y.square().sum().backward()
+        grads = [q.grad.clone() for q in model.parameters()] + [x.grad]
+        model.zero_grad(set_to_none=True)
+        return [y.detach()] + grads
+
+    eager = run(model)
+    torch._dynamo.reset()
+    if backend == "record":
+        recorder = _Recorder()
+        compiled = run(torch.compile(model, backend=recorder))
+        ops = torch.ops.tp_kernels
+        wanted = ({ops.all_gather_matmul, ops.matmul_reduce_scatter} if sequence_parallel
+                  else {ops.linear_with_grad_all_reduce, ops.matmul_all_reduce})
+        assert wanted <= set(recorder.targets), recorder.targets  # each op is one opaque node
+    else:
+        compiled = run(torch.compile(model, backend=backend))
+    for i, (c, e) in enumerate(zip(compiled, eager)):
+        assert_close(f"compiled result {i}", c, e.double())
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("backend", ["record", "inductor"])
+def test_compiled_mlp_matches_eager(world2, sequence_parallel, backend):
+    world2.run(check_compiled_mlp, sequence_parallel, backend, deadline_s=600)

@@ -1,0 +1,202 @@
+"""The primitives as ``torch.library`` custom ops (``torch.ops.tp_kernels.*``).
+
+Each op has a fake (meta) implementation, so ``torch.compile`` treats it as one opaque node
+(no graph break inside it), and its backward is registered with ``register_autograd`` as
+another custom op. The ops take 2-D tensors, the group by name (``""``: this process alone),
+a concrete backend name and a positive ``num_chunks``; :mod:`tp_kernels.ops` checks the
+arguments and picks those before calling them.
+
+Backward ops return an empty tensor for a gradient that is not needed (a custom op cannot
+return None); the autograd wrappers turn those back into None.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import _comm
+from .backends import BACKENDS
+
+__all__ = ["group_from_name", "group_name"]
+
+
+def group_name(group) -> str:
+    return "" if group is None else group.group_name
+
+
+def group_from_name(name: str):
+    if not name:
+        return None
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._resolve_process_group(name)
+
+
+def _size(name: str) -> int:
+    return 1 if not name else dist.get_world_size(group_from_name(name))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, group, backend, num_chunks = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.args, ctx.has_bias = (group, backend, num_chunks), bias is not None
+
+
+def _fake_grads(dy, x, weight, group, backend, num_chunks, need_dx, need_dw, need_db):
+    """Shapes of a backward op's (dx, dW, db); empty where not needed."""
+    return (x.new_empty(x.shape if need_dx else (0,)), weight.new_empty(weight.shape if need_dw else (0,)),
+            dy.new_empty((dy.shape[1],) if need_db else (0,)))
+
+
+def _register_backward(forward_op, backward_op) -> None:
+    """Make ``backward_op(dy, x, weight, group, backend, num_chunks, need_dx, need_dw, need_db)``
+    the autograd formula of ``forward_op(x, weight, bias, group, backend, num_chunks)``."""
+
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
+        grads = backward_op(dy, x, weight, *ctx.args, *need)
+        return tuple(t if n else None for t, n in zip(grads, need)) + (None, None, None)
+
+    forward_op.register_autograd(backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# all_gather_matmul: (m/p, k) -(AG)-> (m, k) x (k, n/p) -> (m, n/p)
+
+
+@torch.library.custom_op("tp_kernels::all_gather_matmul", mutates_args=())
+def all_gather_matmul(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str, backend: str,
+                      num_chunks: int) -> Tensor:
+    out, _ = BACKENDS[backend].all_gather_matmul(x, weight, bias, group_from_name(group), num_chunks)
+    return out
+
+
+@all_gather_matmul.register_fake
+def _(x, weight, bias, group, backend, num_chunks):
+    return x.new_empty((x.shape[0] * _size(group), weight.shape[0]))
+
+
+@torch.library.custom_op("tp_kernels::all_gather_matmul_backward", mutates_args=())
+def all_gather_matmul_backward(dy: Tensor, x: Tensor, weight: Tensor, group: str, backend: str, num_chunks: int,
+                               need_dx: bool, need_dw: bool, need_db: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    g, impl = group_from_name(group), BACKENDS[backend]
+    dy = dy.contiguous()
+    # Kick off the re-gather of x first, so that it travels while dx multiplies.
+    gather = _comm.all_gather_dim0(x, g) if need_dw else None
+    # dx: (m, n/p) x (n/p, k) -(RS)-> (m/p, k)
+    dx = impl.matmul_reduce_scatter(dy, weight.t(), None, g, num_chunks) if need_dx else None
+    # dW: (n/p, m) x (m, k) -> (n/p, k), overlapping the tail of dx's reduce-scatter
+    dw = dy.t().mm(gather.wait()) if need_dw else weight.new_empty(0)
+    db = dy.sum(0) if need_db else dy.new_empty(0)
+    return (dx.wait() if need_dx else x.new_empty(0)), dw, db
+
+
+all_gather_matmul_backward.register_fake(_fake_grads)
+
+
+_register_backward(all_gather_matmul, all_gather_matmul_backward)
+
+
+# ---------------------------------------------------------------------------------------------
+# matmul_reduce_scatter: (m, k/p) x (k/p, n) -(RS)-> (m/p, n), bias added once after
+
+
+@torch.library.custom_op("tp_kernels::matmul_reduce_scatter", mutates_args=())
+def matmul_reduce_scatter(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str, backend: str,
+                          num_chunks: int) -> Tensor:
+    return BACKENDS[backend].matmul_reduce_scatter(x, weight, bias, group_from_name(group), num_chunks).wait()
+
+
+@matmul_reduce_scatter.register_fake
+def _(x, weight, bias, group, backend, num_chunks):
+    return x.new_empty((x.shape[0] // _size(group), weight.shape[0]))
+
+
+@torch.library.custom_op("tp_kernels::matmul_reduce_scatter_backward", mutates_args=())
+def matmul_reduce_scatter_backward(dy: Tensor, x: Tensor, weight: Tensor, group: str, backend: str,
+                                   num_chunks: int, need_dx: bool, need_dw: bool,
+                                   need_db: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    g, impl = group_from_name(group), BACKENDS[backend]
+    dy = dy.contiguous()
+    if need_dx:
+        # dx: (m/p, n) -(AG)-> (m, n) x (n, k/p) -> (m, k/p); keeps AG(dy) for dW and db
+        dx, dy_full = impl.all_gather_matmul(dy, weight.t(), None, g, num_chunks)
+    else:
+        dx, dy_full = x.new_empty(0), _comm.all_gather_dim0(dy, g).wait()
+    dw = dy_full.t().mm(x) if need_dw else weight.new_empty(0)  # (n, m) x (m, k/p)
+    # db over every rank's rows: the bias was added once to each shard
+    db = dy_full.sum(0) if need_db else dy.new_empty(0)
+    return dx, dw, db
+
+
+matmul_reduce_scatter_backward.register_fake(_fake_grads)
+
+
+_register_backward(matmul_reduce_scatter, matmul_reduce_scatter_backward)
+
+
+# ---------------------------------------------------------------------------------------------
+# matmul_all_reduce: (m, k/p) x (k/p, n) -(AR)-> (m, n), bias added once after
+
+
+@torch.library.custom_op("tp_kernels::matmul_all_reduce", mutates_args=())
+def matmul_all_reduce(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str, backend: str,
+                      num_chunks: int) -> Tensor:
+    return BACKENDS[backend].matmul_all_reduce(x, weight, bias, group_from_name(group), num_chunks).wait()
+
+
+@matmul_all_reduce.register_fake
+def _(x, weight, bias, group, backend, num_chunks):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _ar_backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    # dy is replicated on every rank: the gradients are local GEMMs.
+    dx = dy.mm(weight) if ctx.needs_input_grad[0] else None  # (m, n) x (n, k/p)
+    dw = dy.t().mm(x) if ctx.needs_input_grad[1] else None  # (n, m) x (m, k/p)
+    db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return dx, dw, db, None, None, None
+
+
+matmul_all_reduce.register_autograd(_ar_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# linear_with_grad_all_reduce (column-parallel, no SP): (m, k) x (k, n/p) -> (m, n/p) locally;
+# backward dx = matmul_all_reduce(dy, W) with dW computed while dx reduces
+
+
+@torch.library.custom_op("tp_kernels::linear_with_grad_all_reduce", mutates_args=())
+def linear_with_grad_all_reduce(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str, backend: str,
+                                num_chunks: int) -> Tensor:
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+@linear_with_grad_all_reduce.register_fake
+def _(x, weight, bias, group, backend, num_chunks):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.custom_op("tp_kernels::linear_with_grad_all_reduce_backward", mutates_args=())
+def linear_with_grad_all_reduce_backward(dy: Tensor, x: Tensor, weight: Tensor, group: str, backend: str,
+                                         num_chunks: int, need_dx: bool, need_dw: bool,
+                                         need_db: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    dy = dy.contiguous()
+    # dx: (m, n/p) x (n/p, k) -(AR)-> (m, k)
+    dx = (BACKENDS[backend].matmul_all_reduce(dy, weight.t(), None, group_from_name(group), num_chunks)
+          if need_dx else None)
+    dw = dy.t().mm(x) if need_dw else weight.new_empty(0)  # (n/p, m) x (m, k), while dx reduces
+    db = dy.sum(0) if need_db else dy.new_empty(0)
+    return (dx.wait() if need_dx else x.new_empty(0)), dw, db
+
+
+linear_with_grad_all_reduce_backward.register_fake(_fake_grads)
+
+
+_register_backward(linear_with_grad_all_reduce, linear_with_grad_all_reduce_backward)
