@@ -14,16 +14,16 @@ from helpers import assert_close, block, rank_world
 OPS = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "linear_with_grad_all_reduce"]
 
 
-def check_opcheck(op):
+def check_opcheck(op, device="cpu"):
     r, p = rank_world()
     group = group_name(dist.group.WORLD)
     g = torch.Generator().manual_seed(0)
     rows = 2 * p if op == "matmul_reduce_scatter" else 3
     for backend in ("reference", "pipelined"):
         for bias in (True, False):
-            x = torch.randn(rows, 5, generator=g, requires_grad=True)
-            w = torch.randn(4, 5, generator=g, requires_grad=True)
-            b = torch.randn(4, generator=g, requires_grad=True) if bias else None
+            x = torch.randn(rows, 5, generator=g).to(device).requires_grad_()
+            w = torch.randn(4, 5, generator=g).to(device).requires_grad_()
+            b = torch.randn(4, generator=g).to(device).requires_grad_() if bias else None
             torch.library.opcheck(getattr(torch.ops.tp_kernels, op), (x, w, b, group, backend, 2))
 
 
@@ -44,13 +44,13 @@ class _Recorder:
         return gm.forward
 
 
-def check_compiled_mlp(sequence_parallel, backend):
+def check_compiled_mlp(sequence_parallel, backend, device="cpu"):
     r, p = rank_world()
     torch.manual_seed(0)
-    fc1 = tp_kernels.ColumnParallelLinear(8, 6 * p, sequence_parallel=sequence_parallel)
-    fc2 = tp_kernels.RowParallelLinear(6 * p, 8, sequence_parallel=sequence_parallel)
+    fc1 = tp_kernels.ColumnParallelLinear(8, 6 * p, sequence_parallel=sequence_parallel, device=device)
+    fc2 = tp_kernels.RowParallelLinear(6 * p, 8, sequence_parallel=sequence_parallel, device=device)
     model = nn.Sequential(fc1, nn.GELU(), fc2)
-    x_full = torch.randn(2 * p, 3, 8, generator=torch.Generator().manual_seed(1))
+    x_full = torch.randn(2 * p, 3, 8, generator=torch.Generator().manual_seed(1)).to(device)
     x_in = block(x_full, 0, r, p) if sequence_parallel else x_full
 
     def run(m):
