@@ -140,6 +140,9 @@ def _device_name(backend: str) -> str:
 
 
 def _commit() -> str:
+    """``TP_KERNELS_COMMIT``, else the git commit of this source tree."""
+    if os.environ.get("TP_KERNELS_COMMIT"):
+        return os.environ["TP_KERNELS_COMMIT"]
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,

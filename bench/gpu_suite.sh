@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# On a GPU machine, in one go: build tp_kernels._C, run the GPU test suite and the quick benchmark,
+# and write the results under bench/results/ (JSON with device, commit, date and figures).
+#
+#   TP_KERNELS_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_suite.sh
+#
+# The machine needs what the build needs already installed (no network is assumed): nvcc, CMake,
+# ninja, pybind11, nvidia-nccl-cu13, nvidia-cublas, torch, pytest, hypothesis. TP_KERNELS_COMMIT
+# names the commit when the tree there has no git history. When $OUT is set (a folder whose
+# contents are fetched back), the results and logs are copied there too.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+results=bench/results
+logs=$(mktemp -d)
+mkdir -p "$results"
+commit=${TP_KERNELS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export TP_KERNELS_COMMIT=$commit
+
+echo "== build (commit $commit)"
+if ! "$PY" -m pip install --no-build-isolation --no-deps -e . >"$logs/build.log" 2>&1; then
+  tail -n 60 "$logs/build.log"
+  echo "build failed" >&2
+  exit 1
+fi
+"$PY" -c "import tp_kernels, json; print(json.dumps(tp_kernels.extension_status()))"
+
+echo "== GPU tests"
+"$PY" -m pytest python_tests -m gpu -q -p no:cacheprovider --junitxml="$logs/gpu-tests.xml" 2>&1 | tee "$logs/gpu-tests.log"
+
+echo "== quick benchmark"
+"$PY" -m tp_kernels.bench --quick --out "$logs/bench.json" 2>&1 | tee "$logs/bench.log"
+
+"$PY" - "$logs" "$results" "$commit" <<'PYEOF'
+import datetime, json, os, sys, xml.etree.ElementTree as ET
+import torch, tp_kernels
+logs, results, commit = sys.argv[1:4]
+suite = ET.parse(os.path.join(logs, "gpu-tests.xml")).getroot()
+suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+count = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+failed = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
+          if c.find("failure") is not None or c.find("error") is not None]
+bench = json.load(open(os.path.join(logs, "bench.json"))) if os.path.exists(os.path.join(logs, "bench.json")) else None
+record = {
+    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device",
+    "commit": commit,
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "torch": torch.__version__,
+    "extension_status": tp_kernels.extension_status(),
+    "gpu_tests": {**count, "passed": count["tests"] - count["failures"] - count["errors"] - count["skipped"],
+                  "failed": failed},
+    "benchmark": bench,
+}
+name = os.path.join(results, f"gpu-suite-{commit}.json")
+json.dump(record, open(name, "w"), indent=1)
+print(f"wrote {name}: {record['gpu_tests']['passed']} passed, {len(failed)} failed, {count['skipped']} skipped")
+PYEOF
+status=$?
+
+if [ -n "${OUT:-}" ]; then
+  cp "$results/gpu-suite-$commit.json" "$logs/gpu-tests.log" "$logs/bench.log" "$logs/build.log" "$OUT/" 2>/dev/null
+fi
+exit $status
