@@ -67,11 +67,34 @@ def test_status_of_this_installation():
         assert native["device_error"] == ""
 
 
-@pytest.mark.skipif(not tp_kernels.extension_status()["built"], reason="the native module is not built here")
+native_built = pytest.mark.skipif(not tp_kernels.extension_status()["built"], reason="the native module is not built here")
+
+
+@native_built
 def test_native_errors_are_runtime_errors():
     from tp_kernels._native import _C
 
     assert issubclass(_C.Error, RuntimeError)
+    # argument checks run before any CUDA call, so they work without a GPU
+    args = dict(x=0, w=0, bias=0, y=0, m=4, n=4, k=4, ldx=4, ldw=4, ldy=4, dtype=2, workspace=0,
+                workspace_bytes=0, stream=0)
+    with pytest.raises(RuntimeError, match="negative size"):
+        _C.linear(**{**args, "m": -1})
+    with pytest.raises(RuntimeError, match="leading dimension"):
+        _C.linear(**{**args, "ldx": 3})
+    with pytest.raises(RuntimeError, match="null x, w or y"):
+        _C.linear(**args)
+
+
+def test_native_linear_rejects_host_tensors():
+    from tp_kernels import _native
+
+    if not tp_kernels.extension_status()["built"]:
+        with pytest.raises(RuntimeError, match="unavailable"):
+            _native.linear(torch.randn(2, 3), torch.randn(4, 3))
+    else:
+        with pytest.raises(ValueError, match="CUDA"):
+            _native.linear(torch.randn(2, 3), torch.randn(4, 3))
 
 
 def test_public_api_names():

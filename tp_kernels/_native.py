@@ -77,3 +77,60 @@ def extension_status() -> dict:
         "cuda_reason": cuda_reason,
         "backends": list(BACKEND_NAMES),
     }
+
+
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+#: cuBLASLt workspace per (device, stream); cuBLAS recommends 32 MiB on Hopper.
+WORKSPACE_BYTES = 32 * 2**20
+_workspaces: dict = {}
+
+
+def _workspace(stream: "torch.cuda.Stream") -> torch.Tensor:
+    key = (stream.device_index, stream.cuda_stream)
+    ws = _workspaces.get(key)
+    if ws is None:
+        with torch.cuda.stream(stream):  # owned by this stream, as the caching allocator needs
+            ws = _workspaces[key] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=stream.device)
+    return ws
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``Y = X Wᵀ + b`` through the native cuBLASLt GEMM, on the current stream (no autograd).
+
+    Args:
+        x: ``[m, k]`` CUDA tensor, float32/float16/bfloat16 (rows need not be adjacent, but the
+            last dim must be contiguous; otherwise a contiguous copy is made).
+        weight: ``[n, k]``, same dtype and device; bias: ``[n]`` or None.
+    Returns:
+        ``[m, n]``, accumulated in float32.
+    """
+    if _C is None:
+        raise RuntimeError(f"the native extension is unavailable: {_reason}")
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{name}: expected a 2-D tensor")
+    if not x.is_cuda:
+        raise ValueError(f"x: expected a CUDA tensor, got device {x.device}")
+    if x.dtype not in _DTYPE_CODES:
+        raise ValueError(f"x: dtype {x.dtype} is not supported (float32, float16, bfloat16)")
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x: expected {weight.shape[1]} columns to match weight {tuple(weight.shape)}, got {tuple(x.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (t.dtype != x.dtype or t.device != x.device):
+            raise ValueError(f"{name}: dtype/device {t.dtype}/{t.device} do not match x's {x.dtype}/{x.device}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    x = x if x.stride(1) == 1 and x.stride(0) >= max(1, x.shape[1]) else x.contiguous()
+    weight = weight if weight.stride(1) == 1 and weight.stride(0) >= max(1, weight.shape[1]) else weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    y = x.new_empty((m, n))
+    if k == 0:  # an empty sum: the bias alone
+        return y.copy_(bias.expand(m, n)) if bias is not None else y.zero_()
+    stream = torch.cuda.current_stream(x.device)
+    ws = _workspace(stream)
+    _C.linear(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
+              m, n, k, x.stride(0), weight.stride(0), n, _DTYPE_CODES[x.dtype], ws.data_ptr(), ws.numel(),
+              stream.cuda_stream)
+    return y

@@ -1,0 +1,128 @@
+// cuBLASLt GEMM for Y = X W^T (+ b): one handle per device, descriptors and the heuristic's
+// algorithm cached per problem (shape, dtype, bias, pointer alignment, workspace size).
+#include "tp_kernels/gemm.h"
+
+#include <cublasLt.h>
+
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "tp_kernels/check.h"
+
+namespace tp_kernels {
+namespace {
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::kFloat32: return CUDA_R_32F;
+    case DType::kFloat16: return CUDA_R_16F;
+    case DType::kBFloat16: return CUDA_R_16BF;
+  }
+  throw Error("linear: unknown dtype code " + std::to_string(static_cast<int>(t)));
+}
+
+int alignment(const void* p) {  // the largest power of two (<= 256) dividing the address
+  auto v = reinterpret_cast<uintptr_t>(p);
+  int a = 256;
+  while (a > 1 && v % a) a /= 2;
+  return a;
+}
+
+// Descriptors and the chosen algorithm of one problem. Never freed: a process sees few shapes.
+struct Plan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+};
+
+using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, bool, int, int, int,
+                       int, size_t>;
+
+std::mutex g_mutex;
+std::map<int, cublasLtHandle_t> g_handles;  // per device
+std::map<Key, Plan> g_plans;
+
+cublasLtHandle_t handle_for(int device) {
+  auto it = g_handles.find(device);
+  if (it != g_handles.end()) return it->second;
+  cublasLtHandle_t h = nullptr;
+  TPK_CHECK_CUBLAS(cublasLtCreate(&h));
+  g_handles[device] = h;
+  return h;
+}
+
+// Column-major view of the row-major problem: Y^T [n, m] = W [n, k] . X^T [k, m], i.e.
+// C = op(A) op(B) with A = W stored as a column-major [k, n] (transposed: op(A) = A^T) and
+// B = X stored as a column-major [k, m].
+Plan make_plan(cublasLtHandle_t h, const LinearArgs& p) {
+  Plan plan;
+  cudaDataType_t t = cuda_type(p.dtype);
+  TPK_CHECK_CUBLAS(cublasLtMatmulDescCreate(&plan.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  cublasOperation_t transa = CUBLAS_OP_T, transb = CUBLAS_OP_N;
+  TPK_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSA, &transa, sizeof(transa)));
+  TPK_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSB, &transb, sizeof(transb)));
+  if (p.bias != nullptr) {
+    cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;  // bias[n] along C's rows
+    TPK_CHECK_CUBLAS(
+        cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+  }
+  TPK_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&plan.a, t, p.k, p.n, p.ldw));  // W
+  TPK_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&plan.b, t, p.k, p.m, p.ldx));  // X
+  TPK_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&plan.c, t, p.n, p.m, p.ldy));  // Y
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  TPK_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
+  size_t ws = p.workspace_bytes;
+  uint32_t align_a = alignment(p.w), align_b = alignment(p.x), align_c = alignment(p.y);
+  TPK_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                                        sizeof(ws)));
+  TPK_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                                        &align_a, sizeof(align_a)));
+  TPK_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                                        &align_b, sizeof(align_b)));
+  TPK_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                                                        &align_c, sizeof(align_c)));
+  TPK_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                                                        &align_c, sizeof(align_c)));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  cublasStatus_t status =
+      cublasLtMatmulAlgoGetHeuristic(h, plan.op, plan.a, plan.b, plan.c, plan.c, pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  TPK_CHECK_CUBLAS(status);
+  if (found == 0)
+    throw Error("linear: cuBLASLt found no algorithm for m=" + std::to_string(p.m) + " n=" + std::to_string(p.n) +
+                " k=" + std::to_string(p.k) + " dtype=" + std::to_string(static_cast<int>(p.dtype)));
+  plan.algo = result.algo;
+  return plan;
+}
+
+}  // namespace
+
+void linear(const LinearArgs& p) {
+  if (p.m < 0 || p.n < 0 || p.k < 0) throw Error("linear: negative size");
+  if (p.ldx < p.k || p.ldw < p.k || p.ldy < p.n || p.ldx < 1 || p.ldw < 1 || p.ldy < 1)
+    throw Error("linear: a leading dimension is smaller than its row");
+  if (p.x == nullptr || p.w == nullptr || p.y == nullptr) throw Error("linear: null x, w or y");
+  if (p.m == 0 || p.n == 0) return;
+  if (p.k == 0) throw Error("linear: k = 0 is not supported (the caller fills Y with the bias)");
+  int device = 0;
+  TPK_CHECK_CUDA(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(g_mutex);
+  cublasLtHandle_t h = handle_for(device);
+  Key key{device, p.m, p.n, p.k, p.ldx, p.ldw, p.ldy, static_cast<int>(p.dtype), p.bias != nullptr,
+          alignment(p.x), alignment(p.w), alignment(p.y), p.bias ? alignment(p.bias) : 0, p.workspace_bytes};
+  auto it = g_plans.find(key);
+  if (it == g_plans.end()) it = g_plans.emplace(key, make_plan(h, p)).first;
+  Plan& plan = it->second;
+  if (p.bias != nullptr) {
+    TPK_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias,
+                                                    sizeof(p.bias)));
+  }
+  const float alpha = 1.0f, beta = 0.0f;
+  TPK_CHECK_CUBLAS(cublasLtMatmul(h, plan.op, &alpha, p.w, plan.a, p.x, plan.b, &beta, p.y, plan.c, p.y, plan.c,
+                                  &plan.algo, p.workspace, p.workspace_bytes, p.stream));
+}
+
+}  // namespace tp_kernels

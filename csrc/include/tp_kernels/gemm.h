@@ -1,0 +1,36 @@
+// Y = X W^T (+ b) on cuBLASLt: the GEMM of every tensor-parallel linear layer.
+//
+// All matrices are row-major with a leading dimension (elements between consecutive rows):
+//   X [m, k] (ldx >= k), W [n, k] (ldw >= k), Y [m, n] (ldy >= n), bias [n] or null.
+// fp16 and bf16 accumulate in fp32; fp32 computes in full fp32 (no TF32), as torch does by
+// default. The bias is added by the GEMM's epilogue. Work is enqueued on `stream`; nothing
+// blocks the host, so the call can be captured in a CUDA graph. The workspace (any size,
+// 0 allowed) is owned by the caller and must not be used concurrently by another stream.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace tp_kernels {
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+struct LinearArgs {
+  const void* x = nullptr;
+  const void* w = nullptr;
+  const void* bias = nullptr;  // may be null
+  void* y = nullptr;
+  int64_t m = 0, n = 0, k = 0;
+  int64_t ldx = 0, ldw = 0, ldy = 0;
+  DType dtype = DType::kBFloat16;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  cudaStream_t stream = nullptr;
+};
+
+// Throws tp_kernels::Error on invalid arguments or a failed CUDA/cuBLASLt call.
+void linear(const LinearArgs& args);
+
+}  // namespace tp_kernels
