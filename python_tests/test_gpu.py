@@ -29,6 +29,35 @@ def nccl_world():
         yield world
 
 
+#: Several NCCL ranks on one GPU: NCCL refuses two ranks on one device of one host, so each rank
+#: claims its own host (NCCL_HOSTID) and they talk over sockets on loopback.
+ONE_GPU_RANKS_ENV = {
+    "NCCL_HOSTID": "tp-kernels-rank-{rank}",
+    "NCCL_P2P_DISABLE": "1",
+    "NCCL_SHM_DISABLE": "1",
+    "NCCL_IB_DISABLE": "1",
+    "NCCL_SOCKET_IFNAME": "lo",
+}
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def shared_gpu_world(request):
+    with World(request.param, backend="nccl", timeout_s=120.0, env=ONE_GPU_RANKS_ENV, cuda_device=0) as world:
+        yield world
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("backend", ["reference", "pipelined"])
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_layers_with_several_nccl_ranks_on_one_gpu(shared_gpu_world, kind, dtype, backend):
+    shared_gpu_world.run(test_layers.check_layer_grid, kind, dtype, backend, device="cuda")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_pipelined_with_several_nccl_ranks_on_one_gpu(shared_gpu_world, op):
+    shared_gpu_world.run(test_ops.check_pipelined_matches_reference, op, 7, device="cuda")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("backend", ["reference", "pipelined", "auto"])
 @pytest.mark.parametrize("kind", ["column", "row"])

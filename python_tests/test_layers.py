@@ -222,6 +222,20 @@ def test_load_full_weight(world):
     world.run(check_load_full_weight)
 
 
+def check_rank_env():
+    import os
+
+    r, p = rank_world()
+    return os.environ.get("TP_KERNELS_TEST_RANK_ENV")
+
+
+def test_world_sets_per_rank_environment():
+    from tp_kernels.launch import World
+
+    with World(2, backend="gloo", env={"TP_KERNELS_TEST_RANK_ENV": "host-{rank}"}) as world:
+        assert world.run(check_rank_env) == ["host-0", "host-1"]
+
+
 def test_single_process_without_torch_distributed():
     """Without init_process_group the layers act on one rank, like nn.Linear."""
     torch.manual_seed(0)

@@ -261,9 +261,17 @@ def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group, tag: int, what:
     """Start sending ``send`` to the next rank of the ring and receiving ``recv`` from the previous.
 
     The ring is ``r -> (r + 1) mod p`` in group ranks. Returns ``(send_work, recv_pending)``.
+    The pair is issued as one batch: with NCCL a lone send may wait for its receiver, and every
+    rank sending first would deadlock.
     """
     p, r = group_size(group), group_rank(group)
     nxt = dist.get_global_rank(group, (r + 1) % p)
     prv = dist.get_global_rank(group, (r - 1) % p)
-    send_work = dist.isend(send, nxt, group=group, tag=tag)
-    return send_work, Pending(recv, [dist.irecv(recv, prv, group=group, tag=tag)], what, group)
+    works = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, send, nxt, group=group, tag=tag),
+        dist.P2POp(dist.irecv, recv, prv, group=group, tag=tag),
+    ])
+    if len(works) == 2:
+        return works[0], Pending(recv, [works[1]], what, group)
+    # NCCL coalesces the batch into one work: it completes both
+    return None, Pending(recv, works, what, group)

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,11 +49,12 @@ def launched_by_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def _worker(rank, world_size, store_path, backend, timeout_s, threads, tasks, results):
+def _worker(rank, world_size, store_path, backend, timeout_s, threads, env, cuda_device, tasks, results):
     try:
+        os.environ.update({k: v.format(rank=rank) for k, v in env.items()})
         torch.set_num_threads(threads)
         if backend == "nccl":
-            torch.cuda.set_device(rank)
+            torch.cuda.set_device(rank if cuda_device is None else cuda_device)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
@@ -86,10 +87,14 @@ class World:
         timeout_s: collective timeout inside the ranks (``init_process_group`` and
             :func:`tp_kernels.set_timeout`).
         threads: ``torch.set_num_threads`` in each rank (default: cores / ranks, at least 1).
+        env: environment variables set in each rank before ``torch.distributed`` starts; values
+            may use ``{rank}`` (e.g. ``{"NCCL_HOSTID": "host-{rank}"}``).
+        cuda_device: put every rank on this CUDA device (default: rank r on device r).
     """
 
     def __init__(self, world_size: int, backend: Optional[str] = None, timeout_s: float = 60.0,
-                 threads: Optional[int] = None):
+                 threads: Optional[int] = None, env: Optional[Dict[str, str]] = None,
+                 cuda_device: Optional[int] = None):
         if world_size < 1:
             raise ValueError(f"world_size: expected a positive int, got {world_size}")
         self.world_size = world_size
@@ -106,7 +111,8 @@ class World:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, store_path, self.backend, timeout_s, threads, self._tasks[r], self._results),
+                args=(r, world_size, store_path, self.backend, timeout_s, threads, dict(env or {}), cuda_device,
+                      self._tasks[r], self._results),
                 daemon=True,
             )
             for r in range(world_size)

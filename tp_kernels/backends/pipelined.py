@@ -52,7 +52,8 @@ def all_gather_matmul(x, weight, bias, group, num_chunks):
                     tag=step * len(pieces) + j,
                     what=f"all-gather+matmul ring step {step} piece {j}",
                 )
-                sends.append(send)
+                if send is not None:
+                    sends.append(send)
             else:
                 inflight[j] = None
             # (b-a, k) x (k, n/p) -> rows of (m, n/p)
