@@ -10,7 +10,6 @@ Backward ops return an empty tensor for a gradient that is not needed (a custom 
 return None); the autograd wrappers turn those back into None.
 """
 
-from __future__ import annotations
 
 from typing import Optional, Tuple
 
