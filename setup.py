@@ -10,8 +10,9 @@ Build switches (environment variables):
 * ``TP_KERNELS_BUILD_TYPE``: CMake build type (default ``Release``).
 
 Without nvcc the pure-Python package is installed, with a message saying so. NCCL and
-cuBLASLt headers and libraries come from the ``nvidia-nccl-cu13`` and ``nvidia-cublas`` wheels
-(build requirements in ``pyproject.toml``); at run time the same wheels provide the libraries
+cuBLASLt headers and libraries come from the ``nvidia-nccl-cu13`` and ``nvidia-cublas`` wheels,
+build requirements that the in-tree backend (``_build/tp_kernels_build.py``) adds only when the
+CUDA build will run; at run time the same wheels provide the libraries
 (``pip install tp_kernels[cuda]``, or any CUDA 13 torch, which depends on them).
 """
 
@@ -27,33 +28,12 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "_build"))
+from tp_kernels_build import find_nvcc, skip_requested  # noqa: E402  (one nvcc finder for both)
 
 
 def _log(msg: str) -> None:
     print(f"tp_kernels setup: {msg}", file=sys.stderr, flush=True)
-
-
-def _toolkit_root(nvcc: Path):
-    """The CUDA toolkit holding ``nvcc``, or None (e.g. a wrapper script elsewhere on PATH)."""
-    root = nvcc.resolve().parent.parent
-    return root if (root / "include" / "cuda_runtime.h").is_file() else None
-
-
-def _find_nvcc():
-    """``(nvcc, toolkit root or None)``: ``CUDA_HOME``, then an nvcc on PATH that sits in a
-    toolkit, then ``/usr/local/cuda``, then any nvcc on PATH; ``(None, None)`` if none."""
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    on_path = shutil.which("nvcc")
-    candidates = [Path(cuda_home) / "bin" / "nvcc"] if cuda_home else []
-    if on_path and _toolkit_root(Path(on_path)):
-        candidates.append(Path(on_path))
-    candidates.append(Path("/usr/local/cuda/bin/nvcc"))
-    if on_path:
-        candidates.append(Path(on_path))
-    for nvcc in candidates:
-        if nvcc.is_file() and os.access(nvcc, os.X_OK):
-            return nvcc, _toolkit_root(nvcc)
-    return None, None
 
 
 def _wheel_root(package: str, marker: str) -> Path:
@@ -77,7 +57,7 @@ class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
         if not isinstance(ext, CMakeExtension):
             return super().build_extension(ext)
-        nvcc, toolkit = _find_nvcc()
+        nvcc, toolkit = find_nvcc()
         import cmake  # noqa: F401  (build requirements: cmake, ninja, pybind11, NVIDIA wheels)
         import pybind11
 
@@ -105,10 +85,10 @@ class CMakeBuild(build_ext):
 
 
 def _ext_modules():
-    if os.environ.get("TP_KERNELS_SKIP_CUDA_BUILD", "0") not in ("", "0"):
+    if skip_requested():
         _log("TP_KERNELS_SKIP_CUDA_BUILD is set: installing the pure-Python package only")
         return []
-    if _find_nvcc()[0] is None:
+    if find_nvcc()[0] is None:
         _log("no nvcc found (set CUDA_HOME): installing the pure-Python package only; "
              "tp_kernels.extension_status() will say so")
         return []
