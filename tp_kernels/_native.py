@@ -128,9 +128,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     y = x.new_empty((m, n))
     if k == 0:  # an empty sum: the bias alone
         return y.copy_(bias.expand(m, n)) if bias is not None else y.zero_()
-    stream = torch.cuda.current_stream(x.device)
-    ws = _workspace(stream)
-    _C.linear(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
-              m, n, k, x.stride(0), weight.stride(0), n, _DTYPE_CODES[x.dtype], ws.data_ptr(), ws.numel(),
-              stream.cuda_stream)
+    with torch.cuda.device(x.device):  # the native side works on the current device
+        stream = torch.cuda.current_stream(x.device)
+        ws = _workspace(stream)
+        _C.linear(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
+                  m, n, k, x.stride(0), weight.stride(0), n, _DTYPE_CODES[x.dtype], ws.data_ptr(), ws.numel(),
+                  stream.cuda_stream)
     return y
