@@ -35,7 +35,6 @@ def no_collectives():
 def bad_calls(p):
     """(expected argument name in the message, zero-argument callable) pairs; sizes not
     divisible by p only when p > 1."""
-    f32 = dict(dtype=torch.float32)
     x, w, b = torch.randn(4, 6), torch.randn(5, 6), torch.randn(5)
     col = tp_kernels.ColumnParallelLinear(6, 4 * p)
     col_sp = tp_kernels.ColumnParallelLinear(6, 4 * p, sequence_parallel=True)
