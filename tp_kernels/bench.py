@@ -164,7 +164,9 @@ def format_table(rows: List[dict]) -> str:
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    torchrun = all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    from .launch import World, default_backend, launched_by_torchrun
+
+    torchrun = launched_by_torchrun()
     if torchrun:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
@@ -172,8 +174,6 @@ def main(argv=None) -> int:
         dist.init_process_group(backend)
         p = dist.get_world_size()
     else:
-        from .launch import World, default_backend
-
         p = args.world_size or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
         backend = default_backend(p)
     dtype = args.dtype or ("bfloat16" if backend == "nccl" else "float32")
