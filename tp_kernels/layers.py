@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from . import _comm, ops
-from ._checks import check_divisible, check_int, check_linear_args, check_tensor
+from ._checks import check_divisible, check_int, check_tensor
 from .mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -172,13 +172,10 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
             f"tp_size={self.tp_size}, sequence_parallel={self.sequence_parallel}, backend={self.backend!r}"
         )
 
-    def _op_kwargs(self):
-        return {"group": self.group, "backend": self.backend, "num_chunks": self.num_chunks}
-
-    def _check_input(self, input_):
-        """Validate the input against this rank's weight (naming ``input_``); applies autocast."""
-        min_dim = 2 if self.sequence_parallel else 1
-        return check_linear_args(input_, self.weight, self.bias, x_name="input_", min_dim=min_dim)[0]
+    def _op(self, op: str, input_, bias):
+        """Run ``op`` on this rank's weight; argument errors name ``input_``."""
+        return ops._run(op, input_, self.weight, bias, group=self.group, backend=self.backend,
+                        num_chunks=self.num_chunks, x_name="input_")
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -215,14 +212,13 @@ class ColumnParallelLinear(_ParallelLinear):
                          dtype=dtype, backend=backend, num_chunks=num_chunks)
 
     def forward(self, input_: torch.Tensor):
-        input_ = self._check_input(input_)
         bias = None if self.skip_bias_add else self.bias
         if self.sequence_parallel:
             # [s/p, ..., in] -(AG)-> [s, ..., in] x [in, out/p] -> [s, ..., out/p]
-            out = ops.all_gather_matmul(input_, self.weight, bias, **self._op_kwargs())
+            out = self._op("all_gather_matmul", input_, bias)
         else:
             # [..., in] x [in, out/p] -> [..., out/p]; backward all-reduces d(input)
-            out = ops.linear_with_grad_all_reduce(input_, self.weight, bias, **self._op_kwargs())
+            out = self._op("linear_with_grad_all_reduce", input_, bias)
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.group)  # [..., out]
         if not self.skip_bias_add:
@@ -279,14 +275,13 @@ class RowParallelLinear(_ParallelLinear):
                     f"(input_is_parallel=False), got shape {tuple(input_.shape)}"
                 )
             input_ = scatter_to_tensor_model_parallel_region(input_, self.group)  # [..., in/p]
-        input_ = self._check_input(input_)
         bias = None if self.skip_bias_add else self.bias
         if self.sequence_parallel:
             # [s, ..., in/p] x [in/p, out] -(RS)-> [s/p, ..., out]
-            out = ops.matmul_reduce_scatter(input_, self.weight, bias, **self._op_kwargs())
+            out = self._op("matmul_reduce_scatter", input_, bias)
         else:
             # [..., in/p] x [in/p, out] -(AR)-> [..., out]
-            out = ops.matmul_all_reduce(input_, self.weight, bias, **self._op_kwargs())
+            out = self._op("matmul_all_reduce", input_, bias)
         if not self.skip_bias_add:
             return out
         out_bias = self.bias

@@ -77,14 +77,34 @@ def _flatten(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _prepare(op: str, x, weight, bias, group, backend, num_chunks, min_dim: int):
-    """Check every argument (before any communication) and pick the backend."""
+#: op -> (the schedule entry giving its chunk default, the fewest input dims it accepts)
+_OPS = {
+    "all_gather_matmul": ("all_gather_matmul", 2),
+    "matmul_reduce_scatter": ("matmul_reduce_scatter", 2),
+    "matmul_all_reduce": ("matmul_all_reduce", 1),
+    "linear_with_grad_all_reduce": ("matmul_all_reduce", 1),
+}
+
+
+def _run(op: str, x, weight, bias=None, *, group=None, backend: str = "auto", num_chunks=None,
+         x_name: str = "x") -> torch.Tensor:
+    """Check every argument (before any communication; errors name the input ``x_name``), pick
+    the backend, run ``torch.ops.tp_kernels.<op>`` on the flattened input and restore its leading
+    dims. The public ops and the layers both come through here."""
+    schedule_op, min_dim = _OPS[op]
     group = _comm.resolve_group(group)
     check_backend(backend)
-    num_chunks = resolve_num_chunks(op, num_chunks)
-    x, weight, bias = check_linear_args(x, weight, bias, min_dim=min_dim)
+    num_chunks = resolve_num_chunks(schedule_op, num_chunks)
+    x, weight, bias = check_linear_args(x, weight, bias, x_name=x_name, min_dim=min_dim)
     p = _comm.group_size(group)
-    return x, weight, bias, group_name(group), p, num_chunks, select_backend(op, backend, x, p)
+    lead = list(x.shape[:-1])
+    if op == "all_gather_matmul":
+        lead[0] *= p
+    elif op == "matmul_reduce_scatter":
+        lead[0] = check_divisible(f"{x_name}.shape[0]", x.shape[0], p)
+    impl = select_backend(schedule_op, backend, x, p)
+    out = getattr(torch.ops.tp_kernels, op)(_flatten(x), weight, bias, group_name(group), impl, num_chunks)
+    return out.reshape(*lead, weight.shape[0])
 
 
 def all_gather_matmul(
@@ -105,9 +125,7 @@ def all_gather_matmul(
     Returns:
         ``[m, ..., n/p]``.
     """
-    x, weight, bias, group, p, c, impl = _prepare("all_gather_matmul", x, weight, bias, group, backend, num_chunks, 2)
-    out = torch.ops.tp_kernels.all_gather_matmul(_flatten(x), weight, bias, group, impl, c)
-    return out.reshape(x.shape[0] * p, *x.shape[1:-1], weight.shape[0])
+    return _run("all_gather_matmul", x, weight, bias, group=group, backend=backend, num_chunks=num_chunks)
 
 
 def matmul_reduce_scatter(
@@ -128,10 +146,7 @@ def matmul_reduce_scatter(
     Returns:
         ``[m/p, ..., n]``: rows ``[r*m/p, (r+1)*m/p)`` of dim 0 on rank r.
     """
-    x, weight, bias, group, p, c, impl = _prepare("matmul_reduce_scatter", x, weight, bias, group, backend, num_chunks, 2)
-    mp = check_divisible("x.shape[0]", x.shape[0], p)
-    out = torch.ops.tp_kernels.matmul_reduce_scatter(_flatten(x), weight, bias, group, impl, c)
-    return out.reshape(mp, *x.shape[1:-1], weight.shape[0])
+    return _run("matmul_reduce_scatter", x, weight, bias, group=group, backend=backend, num_chunks=num_chunks)
 
 
 def matmul_all_reduce(
@@ -152,9 +167,7 @@ def matmul_all_reduce(
     Returns:
         ``[..., n]``, the same on every rank.
     """
-    x, weight, bias, group, p, c, impl = _prepare("matmul_all_reduce", x, weight, bias, group, backend, num_chunks, 1)
-    out = torch.ops.tp_kernels.matmul_all_reduce(_flatten(x), weight, bias, group, impl, c)
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return _run("matmul_all_reduce", x, weight, bias, group=group, backend=backend, num_chunks=num_chunks)
 
 
 def linear_with_grad_all_reduce(
@@ -174,6 +187,4 @@ def linear_with_grad_all_reduce(
     Returns:
         ``[..., n/p]``. Backward: ``dX = matmul_all_reduce(dY, W)``, ``dW`` computed meanwhile.
     """
-    x, weight, bias, group, p, c, impl = _prepare("matmul_all_reduce", x, weight, bias, group, backend, num_chunks, 1)
-    out = torch.ops.tp_kernels.linear_with_grad_all_reduce(_flatten(x), weight, bias, group, impl, c)
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return _run("linear_with_grad_all_reduce", x, weight, bias, group=group, backend=backend, num_chunks=num_chunks)
