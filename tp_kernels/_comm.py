@@ -34,8 +34,7 @@ __all__ = [
     "reduce_scatter_dim0",
     "resolve_group",
     "set_timeout",
-    "split_dim0",
-    "split_last_dim",
+    "split",
     "wait",
 ]
 
@@ -237,24 +236,13 @@ def all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     return stacked.movedim(0, -2).reshape(*x.shape[:-1], x.shape[-1] * p)
 
 
-def split_last_dim(x: torch.Tensor, group) -> torch.Tensor:
-    """This rank's block of the last dim, ``[..., d] -> [..., d/p]`` (contiguous copy)."""
+def split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's block of ``dim`` (e.g. ``[..., d] -> [..., d/p]``), as a contiguous copy."""
     p = group_size(group)
     if p == 1:
         return x
-    d = x.shape[-1] // p
-    r = group_rank(group)
-    return x[..., r * d : (r + 1) * d].contiguous()
-
-
-def split_dim0(x: torch.Tensor, group) -> torch.Tensor:
-    """This rank's block of dim 0, ``[m, ...] -> [m/p, ...]`` (contiguous copy)."""
-    p = group_size(group)
-    if p == 1:
-        return x
-    m = x.shape[0] // p
-    r = group_rank(group)
-    return x[r * m : (r + 1) * m].contiguous()
+    size = x.shape[dim] // p
+    return x.narrow(dim, group_rank(group) * size, size).contiguous()
 
 
 def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group, tag: int, what: str):

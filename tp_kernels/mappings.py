@@ -73,7 +73,7 @@ class _ScatterToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _comm.split_last_dim(x, group)
+        return _comm.split(x, -1, group)
 
     @staticmethod
     def backward(ctx, dy):
@@ -88,14 +88,14 @@ class _GatherFromRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        return _comm.split_last_dim(dy, ctx.group), None
+        return _comm.split(dy, -1, ctx.group), None
 
 
 class _ScatterToSequenceRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _comm.split_dim0(x, group)
+        return _comm.split(x, 0, group)
 
     @staticmethod
     def backward(ctx, dy):
@@ -112,7 +112,7 @@ class _GatherFromSequenceRegion(torch.autograd.Function):
     def backward(ctx, dy):
         if ctx.reduce:
             return _reduce_scatter_dim0(dy, ctx.group), None, None
-        return _comm.split_dim0(dy, ctx.group), None, None
+        return _comm.split(dy, 0, ctx.group), None, None
 
 
 class _ReduceScatterToSequenceRegion(torch.autograd.Function):
