@@ -1,0 +1,282 @@
+"""Per-rank measurements: each case's GEMMs alone, its collectives alone, the GEMMs while the
+collectives are in flight, and every backend's op (or layer forward+backward).
+
+Timing: CUDA events around the timed region on the GPU, ``time.perf_counter`` around
+synchronous host work on the CPU; a barrier before each sample; a sample's time is the
+slowest rank's; the median over ``iters`` samples after ``warmup`` untimed ones. Inputs rotate
+through enough buffer sets to exceed twice the last-level cache (L2 on the GPU), and are random
+normal, never zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import sys
+import time
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .. import _comm, ops
+from .cases import Case
+
+__all__ = ["Timer", "measure_case", "measure_peak", "run_rank"]
+
+_CPU_CACHE_BYTES = 32 << 20
+_MAX_SETS = 16
+_MAX_SET_BYTES = 4 << 30
+
+
+class Timer:
+    """Median seconds of ``body(i)`` over ``iters`` samples (slowest rank each), see the module doc.
+
+    ``pre(i)`` and ``post(i)`` run around each sample, untimed (e.g. starting and finishing
+    communication that the timed GEMM should overlap).
+    """
+
+    def __init__(self, iters: int, warmup: int, cuda: bool, group=None):
+        self.iters, self.warmup, self.cuda, self.group = iters, warmup, cuda, group
+        self.p = _comm.group_size(group)
+
+    def __call__(self, body: Callable[[int], object], pre: Optional[Callable[[int], object]] = None,
+                 post: Optional[Callable[[int], object]] = None) -> float:
+        def once(i):
+            state = pre(i) if pre else None
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                body(i)
+                end.record()
+            else:
+                t0 = time.perf_counter()
+                body(i)
+                elapsed = time.perf_counter() - t0
+            if post:
+                post(state)
+            if self.cuda:
+                end.synchronize()
+                elapsed = start.elapsed_time(end) / 1e3
+            return elapsed
+
+        for i in range(self.warmup):
+            once(i)
+        samples = []
+        for i in range(self.iters):
+            if self.p > 1:
+                dist.barrier(group=self.group)
+            samples.append(once(self.warmup + i))
+        if self.p > 1:
+            t = torch.tensor(samples, dtype=torch.float64, device="cuda" if self.cuda else "cpu")
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            samples = t.tolist()
+        return statistics.median(samples)
+
+
+def _sets(bytes_per_set: int, cuda: bool) -> int:
+    """Buffer sets to rotate through so that the working set exceeds twice the cache."""
+    cache = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size if cuda else _CPU_CACHE_BYTES
+    n = math.ceil(2 * cache / max(1, bytes_per_set)) + 1
+    return max(2, min(_MAX_SETS, n, max(1, _MAX_SET_BYTES // max(1, bytes_per_set))))
+
+
+def measure_peak(dtype: torch.dtype, device: torch.device, timer: Timer) -> float:
+    """TFLOP/s of a large square GEMM (8192 on the GPU, 1024 on the CPU): the run's GEMM peak."""
+    size = 8192 if device.type == "cuda" else 1024
+    a = [torch.randn(size, size, device=device, dtype=dtype) for _ in range(2)]
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    t = timer(lambda i: torch.mm(a[i % 2], b))
+    return 2.0 * size ** 3 / t / 1e12
+
+
+def _rand(shape, n, device, dtype):
+    return [torch.randn(shape, device=device, dtype=dtype) for _ in range(n)]
+
+
+def _collectives(case: Case, p: int) -> List[Tuple[str, Tuple[int, int], str]]:
+    """``(kind, shape, what)`` of the collectives one call (op, or layer fwd+bwd) communicates."""
+    m, k, n = case.m, case.k, case.n
+    if not case.is_layer:
+        return {"all_gather_matmul": [("all_gather", (m // p, k), "x")],
+                "matmul_reduce_scatter": [("reduce_scatter", (m, n), "x W^T")],
+                "matmul_all_reduce": [("all_reduce", (m, n), "x W^T")]}[case.target]
+    if case.kind == "column":
+        if case.sequence_parallel:
+            return [("all_gather", (m // p, k), "x"), ("all_gather", (m // p, k), "x (backward)"),
+                    ("reduce_scatter", (m, k), "dx")]
+        return [("all_reduce", (m, k), "dx")]
+    if case.sequence_parallel:
+        return [("reduce_scatter", (m, n), "y"), ("all_gather", (m // p, n), "dy")]
+    return [("all_reduce", (m, n), "y")]
+
+
+def _start(kind: str, buf: torch.Tensor, group) -> _comm.Pending:
+    if kind == "all_gather":
+        return _comm.all_gather_dim0(buf, group)
+    if kind == "reduce_scatter":
+        return _comm.reduce_scatter_dim0(buf, group, scratch=True)
+    return _comm.all_reduce(buf, group, inplace=True)
+
+
+def _ring(send: torch.Tensor, recv: torch.Tensor, group) -> None:
+    work, pending = _comm.ring_exchange(send, recv, group, tag=0, what="ring step")
+    pending.wait()
+    if work is not None:
+        _comm.wait(work, "ring step send", group, cuda=send.is_cuda)
+
+
+def _gemms(case: Case, p: int) -> List[Tuple[int, int, int]]:
+    """``(m, n, k)`` of this rank's GEMMs: the op's one, or a layer's fwd, dgrad and wgrad."""
+    m = case.m
+    if case.kind == "column":
+        fwd = (m, case.n // p, case.k)
+    else:
+        fwd = (m, case.n, case.k // p)
+    if not case.is_layer:
+        return [fwd]
+    mm, nn, kk = fwd
+    return [fwd, (mm, kk, nn), (nn, kk, mm)]  # dgrad (m, k, n), wgrad (n, k, m)
+
+
+def measure_case(case: Case, backends: List[str], dtype: torch.dtype, device: torch.device, group,
+                 timer: Timer, num_chunks: Optional[int]) -> dict:
+    """Every timing of one case on this rank (all ranks call it together); seconds."""
+    p = _comm.group_size(group)
+    esize = torch.empty((), dtype=dtype).element_size()
+    gemms = _gemms(case, p)
+    colls = _collectives(case, p)
+    per_set = esize * sum(a * c + b * c + a * b for a, b, c in gemms)
+    nsets = _sets(per_set, device.type == "cuda")
+    # GEMM operands: A (m, k), B (n, k); out = A B^T
+    operands = [(_rand((a, c), nsets, device, dtype), _rand((b, c), nsets, device, dtype)) for a, b, c in gemms]
+
+    def run_gemms(i):
+        for a, b in operands:
+            F.linear(a[i % nsets], b[i % nsets])
+
+    out = {"gemm": {}, "comm": {}, "backend": {}}
+    out["gemm_total"] = 0.0
+    for (a, b, c), (av, bv) in zip(gemms, operands):
+        t = timer(lambda i: F.linear(av[i % nsets], bv[i % nsets]))
+        out["gemm"][(a, b, c)] = t
+        out["gemm_total"] += t
+    # chunk-sized GEMMs and collectives for the model (ops only): what the pipelined schedule runs
+    if not case.is_layer and p > 1:
+        a, b, c = gemms[0]
+        rows = max(1, (case.m // p if case.target == "all_gather_matmul" else case.m) // 4)
+        av = [t[:rows] for t in operands[0][0]]
+        out["gemm"][(rows, b, c)] = timer(lambda i: F.linear(av[i % nsets], operands[0][1][i % nsets]))
+
+    comm_bufs = [(kind, _rand(shape, 2, device, dtype)) for kind, shape, _ in colls]
+    samples: List[Tuple[str, int, float]] = []
+    out["comm_total"] = 0.0
+    if p > 1:
+        for kind, bufs in comm_bufs:
+            t = timer(lambda i: _start(kind, bufs[i % 2], group).wait())
+            nbytes = bufs[0].numel() * esize * (p if kind == "all_gather" else 1)
+            samples.append((kind, nbytes, t))
+            out["comm_total"] += t
+        if not case.is_layer:
+            kind, bufs = comm_bufs[0]
+            quarter = [b[: max(1, b.shape[0] // 4)] for b in bufs]
+            if kind == "reduce_scatter":  # keep dim 0 divisible by p
+                quarter = [b[: max(p, b.shape[0] // 4 // p * p)] for b in bufs]
+            t = timer(lambda i: _start(kind, quarter[i % 2], group).wait())
+            samples.append((kind, quarter[0].numel() * esize * (p if kind == "all_gather" else 1), t))
+            if kind == "all_gather":
+                # the pipelined ring moves shards by send/recv, not by the all-gather collective
+                for bufs_ in (bufs, quarter):
+                    recv = [torch.empty_like(b) for b in bufs_]
+                    t = timer(lambda i: _ring(bufs_[i % 2], recv[i % 2], group))
+                    samples.append(("ring_step", bufs_[0].numel() * esize, t))
+
+        def start_all(i):
+            return [_start(kind, bufs[i % 2], group) for kind, bufs in comm_bufs]
+
+        def finish_all(pending):
+            for work in pending:
+                work.wait()
+
+        out["gemm_under_comm"] = timer(run_gemms, pre=start_all, post=finish_all)
+    else:
+        out["gemm_under_comm"] = out["gemm_total"]
+    out["comm_samples"] = samples
+
+    out["resolved"] = {}
+    probe = torch.empty(case.local(p)[0], device=device, dtype=dtype)
+    op = case.target if not case.is_layer else (
+        "all_gather_matmul" if case.kind == "column" and case.sequence_parallel else
+        "matmul_reduce_scatter" if case.sequence_parallel else "matmul_all_reduce")
+    for backend in backends:
+        out["resolved"][backend] = ops.select_backend(op, backend, probe, p)
+        out["backend"][backend] = _time_backend(case, backend, dtype, device, group, timer, num_chunks, nsets)
+    return out
+
+
+def _time_backend(case, backend, dtype, device, group, timer, num_chunks, nsets) -> float:
+    p = _comm.group_size(group)
+    (xm, xk), _ = case.local(p)
+    if not case.is_layer:
+        _, wshape = case.local(p)
+        xs = _rand((xm, xk), nsets, device, dtype)
+        ws = _rand(wshape, nsets, device, dtype)
+        fn = getattr(ops, case.target)
+        return timer(lambda i: fn(xs[i % nsets], ws[i % nsets], group=group, backend=backend, num_chunks=num_chunks))
+    from ..layers import ColumnParallelLinear, RowParallelLinear
+
+    cls = ColumnParallelLinear if case.kind == "column" else RowParallelLinear
+    torch.manual_seed(0)
+    layer = cls(case.k, case.n, sequence_parallel=case.sequence_parallel, backend=backend, device=device,
+                dtype=dtype, num_chunks=num_chunks, group=group)
+    xs = [x.requires_grad_() for x in _rand((xm, xk), nsets, device, dtype)]
+    dy = torch.randn_like(layer(xs[0]))
+
+    def step(i):
+        x = xs[i % nsets]
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        layer(x).backward(dy)
+
+    return timer(step)
+
+
+def run_rank(config: dict) -> Optional[dict]:
+    """Measure every case of ``config`` on this rank; rank 0 returns the measurements."""
+    group = dist.group.WORLD if dist.is_initialized() else None
+    rank = _comm.group_rank(group)
+    cuda = dist.is_initialized() and dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    timer = Timer(config["iters"], config["warmup"], cuda, group)
+    cases = [Case(**c) for c in config["cases"]]
+    total = len(cases) * len(config["dtypes"])
+    start = time.monotonic()
+    result = {"peak_tflops": {}, "cases": []}
+    done = 0
+    for dtype_name in config["dtypes"]:
+        dtype = getattr(torch, dtype_name)
+        result["peak_tflops"][dtype_name] = measure_peak(dtype, device, timer)
+        for case in cases:
+            if rank == 0 and config.get("progress", True):
+                _progress(done, total, start, f"{case.label()} {dtype_name}")
+            torch.manual_seed(1234 + done)
+            m = measure_case(case, config["backends"], dtype, device, group, timer, config["num_chunks"])
+            m["gemm"] = [[list(k), v] for k, v in m["gemm"].items()]
+            result["cases"].append({"case": dataclasses.asdict(case), "dtype": dtype_name, **m})
+            done += 1
+    if rank == 0 and config.get("progress", True):
+        _progress(done, total, start, "done", end=True)
+    return result if rank == 0 else None
+
+
+def _progress(done: int, total: int, start: float, what: str, end: bool = False) -> None:
+    elapsed = time.monotonic() - start
+    eta = f", ~{elapsed / done * (total - done):.0f} s left" if done else ""
+    line = f"[{done}/{total}] {elapsed:.0f} s{eta}: {what}"
+    if sys.stderr.isatty():
+        sys.stderr.write("\r\033[K" + line + ("\n" if end else ""))
+    else:
+        sys.stderr.write(line + "\n")
+    sys.stderr.flush()

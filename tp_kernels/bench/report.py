@@ -1,0 +1,210 @@
+"""From measurements to the report: metrics, the model check, table, JSON, CSV and plot.
+
+Per case and backend (times are medians, seconds in, milliseconds out):
+
+* ``tflops``: this rank's GEMM FLOPs / time; ``pct_peak``: against the run's measured peak
+  (a large square GEMM, :func:`tp_kernels.bench.measure.measure_peak`);
+* ``speedup``: the baseline backend's time / this backend's, measured in the same run;
+* ``E = (t_gemm + t_comm - t) / t_comm``: overlap efficiency (1: communication fully hidden,
+  0: none hidden; below 0: slower than running one after the other);
+* ``gemm_slowdown``: the GEMMs' time while the case's collectives are in flight / alone;
+* ``exposed_comm_ms = t - t_gemm``;
+* ``model_ms``: what :mod:`tp_kernels.perf_model` predicts for this backend's schedule from
+  this run's own GEMM times, a link fitted to this run's collective times and the measured
+  slowdown; ``model_err = model / measured - 1``.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import math
+import os
+from collections import defaultdict
+from typing import Dict, List, Optional
+
+from .. import perf_model
+from .cases import Case
+
+__all__ = ["CSV_FIELDS", "compute_rows", "format_table", "model_error_summary", "plot", "to_csv"]
+
+_E_FLOOR = -2.0  # plotted E below this is drawn at it (the JSON and CSV keep the value)
+
+CSV_FIELDS = [
+    "target", "model", "m", "in", "out", "sequence_parallel", "p", "dtype", "backend", "resolved", "median_ms",
+    "tflops", "pct_peak", "speedup", "baseline", "E", "gemm_ms", "comm_ms", "gemm_under_comm_ms", "gemm_slowdown",
+    "exposed_comm_ms", "model_ms", "model_err",
+]
+
+
+def _model_inputs(result: dict, dtype: str):
+    times, samples = {}, defaultdict(list)
+    for c in result["cases"]:
+        if c["dtype"] != dtype:
+            continue
+        for (m, n, k), t in c["gemm"]:
+            times[(m, n, k, dtype)] = t
+        for kind, nbytes, t in c["comm_samples"]:
+            samples[kind].append((nbytes, t))
+    gemm = perf_model.MeasuredGemm(times, source="GEMM times measured in this run")
+    usable = {kind: pts for kind, pts in samples.items() if len({b for b, _ in pts}) >= 2}
+    link = perf_model.Link.calibrated("this run's collectives", usable) if usable else None
+    return gemm, link
+
+
+def _with_local_fits(link, samples):
+    """``link`` with the kinds this case measured at two sizes or more fitted to those alone."""
+    by_kind = defaultdict(list)
+    for kind, nbytes, t in samples:
+        by_kind[kind].append((nbytes, t))
+    local = {k: pts for k, pts in by_kind.items() if len({b for b, _ in pts}) >= 2}
+    if not local:
+        return link
+    fitted = perf_model.Link.calibrated("this case's collectives", local)
+    return fitted if link is None else dataclasses.replace(link, fits={**link.fits, **fitted.fits})
+
+
+def _predict(case: Case, p: int, dtype: str, schedule: str, gemm, link, slowdown: float,
+             num_chunks: Optional[int]) -> Optional[float]:
+    if link is None or p == 1:
+        return None
+    kinds = {"all_gather_matmul": "all_gather", "matmul_reduce_scatter": "reduce_scatter",
+             "matmul_all_reduce": "all_reduce"}
+    if case.is_layer:
+        needed = {"all_gather", "reduce_scatter"} if case.sequence_parallel else {"all_reduce"}
+    else:
+        needed = {kinds[case.target]}
+    if not needed <= set(link.fits):
+        return None
+    try:
+        if case.is_layer:
+            tasks = perf_model.layer_tasks(case.kind, case.sequence_parallel, case.m, case.k, case.n, p, dtype, gemm,
+                                           link, schedule, num_chunks)
+        elif schedule == "naive":
+            tasks = perf_model.naive_op_tasks(case.target, case.m, case.k, case.n, p, dtype, gemm, link)
+        else:
+            tasks = perf_model.op_tasks(case.target, case.m, case.k, case.n, p, dtype, gemm, link, num_chunks)
+    except KeyError:  # a GEMM shape this run did not measure
+        return None
+    return perf_model.simulate(tasks, slowdown if schedule != "naive" else 1.0)
+
+
+def compute_rows(result: dict, p: int, baseline: str, num_chunks: Optional[int] = None) -> List[dict]:
+    """One row per (case, dtype, backend) with every metric of the module docstring."""
+    models = {d: _model_inputs(result, d) for d in {c["dtype"] for c in result["cases"]}}
+    rows = []
+    for c in result["cases"]:
+        case, dtype = Case(**c["case"]), c["dtype"]
+        t_gemm, t_comm, t_guc = c["gemm_total"], c["comm_total"], c["gemm_under_comm"]
+        slowdown = t_guc / t_gemm if t_gemm > 0 else float("nan")
+        base = c["backend"][baseline]
+        peak = result["peak_tflops"][dtype]
+        gemm, link = models[dtype]
+        link = _with_local_fits(link, c["comm_samples"])
+        for backend, t in c["backend"].items():
+            resolved = c["resolved"][backend]
+            tflops = case.gemm_flops(p) / t / 1e12
+            model = _predict(case, p, dtype, "pipelined" if resolved == "pipelined" else "naive", gemm, link,
+                             slowdown, num_chunks)
+            rows.append({
+                **case.as_dict(), "p": p, "dtype": dtype, "backend": backend, "resolved": resolved,
+                "median_ms": t * 1e3, "tflops": tflops, "pct_peak": 100.0 * tflops / peak,
+                "speedup": base / t, "baseline": baseline,
+                "E": (t_gemm + t_comm - t) / t_comm if t_comm > 0 else None,
+                "gemm_ms": t_gemm * 1e3, "comm_ms": t_comm * 1e3, "gemm_under_comm_ms": t_guc * 1e3,
+                "gemm_slowdown": slowdown, "exposed_comm_ms": (t - t_gemm) * 1e3,
+                "model_ms": None if model is None else model * 1e3,
+                "model_err": None if model is None else model / t - 1.0,
+            })
+    return rows
+
+
+def _fmt(v, spec: str, width: int) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-".rjust(width)
+    return format(v, spec).rjust(width)
+
+
+def format_table(rows: List[dict]) -> str:
+    head = (f"{'target':<21} {'model':<15} {'m':>6} {'in':>6} {'out':>6} {'dtype':<8} {'backend':<9} {'ms':>9} "
+            f"{'TFLOP/s':>8} {'%peak':>6} {'speedup':>7} {'E':>6} {'slow':>5} {'exposed':>8} {'model ms':>9} {'err':>6}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['target']:<21} {r['model']:<15} {r['m']:>6} {r['in']:>6} {r['out']:>6} {r['dtype']:<8} "
+            f"{r['backend']:<9} {r['median_ms']:>9.3f} {r['tflops']:>8.3f} {r['pct_peak']:>6.1f} "
+            f"{r['speedup']:>6.2f}x {_fmt(r['E'], '.2f', 6)} {_fmt(r['gemm_slowdown'], '.2f', 5)} "
+            f"{r['exposed_comm_ms']:>8.3f} {_fmt(r['model_ms'], '.3f', 9)} "
+            f"{_fmt(None if r['model_err'] is None else 100 * r['model_err'], '+.0f', 5)}%"
+        )
+    return "\n".join(lines)
+
+
+def model_error_summary(rows: List[dict]) -> Dict[str, dict]:
+    """Median and worst |model_err| per resolved schedule (``naive`` / ``pipelined``)."""
+    out = {}
+    for schedule in ("reference", "pipelined"):
+        errs = sorted(abs(r["model_err"]) for r in rows if r["model_err"] is not None and r["resolved"] == schedule
+                      and r["backend"] == schedule)
+        if errs:
+            out[schedule] = {"cases": len(errs), "median_abs_err": errs[len(errs) // 2], "max_abs_err": errs[-1]}
+    return out
+
+
+def to_csv(rows: List[dict]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def plot(rows: List[dict], path: str, title: str) -> Optional[str]:
+    """Write a PNG of speedup (top) and E (bottom) against m, one column per target; return
+    its path, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    targets = [t for t in dict.fromkeys(r["target"] for r in rows)]
+    fig, axes = plt.subplots(2, len(targets), figsize=(3.6 * len(targets), 6.4), squeeze=False, sharex="col")
+    for col, target in enumerate(targets):
+        series = defaultdict(list)
+        for r in rows:
+            if r["target"] == target and r["backend"] != r["baseline"]:
+                series[(r["model"], r["dtype"], r["backend"])].append(r)
+        for (model, dtype, backend), rs in sorted(series.items()):
+            rs.sort(key=lambda r: r["m"])
+            label = f"{backend} {model} {dtype}"
+            axes[0][col].plot([r["m"] for r in rs], [r["speedup"] for r in rs], marker="o", label=label)
+            pts = [(r["m"], max(_E_FLOOR, r["E"])) for r in rs if r["E"] is not None]
+            if pts:
+                axes[1][col].plot(*zip(*pts), marker="o", label=label)
+        axes[0][col].axhline(1.0, color="grey", lw=0.8, ls="--")
+        axes[1][col].axhline(0.0, color="grey", lw=0.8, ls="--")
+        axes[1][col].axhline(1.0, color="grey", lw=0.8, ls=":")
+        axes[0][col].set_title(target, fontsize=9)
+        axes[1][col].set_xlabel("m (tokens)")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_xscale("log", base=2)
+            ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("speedup vs baseline")
+    axes[1][0].set_ylabel(f"overlap efficiency E (clipped at {_E_FLOOR:g})")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    for ax in axes[0][1:]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
