@@ -1,0 +1,227 @@
+"""The performance model, the benchmark cases and the report's metrics (no distributed runs,
+except the main job's end-to-end check)."""
+
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tp_kernels import perf_model as pm
+from tp_kernels.bench import cases, report
+from tp_kernels.schedule import DEFAULT_NUM_CHUNKS
+
+
+def _const_gemm(seconds_per_row):
+    return lambda m, n, k, dtype: seconds_per_row * m
+
+
+def test_simulate_two_stage_pipeline_by_hand():
+    # gemm0 [0,1], comm0 [1,3], gemm1 [1,2], comm1 [3,5]
+    tasks = [pm.Task("g0", "compute", 1.0), pm.Task("c0", "link", 2.0, (0,)),
+             pm.Task("g1", "compute", 1.0), pm.Task("c1", "link", 2.0, (2,))]
+    assert pm.simulate(tasks) == pytest.approx(5.0)
+    # g1 overlaps c0, so it takes 2: [1,3]; c1 still starts at 3
+    assert pm.simulate(tasks, gemm_slowdown=2.0) == pytest.approx(5.0)
+    # with a slow first GEMM only the compute chain matters up to the last comm
+    tasks[0].duration = 4.0
+    assert pm.simulate(tasks) == pytest.approx(4 + 2 + 2)
+    assert pm.simulate(pm._serial(tasks)) == pytest.approx(4 + 2 + 1 + 2)
+    with pytest.raises(ValueError, match="later task"):
+        pm.simulate([pm.Task("a", "compute", 1.0, (1,)), pm.Task("b", "link", 1.0)])
+
+
+def test_link_ring_formulas():
+    link = pm.Link("l", bandwidth_gbps=100.0, efficiency=0.5, step_us=2.0, launch_us=10.0)
+    bw = 50e9
+    s = 8e6
+    assert link.time("all_gather", s, 8) == pytest.approx(10e-6 + 7 * (2e-6 + s / 8 / bw))
+    assert link.time("reduce_scatter", s, 8) == pytest.approx(link.time("all_gather", s, 8))
+    assert link.time("all_reduce", s, 8) == pytest.approx(10e-6 + 14 * (2e-6 + s / 8 / bw))
+    assert link.time("ring_step", s, 8) == pytest.approx(10e-6 + 2e-6 + s / bw)
+    assert link.time("all_reduce", s, 1) == 0.0
+
+
+def test_link_calibration_recovers_a_line():
+    pts = {"all_reduce": [(b, 3e-5 + 2e-10 * b) for b in (1e3, 1e5, 1e7)],
+           "all_gather": [(1e4, 1e-4), (2e4, 2e-4)]}
+    link = pm.Link.calibrated("fit", pts)
+    assert link.fits["all_reduce"] == pytest.approx((3e-5, 2e-10))
+    assert link.time("all_reduce", 5e6, 2) == pytest.approx(3e-5 + 1e-3)
+    # a ring step of s bytes is one of the p-1 steps of an all-gather of p*s bytes
+    assert link.time("ring_step", 1e4, 2) == pytest.approx(1e-4 * 2)
+    with pytest.raises(ValueError, match="two"):
+        pm.Link.calibrated("fit", {"all_reduce": [(1.0, 1.0)]})
+
+
+def test_measured_gemm_lookup_and_scaling():
+    gemm = pm.MeasuredGemm({(1024, 64, 32, "float32"): 2e-3, (256, 64, 32, "float32"): 0.6e-3})
+    assert gemm(1024, 64, 32, "float32") == 2e-3
+    assert gemm(512, 64, 32, "float32") == pytest.approx(1e-3)  # from the nearest m, proportional
+    assert gemm(16, 64, 32, "float32") == pytest.approx(0.6e-3)  # never below the smallest measured
+    assert gemm(0, 64, 32, "float32") == 0.0
+    with pytest.raises(KeyError):
+        gemm(8, 7, 7, "float32")
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
+@pytest.mark.parametrize("p,chunks", [(2, None), (4, 3), (8, 4)])
+def test_pipelined_ops_follow_the_schedule_and_beat_naive(op, p, chunks):
+    m, k, n = 64 * p, 32 * p, 48 * p
+    gemm = _const_gemm(1e-6)
+    link = pm.Link("l", 10.0, 1.0, 1.0, 1.0)
+    tasks = pm.op_tasks(op, m, k, n, p, "bfloat16", gemm, link, chunks)
+    c = chunks or DEFAULT_NUM_CHUNKS[op]
+    gemms = [t for t in tasks if t.resource == "compute"]
+    comms = [t for t in tasks if t.resource == "link"]
+    if op == "all_gather_matmul":
+        assert (len(gemms), len(comms)) == (p * c, (p - 1) * c)
+    else:
+        assert len(gemms) == len(comms) == c
+    # every row is multiplied once
+    assert sum(t.duration for t in gemms) == pytest.approx(1e-6 * m)
+    naive = pm.naive_op_tasks(op, m, k, n, p, "bfloat16", gemm, link)
+    t_pipe, t_naive = pm.simulate(tasks), pm.simulate(naive)
+    busy_gemm = sum(t.duration for t in gemms)
+    assert max(busy_gemm, max(t.duration for t in comms)) <= t_pipe
+    assert t_naive == pytest.approx(sum(t.duration for t in naive))
+    if op != "all_gather_matmul":  # same bytes in fewer collectives: pipelining must win here
+        assert t_pipe < t_naive
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+@pytest.mark.parametrize("sp", [False, True])
+def test_layer_tasks_count_three_gemms_of_flops(kind, sp):
+    m, k, n, p = 256, 128, 384, 4
+    flops_per_s = 1e12
+    gemm = lambda mm, nn, kk, dtype: 2.0 * mm * nn * kk / flops_per_s  # noqa: E731
+    link = pm.LINKS["nvlink4"]
+    for schedule in ("naive", "pipelined"):
+        tasks = pm.layer_tasks(kind, sp, m, k, n, p, "bfloat16", gemm, link, schedule)
+        busy = sum(t.duration for t in tasks if t.resource == "compute")
+        assert busy == pytest.approx(3 * 2.0 * m * k * n / p / flops_per_s)
+        kinds = sorted(t.name.split()[0] for t in tasks if t.resource == "link")
+        assert kinds, "a layer on 4 ranks communicates"
+    # bandwidth-bound sizes: overlap wins; tiny sizes: four chunks pay four latencies and lose
+    m, k, n = 8192, 4096, 8192
+    naive = pm.simulate(pm.layer_tasks(kind, sp, m, k, n, p, "bfloat16", gemm, link, "naive"))
+    assert pm.simulate(pm.layer_tasks(kind, sp, m, k, n, p, "bfloat16", gemm, link)) < naive
+    if kind == "column" and not sp:
+        m, k, n = 16, 128, 384
+        naive = pm.simulate(pm.layer_tasks(kind, sp, m, k, n, p, "bfloat16", gemm, link, "naive"))
+        assert pm.simulate(pm.layer_tasks(kind, sp, m, k, n, p, "bfloat16", gemm, link)) > naive
+
+
+def test_transformer_projection_is_labelled_and_lists_inputs():
+    proj = pm.project_transformer_layer(pm.MODELS["llama3-70b"], 8, 8192, 8192, pm.GPUS["h100"], pm.LINKS["nvlink4"])
+    assert "PROJECTION" in proj["label"]
+    for key in ("gpu", "link", "gemm_times", "gemm_slowdown_under_overlap", "tp", "tokens_m"):
+        assert key in proj["inputs"]
+    assert [r["linear"] for r in proj["linears"]] == ["qkv", "out", "up", "down"]
+    assert proj["naive_ms"] == pytest.approx(sum(r["naive_ms"] for r in proj["linears"]) + proj["attention_ms"])
+    assert proj["overlapped_ms"] < proj["naive_ms"]
+    text = pm.format_projection(proj)
+    assert "PROJECTION" in text and "projected" in text
+
+
+def test_perf_model_cli(capsys):
+    assert pm.main(["--link", "ib400", "--tokens", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# PROJECTION") and "InfiniBand" in out
+    with pytest.raises(SystemExit):
+        pm.main(["--tp", "3"])
+
+
+def test_cases_shapes_and_filters():
+    cs = cases.model_cases(["llama3-70b"], [1, 16], cases.TARGETS, p=8)
+    by = {(c.target, c.m) for c in cs}
+    # m = 1 cannot be split 8 ways: only the non-SP targets run there
+    assert {t for t, m in by if m == 1} == {"matmul_all_reduce", "column", "row"}
+    assert len({t for t, m in by if m == 16}) == len(cases.TARGETS)
+    ag = next(c for c in cs if c.target == "all_gather_matmul" and c.m == 16)
+    assert (ag.k, ag.n) == (8192, 28672) and ag.local(8) == ((2, 8192), (3584, 8192))
+    rs = next(c for c in cs if c.target == "matmul_reduce_scatter" and c.m == 16)
+    assert (rs.k, rs.n) == (28672, 8192) and rs.local(8) == ((16, 3584), (8192, 3584))
+    assert rs.gemm_flops(8) == 2.0 * 16 * 8192 * 28672 / 8
+    col = next(c for c in cs if c.target == "column" and c.m == 16)
+    assert col.gemm_flops(8) == 3 * 2.0 * 16 * 28672 * 8192 / 8
+    scaled = cases.model_cases(["llama3-8b"], [64], ["row_sp"], p=2, scale=64)
+    assert [(c.model, c.k, c.n) for c in scaled] == [("llama3-8b/64", 224, 64)]
+    assert cases.custom_cases([(10, 6, 4)], ["matmul_all_reduce", "row_sp"], p=4) == []
+
+
+def _fake_result():
+    case = cases.Case("matmul_all_reduce", "custom", 64, 32, 16)
+    return {
+        "peak_tflops": {"float32": 1.0},
+        "cases": [{
+            "case": case.__dict__, "dtype": "float32",
+            "gemm": [[[64, 16, 16], 2e-3], [[16, 16, 16], 0.5e-3]], "gemm_total": 2e-3,
+            "comm_total": 1e-3, "gemm_under_comm": 2.5e-3,
+            "comm_samples": [["all_reduce", 4096, 1e-3], ["all_reduce", 1024, 0.4e-3]],
+            "resolved": {"reference": "reference", "pipelined": "pipelined"},
+            "backend": {"reference": 3e-3, "pipelined": 2.4e-3},
+        }],
+    }
+
+
+def test_report_metrics():
+    rows = report.compute_rows(_fake_result(), p=2, baseline="reference")
+    ref, pipe = rows
+    assert ref["speedup"] == 1.0 and pipe["speedup"] == pytest.approx(3 / 2.4)
+    assert pipe["E"] == pytest.approx((2e-3 + 1e-3 - 2.4e-3) / 1e-3)
+    assert ref["E"] == pytest.approx(0.0)
+    assert pipe["gemm_slowdown"] == pytest.approx(1.25)
+    assert pipe["exposed_comm_ms"] == pytest.approx(0.4)
+    assert pipe["tflops"] == pytest.approx(2.0 * 64 * 16 * 16 / 2.4e-3 / 1e12)
+    assert pipe["pct_peak"] == pytest.approx(100 * pipe["tflops"])
+    # reference = GEMM then all-reduce, from the measured GEMM and the fitted link
+    assert ref["model_ms"] == pytest.approx(3.0)
+    assert pipe["model_ms"] is not None and pipe["model_err"] == pytest.approx(pipe["model_ms"] / 2.4 - 1)
+    table = report.format_table(rows)
+    assert "matmul_all_reduce" in table and "1.25x" in table
+    parsed = list(csv.DictReader(io.StringIO(report.to_csv(rows))))
+    assert [r["backend"] for r in parsed] == ["reference", "pipelined"]
+    summary = report.model_error_summary(rows)
+    assert summary["reference"]["max_abs_err"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = report.compute_rows(_fake_result(), p=2, baseline="reference")
+    path = report.plot(rows, str(tmp_path / "p.png"), "title")
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_main_job_writes_json_csv_png(tmp_path):
+    env = dict(os.environ, TP_KERNELS_COMMIT="abc1234")
+    cmd = [sys.executable, "-m", "tp_kernels.bench", "--quick", "--m", "16", "--iters", "2", "--warmup", "0",
+           "--targets", "matmul_all_reduce,row_sp", "--out-dir", str(tmp_path)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "[2/2]" in run.stderr  # progress display
+    record = json.load(open(tmp_path / "cpu-gloo-p2-quick.json"))
+    assert record["commit"] == "abc1234" and record["device"].startswith("CPU") and record["date"]
+    assert {(r["target"], r["backend"]) for r in record["results"]} == {
+        (t, b) for t in ("matmul_all_reduce", "row_sp") for b in ("reference", "pipelined")}
+    for r in record["results"]:
+        assert r["median_ms"] > 0 and r["comm_ms"] > 0 and r["E"] is not None
+    assert (tmp_path / "cpu-gloo-p2-quick.csv").read_text().startswith("target,model,m,")
+    if record["results"] and _has_matplotlib():
+        assert (tmp_path / "cpu-gloo-p2-quick.png").stat().st_size > 0
+    bad = subprocess.run([sys.executable, "-m", "tp_kernels.bench", "--targets", "nope"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown target nope" in bad.stderr
+
+
+def _has_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
