@@ -73,6 +73,7 @@ def _parse(argv=None):
     ap.add_argument("--warmup", type=int, default=2, help="untimed samples per measurement")
     ap.add_argument("--num-chunks", type=int, default=None, help="pipelined chunks (default: the schedule's)")
     ap.add_argument("--out-dir", default=os.path.join("bench", "results"), help="where the JSON, CSV and PNG go")
+    ap.add_argument("--tag", default="", help="appended to the output files' names")
     ap.add_argument("--no-save", action="store_true", help="print only")
     args = ap.parse_args(argv)
     if args.shape:
@@ -173,7 +174,8 @@ def main(argv=None) -> int:
               f"worst {100 * e['max_abs_err']:.0f}% over {e['cases']} cases")
     if args.no_save:
         return 0
-    stem = os.path.join(args.out_dir, f"{_slug(device)}-{backend}-p{p}" + ("-quick" if args.quick else ""))
+    stem = os.path.join(args.out_dir, f"{_slug(device)}-{backend}-p{p}" + ("-quick" if args.quick else "")
+                        + (f"-{args.tag}" if args.tag else ""))
     record = {
         "device": device, "backend": backend, "p": p, "commit": _commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -181,6 +183,7 @@ def main(argv=None) -> int:
         "config": {k: v for k, v in config.items() if k != "cases"} | {"scale": scale, "quick": args.quick,
                                                                        "ops": [t for t in args.targets if t in OPS]},
         "peak_tflops": result["peak_tflops"], "model_error": errors, "results": rows,
+        "measurements": result,  # the raw per-case timings (seconds) the rows were computed from
     }
     os.makedirs(args.out_dir, exist_ok=True)
     with open(stem + ".json", "w") as f:

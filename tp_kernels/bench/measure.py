@@ -179,11 +179,14 @@ def measure_case(case: Case, backends: List[str], dtype: torch.dtype, device: to
             nbytes = bufs[0].numel() * esize * (p if kind == "all_gather" else 1)
             samples.append((kind, nbytes, t))
             out["comm_total"] += t
-        if not case.is_layer:
-            kind, bufs = comm_bufs[0]
-            quarter = [b[: max(1, b.shape[0] // 4)] for b in bufs]
+        # a second size per kind, to fit the model's link; and the ring's own send/recv step
+        for kind, bufs in {kind: bufs for kind, bufs in comm_bufs}.items():
+            rows = bufs[0].shape[0] // 4
             if kind == "reduce_scatter":  # keep dim 0 divisible by p
-                quarter = [b[: max(p, b.shape[0] // 4 // p * p)] for b in bufs]
+                rows = rows // p * p
+            if rows < 1:
+                continue
+            quarter = [b[:rows] for b in bufs]
             t = timer(lambda i: _start(kind, quarter[i % 2], group).wait())
             samples.append((kind, quarter[0].numel() * esize * (p if kind == "all_gather" else 1), t))
             if kind == "all_gather":

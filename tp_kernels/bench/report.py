@@ -10,14 +10,14 @@ Per case and backend (times are medians, seconds in, milliseconds out):
 * ``gemm_slowdown``: the GEMMs' time while the case's collectives are in flight / alone;
 * ``exposed_comm_ms = t - t_gemm``;
 * ``model_ms``: what :mod:`tp_kernels.perf_model` predicts for this backend's schedule from
-  this run's own GEMM times, a link fitted to this run's collective times and the measured
-  slowdown; ``model_err = model / measured - 1``.
+  this run's own GEMM times, one link fitted (least squares, per collective kind) to all of
+  this run's collective times, and this case's measured slowdown; ``model_err = model /
+  measured - 1``.
 """
 
 from __future__ import annotations
 
 import csv
-import dataclasses
 import io
 import math
 import os
@@ -51,18 +51,6 @@ def _model_inputs(result: dict, dtype: str):
     usable = {kind: pts for kind, pts in samples.items() if len({b for b, _ in pts}) >= 2}
     link = perf_model.Link.calibrated("this run's collectives", usable) if usable else None
     return gemm, link
-
-
-def _with_local_fits(link, samples):
-    """``link`` with the kinds this case measured at two sizes or more fitted to those alone."""
-    by_kind = defaultdict(list)
-    for kind, nbytes, t in samples:
-        by_kind[kind].append((nbytes, t))
-    local = {k: pts for k, pts in by_kind.items() if len({b for b, _ in pts}) >= 2}
-    if not local:
-        return link
-    fitted = perf_model.Link.calibrated("this case's collectives", local)
-    return fitted if link is None else dataclasses.replace(link, fits={**link.fits, **fitted.fits})
 
 
 def _predict(case: Case, p: int, dtype: str, schedule: str, gemm, link, slowdown: float,
@@ -101,7 +89,6 @@ def compute_rows(result: dict, p: int, baseline: str, num_chunks: Optional[int] 
         base = c["backend"][baseline]
         peak = result["peak_tflops"][dtype]
         gemm, link = models[dtype]
-        link = _with_local_fits(link, c["comm_samples"])
         for backend, t in c["backend"].items():
             resolved = c["resolved"][backend]
             tflops = case.gemm_flops(p) / t / 1e12
