@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a GPU machine, in one go: build tp_kernels._C, run the GPU test suite and the quick benchmark,
+# On a GPU machine, in one go: build tp_kernels._C, run the GPU test suite and the benchmarks,
 # and write the results under bench/results/ (JSON with device, commit, date and figures).
 #
 #   TP_KERNELS_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_suite.sh
@@ -29,8 +29,12 @@ fi
 echo "== GPU tests"
 "$PY" -m pytest python_tests -m gpu -q -p no:cacheprovider --junitxml="$logs/gpu-tests.xml" 2>&1 | tee "$logs/gpu-tests.log"
 
-echo "== quick benchmark"
-"$PY" -m tp_kernels.bench --quick --out "$logs/bench.json" 2>&1 | tee "$logs/bench.log"
+echo "== benchmark (the main job: every model shape, decode and training m)"
+"$PY" -m tp_kernels.bench --out-dir "$logs/bench" --tag "$commit" 2>&1 | tee "$logs/bench.log"
+
+echo "== pytest-benchmark suite (two m per model)"
+"$PY" -m pytest bench -q -p no:cacheprovider --tp-m 16,8192 --tp-rounds 5 \
+  --benchmark-json="$logs/pytest-bench.json" 2>&1 | tail -n 5 | tee "$logs/pytest-bench.log"
 
 "$PY" - "$logs" "$results" "$commit" <<'PYEOF'
 import datetime, json, os, sys, xml.etree.ElementTree as ET
@@ -41,7 +45,14 @@ suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
 count = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
 failed = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
           if c.find("failure") is not None or c.find("error") is not None]
-bench = json.load(open(os.path.join(logs, "bench.json"))) if os.path.exists(os.path.join(logs, "bench.json")) else None
+import glob, shutil
+bench = None
+for path in glob.glob(os.path.join(logs, "bench", "*.json")):
+    bench = json.load(open(path))
+    bench.pop("measurements", None)  # the full record (with them) is copied next to this file
+    for ext in (".json", ".csv", ".png"):
+        if os.path.exists(path[:-5] + ext):
+            shutil.copy(path[:-5] + ext, results)
 record = {
     "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device",
     "commit": commit,
@@ -59,6 +70,7 @@ PYEOF
 status=$?
 
 if [ -n "${OUT:-}" ]; then
-  cp "$results/gpu-suite-$commit.json" "$logs/gpu-tests.log" "$logs/bench.log" "$logs/build.log" "$OUT/" 2>/dev/null
+  cp "$results/gpu-suite-$commit.json" "$logs/gpu-tests.log" "$logs/bench.log" "$logs/build.log" \
+     "$logs/pytest-bench.json" "$logs/pytest-bench.log" "$logs"/bench/* "$OUT/" 2>/dev/null
 fi
 exit $status

@@ -61,9 +61,10 @@ def select_backend(op: str, backend: str, x: torch.Tensor, p: int) -> str:
 
     ``"auto"`` must never be slower than ``"reference"``, so it picks another backend only where
     a measurement says it wins. None does yet: with one rank there is nothing to overlap; on
-    gloo the portable pipelined schedule measured no faster than the reference
-    (``bench/results/cpu-gloo-p2.json``, 2 CPU cores, where gloo's thread has no spare core to
-    overlap on); on GPUs it has not been measured. So ``"auto"`` runs ``"reference"`` for now.
+    gloo the portable pipelined schedule measured slower than the reference
+    (``bench/results/cpu-gloo-p2*.json``, docs/benchmarks.md: 2 CPU cores, where gloo's thread
+    has no spare core to overlap on); on GPUs it has not been measured. So ``"auto"`` runs
+    ``"reference"`` for now.
     """
     check_backend(backend)
     if backend == "auto":

@@ -25,7 +25,7 @@ from collections import defaultdict
 from typing import Dict, List, Optional
 
 from .. import perf_model
-from .cases import Case
+from .cases import TARGETS, Case
 
 __all__ = ["CSV_FIELDS", "compute_rows", "format_table", "model_error_summary", "plot", "to_csv"]
 
@@ -157,7 +157,8 @@ def plot(rows: List[dict], path: str, title: str) -> Optional[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    targets = [t for t in dict.fromkeys(r["target"] for r in rows)]
+    present = set(r["target"] for r in rows)
+    targets = [t for t in TARGETS if t in present]
     fig, axes = plt.subplots(2, len(targets), figsize=(3.6 * len(targets), 6.4), squeeze=False, sharex="col")
     for col, target in enumerate(targets):
         series = defaultdict(list)
