@@ -7,9 +7,7 @@ import torch.distributed as dist
 
 import tp_kernels
 from tp_kernels import ops
-
-_CPU_CACHE_BYTES = 32 << 20
-
+from tp_kernels.bench.measure import buffer_sets
 
 def _shares(case, tp: int, world: int):
     """``(x shape, W shape)`` of one rank: real shards when the group has ``tp`` ranks; with one
@@ -22,9 +20,7 @@ def _shares(case, tp: int, world: int):
 
 
 def _sets(nbytes: int, device) -> int:
-    """Input sets to rotate through so that they do not all sit in the cache."""
-    cache = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else _CPU_CACHE_BYTES
-    return max(2, min(16, math.ceil(2 * cache / max(1, nbytes)) + 1))
+    return buffer_sets(nbytes, device.type == "cuda")
 
 
 def _run(benchmark, fn, device, rounds, n, info):

@@ -4,8 +4,8 @@ collectives are in flight, and every backend's op (or layer forward+backward).
 Timing: CUDA events around the timed region on the GPU, ``time.perf_counter`` around
 synchronous host work on the CPU; a barrier before each sample; a sample's time is the
 slowest rank's; the median over ``iters`` samples after ``warmup`` untimed ones. Inputs rotate
-through enough buffer sets to exceed twice the last-level cache (L2 on the GPU), and are random
-normal, never zeros.
+through enough buffer sets to exceed twice the last-level cache (L2 on the GPU; at most 16 sets
+and 4 GiB), and are random normal, never zeros.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ import torch.nn.functional as F
 from .. import _comm, ops
 from .cases import Case
 
-__all__ = ["Timer", "measure_case", "measure_peak", "run_rank"]
+__all__ = ["Timer", "buffer_sets", "measure_case", "measure_peak", "run_rank"]
 
 _CPU_CACHE_BYTES = 32 << 20
+_GPU_CACHE_BYTES = 64 << 20  # when torch does not report the L2 size
 _MAX_SETS = 16
 _MAX_SET_BYTES = 4 << 30
 
@@ -76,9 +77,12 @@ class Timer:
         return statistics.median(samples)
 
 
-def _sets(bytes_per_set: int, cuda: bool) -> int:
+def buffer_sets(bytes_per_set: int, cuda: bool) -> int:
     """Buffer sets to rotate through so that the working set exceeds twice the cache."""
-    cache = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size if cuda else _CPU_CACHE_BYTES
+    cache = _CPU_CACHE_BYTES
+    if cuda:
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        cache = getattr(props, "L2_cache_size", 0) or _GPU_CACHE_BYTES
     n = math.ceil(2 * cache / max(1, bytes_per_set)) + 1
     return max(2, min(_MAX_SETS, n, max(1, _MAX_SET_BYTES // max(1, bytes_per_set))))
 
@@ -149,7 +153,7 @@ def measure_case(case: Case, backends: List[str], dtype: torch.dtype, device: to
     gemms = _gemms(case, p)
     colls = _collectives(case, p)
     per_set = esize * sum(a * c + b * c + a * b for a, b, c in gemms)
-    nsets = _sets(per_set, device.type == "cuda")
+    nsets = buffer_sets(per_set, device.type == "cuda")
     # GEMM operands: A (m, k), B (n, k); out = A B^T
     operands = [(_rand((a, c), nsets, device, dtype), _rand((b, c), nsets, device, dtype)) for a, b, c in gemms]
 
