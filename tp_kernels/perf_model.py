@@ -41,6 +41,7 @@ __all__ = [
     "Link",
     "MeasuredGemm",
     "ModelShape",
+    "OP_COLLECTIVE",
     "RooflineGemm",
     "Task",
     "layer_tasks",
@@ -320,7 +321,9 @@ def _gemm_coll(g: _Graph, gemm, link, kind, m, k_local, n, p, dtype, chunks, aft
     return colls
 
 
-_OP_KIND = {"matmul_reduce_scatter": "reduce_scatter", "matmul_all_reduce": "all_reduce"}
+#: the collective each op communicates
+OP_COLLECTIVE = {"all_gather_matmul": "all_gather", "matmul_reduce_scatter": "reduce_scatter",
+                 "matmul_all_reduce": "all_reduce"}
 
 
 def op_tasks(op: str, m: int, k: int, n: int, p: int, dtype: str, gemm, link: Link,
@@ -331,7 +334,7 @@ def op_tasks(op: str, m: int, k: int, n: int, p: int, dtype: str, gemm, link: Li
     if op == "all_gather_matmul":
         _ag_gemm(g, gemm, link, m, k, n // p, p, dtype, c)
     else:
-        _gemm_coll(g, gemm, link, _OP_KIND[op], m, k // p, n, p, dtype, c)
+        _gemm_coll(g, gemm, link, OP_COLLECTIVE[op], m, k // p, n, p, dtype, c)
     return g.tasks
 
 
@@ -342,7 +345,7 @@ def naive_op_tasks(op: str, m: int, k: int, n: int, p: int, dtype: str, gemm, li
         return _serial([Task("all-gather", "link", link.time("all_gather", m * k * eb, p)),
                         Task("gemm", "compute", gemm(m, n // p, k, dtype))])
     return _serial([Task("gemm", "compute", gemm(m, n, k // p, dtype)),
-                    Task(_OP_KIND[op], "link", link.time(_OP_KIND[op], m * n * eb, p))])
+                    Task(OP_COLLECTIVE[op], "link", link.time(OP_COLLECTIVE[op], m * n * eb, p))])
 
 
 def layer_tasks(kind: str, sp: bool, m: int, k: int, n: int, p: int, dtype: str, gemm, link: Link,

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import _comm, ops
+from ..perf_model import OP_COLLECTIVE
 from .cases import Case
 
 __all__ = ["Timer", "buffer_sets", "measure_case", "measure_peak", "run_rank"]
@@ -104,9 +105,8 @@ def _collectives(case: Case, p: int) -> List[Tuple[str, Tuple[int, int], str]]:
     """``(kind, shape, what)`` of the collectives one call (op, or layer fwd+bwd) communicates."""
     m, k, n = case.m, case.k, case.n
     if not case.is_layer:
-        return {"all_gather_matmul": [("all_gather", (m // p, k), "x")],
-                "matmul_reduce_scatter": [("reduce_scatter", (m, n), "x W^T")],
-                "matmul_all_reduce": [("all_reduce", (m, n), "x W^T")]}[case.target]
+        kind = OP_COLLECTIVE[case.target]
+        return [(kind, (m // p, k), "x")] if kind == "all_gather" else [(kind, (m, n), "x W^T")]
     if case.kind == "column":
         if case.sequence_parallel:
             return [("all_gather", (m // p, k), "x"), ("all_gather", (m // p, k), "x (backward)"),

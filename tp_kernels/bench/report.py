@@ -57,12 +57,10 @@ def _predict(case: Case, p: int, dtype: str, schedule: str, gemm, link, slowdown
              num_chunks: Optional[int]) -> Optional[float]:
     if link is None or p == 1:
         return None
-    kinds = {"all_gather_matmul": "all_gather", "matmul_reduce_scatter": "reduce_scatter",
-             "matmul_all_reduce": "all_reduce"}
     if case.is_layer:
         needed = {"all_gather", "reduce_scatter"} if case.sequence_parallel else {"all_reduce"}
     else:
-        needed = {kinds[case.target]}
+        needed = {perf_model.OP_COLLECTIVE[case.target]}
     if not needed <= set(link.fits):
         return None
     try:
