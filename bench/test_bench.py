@@ -19,10 +19,6 @@ def _shares(case, tp: int, world: int):
     return (case.m, case.k // tp), (case.n, case.k // tp)
 
 
-def _sets(nbytes: int, device) -> int:
-    return buffer_sets(nbytes, device.type == "cuda")
-
-
 def _run(benchmark, fn, device, rounds, n, info):
     benchmark.extra_info.update(info)
     calls = iter(range(1 << 62))
@@ -45,7 +41,8 @@ def test_op(benchmark, world, rounds, case, tp, dtype, backend):
     x_shape, w_shape = _shares(case, tp, p)
     if case.target == "all_gather_matmul" and p == tp:
         x_shape = (case.m // tp, case.k)
-    n = _sets((math.prod(x_shape) + math.prod(w_shape)) * torch.empty((), dtype=dtype).element_size(), device)
+    n = buffer_sets((math.prod(x_shape) + math.prod(w_shape)) * torch.empty((), dtype=dtype).element_size(),
+                    device.type == "cuda")
     xs = [torch.randn(x_shape, device=device, dtype=dtype) for _ in range(n)]
     ws = [torch.randn(w_shape, device=device, dtype=dtype) for _ in range(n)]
     op = getattr(ops, case.target)
@@ -68,7 +65,7 @@ def test_layer(benchmark, world, rounds, case, tp, dtype, backend):
         x_shape = (case.m // tp, case.k)
     layer = cls(in_f, out_f, sequence_parallel=case.sequence_parallel, backend=backend, device=device,
                 dtype=dtype, group=group)
-    n = _sets(math.prod(x_shape) * torch.empty((), dtype=dtype).element_size(), device)
+    n = buffer_sets(math.prod(x_shape) * torch.empty((), dtype=dtype).element_size(), device.type == "cuda")
     xs = [torch.randn(x_shape, device=device, dtype=dtype, requires_grad=True) for _ in range(n)]
     dy = torch.randn_like(layer(xs[0]))
 
