@@ -3,12 +3,66 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
 
 #include "tp_kernels/check.h"
+#include "tp_kernels/comm.h"
 #include "tp_kernels/gemm.h"
+#include "tp_kernels/overlap.h"
 #include "tp_kernels/runtime_info.h"
 
 namespace py = pybind11;
+
+namespace {
+
+using tp_kernels::Communicator;
+using tp_kernels::OverlapArgs;
+
+template <typename T>
+T* ptr(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+// The arguments shared by the three pipelined ops (see overlap.h), from Python integers.
+OverlapArgs overlap_args(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t out, uintptr_t scratch, int64_t n,
+                         int64_t k, int64_t ldw, bool w_col_major, int dtype, std::vector<int64_t> bounds,
+                         uintptr_t workspace, size_t workspace_bytes, uintptr_t stream) {
+  OverlapArgs a;
+  a.x = ptr<const void>(x);
+  a.w = ptr<const void>(w);
+  a.bias = ptr<const void>(bias);
+  a.out = ptr<void>(out);
+  a.scratch = ptr<void>(scratch);
+  a.n = n, a.k = k, a.ldw = ldw;
+  a.w_col_major = w_col_major;
+  a.dtype = static_cast<tp_kernels::DType>(dtype);
+  a.bounds = std::move(bounds);
+  a.workspace = ptr<void>(workspace);
+  a.workspace_bytes = workspace_bytes;
+  a.stream = ptr<CUstream_st>(stream);
+  return a;
+}
+
+template <void (*Op)(Communicator&, const OverlapArgs&)>
+void bind_overlap(py::module_& m, const char* name, const char* doc) {
+  m.def(
+      name,
+      [](Communicator& comm, uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t out, uintptr_t scratch, int64_t n,
+         int64_t k, int64_t ldw, bool w_col_major, int dtype, std::vector<int64_t> bounds, uintptr_t workspace,
+         size_t workspace_bytes, uintptr_t stream) {
+        OverlapArgs a = overlap_args(x, w, bias, out, scratch, n, k, ldw, w_col_major, dtype, std::move(bounds),
+                                     workspace, workspace_bytes, stream);
+        py::gil_scoped_release release;
+        Op(comm, a);
+      },
+      py::arg("comm"), py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("out"), py::arg("scratch"), py::arg("n"),
+      py::arg("k"), py::arg("ldw"), py::arg("w_col_major"), py::arg("dtype"), py::arg("bounds"), py::arg("workspace"),
+      py::arg("workspace_bytes"), py::arg("stream"), doc);
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "tp_kernels native extension (CUDA runtime, NCCL, cuBLASLt; no libtorch)";
@@ -34,13 +88,15 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "linear",
       [](uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t m_, int64_t n, int64_t k, int64_t ldx,
-         int64_t ldw, int64_t ldy, int dtype, uintptr_t workspace, size_t workspace_bytes, uintptr_t stream) {
+         int64_t ldw, int64_t ldy, int dtype, uintptr_t workspace, size_t workspace_bytes, uintptr_t stream,
+         bool w_col_major) {
         tp_kernels::LinearArgs a;
         a.x = reinterpret_cast<const void*>(x);
         a.w = reinterpret_cast<const void*>(w);
         a.bias = reinterpret_cast<const void*>(bias);
         a.y = reinterpret_cast<void*>(y);
         a.m = m_, a.n = n, a.k = k, a.ldx = ldx, a.ldw = ldw, a.ldy = ldy;
+        a.w_col_major = w_col_major;
         a.dtype = static_cast<tp_kernels::DType>(dtype);
         a.workspace = reinterpret_cast<void*>(workspace);
         a.workspace_bytes = workspace_bytes;
@@ -50,7 +106,44 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
       py::arg("ldx"), py::arg("ldw"), py::arg("ldy"), py::arg("dtype"), py::arg("workspace"),
-      py::arg("workspace_bytes"), py::arg("stream"),
-      "Y[m, n] = X[m, k] W[n, k]^T (+ bias[n]) on cuBLASLt, row-major, enqueued on `stream` "
-      "(dtype: 0 float32, 1 float16, 2 bfloat16; bias 0 for none).");
+      py::arg("workspace_bytes"), py::arg("stream"), py::arg("w_col_major") = false,
+      "Y[m, n] = X[m, k] W[n, k]^T (+ bias[n]) on cuBLASLt, row-major X and Y, W row-major (ldw >= k) "
+      "or column-major (w_col_major, ldw >= n), enqueued on `stream` (dtype: 0 float32, 1 float16, "
+      "2 bfloat16; bias 0 for none).");
+
+  m.attr("NCCL_UNIQUE_ID_BYTES") = static_cast<int>(NCCL_UNIQUE_ID_BYTES);
+  m.def(
+      "nccl_unique_id", []() { return py::bytes(tp_kernels::nccl_unique_id()); },
+      "A new NCCL unique id (bytes), made by one rank of a group and sent to the others.");
+
+  py::class_<Communicator, std::shared_ptr<Communicator>>(
+      m, "Communicator",
+      "A group's NCCL communicator (nonblocking: every wait is bounded by the timeout), its "
+      "communication stream and a watchdog that aborts it when enqueued work does not complete.")
+      .def(py::init([](py::bytes unique_id, int rank, int size, int device, int stream_priority, double timeout_s) {
+             std::string id = unique_id;
+             py::gil_scoped_release release;  // joining waits for the other ranks
+             return std::make_shared<Communicator>(id, rank, size, device, stream_priority, timeout_s);
+           }),
+           py::arg("unique_id"), py::arg("rank"), py::arg("size"), py::arg("device"), py::arg("stream_priority"),
+           py::arg("timeout_s"))
+      .def_property_readonly("rank", &Communicator::rank)
+      .def_property_readonly("size", &Communicator::size)
+      .def_property_readonly("device", &Communicator::device)
+      .def_property_readonly("stream_priority", &Communicator::stream_priority)
+      .def_property_readonly("stream", [](const Communicator& c) { return reinterpret_cast<uintptr_t>(c.stream()); })
+      .def_property("timeout_s", &Communicator::timeout_s, &Communicator::set_timeout_s)
+      .def("check", &Communicator::check, "Raise the error that ended this communicator, if any.")
+      .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>(),
+           "Flush outstanding work and destroy the NCCL communicator.");
+
+  bind_overlap<tp_kernels::all_gather_matmul>(
+      m, "all_gather_matmul",
+      "out[m, n] = AG(x)[m, k] W^T (+ bias): ring all-gather into scratch (gathered [m, k]) by NCCL "
+      "send/recv, overlapped with the GEMM of the shards already there.");
+  bind_overlap<tp_kernels::matmul_reduce_scatter>(
+      m, "matmul_reduce_scatter",
+      "out[m/p, n] = RS(x[m, k] W^T), chunk by chunk through scratch (partial [m, n]); bias must be 0.");
+  bind_overlap<tp_kernels::matmul_all_reduce>(
+      m, "matmul_all_reduce", "out[m, n] = AR(x[m, k] W^T), chunk by chunk, in place in out; bias must be 0.");
 }

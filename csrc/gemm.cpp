@@ -4,6 +4,7 @@
 
 #include <cublasLt.h>
 
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -29,6 +30,16 @@ int alignment(const void* p) {  // the largest power of two (<= 256) dividing th
   return a;
 }
 
+// The alignment every matrix of a batch shares: that of the base and of the batch stride in bytes.
+int alignment(const void* p, int64_t batch, int64_t stride, size_t elem) {
+  int a = alignment(p);
+  if (batch > 1) {
+    int b = alignment(reinterpret_cast<const void*>(static_cast<uintptr_t>(stride) * elem));
+    a = a < b ? a : b;
+  }
+  return a;
+}
+
 // Descriptors and the chosen algorithm of one problem. Never freed: a process sees few shapes.
 struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
@@ -37,7 +48,7 @@ struct Plan {
 };
 
 using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, bool, int, int, int,
-                       int, size_t>;
+                       int, size_t, bool, int64_t, int64_t, int64_t>;
 
 std::mutex g_mutex;
 std::map<int, cublasLtHandle_t> g_handles;  // per device
@@ -53,13 +64,13 @@ cublasLtHandle_t handle_for(int device) {
 }
 
 // Column-major view of the row-major problem: Y^T [n, m] = W [n, k] . X^T [k, m], i.e.
-// C = op(A) op(B) with A = W stored as a column-major [k, n] (transposed: op(A) = A^T) and
-// B = X stored as a column-major [k, m].
+// C = op(A) op(B) with B = X stored as a column-major [k, m] and A = W: a row-major W is a
+// column-major [k, n] (op(A) = A^T); a column-major W is already [n, k] (op(A) = A).
 Plan make_plan(cublasLtHandle_t h, const LinearArgs& p) {
   Plan plan;
   cudaDataType_t t = cuda_type(p.dtype);
   TPK_CHECK_CUBLAS(cublasLtMatmulDescCreate(&plan.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  cublasOperation_t transa = CUBLAS_OP_T, transb = CUBLAS_OP_N;
+  cublasOperation_t transa = p.w_col_major ? CUBLAS_OP_N : CUBLAS_OP_T, transb = CUBLAS_OP_N;
   TPK_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSA, &transa, sizeof(transa)));
   TPK_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSB, &transb, sizeof(transb)));
   if (p.bias != nullptr) {
@@ -67,14 +78,32 @@ Plan make_plan(cublasLtHandle_t h, const LinearArgs& p) {
     TPK_CHECK_CUBLAS(
         cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
   }
-  TPK_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&plan.a, t, p.k, p.n, p.ldw));  // W
+  if (p.w_col_major)
+    TPK_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&plan.a, t, p.n, p.k, p.ldw));  // W
+  else
+    TPK_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&plan.a, t, p.k, p.n, p.ldw));  // W
   TPK_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&plan.b, t, p.k, p.m, p.ldx));  // X
   TPK_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&plan.c, t, p.n, p.m, p.ldy));  // Y
+  if (p.batch > 1) {  // one W for every product: its batch stride is 0
+    int32_t count = static_cast<int32_t>(p.batch);
+    int64_t zero = 0;
+    auto set = [&](cublasLtMatrixLayout_t layout, int64_t stride) {
+      TPK_CHECK_CUBLAS(
+          cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+      TPK_CHECK_CUBLAS(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                        &stride, sizeof(stride)));
+    };
+    set(plan.a, zero);
+    set(plan.b, p.stride_x);
+    set(plan.c, p.stride_y);
+  }
 
   cublasLtMatmulPreference_t pref = nullptr;
   TPK_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
   size_t ws = p.workspace_bytes;
-  uint32_t align_a = alignment(p.w), align_b = alignment(p.x), align_c = alignment(p.y);
+  size_t elem = dtype_size(p.dtype);
+  uint32_t align_a = alignment(p.w), align_b = alignment(p.x, p.batch, p.stride_x, elem),
+           align_c = alignment(p.y, p.batch, p.stride_y, elem);
   TPK_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
                                                         sizeof(ws)));
   TPK_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
@@ -100,10 +129,23 @@ Plan make_plan(cublasLtHandle_t h, const LinearArgs& p) {
 
 }  // namespace
 
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::kFloat32: return 4;
+    case DType::kFloat16:
+    case DType::kBFloat16: return 2;
+  }
+  throw Error("unknown dtype code " + std::to_string(static_cast<int>(t)));
+}
+
 void linear(const LinearArgs& p) {
   if (p.m < 0 || p.n < 0 || p.k < 0) throw Error("linear: negative size");
-  if (p.ldx < p.k || p.ldw < p.k || p.ldy < p.n || p.ldx < 1 || p.ldw < 1 || p.ldy < 1)
+  if (p.ldx < p.k || p.ldw < (p.w_col_major ? p.n : p.k) || p.ldy < p.n || p.ldx < 1 || p.ldw < 1 || p.ldy < 1)
     throw Error("linear: a leading dimension is smaller than its row");
+  if (p.batch < 1 || p.batch > INT32_MAX) throw Error("linear: batch must be in [1, 2^31)");
+  if (p.batch > 1 && p.bias != nullptr) throw Error("linear: a bias is not supported with batch > 1");
+  if (p.batch > 1 && (p.stride_x < p.m * p.ldx || p.stride_y < p.m * p.ldy))
+    throw Error("linear: batch strides smaller than a matrix");
   if (p.x == nullptr || p.w == nullptr || p.y == nullptr) throw Error("linear: null x, w or y");
   if (p.m == 0 || p.n == 0) return;
   if (p.k == 0) throw Error("linear: k = 0 is not supported (the caller fills Y with the bias)");
@@ -112,7 +154,9 @@ void linear(const LinearArgs& p) {
   std::lock_guard<std::mutex> lock(g_mutex);
   cublasLtHandle_t h = handle_for(device);
   Key key{device, p.m, p.n, p.k, p.ldx, p.ldw, p.ldy, static_cast<int>(p.dtype), p.bias != nullptr,
-          alignment(p.x), alignment(p.w), alignment(p.y), p.bias ? alignment(p.bias) : 0, p.workspace_bytes};
+          alignment(p.x, p.batch, p.stride_x, dtype_size(p.dtype)), alignment(p.w),
+          alignment(p.y, p.batch, p.stride_y, dtype_size(p.dtype)), p.bias ? alignment(p.bias) : 0, p.workspace_bytes,
+          p.w_col_major, p.batch, p.stride_x, p.stride_y};
   auto it = g_plans.find(key);
   if (it == g_plans.end()) it = g_plans.emplace(key, make_plan(h, p)).first;
   Plan& plan = it->second;

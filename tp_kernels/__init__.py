@@ -3,6 +3,8 @@
 Public API (see docs/api.md):
 
 * process groups: :func:`initialize_model_parallel` and the ``get_*`` accessors;
+* settings: :func:`set_timeout` (every collective), :func:`set_comm_stream_priority` (the
+  native backend's communication stream); :func:`extension_status`;
 * :mod:`tp_kernels.mappings`: Megatron's communication mappings;
 * :mod:`tp_kernels.ops`: :func:`all_gather_matmul`, :func:`matmul_reduce_scatter`,
   :func:`matmul_all_reduce` on the ``reference`` or ``pipelined`` backend;
@@ -13,6 +15,7 @@ Public API (see docs/api.md):
 from . import mappings, ops, schedule
 from ._comm import get_timeout, set_timeout
 from ._native import extension_status
+from .backends.native import set_comm_stream_priority
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .layers import ColumnParallelLinear, RowParallelLinear
@@ -61,6 +64,7 @@ __all__ = [
     "ops",
     "parallelize",
     "schedule",
+    "set_comm_stream_priority",
     "set_timeout",
     "vocab_parallel_cross_entropy",
 ]

@@ -3,8 +3,8 @@
 Each op has a fake (meta) implementation, so ``torch.compile`` treats it as one opaque node
 (no graph break inside it), and its backward is registered with ``register_autograd`` as
 another custom op. The ops take 2-D tensors, the group by name (``""``: this process alone),
-a concrete backend name and a positive ``num_chunks``; :mod:`tp_kernels.ops` checks the
-arguments and picks those before calling them.
+an implementation name (a key of ``backends.IMPLEMENTATIONS``) and a positive ``num_chunks``;
+:mod:`tp_kernels.ops` checks the arguments and picks those before calling them.
 
 Backward ops return an empty tensor for a gradient that is not needed (a custom op cannot
 return None); the autograd wrappers turn those back into None.
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _comm
-from .backends import BACKENDS
+from .backends import IMPLEMENTATIONS
 
 __all__ = ["group_from_name", "group_name"]
 
@@ -71,7 +71,7 @@ def _register_backward(forward_op, backward_op) -> None:
 @torch.library.custom_op("tp_kernels::all_gather_matmul", mutates_args=())
 def all_gather_matmul(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str, backend: str,
                       num_chunks: int) -> Tensor:
-    out, _ = BACKENDS[backend].all_gather_matmul(x, weight, bias, group_from_name(group), num_chunks)
+    out, _ = IMPLEMENTATIONS[backend].all_gather_matmul(x, weight, bias, group_from_name(group), num_chunks)
     return out
 
 
@@ -83,7 +83,7 @@ def _(x, weight, bias, group, backend, num_chunks):
 @torch.library.custom_op("tp_kernels::all_gather_matmul_backward", mutates_args=())
 def all_gather_matmul_backward(dy: Tensor, x: Tensor, weight: Tensor, group: str, backend: str, num_chunks: int,
                                need_dx: bool, need_dw: bool, need_db: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    g, impl = group_from_name(group), BACKENDS[backend]
+    g, impl = group_from_name(group), IMPLEMENTATIONS[backend]
     dy = dy.contiguous()
     # Kick off the re-gather of x first, so that it travels while dx multiplies.
     gather = _comm.all_gather_dim0(x, g) if need_dw else None
@@ -108,7 +108,7 @@ _register_backward(all_gather_matmul, all_gather_matmul_backward)
 @torch.library.custom_op("tp_kernels::matmul_reduce_scatter", mutates_args=())
 def matmul_reduce_scatter(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str, backend: str,
                           num_chunks: int) -> Tensor:
-    return BACKENDS[backend].matmul_reduce_scatter(x, weight, bias, group_from_name(group), num_chunks).wait()
+    return IMPLEMENTATIONS[backend].matmul_reduce_scatter(x, weight, bias, group_from_name(group), num_chunks).wait()
 
 
 @matmul_reduce_scatter.register_fake
@@ -120,7 +120,7 @@ def _(x, weight, bias, group, backend, num_chunks):
 def matmul_reduce_scatter_backward(dy: Tensor, x: Tensor, weight: Tensor, group: str, backend: str,
                                    num_chunks: int, need_dx: bool, need_dw: bool,
                                    need_db: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    g, impl = group_from_name(group), BACKENDS[backend]
+    g, impl = group_from_name(group), IMPLEMENTATIONS[backend]
     dy = dy.contiguous()
     if need_dx:
         # dx: (m/p, n) -(AG)-> (m, n) x (n, k/p) -> (m, k/p); keeps AG(dy) for dW and db
@@ -146,7 +146,7 @@ _register_backward(matmul_reduce_scatter, matmul_reduce_scatter_backward)
 @torch.library.custom_op("tp_kernels::matmul_all_reduce", mutates_args=())
 def matmul_all_reduce(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str, backend: str,
                       num_chunks: int) -> Tensor:
-    return BACKENDS[backend].matmul_all_reduce(x, weight, bias, group_from_name(group), num_chunks).wait()
+    return IMPLEMENTATIONS[backend].matmul_all_reduce(x, weight, bias, group_from_name(group), num_chunks).wait()
 
 
 @matmul_all_reduce.register_fake
@@ -188,7 +188,7 @@ def linear_with_grad_all_reduce_backward(dy: Tensor, x: Tensor, weight: Tensor, 
                                          need_db: bool) -> Tuple[Tensor, Tensor, Tensor]:
     dy = dy.contiguous()
     # dx: (m, n/p) x (n/p, k) -(AR)-> (m, k)
-    dx = (BACKENDS[backend].matmul_all_reduce(dy, weight.t(), None, group_from_name(group), num_chunks)
+    dx = (IMPLEMENTATIONS[backend].matmul_all_reduce(dy, weight.t(), None, group_from_name(group), num_chunks)
           if need_dx else None)
     dw = dy.t().mm(x) if need_dw else weight.new_empty(0)  # (n/p, m) x (m, k), while dx reduces
     db = dy.sum(0) if need_db else dy.new_empty(0)

@@ -79,7 +79,7 @@ def extension_status() -> dict:
     }
 
 
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 #: cuBLASLt workspace per (device, stream); cuBLAS recommends 32 MiB on Hopper.
 WORKSPACE_BYTES = 32 * 2**20
 _workspaces: dict = {}
@@ -94,24 +94,43 @@ def _workspace(stream: "torch.cuda.Stream") -> torch.Tensor:
     return ws
 
 
+def weight_layout(weight: torch.Tensor):
+    """``(weight, ldw, col_major)`` as the native GEMM takes ``W [n, k]``: row-major (``ldw >= k``),
+    or column-major (``ldw >= n``: the transposed view of a row-major ``[k, n]``, as backward
+    passes use); any other layout is copied to row-major."""
+    n, k = weight.shape
+    if weight.stride(1) == 1 and weight.stride(0) >= max(1, k):
+        return weight, weight.stride(0), False
+    if weight.stride(0) == 1 and weight.stride(1) >= max(1, n):
+        return weight, weight.stride(1), True
+    weight = weight.contiguous()
+    return weight, max(1, k), False
+
+
+def require() -> None:
+    """Raise when the native module cannot be used here, with the reason."""
+    if _C is None:
+        raise RuntimeError(f"the native extension is unavailable: {_reason}")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``Y = X Wᵀ + b`` through the native cuBLASLt GEMM, on the current stream (no autograd).
 
     Args:
         x: ``[m, k]`` CUDA tensor, float32/float16/bfloat16 (rows need not be adjacent, but the
             last dim must be contiguous; otherwise a contiguous copy is made).
-        weight: ``[n, k]``, same dtype and device; bias: ``[n]`` or None.
+        weight: ``[n, k]``, same dtype and device, row- or column-major (a transposed view is
+            used as it is); bias: ``[n]`` or None.
     Returns:
         ``[m, n]``, accumulated in float32.
     """
-    if _C is None:
-        raise RuntimeError(f"the native extension is unavailable: {_reason}")
+    require()
     for name, t in (("x", x), ("weight", weight)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             raise ValueError(f"{name}: expected a 2-D tensor")
     if not x.is_cuda:
         raise ValueError(f"x: expected a CUDA tensor, got device {x.device}")
-    if x.dtype not in _DTYPE_CODES:
+    if x.dtype not in DTYPE_CODES:
         raise ValueError(f"x: dtype {x.dtype} is not supported (float32, float16, bfloat16)")
     if x.shape[1] != weight.shape[1]:
         raise ValueError(f"x: expected {weight.shape[1]} columns to match weight {tuple(weight.shape)}, got {tuple(x.shape)}")
@@ -121,7 +140,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
     x = x if x.stride(1) == 1 and x.stride(0) >= max(1, x.shape[1]) else x.contiguous()
-    weight = weight if weight.stride(1) == 1 and weight.stride(0) >= max(1, weight.shape[1]) else weight.contiguous()
+    weight, ldw, col_major = weight_layout(weight)
     bias = None if bias is None else bias.contiguous()
     m, k = x.shape
     n = weight.shape[0]
@@ -132,6 +151,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         stream = torch.cuda.current_stream(x.device)
         ws = _workspace(stream)
         _C.linear(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
-                  m, n, k, x.stride(0), weight.stride(0), n, _DTYPE_CODES[x.dtype], ws.data_ptr(), ws.numel(),
-                  stream.cuda_stream)
+                  m, n, k, x.stride(0), ldw, n, DTYPE_CODES[x.dtype], ws.data_ptr(), ws.numel(),
+                  stream.cuda_stream, col_major)
     return y

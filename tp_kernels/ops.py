@@ -56,22 +56,38 @@ def check_backend(backend) -> str:
     return backend
 
 
-def select_backend(op: str, backend: str, x: torch.Tensor, p: int) -> str:
-    """The backend that runs ``op`` for this call (a name in ``BACKENDS``); resolves ``"auto"``.
+def select_backend(op: str, backend: str, x: torch.Tensor, p: int, group=None,
+                   weight: Optional[torch.Tensor] = None) -> str:
+    """The implementation that runs ``op`` for this call (a key of
+    ``backends.IMPLEMENTATIONS``), resolving ``"pipelined"`` and ``"auto"``.
 
-    ``"auto"`` must never be slower than ``"reference"``, so it picks another backend only where
-    a measurement says it wins. None does yet: with one rank there is nothing to overlap; on
-    gloo the portable pipelined schedule measured slower than the reference
-    (``bench/results/cpu-gloo-p2*.json``, docs/benchmarks.md: 2 CPU cores, where gloo's thread
-    has no spare core to overlap on); on GPUs it has not been measured. So ``"auto"`` runs
-    ``"reference"`` for now.
+    * ``"pipelined"`` runs the native extension (``"native"``: cuBLASLt and NCCL, the same chunk
+      schedule) for CUDA tensors it supports, else the portable schedule on
+      ``torch.distributed``; the reason is logged at debug level.
+    * ``"auto"`` runs ``"native"`` for CUDA tensors it supports when there is more than one rank
+      (with one rank there is nothing to overlap), else ``"reference"``, saying why at debug
+      level. On the CPU the portable pipelined schedule measured slower than the reference
+      (``bench/results/cpu-gloo-p2*.json``, docs/benchmarks.md: gloo's thread has no spare core
+      to overlap on), so ``"auto"`` never picks it.
+
+    Every input of the decision is the same on all ranks of the group, so they all decide alike.
     """
     check_backend(backend)
-    if backend == "auto":
-        backend = "reference"
-        logger.debug("auto backend for %s (p=%d, x %s %s on %s): %s", op, p, tuple(x.shape), x.dtype,
-                     x.device.type, backend)
-    return backend
+    if backend == "reference":
+        return backend
+    from .backends import native
+
+    reason = native.unsupported_reason(x, x if weight is None else weight, group)
+    if reason is None and (backend == "pipelined" or p > 1):
+        return "native"
+    if backend == "pipelined":
+        if x.is_cuda:
+            logger.debug("pipelined %s (p=%d, x %s %s): the portable schedule, not the native one: %s", op, p,
+                         tuple(x.shape), x.dtype, reason)
+        return "pipelined"
+    logger.debug("auto backend for %s (p=%d, x %s %s on %s): reference: %s", op, p, tuple(x.shape), x.dtype,
+                 x.device.type, reason or "one rank, nothing to overlap")
+    return "reference"
 
 
 def _flatten(x: torch.Tensor) -> torch.Tensor:
@@ -103,7 +119,7 @@ def _run(op: str, x, weight, bias=None, *, group=None, backend: str = "auto", nu
         lead[0] *= p
     elif op == "matmul_reduce_scatter":
         lead[0] = check_divisible(f"{x_name}.shape[0]", x.shape[0], p)
-    impl = select_backend(schedule_op, backend, x, p)
+    impl = select_backend(schedule_op, backend, x, p, group, weight)
     out = getattr(torch.ops.tp_kernels, op)(_flatten(x), weight, bias, group_name(group), impl, num_chunks)
     return out.reshape(*lead, weight.shape[0])
 

@@ -12,8 +12,13 @@ Each backend module provides, on 2-D contiguous-or-not tensors and without autog
 ``weight`` is ``(n_out, k)`` as in ``F.linear`` and may be a transposed view. The reductions
 return a :class:`tp_kernels._comm.Pending` so that callers can overlap unrelated work (the
 weight gradient) with the tail of the communication before calling ``wait()``.
+
+The user-facing names are ``BACKENDS``. ``IMPLEMENTATIONS`` adds ``"native"``: the
+``pipelined`` schedule in the native extension, which :func:`tp_kernels.ops.select_backend`
+picks for CUDA tensors (it is not a name users pass).
 """
 
-from . import pipelined, reference
+from . import native, pipelined, reference
 
 BACKENDS = {"reference": reference, "pipelined": pipelined}
+IMPLEMENTATIONS = {**BACKENDS, "native": native}

@@ -218,7 +218,7 @@ def measure_case(case: Case, backends: List[str], dtype: torch.dtype, device: to
         "all_gather_matmul" if case.kind == "column" and case.sequence_parallel else
         "matmul_reduce_scatter" if case.sequence_parallel else "matmul_all_reduce")
     for backend in backends:
-        out["resolved"][backend] = ops.select_backend(op, backend, probe, p)
+        out["resolved"][backend] = ops.select_backend(op, backend, probe, p, group)
         out["backend"][backend] = _time_backend(case, backend, dtype, device, group, timer, num_chunks, nsets)
     return out
 

@@ -1,7 +1,11 @@
 // Y = X W^T (+ b) on cuBLASLt: the GEMM of every tensor-parallel linear layer.
 //
-// All matrices are row-major with a leading dimension (elements between consecutive rows):
-//   X [m, k] (ldx >= k), W [n, k] (ldw >= k), Y [m, n] (ldy >= n), bias [n] or null.
+// X and Y are row-major with a leading dimension (elements between consecutive rows):
+//   X [m, k] (ldx >= k), Y [m, n] (ldy >= n), bias [n] or null.
+// W [n, k] is row-major (ldw >= k), or, with w_col_major, column-major (ldw >= n: W is the
+// transposed view of a row-major [k, n], as in a backward pass's W^T).
+// batch > 1 runs `batch` such products with one W: X_i = X + i * stride_x, Y_i = Y + i * stride_y
+// (elements); a bias is not supported then.
 // fp16 and bf16 accumulate in fp32; fp32 computes in full fp32 (no TF32), as torch does by
 // default. The bias is added by the GEMM's epilogue. Work is enqueued on `stream`; nothing
 // blocks the host, so the call can be captured in a CUDA graph. The workspace (any size,
@@ -24,6 +28,8 @@ struct LinearArgs {
   void* y = nullptr;
   int64_t m = 0, n = 0, k = 0;
   int64_t ldx = 0, ldw = 0, ldy = 0;
+  bool w_col_major = false;
+  int64_t batch = 1, stride_x = 0, stride_y = 0;
   DType dtype = DType::kBFloat16;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
@@ -32,5 +38,8 @@ struct LinearArgs {
 
 // Throws tp_kernels::Error on invalid arguments or a failed CUDA/cuBLASLt call.
 void linear(const LinearArgs& args);
+
+// Bytes per element of `t`.
+size_t dtype_size(DType t);
 
 }  // namespace tp_kernels

@@ -1,0 +1,257 @@
+// The NCCL communicator of a group: nonblocking initialisation and enqueues bounded by a timeout,
+// a prioritised communication stream, an event pool and a watchdog thread.
+#include "tp_kernels/comm.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+
+#include "tp_kernels/check.h"
+
+namespace tp_kernels {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Makes `device` current for a scope and restores the previous device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    TPK_CHECK_CUDA(cudaGetDevice(&previous_));
+    if (previous_ != device) TPK_CHECK_CUDA(cudaSetDevice(device));
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
+
+std::string format_seconds(double s) {
+  std::ostringstream out;
+  out << s;
+  return out.str();
+}
+
+}  // namespace
+
+std::string nccl_unique_id() {
+  ncclUniqueId id;
+  TPK_CHECK_NCCL(ncclGetUniqueId(&id));
+  return std::string(id.internal, sizeof(id.internal));
+}
+
+Communicator::Communicator(const std::string& unique_id, int rank, int size, int device, int stream_priority,
+                           double timeout_s)
+    : rank_(rank), size_(size), device_(device), timeout_s_(timeout_s) {
+  if (unique_id.size() != sizeof(ncclUniqueId))
+    throw Error("Communicator: unique_id must be " + std::to_string(sizeof(ncclUniqueId)) + " bytes, got " +
+                std::to_string(unique_id.size()));
+  if (size < 1 || rank < 0 || rank >= size)
+    throw Error("Communicator: rank " + std::to_string(rank) + " is not in [0, " + std::to_string(size) + ")");
+  if (!(timeout_s > 0)) throw Error("Communicator: timeout_s must be positive");
+  DeviceGuard guard(device);
+  int least = 0, greatest = 0;  // CUDA: a lower number is a higher priority
+  TPK_CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  stream_priority_ = std::min(std::max(stream_priority, greatest), least);
+  TPK_CHECK_CUDA(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, stream_priority_));
+
+  ncclUniqueId id;
+  std::memcpy(id.internal, unique_id.data(), sizeof(id.internal));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;  // every call returns at once; finish() polls it against the timeout
+  try {
+    auto guard_op = lock();
+    ncclResult_t result = ncclCommInitRankConfig(&comm_, size, id, rank, &config);
+    finish(result, "ncclCommInitRankConfig", "joining the NCCL communicator");
+  } catch (...) {
+    cudaStreamDestroy(stream_);
+    throw;
+  }
+  thread_ = std::thread(&Communicator::watchdog, this);
+}
+
+Communicator::~Communicator() {
+  stop_watchdog();
+  if (comm_ != nullptr) ncclCommAbort(comm_);  // close() was not called: free it without waiting
+  for (cudaEvent_t e : events_)
+    if (e != nullptr) cudaEventDestroy(e);
+  for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
+  for (Watched& w : queue_) cudaEventDestroy(w.event);
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+double Communicator::timeout_s() const { return timeout_s_.load(); }
+
+void Communicator::set_timeout_s(double timeout_s) {
+  if (!(timeout_s > 0)) throw Error("set_timeout_s: timeout_s must be positive");
+  timeout_s_.store(timeout_s);
+}
+
+void Communicator::check() const {
+  std::lock_guard<std::mutex> guard(error_mutex_);
+  if (!error_.empty()) throw Error(error_);
+}
+
+cudaEvent_t Communicator::event(size_t i) {
+  if (i >= events_.size()) events_.resize(i + 1, nullptr);
+  if (events_[i] == nullptr) {
+    DeviceGuard guard(device_);
+    TPK_CHECK_CUDA(cudaEventCreateWithFlags(&events_[i], cudaEventDisableTiming));
+  }
+  return events_[i];
+}
+
+void Communicator::fail_locked(const std::string& message) {
+  {
+    std::lock_guard<std::mutex> guard(error_mutex_);
+    if (error_.empty()) error_ = message;
+  }
+  if (comm_ != nullptr) {
+    ncclCommAbort(comm_);  // ends NCCL kernels still waiting for a peer, here and in the queue
+    comm_ = nullptr;
+  }
+}
+
+void Communicator::finish(ncclResult_t result, const char* call, const std::string& what) {
+  const Clock::time_point start = Clock::now();
+  const std::string where = " on rank " + std::to_string(rank_) + " of " + std::to_string(size_);
+  for (int polls = 0; result == ncclInProgress; ++polls) {
+    double limit = timeout_s_.load();
+    if (seconds_since(start) > limit) {
+      fail_locked("tp_kernels: " + what + ": " + call + " did not complete within " + format_seconds(limit) + " s" +
+                  where +
+                  ". A peer rank may be missing, dead, or running a different collective; the communicator "
+                  "was aborted. The limit is set with tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S.");
+      check();
+    }
+    if (polls < 1000)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    if (comm_ == nullptr) break;
+    ncclResult_t query = ncclCommGetAsyncError(comm_, &result);
+    if (query != ncclSuccess) result = query;
+  }
+  if (result != ncclSuccess) {
+    const char* detail = comm_ != nullptr ? ncclGetLastError(comm_) : nullptr;
+    fail_locked("tp_kernels: " + what + ": " + call + " failed" + where + ": NCCL error " + std::to_string(result) +
+                " (" + ncclGetErrorString(result) + ")" + (detail && *detail ? std::string(": ") + detail : "") +
+                ". The communicator was aborted.");
+    check();
+  }
+}
+
+void Communicator::watch(cudaStream_t stream, const std::string& what) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  TPK_CHECK_CUDA(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return;  // a graph's replays are the caller's to wait for
+  cudaEvent_t e = nullptr;
+  {
+    std::lock_guard<std::mutex> guard(watch_mutex_);
+    if (!free_events_.empty()) {
+      e = free_events_.back();
+      free_events_.pop_back();
+    }
+  }
+  if (e == nullptr) TPK_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  TPK_CHECK_CUDA(cudaEventRecord(e, stream));
+  {
+    std::lock_guard<std::mutex> guard(watch_mutex_);
+    queue_.push_back(Watched{e, Clock::now(), what});
+  }
+  watch_cv_.notify_one();
+}
+
+void Communicator::watchdog() {
+  cudaSetDevice(device_);
+  // Querying events must not disturb a CUDA graph capture running in another thread.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  std::unique_lock<std::mutex> lk(watch_mutex_);
+  while (!stop_) {
+    if (queue_.empty()) {
+      watch_cv_.wait(lk);
+      continue;
+    }
+    Watched& w = queue_.front();
+    cudaError_t status = cudaEventQuery(w.event);
+    if (status == cudaSuccess) {
+      free_events_.push_back(w.event);
+      queue_.pop_front();
+      continue;
+    }
+    std::string message;
+    const std::string where = " on rank " + std::to_string(rank_) + " of " + std::to_string(size_);
+    double limit = timeout_s_.load();
+    if (status != cudaErrorNotReady) {
+      message = "tp_kernels: " + w.what + ": CUDA error while waiting for it" + where + ": " +
+                cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")";
+    } else if (seconds_since(w.start) > limit) {
+      message = "tp_kernels: " + w.what + " did not complete within " + format_seconds(limit) + " s" + where +
+                ". A peer rank may be missing, dead, or running a different collective; the communicator was "
+                "aborted and later calls on this group raise this error. The limit is set with "
+                "tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S.";
+    }
+    std::string what = w.what;
+    lk.unlock();
+    bool failed = false;
+    {
+      // An asynchronous NCCL error (a peer's connection lost) ends the wait early. try_lock: an op
+      // being enqueued is not held up by the watchdog.
+      std::unique_lock<std::mutex> op(op_mutex_, std::defer_lock);
+      if (!message.empty()) op.lock();
+      else op.try_lock();
+      if (op.owns_lock() && comm_ != nullptr) {
+        ncclResult_t state = ncclSuccess;
+        if (message.empty() && ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state != ncclSuccess &&
+            state != ncclInProgress)
+          message = "tp_kernels: " + what + " failed" + where + ": NCCL error " + std::to_string(state) + " (" +
+                    ncclGetErrorString(state) + "). The communicator was aborted.";
+        if (!message.empty()) {
+          std::fprintf(stderr, "%s\n", message.c_str());
+          fail_locked(message);
+          failed = true;
+        }
+      } else if (op.owns_lock() && !message.empty()) {
+        failed = true;  // already aborted: drop the queue
+      }
+    }
+    lk.lock();
+    if (failed) {
+      for (Watched& q : queue_) free_events_.push_back(q.event);
+      queue_.clear();
+    } else {
+      watch_cv_.wait_for(lk, std::chrono::milliseconds(1));
+    }
+  }
+}
+
+void Communicator::stop_watchdog() {
+  {
+    std::lock_guard<std::mutex> guard(watch_mutex_);
+    stop_ = true;
+  }
+  watch_cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void Communicator::close() {
+  {
+    auto guard = lock();
+    check();
+    DeviceGuard device(device_);
+    finish(ncclCommFinalize(comm_), "ncclCommFinalize", "closing the NCCL communicator");
+    TPK_CHECK_NCCL(ncclCommDestroy(comm_));
+    comm_ = nullptr;
+    std::lock_guard<std::mutex> error(error_mutex_);
+    error_ = "tp_kernels: this NCCL communicator was closed";
+  }
+  stop_watchdog();
+}
+
+}  // namespace tp_kernels

@@ -1,0 +1,57 @@
+// The `pipelined` primitives: cuBLASLt GEMMs on the caller's stream overlapped with NCCL on the
+// communicator's stream, chunk by chunk.
+//
+// Shapes (row-major, elements; p = comm.size(), r = comm.rank()):
+//   all_gather_matmul      x [m/p, k] -(AG)-> gathered [m, k];  out [m, n] = gathered W^T (+ bias)
+//   matmul_reduce_scatter  x [m, k];  partial [m, n] scratch;   out [m/p, n] = RS(x W^T)
+//   matmul_all_reduce      x [m, k];                            out [m, n] = AR(x W^T)
+// W is [n, k] as described in gemm.h (row- or column-major). x, gathered, partial and out are
+// contiguous. `bounds` are the chunk boundaries 0 = b0 < b1 < ... < bc of the rows chunked
+// (m/p for the first two ops, m for all-reduce), computed by tp_kernels.schedule.chunk_bounds,
+// so the CPU-tested schedule is the one run here.
+//
+// Stream contract: the work is enqueued on `stream` and on the communicator's stream, which
+// first waits for `stream` and which `stream` waits for before the call returns. The host never
+// waits for the GPU, so the calls can be captured in a CUDA graph. Hold no other reference to
+// the buffers' memory on other streams.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "tp_kernels/comm.h"
+#include "tp_kernels/gemm.h"
+
+namespace tp_kernels {
+
+struct OverlapArgs {
+  const void* x = nullptr;
+  const void* w = nullptr;
+  const void* bias = nullptr;  // all_gather_matmul only; the reductions add theirs afterwards
+  void* out = nullptr;
+  void* scratch = nullptr;  // all_gather_matmul: gathered [m, k]; matmul_reduce_scatter: partial [m, n]
+  int64_t n = 0, k = 0;
+  int64_t ldw = 0;
+  bool w_col_major = false;
+  DType dtype = DType::kBFloat16;
+  std::vector<int64_t> bounds;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  cudaStream_t stream = nullptr;
+};
+
+// Ring all-gather (at step s multiply the shard of rank (r - s) mod p while the next one arrives
+// from rank r - 1 by NCCL send/recv), each shard sent as the chunks of `bounds` (over m/p).
+void all_gather_matmul(Communicator& comm, const OverlapArgs& args);
+
+// Chunk j = rows bounds[j]..bounds[j+1] of every destination's block, multiplied in one batched
+// GEMM; its reduce-scatter runs while chunk j + 1 multiplies.
+void matmul_reduce_scatter(Communicator& comm, const OverlapArgs& args);
+
+// Chunk j = rows bounds[j]..bounds[j+1] of m; its all-reduce runs (in place, in `out`) while
+// chunk j + 1 multiplies.
+void matmul_all_reduce(Communicator& comm, const OverlapArgs& args);
+
+}  // namespace tp_kernels

@@ -1,0 +1,173 @@
+// The pipelined primitives: GEMM chunks on the caller's stream, their communication on the
+// communicator's stream, ordered by events (see overlap.h for the contract).
+#include "tp_kernels/overlap.h"
+
+#include <string>
+
+#include "tp_kernels/check.h"
+
+namespace tp_kernels {
+namespace {
+
+ncclDataType_t nccl_type(DType t) {
+  switch (t) {
+    case DType::kFloat32: return ncclFloat32;
+    case DType::kFloat16: return ncclFloat16;
+    case DType::kBFloat16: return ncclBfloat16;
+  }
+  throw Error("unknown dtype code " + std::to_string(static_cast<int>(t)));
+}
+
+void validate(const Communicator& comm, const OverlapArgs& a, const char* op) {
+  const std::string name(op);
+  comm.check();
+  int device = -1;
+  TPK_CHECK_CUDA(cudaGetDevice(&device));
+  if (device != comm.device())
+    throw Error(name + ": the current device is " + std::to_string(device) + ", the communicator's is " +
+                std::to_string(comm.device()));
+  if (a.bounds.size() < 2 || a.bounds.front() != 0)
+    throw Error(name + ": bounds must start at 0 and hold at least one chunk");
+  for (size_t j = 1; j < a.bounds.size(); ++j)
+    if (a.bounds[j] <= a.bounds[j - 1]) throw Error(name + ": bounds must be strictly increasing");
+  if (a.n < 1 || a.k < 1) throw Error(name + ": n and k must be positive");
+  if (a.x == nullptr || a.w == nullptr || a.out == nullptr) throw Error(name + ": null x, w or out");
+}
+
+// Element `row * width` of a row-major buffer of `dtype`.
+template <typename T>
+T* row_ptr(T* base, int64_t row, int64_t width, DType dtype) {
+  using Byte = typename std::conditional<std::is_const<T>::value, const char, char>::type;
+  return reinterpret_cast<T*>(reinterpret_cast<Byte*>(base) + row * width * static_cast<int64_t>(dtype_size(dtype)));
+}
+
+// x rows [row, row + m) times W^T into y rows (ldy = n), as a batch when batch > 1.
+void gemm(const OverlapArgs& a, const void* x, void* y, int64_t m, const void* bias, int64_t batch = 1,
+          int64_t stride_x = 0, int64_t stride_y = 0) {
+  LinearArgs g;
+  g.x = x;
+  g.w = a.w;
+  g.bias = bias;
+  g.y = y;
+  g.m = m, g.n = a.n, g.k = a.k;
+  g.ldx = a.k, g.ldw = a.ldw, g.ldy = a.n;
+  g.w_col_major = a.w_col_major;
+  g.batch = batch, g.stride_x = stride_x, g.stride_y = stride_y;
+  g.dtype = a.dtype;
+  g.workspace = a.workspace;
+  g.workspace_bytes = a.workspace_bytes;
+  g.stream = a.stream;
+  linear(g);
+}
+
+// The caller's stream (`from`) releases work to `to` through event `e`.
+void order(cudaStream_t from, cudaStream_t to, cudaEvent_t e) {
+  TPK_CHECK_CUDA(cudaEventRecord(e, from));
+  TPK_CHECK_CUDA(cudaStreamWaitEvent(to, e, 0));
+}
+
+std::string shape(int64_t rows, int64_t cols) {
+  return "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
+}
+
+}  // namespace
+
+void all_gather_matmul(Communicator& comm, const OverlapArgs& a) {
+  validate(comm, a, "all_gather_matmul");
+  if (a.scratch == nullptr) throw Error("all_gather_matmul: null gathered buffer");
+  const int p = comm.size(), r = comm.rank();
+  const int64_t mp = a.bounds.back();
+  const size_t chunks = a.bounds.size() - 1;
+  const std::string what = "all_gather_matmul (ring all-gather of " + shape(mp, a.k) + " shards)";
+  auto guard = comm.lock();
+  comm.check();
+  cudaStream_t cs = comm.stream();
+  void* own = row_ptr(a.scratch, r * mp, a.k, a.dtype);
+  if (own != a.x)
+    TPK_CHECK_CUDA(cudaMemcpyAsync(own, a.x, mp * a.k * dtype_size(a.dtype), cudaMemcpyDeviceToDevice, a.stream));
+  // Event 0 releases the communication stream; event 1 + s*chunks + j marks piece j of the
+  // shard received at ring step s.
+  if (p > 1) {
+    order(a.stream, cs, comm.event(0));
+    const int next = (r + 1) % p, prev = (r + p - 1) % p;
+    for (int step = 0; step + 1 < p; ++step) {
+      const int src = ((r - step) % p + p) % p;       // the shard forwarded at this step
+      const int dst = ((r - step - 1) % p + p) % p;   // the shard arriving meanwhile
+      for (size_t j = 0; j < chunks; ++j) {
+        const int64_t a0 = a.bounds[j], rows = a.bounds[j + 1] - a0;
+        const size_t count = static_cast<size_t>(rows * a.k);
+        TPK_CHECK_NCCL(ncclGroupStart());
+        comm.finish(ncclSend(row_ptr(a.scratch, src * mp + a0, a.k, a.dtype), count, nccl_type(a.dtype), next,
+                             comm.nccl(), cs),
+                    "ncclSend", what);
+        comm.finish(ncclRecv(row_ptr(a.scratch, dst * mp + a0, a.k, a.dtype), count, nccl_type(a.dtype), prev,
+                             comm.nccl(), cs),
+                    "ncclRecv", what);
+        comm.finish(ncclGroupEnd(), "ncclGroupEnd", what);
+        TPK_CHECK_CUDA(cudaEventRecord(comm.event(1 + step * chunks + j), cs));
+      }
+    }
+  }
+  for (int step = 0; step < p; ++step) {
+    const int src = ((r - step) % p + p) % p;
+    for (size_t j = 0; j < chunks; ++j) {
+      const int64_t row = src * mp + a.bounds[j];
+      if (step > 0) TPK_CHECK_CUDA(cudaStreamWaitEvent(a.stream, comm.event(1 + (step - 1) * chunks + j), 0));
+      gemm(a, row_ptr(a.scratch, row, a.k, a.dtype), row_ptr(a.out, row, a.n, a.dtype), a.bounds[j + 1] - a.bounds[j],
+           a.bias);
+    }
+  }
+  if (p > 1) {
+    order(cs, a.stream, comm.event(1 + (p - 1) * chunks));
+    comm.watch(cs, what);
+  }
+}
+
+void matmul_reduce_scatter(Communicator& comm, const OverlapArgs& a) {
+  validate(comm, a, "matmul_reduce_scatter");
+  if (a.scratch == nullptr) throw Error("matmul_reduce_scatter: null partial buffer");
+  if (a.bias != nullptr) throw Error("matmul_reduce_scatter: the bias is added after the reduction, by the caller");
+  const int p = comm.size();
+  const int64_t mp = a.bounds.back();
+  const size_t chunks = a.bounds.size() - 1;
+  const std::string what = "matmul_reduce_scatter (reduce-scatter of " + shape(p * mp, a.n) + ")";
+  auto guard = comm.lock();
+  comm.check();
+  cudaStream_t cs = comm.stream();
+  for (size_t j = 0; j < chunks; ++j) {
+    const int64_t a0 = a.bounds[j], rows = a.bounds[j + 1] - a0;
+    // Rows [a0, a0 + rows) of each destination's block, as p products; partial chunk j is
+    // destination-major: [p, rows, n] at row p * a0.
+    void* partial = row_ptr(a.scratch, p * a0, a.n, a.dtype);
+    gemm(a, row_ptr(a.x, a0, a.k, a.dtype), partial, rows, nullptr, p, mp * a.k, rows * a.n);
+    order(a.stream, cs, comm.event(j));
+    comm.finish(ncclReduceScatter(partial, row_ptr(a.out, a0, a.n, a.dtype), static_cast<size_t>(rows * a.n),
+                                  nccl_type(a.dtype), ncclSum, comm.nccl(), cs),
+                "ncclReduceScatter", what);
+  }
+  order(cs, a.stream, comm.event(chunks));
+  comm.watch(cs, what);
+}
+
+void matmul_all_reduce(Communicator& comm, const OverlapArgs& a) {
+  validate(comm, a, "matmul_all_reduce");
+  if (a.bias != nullptr) throw Error("matmul_all_reduce: the bias is added after the reduction, by the caller");
+  const int64_t m = a.bounds.back();
+  const size_t chunks = a.bounds.size() - 1;
+  const std::string what = "matmul_all_reduce (all-reduce of " + shape(m, a.n) + ")";
+  auto guard = comm.lock();
+  comm.check();
+  cudaStream_t cs = comm.stream();
+  for (size_t j = 0; j < chunks; ++j) {
+    const int64_t a0 = a.bounds[j], rows = a.bounds[j + 1] - a0;
+    void* y = row_ptr(a.out, a0, a.n, a.dtype);
+    gemm(a, row_ptr(a.x, a0, a.k, a.dtype), y, rows, nullptr);
+    order(a.stream, cs, comm.event(j));
+    comm.finish(ncclAllReduce(y, y, static_cast<size_t>(rows * a.n), nccl_type(a.dtype), ncclSum, comm.nccl(), cs),
+                "ncclAllReduce", what);
+  }
+  order(cs, a.stream, comm.event(chunks));
+  comm.watch(cs, what);
+}
+
+}  // namespace tp_kernels

@@ -1,0 +1,150 @@
+"""The native pipelined backend's CPU-checkable parts: routing, argument checks, the
+communicator's validation, and the weight layouts the native GEMM takes.
+
+The native ops themselves need a GPU: python_tests/test_gpu.py runs them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import tp_kernels
+from tp_kernels import _native, ops
+from tp_kernels.backends import IMPLEMENTATIONS, native
+
+built = pytest.mark.skipif(_native._C is None, reason="the native module is not built")
+
+
+def test_routing_on_cpu_keeps_the_portable_backends(caplog):
+    x = torch.randn(4, 8)
+    with caplog.at_level(logging.DEBUG, logger="tp_kernels.ops"):
+        assert ops.select_backend("matmul_all_reduce", "pipelined", x, 2) == "pipelined"
+        assert ops.select_backend("matmul_all_reduce", "auto", x, 2) == "reference"
+        assert ops.select_backend("matmul_all_reduce", "reference", x, 2) == "reference"
+    # auto says why it did not pick the native path
+    assert any("reference" in r.message and "not on a CUDA device" in r.message for r in caplog.records)
+
+
+def test_routing_when_the_native_path_is_supported(monkeypatch, caplog):
+    """What CUDA tensors get: pipelined -> native always; auto -> native only with several ranks."""
+    monkeypatch.setattr(native, "unsupported_reason", lambda x, w, g: None)
+    x = torch.randn(4, 8)
+    for p in (1, 2, 8):
+        assert ops.select_backend("all_gather_matmul", "pipelined", x, p) == "native"
+        assert ops.select_backend("all_gather_matmul", "reference", x, p) == "reference"
+    assert ops.select_backend("all_gather_matmul", "auto", x, 2) == "native"
+    with caplog.at_level(logging.DEBUG, logger="tp_kernels.ops"):
+        assert ops.select_backend("all_gather_matmul", "auto", x, 1) == "reference"
+    assert any("one rank" in r.message for r in caplog.records)
+
+
+def test_routing_falls_back_with_the_reason(monkeypatch, caplog):
+    monkeypatch.setattr(native, "unsupported_reason", lambda x, w, g: "dtype torch.float64 is not supported natively")
+    x = torch.randn(4, 8)
+    with caplog.at_level(logging.DEBUG, logger="tp_kernels.ops"):
+        assert ops.select_backend("matmul_reduce_scatter", "auto", x, 4) == "reference"
+    assert any("float64 is not supported natively" in r.message for r in caplog.records)
+
+
+def test_unsupported_reasons_on_this_machine(monkeypatch):
+    w = torch.randn(3, 8)
+    if _native._C is not None:
+        assert "not on a CUDA device" in native.unsupported_reason(torch.randn(4, 8), w, None)
+    monkeypatch.setattr(_native, "_C", None)
+    monkeypatch.setattr(_native, "_reason", "not built: test")
+    assert native.unsupported_reason(torch.randn(4, 8), w, None) == "the native extension is unavailable: not built: test"
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
+def test_native_implementation_refuses_host_tensors(op):
+    """Called directly (as torch.ops.tp_kernels.* with impl "native"), it raises, naming why."""
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    with pytest.raises(ValueError, match="native pipelined backend cannot run this call: .*(CUDA|extension)"):
+        getattr(torch.ops.tp_kernels, op)(x, w, None, "", "native", 2)
+
+
+def test_every_implementation_has_the_three_primitives():
+    for name, impl in IMPLEMENTATIONS.items():
+        for op in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
+            assert callable(getattr(impl, op)), (name, op)
+    assert "native" not in ops.BACKEND_NAMES  # an implementation, not a name users pass
+
+
+def test_weight_layouts():
+    w = torch.randn(6, 8)
+    same, ldw, col = _native.weight_layout(w)
+    assert same is w and (ldw, col) == (8, False)
+    wt = torch.randn(8, 6).t()  # [6, 8] stored column-major, as backward's W^T
+    same, ldw, col = _native.weight_layout(wt)
+    assert same is wt and (ldw, col) == (6, True)  # columns of n = 6
+    wide = torch.randn(6, 11)[:, :8]  # row-major with a padded row
+    same, ldw, col = _native.weight_layout(wide)
+    assert same is wide and (ldw, col) == (11, False)
+    strided = torch.randn(12, 16)[::2, ::2]  # neither: copied to row-major
+    copy, ldw, col = _native.weight_layout(strided)
+    assert copy.is_contiguous() and torch.equal(copy, strided) and (ldw, col) == (8, False)
+
+
+def test_comm_stream_priority(monkeypatch):
+    monkeypatch.setattr(native, "_priority", None)
+    monkeypatch.delenv("TP_KERNELS_COMM_STREAM_PRIORITY", raising=False)
+    assert native.get_comm_stream_priority() < -1000  # the highest the device has
+    monkeypatch.setenv("TP_KERNELS_COMM_STREAM_PRIORITY", "0")
+    assert native.get_comm_stream_priority() == 0
+    monkeypatch.setenv("TP_KERNELS_COMM_STREAM_PRIORITY", "high")
+    with pytest.raises(ValueError, match="TP_KERNELS_COMM_STREAM_PRIORITY"):
+        native.get_comm_stream_priority()
+    tp_kernels.set_comm_stream_priority(-1)
+    assert native.get_comm_stream_priority() == -1
+    with pytest.raises(ValueError, match="priority"):
+        tp_kernels.set_comm_stream_priority(1.5)
+
+
+def test_destroy_model_parallel_closes_the_groups_communicators(monkeypatch):
+    closed = []
+
+    class FakeComm:
+        def __init__(self, name):
+            self.name = name
+
+        def close(self):
+            closed.append(self.name)
+            if self.name == "failed":
+                raise RuntimeError("tp_kernels: aborted earlier")
+
+    g1, g2 = object(), object()
+    monkeypatch.setattr(native, "_communicators", {
+        (1, "a", 0): (g1, FakeComm("a")), (2, "b", 0): (g2, FakeComm("b")), (3, "c", 0): (g1, FakeComm("failed"))})
+    native.destroy_communicators(g1)  # an aborted communicator's error is not raised again
+    assert sorted(closed) == ["a", "failed"] and list(native._communicators) == [(2, "b", 0)]
+    native.destroy_communicators()
+    assert closed[-1] == "b" and not native._communicators
+
+
+@built
+def test_nccl_unique_ids():
+    a, b = _native._C.nccl_unique_id(), _native._C.nccl_unique_id()
+    assert isinstance(a, bytes) and len(a) == len(b) == _native._C.NCCL_UNIQUE_ID_BYTES == 128
+    assert a != b
+
+
+@built
+def test_communicator_rejects_bad_arguments_before_touching_the_gpu():
+    uid = _native._C.nccl_unique_id()
+    C = _native._C.Communicator
+    with pytest.raises(RuntimeError, match="unique_id must be 128 bytes, got 5"):
+        C(b"short", 0, 2, 0, 0, 10.0)
+    with pytest.raises(RuntimeError, match=r"rank 2 is not in \[0, 2\)"):
+        C(uid, 2, 2, 0, 0, 10.0)
+    with pytest.raises(RuntimeError, match="timeout_s must be positive"):
+        C(uid, 0, 2, 0, 0, 0.0)
+
+
+@built
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+def test_communicator_without_a_gpu_is_a_clear_error():
+    with pytest.raises(RuntimeError, match=r"cudaGetDevice.*failed: CUDA error"):
+        _native._C.Communicator(_native._C.nccl_unique_id(), 0, 1, 0, 0, 10.0)

@@ -1,0 +1,193 @@
+"""The ``pipelined`` schedule in the native extension, for CUDA tensors.
+
+The GEMMs run on cuBLASLt on the caller's stream and the collectives on NCCL on a communication
+stream of the group's own communicator (``tp_kernels._C.Communicator``), chunk by chunk with
+the boundaries of :func:`tp_kernels.schedule.chunk_bounds` (passed to the native code, so the
+CPU-tested schedule is the one run). Nothing blocks the host: the ops can be captured in a CUDA
+graph once the group's communicator exists.
+
+:func:`tp_kernels.ops.select_backend` routes CUDA tensors here for ``backend="pipelined"`` and
+``"auto"``, after :func:`unsupported_reason` says the case is supported.
+
+The communicator is made on a group's first native call: rank 0 makes an NCCL unique id and
+sends it over the torch group (whatever its backend: with a gloo group the tensors still move
+by NCCL), then every rank joins, bounded by :func:`tp_kernels.get_timeout`. A collective that
+does not complete within that timeout is caught by the communicator's watchdog, which aborts
+it; the next call on the group raises the error.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import _comm, _native
+from .._comm import Pending
+from ..schedule import chunk_bounds
+from .reference import bias_epilogue
+
+__all__ = [
+    "all_gather_matmul",
+    "check_communicators",
+    "destroy_communicators",
+    "get_comm_stream_priority",
+    "matmul_all_reduce",
+    "matmul_reduce_scatter",
+    "set_comm_stream_priority",
+    "unsupported_reason",
+]
+
+#: (id(group), group name, device index) -> (group, communicator). The group is kept so that its
+#: id cannot be reused by another group while the entry lives.
+_communicators: dict = {}
+
+_HIGHEST_PRIORITY = -(2**31)  # clamped by the native side to the device's highest priority
+_priority: Optional[int] = None
+
+
+def set_comm_stream_priority(priority: int) -> None:
+    """Priority of the communication stream of communicators created from now on.
+
+    CUDA's convention: a lower number is a higher priority; values beyond the device's range are
+    clamped to it. The default is the highest priority, so that NCCL kernels are scheduled
+    promptly between GEMM blocks (``TP_KERNELS_COMM_STREAM_PRIORITY`` overrides it).
+    """
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority: expected an int, got {priority!r}")
+    global _priority
+    _priority = priority
+
+
+def get_comm_stream_priority() -> int:
+    """The priority new communication streams ask for (see :func:`set_comm_stream_priority`)."""
+    if _priority is not None:
+        return _priority
+    env = os.environ.get("TP_KERNELS_COMM_STREAM_PRIORITY")
+    if env:
+        try:
+            return int(env)
+        except ValueError:
+            raise ValueError(f"TP_KERNELS_COMM_STREAM_PRIORITY: expected an int, got {env!r}") from None
+    return _HIGHEST_PRIORITY
+
+
+def _key(group, device: torch.device):
+    return (id(group), group.group_name, device.index)
+
+
+def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, group) -> Optional[str]:
+    """Why the native path cannot run this call, or None when it can.
+
+    Depends only on what every rank of the group shares (the extension, the device type, dtype
+    and shapes, whether a capture is running), so all ranks decide alike.
+    """
+    if _native._C is None:
+        return f"the native extension is unavailable: {_native._reason}"
+    if not x.is_cuda:
+        return f"x is on {x.device.type}, not on a CUDA device"
+    if x.dtype not in _native.DTYPE_CODES:
+        return f"dtype {x.dtype} is not supported natively (float32, float16, bfloat16)"
+    if x.numel() == 0 or weight.numel() == 0:
+        return f"an empty dimension (x {tuple(x.shape)}, weight {tuple(weight.shape)})"
+    if (_comm.group_size(group) > 1 and _key(group, x.device) not in _communicators
+            and torch.cuda.is_current_stream_capturing()):
+        return ("the group's NCCL communicator is made on its first call, which a CUDA graph capture "
+                "cannot contain: run the op once before capturing")
+    return None
+
+
+def _communicator(group, device: torch.device):
+    """The group's communicator on ``device``, made on first use (a collective call)."""
+    key = _key(group, device)
+    entry = _communicators.get(key)
+    if entry is None:
+        p, r = _comm.group_size(group), _comm.group_rank(group)
+        # The id travels as bytes in a tensor on the group's device, through a bounded all-gather.
+        on_nccl = "nccl" in str(dist.get_backend(group)).lower()
+        uid = _native._C.nccl_unique_id() if r == 0 else bytes(_native._C.NCCL_UNIQUE_ID_BYTES)
+        mine = torch.frombuffer(bytearray(uid), dtype=torch.uint8).to(device if on_nccl else "cpu")
+        ids = _comm.all_gather_dim0(mine, group).wait().cpu()
+        uid = bytes(ids[: len(uid)].tolist())
+        comm = _native._C.Communicator(uid, r, p, device.index, get_comm_stream_priority(), _comm.get_timeout())
+        entry = _communicators[key] = (group, comm)
+    comm = entry[1]
+    timeout = _comm.get_timeout()
+    if comm.timeout_s != timeout:
+        comm.timeout_s = timeout
+    return comm
+
+
+def check_communicators() -> None:
+    """Raise the error of any communicator ended by a failure (e.g. a watchdog timeout)."""
+    for _, comm in _communicators.values():
+        comm.check()
+
+
+def destroy_communicators(group=None) -> None:
+    """Close the communicators of ``group`` (of every group when None); errors are not raised."""
+    for key in [k for k, (g, _) in _communicators.items() if group is None or g is group]:
+        _, comm = _communicators.pop(key)
+        try:
+            comm.close()
+        except RuntimeError:
+            pass  # ended by an error: the communicator was already aborted
+
+
+def _call(op, x, weight, bias, out, scratch, rows: int, group, num_chunks: int) -> None:
+    weight, ldw, col_major = _native.weight_layout(weight)
+    with torch.cuda.device(x.device):
+        comm = _communicator(group, x.device)
+        stream = torch.cuda.current_stream(x.device)
+        ws = _native._workspace(stream)
+        bounds = [0] + [b for _, b in chunk_bounds(rows, num_chunks)]
+        op(comm, x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+           0 if scratch is None else scratch.data_ptr(), weight.shape[0], x.shape[1], ldw, col_major,
+           _native.DTYPE_CODES[x.dtype], bounds, ws.data_ptr(), ws.numel(), stream.cuda_stream)
+
+
+def _check(x, weight, group) -> None:
+    reason = unsupported_reason(x, weight, group)
+    if reason is not None:
+        raise ValueError(f"the native pipelined backend cannot run this call: {reason}")
+
+
+def all_gather_matmul(x, weight, bias, group, num_chunks):
+    _check(x, weight, group)
+    x = x.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    p = _comm.group_size(group)
+    if p == 1:
+        return _native.linear(x, weight, bias), x
+    mp, k = x.shape
+    gathered = x.new_empty((p * mp, k))
+    out = x.new_empty((p * mp, weight.shape[0]))
+    _call(_native._C.all_gather_matmul, x, weight, bias, out, gathered, mp, group, num_chunks)
+    return out, gathered
+
+
+def matmul_reduce_scatter(x, weight, bias, group, num_chunks) -> Pending:
+    _check(x, weight, group)
+    p = _comm.group_size(group)
+    if p == 1:
+        return Pending(_native.linear(x, weight, bias), what="matmul+reduce-scatter")
+    x = x.contiguous()
+    m = x.shape[0]
+    n = weight.shape[0]
+    partial = x.new_empty((m, n))
+    out = x.new_empty((m // p, n))
+    _call(_native._C.matmul_reduce_scatter, x, weight, None, out, partial, m // p, group, num_chunks)
+    return Pending(out, what="matmul+reduce-scatter", group=group, finish=bias_epilogue(bias))
+
+
+def matmul_all_reduce(x, weight, bias, group, num_chunks) -> Pending:
+    _check(x, weight, group)
+    p = _comm.group_size(group)
+    if p == 1:
+        return Pending(_native.linear(x, weight, bias), what="matmul+all-reduce")
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0], weight.shape[0]))
+    _call(_native._C.matmul_all_reduce, x, weight, None, out, None, x.shape[0], group, num_chunks)
+    return Pending(out, what="matmul+all-reduce", group=group, finish=bias_epilogue(bias))
