@@ -17,6 +17,8 @@ logs=$(mktemp -d)
 mkdir -p "$results"
 commit=${TP_KERNELS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export TP_KERNELS_COMMIT=$commit
+# Let backend="auto" pick the native path too, so that the suite checks and measures it.
+export TP_KERNELS_AUTO_NATIVE=1
 
 echo "== build (commit $commit)"
 if ! "$PY" -m pip install --no-build-isolation --no-deps -e . >"$logs/build.log" 2>&1; then
@@ -31,6 +33,10 @@ echo "== GPU tests"
 
 echo "== benchmark (the main job: every model shape, decode and training m)"
 "$PY" -m tp_kernels.bench --out-dir "$logs/bench" --tag "$commit" 2>&1 | tee "$logs/bench.log"
+
+echo "== extension costs (GEMM vs F.linear, host overhead, chunking)"
+"$PY" -m tp_kernels.bench.extension --out-dir "$logs/extension" --tag "$commit" 2>&1 | tee "$logs/extension.log"
+cp "$logs"/extension/*.json "$results/" 2>/dev/null
 
 echo "== pytest-benchmark suite (two m per model)"
 "$PY" -m pytest bench -q -p no:cacheprovider --tp-m 16,8192 --tp-rounds 5 \
@@ -62,6 +68,7 @@ record = {
     "gpu_tests": {**count, "passed": count["tests"] - count["failures"] - count["errors"] - count["skipped"],
                   "failed": failed},
     "benchmark": bench,
+    "extension": next((json.load(open(p)) for p in glob.glob(os.path.join(logs, "extension", "*.json"))), None),
 }
 name = os.path.join(results, f"gpu-suite-{commit}.json")
 json.dump(record, open(name, "w"), indent=1)
@@ -71,6 +78,7 @@ status=$?
 
 if [ -n "${OUT:-}" ]; then
   cp "$results/gpu-suite-$commit.json" "$logs/gpu-tests.log" "$logs/bench.log" "$logs/build.log" \
-     "$logs/pytest-bench.json" "$logs/pytest-bench.log" "$logs"/bench/* "$OUT/" 2>/dev/null
+     "$logs/pytest-bench.json" "$logs/pytest-bench.log" "$logs/extension.log" "$logs"/bench/* \
+     "$logs"/extension/* "$OUT/" 2>/dev/null
 fi
 exit $status

@@ -89,7 +89,7 @@ PYBIND11_MODULE(_C, m) {
       "linear",
       [](uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t m_, int64_t n, int64_t k, int64_t ldx,
          int64_t ldw, int64_t ldy, int dtype, uintptr_t workspace, size_t workspace_bytes, uintptr_t stream,
-         bool w_col_major) {
+         bool w_col_major, int64_t batch, int64_t stride_x, int64_t stride_y) {
         tp_kernels::LinearArgs a;
         a.x = reinterpret_cast<const void*>(x);
         a.w = reinterpret_cast<const void*>(w);
@@ -97,6 +97,7 @@ PYBIND11_MODULE(_C, m) {
         a.y = reinterpret_cast<void*>(y);
         a.m = m_, a.n = n, a.k = k, a.ldx = ldx, a.ldw = ldw, a.ldy = ldy;
         a.w_col_major = w_col_major;
+        a.batch = batch, a.stride_x = stride_x, a.stride_y = stride_y;
         a.dtype = static_cast<tp_kernels::DType>(dtype);
         a.workspace = reinterpret_cast<void*>(workspace);
         a.workspace_bytes = workspace_bytes;
@@ -107,9 +108,11 @@ PYBIND11_MODULE(_C, m) {
       py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
       py::arg("ldx"), py::arg("ldw"), py::arg("ldy"), py::arg("dtype"), py::arg("workspace"),
       py::arg("workspace_bytes"), py::arg("stream"), py::arg("w_col_major") = false,
+      py::arg("batch") = 1, py::arg("stride_x") = 0, py::arg("stride_y") = 0,
       "Y[m, n] = X[m, k] W[n, k]^T (+ bias[n]) on cuBLASLt, row-major X and Y, W row-major (ldw >= k) "
       "or column-major (w_col_major, ldw >= n), enqueued on `stream` (dtype: 0 float32, 1 float16, "
-      "2 bfloat16; bias 0 for none).");
+      "2 bfloat16; bias 0 for none). batch > 1: that many products with one W, X and Y advanced by "
+      "stride_x and stride_y elements (no bias).");
 
   m.attr("NCCL_UNIQUE_ID_BYTES") = static_cast<int>(NCCL_UNIQUE_ID_BYTES);
   m.def(

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tp_kernels import perf_model as pm
 from tp_kernels.bench import cases, report
@@ -225,3 +226,17 @@ def _has_matplotlib():
     except ImportError:
         return False
     return True
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_extension_bench_without_a_gpu_says_so(capsys):
+    from tp_kernels.bench import extension
+
+    assert extension.main(["--out-dir", "unused"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_extension_bench_flop_count():
+    from tp_kernels.bench.extension import tflops
+
+    assert tflops(8192, 8192, 8192, 1.0) == pytest.approx(2 * 8192**3 / 1e-3 / 1e12)

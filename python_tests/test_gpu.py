@@ -5,20 +5,26 @@ Skipped cleanly without a CUDA device. The checks are the CPU suite's, run on ``
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
+import torch.distributed as dist
 
 import test_layers
 import test_library
 import test_ops
 import tp_kernels
-from helpers import assert_close
+from helpers import assert_close, rank_world
+from tp_kernels import _comm, ops
 from tp_kernels.launch import World
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
+
+native_built = pytest.mark.skipif(not tp_kernels.extension_status()["built"], reason="the native module is not built")
 
 OPS = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"]
 
@@ -53,9 +59,59 @@ def test_layers_with_several_nccl_ranks_on_one_gpu(shared_gpu_world, kind, dtype
     shared_gpu_world.run(test_layers.check_layer_grid, kind, dtype, backend, device="cuda")
 
 
+@native_built
 @pytest.mark.parametrize("op", OPS)
 def test_pipelined_with_several_nccl_ranks_on_one_gpu(shared_gpu_world, op):
-    shared_gpu_world.run(test_ops.check_pipelined_matches_reference, op, 7, device="cuda")
+    shared_gpu_world.run(check_native_routing_and_result, op)
+
+
+def check_native_routing_and_result(op):
+    """On CUDA, "pipelined" (and "auto" with several ranks) run the native extension, which
+    matches the reference for every chunk count; with several ranks it made the group's NCCL
+    communicator."""
+    from tp_kernels.backends import native
+
+    r, p = rank_world()
+    x = torch.randn(8, 16, device="cuda")
+    group = _comm.resolve_group(None)
+    assert ops.select_backend(op, "pipelined", x, p, group) == "native"
+    auto = "native" if p > 1 and native.auto_enabled() else "reference"
+    assert ops.select_backend(op, "auto", x, p, group) == auto
+    test_ops.check_pipelined_matches_reference(op, 7, device="cuda")
+    if p > 1:
+        assert native._communicators, "the native path made no communicator"
+
+
+def check_native_timeout():
+    """Rank 1 skips a collective: rank 0's watchdog aborts its communicator within the timeout,
+    the GPU is released, and the next call raises an error naming the op and the timeout."""
+    r, p = rank_world()
+    x = torch.randn(8, 16, device="cuda")
+    w = torch.randn(12, 16, device="cuda")
+    tp_kernels.matmul_all_reduce(x, w, backend="pipelined")  # every rank: communicator made, connected
+    torch.cuda.synchronize()
+    dist.barrier()
+    if r == 0:
+        tp_kernels.set_timeout(3.0)
+        start = time.monotonic()
+        tp_kernels.matmul_all_reduce(x, w, backend="pipelined")  # never completes: rank 1 is not there
+        torch.cuda.synchronize()  # returns once the watchdog has aborted the communicator
+        elapsed = time.monotonic() - start
+        with pytest.raises(RuntimeError, match=r"matmul_all_reduce .* did not complete within 3 s on rank 0 of 2"):
+            tp_kernels.matmul_all_reduce(x, w, backend="pipelined")
+        assert 3.0 <= elapsed < 60.0, elapsed
+        tp_kernels.set_timeout(120.0)
+    dist.barrier()
+
+
+@native_built
+def test_native_timeout_is_an_error():
+    with World(2, backend="nccl", timeout_s=120.0, env=ONE_GPU_RANKS_ENV, cuda_device=0) as world:
+        world.run(check_native_timeout, deadline_s=300)
+
+
+def test_cuda_graph_with_several_nccl_ranks_on_one_gpu(shared_gpu_world):
+    shared_gpu_world.run(check_cuda_graph, "pipelined")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -72,9 +128,10 @@ def test_ops_on_gpu_against_float64(nccl_world, op, dtype, backend):
     nccl_world.run(test_ops.check_against_float64, op, dtype, backend, device="cuda")
 
 
+@native_built
 @pytest.mark.parametrize("op", OPS)
 def test_pipelined_matches_reference_on_gpu(nccl_world, op):
-    nccl_world.run(test_ops.check_pipelined_matches_reference, op, 7, device="cuda")
+    nccl_world.run(check_native_routing_and_result, op)
 
 
 @pytest.mark.parametrize("op", test_library.OPS)
@@ -118,8 +175,6 @@ def check_cuda_graph(backend):
 def test_cuda_graph_replay_equals_eager(nccl_world, backend):
     nccl_world.run(check_cuda_graph, backend)
 
-
-native_built = pytest.mark.skipif(not tp_kernels.extension_status()["built"], reason="the native module is not built")
 
 
 @native_built

@@ -31,6 +31,7 @@ def test_routing_on_cpu_keeps_the_portable_backends(caplog):
 def test_routing_when_the_native_path_is_supported(monkeypatch, caplog):
     """What CUDA tensors get: pipelined -> native always; auto -> native only with several ranks."""
     monkeypatch.setattr(native, "unsupported_reason", lambda x, w, g: None)
+    monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "1")
     x = torch.randn(4, 8)
     for p in (1, 2, 8):
         assert ops.select_backend("all_gather_matmul", "pipelined", x, p) == "native"
@@ -39,6 +40,26 @@ def test_routing_when_the_native_path_is_supported(monkeypatch, caplog):
     with caplog.at_level(logging.DEBUG, logger="tp_kernels.ops"):
         assert ops.select_backend("all_gather_matmul", "auto", x, 1) == "reference"
     assert any("one rank" in r.message for r in caplog.records)
+
+
+def test_auto_does_not_pick_the_native_path_until_enabled(monkeypatch, caplog):
+    monkeypatch.setattr(native, "unsupported_reason", lambda x, w, g: None)
+    monkeypatch.delenv("TP_KERNELS_AUTO_NATIVE", raising=False)
+    x = torch.randn(4, 8)
+    assert native.auto_enabled() is native.AUTO_DEFAULT
+    monkeypatch.setattr(native, "AUTO_DEFAULT", False)
+    with caplog.at_level(logging.DEBUG, logger="tp_kernels.ops"):
+        assert ops.select_backend("matmul_all_reduce", "auto", x, 2) == "reference"
+    assert any("TP_KERNELS_AUTO_NATIVE=1" in r.message for r in caplog.records)
+    assert ops.select_backend("matmul_all_reduce", "pipelined", x, 2) == "native"  # asked for: used
+    monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "1")
+    assert ops.select_backend("matmul_all_reduce", "auto", x, 2) == "native"
+    monkeypatch.setattr(native, "AUTO_DEFAULT", True)
+    monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "0")
+    assert ops.select_backend("matmul_all_reduce", "auto", x, 2) == "reference"
+    monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "yes")
+    with pytest.raises(ValueError, match="TP_KERNELS_AUTO_NATIVE"):
+        ops.select_backend("matmul_all_reduce", "auto", x, 2)
 
 
 def test_routing_falls_back_with_the_reason(monkeypatch, caplog):

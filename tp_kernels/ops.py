@@ -64,9 +64,10 @@ def select_backend(op: str, backend: str, x: torch.Tensor, p: int, group=None,
     * ``"pipelined"`` runs the native extension (``"native"``: cuBLASLt and NCCL, the same chunk
       schedule) for CUDA tensors it supports, else the portable schedule on
       ``torch.distributed``; the reason is logged at debug level.
-    * ``"auto"`` runs ``"native"`` for CUDA tensors it supports when there is more than one rank
-      (with one rank there is nothing to overlap), else ``"reference"``, saying why at debug
-      level. On the CPU the portable pipelined schedule measured slower than the reference
+    * ``"auto"`` runs ``"reference"`` unless the native path is supported, there is more than one
+      rank (with one, there is nothing to overlap) and :func:`tp_kernels.backends.native.auto_enabled`
+      says the native path may be chosen automatically; it says why at debug level. On the CPU the
+      portable pipelined schedule measured slower than the reference
       (``bench/results/cpu-gloo-p2*.json``, docs/benchmarks.md: gloo's thread has no spare core
       to overlap on), so ``"auto"`` never picks it.
 
@@ -78,15 +79,21 @@ def select_backend(op: str, backend: str, x: torch.Tensor, p: int, group=None,
     from .backends import native
 
     reason = native.unsupported_reason(x, x if weight is None else weight, group)
-    if reason is None and (backend == "pipelined" or p > 1):
-        return "native"
     if backend == "pipelined":
+        if reason is None:
+            return "native"
         if x.is_cuda:
             logger.debug("pipelined %s (p=%d, x %s %s): the portable schedule, not the native one: %s", op, p,
                          tuple(x.shape), x.dtype, reason)
         return "pipelined"
+    if reason is None and p == 1:
+        reason = "one rank, nothing to overlap"
+    if reason is None and not native.auto_enabled():
+        reason = native.AUTO_DISABLED_REASON
+    if reason is None:
+        return "native"
     logger.debug("auto backend for %s (p=%d, x %s %s on %s): reference: %s", op, p, tuple(x.shape), x.dtype,
-                 x.device.type, reason or "one rank, nothing to overlap")
+                 x.device.type, reason)
     return "reference"
 
 

@@ -6,8 +6,9 @@ the boundaries of :func:`tp_kernels.schedule.chunk_bounds` (passed to the native
 CPU-tested schedule is the one run). Nothing blocks the host: the ops can be captured in a CUDA
 graph once the group's communicator exists.
 
-:func:`tp_kernels.ops.select_backend` routes CUDA tensors here for ``backend="pipelined"`` and
-``"auto"``, after :func:`unsupported_reason` says the case is supported.
+:func:`tp_kernels.ops.select_backend` routes CUDA tensors here for ``backend="pipelined"``
+after :func:`unsupported_reason` says the case is supported, and for ``"auto"`` when
+:func:`auto_enabled` also allows it.
 
 The communicator is made on a group's first native call: rank 0 makes an NCCL unique id and
 sends it over the torch group (whatever its backend: with a gloo group the tensors still move
@@ -30,7 +31,9 @@ from ..schedule import chunk_bounds
 from .reference import bias_epilogue
 
 __all__ = [
+    "AUTO_DISABLED_REASON",
     "all_gather_matmul",
+    "auto_enabled",
     "check_communicators",
     "destroy_communicators",
     "get_comm_stream_priority",
@@ -74,6 +77,24 @@ def get_comm_stream_priority() -> int:
     return _HIGHEST_PRIORITY
 
 
+#: Whether ``backend="auto"`` may pick this path without being asked. It stays off until the GPU
+#: suite (``bench/gpu_suite.sh``) has passed with it and measured it against the reference:
+#: ``"auto"`` must never be wrong or slower. ``TP_KERNELS_AUTO_NATIVE=1`` (or ``0``) overrides it.
+AUTO_DEFAULT = False
+AUTO_DISABLED_REASON = ("the native path is not yet chosen automatically (it has not passed the GPU suite); "
+                        "use backend='pipelined', or set TP_KERNELS_AUTO_NATIVE=1")
+
+
+def auto_enabled() -> bool:
+    """Whether ``backend="auto"`` may run the native path (see ``AUTO_DEFAULT``)."""
+    env = os.environ.get("TP_KERNELS_AUTO_NATIVE")
+    if env in (None, ""):
+        return AUTO_DEFAULT
+    if env not in ("0", "1"):
+        raise ValueError(f"TP_KERNELS_AUTO_NATIVE: expected 0 or 1, got {env!r}")
+    return env == "1"
+
+
 def _key(group, device: torch.device):
     return (id(group), group.group_name, device.index)
 
@@ -92,8 +113,8 @@ def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, group) -> Optional
         return f"dtype {x.dtype} is not supported natively (float32, float16, bfloat16)"
     if x.numel() == 0 or weight.numel() == 0:
         return f"an empty dimension (x {tuple(x.shape)}, weight {tuple(weight.shape)})"
-    if (_comm.group_size(group) > 1 and _key(group, x.device) not in _communicators
-            and torch.cuda.is_current_stream_capturing()):
+    if (not torch.compiler.is_compiling() and _comm.group_size(group) > 1
+            and _key(group, x.device) not in _communicators and torch.cuda.is_current_stream_capturing()):
         return ("the group's NCCL communicator is made on its first call, which a CUDA graph capture "
                 "cannot contain: run the op once before capturing")
     return None

@@ -1,0 +1,194 @@
+"""What the native extension costs on one GPU, against plain PyTorch.
+
+``python -m tp_kernels.bench.extension [--out-dir DIR] [--tag TAG]`` measures, and writes as
+``extension-<device>[-<tag>].json`` (device, commit, date, figures, the targets they are read
+against):
+
+1. **GEMM throughput**: the native cuBLASLt GEMM against ``torch.nn.functional.linear`` at
+   M = N = K = 8192, bf16 (target: ≥ 0.97×).
+2. **Host overhead per call** at a decode size (m = 16, k = 3584, n = 8192: the Llama-3-70B TP8
+   row-parallel GEMM): the host time to issue one call (the GPU is never waited for inside the
+   timed loop) of ``F.linear``, the native GEMM and ``tp_kernels.matmul_all_reduce`` on the
+   ``pipelined`` backend (one rank: the whole Python path, custom op included, then the native
+   GEMM); and the GPU time per call when the same calls are replayed from a CUDA graph (target:
+   under 10 µs added eagerly, nothing added under replay).
+3. **Chunking cost** at the Llama-3-70B TP8 shapes (m = 8192; column: k = 8192, n = 28672/8;
+   row: k = 28672/8, n = 8192): the GEMM split as the schedules split it (4 row chunks; the
+   reduce-scatter's 4 batched chunks over 8 destination blocks; the all-gather ring's 8 shards)
+   against the unsplit GEMM (target for 4 chunks: ≥ 0.95× its TFLOP/s).
+
+GPU times come from CUDA events, the median of ``--iters`` samples after warm-up. Needs a CUDA
+device and the built extension; exits with status 2 and says why otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+
+TARGETS = {"gemm_vs_f_linear": 0.97, "host_overhead_us": 10.0, "chunk4_vs_unsplit": 0.95}
+LLAMA70B_TP8 = {"column": (8192, 8192, 28672 // 8), "row": (8192, 28672 // 8, 8192)}  # (m, k, n)
+
+
+def gpu_time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    """Median GPU time of ``fn`` (CUDA events around each call)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def host_time_us(fn: Callable[[], object], calls: int, samples: int) -> float:
+    """Median host time to issue one call of ``fn``; the GPU is synchronised between samples only.
+    ``calls`` per sample stays well under CUDA's launch queue depth, so issuing never waits."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def graph_time_us(fn: Callable[[], object], calls: int, iters: int) -> float:
+    """GPU time per call of ``fn`` replayed from a CUDA graph of ``calls`` calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # plans, workspaces and communicators exist before the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return gpu_time_ms(graph.replay, iters) * 1e3 / calls
+
+
+def tflops(m: int, k: int, n: int, ms: float) -> float:
+    return 2.0 * m * k * n / (ms * 1e-3) / 1e12
+
+
+def _gemm_throughput(iters: int) -> Dict:
+    from .. import _native
+
+    m = k = n = 8192
+    x, w = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in ((m, k), (n, k)))
+    t_torch = gpu_time_ms(lambda: F.linear(x, w), iters)
+    t_native = gpu_time_ms(lambda: _native.linear(x, w), iters)
+    return {"shape": [m, k, n], "dtype": "bfloat16", "f_linear_ms": t_torch, "native_ms": t_native,
+            "f_linear_tflops": tflops(m, k, n, t_torch), "native_tflops": tflops(m, k, n, t_native),
+            "ratio": t_torch / t_native, "target": TARGETS["gemm_vs_f_linear"]}
+
+
+def _host_overhead(iters: int) -> Dict:
+    from .. import _native, ops
+
+    m, k, n = 16, 28672 // 8, 8192
+    x, w = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in ((m, k), (n, k)))
+    calls = {
+        "f_linear": lambda: F.linear(x, w),
+        "native_linear": lambda: _native.linear(x, w),
+        "matmul_all_reduce_pipelined": lambda: ops.matmul_all_reduce(x, w, backend="pipelined"),
+    }
+    host = {name: host_time_us(fn, 200, iters) for name, fn in calls.items()}
+    graph = {name: graph_time_us(fn, 20, iters) for name, fn in calls.items()}
+    return {"shape": [m, k, n], "dtype": "bfloat16", "eager_host_us": host, "graph_gpu_us": graph,
+            "added_eager_us": {name: host[name] - host["f_linear"] for name in host},
+            "added_graph_us": {name: graph[name] - graph["f_linear"] for name in graph},
+            "target_us": TARGETS["host_overhead_us"]}
+
+
+def _chunking(iters: int, p: int = 8, chunks: int = 4) -> Dict:
+    from .. import _native
+    from ..schedule import chunk_bounds
+
+    C = _native._C
+    out = {}
+    for name, (m, k, n) in LLAMA70B_TP8.items():
+        x, w = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in ((m, k), (n, k)))
+        y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        stream = torch.cuda.current_stream()
+        ws = _native._workspace(stream)
+
+        def gemm(row, rows, batch=1, stride_x=0, stride_y=0, y_row=None):
+            C.linear(x[row:].data_ptr(), w.data_ptr(), 0, y[row if y_row is None else y_row:].data_ptr(), rows, n, k,
+                     k, k, n, _native.DTYPE_CODES[x.dtype], ws.data_ptr(), ws.numel(), stream.cuda_stream, False,
+                     batch, stride_x, stride_y)
+
+        mp = m // p
+
+        def rows_split():  # all-reduce's chunks
+            for a, b in chunk_bounds(m, chunks):
+                gemm(a, b - a)
+
+        def rs_split():  # reduce-scatter's chunks: rows [a, b) of every destination block, batched
+            for a, b in chunk_bounds(mp, chunks):
+                gemm(a, b - a, batch=p, stride_x=mp * k, stride_y=(b - a) * n, y_row=p * a)
+
+        def ring_split():  # all-gather ring: one GEMM per shard
+            for q in range(p):
+                gemm(q * mp, mp)
+
+        t_full = gpu_time_ms(lambda: gemm(0, m), iters)
+        entry = {"shape": [m, k, n], "dtype": "bfloat16", "unsplit_ms": t_full, "unsplit_tflops": tflops(m, k, n, t_full)}
+        for label, fn in ((f"{chunks}_row_chunks", rows_split), (f"{chunks}_rs_chunks_x{p}", rs_split),
+                          (f"ring_{p}_shards", ring_split)):
+            t = gpu_time_ms(fn, iters)
+            entry[label] = {"ms": t, "tflops": tflops(m, k, n, t), "vs_unsplit": t_full / t}
+        out[name] = entry
+    out["target"] = TARGETS["chunk4_vs_unsplit"]
+    return out
+
+
+def main(argv=None) -> int:
+    from .. import _native
+    from .cli import _commit, _slug
+
+    ap = argparse.ArgumentParser(prog="python -m tp_kernels.bench.extension", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iters", type=int, default=20, help="timed samples per figure")
+    ap.add_argument("--out-dir", default=os.path.join("bench", "results"))
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tp_kernels.bench.extension: needs a CUDA device; none is visible", file=sys.stderr)
+        return 2
+    if _native._C is None:
+        print(f"tp_kernels.bench.extension: the native extension is unavailable: {_native._reason}", file=sys.stderr)
+        return 2
+    device = torch.cuda.get_device_name()
+    record = {"device": device, "commit": _commit(),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "torch": torch.__version__, "native": _native._C.runtime_info()}
+    for key, fn in (("gemm_throughput", _gemm_throughput), ("host_overhead", _host_overhead),
+                    ("chunking", _chunking)):
+        record[key] = fn(args.iters)
+        print(f"{key}: {json.dumps(record[key])}", flush=True)
+    os.makedirs(args.out_dir, exist_ok=True)
+    path = os.path.join(args.out_dir, f"extension-{_slug(device)}{'-' + args.tag if args.tag else ''}.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
