@@ -219,3 +219,30 @@ def test_native_linear_in_cuda_graph():
     torch.cuda.synchronize()
     assert torch.equal(y, _native.linear(x, w, b))
 
+
+
+@native_built
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("w_transposed", [False, True])
+def test_native_batched_linear_shares_one_weight(dtype, w_transposed):
+    """The reduce-scatter's chunk GEMM: rows [a, b) of each of p blocks of X, one W, into a
+    destination-major [p, b - a, n] buffer; W row-major or a transposed (column-major) view."""
+    from tp_kernels import _native
+
+    p, mp, k, n, a, b = 4, 13, 24, 20, 3, 10
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(p * mp, k, generator=g).to("cuda", dtype)
+    w = (torch.randn(k, n, generator=g).to("cuda", dtype).t() if w_transposed
+         else torch.randn(n, k, generator=g).to("cuda", dtype))
+    weight, ldw, col_major = _native.weight_layout(w)
+    assert col_major == w_transposed
+    y = torch.full((p, b - a, n), float("nan"), device="cuda", dtype=dtype)
+    stream = torch.cuda.current_stream()
+    ws = _native._workspace(stream)
+    _native._C.linear(x[a:].data_ptr(), weight.data_ptr(), 0, y.data_ptr(), b - a, n, k, k, ldw, n,
+                      _native.DTYPE_CODES[dtype], ws.data_ptr(), ws.numel(), stream.cuda_stream, col_major,
+                      p, mp * k, (b - a) * n)
+    blocks = x.reshape(p, mp, k)[:, a:b]
+    ref = torch.matmul(blocks.double(), w.double().t())
+    plain = torch.matmul(blocks, w.t())
+    assert_close("batched native linear", y, ref, plain)
