@@ -9,6 +9,7 @@
 
 #include "tp_kernels/check.h"
 #include "tp_kernels/comm.h"
+#include "tp_kernels/device_ops.h"
 #include "tp_kernels/gemm.h"
 #include "tp_kernels/overlap.h"
 #include "tp_kernels/runtime_info.h"
@@ -149,4 +150,45 @@ PYBIND11_MODULE(_C, m) {
       "out[m/p, n] = RS(x[m, k] W^T), chunk by chunk through scratch (partial [m, n]); bias must be 0.");
   bind_overlap<tp_kernels::matmul_all_reduce>(
       m, "matmul_all_reduce", "out[m, n] = AR(x[m, k] W^T), chunk by chunk, in place in out; bias must be 0.");
+
+  // Device building blocks of the peer-memory path (device_ops.h); pointers may be peers'.
+  m.attr("MAX_RANKS") = tp_kernels::kMaxRanks;
+  m.def("stream_memory_ops_available", &tp_kernels::stream_memory_ops_available,
+        "Whether the driver provides cuStreamWriteValue32/cuStreamWaitValue32.");
+  m.def(
+      "write_flag",
+      [](uintptr_t flag, uint32_t value, uintptr_t stream) {
+        tp_kernels::write_flag(ptr<uint32_t>(flag), value, ptr<CUstream_st>(stream));
+      },
+      py::arg("flag"), py::arg("value"), py::arg("stream"),
+      "Write `value` to the 32-bit flag on `stream` (stream memory operation, fenced).");
+  m.def(
+      "wait_flag_unbounded",
+      [](uintptr_t flag, uint32_t value, uintptr_t stream) {
+        tp_kernels::wait_flag_unbounded(ptr<const uint32_t>(flag), value, ptr<CUstream_st>(stream));
+      },
+      py::arg("flag"), py::arg("value"), py::arg("stream"),
+      "Make `stream` wait until *flag >= value (stream memory operation; no timeout).");
+  m.def(
+      "wait_flag_bounded",
+      [](uintptr_t flag, uint32_t value, uint64_t timeout_ns, uintptr_t error_word, uint32_t error_code,
+         uintptr_t stream) {
+        tp_kernels::wait_flag_bounded(ptr<const uint32_t>(flag), value, timeout_ns, ptr<uint32_t>(error_word),
+                                      error_code, ptr<CUstream_st>(stream));
+      },
+      py::arg("flag"), py::arg("value"), py::arg("timeout_ns"), py::arg("error_word"), py::arg("error_code"),
+      py::arg("stream"),
+      "Make `stream` wait until *flag >= value or timeout_ns pass; on timeout, error_code goes to "
+      "*error_word (host-readable memory) if it is 0, and the stream goes on.");
+  m.def(
+      "reduce_partials",
+      [](std::vector<uintptr_t> inputs, uintptr_t out, int64_t count, int dtype, uintptr_t stream) {
+        std::vector<const void*> in;
+        for (uintptr_t a : inputs) in.push_back(ptr<const void>(a));
+        tp_kernels::reduce_partials(in.data(), static_cast<int>(in.size()), ptr<void>(out), count,
+                                    static_cast<tp_kernels::DType>(dtype), ptr<CUstream_st>(stream));
+      },
+      py::arg("inputs"), py::arg("out"), py::arg("count"), py::arg("dtype"), py::arg("stream"),
+      "out = inputs[0] + ... + inputs[p-1] elementwise, in that order with fp32 accumulation "
+      "(deterministic); p <= MAX_RANKS.");
 }

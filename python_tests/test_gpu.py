@@ -246,3 +246,68 @@ def test_native_batched_linear_shares_one_weight(dtype, w_transposed):
     ref = torch.matmul(blocks.double(), w.double().t())
     plain = torch.matmul(blocks, w.t())
     assert_close("batched native linear", y, ref, plain)
+
+
+# --- device building blocks of the peer-memory path, with virtual ranks (one buffer per rank) ---
+
+
+@native_built
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_reduce_partials_is_the_fixed_order_fp32_sum(p, dtype):
+    from tp_kernels import _native
+
+    count = 100_003
+    g = torch.Generator().manual_seed(p)
+    parts = [torch.randn(count, generator=g).to("cuda", dtype) for _ in range(p)]
+    out = torch.empty(count, device="cuda", dtype=dtype)
+    stream = torch.cuda.current_stream()
+    _native._C.reduce_partials([t.data_ptr() for t in parts], out.data_ptr(), count, _native.DTYPE_CODES[dtype],
+                               stream.cuda_stream)
+    acc = parts[0].float()
+    for t in parts[1:]:
+        acc = acc + t.float()  # rank order, fp32: the same additions, so the same bits
+    assert torch.equal(out, acc.to(dtype))
+    plain = parts[0].clone()
+    for t in parts[1:]:
+        plain += t
+    assert_close("reduce_partials", out, sum(t.double() for t in parts), plain, terms=p)
+    # in place into rank 0's buffer, and again: the same bits every run
+    again = parts[0].clone()
+    _native._C.reduce_partials([again.data_ptr()] + [t.data_ptr() for t in parts[1:]], again.data_ptr(), count,
+                               _native.DTYPE_CODES[dtype], stream.cuda_stream)
+    assert torch.equal(again, out)
+
+
+@native_built
+def test_flags_and_bounded_waits():
+    from tp_kernels import _native
+
+    C = _native._C
+    assert C.stream_memory_ops_available()
+    flag = torch.zeros(4, device="cuda", dtype=torch.int32)
+    error = torch.zeros(1, dtype=torch.int32).pin_memory()  # host-readable from the device (UVA)
+    writer, waiter = torch.cuda.Stream(), torch.cuda.Stream()
+    # a bounded wait on a flag nobody writes ends in its error code, within about its timeout
+    start = time.monotonic()
+    C.wait_flag_bounded(flag.data_ptr(), 1, 2_000_000, error.data_ptr(), 7, waiter.cuda_stream)
+    waiter.synchronize()
+    assert error.item() == 7 and time.monotonic() - start < 5.0
+    error.zero_()
+    # a writer that is late (a sleeping stream) still releases the waiter; no error
+    with torch.cuda.stream(writer):
+        torch.cuda._sleep(50_000_000)
+    C.write_flag(flag[1:].data_ptr(), 3, writer.cuda_stream)
+    C.wait_flag_bounded(flag[1:].data_ptr(), 3, 10_000_000_000, error.data_ptr(), 9, waiter.cuda_stream)
+    marker = torch.ones(1, device="cuda")
+    with torch.cuda.stream(waiter):
+        marker.add_(1)
+    torch.cuda.synchronize()
+    assert error.item() == 0 and flag[1].item() == 3 and marker.item() == 2
+    # epochs only grow: a wait for an older epoch passes at once
+    C.wait_flag_bounded(flag[1:].data_ptr(), 2, 1_000, error.data_ptr(), 9, waiter.cuda_stream)
+    # the driver's unbounded wait, released by the driver's write
+    C.wait_flag_unbounded(flag[2:].data_ptr(), 5, waiter.cuda_stream)
+    C.write_flag(flag[2:].data_ptr(), 5, writer.cuda_stream)
+    torch.cuda.synchronize()
+    assert error.item() == 0 and flag[2].item() == 5

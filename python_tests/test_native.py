@@ -169,3 +169,26 @@ def test_communicator_rejects_bad_arguments_before_touching_the_gpu():
 def test_communicator_without_a_gpu_is_a_clear_error():
     with pytest.raises(RuntimeError, match=r"cudaGetDevice.*failed: CUDA error"):
         _native._C.Communicator(_native._C.nccl_unique_id(), 0, 1, 0, 0, 10.0)
+
+
+@built
+def test_device_ops_check_arguments_before_touching_the_gpu():
+    C = _native._C
+    with pytest.raises(RuntimeError, match=r"p must be in \[1, 8\], got 9"):
+        C.reduce_partials([1] * 9, 1, 10, 0, 0)
+    with pytest.raises(RuntimeError, match="null input 1"):
+        C.reduce_partials([1, 0], 1, 10, 0, 0)
+    C.reduce_partials([0, 0], 0, 0, 0, 0)  # nothing to do: no device needed
+    with pytest.raises(RuntimeError, match="error_code must be nonzero"):
+        C.wait_flag_bounded(1, 1, 1000, 1, 0, 0)
+    with pytest.raises(RuntimeError, match="null flag or error word"):
+        C.wait_flag_bounded(0, 1, 1000, 1, 5, 0)
+
+
+@built
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+def test_stream_memory_ops_without_a_driver_are_a_clear_error():
+    C = _native._C
+    assert C.stream_memory_ops_available() is False
+    with pytest.raises(RuntimeError, match="write_flag: the driver does not provide cuStreamWriteValue32"):
+        C.write_flag(1, 1, 0)
