@@ -189,26 +189,25 @@ def all_gather_matmul(x, weight, bias, group, num_chunks):
     return out, gathered
 
 
-def matmul_reduce_scatter(x, weight, bias, group, num_chunks) -> Pending:
+def _reduction(native_op, what: str, scatter: bool, x, weight, bias, group, num_chunks) -> Pending:
+    """GEMM + reduce-scatter (``scatter``) or all-reduce; the bias is added after the reduction."""
     _check(x, weight, group)
     p = _comm.group_size(group)
     if p == 1:
-        return Pending(_native.linear(x, weight, bias), what="matmul+reduce-scatter")
+        return Pending(_native.linear(x, weight, bias), what=what)
     x = x.contiguous()
-    m = x.shape[0]
-    n = weight.shape[0]
-    partial = x.new_empty((m, n))
-    out = x.new_empty((m // p, n))
-    _call(_native._C.matmul_reduce_scatter, x, weight, None, out, partial, m // p, group, num_chunks)
-    return Pending(out, what="matmul+reduce-scatter", group=group, finish=bias_epilogue(bias))
+    m, n = x.shape[0], weight.shape[0]
+    rows = m // p if scatter else m  # the rows chunked, and the output's
+    out = x.new_empty((rows, n))
+    partial = x.new_empty((m, n)) if scatter else None  # destination-major chunks of x Wᵀ
+    _call(native_op, x, weight, None, out, partial, rows, group, num_chunks)
+    return Pending(out, what=what, group=group, finish=bias_epilogue(bias))
+
+
+def matmul_reduce_scatter(x, weight, bias, group, num_chunks) -> Pending:
+    return _reduction(_native._C.matmul_reduce_scatter, "matmul+reduce-scatter", True, x, weight, bias, group,
+                      num_chunks)
 
 
 def matmul_all_reduce(x, weight, bias, group, num_chunks) -> Pending:
-    _check(x, weight, group)
-    p = _comm.group_size(group)
-    if p == 1:
-        return Pending(_native.linear(x, weight, bias), what="matmul+all-reduce")
-    x = x.contiguous()
-    out = x.new_empty((x.shape[0], weight.shape[0]))
-    _call(_native._C.matmul_all_reduce, x, weight, None, out, None, x.shape[0], group, num_chunks)
-    return Pending(out, what="matmul+all-reduce", group=group, finish=bias_epilogue(bias))
+    return _reduction(_native._C.matmul_all_reduce, "matmul+all-reduce", False, x, weight, bias, group, num_chunks)
