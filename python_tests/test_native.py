@@ -192,3 +192,11 @@ def test_stream_memory_ops_without_a_driver_are_a_clear_error():
     assert C.stream_memory_ops_available() is False
     with pytest.raises(RuntimeError, match="write_flag: the driver does not provide cuStreamWriteValue32"):
         C.write_flag(1, 1, 0)
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
+def test_native_implementation_without_the_extension_names_the_reason(monkeypatch, op):
+    monkeypatch.setattr(_native, "_C", None)
+    monkeypatch.setattr(_native, "_reason", "not built: test")
+    with pytest.raises(ValueError, match="the native extension is unavailable: not built: test"):
+        getattr(native, op)(torch.randn(4, 8), torch.randn(6, 8), None, None, 2)

@@ -189,7 +189,7 @@ def all_gather_matmul(x, weight, bias, group, num_chunks):
     return out, gathered
 
 
-def _reduction(native_op, what: str, scatter: bool, x, weight, bias, group, num_chunks) -> Pending:
+def _reduction(op: str, what: str, scatter: bool, x, weight, bias, group, num_chunks) -> Pending:
     """GEMM + reduce-scatter (``scatter``) or all-reduce; the bias is added after the reduction."""
     _check(x, weight, group)
     p = _comm.group_size(group)
@@ -200,14 +200,13 @@ def _reduction(native_op, what: str, scatter: bool, x, weight, bias, group, num_
     rows = m // p if scatter else m  # the rows chunked, and the output's
     out = x.new_empty((rows, n))
     partial = x.new_empty((m, n)) if scatter else None  # destination-major chunks of x Wᵀ
-    _call(native_op, x, weight, None, out, partial, rows, group, num_chunks)
+    _call(getattr(_native._C, op), x, weight, None, out, partial, rows, group, num_chunks)
     return Pending(out, what=what, group=group, finish=bias_epilogue(bias))
 
 
 def matmul_reduce_scatter(x, weight, bias, group, num_chunks) -> Pending:
-    return _reduction(_native._C.matmul_reduce_scatter, "matmul+reduce-scatter", True, x, weight, bias, group,
-                      num_chunks)
+    return _reduction("matmul_reduce_scatter", "matmul+reduce-scatter", True, x, weight, bias, group, num_chunks)
 
 
 def matmul_all_reduce(x, weight, bias, group, num_chunks) -> Pending:
-    return _reduction(_native._C.matmul_all_reduce, "matmul+all-reduce", False, x, weight, bias, group, num_chunks)
+    return _reduction("matmul_all_reduce", "matmul+all-reduce", False, x, weight, bias, group, num_chunks)
