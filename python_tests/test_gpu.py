@@ -65,6 +65,13 @@ def test_pipelined_with_several_nccl_ranks_on_one_gpu(shared_gpu_world, op):
     shared_gpu_world.run(check_native_routing_and_result, op)
 
 
+@native_built
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("op", OPS)
+def test_native_ops_with_several_nccl_ranks_against_float64(shared_gpu_world, op, dtype):
+    shared_gpu_world.run(test_ops.check_against_float64, op, dtype, "pipelined", device="cuda")
+
+
 def check_native_routing_and_result(op):
     """On CUDA, "pipelined" (and "auto" with several ranks) run the native extension, which
     matches the reference for every chunk count; with several ranks it made the group's NCCL
