@@ -92,17 +92,17 @@ PYBIND11_MODULE(_C, m) {
          int64_t ldw, int64_t ldy, int dtype, uintptr_t workspace, size_t workspace_bytes, uintptr_t stream,
          bool w_col_major, int64_t batch, int64_t stride_x, int64_t stride_y) {
         tp_kernels::LinearArgs a;
-        a.x = reinterpret_cast<const void*>(x);
-        a.w = reinterpret_cast<const void*>(w);
-        a.bias = reinterpret_cast<const void*>(bias);
-        a.y = reinterpret_cast<void*>(y);
+        a.x = ptr<const void>(x);
+        a.w = ptr<const void>(w);
+        a.bias = ptr<const void>(bias);
+        a.y = ptr<void>(y);
         a.m = m_, a.n = n, a.k = k, a.ldx = ldx, a.ldw = ldw, a.ldy = ldy;
         a.w_col_major = w_col_major;
         a.batch = batch, a.stride_x = stride_x, a.stride_y = stride_y;
         a.dtype = static_cast<tp_kernels::DType>(dtype);
-        a.workspace = reinterpret_cast<void*>(workspace);
+        a.workspace = ptr<void>(workspace);
         a.workspace_bytes = workspace_bytes;
-        a.stream = reinterpret_cast<cudaStream_t>(stream);
+        a.stream = ptr<CUstream_st>(stream);
         py::gil_scoped_release release;
         tp_kernels::linear(a);
       },

@@ -107,10 +107,16 @@ def weight_layout(weight: torch.Tensor):
     return weight, max(1, k), False
 
 
+def unavailable() -> Optional[str]:
+    """Why the native module cannot be used here, or None when it can."""
+    return None if _C is not None else f"the native extension is unavailable: {_reason}"
+
+
 def require() -> None:
     """Raise when the native module cannot be used here, with the reason."""
-    if _C is None:
-        raise RuntimeError(f"the native extension is unavailable: {_reason}")
+    reason = unavailable()
+    if reason is not None:
+        raise RuntimeError(reason)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

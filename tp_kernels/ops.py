@@ -33,7 +33,7 @@ import torch
 from . import _comm, _library  # noqa: F401  (_library registers torch.ops.tp_kernels.*)
 from ._checks import check_divisible, check_linear_args
 from ._library import group_name
-from .backends import BACKENDS
+from .backends import BACKENDS, native
 from .schedule import resolve_num_chunks
 
 __all__ = [
@@ -76,8 +76,6 @@ def select_backend(op: str, backend: str, x: torch.Tensor, p: int, group=None,
     check_backend(backend)
     if backend == "reference":
         return backend
-    from .backends import native
-
     reason = native.unsupported_reason(x, x if weight is None else weight, group)
     if backend == "pipelined":
         if reason is None:

@@ -34,7 +34,6 @@ __all__ = [
     "AUTO_DISABLED_REASON",
     "all_gather_matmul",
     "auto_enabled",
-    "check_communicators",
     "destroy_communicators",
     "get_comm_stream_priority",
     "matmul_all_reduce",
@@ -105,8 +104,9 @@ def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, group) -> Optional
     Depends only on what every rank of the group shares (the extension, the device type, dtype
     and shapes, whether a capture is running), so all ranks decide alike.
     """
-    if _native._C is None:
-        return f"the native extension is unavailable: {_native._reason}"
+    reason = _native.unavailable()
+    if reason is not None:
+        return reason
     if not x.is_cuda:
         return f"x is on {x.device.type}, not on a CUDA device"
     if x.dtype not in _native.DTYPE_CODES:
@@ -139,12 +139,6 @@ def _communicator(group, device: torch.device):
     if comm.timeout_s != timeout:
         comm.timeout_s = timeout
     return comm
-
-
-def check_communicators() -> None:
-    """Raise the error of any communicator ended by a failure (e.g. a watchdog timeout)."""
-    for _, comm in _communicators.values():
-        comm.check()
 
 
 def destroy_communicators(group=None) -> None:

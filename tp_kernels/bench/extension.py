@@ -30,7 +30,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict
 
 import torch
 import torch.nn.functional as F
@@ -171,8 +171,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("tp_kernels.bench.extension: needs a CUDA device; none is visible", file=sys.stderr)
         return 2
-    if _native._C is None:
-        print(f"tp_kernels.bench.extension: the native extension is unavailable: {_native._reason}", file=sys.stderr)
+    reason = _native.unavailable()
+    if reason is not None:
+        print(f"tp_kernels.bench.extension: {reason}", file=sys.stderr)
         return 2
     device = torch.cuda.get_device_name()
     record = {"device": device, "commit": _commit(),
