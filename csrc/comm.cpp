@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "tp_kernels/check.h"
+#include "tp_kernels/detail.h"
 
 namespace tp_kernels {
 namespace {
@@ -18,18 +19,7 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// Makes `device` current for a scope and restores the previous device.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    TPK_CHECK_CUDA(cudaGetDevice(&previous_));
-    if (previous_ != device) TPK_CHECK_CUDA(cudaSetDevice(device));
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-
- private:
-  int previous_ = 0;
-};
+using detail::DeviceGuard;
 
 std::string format_seconds(double s) {
   std::ostringstream out;

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "tp_kernels/check.h"
+#include "tp_kernels/detail.h"
 
 namespace tp_kernels {
 namespace {
@@ -19,55 +20,13 @@ ncclDataType_t nccl_type(DType t) {
 }
 
 void validate(const Communicator& comm, const OverlapArgs& a, const char* op) {
-  const std::string name(op);
-  int device = -1;
-  TPK_CHECK_CUDA(cudaGetDevice(&device));
-  if (device != comm.device())
-    throw Error(name + ": the current device is " + std::to_string(device) + ", the communicator's is " +
-                std::to_string(comm.device()));
-  if (a.bounds.size() < 2 || a.bounds.front() != 0)
-    throw Error(name + ": bounds must start at 0 and hold at least one chunk");
-  for (size_t j = 1; j < a.bounds.size(); ++j)
-    if (a.bounds[j] <= a.bounds[j - 1]) throw Error(name + ": bounds must be strictly increasing");
-  if (a.n < 1 || a.k < 1) throw Error(name + ": n and k must be positive");
-  if (a.x == nullptr || a.w == nullptr || a.out == nullptr) throw Error(name + ": null x, w or out");
+  detail::validate_args(a, comm.device(), op);
 }
 
-// Element `row * width` of a row-major buffer of `dtype`.
-template <typename T>
-T* row_ptr(T* base, int64_t row, int64_t width, DType dtype) {
-  using Byte = typename std::conditional<std::is_const<T>::value, const char, char>::type;
-  return reinterpret_cast<T*>(reinterpret_cast<Byte*>(base) + row * width * static_cast<int64_t>(dtype_size(dtype)));
-}
-
-// x rows [row, row + m) times W^T into y rows (ldy = n), as a batch when batch > 1.
-void gemm(const OverlapArgs& a, const void* x, void* y, int64_t m, const void* bias, int64_t batch = 1,
-          int64_t stride_x = 0, int64_t stride_y = 0) {
-  LinearArgs g;
-  g.x = x;
-  g.w = a.w;
-  g.bias = bias;
-  g.y = y;
-  g.m = m, g.n = a.n, g.k = a.k;
-  g.ldx = a.k, g.ldw = a.ldw, g.ldy = a.n;
-  g.w_col_major = a.w_col_major;
-  g.batch = batch, g.stride_x = stride_x, g.stride_y = stride_y;
-  g.dtype = a.dtype;
-  g.workspace = a.workspace;
-  g.workspace_bytes = a.workspace_bytes;
-  g.stream = a.stream;
-  linear(g);
-}
-
-// The caller's stream (`from`) releases work to `to` through event `e`.
-void order(cudaStream_t from, cudaStream_t to, cudaEvent_t e) {
-  TPK_CHECK_CUDA(cudaEventRecord(e, from));
-  TPK_CHECK_CUDA(cudaStreamWaitEvent(to, e, 0));
-}
-
-std::string shape(int64_t rows, int64_t cols) {
-  return "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
-}
+using detail::gemm;
+using detail::order;
+using detail::row_ptr;
+using detail::shape;
 
 }  // namespace
 

@@ -179,10 +179,17 @@ def test_device_ops_check_arguments_before_touching_the_gpu():
     with pytest.raises(RuntimeError, match="null input 1"):
         C.reduce_partials([1, 0], 1, 10, 0, 0)
     C.reduce_partials([0, 0], 0, 0, 0, 0)  # nothing to do: no device needed
-    with pytest.raises(RuntimeError, match="error_code must be nonzero"):
-        C.wait_flag_bounded(1, 1, 1000, 1, 0, 0)
-    with pytest.raises(RuntimeError, match="null flag or error word"):
-        C.wait_flag_bounded(0, 1, 1000, 1, 5, 0)
+    with pytest.raises(RuntimeError, match="error code 1 must be nonzero"):
+        C.wait_flags([8, 16], [3, 0], 1000, 64, 0)
+    with pytest.raises(RuntimeError, match="null flag 0"):
+        C.wait_flags([0], [5], 1000, 64, 0)
+    with pytest.raises(RuntimeError, match="null error word"):
+        C.wait_flags([8], [5], 1000, 0, 0)
+    with pytest.raises(RuntimeError, match="one error code per flag"):
+        C.wait_flags([8, 16], [5], 1000, 64, 0)
+    with pytest.raises(RuntimeError, match="at most 8 flags"):
+        C.wait_flags([8] * 9, [5] * 9, 1000, 64, 0)
+    C.wait_flags([], [], 1000, 64, 0)  # nothing to wait for: no device needed
 
 
 @built

@@ -12,11 +12,9 @@ namespace tp_kernels {
 namespace {
 
 using WriteValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
-using WaitValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 
 struct DriverOps {
   WriteValue32 write = nullptr;
-  WaitValue32 wait = nullptr;
   std::string error;
 };
 
@@ -28,12 +26,8 @@ const DriverOps& driver_ops() {
     void* fn = nullptr;
     cudaError_t err = cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &fn, 12000, cudaEnableDefault, &status);
     if (err == cudaSuccess && status == cudaDriverEntryPointSuccess) ops.write = reinterpret_cast<WriteValue32>(fn);
-    fn = nullptr;
-    err = cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000, cudaEnableDefault, &status);
-    if (err == cudaSuccess && status == cudaDriverEntryPointSuccess) ops.wait = reinterpret_cast<WaitValue32>(fn);
-    if (ops.write == nullptr || ops.wait == nullptr) {
-      ops.error = std::string("the driver does not provide cuStreamWriteValue32/cuStreamWaitValue32 (") +
-                  cudaGetErrorString(err) + ")";
+    if (ops.write == nullptr) {
+      ops.error = std::string("the driver does not provide cuStreamWriteValue32 (") + cudaGetErrorString(err) + ")";
       cudaGetLastError();
     }
   });
@@ -51,18 +45,29 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
-__global__ void wait_flag_kernel(const volatile uint32_t* flag, uint32_t value, uint64_t timeout_ns,
-                                 uint32_t* error_word, uint32_t error_code) {
+struct FlagList {
+  uint32_t* flag[kMaxRanks];
+  uint32_t code[kMaxRanks];
+};
+
+// Thread i waits for flag i and clears it.
+__global__ void wait_flags_kernel(FlagList list, int count, uint64_t timeout_ns, uint32_t* error_word) {
+  const int i = threadIdx.x;
+  if (i >= count) return;
+  volatile uint32_t* flag = list.flag[i];
+  volatile uint32_t* error = error_word;
   const uint64_t start = global_timer_ns();
-  while (static_cast<int32_t>(*flag - value) < 0) {
+  while (*flag == 0) {
+    if (*error != 0) return;  // an earlier wait failed: drain the stream
     if (global_timer_ns() - start > timeout_ns) {
-      atomicCAS(error_word, 0u, error_code);
+      atomicCAS(error_word, 0u, list.code[i]);
       __threadfence_system();
       return;
     }
-    __nanosleep(200);
+    __nanosleep(256);
   }
-  __threadfence();  // what the writer published before the flag is visible after the wait
+  *flag = 0;
+  __threadfence_system();  // the clear is visible before anything this stream does next
 }
 
 }  // namespace
@@ -77,19 +82,20 @@ void write_flag(uint32_t* flag, uint32_t value, cudaStream_t stream) {
                "cuStreamWriteValue32");
 }
 
-void wait_flag_unbounded(const uint32_t* flag, uint32_t value, cudaStream_t stream) {
-  const DriverOps& ops = driver_ops();
-  if (!ops.error.empty()) throw Error("wait_flag_unbounded: " + ops.error);
-  check_driver(ops.wait(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(flag), value,
-                        CU_STREAM_WAIT_VALUE_GEQ),
-               "cuStreamWaitValue32");
-}
-
-void wait_flag_bounded(const uint32_t* flag, uint32_t value, uint64_t timeout_ns, uint32_t* error_word,
-                       uint32_t error_code, cudaStream_t stream) {
-  if (flag == nullptr || error_word == nullptr) throw Error("wait_flag_bounded: null flag or error word");
-  if (error_code == 0) throw Error("wait_flag_bounded: error_code must be nonzero");
-  wait_flag_kernel<<<1, 1, 0, stream>>>(flag, value, timeout_ns, error_word, error_code);
+void wait_flags(uint32_t* const* flags, const uint32_t* codes, int count, uint64_t timeout_ns, uint32_t* error_word,
+                cudaStream_t stream) {
+  if (count < 0 || count > kMaxRanks)
+    throw Error("wait_flags: count must be in [0, " + std::to_string(kMaxRanks) + "], got " + std::to_string(count));
+  if (error_word == nullptr) throw Error("wait_flags: null error word");
+  FlagList list{};
+  for (int i = 0; i < count; ++i) {
+    if (flags[i] == nullptr) throw Error("wait_flags: null flag " + std::to_string(i));
+    if (codes[i] == 0) throw Error("wait_flags: error code " + std::to_string(i) + " must be nonzero");
+    list.flag[i] = flags[i];
+    list.code[i] = codes[i];
+  }
+  if (count == 0) return;
+  wait_flags_kernel<<<1, 32, 0, stream>>>(list, count, timeout_ns, error_word);
   TPK_CHECK_CUDA(cudaGetLastError());
 }
 

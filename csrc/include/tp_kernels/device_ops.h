@@ -1,13 +1,18 @@
 // Device-side building blocks of the peer-memory (`fused`) path, usable with ranks that are
 // separate processes (pointers mapped from CUDA IPC handles) or virtual ranks in one process.
 //
-// * Flags: a rank publishes "chunk ready" by writing an epoch counter with a stream memory
-//   operation (cuStreamWriteValue32, reached through cudaGetDriverEntryPointByVersion: the module
-//   never links libcuda). Epochs only grow, so a later call or CUDA-graph replay never mistakes a
-//   stale flag for a fresh one: waiters compare with >= (wrap-around safe, as CUDA's GEQ).
-// * Bounded waits: a one-thread kernel polls a flag against the GPU's global timer; past its
-//   timeout it records an error code in a host-visible error word and returns, so no stream hangs
-//   forever. The host reads the word (see check_error_word) to raise a clear error.
+// * Flags: 32-bit words, 0 (clear) or 1 (set). A rank sets a flag in a peer's memory with a
+//   stream memory operation (cuStreamWriteValue32, reached through
+//   cudaGetDriverEntryPointByVersion: the module never links libcuda), fenced so that the data
+//   written before it is visible first. The waiter consumes it: waits until it is set, then clears
+//   it. Each flag has one writer and one waiter, and a protocol (peer.h) in which a flag is set
+//   again only after its waiter has consumed it. Consecutive calls and CUDA-graph replays thus
+//   start from the same flag state: no value baked into a captured graph can go stale, which an
+//   epoch number given by the host would.
+// * Bounded waits: a kernel polls the flags against the GPU's global timer; past its timeout it
+//   records an error code in a host-visible error word and returns, so no stream hangs forever.
+//   Once the error word is set, every later wait returns at once. The host reads the word to
+//   raise a clear error.
 // * Deterministic reduction: the sum of p partial buffers in fixed rank order 0..p-1 with fp32
 //   accumulation, so the result does not depend on chunking, timing or the run.
 #pragma once
@@ -23,19 +28,18 @@ namespace tp_kernels {
 
 constexpr int kMaxRanks = 8;
 
-// Writes `value` to the 32-bit word at device address `flag` on `stream` (after all prior work of
-// the stream, with a memory fence so that the data written before it is visible first).
+// Writes `value` to the 32-bit word at device address `flag` (local or a peer's) on `stream`,
+// after all prior work of the stream, with a memory fence so that what was written before it is
+// visible first.
 void write_flag(uint32_t* flag, uint32_t value, cudaStream_t stream);
 
-// Makes `stream` wait until *flag >= value (as a signed 32-bit difference), by the driver's stream
-// memory operation: unbounded, for flags whose writer is already enqueued in this process.
-void wait_flag_unbounded(const uint32_t* flag, uint32_t value, cudaStream_t stream);
-
-// Makes `stream` wait until *flag >= value or `timeout_ns` pass; on timeout writes `error_code`
-// to *error_word (if it is still 0) and lets the stream go on. error_word must be readable by the
-// host (mapped pinned memory).
-void wait_flag_bounded(const uint32_t* flag, uint32_t value, uint64_t timeout_ns, uint32_t* error_word,
-                       uint32_t error_code, cudaStream_t stream);
+// Makes `stream` wait until each of flags[0..count) (count <= kMaxRanks) is nonzero, and clears
+// each one it saw set. A flag still clear after `timeout_ns`, or the error word already set, ends
+// the wait: codes[i] of the first flag that timed out goes to *error_word (if it is still 0) and
+// the stream goes on. error_word must be device-accessible and host-readable (mapped pinned
+// memory); the codes must be nonzero.
+void wait_flags(uint32_t* const* flags, const uint32_t* codes, int count, uint64_t timeout_ns, uint32_t* error_word,
+                cudaStream_t stream);
 
 // out[i] = sum over q = 0..p-1 of in[q][i], accumulated in fp32 in that order, for `count`
 // elements of `dtype`. Any of in[q] may be a peer's pointer; out may alias one of them.

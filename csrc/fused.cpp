@@ -1,0 +1,203 @@
+// The fused primitives over the symmetric workspace (peer.h): copy engines move data between
+// ranks' buffers while cuBLASLt multiplies on the caller's stream; readiness by flags.
+#include <algorithm>
+#include <string>
+
+#include "tp_kernels/check.h"
+#include "tp_kernels/detail.h"
+#include "tp_kernels/peer.h"
+
+namespace tp_kernels {
+namespace {
+
+using detail::gemm;
+using detail::order;
+using detail::row_ptr;
+using detail::shape;
+
+void copy(void* dst, const void* src, int64_t bytes, cudaStream_t stream) {
+  if (bytes > 0) TPK_CHECK_CUDA(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDefault, stream));
+}
+
+void need_region(const PeerContext& ctx, Region c, int64_t bytes, const std::string& op) {
+  if (bytes < 0 || static_cast<size_t>(bytes) > ctx.region_bytes(c)) {
+    static const char* names[] = {"export", "inbox", "export2"};
+    throw Error(op + ": the workspace's " + names[static_cast<int>(c)] + " region holds " +
+                std::to_string(ctx.region_bytes(c)) + " bytes, this call needs " + std::to_string(bytes));
+  }
+}
+
+void start(PeerContext& ctx, const OverlapArgs& a, const std::string& op) {
+  detail::validate_args(a, ctx.device(), op);
+  ctx.check();
+}
+
+// GEMM of destination blocks (rows bounds[d]..bounds[d+1] of x) in the order r + 1, ..., r: each
+// remote block goes to scratch and is pushed by the copy stream into its destination's inbox slot
+// r while the next block multiplies; the own block multiplies straight into the own inbox slot r.
+// `slot_bytes` is the inbox slot stride. Ends with the caller's stream having consumed every
+// peer's delivery (ready flags), so the inbox holds all p partials.
+void scatter_partials(PeerContext& ctx, const OverlapArgs& a, const std::vector<int64_t>& blocks, int64_t slot_bytes,
+                      FusedOp op) {
+  const int p = ctx.size(), r = ctx.rank();
+  cudaStream_t cs = ctx.copy_stream();
+  order(a.stream, cs, ctx.event(0));  // scratch comes from the caller's stream
+  for (int s = 1; s <= p; ++s) {
+    const int d = (r + s) % p;
+    const int64_t row = blocks[d], rows = blocks[d + 1] - blocks[d];
+    const int64_t bytes = rows * a.n * static_cast<int64_t>(dtype_size(a.dtype));
+    if (d == r) {
+      if (rows > 0) gemm(a, row_ptr(a.x, row, a.k, a.dtype), ctx.region(r, Region::kInbox, r * slot_bytes), rows, nullptr);
+      continue;
+    }
+    void* partial = row_ptr(a.scratch, row, a.n, a.dtype);
+    if (rows > 0) gemm(a, row_ptr(a.x, row, a.k, a.dtype), partial, rows, nullptr);
+    order(a.stream, cs, ctx.event(s));
+    ctx.wait({d}, Region::kInbox, true, op, cs);  // d has consumed what this rank put there last time
+    copy(ctx.region(d, Region::kInbox, r * slot_bytes), partial, bytes, cs);
+    ctx.signal(d, Region::kInbox, false, cs);
+  }
+  ctx.wait(ctx.others(), Region::kInbox, false, op, a.stream);
+}
+
+// The p inbox slots summed in rank order into `out` (rows of this rank's block), then every
+// source told its slot here is free again.
+void reduce_inbox(PeerContext& ctx, const OverlapArgs& a, int64_t rows, int64_t slot_bytes, void* out) {
+  const void* in[kMaxRanks];
+  for (int q = 0; q < ctx.size(); ++q) in[q] = ctx.region(ctx.rank(), Region::kInbox, q * slot_bytes);
+  reduce_partials(in, ctx.size(), out, rows * a.n, a.dtype, a.stream);
+  ctx.signal_all(Region::kInbox, true, a.stream);
+}
+
+}  // namespace
+
+void fused_all_gather_matmul(PeerContext& ctx, const OverlapArgs& a) {
+  const std::string op = "fused all_gather_matmul";
+  auto guard = ctx.lock();
+  start(ctx, a, op);
+  if (a.scratch == nullptr) throw Error(op + ": null gathered buffer");
+  const int p = ctx.size(), r = ctx.rank();
+  const int64_t mp = a.bounds.back(), es = static_cast<int64_t>(dtype_size(a.dtype));
+  const size_t chunks = a.bounds.size() - 1;
+  need_region(ctx, Region::kExport, mp * a.k * es, op + " (shard " + shape(mp, a.k) + ")");
+  cudaStream_t cs = ctx.copy_stream();
+  order(a.stream, cs, ctx.event(0));  // gathered comes from the caller's stream
+  // Publish this rank's shard once every peer has finished reading the last one.
+  ctx.wait(ctx.others(), Region::kExport, true, FusedOp::kAllGatherMatmul, a.stream);
+  copy(ctx.region(r, Region::kExport), a.x, mp * a.k * es, a.stream);
+  ctx.signal_all(Region::kExport, false, a.stream);
+  copy(row_ptr(a.scratch, r * mp, a.k, a.dtype), a.x, mp * a.k * es, a.stream);
+  // Pull the peers' shards chunk by chunk; event 1 + (s - 1) * chunks + j marks chunk j of step s.
+  const std::vector<int> peers = ctx.others();
+  for (int s = 1; s < p; ++s) {
+    const int src = peers[s - 1];
+    ctx.wait({src}, Region::kExport, false, FusedOp::kAllGatherMatmul, cs);
+    for (size_t j = 0; j < chunks; ++j) {
+      const int64_t row = a.bounds[j], rows = a.bounds[j + 1] - row;
+      copy(row_ptr(a.scratch, src * mp + row, a.k, a.dtype),
+           static_cast<const char*>(ctx.region(src, Region::kExport)) + row * a.k * es, rows * a.k * es, cs);
+      TPK_CHECK_CUDA(cudaEventRecord(ctx.event(1 + (s - 1) * chunks + j), cs));
+    }
+    ctx.signal(src, Region::kExport, true, cs);
+  }
+  // Multiply the own shard, then each chunk as it lands.
+  for (int s = 0; s < p; ++s) {
+    const int src = s == 0 ? r : peers[s - 1];
+    for (size_t j = 0; j < chunks; ++j) {
+      const int64_t row = src * mp + a.bounds[j];
+      if (s > 0) TPK_CHECK_CUDA(cudaStreamWaitEvent(a.stream, ctx.event(1 + (s - 1) * chunks + j), 0));
+      gemm(a, row_ptr(a.scratch, row, a.k, a.dtype), row_ptr(a.out, row, a.n, a.dtype), a.bounds[j + 1] - a.bounds[j],
+           a.bias);
+    }
+  }
+  order(cs, a.stream, ctx.event(1 + (p - 1) * chunks));
+}
+
+void fused_matmul_reduce_scatter(PeerContext& ctx, const OverlapArgs& a) {
+  const std::string op = "fused matmul_reduce_scatter";
+  auto guard = ctx.lock();
+  start(ctx, a, op);
+  if (a.scratch == nullptr) throw Error(op + ": null partial buffer");
+  if (a.bias != nullptr) throw Error(op + ": the bias is added after the reduction, by the caller");
+  if (a.bounds.size() != 2) throw Error(op + ": bounds must be {0, m/p} (the fused reduce-scatter goes by destination)");
+  const int p = ctx.size();
+  const int64_t mp = a.bounds.back(), es = static_cast<int64_t>(dtype_size(a.dtype));
+  const int64_t slot = mp * a.n * es;
+  need_region(ctx, Region::kInbox, p * slot, op + " (partials " + shape(p * mp, a.n) + ")");
+  std::vector<int64_t> blocks;
+  for (int d = 0; d <= p; ++d) blocks.push_back(d * mp);
+  scatter_partials(ctx, a, blocks, slot, FusedOp::kMatmulReduceScatter);
+  reduce_inbox(ctx, a, mp, slot, a.out);
+  order(ctx.copy_stream(), a.stream, ctx.event(p + 1));
+}
+
+void fused_matmul_all_reduce(PeerContext& ctx, const OverlapArgs& a, AllReduceAlgo algo) {
+  const std::string op = "fused matmul_all_reduce";
+  auto guard = ctx.lock();
+  start(ctx, a, op);
+  if (a.bias != nullptr) throw Error(op + ": the bias is added after the reduction, by the caller");
+  const int p = ctx.size(), r = ctx.rank();
+  const int64_t es = static_cast<int64_t>(dtype_size(a.dtype));
+  const FusedOp id = FusedOp::kMatmulAllReduce;
+  const std::vector<int> peers = ctx.others();
+  if (algo == AllReduceAlgo::kOneShot || algo == AllReduceAlgo::kTwoShot) {
+    if (a.bounds.size() != 2) throw Error(op + ": bounds must be {0, m} for the one-/two-shot all-reduce");
+    const int64_t m = a.bounds.back(), count = m * a.n;
+    need_region(ctx, Region::kExport, count * es, op + " (partial " + shape(m, a.n) + ")");
+    // Every rank's partial in its export region.
+    ctx.wait(peers, Region::kExport, true, id, a.stream);
+    gemm(a, a.x, ctx.region(r, Region::kExport), m, nullptr);
+    ctx.signal_all(Region::kExport, false, a.stream);
+    ctx.wait(peers, Region::kExport, false, id, a.stream);
+    const void* in[kMaxRanks];
+    if (algo == AllReduceAlgo::kOneShot) {
+      for (int q = 0; q < p; ++q) in[q] = ctx.region(q, Region::kExport);
+      reduce_partials(in, p, a.out, count, a.dtype, a.stream);
+      ctx.signal_all(Region::kExport, true, a.stream);
+      return;
+    }
+    const int64_t per = two_shot_slice(count, p, a.dtype);
+    need_region(ctx, Region::kExport2, per * es, op + " (two-shot slice of " + std::to_string(per) + ")");
+    auto lo = [&](int q) { return std::min<int64_t>(q * per, count); };
+    auto len = [&](int q) { return std::min<int64_t>((q + 1) * per, count) - lo(q); };
+    // Sum this rank's slice of everyone's partial into export2, then gather the slices.
+    ctx.wait(peers, Region::kExport2, true, id, a.stream);
+    for (int q = 0; q < p; ++q) in[q] = static_cast<const char*>(ctx.region(q, Region::kExport)) + lo(r) * es;
+    reduce_partials(in, p, ctx.region(r, Region::kExport2), len(r), a.dtype, a.stream);
+    ctx.signal_all(Region::kExport, true, a.stream);
+    ctx.signal_all(Region::kExport2, false, a.stream);
+    copy(static_cast<char*>(a.out) + lo(r) * es, ctx.region(r, Region::kExport2), len(r) * es, a.stream);
+    ctx.wait(peers, Region::kExport2, false, id, a.stream);
+    for (int q : peers) copy(static_cast<char*>(a.out) + lo(q) * es, ctx.region(q, Region::kExport2), len(q) * es, a.stream);
+    ctx.signal_all(Region::kExport2, true, a.stream);
+    return;
+  }
+  if (algo != AllReduceAlgo::kScatterGather)
+    throw Error(op + ": unknown all-reduce algorithm " + std::to_string(static_cast<int>(algo)));
+  if (a.scratch == nullptr) throw Error(op + ": null partial buffer");
+  if (static_cast<int>(a.bounds.size()) != p + 1)
+    throw Error(op + ": bounds must hold the " + std::to_string(p + 1) + " block boundaries of the scatter-gather");
+  int64_t block = 0;
+  for (int d = 0; d < p; ++d) block = std::max(block, a.bounds[d + 1] - a.bounds[d]);
+  const int64_t slot = block * a.n * es;
+  need_region(ctx, Region::kInbox, p * slot, op + " (partial blocks of " + shape(block, a.n) + ")");
+  need_region(ctx, Region::kExport, slot, op + " (reduced block " + shape(block, a.n) + ")");
+  scatter_partials(ctx, a, a.bounds, slot, id);
+  // This rank's block: summed into its export region, copied to out, and gathered by the peers.
+  const int64_t rows = a.bounds[r + 1] - a.bounds[r];
+  ctx.wait(peers, Region::kExport, true, id, a.stream);
+  reduce_inbox(ctx, a, rows, slot, ctx.region(r, Region::kExport));
+  ctx.signal_all(Region::kExport, false, a.stream);
+  cudaStream_t cs = ctx.copy_stream();
+  order(a.stream, cs, ctx.event(p + 1));
+  copy(row_ptr(a.out, a.bounds[r], a.n, a.dtype), ctx.region(r, Region::kExport), rows * a.n * es, a.stream);
+  for (int q : peers) {
+    ctx.wait({q}, Region::kExport, false, id, cs);
+    copy(row_ptr(a.out, a.bounds[q], a.n, a.dtype), ctx.region(q, Region::kExport),
+         (a.bounds[q + 1] - a.bounds[q]) * a.n * es, cs);
+    ctx.signal(q, Region::kExport, true, cs);
+  }
+  order(cs, a.stream, ctx.event(p + 2));
+}
+
+}  // namespace tp_kernels

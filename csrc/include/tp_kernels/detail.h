@@ -1,0 +1,84 @@
+// Helpers shared by the pipelined (overlap.cpp) and fused (fused.cpp) primitives; internal.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "tp_kernels/check.h"
+#include "tp_kernels/gemm.h"
+#include "tp_kernels/overlap.h"
+
+namespace tp_kernels {
+namespace detail {
+
+// Makes `device` current for a scope and restores the previous device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    TPK_CHECK_CUDA(cudaGetDevice(&previous_));
+    if (previous_ != device) TPK_CHECK_CUDA(cudaSetDevice(device));
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+// Element `row * width` of a row-major buffer of `dtype`.
+template <typename T>
+T* row_ptr(T* base, int64_t row, int64_t width, DType dtype) {
+  using Byte = typename std::conditional<std::is_const<T>::value, const char, char>::type;
+  return reinterpret_cast<T*>(reinterpret_cast<Byte*>(base) + row * width * static_cast<int64_t>(dtype_size(dtype)));
+}
+
+// `rows` rows of x (ldx = k) times W^T into y (ldy = n) on args.stream, as a batch when batch > 1.
+inline void gemm(const OverlapArgs& a, const void* x, void* y, int64_t rows, const void* bias, int64_t batch = 1,
+                 int64_t stride_x = 0, int64_t stride_y = 0) {
+  LinearArgs g;
+  g.x = x;
+  g.w = a.w;
+  g.bias = bias;
+  g.y = y;
+  g.m = rows, g.n = a.n, g.k = a.k;
+  g.ldx = a.k, g.ldw = a.ldw, g.ldy = a.n;
+  g.w_col_major = a.w_col_major;
+  g.batch = batch, g.stride_x = stride_x, g.stride_y = stride_y;
+  g.dtype = a.dtype;
+  g.workspace = a.workspace;
+  g.workspace_bytes = a.workspace_bytes;
+  g.stream = a.stream;
+  linear(g);
+}
+
+// Work enqueued on `to` from now on runs after the work enqueued on `from` so far (event `e`).
+inline void order(cudaStream_t from, cudaStream_t to, cudaEvent_t e) {
+  TPK_CHECK_CUDA(cudaEventRecord(e, from));
+  TPK_CHECK_CUDA(cudaStreamWaitEvent(to, e, 0));
+}
+
+inline std::string shape(int64_t rows, int64_t cols) {
+  return "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
+}
+
+// The checks every primitive makes on its arguments before enqueueing anything.
+inline void validate_args(const OverlapArgs& a, int device, const std::string& op) {
+  int current = -1;
+  TPK_CHECK_CUDA(cudaGetDevice(&current));
+  if (current != device)
+    throw Error(op + ": the current device is " + std::to_string(current) + ", the group's is " +
+                std::to_string(device));
+  if (a.bounds.size() < 2 || a.bounds.front() != 0)
+    throw Error(op + ": bounds must start at 0 and hold at least one chunk");
+  for (size_t j = 1; j < a.bounds.size(); ++j)
+    if (a.bounds[j] <= a.bounds[j - 1]) throw Error(op + ": bounds must be strictly increasing");
+  if (a.n < 1 || a.k < 1) throw Error(op + ": n and k must be positive");
+  if (a.x == nullptr || a.w == nullptr || a.out == nullptr) throw Error(op + ": null x, w or out");
+}
+
+}  // namespace detail
+}  // namespace tp_kernels

@@ -1,0 +1,157 @@
+// The peer-memory (`fused`) path: a rank's view of its group's symmetric workspace, and the three
+// fused primitives on it.
+//
+// Every rank owns one workspace buffer of the same size, mapped into every other rank (CUDA IPC
+// between processes; plain pointers for virtual ranks, several ranks driven by one process on one
+// GPU, each with its own streams). A PeerContext holds the table of those buffers as this
+// process sees them, so the same code runs in both settings. A buffer is laid out as
+//
+//   [control block: kControlBytes of 32-bit flags][export][inbox][export2]
+//
+// with the three data regions of the sizes given at construction (the same on every rank).
+// * export, export2: data a rank publishes for its peers to read (its shard to gather, its
+//   partial for a one-shot all-reduce, its reduced block).
+// * inbox: slots the peers write into (slot q: from rank q), e.g. the partials to reduce.
+// For each region c and peer q a rank's control block has two flags, both set by q and consumed
+// by the rank (device_ops.h):
+// * ready(c, q): q's data for this rank is in place (export: q's region is written; inbox: q has
+//   written its slot here).
+// * release(c, q): q is done with this rank's data (export: q has read this rank's region; inbox:
+//   q has consumed this rank's slot there). Release flags start set: nobody holds anything.
+// A rank writes its export region only after consuming release(export, q) of every peer, and
+// writes into q's inbox only after consuming release(inbox, q). Then no data is overwritten
+// while read, and each flag is set again only after it was consumed.
+//
+// Every wait is bounded by the context's timeout; a wait that times out records which op, flag
+// and peer in the context's error word, every later wait of the context returns at once, and
+// check() (called at the start of every op) raises the error. A context with an error stays
+// failed: the group's workspace must be made again.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "tp_kernels/device_ops.h"
+#include "tp_kernels/overlap.h"
+
+namespace tp_kernels {
+
+enum class Region : int { kExport = 0, kInbox = 1, kExport2 = 2 };
+constexpr int kNumRegions = 3;
+constexpr size_t kControlBytes = 4096;
+constexpr size_t kRegionAlignment = 256;
+
+enum class FusedOp : int { kAllGatherMatmul = 0, kMatmulReduceScatter = 1, kMatmulAllReduce = 2 };
+
+// All-reduce algorithms of fused matmul_all_reduce.
+enum class AllReduceAlgo : int {
+  kOneShot = 0,   // every rank reads every partial and sums them: the lowest latency, p x the reads
+  kTwoShot = 1,   // each rank sums 1/p of the elements, then everyone gathers the sums
+  kScatterGather = 2,  // partials pushed to their block's owner by copy engine while the next
+                       // block multiplies, summed there, then gathered by copy engine
+};
+
+// Index of flag (region, release?, peer) in a control block.
+constexpr int flag_index(Region c, bool release, int peer) {
+  return (static_cast<int>(c) * 2 + (release ? 1 : 0)) * kMaxRanks + peer;
+}
+
+// The control block a new workspace starts with (kControlBytes / 4 words; release flags set).
+std::vector<uint32_t> initial_control_block();
+
+// Byte offset of a region in a workspace buffer with the given region sizes.
+size_t region_offset(const std::vector<size_t>& region_bytes, Region c);
+
+class PeerContext {
+ public:
+  // This rank's view: `bases[q]` is rank q's workspace buffer as mapped in this process (each
+  // initialised with initial_control_block()), laid out with `region_bytes` (3 sizes, multiples
+  // of kRegionAlignment). Creates a copy stream, an event pool and a host-mapped error word.
+  PeerContext(int rank, int size, int device, const std::vector<uintptr_t>& bases,
+              const std::vector<size_t>& region_bytes, double timeout_s);
+  ~PeerContext();
+  PeerContext(const PeerContext&) = delete;
+  PeerContext& operator=(const PeerContext&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int device() const { return device_; }
+  double timeout_s() const { return timeout_s_.load(); }
+  void set_timeout_s(double timeout_s);
+  size_t region_bytes(Region c) const { return region_bytes_[static_cast<int>(c)]; }
+  // Rank q's region c as mapped here, plus `offset` bytes.
+  void* region(int q, Region c, size_t offset = 0) const;
+  cudaStream_t copy_stream() const { return copy_stream_; }
+  cudaEvent_t event(size_t i);
+
+  // Sets flag (c, release, rank()) in rank q's control block, on `stream` after its prior work.
+  void signal(int q, Region c, bool release, cudaStream_t stream);
+  // Sets it in every other rank's control block.
+  void signal_all(Region c, bool release, cudaStream_t stream);
+  // Makes `stream` consume this rank's flags (c, release, q) for each q in `peers` (bounded).
+  void wait(const std::vector<int>& peers, Region c, bool release, FusedOp op, cudaStream_t stream);
+  // The other ranks, in the order r + 1, r + 2, ... (mod p).
+  std::vector<int> others() const;
+
+  // The error word (0: none) and the error it stands for, raised.
+  uint32_t error_code() const;
+  void check() const;
+  std::string describe(uint32_t code) const;
+
+  // One op at a time per context.
+  std::unique_lock<std::mutex> lock() { return std::unique_lock<std::mutex>(op_mutex_); }
+
+ private:
+  uint32_t* flag(int q, int index) const;
+
+  int rank_, size_, device_;
+  std::vector<char*> bases_;
+  std::vector<size_t> region_bytes_;
+  std::atomic<double> timeout_s_;
+  cudaStream_t copy_stream_ = nullptr;
+  std::vector<cudaEvent_t> events_;
+  uint32_t* error_word_ = nullptr;  // mapped pinned host memory
+  std::mutex op_mutex_;
+};
+
+// Bytes each region needs for an op (row-major shapes as in overlap.h; `rows` is m/p for the
+// first two, the largest block for the scatter-gather all-reduce).
+size_t fused_region_need(FusedOp op, Region c, int p, int64_t m, int64_t n, int64_t k, DType dtype,
+                         AllReduceAlgo algo);
+
+// out [m, n] = AG(x) W^T (+ bias): each rank publishes its shard [m/p, k] in its export region;
+// the copy stream pulls the peers' shards chunk by chunk (bounds over m/p) into gathered
+// (scratch, [m, k]) while the caller's stream multiplies the chunks already there.
+void fused_all_gather_matmul(PeerContext& ctx, const OverlapArgs& args);
+
+// out [m/p, n] = RS(x W^T): the partial for each destination (rows of its block) multiplies on
+// the caller's stream into scratch ([m, n]) while the copy stream pushes the previous one into
+// its destination's inbox; then the p partials in the inbox are summed in rank order in fp32.
+// bounds = {0, m/p}. The result's bits depend neither on timing nor on chunking.
+void fused_matmul_reduce_scatter(PeerContext& ctx, const OverlapArgs& args);
+
+// out [m, n] = AR(x W^T) by `algo`. bounds: {0, m} for one-/two-shot; the p + 1 block boundaries
+// over m for scatter-gather (scratch [m, n]). Deterministic like the reduce-scatter.
+void fused_matmul_all_reduce(PeerContext& ctx, const OverlapArgs& args, AllReduceAlgo algo);
+
+// Elements of each rank's slice in the two-shot all-reduce of `count` elements (16-byte aligned
+// slices; the last ones may be short or empty).
+int64_t two_shot_slice(int64_t count, int p, DType dtype);
+
+// Device memory for a workspace buffer (cudaMalloc: one allocation, so one IPC handle).
+uintptr_t workspace_alloc(size_t bytes, int device);
+void workspace_free(uintptr_t ptr, int device);
+// Writes initial_control_block() to the start of a workspace buffer (synchronously).
+void workspace_init(uintptr_t ptr, int device);
+// The CUDA IPC handle of a workspace buffer (bytes), and its mapping in another process.
+std::string ipc_handle(uintptr_t ptr, int device);
+uintptr_t ipc_open(const std::string& handle, int device);
+void ipc_close(uintptr_t ptr, int device);
+
+}  // namespace tp_kernels

@@ -1,0 +1,254 @@
+// A rank's view of its group's symmetric workspace: peer tables, flags, bounded waits and the
+// error word; and the allocation / IPC helpers that build the workspace. See peer.h.
+#include "tp_kernels/peer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include "tp_kernels/check.h"
+#include "tp_kernels/detail.h"
+
+namespace tp_kernels {
+namespace {
+
+using detail::DeviceGuard;
+
+constexpr uint32_t kCodeTag = 0x80000000u;
+
+// Error code of a wait: the op and the flag index (whose region, kind and peer it names).
+uint32_t wait_code(FusedOp op, int index) {
+  return kCodeTag | (static_cast<uint32_t>(op) << 16) | static_cast<uint32_t>(index);
+}
+
+const char* op_name(uint32_t op) {
+  switch (op) {
+    case 0: return "all_gather_matmul";
+    case 1: return "matmul_reduce_scatter";
+    case 2: return "matmul_all_reduce";
+    default: return "unknown op";
+  }
+}
+
+const char* flag_meaning(int region, bool release) {
+  static const char* ready[] = {"its exported data to be ready", "its partial to arrive in this rank's inbox",
+                                "its second exported buffer to be ready"};
+  static const char* released[] = {"it to finish reading this rank's exported data",
+                                   "it to consume what this rank delivered to its inbox",
+                                   "it to finish reading this rank's second exported buffer"};
+  return release ? released[region] : ready[region];
+}
+
+}  // namespace
+
+std::vector<uint32_t> initial_control_block() {
+  std::vector<uint32_t> words(kControlBytes / sizeof(uint32_t), 0);
+  for (int c = 0; c < kNumRegions; ++c)
+    for (int q = 0; q < kMaxRanks; ++q) words[flag_index(static_cast<Region>(c), true, q)] = 1;
+  return words;
+}
+
+size_t region_offset(const std::vector<size_t>& region_bytes, Region c) {
+  size_t offset = kControlBytes;
+  for (int i = 0; i < static_cast<int>(c); ++i) offset += region_bytes[i];
+  return offset;
+}
+
+PeerContext::PeerContext(int rank, int size, int device, const std::vector<uintptr_t>& bases,
+                         const std::vector<size_t>& region_bytes, double timeout_s)
+    : rank_(rank), size_(size), device_(device), timeout_s_(timeout_s) {
+  if (size < 1 || size > kMaxRanks)
+    throw Error("PeerContext: size must be in [1, " + std::to_string(kMaxRanks) + "], got " + std::to_string(size));
+  if (rank < 0 || rank >= size)
+    throw Error("PeerContext: rank " + std::to_string(rank) + " is not in [0, " + std::to_string(size) + ")");
+  if (static_cast<int>(bases.size()) != size)
+    throw Error("PeerContext: expected " + std::to_string(size) + " workspace buffers, got " +
+                std::to_string(bases.size()));
+  for (int q = 0; q < size; ++q)
+    if (bases[q] == 0) throw Error("PeerContext: null workspace buffer of rank " + std::to_string(q));
+  if (region_bytes.size() != kNumRegions)
+    throw Error("PeerContext: expected " + std::to_string(kNumRegions) + " region sizes, got " +
+                std::to_string(region_bytes.size()));
+  for (size_t b : region_bytes)
+    if (b % kRegionAlignment != 0)
+      throw Error("PeerContext: region sizes must be multiples of " + std::to_string(kRegionAlignment) + " bytes");
+  if (!(timeout_s > 0)) throw Error("PeerContext: timeout_s must be positive");
+  for (uintptr_t b : bases) bases_.push_back(reinterpret_cast<char*>(b));
+  region_bytes_ = region_bytes;
+  DeviceGuard guard(device);
+  int least = 0, greatest = 0;
+  TPK_CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  TPK_CHECK_CUDA(cudaStreamCreateWithPriority(&copy_stream_, cudaStreamNonBlocking, greatest));
+  void* host = nullptr;
+  cudaError_t err = cudaHostAlloc(&host, sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable);
+  if (err != cudaSuccess) {
+    cudaStreamDestroy(copy_stream_);
+    TPK_CHECK_CUDA(err);
+  }
+  error_word_ = static_cast<uint32_t*>(host);
+  *reinterpret_cast<volatile uint32_t*>(error_word_) = 0;
+}
+
+PeerContext::~PeerContext() {
+  int previous = 0;
+  cudaGetDevice(&previous);
+  cudaSetDevice(device_);
+  cudaStreamSynchronize(copy_stream_);
+  for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  cudaStreamDestroy(copy_stream_);
+  cudaFreeHost(error_word_);
+  cudaSetDevice(previous);
+}
+
+void PeerContext::set_timeout_s(double timeout_s) {
+  if (!(timeout_s > 0)) throw Error("PeerContext: timeout_s must be positive");
+  timeout_s_.store(timeout_s);
+}
+
+void* PeerContext::region(int q, Region c, size_t offset) const {
+  return bases_[q] + region_offset(region_bytes_, c) + offset;
+}
+
+cudaEvent_t PeerContext::event(size_t i) {
+  while (events_.size() <= i) {
+    cudaEvent_t e = nullptr;
+    TPK_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    events_.push_back(e);
+  }
+  return events_[i];
+}
+
+uint32_t* PeerContext::flag(int q, int index) const {
+  return reinterpret_cast<uint32_t*>(bases_[q]) + index;
+}
+
+void PeerContext::signal(int q, Region c, bool release, cudaStream_t stream) {
+  write_flag(flag(q, flag_index(c, release, rank_)), 1, stream);
+}
+
+void PeerContext::signal_all(Region c, bool release, cudaStream_t stream) {
+  for (int q : others()) signal(q, c, release, stream);
+}
+
+void PeerContext::wait(const std::vector<int>& peers, Region c, bool release, FusedOp op, cudaStream_t stream) {
+  uint32_t* flags[kMaxRanks];
+  uint32_t codes[kMaxRanks];
+  int count = 0;
+  for (int q : peers) {
+    const int index = flag_index(c, release, q);
+    flags[count] = flag(rank_, index);
+    codes[count++] = wait_code(op, index);
+  }
+  const double ns = timeout_s_.load() * 1e9;
+  wait_flags(flags, codes, count, ns > 1.8e19 ? UINT64_MAX : static_cast<uint64_t>(ns), error_word_, stream);
+}
+
+std::vector<int> PeerContext::others() const {
+  std::vector<int> out;
+  for (int s = 1; s < size_; ++s) out.push_back((rank_ + s) % size_);
+  return out;
+}
+
+uint32_t PeerContext::error_code() const { return *reinterpret_cast<volatile uint32_t*>(error_word_); }
+
+std::string PeerContext::describe(uint32_t code) const {
+  if ((code & kCodeTag) == 0) return "";
+  const uint32_t op = (code >> 16) & 0x7fffu;
+  const int index = static_cast<int>(code & 0xffffu);
+  const int peer = index % kMaxRanks, kind = index / kMaxRanks;
+  std::ostringstream msg;
+  msg << "fused " << op_name(op) << ": rank " << rank_ << " waited more than " << timeout_s_.load()
+      << " s for rank " << peer << " (for " << flag_meaning(kind / 2, kind % 2 == 1)
+      << "): the peer is missing, dead or out of step with this rank's sequence of fused ops. "
+         "This group's fused workspace cannot be used again: destroy and re-create the group "
+         "(tp_kernels.destroy_model_parallel).";
+  return msg.str();
+}
+
+void PeerContext::check() const {
+  const uint32_t code = error_code();
+  if (code != 0) throw Error(describe(code));
+}
+
+size_t fused_region_need(FusedOp op, Region c, int p, int64_t m, int64_t n, int64_t k, DType dtype,
+                         AllReduceAlgo algo) {
+  if (p < 1 || p > kMaxRanks) throw Error("fused_region_need: p must be in [1, " + std::to_string(kMaxRanks) + "]");
+  if (m < 0 || n < 0 || k < 0) throw Error("fused_region_need: negative dimension");
+  const int64_t es = static_cast<int64_t>(dtype_size(dtype));
+  const int64_t block = (m + p - 1) / p;
+  int64_t bytes = 0;
+  switch (op) {
+    case FusedOp::kAllGatherMatmul:
+      if (c == Region::kExport) bytes = (m / p) * k * es;
+      break;
+    case FusedOp::kMatmulReduceScatter:
+      if (c == Region::kInbox) bytes = m * n * es;
+      break;
+    case FusedOp::kMatmulAllReduce:
+      switch (algo) {
+        case AllReduceAlgo::kOneShot:
+          if (c == Region::kExport) bytes = m * n * es;
+          break;
+        case AllReduceAlgo::kTwoShot:
+          if (c == Region::kExport) bytes = m * n * es;
+          if (c == Region::kExport2) bytes = two_shot_slice(m * n, p, dtype) * es;
+          break;
+        case AllReduceAlgo::kScatterGather:
+          if (c == Region::kInbox) bytes = p * block * n * es;
+          if (c == Region::kExport) bytes = block * n * es;
+          break;
+      }
+      break;
+  }
+  return static_cast<size_t>(bytes);
+}
+
+int64_t two_shot_slice(int64_t count, int p, DType dtype) {
+  const int64_t align = 16 / static_cast<int64_t>(dtype_size(dtype));  // 16-byte aligned slices
+  const int64_t per = (count + p - 1) / p;
+  return (per + align - 1) / align * align;
+}
+
+uintptr_t workspace_alloc(size_t bytes, int device) {
+  DeviceGuard guard(device);
+  void* p = nullptr;
+  TPK_CHECK_CUDA(cudaMalloc(&p, bytes));
+  return reinterpret_cast<uintptr_t>(p);
+}
+
+void workspace_free(uintptr_t ptr, int device) {
+  DeviceGuard guard(device);
+  TPK_CHECK_CUDA(cudaFree(reinterpret_cast<void*>(ptr)));
+}
+
+void workspace_init(uintptr_t ptr, int device) {
+  DeviceGuard guard(device);
+  const std::vector<uint32_t> words = initial_control_block();
+  TPK_CHECK_CUDA(cudaMemcpy(reinterpret_cast<void*>(ptr), words.data(), kControlBytes, cudaMemcpyHostToDevice));
+}
+
+std::string ipc_handle(uintptr_t ptr, int device) {
+  DeviceGuard guard(device);
+  cudaIpcMemHandle_t handle;
+  TPK_CHECK_CUDA(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(ptr)));
+  return std::string(handle.reserved, sizeof(handle.reserved));
+}
+
+uintptr_t ipc_open(const std::string& bytes, int device) {
+  cudaIpcMemHandle_t handle;
+  if (bytes.size() != sizeof(handle.reserved))
+    throw Error("ipc_open: a CUDA IPC handle is " + std::to_string(sizeof(handle.reserved)) + " bytes, got " +
+                std::to_string(bytes.size()));
+  std::memcpy(handle.reserved, bytes.data(), sizeof(handle.reserved));
+  DeviceGuard guard(device);
+  void* p = nullptr;
+  TPK_CHECK_CUDA(cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess));
+  return reinterpret_cast<uintptr_t>(p);
+}
+
+void ipc_close(uintptr_t ptr, int device) {
+  DeviceGuard guard(device);
+  TPK_CHECK_CUDA(cudaIpcCloseMemHandle(reinterpret_cast<void*>(ptr)));
+}
+
+}  // namespace tp_kernels
