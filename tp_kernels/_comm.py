@@ -18,13 +18,14 @@ from __future__ import annotations
 import datetime
 import os
 import threading
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
     "Pending",
+    "all_gather_bytes",
     "all_gather_dim0",
     "all_gather_last_dim",
     "all_reduce",
@@ -185,6 +186,21 @@ def all_gather_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] = Non
         out = x.new_empty((x.shape[0] * p,) + tuple(x.shape[1:]))
     work = _all_gather_single(out, x, group=group, async_op=True)
     return Pending(out, [work], f"all-gather of {tuple(x.shape)} {x.dtype}", group)
+
+
+def all_gather_bytes(payload: bytes, group, device: torch.device) -> List[bytes]:
+    """Every rank's ``payload`` (of one length on all ranks, at least 1 byte), in group rank order.
+
+    Bounded like every collective here. The bytes travel in a tensor on ``device`` when the
+    group's backend is NCCL, on the CPU otherwise.
+    """
+    if not payload:
+        raise ValueError("payload: expected at least one byte")
+    on_nccl = "nccl" in str(dist.get_backend(group)).lower()
+    mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device if on_nccl else "cpu")
+    gathered = all_gather_dim0(mine, group).wait().cpu().tolist()
+    n = len(payload)
+    return [bytes(gathered[q * n:(q + 1) * n]) for q in range(group_size(group))]
 
 
 def reduce_scatter_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] = None,

@@ -58,7 +58,8 @@ def extension_status() -> dict:
     Returns a dict: ``built`` (bool: the native module is importable), ``reason`` (str or None),
     ``native`` (the native module's view when built: CUDA runtime/driver, NCCL and cuBLASLt
     versions, ``device_count`` and ``device_error``; else None), ``cuda_available`` (torch
-    sees a CUDA device), ``cuda_reason`` (str or None), ``backends`` (names usable now).
+    sees a CUDA device), ``cuda_reason`` (str or None), ``backends`` (names usable now: ``"fused"`` needs the native
+    module and a CUDA device).
     """
     from .ops import BACKEND_NAMES
 
@@ -75,7 +76,7 @@ def extension_status() -> dict:
         "native": None if _C is None else _C.runtime_info(),
         "cuda_available": cuda,
         "cuda_reason": cuda_reason,
-        "backends": list(BACKEND_NAMES),
+        "backends": [b for b in BACKEND_NAMES if b != "fused" or (_C is not None and cuda)],
     }
 
 

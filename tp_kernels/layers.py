@@ -194,7 +194,7 @@ class ColumnParallelLinear(_ParallelLinear):
         init_method: ``f(full_weight)`` initializing the full ``[out, in]`` weight in place;
             default: ``nn.Linear``'s initialization. Seed every rank alike.
         device, dtype: of the parameters.
-        backend: ``"auto"``, ``"reference"`` or ``"pipelined"`` (see :mod:`tp_kernels.ops`).
+        backend: ``"auto"``, ``"reference"``, ``"pipelined"`` or ``"fused"`` (see :mod:`tp_kernels.ops`).
         num_chunks: chunks of the pipelined schedule (default: the schedule's).
 
     Shapes: input ``[..., in]`` (``[s/p, ..., in]`` with sequence parallelism); ``weight``

@@ -19,7 +19,8 @@ The backward passes are made of the same primitives (docs/architecture.md):
 * ``matmul_all_reduce``: local GEMMs (``dy`` is replicated).
 
 ``backend`` is ``"reference"`` (collective, then GEMM), ``"pipelined"`` (chunked overlap,
-:mod:`tp_kernels.schedule`) or ``"auto"``. ``num_chunks=None`` takes the schedule's default.
+:mod:`tp_kernels.schedule`), ``"fused"`` (peer memory inside one node,
+:mod:`tp_kernels.backends.fused`) or ``"auto"`` (see :func:`select_backend`). ``num_chunks=None`` takes the schedule's default.
 Every argument is checked before any collective starts.
 """
 
@@ -33,7 +34,7 @@ import torch
 from . import _comm, _library  # noqa: F401  (_library registers torch.ops.tp_kernels.*)
 from ._checks import check_divisible, check_linear_args
 from ._library import group_name
-from .backends import BACKENDS, native
+from .backends import BACKENDS, fused, native
 from .schedule import resolve_num_chunks
 
 __all__ = [
@@ -59,24 +60,36 @@ def check_backend(backend) -> str:
 def select_backend(op: str, backend: str, x: torch.Tensor, p: int, group=None,
                    weight: Optional[torch.Tensor] = None) -> str:
     """The implementation that runs ``op`` for this call (a key of
-    ``backends.IMPLEMENTATIONS``), resolving ``"pipelined"`` and ``"auto"``.
+    ``backends.IMPLEMENTATIONS``), resolving ``"pipelined"``, ``"fused"`` and ``"auto"``.
 
     * ``"pipelined"`` runs the native extension (``"native"``: cuBLASLt and NCCL, the same chunk
       schedule) for CUDA tensors it supports, else the portable schedule on
       ``torch.distributed``; the reason is logged at debug level.
-    * ``"auto"`` runs ``"reference"`` unless the native path is supported, there is more than one
-      rank (with one, there is nothing to overlap) and :func:`tp_kernels.backends.native.auto_enabled`
-      says the native path may be chosen automatically; it says why at debug level. On the CPU the
+    * ``"fused"`` runs over peer memory (:mod:`tp_kernels.backends.fused`) and raises a
+      ``ValueError`` with the reason where it cannot (host tensors, a group across nodes or
+      without peer access, no native extension): it has no portable form to fall back on.
+    * ``"auto"`` runs ``"fused"`` when it is supported and
+      :func:`tp_kernels.backends.fused.auto_enabled`, else ``"native"`` when that is supported
+      and :func:`tp_kernels.backends.native.auto_enabled`, else ``"reference"``; with one rank
+      there is nothing to overlap (``"reference"``). It says why at debug level. On the CPU the
       portable pipelined schedule measured slower than the reference
       (``bench/results/cpu-gloo-p2*.json``, docs/benchmarks.md: gloo's thread has no spare core
       to overlap on), so ``"auto"`` never picks it.
 
-    Every input of the decision is the same on all ranks of the group, so they all decide alike.
+    Every input of the decision is the same on all ranks of the group, so they all decide alike
+    (the first fused call of a group checks its peer access collectively).
     """
     check_backend(backend)
     if backend == "reference":
         return backend
-    reason = native.unsupported_reason(x, x if weight is None else weight, group)
+    w = x if weight is None else weight
+    if backend == "fused":
+        reason = fused.unsupported_reason(x, w, group)
+        if reason is not None:
+            raise ValueError(f"backend: 'fused' cannot run {op} (p={p}, x {tuple(x.shape)} {x.dtype} on "
+                             f"{x.device}): {reason}. Use 'pipelined' or 'auto' there.")
+        return "fused"
+    reason = native.unsupported_reason(x, w, group)
     if backend == "pipelined":
         if reason is None:
             return "native"
@@ -86,6 +99,11 @@ def select_backend(op: str, backend: str, x: torch.Tensor, p: int, group=None,
         return "pipelined"
     if reason is None and p == 1:
         reason = "one rank, nothing to overlap"
+    if reason is None and fused.auto_enabled():
+        fused_reason = fused.unsupported_reason(x, w, group)
+        if fused_reason is None:
+            return "fused"
+        logger.debug("auto backend for %s: not fused: %s", op, fused_reason)
     if reason is None and not native.auto_enabled():
         reason = native.AUTO_DISABLED_REASON
     if reason is None:

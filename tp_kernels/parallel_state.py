@@ -104,9 +104,10 @@ def destroy_model_parallel() -> None:
     groups = list(_ALL_GROUPS)
     _ALL_GROUPS.clear()
     _TENSOR_MODEL_PARALLEL_GROUP = _PIPELINE_MODEL_PARALLEL_GROUP = _DATA_PARALLEL_GROUP = None
-    from .backends import native
+    from .backends import fused, native
 
     for g in groups:
+        fused.destroy_workspaces(g)
         native.destroy_communicators(g)
     if dist.is_available() and dist.is_initialized():
         for g in groups:

@@ -13,12 +13,13 @@ Each backend module provides, on 2-D contiguous-or-not tensors and without autog
 return a :class:`tp_kernels._comm.Pending` so that callers can overlap unrelated work (the
 weight gradient) with the tail of the communication before calling ``wait()``.
 
-The user-facing names are ``BACKENDS``. ``IMPLEMENTATIONS`` adds ``"native"``: the
+``fused`` (:mod:`.fused`) runs on CUDA tensors of a group inside one node only, over peer
+memory. The user-facing names are ``BACKENDS``. ``IMPLEMENTATIONS`` adds ``"native"``: the
 ``pipelined`` schedule in the native extension, which :func:`tp_kernels.ops.select_backend`
 picks for CUDA tensors (it is not a name users pass).
 """
 
-from . import native, pipelined, reference
+from . import fused, native, pipelined, reference
 
-BACKENDS = {"reference": reference, "pipelined": pipelined}
+BACKENDS = {"reference": reference, "pipelined": pipelined, "fused": fused}
 IMPLEMENTATIONS = {**BACKENDS, "native": native}

@@ -23,7 +23,6 @@ import os
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from .. import _comm, _native
 from .._comm import Pending
@@ -126,12 +125,9 @@ def _communicator(group, device: torch.device):
     entry = _communicators.get(key)
     if entry is None:
         p, r = _comm.group_size(group), _comm.group_rank(group)
-        # The id travels as bytes in a tensor on the group's device, through a bounded all-gather.
-        on_nccl = "nccl" in str(dist.get_backend(group)).lower()
+        # Rank 0's id reaches the others through a bounded all-gather over the torch group.
         uid = _native._C.nccl_unique_id() if r == 0 else bytes(_native._C.NCCL_UNIQUE_ID_BYTES)
-        mine = torch.frombuffer(bytearray(uid), dtype=torch.uint8).to(device if on_nccl else "cpu")
-        ids = _comm.all_gather_dim0(mine, group).wait().cpu()
-        uid = bytes(ids[: len(uid)].tolist())
+        uid = _comm.all_gather_bytes(uid, group, device)[0]
         comm = _native._C.Communicator(uid, r, p, device.index, get_comm_stream_priority(), _comm.get_timeout())
         entry = _communicators[key] = (group, comm)
     comm = entry[1]
