@@ -188,6 +188,10 @@ def _rank_matmul_all_reduce(ctx, x, weight, algorithm: str, stream):
     return out
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _capture_growth_error(op: str, regions: Sequence[int]) -> RuntimeError:
     return RuntimeError(
         f"fused {op}: the group's workspace must grow to {list(regions)} bytes (export, inbox, export2), which "
@@ -223,7 +227,7 @@ def _topology_reason(group, device: torch.device) -> Optional[str]:
     key = _key(group, device)
     if key in _topology:
         return _topology[key][1]
-    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+    if torch.compiler.is_compiling() or _capturing():
         return ("the group's peer access is checked by its first fused call, which cannot run inside "
                 "torch.compile tracing or a CUDA graph capture: run the op once eagerly first")
     p = _comm.group_size(group)
@@ -258,7 +262,7 @@ class _GroupWorkspace:
     def context(self, op: str, need: Sequence[int]):
         grown = _grown(self.regions, need)
         if grown is not None:
-            if torch.cuda.is_current_stream_capturing():
+            if _capturing():
                 raise _capture_growth_error(op, grown)
             self._map(grown)
         timeout = _comm.get_timeout()
@@ -456,7 +460,7 @@ class VirtualRanks:
     def _ensure(self, op: str, need: Sequence[int]) -> None:
         grown = _grown(self.regions, need)
         if grown is not None:
-            if torch.cuda.is_current_stream_capturing():
+            if _capturing():
                 raise _capture_growth_error(op, grown)
             self.check()
             self.close()

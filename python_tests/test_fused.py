@@ -1,0 +1,273 @@
+"""The fused (peer-memory) backend's CPU-checkable parts: routing and its errors, the
+peer-topology decision, workspace sizing and growth, the all-reduce algorithm choice, and the
+native checks made before any GPU call.
+
+The fused ops themselves need a GPU: python_tests/test_gpu.py runs them with virtual ranks and
+with several processes sharing one GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import tp_kernels
+from tp_kernels import _comm, _native, ops
+from tp_kernels.backends import fused
+
+from helpers import rank_world
+
+built = pytest.mark.skipif(_native._C is None, reason="the native module is not built")
+
+
+def fake_cuda_tensor(shape=(4, 8), dtype=torch.bfloat16, index=0):
+    """What unsupported_reason reads of a CUDA tensor, without a GPU."""
+    return SimpleNamespace(is_cuda=True, dtype=dtype, device=torch.device("cuda", index), shape=shape,
+                           numel=lambda: shape[0] * shape[1])
+
+
+class FakeGroup:
+    group_name = "fake"
+
+
+def test_explicit_fused_on_the_cpu_is_a_clear_error_before_any_collective():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"backend: 'fused' cannot run matmul_all_reduce .*not on a CUDA device.*"
+                                         r"Use 'pipelined' or 'auto'"):
+        ops.select_backend("matmul_all_reduce", "fused", x, 2)
+    with pytest.raises(ValueError, match="backend: 'fused' cannot run all_gather_matmul"):
+        tp_kernels.all_gather_matmul(x, torch.randn(3, 8), backend="fused")
+    layer = tp_kernels.RowParallelLinear(8, 3, backend="fused")
+    with pytest.raises(ValueError, match="backend: 'fused' cannot run"):
+        layer(x)
+    assert "fused" in ops.BACKEND_NAMES
+
+
+def test_fused_with_one_process_is_checked_and_refused_on_the_cpu(world2):
+    assert world2.run(check_fused_refused_on_cpu) == [True, True]
+
+
+def check_fused_refused_on_cpu():
+    r, p = rank_world()
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="not on a CUDA device"):
+        tp_kernels.matmul_reduce_scatter(x, torch.randn(3, 8), backend="fused")
+    # nothing was started: the group still works
+    return tp_kernels.matmul_all_reduce(x, torch.randn(3, 8), backend="reference").shape == (4, 3)
+
+
+def test_unsupported_reasons_in_order(monkeypatch):
+    x = fake_cuda_tensor()
+    w = fake_cuda_tensor((3, 8))
+    monkeypatch.setattr(_native, "_C", None)
+    monkeypatch.setattr(_native, "_reason", "not built: test")
+    assert "extension is unavailable: not built: test" in fused.unsupported_reason(x, w, None)
+    monkeypatch.undo()
+    if _native._C is None:
+        pytest.skip("the rest needs the native module")
+    assert "float64 is not supported" in fused.unsupported_reason(fake_cuda_tensor(dtype=torch.float64), w, None)
+    assert "empty dimension" in fused.unsupported_reason(fake_cuda_tensor((0, 8)), w, None)
+    assert fused.unsupported_reason(x, w, None) is None  # one rank: the plain GEMM
+    monkeypatch.setattr(_comm, "group_size", lambda g: 16)
+    assert "16 ranks: the fused path supports at most 8" in fused.unsupported_reason(x, w, FakeGroup())
+    monkeypatch.setattr(_comm, "group_size", lambda g: 2)
+    if not _native._C.stream_memory_ops_available():
+        assert "stream memory operations" in fused.unsupported_reason(x, w, FakeGroup())
+
+
+@pytest.mark.parametrize("case", ["one_node", "two_hosts", "no_peer_access"])
+def test_peer_topology_is_decided_alike_on_every_rank(monkeypatch, case):
+    """Two all-gathers: host ids and devices, then every rank's verdict on its peer access."""
+    g = FakeGroup()
+    me = fused._host_id()
+    other = me if case != "two_hosts" else bytes(16)
+    rounds = []
+
+    def all_gather_bytes(payload, group, device):
+        rounds.append(payload)
+        if len(rounds) == 1:
+            return [me + (0).to_bytes(4, "little"), other + (1).to_bytes(4, "little")]
+        return [payload, b"\x00" if case == "no_peer_access" else b"\x01"]  # rank 1's verdict
+
+    monkeypatch.setattr(_comm, "all_gather_bytes", all_gather_bytes)
+    monkeypatch.setattr(_comm, "group_size", lambda group: 2)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: (a, b) == (0, 1))
+    monkeypatch.setattr(fused, "_topology", {})
+    reason = fused._topology_reason(g, torch.device("cuda", 0))
+    if case == "one_node":
+        assert reason is None and len(rounds) == 2 and rounds[1] == b"\x01"
+    elif case == "two_hosts":
+        assert "spans several hosts" in reason and len(rounds) == 1
+    else:
+        assert "rank 1 of the group cannot reach every peer's GPU" in reason
+    # decided once: the next call asks nobody
+    assert fused._topology_reason(g, torch.device("cuda", 0)) == reason and len(rounds) == (1 if case == "two_hosts"
+                                                                                           else 2)
+    fused.destroy_workspaces(g)
+    assert not fused._topology
+
+
+def test_host_id_is_stable():
+    assert fused._host_id() == fused._host_id() and len(fused._host_id()) == 16
+
+
+def test_auto_routing_with_the_fused_path(monkeypatch, caplog):
+    x = torch.randn(4, 8)
+    monkeypatch.setattr(fused, "unsupported_reason", lambda x, w, g: None)
+    monkeypatch.setattr(ops.native, "unsupported_reason", lambda x, w, g: None)
+    monkeypatch.delenv("TP_KERNELS_AUTO_FUSED", raising=False)
+    monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "1")
+    assert fused.auto_enabled() is fused.AUTO_DEFAULT
+    monkeypatch.setattr(fused, "AUTO_DEFAULT", False)
+    assert ops.select_backend("matmul_all_reduce", "auto", x, 2) == "native"
+    assert ops.select_backend("matmul_all_reduce", "fused", x, 2) == "fused"  # asked for: used
+    monkeypatch.setenv("TP_KERNELS_AUTO_FUSED", "1")
+    assert ops.select_backend("matmul_all_reduce", "auto", x, 2) == "fused"
+    assert ops.select_backend("matmul_all_reduce", "auto", x, 1) == "reference"  # nothing to overlap
+    assert ops.select_backend("matmul_all_reduce", "pipelined", x, 2) == "native"
+    monkeypatch.setattr(fused, "unsupported_reason", lambda x, w, g: "the group spans several hosts")
+    with caplog.at_level(logging.DEBUG, logger="tp_kernels.ops"):
+        assert ops.select_backend("matmul_all_reduce", "auto", x, 2) == "native"
+    assert any("not fused: the group spans several hosts" in r.message for r in caplog.records)
+    monkeypatch.setenv("TP_KERNELS_AUTO_FUSED", "maybe")
+    with pytest.raises(ValueError, match="TP_KERNELS_AUTO_FUSED"):
+        fused.auto_enabled()
+
+
+def test_all_reduce_algorithm_by_size(monkeypatch):
+    monkeypatch.delenv("TP_KERNELS_FUSED_ALL_REDUCE", raising=False)
+    bf16 = torch.bfloat16
+    assert fused.all_reduce_algorithm(16, 8192, 8, bf16) == "one_shot"  # 256 KiB
+    assert fused.all_reduce_algorithm(17, 8192, 8, bf16) == "two_shot"
+    assert fused.all_reduce_algorithm(512, 8192, 8, bf16) == "two_shot"  # 8 MiB
+    assert fused.all_reduce_algorithm(513, 8192, 8, bf16) == "scatter_gather"
+    assert fused.all_reduce_algorithm(4, 2**22, 8, bf16) == "two_shot"  # fewer rows than ranks
+    monkeypatch.setenv("TP_KERNELS_FUSED_ALL_REDUCE", "one_shot")
+    assert fused.all_reduce_algorithm(8192, 8192, 8, bf16) == "one_shot"
+    monkeypatch.setenv("TP_KERNELS_FUSED_ALL_REDUCE", "three_shot")
+    with pytest.raises(ValueError, match="TP_KERNELS_FUSED_ALL_REDUCE"):
+        fused.all_reduce_algorithm(1, 1, 2, bf16)
+
+
+@built
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_region_needs(dtype):
+    es = torch.empty((), dtype=dtype).element_size()
+    align = _native._C.REGION_ALIGNMENT
+
+    def up(b):
+        return -(-b // align) * align
+
+    p, m, n, k = 8, 8192, 1000, 3584
+    assert fused.region_needs("all_gather_matmul", p, m, n, k, dtype) == [up(m // p * k * es), 0, 0]
+    assert fused.region_needs("matmul_reduce_scatter", p, m, n, k, dtype) == [0, up(m * n * es), 0]
+    assert fused.region_needs("matmul_all_reduce", p, 13, n, k, dtype, "one_shot") == [up(13 * n * es), 0, 0]
+    per = _native._C.two_shot_slice(13 * n, p, _native.DTYPE_CODES[dtype])
+    assert per * p >= 13 * n and (per * es) % 16 == 0 and per * es - (-(-13 * n // p)) * es < 16
+    assert fused.region_needs("matmul_all_reduce", p, 13, n, k, dtype, "two_shot") == [up(13 * n * es), 0,
+                                                                                        up(per * es)]
+    block = -(-1001 // p)
+    assert fused.region_needs("matmul_all_reduce", p, 1001, n, k, dtype, "scatter_gather") == [
+        up(block * n * es), up(p * block * n * es), 0]
+
+
+def test_workspace_regions_grow_to_powers_of_two():
+    mib = fused.MIN_REGION_BYTES
+    assert fused._grown([0, 0, 0], [256, 0, 0]) == [mib, 0, 0]
+    assert fused._grown([mib, 0, 0], [mib, 0, 0]) is None
+    assert fused._grown([mib, 0, 0], [mib + 256, 3 * mib, 0]) == [2 * mib, 4 * mib, 0]
+    assert fused._grown([4 * mib, 8 * mib, 0], [mib, 0, 1]) == [4 * mib, 8 * mib, mib]
+
+
+def test_destroy_workspaces_frees_every_workspace_of_the_group(monkeypatch):
+    released = []
+
+    class FakeWorkspace:
+        def __init__(self, group, name, fail=False):
+            self.group, self.name, self.fail = group, name, fail
+
+        def release(self, barrier):
+            released.append((self.name, barrier))
+            if self.fail and barrier:
+                raise RuntimeError("a peer is gone")
+
+    g1, g2 = object(), object()
+    monkeypatch.setattr(fused, "_workspaces", {1: FakeWorkspace(g1, "a"), 2: FakeWorkspace(g2, "b"),
+                                               3: FakeWorkspace(g1, "dead", fail=True)})
+    fused.destroy_workspaces(g1)  # a failed barrier still frees this rank's buffer, without raising
+    assert released == [("a", True), ("dead", True), ("dead", False)] and list(fused._workspaces) == [2]
+    fused.destroy_workspaces()
+    assert released[-1] == ("b", True) and not fused._workspaces
+
+
+@built
+def test_control_block_starts_with_every_release_flag_set():
+    C = _native._C
+    words = C.initial_control_block()
+    assert len(words) == C.CONTROL_BYTES // 4
+    # per region (export, inbox, export2): 8 ready flags (clear) then 8 release flags (set)
+    expected = ([0] * C.MAX_RANKS + [1] * C.MAX_RANKS) * len(C.REGIONS)
+    assert words[:len(expected)] == expected and not any(words[len(expected):])
+
+
+@built
+def test_native_fused_checks_before_touching_the_gpu():
+    C = _native._C
+    with pytest.raises(RuntimeError, match=r"size must be in \[1, 8\], got 9"):
+        C.PeerContext(0, 9, 0, [1] * 9, [0, 0, 0], 1.0)
+    with pytest.raises(RuntimeError, match=r"rank 2 is not in \[0, 2\)"):
+        C.PeerContext(2, 2, 0, [1, 2], [0, 0, 0], 1.0)
+    with pytest.raises(RuntimeError, match="expected 2 workspace buffers, got 1"):
+        C.PeerContext(0, 2, 0, [1], [0, 0, 0], 1.0)
+    with pytest.raises(RuntimeError, match="null workspace buffer of rank 1"):
+        C.PeerContext(0, 2, 0, [1, 0], [0, 0, 0], 1.0)
+    with pytest.raises(RuntimeError, match="expected 3 region sizes"):
+        C.PeerContext(0, 2, 0, [1, 2], [0, 0], 1.0)
+    with pytest.raises(RuntimeError, match="multiples of 256 bytes"):
+        C.PeerContext(0, 2, 0, [1, 2], [100, 0, 0], 1.0)
+    with pytest.raises(RuntimeError, match="timeout_s must be positive"):
+        C.PeerContext(0, 2, 0, [1, 2], [0, 0, 0], 0.0)
+    with pytest.raises(RuntimeError, match="a CUDA IPC handle is 64 bytes, got 3"):
+        C.ipc_open(b"abc", 0)
+    with pytest.raises(RuntimeError, match=r"p must be in \[1, 8\]"):
+        C.fused_region_need(0, 0, 9, 8, 8, 8, 0, 0)
+    with pytest.raises(RuntimeError, match="algo must be 0, 1 or 2"):
+        C.fused_region_need(2, 0, 2, 8, 8, 8, 0, 3)
+
+
+@built
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+def test_fused_native_calls_without_a_gpu_are_clear_errors():
+    C = _native._C
+    with pytest.raises(RuntimeError, match=r"cudaGetDevice.*failed: CUDA error"):
+        C.PeerContext(0, 2, 0, [1, 2], [0, 0, 0], 1.0)
+    with pytest.raises(RuntimeError, match=r"cudaGetDevice.*failed: CUDA error"):
+        C.workspace_alloc(1 << 20, 0)
+
+
+def test_virtual_ranks_check_their_arguments():
+    if _native._C is None:
+        with pytest.raises(RuntimeError, match="extension is unavailable"):
+            fused.VirtualRanks(2)
+        return
+    for p in (0, 9, 2.0, True):
+        with pytest.raises(ValueError, match=r"p: expected an int in \[1, 8\]"):
+            fused.VirtualRanks(p)
+    with pytest.raises(ValueError, match="timeout_s: expected a positive number"):
+        fused.VirtualRanks(2, timeout_s=0)
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_all_gather_bytes(world):
+    assert world.run(check_all_gather_bytes) == [[b"r0-x", b"r1-x"]] * 2
+
+
+def check_all_gather_bytes():
+    r, _ = rank_world()
+    out = _comm.all_gather_bytes(f"r{r}-x".encode(), _comm.resolve_group(None), torch.device("cpu"))
+    with pytest.raises(ValueError, match="at least one byte"):
+        _comm.all_gather_bytes(b"", None, torch.device("cpu"))
+    return out
