@@ -1,4 +1,5 @@
-"""One GPU, one rank, real NCCL: every backend and dtype against float64 and the reference.
+"""One GPU: every backend and dtype against float64 and the reference, with one rank, several
+NCCL ranks sharing the GPU, virtual ranks (the fused path) and processes sharing memory by IPC.
 
 Skipped cleanly without a CUDA device. The checks are the CPU suite's, run on ``cuda``.
 """
@@ -318,3 +319,215 @@ def test_flags_and_bounded_waits():
     C.write_flag(flag[2:].data_ptr(), 5, writer.cuda_stream)
     torch.cuda.synchronize()
     assert error.item() == 0 and flag[2].item() == 5
+
+
+# --- the fused path: virtual ranks on one GPU, and processes sharing it through CUDA IPC ---
+
+FUSED_CASES = ["all_gather_matmul", "matmul_reduce_scatter", "one_shot", "two_shot", "scatter_gather"]
+
+
+def _virtual_inputs(case, p, rows, k, n, dtype, seed=0):
+    """Per-rank x and weight (drawn on the CPU, then moved): x is the rank's shard [rows, k] for
+    all_gather_matmul, its [rows * p, k] input for the reductions."""
+    g = torch.Generator().manual_seed(seed)
+    m = rows if case == "all_gather_matmul" else rows * p
+    xs = [torch.randn(m, k, generator=g).to("cuda", dtype) for _ in range(p)]
+    ws = [torch.randn(n, k, generator=g).to("cuda", dtype) for _ in range(p)]
+    return xs, ws
+
+
+def _run_virtual(vr, case, xs, ws, biases=None, num_chunks=1):
+    if case == "all_gather_matmul":
+        return vr.all_gather_matmul(xs, ws, biases, num_chunks=num_chunks)
+    if case == "matmul_reduce_scatter":
+        return vr.matmul_reduce_scatter(xs, ws)
+    return vr.matmul_all_reduce(xs, ws, algorithm=case)
+
+
+@native_built
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", FUSED_CASES)
+def test_fused_virtual_ranks_against_float64(case, dtype, p):
+    from tp_kernels.backends import fused
+
+    rows, k, n = 5, 37, 19  # odd shapes: nothing a multiple of 8
+    xs, ws = _virtual_inputs(case, p, rows, k, n, dtype)
+    with fused.VirtualRanks(p, timeout_s=30.0) as vr:
+        if case == "all_gather_matmul":
+            biases = [torch.randn(n).to("cuda", dtype) for _ in range(p)]
+            for chunks in (1, 2, 5):
+                results = _run_virtual(vr, case, xs, ws, biases, num_chunks=chunks)
+                full = torch.cat(xs)
+                for q, (out, gathered) in enumerate(results):
+                    assert torch.equal(gathered, full)
+                    ref = full.double() @ ws[q].double().t() + biases[q].double()
+                    plain = torch.nn.functional.linear(full, ws[q], biases[q])
+                    assert_close(f"fused AG rank {q} chunks {chunks}", out, ref, plain)
+        else:
+            results = _run_virtual(vr, case, xs, ws)
+            ref = sum(x.double() @ w.double().t() for x, w in zip(xs, ws))
+            plain = sum(torch.nn.functional.linear(x, w) for x, w in zip(xs, ws))
+            for q, out in enumerate(results):
+                if case == "matmul_reduce_scatter":
+                    assert_close(f"fused RS rank {q}", out, ref[q * rows:(q + 1) * rows],
+                                 plain[q * rows:(q + 1) * rows], terms=p)
+                else:
+                    assert_close(f"fused AR {case} rank {q}", out, ref, plain, terms=p)
+        vr.check()
+
+
+@native_built
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("case", FUSED_CASES[1:])
+def test_fused_reductions_are_the_fixed_order_sum_of_the_partials(case, p):
+    """The result is bitwise the rank-order fp32 sum of the same partial GEMMs, every run."""
+    from tp_kernels import _native
+    from tp_kernels.backends import fused
+    from tp_kernels.schedule import chunk_bounds
+
+    dtype, rows, k, n = torch.bfloat16, 64, 512, 256  # aligned: the GEMMs match the reference's
+    xs, ws = _virtual_inputs(case, p, rows, k, n, dtype, seed=p)
+    m = rows * p
+    if case == "matmul_reduce_scatter":
+        blocks = [(d * rows, (d + 1) * rows) for d in range(p)]
+    elif case == "scatter_gather":
+        blocks = chunk_bounds(m, p)
+    else:
+        blocks = [(0, m)]
+    partial = [torch.cat([_native.linear(x[a:b], w) for a, b in blocks]) for x, w in zip(xs, ws)]
+    acc = partial[0].float()
+    for t in partial[1:]:
+        acc = acc + t.float()
+    expected = acc.to(dtype)
+    with fused.VirtualRanks(p, timeout_s=30.0) as vr:
+        first = _run_virtual(vr, case, xs, ws)
+        for _ in range(3):
+            again = _run_virtual(vr, case, xs, ws)
+            assert all(torch.equal(a, b) for a, b in zip(first, again))
+        for q, out in enumerate(first):
+            want = expected[q * rows:(q + 1) * rows] if case == "matmul_reduce_scatter" else expected
+            assert torch.equal(out, want), f"rank {q}"
+
+
+@native_built
+@pytest.mark.parametrize("p", [2, 4])
+def test_fused_cuda_graph_replay_equals_eager(p):
+    from tp_kernels.backends import fused
+
+    dtype, rows, k, n = torch.bfloat16, 16, 256, 128
+    with fused.VirtualRanks(p, timeout_s=30.0) as vr:
+        inputs = {case: _virtual_inputs(case, p, rows, k, n, dtype, seed=i) for i, case in enumerate(FUSED_CASES)}
+        for case, (xs, ws) in inputs.items():
+            _run_virtual(vr, case, xs, ws)  # workspace and cuBLAS workspaces made outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = {case: _run_virtual(vr, case, xs, ws) for case, (xs, ws) in inputs.items()}
+        g = torch.Generator().manual_seed(7)
+        for _ in range(20):
+            for xs, _ in inputs.values():
+                for x in xs:
+                    x.copy_(torch.randn(x.shape, generator=g).to("cuda", dtype))
+            graph.replay()
+            for case, (xs, ws) in inputs.items():
+                eager = _run_virtual(vr, case, xs, ws)
+                for a, b in zip(captured[case], eager):
+                    a, b = (a, b) if case != "all_gather_matmul" else (a[0], b[0])
+                    assert torch.equal(a, b), case
+        vr.check()
+
+
+@native_built
+def test_fused_stress_of_consecutive_calls_with_varying_shapes():
+    """1,000 calls, shapes and ops changing (the workspace grows as needed), a sample checked."""
+    from tp_kernels.backends import fused
+
+    p, dtype = 4, torch.bfloat16
+    shapes = [(1, 64, 32), (8, 128, 64), (3, 40, 24), (32, 256, 128), (2, 8, 8)]
+    with fused.VirtualRanks(p, timeout_s=30.0) as vr:
+        for i in range(1000):
+            case = FUSED_CASES[i % len(FUSED_CASES)]
+            rows, k, n = shapes[(i // len(FUSED_CASES)) % len(shapes)]
+            xs, ws = _virtual_inputs(case, p, rows, k, n, dtype, seed=i)
+            results = _run_virtual(vr, case, xs, ws)
+            if i % 50 == 0:
+                if case == "all_gather_matmul":
+                    assert torch.equal(results[1][1], torch.cat(xs))
+                else:
+                    ref = sum(x.double() @ w.double().t() for x, w in zip(xs, ws))
+                    out = results[0] if case != "matmul_reduce_scatter" else torch.cat(results)
+                    plain = sum(torch.nn.functional.linear(x, w) for x, w in zip(xs, ws))
+                    assert_close(f"stress {i} {case}", out, ref, plain, terms=p)
+        torch.cuda.synchronize()
+        vr.check()
+
+
+@native_built
+@pytest.mark.parametrize("case", ["all_gather_matmul", "matmul_reduce_scatter", "one_shot"])
+def test_fused_dead_peer_is_a_timeout_error(case):
+    """Rank 1 never takes part: rank 0's bounded wait gives up after the timeout, the stream
+    drains, and the error (op, rank, peer) is raised by check() and by the next call."""
+    from tp_kernels.backends import fused
+
+    xs, ws = _virtual_inputs(case, 2, 8, 64, 32, torch.bfloat16)
+    with fused.VirtualRanks(2, timeout_s=1.0) as vr:
+        _run_virtual(vr, case, xs, ws)  # both ranks: workspace made, flags in their initial state
+        torch.cuda.synchronize()
+        ctx, stream = vr.contexts[0], vr.streams[0]
+        start = time.monotonic()
+        with torch.cuda.stream(stream):
+            if case == "all_gather_matmul":
+                fused._rank_all_gather_matmul(ctx, xs[0], ws[0], None, 1, stream)
+            elif case == "matmul_reduce_scatter":
+                fused._rank_matmul_reduce_scatter(ctx, xs[0], ws[0], stream)
+            else:
+                fused._rank_matmul_all_reduce(ctx, xs[0], ws[0], "one_shot", stream)
+        torch.cuda.synchronize()
+        elapsed = time.monotonic() - start
+        assert 1.0 <= elapsed < 30.0, elapsed
+        op = "matmul_all_reduce" if case == "one_shot" else case
+        message = rf"fused {op}: rank 0 waited more than 1 s for rank 1 .*destroy and re-create the group"
+        with pytest.raises(RuntimeError, match=message):
+            vr.check()
+        with pytest.raises(RuntimeError, match=message):
+            _run_virtual(vr, case, xs, ws)
+
+
+def check_fused_matches_reference(op):
+    """backend="fused" across processes sharing the GPU (workspace over CUDA IPC): forward and
+    backward match the reference for several chunk counts; growing the workspace and freeing it
+    with the group work."""
+    from tp_kernels.backends import fused
+
+    r, p = rank_world()
+    group = _comm.resolve_group(None)
+    x = torch.randn(8, 16, device="cuda")
+    assert ops.select_backend(op, "fused", x, p, group) == "fused"
+    for m_per_rank, k, n in ((3, 11, 7), (40, 96, 72)):  # the second grows the workspace
+        args, _ = test_ops._case(op, m_per_rank, k, n, torch.float32, device="cuda")
+        out_shape = getattr(ops, op)(*args, backend="reference").shape
+        dy = torch.randn(out_shape, generator=torch.Generator().manual_seed(1)).to("cuda")
+        y_ref, grads_ref = test_ops._run(op, args, dy, backend="reference")
+        for c in (1, 3):
+            y, grads = test_ops._run(op, args, dy, backend="fused", num_chunks=c)
+            assert_close(f"fused {op} num_chunks={c} y", y, y_ref.double())
+            for name, g, g_ref in zip(("dx", "dw", "db"), grads, grads_ref):
+                assert_close(f"fused {op} num_chunks={c} {name}", g, g_ref.double())
+    assert fused._workspaces, "the fused path made no workspace"
+    torch.cuda.synchronize()
+    fused.destroy_workspaces(group)
+    assert not fused._workspaces
+
+
+@native_built
+@pytest.mark.parametrize("op", OPS)
+def test_fused_with_several_processes_on_one_gpu(shared_gpu_world, op):
+    shared_gpu_world.run(check_fused_matches_reference, op)
+
+
+@native_built
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("op", OPS)
+def test_fused_ops_with_several_processes_against_float64(shared_gpu_world, op, dtype):
+    shared_gpu_world.run(test_ops.check_against_float64, op, dtype, "fused", device="cuda")
