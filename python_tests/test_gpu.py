@@ -296,29 +296,30 @@ def test_flags_and_bounded_waits():
     flag = torch.zeros(4, device="cuda", dtype=torch.int32)
     error = torch.zeros(1, dtype=torch.int32).pin_memory()  # host-readable from the device (UVA)
     writer, waiter = torch.cuda.Stream(), torch.cuda.Stream()
-    # a bounded wait on a flag nobody writes ends in its error code, within about its timeout
-    start = time.monotonic()
-    C.wait_flag_bounded(flag.data_ptr(), 1, 2_000_000, error.data_ptr(), 7, waiter.cuda_stream)
-    waiter.synchronize()
-    assert error.item() == 7 and time.monotonic() - start < 5.0
-    error.zero_()
-    # a writer that is late (a sleeping stream) still releases the waiter; no error
+    ptr = [flag[i:].data_ptr() for i in range(4)]
+    # a writer that is late (a sleeping stream) still releases the waiter, which clears the flags
     with torch.cuda.stream(writer):
         torch.cuda._sleep(50_000_000)
-    C.write_flag(flag[1:].data_ptr(), 3, writer.cuda_stream)
-    C.wait_flag_bounded(flag[1:].data_ptr(), 3, 10_000_000_000, error.data_ptr(), 9, waiter.cuda_stream)
+    C.write_flag(ptr[1], 1, writer.cuda_stream)
+    C.write_flag(ptr[2], 1, writer.cuda_stream)
+    C.wait_flags([ptr[1], ptr[2]], [9, 10], 10_000_000_000, error.data_ptr(), waiter.cuda_stream)
     marker = torch.ones(1, device="cuda")
     with torch.cuda.stream(waiter):
         marker.add_(1)
     torch.cuda.synchronize()
-    assert error.item() == 0 and flag[1].item() == 3 and marker.item() == 2
-    # epochs only grow: a wait for an older epoch passes at once
-    C.wait_flag_bounded(flag[1:].data_ptr(), 2, 1_000, error.data_ptr(), 9, waiter.cuda_stream)
-    # the driver's unbounded wait, released by the driver's write
-    C.wait_flag_unbounded(flag[2:].data_ptr(), 5, waiter.cuda_stream)
-    C.write_flag(flag[2:].data_ptr(), 5, writer.cuda_stream)
-    torch.cuda.synchronize()
-    assert error.item() == 0 and flag[2].item() == 5
+    assert error.item() == 0 and flag.tolist() == [0, 0, 0, 0] and marker.item() == 2
+    # a flag nobody sets ends the wait with its code, within about the timeout; the set one is consumed
+    C.write_flag(ptr[3], 1, writer.cuda_stream)
+    writer.synchronize()
+    start = time.monotonic()
+    C.wait_flags([ptr[3], ptr[0]], [7, 8], 2_000_000, error.data_ptr(), waiter.cuda_stream)
+    waiter.synchronize()
+    assert error.item() == 8 and flag[3].item() == 0 and time.monotonic() - start < 5.0
+    # with the error word set, later waits return at once (the stream drains)
+    C.wait_flags([ptr[0]], [11], 60_000_000_000, error.data_ptr(), waiter.cuda_stream)
+    start = time.monotonic()
+    waiter.synchronize()
+    assert error.item() == 8 and time.monotonic() - start < 5.0
 
 
 # --- the fused path: virtual ranks on one GPU, and processes sharing it through CUDA IPC ---
