@@ -38,6 +38,18 @@ echo "== extension costs (GEMM vs F.linear, host overhead, chunking)"
 "$PY" -m tp_kernels.bench.extension --out-dir "$logs/extension" --tag "$commit" 2>&1 | tee "$logs/extension.log"
 cp "$logs"/extension/*.json "$results/" 2>/dev/null
 
+echo "== fused path on virtual ranks (overlap, all-reduce latency, crossovers)"
+"$PY" -m tp_kernels.bench.fused --out-dir "$logs/fused" --tag "$commit" 2>&1 | tee "$logs/fused.log"
+cp "$logs"/fused/*.json "$results/" 2>/dev/null
+
+echo "== compute-sanitizer on the fused ops (memcheck, racecheck)"
+san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+for tool in memcheck racecheck; do
+  timeout 900 "$san" --tool "$tool" --error-exitcode 9 "$PY" bench/fused_sanitize.py >"$logs/sanitize-$tool.log" 2>&1
+  echo "$tool $?" >>"$logs/sanitize.txt"
+  tail -n 3 "$logs/sanitize-$tool.log"
+done
+
 echo "== pytest-benchmark suite (two m per model)"
 "$PY" -m pytest bench -q -p no:cacheprovider --tp-m 16,8192 --tp-rounds 5 \
   --benchmark-json="$logs/pytest-bench.json" 2>&1 | tail -n 5 | tee "$logs/pytest-bench.log"
@@ -69,6 +81,11 @@ record = {
                   "failed": failed},
     "benchmark": bench,
     "extension": next((json.load(open(p)) for p in glob.glob(os.path.join(logs, "extension", "*.json"))), None),
+    "fused": next((json.load(open(p)) for p in glob.glob(os.path.join(logs, "fused", "*.json"))), None),
+    # exit status per tool: 0 clean, 9 errors found, 3 a device wait timed out, 1 a wrong result
+    "sanitizer": {line.split()[0]: int(line.split()[1])
+                  for line in open(os.path.join(logs, "sanitize.txt"))} if os.path.exists(
+                      os.path.join(logs, "sanitize.txt")) else None,
 }
 name = os.path.join(results, f"gpu-suite-{commit}.json")
 json.dump(record, open(name, "w"), indent=1)
@@ -79,6 +96,6 @@ status=$?
 if [ -n "${OUT:-}" ]; then
   cp "$results/gpu-suite-$commit.json" "$logs/gpu-tests.log" "$logs/bench.log" "$logs/build.log" \
      "$logs/pytest-bench.json" "$logs/pytest-bench.log" "$logs/extension.log" "$logs"/bench/* \
-     "$logs"/extension/* "$OUT/" 2>/dev/null
+     "$logs"/extension/* "$logs/fused.log" "$logs"/fused/* "$logs"/sanitize-*.log "$OUT/" 2>/dev/null
 fi
 exit $status

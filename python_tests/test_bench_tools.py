@@ -240,3 +240,33 @@ def test_extension_bench_flop_count():
     from tp_kernels.bench.extension import tflops
 
     assert tflops(8192, 8192, 8192, 1.0) == pytest.approx(2 * 8192**3 / 1e-3 / 1e12)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_fused_bench_without_a_gpu_says_so(capsys):
+    from tp_kernels.bench import fused
+
+    assert fused.main(["--out-dir", "unused"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        fused.main(["--p", "9"])
+
+
+def test_fused_bench_overlap_efficiency():
+    from tp_kernels.bench.fused import overlap_efficiency
+
+    assert overlap_efficiency(10.0, 4.0, 10.0) == 1.0  # the communication fully hidden
+    assert overlap_efficiency(10.0, 4.0, 14.0) == 0.0  # not at all
+    assert overlap_efficiency(10.0, 4.0, 11.0) == pytest.approx(0.75)
+
+
+def test_fused_bench_thresholds_from_a_sweep():
+    from tp_kernels.bench.fused import thresholds
+
+    sweep = {"one_shot": {1: 1.0, 2: 2.0, 4: 9.0, 8: 20.0},
+             "two_shot": {1: 3.0, 2: 2.5, 4: 4.0, 8: 12.0},
+             "scatter_gather": {1: 9.0, 2: 9.0, 4: 5.0, 8: 7.0}}
+    out = thresholds(sweep)
+    assert out["fastest"] == {"1": "one_shot", "2": "one_shot", "4": "two_shot", "8": "scatter_gather"}
+    assert out["one_shot_max_bytes"] == 2 and out["two_shot_max_bytes"] == 4
+    assert thresholds({"one_shot": {1: 2.0}, "two_shot": {1: 1.0}})["one_shot_max_bytes"] is None

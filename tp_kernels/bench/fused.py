@@ -1,0 +1,265 @@
+"""The fused (peer-memory) path on one GPU with virtual ranks: overlap, latency, crossovers.
+
+``python -m tp_kernels.bench.fused [--p 8] [--out-dir DIR] [--tag TAG]`` measures, and writes
+as ``fused-<device>[-<tag>].json`` (device, commit, date, figures, the targets they are read
+against):
+
+1. **Overlap** of ``all_gather_matmul`` and ``matmul_reduce_scatter`` at the Llama-3-70B TP8
+   shapes (m = 8192; column: k = 8192, n = 28672/8; row: k = 28672/8, n = 8192), every rank's
+   work on its own streams:
+
+   * ``t_gemm``: every rank's GEMMs as the op splits them, with no data movement;
+   * ``t_comm``: every rank's data movement alone (the same copies between ranks' buffers; for
+     the reduce-scatter also the reduction of the p partials);
+   * ``t_overlap``: the fused op;
+   * ``E = (t_gemm + t_comm - t_overlap) / t_comm`` (target >= 0.9), and the GEMM slowdown: the
+     GEMMs' time while the copies run beside them over ``t_gemm`` (target <= 5 %).
+
+2. **Small all-reduce latency** (decode: m in 1, 16, 64, 256; k = 28672/8, n = 8192):
+   ``matmul_all_reduce`` with each algorithm at p = 2 and --p, against the GEMMs alone, the
+   NCCL all-reduce of the same bytes on a one-rank group and the reference path (GEMM, then that
+   all-reduce).
+
+3. **Crossovers**: each all-reduce algorithm over output sizes 16 KiB .. 64 MiB at p = 2 and
+   --p, and the thresholds they imply (the fastest algorithm per size).
+
+Virtual ranks share one GPU: their GEMMs share its SMs and the copies between their buffers go
+through its own memory rather than over NVLink, so these figures measure the schedule and the
+kernels, not an 8-GPU node (``tp_kernels.perf_model`` projects that). GPU times come from CUDA
+events, the median of ``--iters`` samples after warm-up. Needs a CUDA device and the built
+extension; exits with status 2 and says why otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from typing import Callable, Dict, List, Sequence
+
+import torch
+
+from .extension import gpu_time_ms
+
+TARGETS = {"overlap_efficiency": 0.9, "gemm_slowdown": 0.05}
+LLAMA70B_TP8 = {"all_gather_matmul": (8192, 8192, 28672 // 8), "matmul_reduce_scatter": (8192, 28672 // 8, 8192)}
+DECODE_M = (1, 16, 64, 256)
+SWEEP_BYTES = tuple(2**e for e in range(14, 27, 2))  # 16 KiB .. 64 MiB
+
+
+def overlap_efficiency(t_gemm: float, t_comm: float, t_overlap: float) -> float:
+    """E = (t_gemm + t_comm - t_overlap) / t_comm: the share of the communication hidden."""
+    return (t_gemm + t_comm - t_overlap) / t_comm
+
+
+def thresholds(sweep: Dict[str, Dict[int, float]]) -> Dict:
+    """From {algorithm: {bytes: ms}}: the fastest algorithm per size, and the largest size at
+    which one_shot, then two_shot, is still the fastest (None when it never is)."""
+    sizes = sorted(next(iter(sweep.values())))
+    best = {b: min(sweep, key=lambda a: sweep[a][b]) for b in sizes}
+    last = {a: max((b for b in sizes if best[b] == a), default=None) for a in ("one_shot", "two_shot")}
+    return {"fastest": {str(b): best[b] for b in sizes}, "one_shot_max_bytes": last["one_shot"],
+            "two_shot_max_bytes": last["two_shot"]}
+
+
+def _linear_into(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    """y = x wᵀ by the native GEMM, written in place (as the fused ops write their pieces)."""
+    from .. import _native
+
+    ws = _native._workspace(stream)
+    _native._C.linear(x.data_ptr(), w.data_ptr(), 0, y.data_ptr(), x.shape[0], w.shape[0], x.shape[1], x.stride(0),
+                      w.stride(0), y.stride(0), _native.DTYPE_CODES[x.dtype], ws.data_ptr(), ws.numel(),
+                      stream.cuda_stream)
+
+
+def _fork_join(streams: Sequence[torch.cuda.Stream], work: Callable[[int, torch.cuda.Stream], None]) -> None:
+    current = torch.cuda.current_stream()
+    for s in streams:
+        s.wait_stream(current)
+    for q, s in enumerate(streams):
+        with torch.cuda.stream(s):
+            work(q, s)
+    for s in streams:
+        current.wait_stream(s)
+
+
+def _overlap(op: str, p: int, iters: int) -> Dict:
+    from .. import _native
+    from ..backends import fused
+
+    m, k, n = LLAMA70B_TP8[op]
+    dtype = torch.bfloat16
+    mp = m // p
+    gemm_streams = [torch.cuda.Stream() for _ in range(p)]
+    copy_streams = [torch.cuda.Stream() for _ in range(p)]
+    with fused.VirtualRanks(p) as vr:
+        if op == "all_gather_matmul":
+            xs = [torch.randn(mp, k, device="cuda", dtype=dtype) for _ in range(p)]
+            ws = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(p)]
+            gathered = [torch.cat(xs) for _ in range(p)]
+            outs = [torch.empty(m, n, device="cuda", dtype=dtype) for _ in range(p)]
+
+            def gemms(q, s):
+                for d in range(p):
+                    _linear_into(gathered[q][d * mp:(d + 1) * mp], ws[q], outs[q][d * mp:(d + 1) * mp], s)
+
+            def comms(q, s):
+                for d in range(p):
+                    if d != q:
+                        gathered[q][d * mp:(d + 1) * mp].copy_(xs[d], non_blocking=True)
+
+            def fused_op():
+                vr.all_gather_matmul(xs, ws)
+        else:
+            xs = [torch.randn(m, k, device="cuda", dtype=dtype) for _ in range(p)]
+            ws = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(p)]
+            partial = [torch.empty(m, n, device="cuda", dtype=dtype) for _ in range(p)]
+            inbox = [torch.empty(p, mp, n, device="cuda", dtype=dtype) for _ in range(p)]
+            reduced = [torch.empty(mp, n, device="cuda", dtype=dtype) for _ in range(p)]
+
+            def gemms(q, s):
+                for d in range(p):
+                    _linear_into(xs[q][d * mp:(d + 1) * mp], ws[q], partial[q][d * mp:(d + 1) * mp], s)
+
+            def comms(q, s):
+                for d in range(p):
+                    if d != q:
+                        inbox[d][q].copy_(partial[q][d * mp:(d + 1) * mp], non_blocking=True)
+                _native._C.reduce_partials([inbox[q][r].data_ptr() for r in range(p)], reduced[q].data_ptr(),
+                                           mp * n, _native.DTYPE_CODES[dtype], s.cuda_stream)
+
+            def fused_op():
+                vr.matmul_reduce_scatter(xs, ws)
+
+        t_gemm = gpu_time_ms(lambda: _fork_join(gemm_streams, gemms), iters)
+        t_comm = gpu_time_ms(lambda: _fork_join(copy_streams, comms), iters)
+        t_overlap = gpu_time_ms(fused_op, iters)
+
+        # the GEMMs' own time while the copies run beside them: events on the GEMM streams only
+        def gemm_under_copies() -> float:
+            start = torch.cuda.Event(enable_timing=True)
+            ends = [torch.cuda.Event(enable_timing=True) for _ in range(p)]
+            start.record()
+            current = torch.cuda.current_stream()
+            for s in gemm_streams + copy_streams:
+                s.wait_stream(current)
+            for q in range(p):
+                with torch.cuda.stream(copy_streams[q]):
+                    comms(q, copy_streams[q])
+                with torch.cuda.stream(gemm_streams[q]):
+                    gemms(q, gemm_streams[q])
+                    ends[q].record()
+            for s in gemm_streams + copy_streams:
+                current.wait_stream(s)
+            torch.cuda.synchronize()
+            return max(start.elapsed_time(e) for e in ends)
+
+        gemm_under_copies()  # warm-up
+        samples = sorted(gemm_under_copies() for _ in range(iters))
+        t_gemm_loaded = samples[len(samples) // 2]
+    return {"shape": {"m": m, "k": k, "n": n}, "p": p, "dtype": "bfloat16", "t_gemm_ms": t_gemm,
+            "t_comm_ms": t_comm, "t_overlap_ms": t_overlap,
+            "overlap_efficiency": overlap_efficiency(t_gemm, t_comm, t_overlap),
+            "gemm_slowdown": t_gemm_loaded / t_gemm - 1.0, "targets": TARGETS}
+
+
+def _nccl_one_rank():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        store = dist.HashStore()
+        dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    return dist
+
+
+def _all_reduce_latency(ps: Sequence[int], iters: int) -> List[Dict]:
+    from .. import _native
+    from ..backends import fused
+
+    dist = _nccl_one_rank()
+    k, n, dtype = 28672 // 8, 8192, torch.bfloat16
+    rows = []
+    for p in ps:
+        with fused.VirtualRanks(p) as vr:
+            streams = [torch.cuda.Stream() for _ in range(p)]
+            for m in DECODE_M:
+                xs = [torch.randn(m, k, device="cuda", dtype=dtype) for _ in range(p)]
+                ws = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(p)]
+                y = torch.randn(m, n, device="cuda", dtype=dtype)
+                row = {"p": p, "m": m, "k": k, "n": n, "bytes": m * n * 2,
+                       "gemms_ms": gpu_time_ms(lambda: _fork_join(streams, lambda q, s: _native.linear(xs[q], ws[q])),
+                                               iters),
+                       "nccl_one_rank_all_reduce_ms": gpu_time_ms(lambda: dist.all_reduce(y), iters),
+                       "reference_one_rank_ms": gpu_time_ms(
+                           lambda: dist.all_reduce(torch.nn.functional.linear(xs[0], ws[0])), iters)}
+                for algo in fused.ALL_REDUCE_ALGORITHMS:
+                    if algo == "scatter_gather" and m < p:
+                        continue
+                    row[f"{algo}_ms"] = gpu_time_ms(lambda: vr.matmul_all_reduce(xs, ws, algorithm=algo), iters)
+                rows.append(row)
+                print(f"all-reduce latency: {json.dumps(row)}", flush=True)
+    return rows
+
+
+def _crossovers(ps: Sequence[int], iters: int) -> Dict:
+    from ..backends import fused
+
+    out = {}
+    n, k, dtype = 4096, 256, torch.bfloat16  # a small k: the all-reduce dominates
+    for p in ps:
+        sweep: Dict[str, Dict[int, float]] = {a: {} for a in fused.ALL_REDUCE_ALGORITHMS}
+        with fused.VirtualRanks(p) as vr:
+            for nbytes in SWEEP_BYTES:
+                m = max(p, nbytes // (n * 2))
+                xs = [torch.randn(m, k, device="cuda", dtype=dtype) for _ in range(p)]
+                ws = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(p)]
+                for algo in fused.ALL_REDUCE_ALGORITHMS:
+                    sweep[algo][m * n * 2] = gpu_time_ms(lambda: vr.matmul_all_reduce(xs, ws, algorithm=algo), iters)
+        out[str(p)] = {"n": n, "k": k, "ms": {a: {str(b): t for b, t in s.items()} for a, s in sweep.items()},
+                       **thresholds(sweep)}
+        print(f"crossovers p={p}: {json.dumps(out[str(p)])}", flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    from .. import _native
+    from .cli import _commit, _slug
+
+    ap = argparse.ArgumentParser(prog="python -m tp_kernels.bench.fused", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--p", type=int, default=8, help="virtual ranks for the overlap figures (2..8)")
+    ap.add_argument("--iters", type=int, default=10, help="timed samples per figure")
+    ap.add_argument("--out-dir", default=os.path.join("bench", "results"))
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+    if not 2 <= args.p <= 8:
+        ap.error(f"--p: expected 2..8, got {args.p}")
+    if not torch.cuda.is_available():
+        print("tp_kernels.bench.fused: needs a CUDA device; none is visible", file=sys.stderr)
+        return 2
+    reason = _native.unavailable()
+    if reason is not None:
+        print(f"tp_kernels.bench.fused: {reason}", file=sys.stderr)
+        return 2
+    device = torch.cuda.get_device_name()
+    record = {"device": device, "commit": _commit(),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "torch": torch.__version__, "native": _native._C.runtime_info(), "virtual_ranks": True}
+    ps = sorted({2, args.p})
+    record["overlap"] = {}
+    for op in LLAMA70B_TP8:
+        record["overlap"][op] = _overlap(op, args.p, args.iters)
+        print(f"overlap {op}: {json.dumps(record['overlap'][op])}", flush=True)
+    record["all_reduce_latency"] = _all_reduce_latency(ps, args.iters)
+    record["crossovers"] = _crossovers(ps, args.iters)
+    os.makedirs(args.out_dir, exist_ok=True)
+    path = os.path.join(args.out_dir, f"fused-{_slug(device)}{'-' + args.tag if args.tag else ''}.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
