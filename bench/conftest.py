@@ -27,7 +27,8 @@ def pytest_addoption(parser):
     group.addoption("--tp-m", default="1,16,64,256,4096,8192,16384" if cuda else "16,1024", help="token counts m")
     group.addoption("--tp-sizes", default="2,4,8", help="tensor-parallel splits")
     group.addoption("--tp-dtypes", default="bfloat16,float16", help="dtypes")
-    group.addoption("--tp-backends", default="reference,pipelined,auto", help="backends")
+    group.addoption("--tp-backends", default="reference,pipelined,fused,auto" if cuda else "reference,pipelined,auto",
+                    help="backends (fused: CUDA only, skipped elsewhere)")
     group.addoption("--tp-scale", type=int, default=1 if cuda else 64, help="divide the models' feature sizes by this")
     group.addoption("--tp-rounds", type=int, default=10, help="timed rounds per case")
 
@@ -52,7 +53,8 @@ def pytest_generate_tests(metafunc):
             for dtype in opt("--tp-dtypes").split(","):
                 for backend in opt("--tp-backends").split(","):
                     params.append(pytest.param(case, tp, dtype, backend, marks=[pytest.mark.skipif(
-                        world not in (1, tp), reason=f"tp={tp} needs 1 or {tp} ranks, not {world}")]))
+                        world not in (1, tp), reason=f"tp={tp} needs 1 or {tp} ranks, not {world}"),
+                        pytest.mark.skipif(backend == "fused" and not torch.cuda.is_available(), reason="the fused backend needs CUDA")]))
                     ids.append(f"{case.target}-{case.model}-m{case.m}-tp{tp}-{dtype}-{backend}")
     metafunc.parametrize(("case", "tp", "dtype", "backend"), params, ids=ids)
 
