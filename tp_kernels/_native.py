@@ -113,6 +113,31 @@ def unavailable() -> Optional[str]:
     return None if _C is not None else f"the native extension is unavailable: {_reason}"
 
 
+def env_switch(name: str, default: bool) -> bool:
+    """The 0/1 environment variable ``name``, or ``default`` when it is unset or empty."""
+    env = os.environ.get(name)
+    if env in (None, ""):
+        return default
+    if env not in ("0", "1"):
+        raise ValueError(f"{name}: expected 0 or 1, got {env!r}")
+    return env == "1"
+
+
+def unsupported_tensors_reason(x: torch.Tensor, weight: torch.Tensor) -> Optional[str]:
+    """Why the native module cannot take these tensors here, or None (what every native path
+    needs: the module, a CUDA device, a supported dtype, no empty dimension)."""
+    reason = unavailable()
+    if reason is not None:
+        return reason
+    if not x.is_cuda:
+        return f"x is on {x.device.type}, not on a CUDA device"
+    if x.dtype not in DTYPE_CODES:
+        return f"dtype {x.dtype} is not supported natively (float32, float16, bfloat16)"
+    if x.numel() == 0 or weight.numel() == 0:
+        return f"an empty dimension (x {tuple(x.shape)}, weight {tuple(weight.shape)})"
+    return None
+
+
 def require() -> None:
     """Raise when the native module cannot be used here, with the reason."""
     reason = unavailable()

@@ -42,7 +42,6 @@ from .reference import bias_epilogue
 
 __all__ = [
     "ALL_REDUCE_ALGORITHMS",
-    "AUTO_DISABLED_REASON",
     "VirtualRanks",
     "all_gather_matmul",
     "all_reduce_algorithm",
@@ -70,18 +69,11 @@ MIN_REGION_BYTES = 2**20
 #: Whether ``backend="auto"`` may pick this path. Off until the GPU suite has measured that it
 #: wins (``TP_KERNELS_AUTO_FUSED=1`` or ``0`` overrides).
 AUTO_DEFAULT = False
-AUTO_DISABLED_REASON = ("the fused path is not yet chosen automatically (it has not been measured on the GPU "
-                        "suite); use backend='fused', or set TP_KERNELS_AUTO_FUSED=1")
 
 
 def auto_enabled() -> bool:
     """Whether ``backend="auto"`` may run the fused path (see ``AUTO_DEFAULT``)."""
-    env = os.environ.get("TP_KERNELS_AUTO_FUSED")
-    if env in (None, ""):
-        return AUTO_DEFAULT
-    if env not in ("0", "1"):
-        raise ValueError(f"TP_KERNELS_AUTO_FUSED: expected 0 or 1, got {env!r}")
-    return env == "1"
+    return _native.env_switch("TP_KERNELS_AUTO_FUSED", AUTO_DEFAULT)
 
 
 def all_reduce_algorithm(m: int, n: int, p: int, dtype: torch.dtype) -> str:
@@ -336,15 +328,9 @@ def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, group) -> Optional
     The first call of a group with several ranks checks, collectively, that the group is on one
     node with peer access; everything else depends only on what all ranks share.
     """
-    reason = _native.unavailable()
+    reason = _native.unsupported_tensors_reason(x, weight)
     if reason is not None:
         return reason
-    if not x.is_cuda:
-        return f"x is on {x.device.type}, not on a CUDA device"
-    if x.dtype not in _native.DTYPE_CODES:
-        return f"dtype {x.dtype} is not supported natively (float32, float16, bfloat16)"
-    if x.numel() == 0 or weight.numel() == 0:
-        return f"an empty dimension (x {tuple(x.shape)}, weight {tuple(weight.shape)})"
     p = _comm.group_size(group)
     if p == 1:
         return None

@@ -85,12 +85,7 @@ AUTO_DISABLED_REASON = ("the native path is not yet chosen automatically (it has
 
 def auto_enabled() -> bool:
     """Whether ``backend="auto"`` may run the native path (see ``AUTO_DEFAULT``)."""
-    env = os.environ.get("TP_KERNELS_AUTO_NATIVE")
-    if env in (None, ""):
-        return AUTO_DEFAULT
-    if env not in ("0", "1"):
-        raise ValueError(f"TP_KERNELS_AUTO_NATIVE: expected 0 or 1, got {env!r}")
-    return env == "1"
+    return _native.env_switch("TP_KERNELS_AUTO_NATIVE", AUTO_DEFAULT)
 
 
 def _key(group, device: torch.device):
@@ -103,15 +98,9 @@ def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, group) -> Optional
     Depends only on what every rank of the group shares (the extension, the device type, dtype
     and shapes, whether a capture is running), so all ranks decide alike.
     """
-    reason = _native.unavailable()
+    reason = _native.unsupported_tensors_reason(x, weight)
     if reason is not None:
         return reason
-    if not x.is_cuda:
-        return f"x is on {x.device.type}, not on a CUDA device"
-    if x.dtype not in _native.DTYPE_CODES:
-        return f"dtype {x.dtype} is not supported natively (float32, float16, bfloat16)"
-    if x.numel() == 0 or weight.numel() == 0:
-        return f"an empty dimension (x {tuple(x.shape)}, weight {tuple(weight.shape)})"
     if (not torch.compiler.is_compiling() and _comm.group_size(group) > 1
             and _key(group, x.device) not in _communicators and torch.cuda.is_current_stream_capturing()):
         return ("the group's NCCL communicator is made on its first call, which a CUDA graph capture "

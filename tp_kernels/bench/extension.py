@@ -30,7 +30,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -159,26 +159,36 @@ def _chunking(iters: int, p: int = 8, chunks: int = 4) -> Dict:
     return out
 
 
-def main(argv=None) -> int:
+def gpu_record(prog: str) -> Optional[Dict]:
+    """The start of a GPU benchmark's record (device, commit, date, versions), or None after
+    saying on stderr why it cannot run here (no CUDA device, no native module)."""
     from .. import _native
-    from .cli import _commit, _slug
+    from .cli import _commit
+
+    if not torch.cuda.is_available():
+        print(f"{prog}: needs a CUDA device; none is visible", file=sys.stderr)
+        return None
+    reason = _native.unavailable()
+    if reason is not None:
+        print(f"{prog}: {reason}", file=sys.stderr)
+        return None
+    return {"device": torch.cuda.get_device_name(), "commit": _commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "native": _native._C.runtime_info()}
+
+
+def main(argv=None) -> int:
+    from .cli import _slug
 
     ap = argparse.ArgumentParser(prog="python -m tp_kernels.bench.extension", description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=20, help="timed samples per figure")
     ap.add_argument("--out-dir", default=os.path.join("bench", "results"))
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("tp_kernels.bench.extension: needs a CUDA device; none is visible", file=sys.stderr)
+    record = gpu_record("tp_kernels.bench.extension")
+    if record is None:
         return 2
-    reason = _native.unavailable()
-    if reason is not None:
-        print(f"tp_kernels.bench.extension: {reason}", file=sys.stderr)
-        return 2
-    device = torch.cuda.get_device_name()
-    record = {"device": device, "commit": _commit(),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "torch": torch.__version__, "native": _native._C.runtime_info()}
+    device = record["device"]
     for key, fn in (("gemm_throughput", _gemm_throughput), ("host_overhead", _host_overhead),
                     ("chunking", _chunking)):
         record[key] = fn(args.iters)

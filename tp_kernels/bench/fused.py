@@ -33,7 +33,6 @@ extension; exits with status 2 and says why otherwise.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -41,7 +40,7 @@ from typing import Callable, Dict, List, Sequence
 
 import torch
 
-from .extension import gpu_time_ms
+from .extension import gpu_record, gpu_time_ms
 
 TARGETS = {"overlap_efficiency": 0.9, "gemm_slowdown": 0.05}
 LLAMA70B_TP8 = {"all_gather_matmul": (8192, 8192, 28672 // 8), "matmul_reduce_scatter": (8192, 28672 // 8, 8192)}
@@ -224,8 +223,7 @@ def _crossovers(ps: Sequence[int], iters: int) -> Dict:
 
 
 def main(argv=None) -> int:
-    from .. import _native
-    from .cli import _commit, _slug
+    from .cli import _slug
 
     ap = argparse.ArgumentParser(prog="python -m tp_kernels.bench.fused", description=__doc__.split("\n\n")[0])
     ap.add_argument("--p", type=int, default=8, help="virtual ranks for the overlap figures (2..8)")
@@ -235,17 +233,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not 2 <= args.p <= 8:
         ap.error(f"--p: expected 2..8, got {args.p}")
-    if not torch.cuda.is_available():
-        print("tp_kernels.bench.fused: needs a CUDA device; none is visible", file=sys.stderr)
+    record = gpu_record("tp_kernels.bench.fused")
+    if record is None:
         return 2
-    reason = _native.unavailable()
-    if reason is not None:
-        print(f"tp_kernels.bench.fused: {reason}", file=sys.stderr)
-        return 2
-    device = torch.cuda.get_device_name()
-    record = {"device": device, "commit": _commit(),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "torch": torch.__version__, "native": _native._C.runtime_info(), "virtual_ranks": True}
+    device = record["device"]
+    record["virtual_ranks"] = True
     ps = sorted({2, args.p})
     record["overlap"] = {}
     for op in LLAMA70B_TP8:
