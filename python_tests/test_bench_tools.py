@@ -270,3 +270,14 @@ def test_fused_bench_thresholds_from_a_sweep():
     assert out["fastest"] == {"1": "one_shot", "2": "one_shot", "4": "two_shot", "8": "scatter_gather"}
     assert out["one_shot_max_bytes"] == 2 and out["two_shot_max_bytes"] == 4
     assert thresholds({"one_shot": {1: 2.0}, "two_shot": {1: 1.0}})["one_shot_max_bytes"] is None
+
+
+def test_gpu_bench_records_are_saved_by_device_and_tag(tmp_path):
+    import json
+
+    from tp_kernels.bench.extension import save_record
+
+    path = save_record({"device": "NVIDIA H100 80GB HBM3", "figure": 1.5}, str(tmp_path), "fused", "abc1234")
+    assert os.path.basename(path) == "fused-nvidia-h100-80gb-hbm3-abc1234.json"
+    assert json.load(open(path)) == {"device": "NVIDIA H100 80GB HBM3", "figure": 1.5}
+    assert os.path.basename(save_record({"device": "x"}, str(tmp_path), "extension", "")) == "extension-x.json"

@@ -177,8 +177,19 @@ def gpu_record(prog: str) -> Optional[Dict]:
             "torch": torch.__version__, "native": _native._C.runtime_info()}
 
 
-def main(argv=None) -> int:
+def save_record(record: Dict, out_dir: str, stem: str, tag: str) -> str:
+    """Write ``record`` as ``<out_dir>/<stem>-<device>[-<tag>].json``; returns the path."""
     from .cli import _slug
+
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{stem}-{_slug(record['device'])}{'-' + tag if tag else ''}.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"wrote {path}")
+    return path
+
+
+def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m tp_kernels.bench.extension", description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=20, help="timed samples per figure")
@@ -188,16 +199,11 @@ def main(argv=None) -> int:
     record = gpu_record("tp_kernels.bench.extension")
     if record is None:
         return 2
-    device = record["device"]
     for key, fn in (("gemm_throughput", _gemm_throughput), ("host_overhead", _host_overhead),
                     ("chunking", _chunking)):
         record[key] = fn(args.iters)
         print(f"{key}: {json.dumps(record[key])}", flush=True)
-    os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, f"extension-{_slug(device)}{'-' + args.tag if args.tag else ''}.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
-    print(f"wrote {path}")
+    save_record(record, args.out_dir, "extension", args.tag)
     return 0
 
 

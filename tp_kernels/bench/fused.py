@@ -40,7 +40,7 @@ from typing import Callable, Dict, List, Sequence
 
 import torch
 
-from .extension import gpu_record, gpu_time_ms
+from .extension import gpu_record, gpu_time_ms, save_record
 
 TARGETS = {"overlap_efficiency": 0.9, "gemm_slowdown": 0.05}
 LLAMA70B_TP8 = {"all_gather_matmul": (8192, 8192, 28672 // 8), "matmul_reduce_scatter": (8192, 28672 // 8, 8192)}
@@ -223,7 +223,6 @@ def _crossovers(ps: Sequence[int], iters: int) -> Dict:
 
 
 def main(argv=None) -> int:
-    from .cli import _slug
 
     ap = argparse.ArgumentParser(prog="python -m tp_kernels.bench.fused", description=__doc__.split("\n\n")[0])
     ap.add_argument("--p", type=int, default=8, help="virtual ranks for the overlap figures (2..8)")
@@ -236,7 +235,6 @@ def main(argv=None) -> int:
     record = gpu_record("tp_kernels.bench.fused")
     if record is None:
         return 2
-    device = record["device"]
     record["virtual_ranks"] = True
     ps = sorted({2, args.p})
     record["overlap"] = {}
@@ -245,11 +243,7 @@ def main(argv=None) -> int:
         print(f"overlap {op}: {json.dumps(record['overlap'][op])}", flush=True)
     record["all_reduce_latency"] = _all_reduce_latency(ps, args.iters)
     record["crossovers"] = _crossovers(ps, args.iters)
-    os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, f"fused-{_slug(device)}{'-' + args.tag if args.tag else ''}.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
-    print(f"wrote {path}")
+    save_record(record, args.out_dir, "fused", args.tag)
     return 0
 
 
