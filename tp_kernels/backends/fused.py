@@ -361,36 +361,32 @@ def all_gather_matmul(x, weight, bias, group, num_chunks):
         return _rank_all_gather_matmul(ctx, x, weight, bias, num_chunks, torch.cuda.current_stream())
 
 
-def matmul_reduce_scatter(x, weight, bias, group, num_chunks) -> Pending:
+def _reduction(op: str, what: str, x, weight, bias, group) -> Pending:
+    """GEMM + reduce-scatter or all-reduce over the group's workspace; the bias is added after
+    the reduction (num_chunks does not apply: the fused reductions go by destination)."""
     _check(x, weight, group)
     p = _comm.group_size(group)
-    what = "fused matmul+reduce-scatter"
-    if p == 1:
-        return Pending(_native.linear(x, weight, bias), what=what)
-    x = x.contiguous()
-    m, k = x.shape
-    need = region_needs("matmul_reduce_scatter", p, m, weight.shape[0], k, x.dtype)
-    with torch.cuda.device(x.device):
-        ctx = _context(group, x.device, "matmul_reduce_scatter", need)
-        out = _rank_matmul_reduce_scatter(ctx, x, weight, torch.cuda.current_stream())
-    return Pending(out, what=what, group=group, finish=bias_epilogue(bias))
-
-
-def matmul_all_reduce(x, weight, bias, group, num_chunks) -> Pending:
-    _check(x, weight, group)
-    p = _comm.group_size(group)
-    what = "fused matmul+all-reduce"
     if p == 1:
         return Pending(_native.linear(x, weight, bias), what=what)
     x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
-    algorithm = all_reduce_algorithm(m, n, p, x.dtype)
-    need = region_needs("matmul_all_reduce", p, m, n, k, x.dtype, algorithm)
+    algorithm = all_reduce_algorithm(m, n, p, x.dtype) if op == "matmul_all_reduce" else None
+    need = region_needs(op, p, m, n, k, x.dtype, algorithm)
     with torch.cuda.device(x.device):
-        ctx = _context(group, x.device, "matmul_all_reduce", need)
-        out = _rank_matmul_all_reduce(ctx, x, weight, algorithm, torch.cuda.current_stream())
+        ctx = _context(group, x.device, op, need)
+        stream = torch.cuda.current_stream()
+        out = (_rank_matmul_all_reduce(ctx, x, weight, algorithm, stream) if algorithm is not None
+               else _rank_matmul_reduce_scatter(ctx, x, weight, stream))
     return Pending(out, what=what, group=group, finish=bias_epilogue(bias))
+
+
+def matmul_reduce_scatter(x, weight, bias, group, num_chunks) -> Pending:
+    return _reduction("matmul_reduce_scatter", "fused matmul+reduce-scatter", x, weight, bias, group)
+
+
+def matmul_all_reduce(x, weight, bias, group, num_chunks) -> Pending:
+    return _reduction("matmul_all_reduce", "fused matmul+all-reduce", x, weight, bias, group)
 
 
 # --- virtual ranks -----------------------------------------------------------------------------------
