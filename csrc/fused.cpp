@@ -82,13 +82,13 @@ void fused_all_gather_matmul(PeerContext& ctx, const OverlapArgs& a) {
   need_region(ctx, Region::kExport, mp * a.k * es, op + " (shard " + shape(mp, a.k) + ")");
   cudaStream_t cs = ctx.copy_stream();
   order(a.stream, cs, ctx.event(0));  // gathered comes from the caller's stream
+  const std::vector<int> peers = ctx.others();
   // Publish this rank's shard once every peer has finished reading the last one.
-  ctx.wait(ctx.others(), Region::kExport, true, FusedOp::kAllGatherMatmul, a.stream);
+  ctx.wait(peers, Region::kExport, true, FusedOp::kAllGatherMatmul, a.stream);
   copy(ctx.region(r, Region::kExport), a.x, mp * a.k * es, a.stream);
   ctx.signal_all(Region::kExport, false, a.stream);
   copy(row_ptr(a.scratch, r * mp, a.k, a.dtype), a.x, mp * a.k * es, a.stream);
   // Pull the peers' shards chunk by chunk; event 1 + (s - 1) * chunks + j marks chunk j of step s.
-  const std::vector<int> peers = ctx.others();
   for (int s = 1; s < p; ++s) {
     const int src = peers[s - 1];
     ctx.wait({src}, Region::kExport, false, FusedOp::kAllGatherMatmul, cs);
