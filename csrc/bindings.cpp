@@ -156,7 +156,7 @@ PYBIND11_MODULE(_C, m) {
   // Device building blocks of the peer-memory path (device_ops.h); pointers may be peers'.
   m.attr("MAX_RANKS") = tp_kernels::kMaxRanks;
   m.def("stream_memory_ops_available", &tp_kernels::stream_memory_ops_available,
-        "Whether the driver provides cuStreamWriteValue32/cuStreamWaitValue32.");
+        "Whether the driver provides cuStreamWriteValue32 (the flags of the fused path).");
   m.def(
       "write_flag",
       [](uintptr_t flag, uint32_t value, uintptr_t stream) {
@@ -272,18 +272,19 @@ PYBIND11_MODULE(_C, m) {
       "(scratch: partial [m, n]), summed in rank order; bounds {0, m/p}; bias must be 0.");
   m.def(
       "fused_matmul_all_reduce",
-      [](PeerContext& ctx, uintptr_t x, uintptr_t w, uintptr_t out, uintptr_t scratch, int64_t n, int64_t k,
-         int64_t ldw, bool w_col_major, int dtype, std::vector<int64_t> bounds, uintptr_t workspace,
+      [](PeerContext& ctx, uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t out, uintptr_t scratch, int64_t n,
+         int64_t k, int64_t ldw, bool w_col_major, int dtype, std::vector<int64_t> bounds, uintptr_t workspace,
          size_t workspace_bytes, uintptr_t stream, int algo) {
         if (algo < 0 || algo > 2) throw tp_kernels::Error("fused_matmul_all_reduce: algo must be 0, 1 or 2");
-        OverlapArgs a = overlap_args(x, w, 0, out, scratch, n, k, ldw, w_col_major, dtype, std::move(bounds),
+        OverlapArgs a = overlap_args(x, w, bias, out, scratch, n, k, ldw, w_col_major, dtype, std::move(bounds),
                                      workspace, workspace_bytes, stream);
         py::gil_scoped_release release;
         tp_kernels::fused_matmul_all_reduce(ctx, a, static_cast<tp_kernels::AllReduceAlgo>(algo));
       },
-      py::arg("ctx"), py::arg("x"), py::arg("w"), py::arg("out"), py::arg("scratch"), py::arg("n"), py::arg("k"),
-      py::arg("ldw"), py::arg("w_col_major"), py::arg("dtype"), py::arg("bounds"), py::arg("workspace"),
+      py::arg("ctx"), py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("out"), py::arg("scratch"), py::arg("n"),
+      py::arg("k"), py::arg("ldw"), py::arg("w_col_major"), py::arg("dtype"), py::arg("bounds"), py::arg("workspace"),
       py::arg("workspace_bytes"), py::arg("stream"), py::arg("algo"),
       "out[m, n] = AR(x[m, k] W^T) by algorithm `algo` (index in ALL_REDUCE_ALGORITHMS): bounds "
-      "{0, m} for one-/two-shot, the p + 1 block boundaries for scatter_gather (scratch [m, n]).");
+      "{0, m} for one-/two-shot, the p + 1 block boundaries for scatter_gather (scratch [m, n]); "
+      "bias must be 0 (the arguments are those of the other primitives, then algo).");
 }

@@ -91,6 +91,12 @@ def resolve_group(group):
     return None
 
 
+def group_key(group, device: torch.device):
+    """A key for per-group, per-device state (communicators, workspaces): the caller keeps the
+    group alive with the entry, so that its id cannot be reused by another group meanwhile."""
+    return (id(group), group.group_name, device.index)
+
+
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 

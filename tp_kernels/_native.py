@@ -95,6 +95,20 @@ def _workspace(stream: "torch.cuda.Stream") -> torch.Tensor:
     return ws
 
 
+def call_primitive(op, context, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   out: torch.Tensor, scratch: Optional[torch.Tensor], bounds, stream: "torch.cuda.Stream",
+                   *extra) -> None:
+    """Enqueue the native primitive ``op`` (``_C.all_gather_matmul``, ``_C.fused_matmul_all_reduce``,
+    ...: they all take the same arguments, some then more: ``extra``) of the group ``context``
+    (a ``Communicator`` or a ``PeerContext``) on ``stream``, with its cuBLASLt workspace.
+    ``x`` is contiguous ``[rows, k]``; ``weight`` ``[n, k]`` in any layout (see :func:`weight_layout`)."""
+    weight, ldw, col_major = weight_layout(weight)
+    ws = _workspace(stream)
+    op(context, x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+       0 if scratch is None else scratch.data_ptr(), weight.shape[0], x.shape[1], ldw, col_major, DTYPE_CODES[x.dtype],
+       bounds, ws.data_ptr(), ws.numel(), stream.cuda_stream, *extra)
+
+
 def weight_layout(weight: torch.Tensor):
     """``(weight, ldw, col_major)`` as the native GEMM takes ``W [n, k]``: row-major (``ldw >= k``),
     or column-major (``ldw >= n``: the transposed view of a row-major ``[k, n]``, as backward

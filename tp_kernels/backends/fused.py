@@ -131,52 +131,34 @@ def _grown(have: Sequence[int], need: Sequence[int]) -> Optional[List[int]]:
 
 
 def _rank_all_gather_matmul(ctx, x, weight, bias, num_chunks: int, stream):
-    p = ctx.size
     mp, k = x.shape
-    weight, ldw, col_major = _native.weight_layout(weight)
-    n = weight.shape[0]
     with torch.cuda.stream(stream):
-        gathered = x.new_empty((p * mp, k))
-        out = x.new_empty((p * mp, n))
-    ws = _native._workspace(stream)
+        gathered = x.new_empty((ctx.size * mp, k))
+        out = x.new_empty((ctx.size * mp, weight.shape[0]))
     bounds = [0] + [b for _, b in chunk_bounds(mp, num_chunks)]
-    _native._C.fused_all_gather_matmul(
-        ctx, x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-        gathered.data_ptr(), n, k, ldw, col_major, _native.DTYPE_CODES[x.dtype], bounds, ws.data_ptr(), ws.numel(),
-        stream.cuda_stream)
+    _native.call_primitive(_native._C.fused_all_gather_matmul, ctx, x, weight, bias, out, gathered, bounds, stream)
     return out, gathered
 
 
 def _rank_matmul_reduce_scatter(ctx, x, weight, stream):
-    p = ctx.size
-    m, k = x.shape
-    weight, ldw, col_major = _native.weight_layout(weight)
-    n = weight.shape[0]
+    m = x.shape[0]
     with torch.cuda.stream(stream):
-        out = x.new_empty((m // p, n))
-        partial = x.new_empty((m, n))
-    ws = _native._workspace(stream)
-    _native._C.fused_matmul_reduce_scatter(
-        ctx, x.data_ptr(), weight.data_ptr(), 0, out.data_ptr(), partial.data_ptr(), n, k, ldw, col_major,
-        _native.DTYPE_CODES[x.dtype], [0, m // p], ws.data_ptr(), ws.numel(), stream.cuda_stream)
+        out = x.new_empty((m // ctx.size, weight.shape[0]))
+        partial = x.new_empty((m, weight.shape[0]))
+    _native.call_primitive(_native._C.fused_matmul_reduce_scatter, ctx, x, weight, None, out, partial,
+                           [0, m // ctx.size], stream)
     return out
 
 
 def _rank_matmul_all_reduce(ctx, x, weight, algorithm: str, stream):
-    p = ctx.size
-    m, k = x.shape
-    weight, ldw, col_major = _native.weight_layout(weight)
-    n = weight.shape[0]
+    m = x.shape[0]
     scatter_gather = algorithm == "scatter_gather"
     with torch.cuda.stream(stream):
-        out = x.new_empty((m, n))
-        partial = x.new_empty((m, n)) if scatter_gather else None
-    bounds = [0] + [b for _, b in chunk_bounds(m, p)] if scatter_gather else [0, m]
-    ws = _native._workspace(stream)
-    _native._C.fused_matmul_all_reduce(
-        ctx, x.data_ptr(), weight.data_ptr(), out.data_ptr(), 0 if partial is None else partial.data_ptr(), n, k,
-        ldw, col_major, _native.DTYPE_CODES[x.dtype], bounds, ws.data_ptr(), ws.numel(), stream.cuda_stream,
-        ALL_REDUCE_ALGORITHMS.index(algorithm))
+        out = x.new_empty((m, weight.shape[0]))
+        partial = x.new_empty((m, weight.shape[0])) if scatter_gather else None
+    bounds = [0] + [b for _, b in chunk_bounds(m, ctx.size)] if scatter_gather else [0, m]
+    _native.call_primitive(_native._C.fused_matmul_all_reduce, ctx, x, weight, None, out, partial, bounds, stream,
+                           ALL_REDUCE_ALGORITHMS.index(algorithm))
     return out
 
 
@@ -198,10 +180,6 @@ _workspaces: dict = {}
 _topology: dict = {}
 
 
-def _key(group, device: torch.device):
-    return (id(group), group.group_name, device.index)
-
-
 def _host_id() -> bytes:
     """16 bytes naming this host (its name and boot id): processes that share them share a node."""
     boot = ""
@@ -216,7 +194,7 @@ def _host_id() -> bytes:
 def _topology_reason(group, device: torch.device) -> Optional[str]:
     """Why this group cannot use peer memory, or None. Decided once per group by two bounded
     all-gathers, so that every rank reaches the same answer."""
-    key = _key(group, device)
+    key = _comm.group_key(group, device)
     if key in _topology:
         return _topology[key][1]
     if torch.compiler.is_compiling() or _capturing():
@@ -296,7 +274,7 @@ class _GroupWorkspace:
 
 
 def _context(group, device: torch.device, op: str, need: Sequence[int]):
-    key = _key(group, device)
+    key = _comm.group_key(group, device)
     ws = _workspaces.get(key)
     if ws is None:
         ws = _workspaces[key] = _GroupWorkspace(group, device)

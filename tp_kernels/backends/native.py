@@ -88,10 +88,6 @@ def auto_enabled() -> bool:
     return _native.env_switch("TP_KERNELS_AUTO_NATIVE", AUTO_DEFAULT)
 
 
-def _key(group, device: torch.device):
-    return (id(group), group.group_name, device.index)
-
-
 def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, group) -> Optional[str]:
     """Why the native path cannot run this call, or None when it can.
 
@@ -102,7 +98,7 @@ def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, group) -> Optional
     if reason is not None:
         return reason
     if (not torch.compiler.is_compiling() and _comm.group_size(group) > 1
-            and _key(group, x.device) not in _communicators and torch.cuda.is_current_stream_capturing()):
+            and _comm.group_key(group, x.device) not in _communicators and torch.cuda.is_current_stream_capturing()):
         return ("the group's NCCL communicator is made on its first call, which a CUDA graph capture "
                 "cannot contain: run the op once before capturing")
     return None
@@ -110,7 +106,7 @@ def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, group) -> Optional
 
 def _communicator(group, device: torch.device):
     """The group's communicator on ``device``, made on first use (a collective call)."""
-    key = _key(group, device)
+    key = _comm.group_key(group, device)
     entry = _communicators.get(key)
     if entry is None:
         p, r = _comm.group_size(group), _comm.group_rank(group)
@@ -137,15 +133,10 @@ def destroy_communicators(group=None) -> None:
 
 
 def _call(op, x, weight, bias, out, scratch, rows: int, group, num_chunks: int) -> None:
-    weight, ldw, col_major = _native.weight_layout(weight)
     with torch.cuda.device(x.device):
         comm = _communicator(group, x.device)
-        stream = torch.cuda.current_stream(x.device)
-        ws = _native._workspace(stream)
         bounds = [0] + [b for _, b in chunk_bounds(rows, num_chunks)]
-        op(comm, x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-           0 if scratch is None else scratch.data_ptr(), weight.shape[0], x.shape[1], ldw, col_major,
-           _native.DTYPE_CODES[x.dtype], bounds, ws.data_ptr(), ws.numel(), stream.cuda_stream)
+        _native.call_primitive(op, comm, x, weight, bias, out, scratch, bounds, torch.cuda.current_stream(x.device))
 
 
 def _check(x, weight, group) -> None:
