@@ -208,6 +208,25 @@ def test_native_linear_matches_float64(dtype, m, k, n, bias):
 
 
 @native_built
+def test_native_linear_writes_into_rows_of_a_larger_buffer():
+    from tp_kernels import _native
+
+    g = torch.Generator().manual_seed(3)
+    x, w, b = (torch.randn(*s, generator=g).to("cuda", torch.bfloat16) for s in ((6, 40), (24, 40), (24,)))
+    buf = torch.full((10, 24), 7.0, device="cuda", dtype=torch.bfloat16)
+    y = _native.linear(x, w, b, out=buf[2:8])
+    assert y.data_ptr() == buf[2:8].data_ptr()
+    assert torch.equal(buf[2:8], _native.linear(x, w, b))
+    assert torch.equal(buf[:2], torch.full((2, 24), 7.0, device="cuda", dtype=torch.bfloat16))
+    assert torch.equal(buf[8:], torch.full((2, 24), 7.0, device="cuda", dtype=torch.bfloat16))
+    strided = torch.zeros(6, 48, device="cuda", dtype=torch.bfloat16)[:, :24]  # rows 48 apart
+    assert torch.equal(_native.linear(x, w, b, out=strided), buf[2:8])
+    for bad in (buf[2:7], buf[2:8].float(), buf[2:8].t().contiguous().t(), buf[2:8].cpu()):
+        with pytest.raises(ValueError, match=r"out: expected a \[6, 24\]"):
+            _native.linear(x, w, b, out=bad)
+
+
+@native_built
 def test_native_linear_in_cuda_graph():
     from tp_kernels import _native
 

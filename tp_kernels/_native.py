@@ -159,7 +159,8 @@ def require() -> None:
         raise RuntimeError(reason)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+           out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``Y = X Wᵀ + b`` through the native cuBLASLt GEMM, on the current stream (no autograd).
 
     Args:
@@ -167,8 +168,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
             last dim must be contiguous; otherwise a contiguous copy is made).
         weight: ``[n, k]``, same dtype and device, row- or column-major (a transposed view is
             used as it is); bias: ``[n]`` or None.
+        out: ``[m, n]``, same dtype and device, last dim contiguous (e.g. rows of a larger
+            buffer), written in place; None for a new tensor.
     Returns:
-        ``[m, n]``, accumulated in float32.
+        ``[m, n]`` (``out`` when given), accumulated in float32.
     """
     require()
     for name, t in (("x", x), ("weight", weight)):
@@ -190,13 +193,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     bias = None if bias is None else bias.contiguous()
     m, k = x.shape
     n = weight.shape[0]
-    y = x.new_empty((m, n))
+    if out is None:
+        y = x.new_empty((m, n))
+    elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != (m, n) or out.dtype != x.dtype
+          or out.device != x.device or out.stride(1) != 1 or out.stride(0) < max(1, n)):
+        raise ValueError(f"out: expected a [{m}, {n}] {x.dtype} tensor on {x.device} with contiguous rows, got "
+                         f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
+    else:
+        y = out
     if k == 0:  # an empty sum: the bias alone
         return y.copy_(bias.expand(m, n)) if bias is not None else y.zero_()
     with torch.cuda.device(x.device):  # the native side works on the current device
         stream = torch.cuda.current_stream(x.device)
         ws = _workspace(stream)
         _C.linear(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
-                  m, n, k, x.stride(0), ldw, n, DTYPE_CODES[x.dtype], ws.data_ptr(), ws.numel(),
+                  m, n, k, x.stride(0), ldw, y.stride(0), DTYPE_CODES[x.dtype], ws.data_ptr(), ws.numel(),
                   stream.cuda_stream, col_major)
     return y

@@ -63,16 +63,6 @@ def thresholds(sweep: Dict[str, Dict[int, float]]) -> Dict:
             "two_shot_max_bytes": last["two_shot"]}
 
 
-def _linear_into(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, stream: torch.cuda.Stream) -> None:
-    """y = x wᵀ by the native GEMM, written in place (as the fused ops write their pieces)."""
-    from .. import _native
-
-    ws = _native._workspace(stream)
-    _native._C.linear(x.data_ptr(), w.data_ptr(), 0, y.data_ptr(), x.shape[0], w.shape[0], x.shape[1], x.stride(0),
-                      w.stride(0), y.stride(0), _native.DTYPE_CODES[x.dtype], ws.data_ptr(), ws.numel(),
-                      stream.cuda_stream)
-
-
 def _fork_join(streams: Sequence[torch.cuda.Stream], work: Callable[[int, torch.cuda.Stream], None]) -> None:
     current = torch.cuda.current_stream()
     for s in streams:
@@ -102,7 +92,7 @@ def _overlap(op: str, p: int, iters: int) -> Dict:
 
             def gemms(q, s):
                 for d in range(p):
-                    _linear_into(gathered[q][d * mp:(d + 1) * mp], ws[q], outs[q][d * mp:(d + 1) * mp], s)
+                    _native.linear(gathered[q][d * mp:(d + 1) * mp], ws[q], out=outs[q][d * mp:(d + 1) * mp])
 
             def comms(q, s):
                 for d in range(p):
@@ -120,7 +110,7 @@ def _overlap(op: str, p: int, iters: int) -> Dict:
 
             def gemms(q, s):
                 for d in range(p):
-                    _linear_into(xs[q][d * mp:(d + 1) * mp], ws[q], partial[q][d * mp:(d + 1) * mp], s)
+                    _native.linear(xs[q][d * mp:(d + 1) * mp], ws[q], out=partial[q][d * mp:(d + 1) * mp])
 
             def comms(q, s):
                 for d in range(p):
