@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tp_kernels
-from tp_kernels import _comm, _native, ops
+from tp_kernels import _comm, _native, autotune, ops
 from tp_kernels.backends import fused
 
 from helpers import rank_world
@@ -119,19 +119,23 @@ def test_auto_routing_with_the_fused_path(monkeypatch, caplog):
     monkeypatch.setattr(fused, "unsupported_reason", lambda x, w, g: None)
     monkeypatch.setattr(ops.native, "unsupported_reason", lambda x, w, g: None)
     monkeypatch.delenv("TP_KERNELS_AUTO_FUSED", raising=False)
+    monkeypatch.delenv("TP_KERNELS_AUTO_CANDIDATES", raising=False)
     monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "1")
+    monkeypatch.setenv("TP_KERNELS_AUTOTUNE", "0")  # the order without measuring (measuring needs a group)
     assert fused.auto_enabled() is fused.AUTO_DEFAULT
     monkeypatch.setattr(fused, "AUTO_DEFAULT", False)
+    assert autotune.candidates(x, x, None, 2)[0] == ["native", "reference"]
     assert ops.select_backend("matmul_all_reduce", "auto", x, 2) == "native"
     assert ops.select_backend("matmul_all_reduce", "fused", x, 2) == "fused"  # asked for: used
     monkeypatch.setenv("TP_KERNELS_AUTO_FUSED", "1")
+    assert autotune.candidates(x, x, None, 2)[0] == ["fused", "native", "reference"]
     assert ops.select_backend("matmul_all_reduce", "auto", x, 2) == "fused"
     assert ops.select_backend("matmul_all_reduce", "auto", x, 1) == "reference"  # nothing to overlap
     assert ops.select_backend("matmul_all_reduce", "pipelined", x, 2) == "native"
     monkeypatch.setattr(fused, "unsupported_reason", lambda x, w, g: "the group spans several hosts")
     with caplog.at_level(logging.DEBUG, logger="tp_kernels.ops"):
         assert ops.select_backend("matmul_all_reduce", "auto", x, 2) == "native"
-    assert any("not fused: the group spans several hosts" in r.message for r in caplog.records)
+    assert any("left out: fused: the group spans several hosts" in r.message for r in caplog.records)
     monkeypatch.setenv("TP_KERNELS_AUTO_FUSED", "maybe")
     with pytest.raises(ValueError, match="TP_KERNELS_AUTO_FUSED"):
         fused.auto_enabled()

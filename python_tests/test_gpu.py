@@ -12,12 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import test_autotune
 import test_layers
 import test_library
 import test_ops
 import tp_kernels
 from helpers import assert_close, rank_world
-from tp_kernels import _comm, ops
+from tp_kernels import _comm, autotune, ops
 from tp_kernels.launch import World
 
 pytestmark = [
@@ -83,8 +84,9 @@ def check_native_routing_and_result(op):
     x = torch.randn(8, 16, device="cuda")
     group = _comm.resolve_group(None)
     assert ops.select_backend(op, "pipelined", x, p, group) == "native"
-    auto = "native" if p > 1 and native.auto_enabled() else "reference"
-    assert ops.select_backend(op, "auto", x, p, group) == auto
+    impls, _ = autotune.candidates(x, x, group)
+    assert impls == (["native", "reference"] if p > 1 and native.auto_enabled() else ["reference"])
+    assert ops.select_backend(op, "auto", x, p, group, x) in impls  # measured when there are two
     test_ops.check_pipelined_matches_reference(op, 7, device="cuda")
     if p > 1:
         assert native._communicators, "the native path made no communicator"
@@ -551,3 +553,16 @@ def test_fused_with_several_processes_on_one_gpu(shared_gpu_world, op):
 @pytest.mark.parametrize("op", OPS)
 def test_fused_ops_with_several_processes_against_float64(shared_gpu_world, op, dtype):
     shared_gpu_world.run(test_ops.check_against_float64, op, dtype, "fused", device="cuda")
+
+
+@native_built
+def test_auto_measures_fused_native_and_reference_on_one_gpu(shared_gpu_world):
+    """backend="auto" with every backend named: each op measured per size class over the fused
+    path (each all-reduce algorithm), the native one and the reference, alike on every rank,
+    and right whichever wins."""
+    per_rank = shared_gpu_world.run(test_autotune.check_measured_choice, ("fused", "pipelined", "reference"), "cuda")
+    assert all(r == per_rank[0] for r in per_rank)
+    for op, m_class, _, _, variants, _, _ in per_rank[0]:
+        fused_variants = (["fused:one_shot", "fused:two_shot", "fused:scatter_gather"]
+                          if op in ("matmul_all_reduce", "linear_with_grad_all_reduce") else ["fused"])
+        assert list(variants) == fused_variants + ["native", "reference"], (op, m_class, variants)

@@ -32,6 +32,7 @@ def test_routing_when_the_native_path_is_supported(monkeypatch, caplog):
     """What CUDA tensors get: pipelined -> native always; auto -> native only with several ranks."""
     monkeypatch.setattr(native, "unsupported_reason", lambda x, w, g: None)
     monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "1")
+    monkeypatch.setenv("TP_KERNELS_AUTOTUNE", "0")  # the order without measuring (measuring needs a group)
     x = torch.randn(4, 8)
     for p in (1, 2, 8):
         assert ops.select_backend("all_gather_matmul", "pipelined", x, p) == "native"
@@ -45,6 +46,7 @@ def test_routing_when_the_native_path_is_supported(monkeypatch, caplog):
 def test_auto_does_not_pick_the_native_path_until_enabled(monkeypatch, caplog):
     monkeypatch.setattr(native, "unsupported_reason", lambda x, w, g: None)
     monkeypatch.delenv("TP_KERNELS_AUTO_NATIVE", raising=False)
+    monkeypatch.setenv("TP_KERNELS_AUTOTUNE", "0")
     x = torch.randn(4, 8)
     assert native.auto_enabled() is native.AUTO_DEFAULT
     monkeypatch.setattr(native, "AUTO_DEFAULT", False)

@@ -5,6 +5,7 @@ Public API (see docs/api.md):
 * process groups: :func:`initialize_model_parallel` and the ``get_*`` accessors;
 * settings: :func:`set_timeout` (every collective), :func:`set_comm_stream_priority` (the
   native backend's communication stream); :func:`extension_status`;
+* :mod:`tp_kernels.autotune`: what ``backend="auto"`` chooses among, and its measurements;
 * :mod:`tp_kernels.mappings`: Megatron's communication mappings;
 * :mod:`tp_kernels.ops`: :func:`all_gather_matmul`, :func:`matmul_reduce_scatter`,
   :func:`matmul_all_reduce` on the ``reference`` or ``pipelined`` backend;
@@ -12,7 +13,7 @@ Public API (see docs/api.md):
   :class:`VocabParallelEmbedding`, :func:`vocab_parallel_cross_entropy`, :func:`parallelize`.
 """
 
-from . import mappings, ops, schedule
+from . import autotune, mappings, ops, schedule
 from ._comm import get_timeout, set_timeout
 from ._native import extension_status
 from .backends.native import set_comm_stream_priority
@@ -44,6 +45,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "all_gather_matmul",
     "allreduce_sequence_parallel_grads",
+    "autotune",
     "destroy_model_parallel",
     "extension_status",
     "get_data_parallel_group",

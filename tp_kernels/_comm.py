@@ -194,6 +194,20 @@ def all_gather_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] = Non
     return Pending(out, [work], f"all-gather of {tuple(x.shape)} {x.dtype}", group)
 
 
+def exchange_device(group, device: torch.device) -> torch.device:
+    """Where small tensors exchanged over ``group`` live: ``device`` when the group's backend
+    is NCCL, the CPU otherwise."""
+    return device if "nccl" in str(dist.get_backend(group)).lower() else torch.device("cpu")
+
+
+def barrier(group, device: torch.device) -> None:
+    """Return once every rank of ``group`` has called it: a one-element all-reduce on
+    :func:`exchange_device`, finished on the host, bounded like every collective here (unlike
+    ``dist.barrier``, it needs no guess of the rank's GPU)."""
+    if group_size(group) > 1:
+        all_reduce(torch.zeros(1, device=exchange_device(group, device)), group, inplace=True).wait().item()
+
+
 def all_gather_bytes(payload: bytes, group, device: torch.device) -> List[bytes]:
     """Every rank's ``payload`` (of one length on all ranks, at least 1 byte), in group rank order.
 
@@ -202,8 +216,7 @@ def all_gather_bytes(payload: bytes, group, device: torch.device) -> List[bytes]
     """
     if not payload:
         raise ValueError("payload: expected at least one byte")
-    on_nccl = "nccl" in str(dist.get_backend(group)).lower()
-    mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device if on_nccl else "cpu")
+    mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(exchange_device(group, device))
     gathered = all_gather_dim0(mine, group).wait().cpu().tolist()
     n = len(payload)
     return [bytes(gathered[q * n:(q + 1) * n]) for q in range(group_size(group))]

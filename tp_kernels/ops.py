@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from . import _comm, _library  # noqa: F401  (_library registers torch.ops.tp_kernels.*)
+from . import _comm, _library, autotune  # noqa: F401  (_library registers torch.ops.tp_kernels.*)
 from ._checks import check_divisible, check_linear_args
 from ._library import group_name
 from .backends import BACKENDS, fused, native
@@ -58,7 +58,8 @@ def check_backend(backend) -> str:
 
 
 def select_backend(op: str, backend: str, x: torch.Tensor, p: int, group=None,
-                   weight: Optional[torch.Tensor] = None) -> str:
+                   weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                   num_chunks: Optional[int] = None) -> str:
     """The implementation that runs ``op`` for this call (a key of
     ``backends.IMPLEMENTATIONS``), resolving ``"pipelined"``, ``"fused"`` and ``"auto"``.
 
@@ -68,16 +69,17 @@ def select_backend(op: str, backend: str, x: torch.Tensor, p: int, group=None,
     * ``"fused"`` runs over peer memory (:mod:`tp_kernels.backends.fused`) and raises a
       ``ValueError`` with the reason where it cannot (host tensors, a group across nodes or
       without peer access, no native extension): it has no portable form to fall back on.
-    * ``"auto"`` runs ``"fused"`` when it is supported and
-      :func:`tp_kernels.backends.fused.auto_enabled`, else ``"native"`` when that is supported
-      and :func:`tp_kernels.backends.native.auto_enabled`, else ``"reference"``; with one rank
-      there is nothing to overlap (``"reference"``). It says why at debug level. On the CPU the
-      portable pipelined schedule measured slower than the reference
-      (``bench/results/cpu-gloo-p2*.json``, docs/benchmarks.md: gloo's thread has no spare core
-      to overlap on), so ``"auto"`` never picks it.
+    * ``"auto"`` chooses among the backends allowed for it that can run the call
+      (:func:`tp_kernels.autotune.candidates`; by default the reference, plus the fused and
+      native paths where ``TP_KERNELS_AUTO_FUSED``/``TP_KERNELS_AUTO_NATIVE`` switch them on),
+      measuring them on the first call of each shape class when there are several
+      (:func:`tp_kernels.autotune.choose`); with one rank it runs the reference. It says why
+      at debug level. ``op`` is the public op (``linear_with_grad_all_reduce`` is measured by
+      its backward's all-reduce); ``bias`` and ``num_chunks`` are the call's, for measuring.
 
     Every input of the decision is the same on all ranks of the group, so they all decide alike
-    (the first fused call of a group checks its peer access collectively).
+    (the first fused call of a group checks its peer access collectively; a measurement agrees
+    the figures across the ranks).
     """
     check_backend(backend)
     if backend == "reference":
@@ -89,28 +91,22 @@ def select_backend(op: str, backend: str, x: torch.Tensor, p: int, group=None,
             raise ValueError(f"backend: 'fused' cannot run {op} (p={p}, x {tuple(x.shape)} {x.dtype} on "
                              f"{x.device}): {reason}. Use 'pipelined' or 'auto' there.")
         return "fused"
-    reason = native.unsupported_reason(x, w, group)
     if backend == "pipelined":
+        reason = native.unsupported_reason(x, w, group)
         if reason is None:
             return "native"
         if x.is_cuda:
             logger.debug("pipelined %s (p=%d, x %s %s): the portable schedule, not the native one: %s", op, p,
                          tuple(x.shape), x.dtype, reason)
         return "pipelined"
-    if reason is None and p == 1:
-        reason = "one rank, nothing to overlap"
-    if reason is None and fused.auto_enabled():
-        fused_reason = fused.unsupported_reason(x, w, group)
-        if fused_reason is None:
-            return "fused"
-        logger.debug("auto backend for %s: not fused: %s", op, fused_reason)
-    if reason is None and not native.auto_enabled():
-        reason = native.AUTO_DISABLED_REASON
-    if reason is None:
-        return "native"
-    logger.debug("auto backend for %s (p=%d, x %s %s on %s): reference: %s", op, p, tuple(x.shape), x.dtype,
-                 x.device.type, reason)
-    return "reference"
+    impls, why = autotune.candidates(x, w, group, p)
+    if why:
+        logger.debug("auto backend for %s (p=%d, x %s %s on %s): candidates %s; left out: %s", op, p,
+                     tuple(x.shape), x.dtype, x.device.type, impls, "; ".join(why))
+    if len(impls) == 1:
+        return impls[0]
+    chunks = resolve_num_chunks(_OPS[op][0] if op in _OPS else op, num_chunks)
+    return autotune.choose(op, impls, x, w, bias, group, chunks)
 
 
 def _flatten(x: torch.Tensor) -> torch.Tensor:
@@ -142,8 +138,9 @@ def _run(op: str, x, weight, bias=None, *, group=None, backend: str = "auto", nu
         lead[0] *= p
     elif op == "matmul_reduce_scatter":
         lead[0] = check_divisible(f"{x_name}.shape[0]", x.shape[0], p)
-    impl = select_backend(schedule_op, backend, x, p, group, weight)
-    out = getattr(torch.ops.tp_kernels, op)(_flatten(x), weight, bias, group_name(group), impl, num_chunks)
+    x2d = _flatten(x)
+    impl = select_backend(op, backend, x2d, p, group, weight, bias, num_chunks)
+    out = getattr(torch.ops.tp_kernels, op)(x2d, weight, bias, group_name(group), impl, num_chunks)
     return out.reshape(*lead, weight.shape[0])
 
 

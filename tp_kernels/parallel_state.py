@@ -104,9 +104,11 @@ def destroy_model_parallel() -> None:
     groups = list(_ALL_GROUPS)
     _ALL_GROUPS.clear()
     _TENSOR_MODEL_PARALLEL_GROUP = _PIPELINE_MODEL_PARALLEL_GROUP = _DATA_PARALLEL_GROUP = None
+    from . import autotune
     from .backends import fused, native
 
     for g in groups:
+        autotune.forget(g)
         fused.destroy_workspaces(g)
         native.destroy_communicators(g)
     if dist.is_available() and dist.is_initialized():

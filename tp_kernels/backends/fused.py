@@ -46,10 +46,13 @@ __all__ = [
     "all_gather_matmul",
     "all_reduce_algorithm",
     "auto_enabled",
+    "check_algorithm",
     "destroy_workspaces",
+    "forced_all_reduce_algorithm",
     "matmul_all_reduce",
     "matmul_reduce_scatter",
     "region_needs",
+    "size_class",
     "unsupported_reason",
 ]
 
@@ -59,7 +62,8 @@ _OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 #: Size thresholds of :func:`all_reduce_algorithm`, in bytes of the all-reduced ``[m, n]``.
 #: Provisional: they follow the usual shape of such curves (one-shot wins while latency
 #: dominates, scatter-gather once bandwidth does) and are to be replaced by the crossovers that
-#: ``python -m tp_kernels.bench.fused`` measures on the GPU (docs/benchmarks.md).
+#: ``python -m tp_kernels.bench.fused`` measures on the GPU (docs/benchmarks.md). A size class
+#: that ``backend="auto"`` measured uses its winner instead (:data:`measured_algorithms`).
 ONE_SHOT_MAX_BYTES = 256 * 1024
 TWO_SHOT_MAX_BYTES = 8 * 2**20
 
@@ -76,24 +80,39 @@ def auto_enabled() -> bool:
     return _native.env_switch("TP_KERNELS_AUTO_FUSED", AUTO_DEFAULT)
 
 
+def forced_all_reduce_algorithm() -> Optional[str]:
+    """The algorithm ``TP_KERNELS_FUSED_ALL_REDUCE`` forces, or None when it is unset."""
+    forced = os.environ.get("TP_KERNELS_FUSED_ALL_REDUCE")
+    if not forced:
+        return None
+    if forced not in ALL_REDUCE_ALGORITHMS:
+        raise ValueError(f"TP_KERNELS_FUSED_ALL_REDUCE: expected one of {ALL_REDUCE_ALGORITHMS}, got {forced!r}")
+    return forced
+
+
+#: (size class of m, n, p, dtype) -> the algorithm ``backend="auto"`` measured fastest
+#: (:mod:`tp_kernels.autotune`, which fills and clears it).
+measured_algorithms: dict = {}
+
+
+def size_class(m: int) -> int:
+    """The power of two at or above ``m``: calls whose row counts share it share measurements."""
+    return 1 << max(m - 1, 0).bit_length()
+
+
 def all_reduce_algorithm(m: int, n: int, p: int, dtype: torch.dtype) -> str:
     """The all-reduce of fused ``matmul_all_reduce`` for an ``[m, n]`` output on p ranks.
 
-    ``TP_KERNELS_FUSED_ALL_REDUCE`` (one of :data:`ALL_REDUCE_ALGORITHMS`) forces one;
-    ``scatter_gather`` needs ``m >= p`` and falls back to ``two_shot`` below that.
+    In order: ``TP_KERNELS_FUSED_ALL_REDUCE`` (one of :data:`ALL_REDUCE_ALGORITHMS`) forces
+    one; else the algorithm ``backend="auto"`` measured fastest for this size class
+    (:mod:`tp_kernels.autotune`); else the size thresholds. ``scatter_gather`` needs ``m >= p``
+    and falls back to ``two_shot`` below that.
     """
-    nbytes = m * n * torch.empty((), dtype=dtype).element_size()
-    forced = os.environ.get("TP_KERNELS_FUSED_ALL_REDUCE")
-    if forced:
-        if forced not in ALL_REDUCE_ALGORITHMS:
-            raise ValueError(f"TP_KERNELS_FUSED_ALL_REDUCE: expected one of {ALL_REDUCE_ALGORITHMS}, got {forced!r}")
-        algo = forced
-    elif nbytes <= ONE_SHOT_MAX_BYTES:
-        algo = "one_shot"
-    elif nbytes <= TWO_SHOT_MAX_BYTES:
-        algo = "two_shot"
-    else:
-        algo = "scatter_gather"
+    algo = forced_all_reduce_algorithm() or measured_algorithms.get((size_class(m), n, p, dtype))
+    if algo is None:
+        nbytes = m * n * torch.empty((), dtype=dtype).element_size()
+        algo = ("one_shot" if nbytes <= ONE_SHOT_MAX_BYTES else
+                "two_shot" if nbytes <= TWO_SHOT_MAX_BYTES else "scatter_gather")
     return "two_shot" if algo == "scatter_gather" and m < p else algo
 
 
@@ -339,7 +358,7 @@ def all_gather_matmul(x, weight, bias, group, num_chunks):
         return _rank_all_gather_matmul(ctx, x, weight, bias, num_chunks, torch.cuda.current_stream())
 
 
-def _reduction(op: str, what: str, x, weight, bias, group) -> Pending:
+def _reduction(op: str, what: str, x, weight, bias, group, algorithm: Optional[str] = None) -> Pending:
     """GEMM + reduce-scatter or all-reduce over the group's workspace; the bias is added after
     the reduction (num_chunks does not apply: the fused reductions go by destination)."""
     _check(x, weight, group)
@@ -349,7 +368,8 @@ def _reduction(op: str, what: str, x, weight, bias, group) -> Pending:
     x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
-    algorithm = all_reduce_algorithm(m, n, p, x.dtype) if op == "matmul_all_reduce" else None
+    if op == "matmul_all_reduce":
+        algorithm = check_algorithm(algorithm, m, p) if algorithm is not None else all_reduce_algorithm(m, n, p, x.dtype)
     need = region_needs(op, p, m, n, k, x.dtype, algorithm)
     with torch.cuda.device(x.device):
         ctx = _context(group, x.device, op, need)
@@ -363,8 +383,19 @@ def matmul_reduce_scatter(x, weight, bias, group, num_chunks) -> Pending:
     return _reduction("matmul_reduce_scatter", "fused matmul+reduce-scatter", x, weight, bias, group)
 
 
-def matmul_all_reduce(x, weight, bias, group, num_chunks) -> Pending:
-    return _reduction("matmul_all_reduce", "fused matmul+all-reduce", x, weight, bias, group)
+def matmul_all_reduce(x, weight, bias, group, num_chunks, algorithm: Optional[str] = None) -> Pending:
+    """``algorithm``: one of :data:`ALL_REDUCE_ALGORITHMS`, or None for
+    :func:`all_reduce_algorithm`'s choice."""
+    return _reduction("matmul_all_reduce", "fused matmul+all-reduce", x, weight, bias, group, algorithm)
+
+
+def check_algorithm(algorithm: str, m: int, p: int) -> str:
+    """``algorithm`` if it can all-reduce ``m`` rows on p ranks, else a ``ValueError``."""
+    if algorithm not in ALL_REDUCE_ALGORITHMS:
+        raise ValueError(f"algorithm: expected one of {ALL_REDUCE_ALGORITHMS}, got {algorithm!r}")
+    if algorithm == "scatter_gather" and m < p:
+        raise ValueError(f"algorithm: scatter_gather needs at least p = {p} rows, got {m}")
+    return algorithm
 
 
 # --- virtual ranks -----------------------------------------------------------------------------------
@@ -501,12 +532,8 @@ class VirtualRanks:
         xs = [x.contiguous() for x in xs]
         m, k = xs[0].shape
         n = weights[0].shape[0]
-        if algorithm is None:
-            algorithm = all_reduce_algorithm(m, n, self.p, xs[0].dtype)
-        if algorithm not in ALL_REDUCE_ALGORITHMS:
-            raise ValueError(f"algorithm: expected one of {ALL_REDUCE_ALGORITHMS}, got {algorithm!r}")
-        if algorithm == "scatter_gather" and m < self.p:
-            raise ValueError(f"algorithm: scatter_gather needs at least p = {self.p} rows, got {m}")
+        algorithm = (all_reduce_algorithm(m, n, self.p, xs[0].dtype) if algorithm is None
+                     else check_algorithm(algorithm, m, self.p))
         self._ensure("matmul_all_reduce", region_needs("matmul_all_reduce", self.p, m, n, k, xs[0].dtype, algorithm))
         return self._launch(lambda q, s: _rank_matmul_all_reduce(self.contexts[q], xs[q], weights[q], algorithm, s),
                             [(xs[q], weights[q]) for q in range(self.p)])

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 import sys
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import _comm, ops
+from .. import _comm, autotune, ops
+from .._timing import Timer
 from ..perf_model import OP_COLLECTIVE
 from .cases import Case
 
@@ -31,51 +31,6 @@ _CPU_CACHE_BYTES = 32 << 20
 _GPU_CACHE_BYTES = 64 << 20  # when torch does not report the L2 size
 _MAX_SETS = 16
 _MAX_SET_BYTES = 4 << 30
-
-
-class Timer:
-    """Median seconds of ``body(i)`` over ``iters`` samples (slowest rank each), see the module doc.
-
-    ``pre(i)`` and ``post(i)`` run around each sample, untimed (e.g. starting and finishing
-    communication that the timed GEMM should overlap).
-    """
-
-    def __init__(self, iters: int, warmup: int, cuda: bool, group=None):
-        self.iters, self.warmup, self.cuda, self.group = iters, warmup, cuda, group
-        self.p = _comm.group_size(group)
-
-    def __call__(self, body: Callable[[int], object], pre: Optional[Callable[[int], object]] = None,
-                 post: Optional[Callable[[int], object]] = None) -> float:
-        def once(i):
-            state = pre(i) if pre else None
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                body(i)
-                end.record()
-            else:
-                t0 = time.perf_counter()
-                body(i)
-                elapsed = time.perf_counter() - t0
-            if post:
-                post(state)
-            if self.cuda:
-                end.synchronize()
-                elapsed = start.elapsed_time(end) / 1e3
-            return elapsed
-
-        for i in range(self.warmup):
-            once(i)
-        samples = []
-        for i in range(self.iters):
-            if self.p > 1:
-                dist.barrier(group=self.group)
-            samples.append(once(self.warmup + i))
-        if self.p > 1:
-            t = torch.tensor(samples, dtype=torch.float64, device="cuda" if self.cuda else "cpu")
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-            samples = t.tolist()
-        return statistics.median(samples)
 
 
 def buffer_sets(bytes_per_set: int, cuda: bool) -> int:
@@ -218,9 +173,19 @@ def measure_case(case: Case, backends: List[str], dtype: torch.dtype, device: to
         "all_gather_matmul" if case.kind == "column" and case.sequence_parallel else
         "matmul_reduce_scatter" if case.sequence_parallel else "matmul_all_reduce")
     for backend in backends:
-        out["resolved"][backend] = ops.select_backend(op, backend, probe, p, group)
+        before = len(autotune.decisions())
         out["backend"][backend] = _time_backend(case, backend, dtype, device, group, timer, num_chunks, nsets)
+        out["resolved"][backend] = _resolved(op, backend, probe, p, group, autotune.decisions()[before:])
     return out
+
+
+def _resolved(op: str, backend: str, probe: torch.Tensor, p: int, group, made) -> str:
+    """What ran for ``backend``: for a measured ``"auto"``, the choices it made during the timing
+    (``"<choice> (measured)"``, an algorithm after a colon), else the routing's answer."""
+    if backend == "auto" and len(autotune.candidates(probe, probe, group, p)[0]) > 1:
+        chosen = sorted({d.choice + (f":{d.algorithm}" if d.algorithm else "") for d in made})
+        return f"{'+'.join(chosen)} (measured)" if chosen else "measured before"
+    return ops.select_backend(op, backend, probe, p, group)
 
 
 def _time_backend(case, backend, dtype, device, group, timer, num_chunks, nsets) -> float:

@@ -90,8 +90,8 @@ def compute_rows(result: dict, p: int, baseline: str, num_chunks: Optional[int] 
         for backend, t in c["backend"].items():
             resolved = c["resolved"][backend]
             tflops = case.gemm_flops(p) / t / 1e12
-            model = _predict(case, p, dtype, "pipelined" if resolved == "pipelined" else "naive", gemm, link,
-                             slowdown, num_chunks)
+            schedule = "pipelined" if resolved.split(" ")[0] in ("pipelined", "native") else "naive"
+            model = _predict(case, p, dtype, schedule, gemm, link, slowdown, num_chunks)
             rows.append({
                 **case.as_dict(), "p": p, "dtype": dtype, "backend": backend, "resolved": resolved,
                 "median_ms": t * 1e3, "tflops": tflops, "pct_peak": 100.0 * tflops / peak,
