@@ -35,7 +35,7 @@ def test_candidates_on_the_cpu(monkeypatch):
     x = torch.randn(4, 8)
     impls, why = autotune.candidates(x, x, None, 2)
     assert impls == ["reference"]
-    assert any(w.startswith("fused: not switched on") for w in why)
+    assert any(w.startswith("fused: ") and "not on a CUDA device" in w for w in why)
     assert any(w.startswith("pipelined: ") and "not on a CUDA device" in w for w in why)
     assert autotune.candidates(x, x, None, 1) == (["reference"], ["one rank, nothing to overlap"])
     autotune.set_auto_candidates(["reference", "pipelined"])  # the order named does not matter
@@ -59,7 +59,9 @@ def test_candidates_when_the_fast_paths_are_supported(monkeypatch):
     monkeypatch.setattr(autotune.native, "unsupported_reason", lambda x, w, g: None)
     monkeypatch.setattr(fused, "AUTO_DEFAULT", False)
     monkeypatch.setattr(autotune.native, "AUTO_DEFAULT", False)
-    assert autotune.candidates(x, x, None, 2)[0] == ["reference"]
+    impls, why = autotune.candidates(x, x, None, 2)
+    assert impls == ["reference"] and why[0].startswith("fused: not switched on for 'auto' (TP_KERNELS_AUTO_FUSED=1")
+    assert why[1] == f"pipelined: {autotune.native.AUTO_DISABLED_REASON}"
     monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "1")
     assert autotune.candidates(x, x, None, 2)[0] == ["native", "reference"]
     monkeypatch.setenv("TP_KERNELS_AUTO_FUSED", "1")

@@ -133,10 +133,12 @@ def candidates(x: torch.Tensor, weight: torch.Tensor, group, p: Optional[int] = 
     why: List[str] = []
     native_reason = native.unsupported_reason(x, weight, group)
     if "fused" in allowed:
-        if named is None and not fused.auto_enabled():
+        if native_reason is not None:  # the fused path needs what the native one needs
+            why.append(f"fused: {native_reason}")
+        elif named is None and not fused.auto_enabled():
             why.append("fused: not switched on for 'auto' (TP_KERNELS_AUTO_FUSED=1 or set_auto_candidates)")
         else:
-            reason = native_reason or fused.unsupported_reason(x, weight, group)
+            reason = fused.unsupported_reason(x, weight, group)
             if reason is None:
                 out.append("fused")
             else:

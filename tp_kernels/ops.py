@@ -100,7 +100,7 @@ def select_backend(op: str, backend: str, x: torch.Tensor, p: int, group=None,
                          tuple(x.shape), x.dtype, reason)
         return "pipelined"
     impls, why = autotune.candidates(x, w, group, p)
-    if why:
+    if why and logger.isEnabledFor(logging.DEBUG):
         logger.debug("auto backend for %s (p=%d, x %s %s on %s): candidates %s; left out: %s", op, p,
                      tuple(x.shape), x.dtype, x.device.type, impls, "; ".join(why))
     if len(impls) == 1:
