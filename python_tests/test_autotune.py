@@ -106,7 +106,7 @@ def test_each_fused_all_reduce_algorithm_is_a_variant(monkeypatch):
 def test_a_measured_algorithm_is_what_the_fused_all_reduce_runs(monkeypatch):
     big = fused.TWO_SHOT_MAX_BYTES  # elements of bf16: twice the threshold in bytes
     assert fused.all_reduce_algorithm(big, 1, 2, torch.bfloat16) == "scatter_gather"
-    fused.measured_algorithms[(fused.size_class(big), 1, 2, torch.bfloat16)] = "one_shot"
+    fused.measured_algorithms[fused.measured_key(big, 1, 2, torch.bfloat16)] = "one_shot"
     assert fused.all_reduce_algorithm(big, 1, 2, torch.bfloat16) == "one_shot"
     assert fused.all_reduce_algorithm(big - 1, 1, 2, torch.bfloat16) == "one_shot"  # same size class
     assert fused.all_reduce_algorithm(big, 1, 4, torch.bfloat16) == "scatter_gather"  # another p
@@ -129,7 +129,7 @@ def test_forget_drops_one_groups_decisions():
                                  ("fused:one_shot", "reference"), (1.0, 2.0), "fused", algorithm)
 
     autotune._decisions.update({("k1",): (g1, decision("a", "one_shot")), ("k2",): (g2, decision("b", None))})
-    fused.measured_algorithms[(8, 4, 1, torch.float32)] = "one_shot"
+    fused.measured_algorithms[fused.measured_key(8, 4, 1, torch.float32)] = "one_shot"
     autotune.forget(g1)
     assert [d.group_name for d in autotune.decisions()] == ["b"] and not fused.measured_algorithms
     autotune.forget()

@@ -192,7 +192,7 @@ def forget(group=None) -> None:
         if group is None or g is group:
             del _decisions[key]
             if d.algorithm is not None:
-                fused.measured_algorithms.pop((d.m_class, d.n, d.p, d.dtype), None)
+                fused.measured_algorithms.pop(fused.measured_key(d.m_class, d.n, d.p, d.dtype), None)
     if group is None:
         fused.measured_algorithms.clear()
 
@@ -249,7 +249,8 @@ def choose(op: str, impls: Sequence[str], x: torch.Tensor, weight: torch.Tensor,
         return impls[0]
     primitive, a, w, b = _primitive(op, x, weight, bias)
     m, k, n = a.shape[0], a.shape[1], w.shape[0]
-    key = (op, _comm.group_key(group, x.device), x.dtype, fused.size_class(m), n, k, b is not None, tuple(impls))
+    m_class = fused.size_class(m)
+    key = (op, _comm.group_key(group, x.device), x.dtype, m_class, n, k, b is not None, tuple(impls))
     hit = _decisions.get(key)
     if hit is not None:
         return hit[1].choice
@@ -268,8 +269,8 @@ def choose(op: str, impls: Sequence[str], x: torch.Tensor, weight: torch.Tensor,
     best = min(range(len(variants)), key=times.__getitem__)
     choice, _, algorithm = variants[best].partition(":")
     if algorithm:
-        fused.measured_algorithms[(fused.size_class(m), n, p, x.dtype)] = algorithm
-    decision = Decision(op, group.group_name, str(x.device), x.dtype, p, fused.size_class(m), n, k, b is not None,
+        fused.measured_algorithms[fused.measured_key(m, n, p, x.dtype)] = algorithm
+    decision = Decision(op, group.group_name, str(x.device), x.dtype, p, m_class, n, k, b is not None,
                         tuple(variants), times, choice, algorithm or None)
     _decisions[key] = (group, decision)
     logger.debug("auto backend for %s (m class %d, n %d, k %d, %s, p=%d): measured %s; chose %s", op,

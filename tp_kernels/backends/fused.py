@@ -51,6 +51,7 @@ __all__ = [
     "forced_all_reduce_algorithm",
     "matmul_all_reduce",
     "matmul_reduce_scatter",
+    "measured_key",
     "region_needs",
     "size_class",
     "unsupported_reason",
@@ -90,7 +91,7 @@ def forced_all_reduce_algorithm() -> Optional[str]:
     return forced
 
 
-#: (size class of m, n, p, dtype) -> the algorithm ``backend="auto"`` measured fastest
+#: :func:`measured_key` -> the algorithm ``backend="auto"`` measured fastest
 #: (:mod:`tp_kernels.autotune`, which fills and clears it).
 measured_algorithms: dict = {}
 
@@ -98,6 +99,12 @@ measured_algorithms: dict = {}
 def size_class(m: int) -> int:
     """The power of two at or above ``m``: calls whose row counts share it share measurements."""
     return 1 << max(m - 1, 0).bit_length()
+
+
+def measured_key(m: int, n: int, p: int, dtype: torch.dtype) -> tuple:
+    """The key of :data:`measured_algorithms` for an ``[m, n]`` all-reduce on p ranks: the
+    size class of ``m`` (so a size class is its own key's ``m``), n, p and the dtype."""
+    return size_class(m), n, p, dtype
 
 
 def all_reduce_algorithm(m: int, n: int, p: int, dtype: torch.dtype) -> str:
@@ -108,7 +115,7 @@ def all_reduce_algorithm(m: int, n: int, p: int, dtype: torch.dtype) -> str:
     (:mod:`tp_kernels.autotune`); else the size thresholds. ``scatter_gather`` needs ``m >= p``
     and falls back to ``two_shot`` below that.
     """
-    algo = forced_all_reduce_algorithm() or measured_algorithms.get((size_class(m), n, p, dtype))
+    algo = forced_all_reduce_algorithm() or measured_algorithms.get(measured_key(m, n, p, dtype))
     if algo is None:
         nbytes = m * n * torch.empty((), dtype=dtype).element_size()
         algo = ("one_shot" if nbytes <= ONE_SHOT_MAX_BYTES else
