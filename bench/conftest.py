@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tp_kernels.launch import launched_by_torchrun
+from tp_kernels.testing import launched_by_torchrun
 
 
 def pytest_addoption(parser):

@@ -11,6 +11,7 @@ import sys
 import torch
 
 from tp_kernels.backends import fused
+from tp_kernels.testing import VirtualRanks
 
 
 def main() -> int:
@@ -22,7 +23,7 @@ def main() -> int:
     full = sum(x.double() @ w.double().t() for x, w in zip(xs, ws))
     bad = []
     try:
-        with fused.VirtualRanks(p, timeout_s=60.0) as vr:
+        with VirtualRanks(p, timeout_s=60.0) as vr:
             for q, (out, gathered) in enumerate(vr.all_gather_matmul(xs_ag, ws, num_chunks=2)):
                 ref = torch.cat(xs_ag).double() @ ws[q].double().t()
                 if not torch.allclose(out.double(), ref, rtol=1e-4, atol=1e-4):
@@ -30,7 +31,7 @@ def main() -> int:
             for q, out in enumerate(vr.matmul_reduce_scatter(xs, ws)):
                 if not torch.allclose(out.double(), full[q * 5:(q + 1) * 5], rtol=1e-4, atol=1e-4):
                     bad.append(f"matmul_reduce_scatter rank {q}")
-            for algo in fused.ALL_REDUCE_ALGORITHMS:
+            for algo in fused.algorithms():
                 for q, out in enumerate(vr.matmul_all_reduce(xs, ws, algorithm=algo)):
                     if not torch.allclose(out.double(), full, rtol=1e-4, atol=1e-4):
                         bad.append(f"matmul_all_reduce {algo} rank {q}")

@@ -1,12 +1,15 @@
-// Python bindings of tp_kernels._C: glue only. The C++ core is framework-free (csrc/include).
+// Python bindings of tp_kernels._C: glue only. The C++ core is framework-free (csrc/include);
+// every tensor argument arrives as a TensorRef and is checked once, by boundary.h.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "tp_kernels/boundary.h"
 #include "tp_kernels/check.h"
 #include "tp_kernels/comm.h"
 #include "tp_kernels/device_ops.h"
@@ -14,62 +17,66 @@
 #include "tp_kernels/overlap.h"
 #include "tp_kernels/peer.h"
 #include "tp_kernels/runtime_info.h"
+#include "tp_kernels/tensor.h"
 
 namespace py = pybind11;
 
 namespace {
 
+using tp_kernels::AllReduceAlgo;
 using tp_kernels::Communicator;
 using tp_kernels::OverlapArgs;
 using tp_kernels::PeerContext;
+using tp_kernels::Primitive;
+using tp_kernels::TensorRef;
+using OptionalRef = std::optional<TensorRef>;
 
 template <typename T>
 T* ptr(uintptr_t address) {
   return reinterpret_cast<T*>(address);
 }
 
-// The arguments shared by the three pipelined ops (see overlap.h), from Python integers.
-OverlapArgs overlap_args(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t out, uintptr_t scratch, int64_t n,
-                         int64_t k, int64_t ldw, bool w_col_major, int dtype, std::vector<int64_t> bounds,
-                         uintptr_t workspace, size_t workspace_bytes, uintptr_t stream) {
-  OverlapArgs a;
-  a.x = ptr<const void>(x);
-  a.w = ptr<const void>(w);
-  a.bias = ptr<const void>(bias);
-  a.out = ptr<void>(out);
-  a.scratch = ptr<void>(scratch);
-  a.n = n, a.k = k, a.ldw = ldw;
-  a.w_col_major = w_col_major;
-  a.dtype = static_cast<tp_kernels::DType>(dtype);
-  a.bounds = std::move(bounds);
-  a.workspace = ptr<void>(workspace);
-  a.workspace_bytes = workspace_bytes;
-  a.stream = ptr<CUstream_st>(stream);
-  return a;
+cudaStream_t stream_ptr(uintptr_t stream) { return ptr<CUstream_st>(stream); }
+
+const TensorRef* opt(const OptionalRef& t) { return t ? &*t : nullptr; }
+
+py::tuple names(const std::vector<std::string>& v) { return py::cast(v); }
+
+// What the core receives for a call (boundary.h), for tests and diagnostics: no CUDA call.
+py::dict describe(const tp_kernels::LinearArgs& a) {
+  py::dict d;
+  d["m"] = a.m, d["n"] = a.n, d["k"] = a.k, d["ldx"] = a.ldx, d["ldw"] = a.ldw, d["ldy"] = a.ldy;
+  d["w_col_major"] = a.w_col_major, d["batch"] = a.batch, d["stride_x"] = a.stride_x, d["stride_y"] = a.stride_y;
+  d["dtype"] = tp_kernels::dtype_name(a.dtype), d["has_bias"] = a.bias != nullptr;
+  d["workspace_bytes"] = a.workspace_bytes;
+  return d;
 }
 
-template <typename Context, void (*Op)(Context&, const OverlapArgs&)>
-void bind_overlap(py::module_& m, const char* name, const char* doc) {
-  m.def(
-      name,
-      [](Context& comm, uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t out, uintptr_t scratch, int64_t n,
-         int64_t k, int64_t ldw, bool w_col_major, int dtype, std::vector<int64_t> bounds, uintptr_t workspace,
-         size_t workspace_bytes, uintptr_t stream) {
-        OverlapArgs a = overlap_args(x, w, bias, out, scratch, n, k, ldw, w_col_major, dtype, std::move(bounds),
-                                     workspace, workspace_bytes, stream);
-        py::gil_scoped_release release;
-        Op(comm, a);
-      },
-      py::arg("comm"), py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("out"), py::arg("scratch"), py::arg("n"),
-      py::arg("k"), py::arg("ldw"), py::arg("w_col_major"), py::arg("dtype"), py::arg("bounds"), py::arg("workspace"),
-      py::arg("workspace_bytes"), py::arg("stream"), doc);
+py::dict describe(const OverlapArgs& a) {
+  py::dict d;
+  d["n"] = a.n, d["k"] = a.k, d["ldw"] = a.ldw, d["w_col_major"] = a.w_col_major, d["bounds"] = a.bounds;
+  d["dtype"] = tp_kernels::dtype_name(a.dtype), d["has_bias"] = a.bias != nullptr, d["has_scratch"] = a.scratch != nullptr;
+  d["ring"] = a.ring, d["ring_next"] = a.ring_next, d["ring_prev"] = a.ring_prev;
+  return d;
 }
 
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "tp_kernels native extension (CUDA runtime, NCCL, cuBLASLt; no libtorch)";
+  // Registered in this order so that ArgumentError (a kind of Error) becomes ValueError.
   py::register_exception<tp_kernels::Error>(m, "Error", PyExc_RuntimeError);
+  py::register_exception<tp_kernels::ArgumentError>(m, "ArgumentError", PyExc_ValueError);
+
+  // The lists and limits both sides use, defined here and read by the Python side.
+  m.attr("DTYPES") = names(tp_kernels::compute_dtype_names());
+  m.attr("OPS") = names(tp_kernels::primitive_names());
+  m.attr("ALL_REDUCE_ALGORITHMS") = names(tp_kernels::algorithm_names());
+  m.attr("REGIONS") = names(tp_kernels::region_names());
+  m.attr("MAX_RANKS") = tp_kernels::kMaxRanks;
+  m.attr("CONTROL_BYTES") = tp_kernels::kControlBytes;
+  m.attr("REGION_ALIGNMENT") = tp_kernels::kRegionAlignment;
+  m.attr("NCCL_UNIQUE_ID_BYTES") = static_cast<int>(NCCL_UNIQUE_ID_BYTES);
 
   m.def(
       "runtime_info",
@@ -87,37 +94,56 @@ PYBIND11_MODULE(_C, m) {
       "Versions of the CUDA runtime (static), driver, NCCL and cuBLASLt in use, and the usable "
       "device count with the reason when it is 0.");
 
-  // Pointers and the stream cross as integers (torch's data_ptr() and cuda_stream).
+  py::class_<TensorRef>(m, "TensorRef",
+                        "A tensor argument: its name (for messages), data pointer, shape and strides in "
+                        "elements, dtype name and CUDA device (-1: host memory). Owns nothing.")
+      .def(py::init(&tp_kernels::make_tensor_ref), py::arg("name"), py::arg("data"), py::arg("shape"),
+           py::arg("strides"), py::arg("dtype"), py::arg("device"))
+      .def_readonly("name", &TensorRef::name)
+      .def_readonly("data", &TensorRef::data)
+      .def_readonly("shape", &TensorRef::shape)
+      .def_readonly("strides", &TensorRef::strides)
+      .def_readonly("device", &TensorRef::device)
+      .def_property_readonly("dtype", [](const TensorRef& t) { return tp_kernels::dtype_name(t.dtype); })
+      .def("__repr__", [](const TensorRef& t) { return "TensorRef(" + t.name + ": " + t.describe() + ")"; });
+
   m.def(
       "linear",
-      [](uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t m_, int64_t n, int64_t k, int64_t ldx,
-         int64_t ldw, int64_t ldy, int dtype, uintptr_t workspace, size_t workspace_bytes, uintptr_t stream,
-         bool w_col_major, int64_t batch, int64_t stride_x, int64_t stride_y) {
-        tp_kernels::LinearArgs a;
-        a.x = ptr<const void>(x);
-        a.w = ptr<const void>(w);
-        a.bias = ptr<const void>(bias);
-        a.y = ptr<void>(y);
-        a.m = m_, a.n = n, a.k = k, a.ldx = ldx, a.ldw = ldw, a.ldy = ldy;
-        a.w_col_major = w_col_major;
-        a.batch = batch, a.stride_x = stride_x, a.stride_y = stride_y;
-        a.dtype = static_cast<tp_kernels::DType>(dtype);
-        a.workspace = ptr<void>(workspace);
-        a.workspace_bytes = workspace_bytes;
-        a.stream = ptr<CUstream_st>(stream);
+      [](const TensorRef& x, const TensorRef& weight, const OptionalRef& bias, const TensorRef& out,
+         const TensorRef& workspace, uintptr_t stream) {
+        tp_kernels::LinearArgs a = tp_kernels::linear_args(x, weight, opt(bias), out, workspace, stream_ptr(stream));
         py::gil_scoped_release release;
         tp_kernels::linear(a);
       },
-      py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
-      py::arg("ldx"), py::arg("ldw"), py::arg("ldy"), py::arg("dtype"), py::arg("workspace"),
-      py::arg("workspace_bytes"), py::arg("stream"), py::arg("w_col_major") = false,
-      py::arg("batch") = 1, py::arg("stride_x") = 0, py::arg("stride_y") = 0,
-      "Y[m, n] = X[m, k] W[n, k]^T (+ bias[n]) on cuBLASLt, row-major X and Y, W row-major (ldw >= k) "
-      "or column-major (w_col_major, ldw >= n), enqueued on `stream` (dtype: 0 float32, 1 float16, "
-      "2 bfloat16; bias 0 for none). batch > 1: that many products with one W, X and Y advanced by "
-      "stride_x and stride_y elements (no bias).");
+      py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("workspace"), py::arg("stream"),
+      "out = x weight^T (+ bias) on cuBLASLt, enqueued on `stream` (boundary.h: x [m, k] or [batch, m, k] "
+      "with one weight; weight row- or column-major; rows of x and out may be strided). k = 0 writes "
+      "nothing: the caller fills out with the bias.");
 
-  m.attr("NCCL_UNIQUE_ID_BYTES") = static_cast<int>(NCCL_UNIQUE_ID_BYTES);
+  m.def(
+      "linear_problem",
+      [](const TensorRef& x, const TensorRef& weight, const OptionalRef& bias, const TensorRef& out,
+         const TensorRef& workspace, uintptr_t stream) {
+        return describe(tp_kernels::linear_args(x, weight, opt(bias), out, workspace, stream_ptr(stream)));
+      },
+      py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("workspace"), py::arg("stream") = 0,
+      "The GEMM `linear` would run for these arguments (checked as it checks them), as a dict; runs nothing.");
+  m.def(
+      "primitive_problem",
+      [](const std::string& op, int rank, int size, int device, const TensorRef& x, const TensorRef& weight,
+         const OptionalRef& bias, const TensorRef& out, const OptionalRef& scratch, std::vector<int64_t> bounds,
+         std::optional<std::vector<int>> ring, int ring_next, int ring_prev, const TensorRef& workspace) {
+        OverlapArgs a = tp_kernels::primitive_args(tp_kernels::parse_primitive(op, "op"), size, device, x, weight,
+                                                   opt(bias), out, opt(scratch), std::move(bounds), workspace, nullptr);
+        if (ring) tp_kernels::set_ring(a, rank, size, std::move(*ring), ring_next, ring_prev);
+        return describe(a);
+      },
+      py::arg("op"), py::arg("rank"), py::arg("size"), py::arg("device"), py::arg("x"), py::arg("weight"),
+      py::arg("bias"), py::arg("out"), py::arg("scratch"), py::arg("bounds"), py::arg("ring") = py::none(),
+      py::arg("ring_next") = -1, py::arg("ring_prev") = -1, py::arg("workspace"),
+      "The arguments primitive `op` (one of OPS) of rank `rank` of a group of `size` on `device` would get "
+      "(checked as the primitives check them), as a dict; runs nothing.");
+
   m.def(
       "nccl_unique_id", []() { return py::bytes(tp_kernels::nccl_unique_id()); },
       "A new NCCL unique id (bytes), made by one rank of a group and sent to the others.");
@@ -143,24 +169,57 @@ PYBIND11_MODULE(_C, m) {
       .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>(),
            "Flush outstanding work and destroy the NCCL communicator.");
 
-  bind_overlap<Communicator, tp_kernels::all_gather_matmul>(
-      m, "all_gather_matmul",
-      "out[m, n] = AG(x)[m, k] W^T (+ bias): ring all-gather into scratch (gathered [m, k]) by NCCL "
-      "send/recv, overlapped with the GEMM of the shards already there.");
-  bind_overlap<Communicator, tp_kernels::matmul_reduce_scatter>(
-      m, "matmul_reduce_scatter",
-      "out[m/p, n] = RS(x[m, k] W^T), chunk by chunk through scratch (partial [m, n]); bias must be 0.");
-  bind_overlap<Communicator, tp_kernels::matmul_all_reduce>(
-      m, "matmul_all_reduce", "out[m, n] = AR(x[m, k] W^T), chunk by chunk, in place in out; bias must be 0.");
+  m.def(
+      "all_gather_matmul",
+      [](Communicator& comm, const TensorRef& x, const TensorRef& weight, const OptionalRef& bias,
+         const TensorRef& out, const TensorRef& gathered, std::vector<int64_t> bounds, std::vector<int> ring,
+         int ring_next, int ring_prev, const TensorRef& workspace, uintptr_t stream) {
+        OverlapArgs a = tp_kernels::primitive_args(Primitive::kAllGatherMatmul, comm.size(), comm.device(), x, weight,
+                                                   opt(bias), out, &gathered, std::move(bounds), workspace,
+                                                   stream_ptr(stream));
+        tp_kernels::set_ring(a, comm.rank(), comm.size(), std::move(ring), ring_next, ring_prev);
+        py::gil_scoped_release release;
+        tp_kernels::all_gather_matmul(comm, a);
+      },
+      py::arg("comm"), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("gathered"),
+      py::arg("bounds"), py::arg("ring"), py::arg("ring_next"), py::arg("ring_prev"), py::arg("workspace"),
+      py::arg("stream"),
+      "out [m, n] = AG(x)[m, k] weight^T (+ bias): ring all-gather into `gathered` by NCCL send/recv, "
+      "in the order `ring`, overlapped with the GEMM of the shards already there.");
+  m.def(
+      "matmul_reduce_scatter",
+      [](Communicator& comm, const TensorRef& x, const TensorRef& weight, const TensorRef& out,
+         const TensorRef& partial, std::vector<int64_t> bounds, const TensorRef& workspace, uintptr_t stream) {
+        OverlapArgs a = tp_kernels::primitive_args(Primitive::kMatmulReduceScatter, comm.size(), comm.device(), x,
+                                                   weight, nullptr, out, &partial, std::move(bounds), workspace,
+                                                   stream_ptr(stream));
+        py::gil_scoped_release release;
+        tp_kernels::matmul_reduce_scatter(comm, a);
+      },
+      py::arg("comm"), py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("partial"), py::arg("bounds"),
+      py::arg("workspace"), py::arg("stream"),
+      "out [m/p, n] = RS(x[m, k] weight^T), chunk by chunk through `partial` [m, n].");
+  m.def(
+      "matmul_all_reduce",
+      [](Communicator& comm, const TensorRef& x, const TensorRef& weight, const TensorRef& out,
+         std::vector<int64_t> bounds, const TensorRef& workspace, uintptr_t stream) {
+        OverlapArgs a = tp_kernels::primitive_args(Primitive::kMatmulAllReduce, comm.size(), comm.device(), x, weight,
+                                                   nullptr, out, nullptr, std::move(bounds), workspace,
+                                                   stream_ptr(stream));
+        py::gil_scoped_release release;
+        tp_kernels::matmul_all_reduce(comm, a);
+      },
+      py::arg("comm"), py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("bounds"), py::arg("workspace"),
+      py::arg("stream"), "out [m, n] = AR(x[m, k] weight^T), chunk by chunk, in place in out.");
 
-  // Device building blocks of the peer-memory path (device_ops.h); pointers may be peers'.
-  m.attr("MAX_RANKS") = tp_kernels::kMaxRanks;
+  // Device building blocks of the peer-memory path (device_ops.h); flags are device addresses,
+  // possibly a peer's.
   m.def("stream_memory_ops_available", &tp_kernels::stream_memory_ops_available,
         "Whether the driver provides cuStreamWriteValue32 (the flags of the fused path).");
   m.def(
       "write_flag",
       [](uintptr_t flag, uint32_t value, uintptr_t stream) {
-        tp_kernels::write_flag(ptr<uint32_t>(flag), value, ptr<CUstream_st>(stream));
+        tp_kernels::write_flag(ptr<uint32_t>(flag), value, stream_ptr(stream));
       },
       py::arg("flag"), py::arg("value"), py::arg("stream"),
       "Write `value` to the 32-bit flag on `stream` (stream memory operation, fenced).");
@@ -168,13 +227,11 @@ PYBIND11_MODULE(_C, m) {
       "wait_flags",
       [](std::vector<uintptr_t> flags, std::vector<uint32_t> codes, uint64_t timeout_ns, uintptr_t error_word,
          uintptr_t stream) {
-        if (flags.size() != codes.size()) throw tp_kernels::Error("wait_flags: one error code per flag");
-        if (flags.size() > static_cast<size_t>(tp_kernels::kMaxRanks))
-          throw tp_kernels::Error("wait_flags: at most " + std::to_string(tp_kernels::kMaxRanks) + " flags");
+        if (flags.size() != codes.size()) throw tp_kernels::ArgumentError("codes: one error code per flag");
         std::vector<uint32_t*> f;
         for (uintptr_t a : flags) f.push_back(ptr<uint32_t>(a));
         tp_kernels::wait_flags(f.data(), codes.data(), static_cast<int>(f.size()), timeout_ns, ptr<uint32_t>(error_word),
-                               ptr<CUstream_st>(stream));
+                               stream_ptr(stream));
       },
       py::arg("flags"), py::arg("codes"), py::arg("timeout_ns"), py::arg("error_word"), py::arg("stream"),
       "Make `stream` wait until every flag is nonzero, clearing each (consuming it); a flag still "
@@ -182,41 +239,34 @@ PYBIND11_MODULE(_C, m) {
       "and the stream goes on. Waits return at once while *error_word is set.");
   m.def(
       "reduce_partials",
-      [](std::vector<uintptr_t> inputs, uintptr_t out, int64_t count, int dtype, uintptr_t stream) {
-        std::vector<const void*> in;
-        for (uintptr_t a : inputs) in.push_back(ptr<const void>(a));
-        tp_kernels::reduce_partials(in.data(), static_cast<int>(in.size()), ptr<void>(out), count,
-                                    static_cast<tp_kernels::DType>(dtype), ptr<CUstream_st>(stream));
+      [](const std::vector<TensorRef>& inputs, const TensorRef& out, uintptr_t stream) {
+        const void* in[tp_kernels::kMaxRanks] = {};
+        const int64_t count = tp_kernels::reduce_partials_args(inputs, out, in);
+        tp_kernels::reduce_partials(in, static_cast<int>(inputs.size()), out.ptr(), count, out.dtype,
+                                    stream_ptr(stream));
       },
-      py::arg("inputs"), py::arg("out"), py::arg("count"), py::arg("dtype"), py::arg("stream"),
+      py::arg("inputs"), py::arg("out"), py::arg("stream"),
       "out = inputs[0] + ... + inputs[p-1] elementwise, in that order with fp32 accumulation "
-      "(deterministic); p <= MAX_RANKS.");
+      "(deterministic); p <= MAX_RANKS; out may be one of the inputs.");
 
   // The peer-memory (fused) path: workspace buffers, their IPC handles, contexts and ops (peer.h).
-  m.attr("CONTROL_BYTES") = tp_kernels::kControlBytes;
-  m.attr("REGION_ALIGNMENT") = tp_kernels::kRegionAlignment;
-  m.attr("IPC_HANDLE_BYTES") = static_cast<int>(sizeof(cudaIpcMemHandle_t));
-  m.attr("REGIONS") = py::make_tuple("export", "inbox", "export2");
-  m.attr("ALL_REDUCE_ALGORITHMS") = py::make_tuple("one_shot", "two_shot", "scatter_gather");
-  m.attr("FUSED_OPS") = py::make_tuple("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce");
   m.def(
-      "fused_region_need",
-      [](int op, int region, int p, int64_t m_, int64_t n, int64_t k, int dtype, int algo) {
-        if (op < 0 || op > 2) throw tp_kernels::Error("fused_region_need: op must be 0, 1 or 2");
-        if (region < 0 || region >= tp_kernels::kNumRegions) throw tp_kernels::Error("fused_region_need: bad region");
-        if (algo < 0 || algo > 2) throw tp_kernels::Error("fused_region_need: algo must be 0, 1 or 2");
-        return tp_kernels::fused_region_need(static_cast<tp_kernels::FusedOp>(op), static_cast<tp_kernels::Region>(region),
-                                             p, m_, n, k, static_cast<tp_kernels::DType>(dtype),
-                                             static_cast<tp_kernels::AllReduceAlgo>(algo));
+      "fused_region_needs",
+      [](const std::string& op, int p, int64_t m_, int64_t n, int64_t k, const std::string& dtype,
+         const std::optional<std::string>& algorithm) {
+        return tp_kernels::fused_region_needs(
+            tp_kernels::parse_primitive(op, "op"), p, m_, n, k, tp_kernels::parse_dtype(dtype, "dtype"),
+            algorithm ? tp_kernels::parse_algorithm(*algorithm, "algorithm") : AllReduceAlgo::kOneShot);
       },
-      py::arg("op"), py::arg("region"), py::arg("p"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("dtype"),
-      py::arg("algo") = 0,
-      "Bytes region `region` (index in REGIONS) needs for fused op `op` (index in FUSED_OPS) with p "
-      "ranks, m rows (the gathered / full rows), n, k, dtype code and all-reduce algorithm index.");
+      py::arg("op"), py::arg("p"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("dtype"),
+      py::arg("algorithm") = py::none(),
+      "Bytes each region (in REGIONS order) needs on every rank for fused `op` (one of OPS) with p ranks, "
+      "m rows (the gathered rows for all_gather_matmul), n, k, dtype and all-reduce algorithm, rounded "
+      "up to REGION_ALIGNMENT.");
   m.def(
       "two_shot_slice",
-      [](int64_t count, int p, int dtype) {
-        return tp_kernels::two_shot_slice(count, p, static_cast<tp_kernels::DType>(dtype));
+      [](int64_t count, int p, const std::string& dtype) {
+        return tp_kernels::two_shot_slice(count, p, tp_kernels::parse_dtype(dtype, "dtype"));
       },
       py::arg("count"), py::arg("p"), py::arg("dtype"), "Elements per rank's slice of a two-shot all-reduce.");
   m.def("initial_control_block", &tp_kernels::initial_control_block,
@@ -250,9 +300,10 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("device", &PeerContext::device)
       .def_property_readonly("region_bytes",
                              [](const PeerContext& c) {
-                               return py::make_tuple(c.region_bytes(tp_kernels::Region::kExport),
-                                                     c.region_bytes(tp_kernels::Region::kInbox),
-                                                     c.region_bytes(tp_kernels::Region::kExport2));
+                               std::vector<size_t> out;
+                               for (int r = 0; r < tp_kernels::kNumRegions; ++r)
+                                 out.push_back(c.region_bytes(static_cast<tp_kernels::Region>(r)));
+                               return out;
                              })
       .def_property_readonly("copy_stream",
                              [](const PeerContext& c) { return reinterpret_cast<uintptr_t>(c.copy_stream()); })
@@ -262,29 +313,48 @@ PYBIND11_MODULE(_C, m) {
       .def("describe", &PeerContext::describe, py::arg("code"), "The message for an error code.")
       .def("check", &PeerContext::check, "Raise the error a timed-out device wait recorded, if any.");
 
-  bind_overlap<PeerContext, tp_kernels::fused_all_gather_matmul>(
-      m, "fused_all_gather_matmul",
-      "out[m, n] = AG(x)[m, k] W^T (+ bias): shards published in the export regions and pulled by "
-      "copy engine chunk by chunk into scratch (gathered [m, k]) while the GEMM runs.");
-  bind_overlap<PeerContext, tp_kernels::fused_matmul_reduce_scatter>(
-      m, "fused_matmul_reduce_scatter",
-      "out[m/p, n] = RS(x[m, k] W^T): partials pushed by copy engine into their destination's inbox "
-      "(scratch: partial [m, n]), summed in rank order; bounds {0, m/p}; bias must be 0.");
+  m.def(
+      "fused_all_gather_matmul",
+      [](PeerContext& ctx, const TensorRef& x, const TensorRef& weight, const OptionalRef& bias, const TensorRef& out,
+         const TensorRef& gathered, std::vector<int64_t> bounds, const TensorRef& workspace, uintptr_t stream) {
+        OverlapArgs a = tp_kernels::primitive_args(Primitive::kAllGatherMatmul, ctx.size(), ctx.device(), x, weight,
+                                                   opt(bias), out, &gathered, std::move(bounds), workspace,
+                                                   stream_ptr(stream));
+        py::gil_scoped_release release;
+        tp_kernels::fused_all_gather_matmul(ctx, a);
+      },
+      py::arg("ctx"), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("gathered"),
+      py::arg("bounds"), py::arg("workspace"), py::arg("stream"),
+      "out [m, n] = AG(x)[m, k] weight^T (+ bias): shards published in the export regions and pulled by "
+      "copy engine chunk by chunk (bounds over m/p) into `gathered` while the GEMM runs.");
+  m.def(
+      "fused_matmul_reduce_scatter",
+      [](PeerContext& ctx, const TensorRef& x, const TensorRef& weight, const TensorRef& out, const TensorRef& partial,
+         const TensorRef& workspace, uintptr_t stream) {
+        OverlapArgs a = tp_kernels::primitive_args(Primitive::kMatmulReduceScatter, ctx.size(), ctx.device(), x,
+                                                   weight, nullptr, out, &partial, {}, workspace, stream_ptr(stream));
+        py::gil_scoped_release release;
+        tp_kernels::fused_matmul_reduce_scatter(ctx, a);
+      },
+      py::arg("ctx"), py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("partial"), py::arg("workspace"),
+      py::arg("stream"),
+      "out [m/p, n] = RS(x[m, k] weight^T): partials pushed by copy engine into their destination's inbox "
+      "(through `partial` [m, n]), summed in rank order.");
   m.def(
       "fused_matmul_all_reduce",
-      [](PeerContext& ctx, uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t out, uintptr_t scratch, int64_t n,
-         int64_t k, int64_t ldw, bool w_col_major, int dtype, std::vector<int64_t> bounds, uintptr_t workspace,
-         size_t workspace_bytes, uintptr_t stream, int algo) {
-        if (algo < 0 || algo > 2) throw tp_kernels::Error("fused_matmul_all_reduce: algo must be 0, 1 or 2");
-        OverlapArgs a = overlap_args(x, w, bias, out, scratch, n, k, ldw, w_col_major, dtype, std::move(bounds),
-                                     workspace, workspace_bytes, stream);
+      [](PeerContext& ctx, const TensorRef& x, const TensorRef& weight, const TensorRef& out,
+         const OptionalRef& partial, std::vector<int64_t> bounds, const std::string& algorithm,
+         const TensorRef& workspace, uintptr_t stream) {
+        const AllReduceAlgo algo = tp_kernels::parse_algorithm(algorithm, "algorithm");
+        OverlapArgs a = tp_kernels::primitive_args(Primitive::kMatmulAllReduce, ctx.size(), ctx.device(), x, weight,
+                                                   nullptr, out, opt(partial), std::move(bounds), workspace,
+                                                   stream_ptr(stream));
+        tp_kernels::check_all_reduce_algorithm(a, algo, ctx.size(), opt(partial) != nullptr);
         py::gil_scoped_release release;
-        tp_kernels::fused_matmul_all_reduce(ctx, a, static_cast<tp_kernels::AllReduceAlgo>(algo));
+        tp_kernels::fused_matmul_all_reduce(ctx, a, algo);
       },
-      py::arg("ctx"), py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("out"), py::arg("scratch"), py::arg("n"),
-      py::arg("k"), py::arg("ldw"), py::arg("w_col_major"), py::arg("dtype"), py::arg("bounds"), py::arg("workspace"),
-      py::arg("workspace_bytes"), py::arg("stream"), py::arg("algo"),
-      "out[m, n] = AR(x[m, k] W^T) by algorithm `algo` (index in ALL_REDUCE_ALGORITHMS): bounds "
-      "{0, m} for one-/two-shot, the p + 1 block boundaries for scatter_gather (scratch [m, n]); "
-      "bias must be 0 (the arguments are those of the other primitives, then algo).");
+      py::arg("ctx"), py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("partial"), py::arg("bounds"),
+      py::arg("algorithm"), py::arg("workspace"), py::arg("stream"),
+      "out [m, n] = AR(x[m, k] weight^T) by `algorithm` (one of ALL_REDUCE_ALGORITHMS): bounds [0, m] for "
+      "one_shot and two_shot; the p + 1 block boundaries and `partial` [m, n] for scatter_gather.");
 }

@@ -19,16 +19,17 @@ void copy(void* dst, const void* src, int64_t bytes, cudaStream_t stream) {
   if (bytes > 0) TPK_CHECK_CUDA(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDefault, stream));
 }
 
+// The workspace was sized for this call by the caller (fused_region_needs); a smaller one is a
+// bug on the Python side, caught here before any peer's memory is touched.
 void need_region(const PeerContext& ctx, Region c, int64_t bytes, const std::string& op) {
   if (bytes < 0 || static_cast<size_t>(bytes) > ctx.region_bytes(c)) {
-    static const char* names[] = {"export", "inbox", "export2"};
-    throw Error(op + ": the workspace's " + names[static_cast<int>(c)] + " region holds " +
-                std::to_string(ctx.region_bytes(c)) + " bytes, this call needs " + std::to_string(bytes));
+    throw Error(op + ": the workspace's " + region_name(c) + " region holds " + std::to_string(ctx.region_bytes(c)) +
+                " bytes, this call needs " + std::to_string(bytes));
   }
 }
 
-void start(PeerContext& ctx, const OverlapArgs& a, const std::string& op) {
-  detail::validate_args(a, ctx.device(), op);
+void start(PeerContext& ctx, const std::string& op) {
+  detail::require_current_device(ctx.device(), op);
   ctx.check();
 }
 
@@ -38,7 +39,7 @@ void start(PeerContext& ctx, const OverlapArgs& a, const std::string& op) {
 // `slot_bytes` is the inbox slot stride. Ends with the caller's stream having consumed every
 // peer's delivery (ready flags), so the inbox holds all p partials.
 void scatter_partials(PeerContext& ctx, const OverlapArgs& a, const std::vector<int64_t>& blocks, int64_t slot_bytes,
-                      FusedOp op) {
+                      Primitive op) {
   const int p = ctx.size(), r = ctx.rank();
   cudaStream_t cs = ctx.copy_stream();
   order(a.stream, cs, ctx.event(0));  // scratch comes from the caller's stream
@@ -74,8 +75,7 @@ void reduce_inbox(PeerContext& ctx, const OverlapArgs& a, int64_t rows, int64_t 
 void fused_all_gather_matmul(PeerContext& ctx, const OverlapArgs& a) {
   const std::string op = "fused all_gather_matmul";
   auto guard = ctx.lock();
-  start(ctx, a, op);
-  if (a.scratch == nullptr) throw Error(op + ": null gathered buffer");
+  start(ctx, op);
   const int p = ctx.size(), r = ctx.rank();
   const int64_t mp = a.bounds.back(), es = static_cast<int64_t>(dtype_size(a.dtype));
   const size_t chunks = a.bounds.size() - 1;
@@ -84,14 +84,14 @@ void fused_all_gather_matmul(PeerContext& ctx, const OverlapArgs& a) {
   order(a.stream, cs, ctx.event(0));  // gathered comes from the caller's stream
   const std::vector<int> peers = ctx.others();
   // Publish this rank's shard once every peer has finished reading the last one.
-  ctx.wait(peers, Region::kExport, true, FusedOp::kAllGatherMatmul, a.stream);
+  ctx.wait(peers, Region::kExport, true, Primitive::kAllGatherMatmul, a.stream);
   copy(ctx.region(r, Region::kExport), a.x, mp * a.k * es, a.stream);
   ctx.signal_all(Region::kExport, false, a.stream);
   copy(row_ptr(a.scratch, r * mp, a.k, a.dtype), a.x, mp * a.k * es, a.stream);
   // Pull the peers' shards chunk by chunk; event 1 + (s - 1) * chunks + j marks chunk j of step s.
   for (int s = 1; s < p; ++s) {
     const int src = peers[s - 1];
-    ctx.wait({src}, Region::kExport, false, FusedOp::kAllGatherMatmul, cs);
+    ctx.wait({src}, Region::kExport, false, Primitive::kAllGatherMatmul, cs);
     for (size_t j = 0; j < chunks; ++j) {
       const int64_t row = a.bounds[j], rows = a.bounds[j + 1] - row;
       copy(row_ptr(a.scratch, src * mp + row, a.k, a.dtype),
@@ -116,17 +116,14 @@ void fused_all_gather_matmul(PeerContext& ctx, const OverlapArgs& a) {
 void fused_matmul_reduce_scatter(PeerContext& ctx, const OverlapArgs& a) {
   const std::string op = "fused matmul_reduce_scatter";
   auto guard = ctx.lock();
-  start(ctx, a, op);
-  if (a.scratch == nullptr) throw Error(op + ": null partial buffer");
-  if (a.bias != nullptr) throw Error(op + ": the bias is added after the reduction, by the caller");
-  if (a.bounds.size() != 2) throw Error(op + ": bounds must be {0, m/p} (the fused reduce-scatter goes by destination)");
+  start(ctx, op);
   const int p = ctx.size();
   const int64_t mp = a.bounds.back(), es = static_cast<int64_t>(dtype_size(a.dtype));
   const int64_t slot = mp * a.n * es;
   need_region(ctx, Region::kInbox, p * slot, op + " (partials " + shape(p * mp, a.n) + ")");
   std::vector<int64_t> blocks;
   for (int d = 0; d <= p; ++d) blocks.push_back(d * mp);
-  scatter_partials(ctx, a, blocks, slot, FusedOp::kMatmulReduceScatter);
+  scatter_partials(ctx, a, blocks, slot, Primitive::kMatmulReduceScatter);
   reduce_inbox(ctx, a, mp, slot, a.out);
   order(ctx.copy_stream(), a.stream, ctx.event(p + 1));
 }
@@ -134,14 +131,12 @@ void fused_matmul_reduce_scatter(PeerContext& ctx, const OverlapArgs& a) {
 void fused_matmul_all_reduce(PeerContext& ctx, const OverlapArgs& a, AllReduceAlgo algo) {
   const std::string op = "fused matmul_all_reduce";
   auto guard = ctx.lock();
-  start(ctx, a, op);
-  if (a.bias != nullptr) throw Error(op + ": the bias is added after the reduction, by the caller");
+  start(ctx, op);
   const int p = ctx.size(), r = ctx.rank();
   const int64_t es = static_cast<int64_t>(dtype_size(a.dtype));
-  const FusedOp id = FusedOp::kMatmulAllReduce;
+  const Primitive id = Primitive::kMatmulAllReduce;
   const std::vector<int> peers = ctx.others();
   if (algo == AllReduceAlgo::kOneShot || algo == AllReduceAlgo::kTwoShot) {
-    if (a.bounds.size() != 2) throw Error(op + ": bounds must be {0, m} for the one-/two-shot all-reduce");
     const int64_t m = a.bounds.back(), count = m * a.n;
     need_region(ctx, Region::kExport, count * es, op + " (partial " + shape(m, a.n) + ")");
     // Every rank's partial in its export region.
@@ -172,11 +167,6 @@ void fused_matmul_all_reduce(PeerContext& ctx, const OverlapArgs& a, AllReduceAl
     ctx.signal_all(Region::kExport2, true, a.stream);
     return;
   }
-  if (algo != AllReduceAlgo::kScatterGather)
-    throw Error(op + ": unknown all-reduce algorithm " + std::to_string(static_cast<int>(algo)));
-  if (a.scratch == nullptr) throw Error(op + ": null partial buffer");
-  if (static_cast<int>(a.bounds.size()) != p + 1)
-    throw Error(op + ": bounds must hold the " + std::to_string(p + 1) + " block boundaries of the scatter-gather");
   int64_t block = 0;
   for (int d = 0; d < p; ++d) block = std::max(block, a.bounds[d + 1] - a.bounds[d]);
   const int64_t slot = block * a.n * es;

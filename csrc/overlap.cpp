@@ -2,6 +2,7 @@
 // communicator's stream, ordered by events (see overlap.h for the contract).
 #include "tp_kernels/overlap.h"
 
+#include <iterator>
 #include <string>
 
 #include "tp_kernels/check.h"
@@ -15,13 +16,13 @@ ncclDataType_t nccl_type(DType t) {
     case DType::kFloat32: return ncclFloat32;
     case DType::kFloat16: return ncclFloat16;
     case DType::kBFloat16: return ncclBfloat16;
+    default: break;
   }
-  throw Error("unknown dtype code " + std::to_string(static_cast<int>(t)));
+  throw Error(std::string("no NCCL reduction in ") + dtype_name(t));
 }
 
-void validate(const Communicator& comm, const OverlapArgs& a, const char* op) {
-  detail::validate_args(a, comm.device(), op);
-}
+// The one list of the primitives' names (Python reads it as _C.OPS), in enum order.
+const char* const kPrimitiveNames[] = {"all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"};
 
 using detail::gemm;
 using detail::order;
@@ -30,9 +31,21 @@ using detail::shape;
 
 }  // namespace
 
+const char* primitive_name(Primitive op) { return kPrimitiveNames[static_cast<int>(op)]; }
+
+std::vector<std::string> primitive_names() { return {std::begin(kPrimitiveNames), std::end(kPrimitiveNames)}; }
+
+Primitive parse_primitive(const std::string& name, const std::string& arg) {
+  std::string known;
+  for (int i = 0; i < 3; ++i) {
+    if (name == kPrimitiveNames[i]) return static_cast<Primitive>(i);
+    known += std::string(i ? ", " : "") + kPrimitiveNames[i];
+  }
+  throw ArgumentError(arg + ": expected one of " + known + ", got '" + name + "'");
+}
+
 void all_gather_matmul(Communicator& comm, const OverlapArgs& a) {
-  validate(comm, a, "all_gather_matmul");
-  if (a.scratch == nullptr) throw Error("all_gather_matmul: null gathered buffer");
+  detail::require_current_device(comm.device(), "all_gather_matmul");
   const int p = comm.size(), r = comm.rank();
   const int64_t mp = a.bounds.back();
   const size_t chunks = a.bounds.size() - 1;
@@ -47,10 +60,10 @@ void all_gather_matmul(Communicator& comm, const OverlapArgs& a) {
   // shard received at ring step s.
   if (p > 1) {
     order(a.stream, cs, comm.event(0));
-    const int next = (r + 1) % p, prev = (r + p - 1) % p;
+    const int next = a.ring_next, prev = a.ring_prev;
     for (int step = 0; step + 1 < p; ++step) {
-      const int src = ((r - step) % p + p) % p;       // the shard forwarded at this step
-      const int dst = ((r - step - 1) % p + p) % p;   // the shard arriving meanwhile
+      const int src = a.ring[step];      // the shard forwarded at this step
+      const int dst = a.ring[step + 1];  // the shard arriving meanwhile
       for (size_t j = 0; j < chunks; ++j) {
         const int64_t a0 = a.bounds[j], rows = a.bounds[j + 1] - a0;
         const size_t count = static_cast<size_t>(rows * a.k);
@@ -67,7 +80,7 @@ void all_gather_matmul(Communicator& comm, const OverlapArgs& a) {
     }
   }
   for (int step = 0; step < p; ++step) {
-    const int src = ((r - step) % p + p) % p;
+    const int src = a.ring[step];
     for (size_t j = 0; j < chunks; ++j) {
       const int64_t row = src * mp + a.bounds[j];
       if (step > 0) TPK_CHECK_CUDA(cudaStreamWaitEvent(a.stream, comm.event(1 + (step - 1) * chunks + j), 0));
@@ -82,9 +95,7 @@ void all_gather_matmul(Communicator& comm, const OverlapArgs& a) {
 }
 
 void matmul_reduce_scatter(Communicator& comm, const OverlapArgs& a) {
-  validate(comm, a, "matmul_reduce_scatter");
-  if (a.scratch == nullptr) throw Error("matmul_reduce_scatter: null partial buffer");
-  if (a.bias != nullptr) throw Error("matmul_reduce_scatter: the bias is added after the reduction, by the caller");
+  detail::require_current_device(comm.device(), "matmul_reduce_scatter");
   const int p = comm.size();
   const int64_t mp = a.bounds.back();
   const size_t chunks = a.bounds.size() - 1;
@@ -108,8 +119,7 @@ void matmul_reduce_scatter(Communicator& comm, const OverlapArgs& a) {
 }
 
 void matmul_all_reduce(Communicator& comm, const OverlapArgs& a) {
-  validate(comm, a, "matmul_all_reduce");
-  if (a.bias != nullptr) throw Error("matmul_all_reduce: the bias is added after the reduction, by the caller");
+  detail::require_current_device(comm.device(), "matmul_all_reduce");
   const int64_t m = a.bounds.back();
   const size_t chunks = a.bounds.size() - 1;
   const std::string what = "matmul_all_reduce (all-reduce of " + shape(m, a.n) + ")";

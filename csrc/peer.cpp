@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <sstream>
 
 #include "tp_kernels/check.h"
@@ -16,20 +17,21 @@ using detail::DeviceGuard;
 
 constexpr uint32_t kCodeTag = 0x80000000u;
 
+// The one list of each region's and algorithm's name, in enum order.
+const char* const kRegionNames[kNumRegions] = {"export", "inbox", "export2"};
+const char* const kAlgorithmNames[] = {"one_shot", "two_shot", "scatter_gather"};
+
 // Error code of a wait: the op and the flag index (whose region, kind and peer it names).
-uint32_t wait_code(FusedOp op, int index) {
+uint32_t wait_code(Primitive op, int index) {
   return kCodeTag | (static_cast<uint32_t>(op) << 16) | static_cast<uint32_t>(index);
 }
 
 const char* op_name(uint32_t op) {
-  switch (op) {
-    case 0: return "all_gather_matmul";
-    case 1: return "matmul_reduce_scatter";
-    case 2: return "matmul_all_reduce";
-    default: return "unknown op";
-  }
+  return op <= static_cast<uint32_t>(Primitive::kMatmulAllReduce) ? primitive_name(static_cast<Primitive>(op))
+                                                                   : "unknown op";
 }
 
+// What a rank waits for on flag (region, release) of a peer: region-specific words, one per region.
 const char* flag_meaning(int region, bool release) {
   static const char* ready[] = {"its exported data to be ready", "its partial to arrive in this rank's inbox",
                                 "its second exported buffer to be ready"};
@@ -40,6 +42,23 @@ const char* flag_meaning(int region, bool release) {
 }
 
 }  // namespace
+
+const char* region_name(Region c) { return kRegionNames[static_cast<int>(c)]; }
+
+std::vector<std::string> region_names() { return {std::begin(kRegionNames), std::end(kRegionNames)}; }
+
+const char* algorithm_name(AllReduceAlgo algo) { return kAlgorithmNames[static_cast<int>(algo)]; }
+
+std::vector<std::string> algorithm_names() { return {std::begin(kAlgorithmNames), std::end(kAlgorithmNames)}; }
+
+AllReduceAlgo parse_algorithm(const std::string& name, const std::string& arg) {
+  std::string known;
+  for (int i = 0; i < 3; ++i) {
+    if (name == kAlgorithmNames[i]) return static_cast<AllReduceAlgo>(i);
+    known += std::string(i ? ", " : "") + kAlgorithmNames[i];
+  }
+  throw ArgumentError(arg + ": expected one of " + known + ", got '" + name + "'");
+}
 
 std::vector<uint32_t> initial_control_block() {
   std::vector<uint32_t> words(kControlBytes / sizeof(uint32_t), 0);
@@ -130,7 +149,7 @@ void PeerContext::signal_all(Region c, bool release, cudaStream_t stream) {
   for (int q : others()) signal(q, c, release, stream);
 }
 
-void PeerContext::wait(const std::vector<int>& peers, Region c, bool release, FusedOp op, cudaStream_t stream) {
+void PeerContext::wait(const std::vector<int>& peers, Region c, bool release, Primitive op, cudaStream_t stream) {
   uint32_t* flags[kMaxRanks];
   uint32_t codes[kMaxRanks];
   int count = 0;
@@ -170,37 +189,41 @@ void PeerContext::check() const {
   if (code != 0) throw Error(describe(code));
 }
 
-size_t fused_region_need(FusedOp op, Region c, int p, int64_t m, int64_t n, int64_t k, DType dtype,
-                         AllReduceAlgo algo) {
-  if (p < 1 || p > kMaxRanks) throw Error("fused_region_need: p must be in [1, " + std::to_string(kMaxRanks) + "]");
-  if (m < 0 || n < 0 || k < 0) throw Error("fused_region_need: negative dimension");
+std::vector<size_t> fused_region_needs(Primitive op, int p, int64_t m, int64_t n, int64_t k, DType dtype,
+                                       AllReduceAlgo algo) {
+  if (p < 1 || p > kMaxRanks)
+    throw ArgumentError("p: must be in [1, " + std::to_string(kMaxRanks) + "], got " + std::to_string(p));
+  if (m < 0 || n < 0 || k < 0) throw ArgumentError("m, n, k: negative dimension");
   const int64_t es = static_cast<int64_t>(dtype_size(dtype));
   const int64_t block = (m + p - 1) / p;
-  int64_t bytes = 0;
+  int64_t bytes[kNumRegions] = {0, 0, 0};  // export, inbox, export2
   switch (op) {
-    case FusedOp::kAllGatherMatmul:
-      if (c == Region::kExport) bytes = (m / p) * k * es;
+    case Primitive::kAllGatherMatmul:
+      bytes[static_cast<int>(Region::kExport)] = (m / p) * k * es;
       break;
-    case FusedOp::kMatmulReduceScatter:
-      if (c == Region::kInbox) bytes = m * n * es;
+    case Primitive::kMatmulReduceScatter:
+      bytes[static_cast<int>(Region::kInbox)] = m * n * es;
       break;
-    case FusedOp::kMatmulAllReduce:
+    case Primitive::kMatmulAllReduce:
       switch (algo) {
         case AllReduceAlgo::kOneShot:
-          if (c == Region::kExport) bytes = m * n * es;
+          bytes[static_cast<int>(Region::kExport)] = m * n * es;
           break;
         case AllReduceAlgo::kTwoShot:
-          if (c == Region::kExport) bytes = m * n * es;
-          if (c == Region::kExport2) bytes = two_shot_slice(m * n, p, dtype) * es;
+          bytes[static_cast<int>(Region::kExport)] = m * n * es;
+          bytes[static_cast<int>(Region::kExport2)] = two_shot_slice(m * n, p, dtype) * es;
           break;
         case AllReduceAlgo::kScatterGather:
-          if (c == Region::kInbox) bytes = p * block * n * es;
-          if (c == Region::kExport) bytes = block * n * es;
+          bytes[static_cast<int>(Region::kInbox)] = p * block * n * es;
+          bytes[static_cast<int>(Region::kExport)] = block * n * es;
           break;
       }
       break;
   }
-  return static_cast<size_t>(bytes);
+  std::vector<size_t> out;
+  for (int64_t b : bytes)
+    out.push_back(static_cast<size_t>((b + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment));
+  return out;
 }
 
 int64_t two_shot_slice(int64_t count, int p, DType dtype) {

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tp_kernels.launch import World
+from tp_kernels.testing import World
 
 _WORLDS = {}
 

@@ -14,8 +14,11 @@ import torch
 
 import test_ops
 from helpers import assert_close, rank_world
-from tp_kernels import _comm, autotune, ops
-from tp_kernels.backends import fused
+from tp_kernels import _collectives, _extension, autotune, dispatch, ops, parallel_state, settings
+from tp_kernels.backends import fused, parse, pipelined_native
+from tp_kernels.schedule import DEFAULT_NUM_CHUNKS
+
+built = pytest.mark.skipif(_extension._C is None, reason="the native module is not built")
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "linear_with_grad_all_reduce")
 
@@ -33,22 +36,22 @@ def _clean(monkeypatch):
 
 def test_candidates_on_the_cpu(monkeypatch):
     x = torch.randn(4, 8)
-    impls, why = autotune.candidates(x, x, None, 2)
+    impls, why = dispatch.candidates(x, x, None, 2)
     assert impls == ["reference"]
     assert any(w.startswith("fused: ") and "not on a CUDA device" in w for w in why)
     assert any(w.startswith("pipelined: ") and "not on a CUDA device" in w for w in why)
-    assert autotune.candidates(x, x, None, 1) == (["reference"], ["one rank, nothing to overlap"])
+    assert dispatch.candidates(x, x, None, 1) == (["reference"], ["one rank, nothing to overlap"])
     autotune.set_auto_candidates(["reference", "pipelined"])  # the order named does not matter
-    assert autotune.candidates(x, x, None, 2)[0] == ["pipelined", "reference"]
+    assert dispatch.candidates(x, x, None, 2)[0] == ["pipelined", "reference"]
     autotune.set_auto_candidates(["pipelined"])
-    assert autotune.candidates(x, x, None, 2)[0] == ["pipelined"]
+    assert dispatch.candidates(x, x, None, 2)[0] == ["pipelined"]
     autotune.set_auto_candidates(["fused"])  # cannot run here: the reference does
-    impls, why = autotune.candidates(x, x, None, 2)
-    assert impls == ["reference"] and any("fused: " in w and "CUDA" in w for w in why)
+    impls, why = dispatch.candidates(x, x, None, 2)
+    assert impls == ["reference"] and any("fused: " in w and ("CUDA" in w or "extension" in w) for w in why)
     autotune.set_auto_candidates(None)
     monkeypatch.setenv("TP_KERNELS_AUTO_CANDIDATES", "reference, pipelined")
     assert autotune.get_auto_candidates() == ("reference", "pipelined")
-    assert autotune.candidates(x, x, None, 2)[0] == ["pipelined", "reference"]
+    assert dispatch.candidates(x, x, None, 2)[0] == ["pipelined", "reference"]
 
 
 def test_candidates_when_the_fast_paths_are_supported(monkeypatch):
@@ -56,20 +59,20 @@ def test_candidates_when_the_fast_paths_are_supported(monkeypatch):
     need it; "pipelined" is the native path when it is supported."""
     x = torch.randn(4, 8)
     monkeypatch.setattr(fused, "unsupported_reason", lambda x, w, g: None)
-    monkeypatch.setattr(autotune.native, "unsupported_reason", lambda x, w, g: None)
-    monkeypatch.setattr(fused, "AUTO_DEFAULT", False)
-    monkeypatch.setattr(autotune.native, "AUTO_DEFAULT", False)
-    impls, why = autotune.candidates(x, x, None, 2)
+    monkeypatch.setattr(pipelined_native, "unsupported_reason", lambda x, w, g: None)
+    monkeypatch.setattr(settings, "AUTO_FUSED_DEFAULT", False)
+    monkeypatch.setattr(settings, "AUTO_NATIVE_DEFAULT", False)
+    impls, why = dispatch.candidates(x, x, None, 2)
     assert impls == ["reference"] and why[0].startswith("fused: not switched on for 'auto' (TP_KERNELS_AUTO_FUSED=1")
-    assert why[1] == f"pipelined: {autotune.native.AUTO_DISABLED_REASON}"
+    assert why[1] == f"pipelined: {settings.AUTO_NATIVE_OFF}"
     monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "1")
-    assert autotune.candidates(x, x, None, 2)[0] == ["native", "reference"]
+    assert dispatch.candidates(x, x, None, 2)[0] == ["native", "reference"]
     monkeypatch.setenv("TP_KERNELS_AUTO_FUSED", "1")
-    assert autotune.candidates(x, x, None, 2)[0] == ["fused", "native", "reference"]
+    assert dispatch.candidates(x, x, None, 2)[0] == ["fused", "native", "reference"]
     monkeypatch.delenv("TP_KERNELS_AUTO_NATIVE")
     monkeypatch.delenv("TP_KERNELS_AUTO_FUSED")
     autotune.set_auto_candidates(["fused", "pipelined"])
-    assert autotune.candidates(x, x, None, 2)[0] == ["fused", "native"]
+    assert dispatch.candidates(x, x, None, 2)[0] == ["fused", "native"]
 
 
 @pytest.mark.parametrize("bad", [[], ["reference", "reference"], ["naive"], "reference"])
@@ -92,29 +95,47 @@ def test_bad_settings_name_the_variable(monkeypatch):
     assert autotune.autotune_enabled() is False
 
 
+def _variants(op, m, p, impls=("fused", "native", "reference")):
+    """What "auto" measures of these candidates for an op on an [m, 16] input, weight [8, 16]."""
+    x, w = torch.empty(m, 16, device="meta"), torch.empty(8, 16, device="meta")
+    chunks = DEFAULT_NUM_CHUNKS[op]
+    return [v for impl in impls for v in dispatch._variants(impl, op, x, w, p, chunks)]
+
+
+@built
 def test_each_fused_all_reduce_algorithm_is_a_variant(monkeypatch):
-    impls = ["fused", "native", "reference"]
-    assert autotune._variants("matmul_all_reduce", impls, 1, 2) == [
-        "fused:one_shot", "fused:two_shot", "native", "reference"]  # scatter_gather needs m >= p
-    assert autotune._variants("matmul_all_reduce", impls, 8, 2) == [
-        "fused:one_shot", "fused:two_shot", "fused:scatter_gather", "native", "reference"]
-    assert autotune._variants("matmul_reduce_scatter", impls, 8, 2) == impls
+    assert _variants("matmul_all_reduce", 1, 2) == [
+        "fused:one_shot", "fused:two_shot", "native:4", "reference"]  # scatter_gather needs m >= p
+    assert _variants("matmul_all_reduce", 8, 2) == [
+        "fused:one_shot", "fused:two_shot", "fused:scatter_gather", "native:4", "reference"]
+    assert _variants("matmul_reduce_scatter", 8, 2) == ["fused:4", "native:4", "reference"]
+    assert _variants("all_gather_matmul", 8, 2) == ["fused:1", "native:1", "reference"]
     monkeypatch.setenv("TP_KERNELS_FUSED_ALL_REDUCE", "two_shot")  # forced: not measured
-    assert autotune._variants("matmul_all_reduce", impls, 8, 2) == impls
+    assert _variants("matmul_all_reduce", 8, 2) == ["fused:two_shot", "native:4", "reference"]
+    # unmeasured, the first runs: the algorithm the size thresholds pick comes first
+    monkeypatch.delenv("TP_KERNELS_FUSED_ALL_REDUCE")
+    big = fused.MAX_BYTES["two_shot"] // 16  # rows of a [m, 8] fp32 all-reduce past the two-shot threshold
+    assert _variants("matmul_all_reduce", big, 2)[0] == "fused:scatter_gather"
 
 
+@built
 def test_a_measured_algorithm_is_what_the_fused_all_reduce_runs(monkeypatch):
-    big = fused.TWO_SHOT_MAX_BYTES  # elements of bf16: twice the threshold in bytes
-    assert fused.all_reduce_algorithm(big, 1, 2, torch.bfloat16) == "scatter_gather"
-    fused.measured_algorithms[fused.measured_key(big, 1, 2, torch.bfloat16)] = "one_shot"
-    assert fused.all_reduce_algorithm(big, 1, 2, torch.bfloat16) == "one_shot"
-    assert fused.all_reduce_algorithm(big - 1, 1, 2, torch.bfloat16) == "one_shot"  # same size class
-    assert fused.all_reduce_algorithm(big, 1, 4, torch.bfloat16) == "scatter_gather"  # another p
+    big = fused.MAX_BYTES["two_shot"]  # elements of bf16: twice the threshold in bytes
+
+    def algorithm(m, p):
+        x, w = torch.empty(m, 16, dtype=torch.bfloat16, device="meta"), torch.empty(1, 16, device="meta")
+        return dispatch.fused_all_reduce_algorithm("matmul_all_reduce", x, w, p)
+
+    assert algorithm(big, 2) == "scatter_gather"
+    autotune._algorithms[(autotune.size_class(big), 1, 2, torch.bfloat16)] = "one_shot"  # as a measurement does
+    assert algorithm(big, 2) == "one_shot"
+    assert algorithm(big - 1, 2) == "one_shot"  # same size class
+    assert algorithm(big, 4) == "scatter_gather"  # another p
     monkeypatch.setenv("TP_KERNELS_FUSED_ALL_REDUCE", "two_shot")  # the environment wins
-    assert fused.all_reduce_algorithm(big, 1, 2, torch.bfloat16) == "two_shot"
+    assert algorithm(big, 2) == "two_shot"
     autotune.forget()
-    assert not fused.measured_algorithms
-    assert [fused.size_class(m) for m in (1, 2, 3, 4, 5, 4096, 4097)] == [1, 2, 4, 4, 8, 4096, 8192]
+    assert autotune.measured_algorithm(big, 1, 2, torch.bfloat16) is None
+    assert [autotune.size_class(m) for m in (1, 2, 3, 4, 5, 4096, 4097)] == [1, 2, 4, 4, 8, 4096, 8192]
     with pytest.raises(ValueError, match="algorithm: scatter_gather needs at least p = 4 rows, got 3"):
         fused.check_algorithm("scatter_gather", 3, 4)
     with pytest.raises(ValueError, match="algorithm: expected one of"):
@@ -124,14 +145,19 @@ def test_a_measured_algorithm_is_what_the_fused_all_reduce_runs(monkeypatch):
 def test_forget_drops_one_groups_decisions():
     g1, g2 = SimpleNamespace(group_name="a"), SimpleNamespace(group_name="b")
 
-    def decision(name, algorithm):
+    def decision(name, choice):
         return autotune.Decision("matmul_all_reduce", name, "cpu", torch.float32, 1, 8, 4, 4, False,
-                                 ("fused:one_shot", "reference"), (1.0, 2.0), "fused", algorithm)
+                                 ("fused:one_shot", "reference"), (1.0, 2.0), choice)
 
-    autotune._decisions.update({("k1",): (g1, decision("a", "one_shot")), ("k2",): (g2, decision("b", None))})
-    fused.measured_algorithms[fused.measured_key(8, 4, 1, torch.float32)] = "one_shot"
+    autotune._decisions.update({("k1",): (g1, decision("a", "reference")), ("k2",): (g2, decision("b", "reference"))})
+    if _extension._C is not None:  # a fused choice names its algorithm
+        autotune._decisions[("k1",)] = (g1, decision("a", "fused:one_shot"))
+        assert autotune.decisions()[0].algorithm == "one_shot"
+        autotune._algorithms[(8, 4, 1, torch.float32)] = "one_shot"
+    assert autotune.decisions()[1].algorithm is None
     autotune.forget(g1)
-    assert [d.group_name for d in autotune.decisions()] == ["b"] and not fused.measured_algorithms
+    assert [d.group_name for d in autotune.decisions()] == ["b"] and not autotune._algorithms
+    assert autotune.forget in parallel_state._TEARDOWNS  # what destroy_model_parallel calls per group
     autotune.forget()
     assert autotune.decisions() == []
 
@@ -142,14 +168,15 @@ def test_no_measurement_while_compiling(monkeypatch):
     group = SimpleNamespace(group_name="g")
     x, w = torch.randn(4, 8), torch.randn(3, 8)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert autotune.choose("matmul_all_reduce", ["pipelined", "reference"], x, w, None, group, 2) == "pipelined"
+    variants = ["pipelined:2", "reference"]
+    assert autotune.choose("matmul_all_reduce", variants, x, w, None, group) == "pipelined:2"
     assert autotune.decisions() == []
-    key = ("matmul_all_reduce", _comm.group_key(group, x.device), x.dtype, 4, 3, 8, False, ("pipelined", "reference"))
+    key = ("matmul_all_reduce", _collectives.group_key(group, x.device), x.dtype, 4, 3, 8, False, tuple(variants))
     autotune._decisions[key] = (group, autotune.Decision("matmul_all_reduce", "g", "cpu", x.dtype, 2, 4, 3, 8, False,
-                                                         ("pipelined", "reference"), (2.0, 1.0), "reference", None))
-    assert autotune.choose("matmul_all_reduce", ["pipelined", "reference"], x, w, None, group, 2) == "reference"
+                                                         tuple(variants), (2.0, 1.0), "reference"))
+    assert autotune.choose("matmul_all_reduce", variants, x, w, None, group) == "reference"
     autotune.set_autotune(False)
-    assert autotune.choose("matmul_all_reduce", ["pipelined", "reference"], x, w, None, group, 2) == "pipelined"
+    assert autotune.choose("matmul_all_reduce", variants, x, w, None, group) == "pipelined:2"
 
 
 # --- on 2 gloo ranks ----------------------------------------------------------------------------
@@ -184,8 +211,7 @@ def check_measured_choice(names=("reference", "pipelined"), device="cpu"):
                 seen += made
         for d in seen:
             best = d.variants[min(range(len(d.variants)), key=d.times_s.__getitem__)]
-            assert all(t > 0 for t in d.times_s) and (d.choice, d.algorithm) == (best.partition(":")[0],
-                                                                                 best.partition(":")[2] or None)
+            assert all(t > 0 for t in d.times_s) and d.choice == best and d.algorithm == parse(best).algorithm
         lw = [d for d in seen if d.op == "linear_with_grad_all_reduce"]
         assert [(d.n, d.k) for d in lw] == [(12, 6)] * 2  # its backward's all-reduce: (m, 6) x (6, 12)
         return [(d.op, d.m_class, d.n, d.k, d.variants, d.times_s, d.choice) for d in seen]
@@ -197,7 +223,9 @@ def check_measured_choice(names=("reference", "pipelined"), device="cpu"):
 def test_measured_choice(world2):
     per_rank = world2.run(check_measured_choice)
     assert per_rank[0] == per_rank[1]  # the same figures and choices on both ranks
-    assert {variants for _, _, _, _, variants, *_ in per_rank[0]} == {("pipelined", "reference")}
+    for op, _, _, _, variants, *_ in per_rank[0]:  # the portable schedule in the op's default chunks
+        primitive = op if op != "linear_with_grad_all_reduce" else "matmul_all_reduce"
+        assert variants == (f"pipelined:{DEFAULT_NUM_CHUNKS[primitive]}", "reference"), (op, variants)
     # rows: 3 m_per_rank gathered by all_gather_matmul, 3 m_per_rank p for the others
     assert [(op, m) for op, m, *_ in per_rank[0]] == [(op, m) for op in OPS
                                                        for m in ((16, 64) if op == "all_gather_matmul" else (32, 128))]
@@ -212,7 +240,7 @@ def check_the_slowest_rank_decides():
 
     def delayed(primitive, variant, *args):
         out = run_variant(primitive, variant, *args)
-        if variant == slow[0]:
+        if variant.partition(":")[0] == slow[0]:
             time.sleep(slow[1])  # after the collectives: the other rank does not wait for it
         return out
 
@@ -223,7 +251,7 @@ def check_the_slowest_rank_decides():
         assert ops.matmul_all_reduce(x, w, backend="auto").shape == (4, 6)
         (d,) = autotune.decisions()
         assert d.times_s[d.variants.index("reference")] >= 0.3
-        assert 0.15 <= d.times_s[d.variants.index("pipelined")] < 0.3
+        assert 0.15 <= d.times_s[d.variants.index("pipelined:4")] < 0.3
         return d.choice
     finally:
         autotune._run_variant = run_variant
@@ -232,7 +260,7 @@ def check_the_slowest_rank_decides():
 
 
 def test_the_slowest_rank_decides(world2):
-    assert world2.run(check_the_slowest_rank_decides) == ["pipelined", "pipelined"]
+    assert world2.run(check_the_slowest_rank_decides) == ["pipelined:4", "pipelined:4"]
 
 
 def check_ranks_that_disagree_get_an_error():
@@ -243,7 +271,7 @@ def check_ranks_that_disagree_get_an_error():
         bias = torch.randn(6) if r == 1 else None
         with pytest.raises(RuntimeError, match=r"backend='auto': the ranks of group .* disagree on the call to "
                                                r"measure.*rank 0: matmul_all_reduce m=4 n=6 k=8 torch.float32 "
-                                               r"bias=False p=2 candidates=pipelined,reference; rank 1: .*bias=True"):
+                                               r"bias=False p=2 candidates=pipelined:4,reference; rank 1: .*bias=True"):
             ops.matmul_all_reduce(x, w, bias, backend="auto")
         assert autotune.decisions() == []
         # nothing was left in flight: the group still works
@@ -263,14 +291,15 @@ def check_without_measuring():
         x, w = torch.randn(4, 8), torch.randn(6, 8)
         y = ops.matmul_all_reduce(x, w, backend="auto")
         assert_close("auto unmeasured y", y, ops.matmul_all_reduce(x, w, backend="reference").double())
-        return ops.select_backend("matmul_all_reduce", "auto", x, 2, _comm.resolve_group(None), w), autotune.decisions()
+        return (ops.select_backend("matmul_all_reduce", "auto", x, 2, _collectives.resolve_group(None), w),
+                autotune.decisions())
     finally:
         autotune.set_auto_candidates(None)
         autotune.set_autotune(None)
 
 
 def test_without_measuring_the_first_candidate_runs(world2):
-    assert world2.run(check_without_measuring) == [("pipelined", [])] * 2
+    assert world2.run(check_without_measuring) == [("pipelined:4", [])] * 2
 
 
 def test_the_benchmark_reports_what_auto_measured():
@@ -280,7 +309,7 @@ def test_the_benchmark_reports_what_auto_measured():
     assert measure._resolved("matmul_all_reduce", "auto", probe, 2, None, []) == "reference"
     autotune.set_auto_candidates(["reference", "pipelined"])
     made = [autotune.Decision("matmul_all_reduce", "0", "cpu", torch.float32, 2, 4, 8, 8, False,
-                              ("pipelined", "reference"), (2.0, 1.0), "reference", None)]
+                              ("pipelined:4", "reference"), (2.0, 1.0), "reference")]
     assert measure._resolved("matmul_all_reduce", "auto", probe, 2, None, made) == "reference (measured)"
     assert measure._resolved("matmul_all_reduce", "auto", probe, 2, None, []) == "measured before"
-    assert measure._resolved("matmul_all_reduce", "pipelined", probe, 2, None, []) == "pipelined"
+    assert measure._resolved("matmul_all_reduce", "pipelined", probe, 2, None, []) == "pipelined:4"

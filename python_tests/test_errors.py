@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import tp_kernels
-from tp_kernels import _comm, ops
+from tp_kernels import _collectives, ops
 from helpers import rank_world
 
 
@@ -27,8 +27,8 @@ def no_collectives():
     with contextlib.ExitStack() as stack:
         for name in names:
             stack.enter_context(mock.patch.object(dist, name, boom))
-        stack.enter_context(mock.patch.object(_comm, "_all_gather_single", boom))
-        stack.enter_context(mock.patch.object(_comm, "_reduce_scatter_single", boom))
+        stack.enter_context(mock.patch.object(_collectives, "_all_gather_single", boom))
+        stack.enter_context(mock.patch.object(_collectives, "_reduce_scatter_single", boom))
         yield
 
 

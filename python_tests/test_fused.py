@@ -15,12 +15,13 @@ import pytest
 import torch
 
 import tp_kernels
-from tp_kernels import _comm, _native, autotune, ops
-from tp_kernels.backends import fused
+from tp_kernels import _collectives, _extension, dispatch, ops, settings
+from tp_kernels.backends import fused, peer_memory, pipelined_native
+from tp_kernels.testing import VirtualRanks
 
 from helpers import rank_world
 
-built = pytest.mark.skipif(_native._C is None, reason="the native module is not built")
+built = pytest.mark.skipif(_extension._C is None, reason="the native module is not built")
 
 
 def fake_cuda_tensor(shape=(4, 8), dtype=torch.bfloat16, index=0):
@@ -62,19 +63,19 @@ def check_fused_refused_on_cpu():
 def test_unsupported_reasons_in_order(monkeypatch):
     x = fake_cuda_tensor()
     w = fake_cuda_tensor((3, 8))
-    monkeypatch.setattr(_native, "_C", None)
-    monkeypatch.setattr(_native, "_reason", "not built: test")
+    monkeypatch.setattr(_extension, "_C", None)
+    monkeypatch.setattr(_extension, "_reason", "not built: test")
     assert "extension is unavailable: not built: test" in fused.unsupported_reason(x, w, None)
     monkeypatch.undo()
-    if _native._C is None:
+    if _extension._C is None:
         pytest.skip("the rest needs the native module")
     assert "float64 is not supported" in fused.unsupported_reason(fake_cuda_tensor(dtype=torch.float64), w, None)
     assert "empty dimension" in fused.unsupported_reason(fake_cuda_tensor((0, 8)), w, None)
     assert fused.unsupported_reason(x, w, None) is None  # one rank: the plain GEMM
-    monkeypatch.setattr(_comm, "group_size", lambda g: 16)
+    monkeypatch.setattr(_collectives, "group_size", lambda g: 16)
     assert "16 ranks: the fused path supports at most 8" in fused.unsupported_reason(x, w, FakeGroup())
-    monkeypatch.setattr(_comm, "group_size", lambda g: 2)
-    if not _native._C.stream_memory_ops_available():
+    monkeypatch.setattr(_collectives, "group_size", lambda g: 2)
+    if not _extension._C.stream_memory_ops_available():
         assert "stream memory operations" in fused.unsupported_reason(x, w, FakeGroup())
 
 
@@ -82,7 +83,7 @@ def test_unsupported_reasons_in_order(monkeypatch):
 def test_peer_topology_is_decided_alike_on_every_rank(monkeypatch, case):
     """Two all-gathers: host ids and devices, then every rank's verdict on its peer access."""
     g = FakeGroup()
-    me = fused._host_id()
+    me = peer_memory.host_id()
     other = me if case != "two_hosts" else bytes(16)
     rounds = []
 
@@ -92,11 +93,11 @@ def test_peer_topology_is_decided_alike_on_every_rank(monkeypatch, case):
             return [me + (0).to_bytes(4, "little"), other + (1).to_bytes(4, "little")]
         return [payload, b"\x00" if case == "no_peer_access" else b"\x01"]  # rank 1's verdict
 
-    monkeypatch.setattr(_comm, "all_gather_bytes", all_gather_bytes)
-    monkeypatch.setattr(_comm, "group_size", lambda group: 2)
+    monkeypatch.setattr(_collectives, "all_gather_bytes", all_gather_bytes)
+    monkeypatch.setattr(_collectives, "group_size", lambda group: 2)
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: (a, b) == (0, 1))
-    monkeypatch.setattr(fused, "_topology", {})
-    reason = fused._topology_reason(g, torch.device("cuda", 0))
+    monkeypatch.setattr(peer_memory, "_topology", {})
+    reason = peer_memory.topology_reason(g, torch.device("cuda", 0))
     if case == "one_node":
         assert reason is None and len(rounds) == 2 and rounds[1] == b"\x01"
     elif case == "two_hosts":
@@ -104,43 +105,47 @@ def test_peer_topology_is_decided_alike_on_every_rank(monkeypatch, case):
     else:
         assert "rank 1 of the group cannot reach every peer's GPU" in reason
     # decided once: the next call asks nobody
-    assert fused._topology_reason(g, torch.device("cuda", 0)) == reason and len(rounds) == (1 if case == "two_hosts"
-                                                                                           else 2)
-    fused.destroy_workspaces(g)
-    assert not fused._topology
+    assert peer_memory.topology_reason(g, torch.device("cuda", 0)) == reason and len(rounds) == (
+        1 if case == "two_hosts" else 2)
+    peer_memory.destroy_workspaces(g)
+    assert not peer_memory._topology
 
 
 def test_host_id_is_stable():
-    assert fused._host_id() == fused._host_id() and len(fused._host_id()) == 16
+    assert peer_memory.host_id() == peer_memory.host_id() and len(peer_memory.host_id()) == 16
 
 
+@built
 def test_auto_routing_with_the_fused_path(monkeypatch, caplog):
-    x = torch.randn(4, 8)
+    x = torch.randn(4, 8)  # as the weight too: a [4, 4] all-reduce, 64 bytes: one-shot by size
     monkeypatch.setattr(fused, "unsupported_reason", lambda x, w, g: None)
-    monkeypatch.setattr(ops.native, "unsupported_reason", lambda x, w, g: None)
+    monkeypatch.setattr(pipelined_native, "unsupported_reason", lambda x, w, g: None)
     monkeypatch.delenv("TP_KERNELS_AUTO_FUSED", raising=False)
     monkeypatch.delenv("TP_KERNELS_AUTO_CANDIDATES", raising=False)
+    monkeypatch.delenv("TP_KERNELS_FUSED_ALL_REDUCE", raising=False)
     monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "1")
     monkeypatch.setenv("TP_KERNELS_AUTOTUNE", "0")  # the order without measuring (measuring needs a group)
-    assert fused.auto_enabled() is fused.AUTO_DEFAULT
-    monkeypatch.setattr(fused, "AUTO_DEFAULT", False)
-    assert autotune.candidates(x, x, None, 2)[0] == ["native", "reference"]
-    assert ops.select_backend("matmul_all_reduce", "auto", x, 2) == "native"
-    assert ops.select_backend("matmul_all_reduce", "fused", x, 2) == "fused"  # asked for: used
+    assert settings.auto_fused() is settings.AUTO_FUSED_DEFAULT
+    monkeypatch.setattr(settings, "AUTO_FUSED_DEFAULT", False)
+    assert dispatch.candidates(x, x, None, 2)[0] == ["native", "reference"]
+    assert ops.select_backend("matmul_all_reduce", "auto", x, 2) == "native:4"
+    assert ops.select_backend("matmul_all_reduce", "fused", x, 2) == "fused:one_shot"  # asked for: used
+    assert ops.select_backend("all_gather_matmul", "fused", x, 2, num_chunks=3) == "fused:3"
     monkeypatch.setenv("TP_KERNELS_AUTO_FUSED", "1")
-    assert autotune.candidates(x, x, None, 2)[0] == ["fused", "native", "reference"]
-    assert ops.select_backend("matmul_all_reduce", "auto", x, 2) == "fused"
+    assert dispatch.candidates(x, x, None, 2)[0] == ["fused", "native", "reference"]
+    assert ops.select_backend("matmul_all_reduce", "auto", x, 2) == "fused:one_shot"
     assert ops.select_backend("matmul_all_reduce", "auto", x, 1) == "reference"  # nothing to overlap
-    assert ops.select_backend("matmul_all_reduce", "pipelined", x, 2) == "native"
+    assert ops.select_backend("matmul_all_reduce", "pipelined", x, 2) == "native:4"
     monkeypatch.setattr(fused, "unsupported_reason", lambda x, w, g: "the group spans several hosts")
-    with caplog.at_level(logging.DEBUG, logger="tp_kernels.ops"):
-        assert ops.select_backend("matmul_all_reduce", "auto", x, 2) == "native"
+    with caplog.at_level(logging.DEBUG, logger="tp_kernels.dispatch"):
+        assert ops.select_backend("matmul_all_reduce", "auto", x, 2) == "native:4"
     assert any("left out: fused: the group spans several hosts" in r.message for r in caplog.records)
     monkeypatch.setenv("TP_KERNELS_AUTO_FUSED", "maybe")
     with pytest.raises(ValueError, match="TP_KERNELS_AUTO_FUSED"):
-        fused.auto_enabled()
+        settings.auto_fused()
 
 
+@built
 def test_all_reduce_algorithm_by_size(monkeypatch):
     monkeypatch.delenv("TP_KERNELS_FUSED_ALL_REDUCE", raising=False)
     bf16 = torch.bfloat16
@@ -160,30 +165,31 @@ def test_all_reduce_algorithm_by_size(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_region_needs(dtype):
     es = torch.empty((), dtype=dtype).element_size()
-    align = _native._C.REGION_ALIGNMENT
+    align = _extension._C.REGION_ALIGNMENT
+    assert _extension._C.REGIONS == ("export", "inbox", "export2")
 
     def up(b):
         return -(-b // align) * align
 
     p, m, n, k = 8, 8192, 1000, 3584
-    assert fused.region_needs("all_gather_matmul", p, m, n, k, dtype) == [up(m // p * k * es), 0, 0]
-    assert fused.region_needs("matmul_reduce_scatter", p, m, n, k, dtype) == [0, up(m * n * es), 0]
-    assert fused.region_needs("matmul_all_reduce", p, 13, n, k, dtype, "one_shot") == [up(13 * n * es), 0, 0]
-    per = _native._C.two_shot_slice(13 * n, p, _native.DTYPE_CODES[dtype])
+    assert peer_memory.region_needs("all_gather_matmul", p, m, n, k, dtype) == [up(m // p * k * es), 0, 0]
+    assert peer_memory.region_needs("matmul_reduce_scatter", p, m, n, k, dtype) == [0, up(m * n * es), 0]
+    assert peer_memory.region_needs("matmul_all_reduce", p, 13, n, k, dtype, "one_shot") == [up(13 * n * es), 0, 0]
+    per = _extension._C.two_shot_slice(13 * n, p, _extension.dtype_name(dtype))
     assert per * p >= 13 * n and (per * es) % 16 == 0 and per * es - (-(-13 * n // p)) * es < 16
-    assert fused.region_needs("matmul_all_reduce", p, 13, n, k, dtype, "two_shot") == [up(13 * n * es), 0,
-                                                                                        up(per * es)]
+    assert peer_memory.region_needs("matmul_all_reduce", p, 13, n, k, dtype, "two_shot") == [
+        up(13 * n * es), 0, up(per * es)]
     block = -(-1001 // p)
-    assert fused.region_needs("matmul_all_reduce", p, 1001, n, k, dtype, "scatter_gather") == [
+    assert peer_memory.region_needs("matmul_all_reduce", p, 1001, n, k, dtype, "scatter_gather") == [
         up(block * n * es), up(p * block * n * es), 0]
 
 
 def test_workspace_regions_grow_to_powers_of_two():
-    mib = fused.MIN_REGION_BYTES
-    assert fused._grown([0, 0, 0], [256, 0, 0]) == [mib, 0, 0]
-    assert fused._grown([mib, 0, 0], [mib, 0, 0]) is None
-    assert fused._grown([mib, 0, 0], [mib + 256, 3 * mib, 0]) == [2 * mib, 4 * mib, 0]
-    assert fused._grown([4 * mib, 8 * mib, 0], [mib, 0, 1]) == [4 * mib, 8 * mib, mib]
+    mib = peer_memory.MIN_REGION_BYTES
+    assert peer_memory.grown([0, 0, 0], [256, 0, 0]) == [mib, 0, 0]
+    assert peer_memory.grown([mib, 0, 0], [mib, 0, 0]) is None
+    assert peer_memory.grown([mib, 0, 0], [mib + 256, 3 * mib, 0]) == [2 * mib, 4 * mib, 0]
+    assert peer_memory.grown([4 * mib, 8 * mib, 0], [mib, 0, 1]) == [4 * mib, 8 * mib, mib]
 
 
 def test_destroy_workspaces_frees_every_workspace_of_the_group(monkeypatch):
@@ -199,17 +205,18 @@ def test_destroy_workspaces_frees_every_workspace_of_the_group(monkeypatch):
                 raise RuntimeError("a peer is gone")
 
     g1, g2 = object(), object()
-    monkeypatch.setattr(fused, "_workspaces", {1: FakeWorkspace(g1, "a"), 2: FakeWorkspace(g2, "b"),
-                                               3: FakeWorkspace(g1, "dead", fail=True)})
-    fused.destroy_workspaces(g1)  # a failed barrier still frees this rank's buffer, without raising
-    assert released == [("a", True), ("dead", True), ("dead", False)] and list(fused._workspaces) == [2]
-    fused.destroy_workspaces()
-    assert released[-1] == ("b", True) and not fused._workspaces
+    monkeypatch.setattr(peer_memory, "_workspaces", {1: FakeWorkspace(g1, "a"), 2: FakeWorkspace(g2, "b"),
+                                                     3: FakeWorkspace(g1, "dead", fail=True)})
+    assert peer_memory.destroy_workspaces in tp_kernels.parallel_state._TEARDOWNS  # per destroyed group
+    peer_memory.destroy_workspaces(g1)  # a failed barrier still frees this rank's buffer, without raising
+    assert released == [("a", True), ("dead", True), ("dead", False)] and list(peer_memory._workspaces) == [2]
+    peer_memory.destroy_workspaces()
+    assert released[-1] == ("b", True) and not peer_memory._workspaces
 
 
 @built
 def test_control_block_starts_with_every_release_flag_set():
-    C = _native._C
+    C = _extension._C
     words = C.initial_control_block()
     assert len(words) == C.CONTROL_BYTES // 4
     # per region (export, inbox, export2): 8 ready flags (clear) then 8 release flags (set)
@@ -219,7 +226,7 @@ def test_control_block_starts_with_every_release_flag_set():
 
 @built
 def test_native_fused_checks_before_touching_the_gpu():
-    C = _native._C
+    C = _extension._C
     with pytest.raises(RuntimeError, match=r"size must be in \[1, 8\], got 9"):
         C.PeerContext(0, 9, 0, [1] * 9, [0, 0, 0], 1.0)
     with pytest.raises(RuntimeError, match=r"rank 2 is not in \[0, 2\)"):
@@ -236,16 +243,21 @@ def test_native_fused_checks_before_touching_the_gpu():
         C.PeerContext(0, 2, 0, [1, 2], [0, 0, 0], 0.0)
     with pytest.raises(RuntimeError, match="a CUDA IPC handle is 64 bytes, got 3"):
         C.ipc_open(b"abc", 0)
-    with pytest.raises(RuntimeError, match=r"p must be in \[1, 8\]"):
-        C.fused_region_need(0, 0, 9, 8, 8, 8, 0, 0)
-    with pytest.raises(RuntimeError, match="algo must be 0, 1 or 2"):
-        C.fused_region_need(2, 0, 2, 8, 8, 8, 0, 3)
+    with pytest.raises(ValueError, match=r"p: must be in \[1, 8\], got 9"):
+        C.fused_region_needs("all_gather_matmul", 9, 8, 8, 8, "float32")
+    with pytest.raises(ValueError, match="algorithm: expected one of one_shot, two_shot, scatter_gather, got 'three'"):
+        C.fused_region_needs("matmul_all_reduce", 2, 8, 8, 8, "float32", "three")
+    with pytest.raises(ValueError, match="op: expected one of all_gather_matmul, matmul_reduce_scatter, "
+                                         "matmul_all_reduce, got 'matmul'"):
+        C.fused_region_needs("matmul", 2, 8, 8, 8, "float32")
+    with pytest.raises(ValueError, match="dtype: unknown dtype 'float64'"):
+        C.fused_region_needs("all_gather_matmul", 2, 8, 8, 8, "float64")
 
 
 @built
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
 def test_fused_native_calls_without_a_gpu_are_clear_errors():
-    C = _native._C
+    C = _extension._C
     with pytest.raises(RuntimeError, match=r"cudaGetDevice.*failed: CUDA error"):
         C.PeerContext(0, 2, 0, [1, 2], [0, 0, 0], 1.0)
     with pytest.raises(RuntimeError, match=r"cudaGetDevice.*failed: CUDA error"):
@@ -253,15 +265,15 @@ def test_fused_native_calls_without_a_gpu_are_clear_errors():
 
 
 def test_virtual_ranks_check_their_arguments():
-    if _native._C is None:
+    if _extension._C is None:
         with pytest.raises(RuntimeError, match="extension is unavailable"):
-            fused.VirtualRanks(2)
+            VirtualRanks(2)
         return
     for p in (0, 9, 2.0, True):
         with pytest.raises(ValueError, match=r"p: expected an int in \[1, 8\]"):
-            fused.VirtualRanks(p)
+            VirtualRanks(p)
     with pytest.raises(ValueError, match="timeout_s: expected a positive number"):
-        fused.VirtualRanks(2, timeout_s=0)
+        VirtualRanks(2, timeout_s=0)
 
 
 @pytest.mark.parametrize("world", [2], indirect=True)
@@ -271,7 +283,7 @@ def test_all_gather_bytes(world):
 
 def check_all_gather_bytes():
     r, _ = rank_world()
-    out = _comm.all_gather_bytes(f"r{r}-x".encode(), _comm.resolve_group(None), torch.device("cpu"))
+    out = _collectives.all_gather_bytes(f"r{r}-x".encode(), _collectives.resolve_group(None), torch.device("cpu"))
     with pytest.raises(ValueError, match="at least one byte"):
-        _comm.all_gather_bytes(b"", None, torch.device("cpu"))
+        _collectives.all_gather_bytes(b"", None, torch.device("cpu"))
     return out

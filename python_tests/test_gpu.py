@@ -18,8 +18,10 @@ import test_library
 import test_ops
 import tp_kernels
 from helpers import assert_close, rank_world
-from tp_kernels import _comm, autotune, ops
-from tp_kernels.launch import World
+from tp_kernels import _collectives, _extension, dispatch, ops, settings
+from tp_kernels.backends import fused, parse, peer_memory, pipelined_native
+from tp_kernels.schedule import DEFAULT_NUM_CHUNKS
+from tp_kernels.testing import VirtualRanks, World
 
 pytestmark = [
     pytest.mark.gpu,
@@ -78,18 +80,16 @@ def check_native_routing_and_result(op):
     """On CUDA, "pipelined" (and "auto" with several ranks) run the native extension, which
     matches the reference for every chunk count; with several ranks it made the group's NCCL
     communicator."""
-    from tp_kernels.backends import native
-
     r, p = rank_world()
     x = torch.randn(8, 16, device="cuda")
-    group = _comm.resolve_group(None)
-    assert ops.select_backend(op, "pipelined", x, p, group) == "native"
-    impls, _ = autotune.candidates(x, x, group)
-    assert impls == (["native", "reference"] if p > 1 and native.auto_enabled() else ["reference"])
-    assert ops.select_backend(op, "auto", x, p, group, x) in impls  # measured when there are two
+    group = _collectives.resolve_group(None)
+    assert ops.select_backend(op, "pipelined", x, p, group) == f"native:{DEFAULT_NUM_CHUNKS[op]}"
+    impls, _ = dispatch.candidates(x, x, group)
+    assert impls == (["native", "reference"] if p > 1 and settings.auto_native() else ["reference"])
+    assert parse(ops.select_backend(op, "auto", x, p, group, x)).backend in impls  # measured when there are two
     test_ops.check_pipelined_matches_reference(op, 7, device="cuda")
     if p > 1:
-        assert native._communicators, "the native path made no communicator"
+        assert pipelined_native._communicators, "the native path made no communicator"
 
 
 def check_native_timeout():
@@ -192,13 +192,11 @@ def test_cuda_graph_replay_equals_eager(nccl_world, backend):
 @pytest.mark.parametrize("m,k,n", [(1, 13, 17), (7, 13, 17), (97, 769, 129), (256, 1024, 1536), (0, 8, 8), (5, 0, 3)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_native_linear_matches_float64(dtype, m, k, n, bias):
-    from tp_kernels import _native
-
     g = torch.Generator().manual_seed(m * 7 + k + n)
     x = torch.randn(m, k, generator=g).to("cuda", dtype)
     w = torch.randn(n, k, generator=g).to("cuda", dtype)
     b = torch.randn(n, generator=g).to("cuda", dtype) if bias else None
-    y = _native.linear(x, w, b)
+    y = _extension.linear(x, w, b)
     ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
     plain = torch.nn.functional.linear(x, w, b)
     assert_close("native linear", y, ref, plain)
@@ -206,47 +204,43 @@ def test_native_linear_matches_float64(dtype, m, k, n, bias):
     if m and k:
         wide = torch.zeros(m, k + 5, device="cuda", dtype=dtype)
         wide[:, :k] = x
-        assert torch.equal(_native.linear(wide[:, :k], w, b), y)
+        assert torch.equal(_extension.linear(wide[:, :k], w, b), y)
 
 
 @native_built
 def test_native_linear_writes_into_rows_of_a_larger_buffer():
-    from tp_kernels import _native
-
     g = torch.Generator().manual_seed(3)
     x, w, b = (torch.randn(*s, generator=g).to("cuda", torch.bfloat16) for s in ((6, 40), (24, 40), (24,)))
     buf = torch.full((10, 24), 7.0, device="cuda", dtype=torch.bfloat16)
-    y = _native.linear(x, w, b, out=buf[2:8])
+    y = _extension.linear(x, w, b, out=buf[2:8])
     assert y.data_ptr() == buf[2:8].data_ptr()
-    assert torch.equal(buf[2:8], _native.linear(x, w, b))
+    assert torch.equal(buf[2:8], _extension.linear(x, w, b))
     assert torch.equal(buf[:2], torch.full((2, 24), 7.0, device="cuda", dtype=torch.bfloat16))
     assert torch.equal(buf[8:], torch.full((2, 24), 7.0, device="cuda", dtype=torch.bfloat16))
     strided = torch.zeros(6, 48, device="cuda", dtype=torch.bfloat16)[:, :24]  # rows 48 apart
-    assert torch.equal(_native.linear(x, w, b, out=strided), buf[2:8])
+    assert torch.equal(_extension.linear(x, w, b, out=strided), buf[2:8])
     for bad in (buf[2:7], buf[2:8].float(), buf[2:8].t().contiguous().t(), buf[2:8].cpu()):
-        with pytest.raises(ValueError, match=r"out: expected a \[6, 24\]"):
-            _native.linear(x, w, b, out=bad)
+        with pytest.raises(ValueError, match=r"^out: expected"):
+            _extension.linear(x, w, b, out=bad)
 
 
 @native_built
 def test_native_linear_in_cuda_graph():
-    from tp_kernels import _native
-
     x = torch.randn(64, 96, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(80, 96, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(80, device="cuda", dtype=torch.bfloat16)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        _native.linear(x, w, b)  # warm-up: plan and workspace exist before the capture
+        _extension.linear(x, w, b)  # warm-up: plan and workspace exist before the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = _native.linear(x, w, b)
+        y = _extension.linear(x, w, b)
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(y, _native.linear(x, w, b))
+    assert torch.equal(y, _extension.linear(x, w, b))
 
 
 
@@ -256,22 +250,15 @@ def test_native_linear_in_cuda_graph():
 def test_native_batched_linear_shares_one_weight(dtype, w_transposed):
     """The reduce-scatter's chunk GEMM: rows [a, b) of each of p blocks of X, one W, into a
     destination-major [p, b - a, n] buffer; W row-major or a transposed (column-major) view."""
-    from tp_kernels import _native
-
     p, mp, k, n, a, b = 4, 13, 24, 20, 3, 10
     g = torch.Generator().manual_seed(3)
     x = torch.randn(p * mp, k, generator=g).to("cuda", dtype)
     w = (torch.randn(k, n, generator=g).to("cuda", dtype).t() if w_transposed
          else torch.randn(n, k, generator=g).to("cuda", dtype))
-    weight, ldw, col_major = _native.weight_layout(w)
-    assert col_major == w_transposed
+    assert _extension.gemm_weight(w) is w  # used as it is, row- or column-major
     y = torch.full((p, b - a, n), float("nan"), device="cuda", dtype=dtype)
-    stream = torch.cuda.current_stream()
-    ws = _native._workspace(stream)
-    _native._C.linear(x[a:].data_ptr(), weight.data_ptr(), 0, y.data_ptr(), b - a, n, k, k, ldw, n,
-                      _native.DTYPE_CODES[dtype], ws.data_ptr(), ws.numel(), stream.cuda_stream, col_major,
-                      p, mp * k, (b - a) * n)
     blocks = x.reshape(p, mp, k)[:, a:b]
+    _extension.linear(blocks, w, out=y)  # a batch of p products, x and y advanced by mp*k and (b-a)*n
     ref = torch.matmul(blocks.double(), w.double().t())
     plain = torch.matmul(blocks, w.t())
     assert_close("batched native linear", y, ref, plain)
@@ -284,15 +271,11 @@ def test_native_batched_linear_shares_one_weight(dtype, w_transposed):
 @pytest.mark.parametrize("p", [2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_reduce_partials_is_the_fixed_order_fp32_sum(p, dtype):
-    from tp_kernels import _native
-
     count = 100_003
     g = torch.Generator().manual_seed(p)
     parts = [torch.randn(count, generator=g).to("cuda", dtype) for _ in range(p)]
     out = torch.empty(count, device="cuda", dtype=dtype)
-    stream = torch.cuda.current_stream()
-    _native._C.reduce_partials([t.data_ptr() for t in parts], out.data_ptr(), count, _native.DTYPE_CODES[dtype],
-                               stream.cuda_stream)
+    _extension.reduce_partials(parts, out)
     acc = parts[0].float()
     for t in parts[1:]:
         acc = acc + t.float()  # rank order, fp32: the same additions, so the same bits
@@ -303,16 +286,13 @@ def test_reduce_partials_is_the_fixed_order_fp32_sum(p, dtype):
     assert_close("reduce_partials", out, sum(t.double() for t in parts), plain, terms=p)
     # in place into rank 0's buffer, and again: the same bits every run
     again = parts[0].clone()
-    _native._C.reduce_partials([again.data_ptr()] + [t.data_ptr() for t in parts[1:]], again.data_ptr(), count,
-                               _native.DTYPE_CODES[dtype], stream.cuda_stream)
+    _extension.reduce_partials([again] + parts[1:], again)
     assert torch.equal(again, out)
 
 
 @native_built
 def test_flags_and_bounded_waits():
-    from tp_kernels import _native
-
-    C = _native._C
+    C = _extension._C
     assert C.stream_memory_ops_available()
     flag = torch.zeros(4, device="cuda", dtype=torch.int32)
     error = torch.zeros(1, dtype=torch.int32).pin_memory()  # host-readable from the device (UVA)
@@ -371,11 +351,9 @@ def _run_virtual(vr, case, xs, ws, biases=None, num_chunks=1):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", FUSED_CASES)
 def test_fused_virtual_ranks_against_float64(case, dtype, p):
-    from tp_kernels.backends import fused
-
     rows, k, n = 5, 37, 19  # odd shapes: nothing a multiple of 8
     xs, ws = _virtual_inputs(case, p, rows, k, n, dtype)
-    with fused.VirtualRanks(p, timeout_s=30.0) as vr:
+    with VirtualRanks(p, timeout_s=30.0) as vr:
         if case == "all_gather_matmul":
             biases = [torch.randn(n).to("cuda", dtype) for _ in range(p)]
             for chunks in (1, 2, 5):
@@ -404,8 +382,6 @@ def test_fused_virtual_ranks_against_float64(case, dtype, p):
 @pytest.mark.parametrize("case", FUSED_CASES[1:])
 def test_fused_reductions_are_the_fixed_order_sum_of_the_partials(case, p):
     """The result is bitwise the rank-order fp32 sum of the same partial GEMMs, every run."""
-    from tp_kernels import _native
-    from tp_kernels.backends import fused
     from tp_kernels.schedule import chunk_bounds
 
     dtype, rows, k, n = torch.bfloat16, 64, 512, 256  # aligned: the GEMMs match the reference's
@@ -417,12 +393,12 @@ def test_fused_reductions_are_the_fixed_order_sum_of_the_partials(case, p):
         blocks = chunk_bounds(m, p)
     else:
         blocks = [(0, m)]
-    partial = [torch.cat([_native.linear(x[a:b], w) for a, b in blocks]) for x, w in zip(xs, ws)]
+    partial = [torch.cat([_extension.linear(x[a:b], w) for a, b in blocks]) for x, w in zip(xs, ws)]
     acc = partial[0].float()
     for t in partial[1:]:
         acc = acc + t.float()
     expected = acc.to(dtype)
-    with fused.VirtualRanks(p, timeout_s=30.0) as vr:
+    with VirtualRanks(p, timeout_s=30.0) as vr:
         first = _run_virtual(vr, case, xs, ws)
         for _ in range(3):
             again = _run_virtual(vr, case, xs, ws)
@@ -435,10 +411,8 @@ def test_fused_reductions_are_the_fixed_order_sum_of_the_partials(case, p):
 @native_built
 @pytest.mark.parametrize("p", [2, 4])
 def test_fused_cuda_graph_replay_equals_eager(p):
-    from tp_kernels.backends import fused
-
     dtype, rows, k, n = torch.bfloat16, 16, 256, 128
-    with fused.VirtualRanks(p, timeout_s=30.0) as vr:
+    with VirtualRanks(p, timeout_s=30.0) as vr:
         inputs = {case: _virtual_inputs(case, p, rows, k, n, dtype, seed=i) for i, case in enumerate(FUSED_CASES)}
         for case, (xs, ws) in inputs.items():
             _run_virtual(vr, case, xs, ws)  # workspace and cuBLAS workspaces made outside the capture
@@ -463,11 +437,9 @@ def test_fused_cuda_graph_replay_equals_eager(p):
 @native_built
 def test_fused_stress_of_consecutive_calls_with_varying_shapes():
     """1,000 calls, shapes and ops changing (the workspace grows as needed), a sample checked."""
-    from tp_kernels.backends import fused
-
     p, dtype = 4, torch.bfloat16
     shapes = [(1, 64, 32), (8, 128, 64), (3, 40, 24), (32, 256, 128), (2, 8, 8)]
-    with fused.VirtualRanks(p, timeout_s=30.0) as vr:
+    with VirtualRanks(p, timeout_s=30.0) as vr:
         for i in range(1000):
             case = FUSED_CASES[i % len(FUSED_CASES)]
             rows, k, n = shapes[(i // len(FUSED_CASES)) % len(shapes)]
@@ -490,21 +462,19 @@ def test_fused_stress_of_consecutive_calls_with_varying_shapes():
 def test_fused_dead_peer_is_a_timeout_error(case):
     """Rank 1 never takes part: rank 0's bounded wait gives up after the timeout, the stream
     drains, and the error (op, rank, peer) is raised by check() and by the next call."""
-    from tp_kernels.backends import fused
-
     xs, ws = _virtual_inputs(case, 2, 8, 64, 32, torch.bfloat16)
-    with fused.VirtualRanks(2, timeout_s=1.0) as vr:
+    with VirtualRanks(2, timeout_s=1.0) as vr:
         _run_virtual(vr, case, xs, ws)  # both ranks: workspace made, flags in their initial state
         torch.cuda.synchronize()
         ctx, stream = vr.contexts[0], vr.streams[0]
         start = time.monotonic()
         with torch.cuda.stream(stream):
             if case == "all_gather_matmul":
-                fused._rank_all_gather_matmul(ctx, xs[0], ws[0], None, 1, stream)
+                fused.rank_all_gather_matmul(ctx, xs[0], ws[0], None, 1, stream)
             elif case == "matmul_reduce_scatter":
-                fused._rank_matmul_reduce_scatter(ctx, xs[0], ws[0], stream)
+                fused.rank_matmul_reduce_scatter(ctx, xs[0], ws[0], stream)
             else:
-                fused._rank_matmul_all_reduce(ctx, xs[0], ws[0], "one_shot", stream)
+                fused.rank_matmul_all_reduce(ctx, xs[0], ws[0], "one_shot", stream)
         torch.cuda.synchronize()
         elapsed = time.monotonic() - start
         assert 1.0 <= elapsed < 30.0, elapsed
@@ -520,12 +490,10 @@ def check_fused_matches_reference(op):
     """backend="fused" across processes sharing the GPU (workspace over CUDA IPC): forward and
     backward match the reference for several chunk counts; growing the workspace and freeing it
     with the group work."""
-    from tp_kernels.backends import fused
-
     r, p = rank_world()
-    group = _comm.resolve_group(None)
+    group = _collectives.resolve_group(None)
     x = torch.randn(8, 16, device="cuda")
-    assert ops.select_backend(op, "fused", x, p, group) == "fused"
+    assert parse(ops.select_backend(op, "fused", x, p, group)).backend == "fused"
     for m_per_rank, k, n in ((3, 11, 7), (40, 96, 72)):  # the second grows the workspace
         args, _ = test_ops._case(op, m_per_rank, k, n, torch.float32, device="cuda")
         out_shape = getattr(ops, op)(*args, backend="reference").shape
@@ -536,10 +504,10 @@ def check_fused_matches_reference(op):
             assert_close(f"fused {op} num_chunks={c} y", y, y_ref.double())
             for name, g, g_ref in zip(("dx", "dw", "db"), grads, grads_ref):
                 assert_close(f"fused {op} num_chunks={c} {name}", g, g_ref.double())
-    assert fused._workspaces, "the fused path made no workspace"
+    assert peer_memory._workspaces, "the fused path made no workspace"
     torch.cuda.synchronize()
-    fused.destroy_workspaces(group)
-    assert not fused._workspaces
+    peer_memory.destroy_workspaces(group)
+    assert not peer_memory._workspaces
 
 
 @native_built
@@ -563,6 +531,9 @@ def test_auto_measures_fused_native_and_reference_on_one_gpu(shared_gpu_world):
     per_rank = shared_gpu_world.run(test_autotune.check_measured_choice, ("fused", "pipelined", "reference"), "cuda")
     assert all(r == per_rank[0] for r in per_rank)
     for op, m_class, _, _, variants, _, _ in per_rank[0]:
-        fused_variants = (["fused:one_shot", "fused:two_shot", "fused:scatter_gather"]
-                          if op in ("matmul_all_reduce", "linear_with_grad_all_reduce") else ["fused"])
-        assert list(variants) == fused_variants + ["native", "reference"], (op, m_class, variants)
+        reduces = op in ("matmul_all_reduce", "linear_with_grad_all_reduce")
+        chunks = DEFAULT_NUM_CHUNKS["matmul_all_reduce" if reduces else op]
+        fused_variants = ({"fused:one_shot", "fused:two_shot", "fused:scatter_gather"} if reduces
+                          else {f"fused:{chunks}"})
+        assert set(variants[:-2]) == fused_variants and len(variants) == len(fused_variants) + 2, (op, m_class, variants)
+        assert list(variants[-2:]) == [f"native:{chunks}", "reference"], (op, m_class, variants)

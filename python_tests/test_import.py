@@ -71,30 +71,34 @@ native_built = pytest.mark.skipif(not tp_kernels.extension_status()["built"], re
 
 
 @native_built
-def test_native_errors_are_runtime_errors():
-    from tp_kernels._native import _C
+def test_native_errors_are_runtime_and_value_errors():
+    from tp_kernels._extension import _C
 
-    assert issubclass(_C.Error, RuntimeError)
+    assert issubclass(_C.Error, RuntimeError) and issubclass(_C.ArgumentError, ValueError)
+
+    def ref(name, data, shape, strides, dtype="bfloat16"):
+        return _C.TensorRef(name, data, shape, strides, dtype, 0)
+
     # argument checks run before any CUDA call, so they work without a GPU
-    args = dict(x=0, w=0, bias=0, y=0, m=4, n=4, k=4, ldx=4, ldw=4, ldy=4, dtype=2, workspace=0,
-                workspace_bytes=0, stream=0)
-    with pytest.raises(RuntimeError, match="negative size"):
-        _C.linear(**{**args, "m": -1})
-    with pytest.raises(RuntimeError, match="leading dimension"):
-        _C.linear(**{**args, "ldx": 3})
-    with pytest.raises(RuntimeError, match="null x, w or y"):
-        _C.linear(**args)
+    args = dict(x=ref("x", 64, [4, 4], [4, 1]), weight=ref("weight", 64, [4, 4], [4, 1]), bias=None,
+                out=ref("out", 64, [4, 4], [4, 1]), workspace=ref("workspace", 0, [0], [1], "uint8"), stream=0)
+    with pytest.raises(ValueError, match="x: negative size"):
+        _C.linear(**{**args, "x": ref("x", 64, [-1, 4], [4, 1])})
+    with pytest.raises(ValueError, match="x: expected rows that do not overlap"):
+        _C.linear(**{**args, "x": ref("x", 64, [4, 4], [3, 1])})
+    with pytest.raises(ValueError, match="out: expected a non-null data pointer"):
+        _C.linear(**{**args, "out": ref("out", 0, [4, 4], [4, 1])})
 
 
 def test_native_linear_rejects_host_tensors():
-    from tp_kernels import _native
+    from tp_kernels import _extension
 
     if not tp_kernels.extension_status()["built"]:
         with pytest.raises(RuntimeError, match="unavailable"):
-            _native.linear(torch.randn(2, 3), torch.randn(4, 3))
+            _extension.linear(torch.randn(2, 3), torch.randn(4, 3))
     else:
         with pytest.raises(ValueError, match="CUDA"):
-            _native.linear(torch.randn(2, 3), torch.randn(4, 3))
+            _extension.linear(torch.randn(2, 3), torch.randn(4, 3))
 
 
 def test_public_api_names():

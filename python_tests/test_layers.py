@@ -230,7 +230,7 @@ def check_rank_env():
 
 
 def test_world_sets_per_rank_environment():
-    from tp_kernels.launch import World
+    from tp_kernels.testing import World
 
     with World(2, backend="gloo", env={"TP_KERNELS_TEST_RANK_ENV": "host-{rank}"}) as world:
         assert world.run(check_rank_env) == ["host-0", "host-1"]

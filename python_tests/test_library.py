@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import tp_kernels
-from tp_kernels._library import group_name
+from tp_kernels._collectives import group_name
 from helpers import assert_close, block, rank_world
 
 OPS = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "linear_with_grad_all_reduce"]
@@ -19,15 +19,15 @@ def check_opcheck(op, device="cpu"):
     group = group_name(dist.group.WORLD)
     g = torch.Generator().manual_seed(0)
     rows = 2 * p if op == "matmul_reduce_scatter" else 3
-    impls = ["reference", "pipelined"]
+    impls = ["reference", "pipelined:2"]
     if device == "cuda" and tp_kernels.extension_status()["built"]:
-        impls.append("native")  # what "pipelined" runs on CUDA tensors
-    for backend in impls:
+        impls.append("native:2")  # what "pipelined" runs on CUDA tensors
+    for impl in impls:
         for bias in (True, False):
             x = torch.randn(rows, 5, generator=g).to(device).requires_grad_()
             w = torch.randn(4, 5, generator=g).to(device).requires_grad_()
             b = torch.randn(4, generator=g).to(device).requires_grad_() if bias else None
-            torch.library.opcheck(getattr(torch.ops.tp_kernels, op), (x, w, b, group, backend, 2))
+            torch.library.opcheck(getattr(torch.ops.tp_kernels, op), (x, w, b, group, impl))
 
 
 @pytest.mark.parametrize("world", [1, 2], indirect=True)

@@ -12,16 +12,16 @@ import pytest
 import torch
 
 import tp_kernels
-from tp_kernels import _native, ops
-from tp_kernels.backends import IMPLEMENTATIONS, native
+from tp_kernels import _extension, ops, parallel_state, settings
+from tp_kernels.backends import IMPLEMENTATIONS, Impl, pipelined_native
 
-built = pytest.mark.skipif(_native._C is None, reason="the native module is not built")
+built = pytest.mark.skipif(_extension._C is None, reason="the native module is not built")
 
 
 def test_routing_on_cpu_keeps_the_portable_backends(caplog):
     x = torch.randn(4, 8)
-    with caplog.at_level(logging.DEBUG, logger="tp_kernels.ops"):
-        assert ops.select_backend("matmul_all_reduce", "pipelined", x, 2) == "pipelined"
+    with caplog.at_level(logging.DEBUG, logger="tp_kernels.dispatch"):
+        assert ops.select_backend("matmul_all_reduce", "pipelined", x, 2) == "pipelined:4"
         assert ops.select_backend("matmul_all_reduce", "auto", x, 2) == "reference"
         assert ops.select_backend("matmul_all_reduce", "reference", x, 2) == "reference"
     # auto says why it did not pick the native path
@@ -30,33 +30,34 @@ def test_routing_on_cpu_keeps_the_portable_backends(caplog):
 
 def test_routing_when_the_native_path_is_supported(monkeypatch, caplog):
     """What CUDA tensors get: pipelined -> native always; auto -> native only with several ranks."""
-    monkeypatch.setattr(native, "unsupported_reason", lambda x, w, g: None)
+    monkeypatch.setattr(pipelined_native, "unsupported_reason", lambda x, w, g: None)
     monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "1")
     monkeypatch.setenv("TP_KERNELS_AUTOTUNE", "0")  # the order without measuring (measuring needs a group)
     x = torch.randn(4, 8)
     for p in (1, 2, 8):
-        assert ops.select_backend("all_gather_matmul", "pipelined", x, p) == "native"
+        assert ops.select_backend("all_gather_matmul", "pipelined", x, p) == "native:1"
+        assert ops.select_backend("all_gather_matmul", "pipelined", x, p, num_chunks=3) == "native:3"
         assert ops.select_backend("all_gather_matmul", "reference", x, p) == "reference"
-    assert ops.select_backend("all_gather_matmul", "auto", x, 2) == "native"
-    with caplog.at_level(logging.DEBUG, logger="tp_kernels.ops"):
+    assert ops.select_backend("all_gather_matmul", "auto", x, 2) == "native:1"
+    with caplog.at_level(logging.DEBUG, logger="tp_kernels.dispatch"):
         assert ops.select_backend("all_gather_matmul", "auto", x, 1) == "reference"
     assert any("one rank" in r.message for r in caplog.records)
 
 
 def test_auto_does_not_pick_the_native_path_until_enabled(monkeypatch, caplog):
-    monkeypatch.setattr(native, "unsupported_reason", lambda x, w, g: None)
+    monkeypatch.setattr(pipelined_native, "unsupported_reason", lambda x, w, g: None)
     monkeypatch.delenv("TP_KERNELS_AUTO_NATIVE", raising=False)
     monkeypatch.setenv("TP_KERNELS_AUTOTUNE", "0")
     x = torch.randn(4, 8)
-    assert native.auto_enabled() is native.AUTO_DEFAULT
-    monkeypatch.setattr(native, "AUTO_DEFAULT", False)
-    with caplog.at_level(logging.DEBUG, logger="tp_kernels.ops"):
+    assert settings.auto_native() is settings.AUTO_NATIVE_DEFAULT
+    monkeypatch.setattr(settings, "AUTO_NATIVE_DEFAULT", False)
+    with caplog.at_level(logging.DEBUG, logger="tp_kernels.dispatch"):
         assert ops.select_backend("matmul_all_reduce", "auto", x, 2) == "reference"
     assert any("TP_KERNELS_AUTO_NATIVE=1" in r.message for r in caplog.records)
-    assert ops.select_backend("matmul_all_reduce", "pipelined", x, 2) == "native"  # asked for: used
+    assert ops.select_backend("matmul_all_reduce", "pipelined", x, 2) == "native:4"  # asked for: used
     monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "1")
-    assert ops.select_backend("matmul_all_reduce", "auto", x, 2) == "native"
-    monkeypatch.setattr(native, "AUTO_DEFAULT", True)
+    assert ops.select_backend("matmul_all_reduce", "auto", x, 2) == "native:4"
+    monkeypatch.setattr(settings, "AUTO_NATIVE_DEFAULT", True)
     monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "0")
     assert ops.select_backend("matmul_all_reduce", "auto", x, 2) == "reference"
     monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "yes")
@@ -65,28 +66,48 @@ def test_auto_does_not_pick_the_native_path_until_enabled(monkeypatch, caplog):
 
 
 def test_routing_falls_back_with_the_reason(monkeypatch, caplog):
-    monkeypatch.setattr(native, "unsupported_reason", lambda x, w, g: "dtype torch.float64 is not supported natively")
+    monkeypatch.setattr(pipelined_native, "unsupported_reason",
+                        lambda x, w, g: "dtype torch.float64 is not supported natively")
     x = torch.randn(4, 8)
-    with caplog.at_level(logging.DEBUG, logger="tp_kernels.ops"):
+    with caplog.at_level(logging.DEBUG, logger="tp_kernels.dispatch"):
         assert ops.select_backend("matmul_reduce_scatter", "auto", x, 4) == "reference"
     assert any("float64 is not supported natively" in r.message for r in caplog.records)
 
 
 def test_unsupported_reasons_on_this_machine(monkeypatch):
     w = torch.randn(3, 8)
-    if _native._C is not None:
-        assert "not on a CUDA device" in native.unsupported_reason(torch.randn(4, 8), w, None)
-    monkeypatch.setattr(_native, "_C", None)
-    monkeypatch.setattr(_native, "_reason", "not built: test")
-    assert native.unsupported_reason(torch.randn(4, 8), w, None) == "the native extension is unavailable: not built: test"
+    if _extension._C is not None:
+        assert "not on a CUDA device" in pipelined_native.unsupported_reason(torch.randn(4, 8), w, None)
+    monkeypatch.setattr(_extension, "_C", None)
+    monkeypatch.setattr(_extension, "_reason", "not built: test")
+    assert (pipelined_native.unsupported_reason(torch.randn(4, 8), w, None)
+            == "the native extension is unavailable: not built: test")
 
 
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
 def test_native_implementation_refuses_host_tensors(op):
-    """Called directly (as torch.ops.tp_kernels.* with impl "native"), it raises, naming why."""
+    """Called directly (as torch.ops.tp_kernels.* with impl "native:2"), it raises, naming why:
+    the native module checks its arguments (or is missing)."""
     x, w = torch.randn(4, 8), torch.randn(6, 8)
-    with pytest.raises(ValueError, match="native pipelined backend cannot run this call: .*(CUDA|extension)"):
-        getattr(torch.ops.tp_kernels, op)(x, w, None, "", "native", 2)
+    with pytest.raises((ValueError, RuntimeError), match="x: expected a CUDA tensor|native extension is unavailable"):
+        getattr(torch.ops.tp_kernels, op)(x, w, None, "", "native:2")
+
+
+@pytest.mark.parametrize("name", ["native", "native:0", "native:two_shot", "reference:2", "nccl:2", "fused:", ""])
+def test_implementation_names_that_name_nothing_are_refused(name):
+    with pytest.raises(ValueError, match="impl: expected"):
+        getattr(torch.ops.tp_kernels, "matmul_all_reduce")(torch.randn(4, 8), torch.randn(6, 8), None, "", name)
+
+
+def test_implementation_names():
+    from tp_kernels.backends import parse
+
+    assert parse("reference") == Impl("reference")
+    assert parse("native:4") == Impl("native", num_chunks=4) and parse("native:4").name == "native:4"
+    assert parse("pipelined:1").module is IMPLEMENTATIONS["pipelined"]
+    if _extension._C is not None:
+        assert parse("fused:two_shot") == Impl("fused", algorithm="two_shot")
+        assert parse("fused:two_shot").name == "fused:two_shot"
 
 
 def test_every_implementation_has_the_three_primitives():
@@ -96,32 +117,43 @@ def test_every_implementation_has_the_three_primitives():
     assert "native" not in ops.BACKEND_NAMES  # an implementation, not a name users pass
 
 
+@built
 def test_weight_layouts():
+    """What the Python side passes as it is (row- or column-major, padded rows), and what it copies;
+    the native side reads the layout of what it gets (python_tests/test_boundary.py)."""
+    def layout(w):
+        x = torch.empty(3, w.shape[1])
+        refs = {name: _extension._C.TensorRef(name, t.data_ptr(), list(t.shape), list(t.stride()), "float32", 0)
+                for name, t in (("x", x), ("weight", w), ("out", torch.empty(3, w.shape[0])),
+                                ("workspace", torch.empty(0, dtype=torch.uint8)))}
+        refs["workspace"] = _extension._C.TensorRef("workspace", 0, [0], [1], "uint8", 0)
+        got = _extension._C.linear_problem(bias=None, **refs)
+        return got["ldw"], got["w_col_major"]
+
     w = torch.randn(6, 8)
-    same, ldw, col = _native.weight_layout(w)
-    assert same is w and (ldw, col) == (8, False)
+    assert layout(w) == (8, False) and _extension.gemm_weight(w) is w
     wt = torch.randn(8, 6).t()  # [6, 8] stored column-major, as backward's W^T
-    same, ldw, col = _native.weight_layout(wt)
-    assert same is wt and (ldw, col) == (6, True)  # columns of n = 6
+    assert layout(wt) == (6, True) and _extension.gemm_weight(wt) is wt  # columns of n = 6
     wide = torch.randn(6, 11)[:, :8]  # row-major with a padded row
-    same, ldw, col = _native.weight_layout(wide)
-    assert same is wide and (ldw, col) == (11, False)
+    assert layout(wide) == (11, False) and _extension.gemm_weight(wide) is wide
     strided = torch.randn(12, 16)[::2, ::2]  # neither: copied to row-major
-    copy, ldw, col = _native.weight_layout(strided)
-    assert copy.is_contiguous() and torch.equal(copy, strided) and (ldw, col) == (8, False)
+    copy = _extension.gemm_weight(strided)
+    assert copy.is_contiguous() and torch.equal(copy, strided) and layout(copy) == (8, False)
+    with pytest.raises(ValueError, match="weight: expected a row-major or column-major weight"):
+        layout(strided)
 
 
 def test_comm_stream_priority(monkeypatch):
-    monkeypatch.setattr(native, "_priority", None)
+    monkeypatch.setattr(settings, "_priority", None)
     monkeypatch.delenv("TP_KERNELS_COMM_STREAM_PRIORITY", raising=False)
-    assert native.get_comm_stream_priority() < -1000  # the highest the device has
+    assert settings.get_comm_stream_priority() < -1000  # the highest the device has
     monkeypatch.setenv("TP_KERNELS_COMM_STREAM_PRIORITY", "0")
-    assert native.get_comm_stream_priority() == 0
+    assert settings.get_comm_stream_priority() == 0
     monkeypatch.setenv("TP_KERNELS_COMM_STREAM_PRIORITY", "high")
     with pytest.raises(ValueError, match="TP_KERNELS_COMM_STREAM_PRIORITY"):
-        native.get_comm_stream_priority()
+        settings.get_comm_stream_priority()
     tp_kernels.set_comm_stream_priority(-1)
-    assert native.get_comm_stream_priority() == -1
+    assert settings.get_comm_stream_priority() == -1
     with pytest.raises(ValueError, match="priority"):
         tp_kernels.set_comm_stream_priority(1.5)
 
@@ -139,25 +171,27 @@ def test_destroy_model_parallel_closes_the_groups_communicators(monkeypatch):
                 raise RuntimeError("tp_kernels: aborted earlier")
 
     g1, g2 = object(), object()
-    monkeypatch.setattr(native, "_communicators", {
+    monkeypatch.setattr(pipelined_native, "_communicators", {
         (1, "a", 0): (g1, FakeComm("a")), (2, "b", 0): (g2, FakeComm("b")), (3, "c", 0): (g1, FakeComm("failed"))})
-    native.destroy_communicators(g1)  # an aborted communicator's error is not raised again
-    assert sorted(closed) == ["a", "failed"] and list(native._communicators) == [(2, "b", 0)]
-    native.destroy_communicators()
-    assert closed[-1] == "b" and not native._communicators
+    native_teardown = pipelined_native.destroy_communicators
+    assert native_teardown in parallel_state._TEARDOWNS  # what destroy_model_parallel calls per group
+    native_teardown(g1)  # an aborted communicator's error is not raised again
+    assert sorted(closed) == ["a", "failed"] and list(pipelined_native._communicators) == [(2, "b", 0)]
+    native_teardown()
+    assert closed[-1] == "b" and not pipelined_native._communicators
 
 
 @built
 def test_nccl_unique_ids():
-    a, b = _native._C.nccl_unique_id(), _native._C.nccl_unique_id()
-    assert isinstance(a, bytes) and len(a) == len(b) == _native._C.NCCL_UNIQUE_ID_BYTES == 128
+    a, b = _extension._C.nccl_unique_id(), _extension._C.nccl_unique_id()
+    assert isinstance(a, bytes) and len(a) == len(b) == _extension._C.NCCL_UNIQUE_ID_BYTES == 128
     assert a != b
 
 
 @built
 def test_communicator_rejects_bad_arguments_before_touching_the_gpu():
-    uid = _native._C.nccl_unique_id()
-    C = _native._C.Communicator
+    uid = _extension._C.nccl_unique_id()
+    C = _extension._C.Communicator
     with pytest.raises(RuntimeError, match="unique_id must be 128 bytes, got 5"):
         C(b"short", 0, 2, 0, 0, 10.0)
     with pytest.raises(RuntimeError, match=r"rank 2 is not in \[0, 2\)"):
@@ -170,26 +204,34 @@ def test_communicator_rejects_bad_arguments_before_touching_the_gpu():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
 def test_communicator_without_a_gpu_is_a_clear_error():
     with pytest.raises(RuntimeError, match=r"cudaGetDevice.*failed: CUDA error"):
-        _native._C.Communicator(_native._C.nccl_unique_id(), 0, 1, 0, 0, 10.0)
+        _extension._C.Communicator(_extension._C.nccl_unique_id(), 0, 1, 0, 0, 10.0)
 
 
 @built
 def test_device_ops_check_arguments_before_touching_the_gpu():
-    C = _native._C
-    with pytest.raises(RuntimeError, match=r"p must be in \[1, 8\], got 9"):
-        C.reduce_partials([1] * 9, 1, 10, 0, 0)
-    with pytest.raises(RuntimeError, match="null input 1"):
-        C.reduce_partials([1, 0], 1, 10, 0, 0)
-    C.reduce_partials([0, 0], 0, 0, 0, 0)  # nothing to do: no device needed
-    with pytest.raises(RuntimeError, match="error code 1 must be nonzero"):
+    C = _extension._C
+
+    def ref(name, data, count=10, dtype="float32"):
+        return C.TensorRef(name, data, [count], [1], dtype, 0)
+
+    with pytest.raises(ValueError, match=r"inputs: p must be in \[1, 8\], got 9"):
+        C.reduce_partials([ref(f"inputs[{q}]", 64) for q in range(9)], ref("out", 64), 0)
+    with pytest.raises(ValueError, match="inputs\\[1\\]: expected a non-null data pointer"):
+        C.reduce_partials([ref("inputs[0]", 64), ref("inputs[1]", 0)], ref("out", 64), 0)
+    with pytest.raises(ValueError, match=r"inputs\[1\]: expected \[10\] \(the shape of inputs\[0\]\)"):
+        C.reduce_partials([ref("inputs[0]", 64), ref("inputs[1]", 64, 9)], ref("out", 64), 0)
+    with pytest.raises(ValueError, match="inputs\\[0\\]: expected dtype float32, float16, bfloat16"):
+        C.reduce_partials([ref("inputs[0]", 64, dtype="uint8")], ref("out", 64, dtype="uint8"), 0)
+    C.reduce_partials([ref("inputs[0]", 0, 0), ref("inputs[1]", 0, 0)], ref("out", 0, 0), 0)  # nothing to do
+    with pytest.raises(ValueError, match="error code 1 must be nonzero"):
         C.wait_flags([8, 16], [3, 0], 1000, 64, 0)
-    with pytest.raises(RuntimeError, match="null flag 0"):
+    with pytest.raises(ValueError, match="null flag 0"):
         C.wait_flags([0], [5], 1000, 64, 0)
-    with pytest.raises(RuntimeError, match="null error word"):
+    with pytest.raises(ValueError, match="null error word"):
         C.wait_flags([8], [5], 1000, 0, 0)
-    with pytest.raises(RuntimeError, match="one error code per flag"):
+    with pytest.raises(ValueError, match="one error code per flag"):
         C.wait_flags([8, 16], [5], 1000, 64, 0)
-    with pytest.raises(RuntimeError, match="at most 8 flags"):
+    with pytest.raises(ValueError, match="takes 0 to 8 flags, got 9"):
         C.wait_flags([8] * 9, [5] * 9, 1000, 64, 0)
     C.wait_flags([], [], 1000, 64, 0)  # nothing to wait for: no device needed
 
@@ -197,7 +239,7 @@ def test_device_ops_check_arguments_before_touching_the_gpu():
 @built
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
 def test_stream_memory_ops_without_a_driver_are_a_clear_error():
-    C = _native._C
+    C = _extension._C
     assert C.stream_memory_ops_available() is False
     with pytest.raises(RuntimeError, match="write_flag: the driver does not provide cuStreamWriteValue32"):
         C.write_flag(1, 1, 0)
@@ -205,7 +247,7 @@ def test_stream_memory_ops_without_a_driver_are_a_clear_error():
 
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
 def test_native_implementation_without_the_extension_names_the_reason(monkeypatch, op):
-    monkeypatch.setattr(_native, "_C", None)
-    monkeypatch.setattr(_native, "_reason", "not built: test")
-    with pytest.raises(ValueError, match="the native extension is unavailable: not built: test"):
-        getattr(native, op)(torch.randn(4, 8), torch.randn(6, 8), None, None, 2)
+    monkeypatch.setattr(_extension, "_C", None)
+    monkeypatch.setattr(_extension, "_reason", "not built: test")
+    with pytest.raises(RuntimeError, match="the native extension is unavailable: not built: test"):
+        getattr(pipelined_native, op)(torch.randn(4, 8), torch.randn(6, 8), None, None, Impl("native", 2))

@@ -3,20 +3,23 @@
 Public API (see docs/api.md):
 
 * process groups: :func:`initialize_model_parallel` and the ``get_*`` accessors;
-* settings: :func:`set_timeout` (every collective), :func:`set_comm_stream_priority` (the
-  native backend's communication stream); :func:`extension_status`;
+* :mod:`tp_kernels.settings`: every ``TP_KERNELS_*`` switch; here :func:`set_timeout` (every
+  collective) and :func:`set_comm_stream_priority` (the native backend's communication
+  stream); :func:`extension_status`;
 * :mod:`tp_kernels.autotune`: what ``backend="auto"`` chooses among, and its measurements;
 * :mod:`tp_kernels.mappings`: Megatron's communication mappings;
 * :mod:`tp_kernels.ops`: :func:`all_gather_matmul`, :func:`matmul_reduce_scatter`,
-  :func:`matmul_all_reduce` on the ``reference`` or ``pipelined`` backend;
+  :func:`matmul_all_reduce` on any backend;
 * layers: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
-  :class:`VocabParallelEmbedding`, :func:`vocab_parallel_cross_entropy`, :func:`parallelize`.
+  :class:`VocabParallelEmbedding`, :func:`vocab_parallel_cross_entropy`, :func:`parallelize`;
+* :mod:`tp_kernels.testing`: the harnesses that test and measure it on one machine.
+
+docs/architecture.md draws the layers of the package and follows a call through them.
 """
 
-from . import autotune, mappings, ops, schedule
-from ._comm import get_timeout, set_timeout
-from ._native import extension_status
-from .backends.native import set_comm_stream_priority
+from . import autotune, mappings, ops, schedule, settings
+from ._extension import extension_status
+from .settings import get_timeout, set_comm_stream_priority, set_timeout
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .layers import ColumnParallelLinear, RowParallelLinear
@@ -68,5 +71,6 @@ __all__ = [
     "schedule",
     "set_comm_stream_priority",
     "set_timeout",
+    "settings",
     "vocab_parallel_cross_entropy",
 ]

@@ -17,6 +17,13 @@ def check_int(name: str, value, minimum: int = 1) -> int:
     return value
 
 
+def check_choice(name: str, value, choices):
+    """``value`` if it is one of ``choices``, else a ValueError naming ``name``."""
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
 def check_divisible(name: str, value: int, p: int) -> int:
     """``value // p``, or a ValueError when ``p`` does not divide ``value``."""
     if value % p:
@@ -32,7 +39,6 @@ def check_tensor(name: str, t, *, min_dim: int = 0, dim: Optional[int] = None) -
     if t.dim() < min_dim:
         raise ValueError(f"{name}: expected at least {min_dim} dims, got shape {tuple(t.shape)}")
     return t
-
 
 
 def check_linear_args(

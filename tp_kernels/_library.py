@@ -2,9 +2,10 @@
 
 Each op has a fake (meta) implementation, so ``torch.compile`` treats it as one opaque node
 (no graph break inside it), and its backward is registered with ``register_autograd`` as
-another custom op. The ops take 2-D tensors, the group by name (``""``: this process alone),
-an implementation name (a key of ``backends.IMPLEMENTATIONS``) and a positive ``num_chunks``;
-:mod:`tp_kernels.ops` checks the arguments and picks those before calling them.
+another custom op. The ops take 2-D tensors, the group by name (``""``: this process alone)
+and an implementation name (``"native:4"``, ``"fused:two_shot"``: :mod:`tp_kernels.backends`),
+decided before the call by :func:`tp_kernels.dispatch.select_backend`; the backward runs on the
+same implementation. :mod:`tp_kernels.ops` checks the arguments and decides before calling them.
 
 Backward ops return an empty tensor for a gradient that is not needed (a custom op cannot
 return None); the autograd wrappers turn those back into None.
@@ -17,49 +18,37 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _comm
-from .backends import IMPLEMENTATIONS
+from . import _collectives as coll
+from .backends import run
 
-__all__ = ["group_from_name", "group_name"]
-
-
-def group_name(group) -> str:
-    return "" if group is None else group.group_name
-
-
-def group_from_name(name: str):
-    if not name:
-        return None
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._resolve_process_group(name)
+__all__: list = []  # the ops are torch.ops.tp_kernels.*
 
 
 def _size(name: str) -> int:
-    return 1 if not name else dist.get_world_size(group_from_name(name))
+    return 1 if not name else dist.get_world_size(coll.group_from_name(name))
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, group, backend, num_chunks = inputs
+    x, weight, bias, group, impl = inputs
     ctx.save_for_backward(x, weight)
-    ctx.args, ctx.has_bias = (group, backend, num_chunks), bias is not None
+    ctx.args, ctx.has_bias = (group, impl), bias is not None
 
 
-def _fake_grads(dy, x, weight, group, backend, num_chunks, need_dx, need_dw, need_db):
+def _fake_grads(dy, x, weight, group, impl, need_dx, need_dw, need_db):
     """Shapes of a backward op's (dx, dW, db); empty where not needed."""
     return (x.new_empty(x.shape if need_dx else (0,)), weight.new_empty(weight.shape if need_dw else (0,)),
             dy.new_empty((dy.shape[1],) if need_db else (0,)))
 
 
 def _register_backward(forward_op, backward_op) -> None:
-    """Make ``backward_op(dy, x, weight, group, backend, num_chunks, need_dx, need_dw, need_db)``
-    the autograd formula of ``forward_op(x, weight, bias, group, backend, num_chunks)``."""
+    """Make ``backward_op(dy, x, weight, group, impl, need_dx, need_dw, need_db)`` the autograd
+    formula of ``forward_op(x, weight, bias, group, impl)``."""
 
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
         grads = backward_op(dy, x, weight, *ctx.args, *need)
-        return tuple(t if n else None for t, n in zip(grads, need)) + (None, None, None)
+        return tuple(t if n else None for t, n in zip(grads, need)) + (None, None)
 
     forward_op.register_autograd(backward, setup_context=_setup_context)
 
@@ -69,26 +58,25 @@ def _register_backward(forward_op, backward_op) -> None:
 
 
 @torch.library.custom_op("tp_kernels::all_gather_matmul", mutates_args=())
-def all_gather_matmul(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str, backend: str,
-                      num_chunks: int) -> Tensor:
-    out, _ = IMPLEMENTATIONS[backend].all_gather_matmul(x, weight, bias, group_from_name(group), num_chunks)
+def all_gather_matmul(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str, impl: str) -> Tensor:
+    out, _ = run("all_gather_matmul", impl, x, weight, bias, coll.group_from_name(group))
     return out
 
 
 @all_gather_matmul.register_fake
-def _(x, weight, bias, group, backend, num_chunks):
+def _(x, weight, bias, group, impl):
     return x.new_empty((x.shape[0] * _size(group), weight.shape[0]))
 
 
 @torch.library.custom_op("tp_kernels::all_gather_matmul_backward", mutates_args=())
-def all_gather_matmul_backward(dy: Tensor, x: Tensor, weight: Tensor, group: str, backend: str, num_chunks: int,
-                               need_dx: bool, need_dw: bool, need_db: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    g, impl = group_from_name(group), IMPLEMENTATIONS[backend]
+def all_gather_matmul_backward(dy: Tensor, x: Tensor, weight: Tensor, group: str, impl: str, need_dx: bool,
+                               need_dw: bool, need_db: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    g = coll.group_from_name(group)
     dy = dy.contiguous()
     # Kick off the re-gather of x first, so that it travels while dx multiplies.
-    gather = _comm.all_gather_dim0(x, g) if need_dw else None
+    gather = coll.all_gather_dim0(x, g) if need_dw else None
     # dx: (m, n/p) x (n/p, k) -(RS)-> (m/p, k)
-    dx = impl.matmul_reduce_scatter(dy, weight.t(), None, g, num_chunks) if need_dx else None
+    dx = run("matmul_reduce_scatter", impl, dy, weight.t(), None, g) if need_dx else None
     # dW: (n/p, m) x (m, k) -> (n/p, k), overlapping the tail of dx's reduce-scatter
     dw = dy.t().mm(gather.wait()) if need_dw else weight.new_empty(0)
     db = dy.sum(0) if need_db else dy.new_empty(0)
@@ -106,27 +94,25 @@ _register_backward(all_gather_matmul, all_gather_matmul_backward)
 
 
 @torch.library.custom_op("tp_kernels::matmul_reduce_scatter", mutates_args=())
-def matmul_reduce_scatter(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str, backend: str,
-                          num_chunks: int) -> Tensor:
-    return IMPLEMENTATIONS[backend].matmul_reduce_scatter(x, weight, bias, group_from_name(group), num_chunks).wait()
+def matmul_reduce_scatter(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str, impl: str) -> Tensor:
+    return run("matmul_reduce_scatter", impl, x, weight, bias, coll.group_from_name(group)).wait()
 
 
 @matmul_reduce_scatter.register_fake
-def _(x, weight, bias, group, backend, num_chunks):
+def _(x, weight, bias, group, impl):
     return x.new_empty((x.shape[0] // _size(group), weight.shape[0]))
 
 
 @torch.library.custom_op("tp_kernels::matmul_reduce_scatter_backward", mutates_args=())
-def matmul_reduce_scatter_backward(dy: Tensor, x: Tensor, weight: Tensor, group: str, backend: str,
-                                   num_chunks: int, need_dx: bool, need_dw: bool,
-                                   need_db: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    g, impl = group_from_name(group), IMPLEMENTATIONS[backend]
+def matmul_reduce_scatter_backward(dy: Tensor, x: Tensor, weight: Tensor, group: str, impl: str, need_dx: bool,
+                                   need_dw: bool, need_db: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    g = coll.group_from_name(group)
     dy = dy.contiguous()
     if need_dx:
         # dx: (m/p, n) -(AG)-> (m, n) x (n, k/p) -> (m, k/p); keeps AG(dy) for dW and db
-        dx, dy_full = impl.all_gather_matmul(dy, weight.t(), None, g, num_chunks)
+        dx, dy_full = run("all_gather_matmul", impl, dy, weight.t(), None, g)
     else:
-        dx, dy_full = x.new_empty(0), _comm.all_gather_dim0(dy, g).wait()
+        dx, dy_full = x.new_empty(0), coll.all_gather_dim0(dy, g).wait()
     dw = dy_full.t().mm(x) if need_dw else weight.new_empty(0)  # (n, m) x (m, k/p)
     # db over every rank's rows: the bias was added once to each shard
     db = dy_full.sum(0) if need_db else dy.new_empty(0)
@@ -144,13 +130,12 @@ _register_backward(matmul_reduce_scatter, matmul_reduce_scatter_backward)
 
 
 @torch.library.custom_op("tp_kernels::matmul_all_reduce", mutates_args=())
-def matmul_all_reduce(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str, backend: str,
-                      num_chunks: int) -> Tensor:
-    return IMPLEMENTATIONS[backend].matmul_all_reduce(x, weight, bias, group_from_name(group), num_chunks).wait()
+def matmul_all_reduce(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str, impl: str) -> Tensor:
+    return run("matmul_all_reduce", impl, x, weight, bias, coll.group_from_name(group)).wait()
 
 
 @matmul_all_reduce.register_fake
-def _(x, weight, bias, group, backend, num_chunks):
+def _(x, weight, bias, group, impl):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
@@ -160,7 +145,7 @@ def _ar_backward(ctx, dy):
     dx = dy.mm(weight) if ctx.needs_input_grad[0] else None  # (m, n) x (n, k/p)
     dw = dy.t().mm(x) if ctx.needs_input_grad[1] else None  # (n, m) x (m, k/p)
     db = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-    return dx, dw, db, None, None, None
+    return dx, dw, db, None, None
 
 
 matmul_all_reduce.register_autograd(_ar_backward, setup_context=_setup_context)
@@ -172,24 +157,21 @@ matmul_all_reduce.register_autograd(_ar_backward, setup_context=_setup_context)
 
 
 @torch.library.custom_op("tp_kernels::linear_with_grad_all_reduce", mutates_args=())
-def linear_with_grad_all_reduce(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str, backend: str,
-                                num_chunks: int) -> Tensor:
+def linear_with_grad_all_reduce(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str, impl: str) -> Tensor:
     return torch.nn.functional.linear(x, weight, bias)
 
 
 @linear_with_grad_all_reduce.register_fake
-def _(x, weight, bias, group, backend, num_chunks):
+def _(x, weight, bias, group, impl):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 @torch.library.custom_op("tp_kernels::linear_with_grad_all_reduce_backward", mutates_args=())
-def linear_with_grad_all_reduce_backward(dy: Tensor, x: Tensor, weight: Tensor, group: str, backend: str,
-                                         num_chunks: int, need_dx: bool, need_dw: bool,
-                                         need_db: bool) -> Tuple[Tensor, Tensor, Tensor]:
+def linear_with_grad_all_reduce_backward(dy: Tensor, x: Tensor, weight: Tensor, group: str, impl: str,
+                                         need_dx: bool, need_dw: bool, need_db: bool) -> Tuple[Tensor, Tensor, Tensor]:
     dy = dy.contiguous()
     # dx: (m, n/p) x (n/p, k) -(AR)-> (m, k)
-    dx = (IMPLEMENTATIONS[backend].matmul_all_reduce(dy, weight.t(), None, group_from_name(group), num_chunks)
-          if need_dx else None)
+    dx = run("matmul_all_reduce", impl, dy, weight.t(), None, coll.group_from_name(group)) if need_dx else None
     dw = dy.t().mm(x) if need_dw else weight.new_empty(0)  # (n/p, m) x (m, k), while dx reduces
     db = dy.sum(0) if need_db else dy.new_empty(0)
     return (dx.wait() if need_dx else x.new_empty(0)), dw, db

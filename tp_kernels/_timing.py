@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import _comm
+from . import _collectives as coll
 
 __all__ = ["Timer"]
 
@@ -29,7 +29,7 @@ class Timer:
 
     def __init__(self, iters: int, warmup: int, cuda: bool, group=None):
         self.iters, self.warmup, self.cuda, self.group = iters, warmup, cuda, group
-        self.p = _comm.group_size(group)
+        self.p = coll.group_size(group)
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
     def __call__(self, body: Callable[[int], object], pre: Optional[Callable[[int], object]] = None,
@@ -56,9 +56,9 @@ class Timer:
             once(i)
         samples = []
         for i in range(self.iters):
-            _comm.barrier(self.group, self.device)
+            coll.barrier(self.group, self.device)
             samples.append(once(self.warmup + i))
         if self.p > 1:
-            t = torch.tensor(samples, dtype=torch.float64, device=_comm.exchange_device(self.group, self.device))
-            samples = _comm.all_reduce(t, self.group, op=dist.ReduceOp.MAX, inplace=True).wait().tolist()
+            t = torch.tensor(samples, dtype=torch.float64, device=coll.exchange_device(self.group, self.device))
+            samples = coll.all_reduce(t, self.group, op=dist.ReduceOp.MAX, inplace=True).wait().tolist()
         return statistics.median(samples)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import _comm
+from . import _collectives as coll
 from ._checks import check_tensor
 from .embedding import check_index_range
 
@@ -15,13 +15,13 @@ __all__ = ["vocab_parallel_cross_entropy"]
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, ignore_index, group):
-        p, r = _comm.group_size(group), _comm.group_rank(group)
+        p, r = coll.group_size(group), coll.group_rank(group)
         v_local = logits.shape[-1]
         vocab = v_local * p
         start = r * v_local
         z = logits.float()  # [N, V/p]
         # Stabilize with the global max: [N] -(AR max)-> [N]
-        zmax = _comm.all_reduce(z.amax(dim=-1), group, op=dist.ReduceOp.MAX, inplace=True).wait()
+        zmax = coll.all_reduce(z.amax(dim=-1), group, op=dist.ReduceOp.MAX, inplace=True).wait()
         z = z - zmax.unsqueeze(-1)
         in_range = (target >= start) & (target < start + v_local)
         local_target = (target - start).masked_fill(~in_range, 0)
@@ -30,7 +30,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # One sum all-reduce: the target's logit (held by one rank), Σ exp(z) and, for
         # smoothing, Σ z over the whole vocabulary. [k, N] -(AR)-> [k, N]
         parts = [target_logit, exp.sum(dim=-1)] + ([z.sum(dim=-1)] if label_smoothing > 0 else [])
-        stats = _comm.all_reduce(torch.stack(parts), group, inplace=True).wait()
+        stats = coll.all_reduce(torch.stack(parts), group, inplace=True).wait()
         log_z = stats[1].log()
         loss = log_z - stats[0]  # -log softmax(z)[target]
         if label_smoothing > 0:
@@ -93,8 +93,8 @@ def vocab_parallel_cross_entropy(
         raise ValueError(f"target: device {target.device} does not match logits' device {logits.device}")
     if not (isinstance(label_smoothing, (int, float)) and 0.0 <= label_smoothing <= 1.0):
         raise ValueError(f"label_smoothing: expected a float in [0, 1], got {label_smoothing!r}")
-    group = _comm.resolve_group(group)
-    vocab = logits.shape[-1] * _comm.group_size(group)
+    group = coll.resolve_group(group)
+    vocab = logits.shape[-1] * coll.group_size(group)
     check_index_range("target", target, vocab, allowed=ignore_index)
     loss = _VocabParallelCrossEntropy.apply(
         logits.reshape(-1, logits.shape[-1]), target.reshape(-1), float(label_smoothing), int(ignore_index), group

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import _comm
+from . import _collectives as coll
 from ._checks import check_divisible, check_int, check_tensor
 from .layers import ShareGroupOnCopy
 from .mappings import reduce_from_tensor_model_parallel_region
@@ -67,9 +67,9 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
                 padding_idx += num_embeddings
             if not 0 <= padding_idx < num_embeddings:
                 raise ValueError(f"padding_idx: must be within num_embeddings ({num_embeddings}), got {padding_idx}")
-        self.group = _comm.resolve_group(group)
-        self.tp_size = _comm.group_size(self.group)
-        self.tp_rank = _comm.group_rank(self.group)
+        self.group = coll.resolve_group(group)
+        self.tp_size = coll.group_size(self.group)
+        self.tp_rank = coll.group_rank(self.group)
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         self.num_embeddings_per_partition = check_divisible("num_embeddings", num_embeddings, self.tp_size)
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition

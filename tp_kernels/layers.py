@@ -22,13 +22,15 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from . import _comm, ops
-from ._checks import check_divisible, check_int, check_tensor
+from . import _collectives as coll
+from . import ops
+from ._checks import check_choice, check_divisible, check_int, check_tensor
 from .mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from .settings import BACKEND_NAMES
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -78,12 +80,12 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
         super().__init__()
         check_int("in_features", in_features)
         check_int("out_features", out_features)
-        ops.check_backend(backend)
+        check_choice("backend", backend, BACKEND_NAMES)
         if num_chunks is not None:
             check_int("num_chunks", num_chunks)
-        self.group = _comm.resolve_group(group)
-        self.tp_size = _comm.group_size(self.group)
-        self.tp_rank = _comm.group_rank(self.group)
+        self.group = coll.resolve_group(group)
+        self.tp_size = coll.group_size(self.group)
+        self.tp_rank = coll.group_rank(self.group)
         self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel = bool(sequence_parallel)
         self.skip_bias_add = bool(skip_bias_add)
@@ -174,8 +176,7 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
 
     def _op(self, op: str, input_, bias):
         """Run ``op`` on this rank's weight; argument errors name ``input_``."""
-        return ops._run(op, input_, self.weight, bias, group=self.group, backend=self.backend,
-                        num_chunks=self.num_chunks, x_name="input_")
+        return ops.run(op, input_, self.weight, bias, self.group, self.backend, self.num_chunks, x_name="input_")
 
 
 class ColumnParallelLinear(_ParallelLinear):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _comm
+from . import _collectives as coll
 from ._checks import check_divisible, check_tensor
 
 __all__ = [
@@ -37,15 +37,15 @@ __all__ = [
 
 
 def _all_reduce(x, group):
-    return _comm.all_reduce(x, group).wait()
+    return coll.all_reduce(x, group).wait()
 
 
 def _gather_dim0(x, group):
-    return _comm.all_gather_dim0(x, group).wait()
+    return coll.all_gather_dim0(x, group).wait()
 
 
 def _reduce_scatter_dim0(x, group):
-    return _comm.reduce_scatter_dim0(x, group).wait()
+    return coll.reduce_scatter_dim0(x, group).wait()
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -73,29 +73,29 @@ class _ScatterToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _comm.split(x, -1, group)
+        return coll.split(x, -1, group)
 
     @staticmethod
     def backward(ctx, dy):
-        return _comm.all_gather_last_dim(dy, ctx.group), None
+        return coll.all_gather_last_dim(dy, ctx.group), None
 
 
 class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _comm.all_gather_last_dim(x, group)
+        return coll.all_gather_last_dim(x, group)
 
     @staticmethod
     def backward(ctx, dy):
-        return _comm.split(dy, -1, ctx.group), None
+        return coll.split(dy, -1, ctx.group), None
 
 
 class _ScatterToSequenceRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _comm.split(x, 0, group)
+        return coll.split(x, 0, group)
 
     @staticmethod
     def backward(ctx, dy):
@@ -112,7 +112,7 @@ class _GatherFromSequenceRegion(torch.autograd.Function):
     def backward(ctx, dy):
         if ctx.reduce:
             return _reduce_scatter_dim0(dy, ctx.group), None, None
-        return _comm.split(dy, 0, ctx.group), None, None
+        return coll.split(dy, 0, ctx.group), None, None
 
 
 class _ReduceScatterToSequenceRegion(torch.autograd.Function):
@@ -128,8 +128,8 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
 
 def _setup(x, group, *, last_dim=False, dim0=False):
     check_tensor("input_", x, min_dim=1)
-    group = _comm.resolve_group(group)
-    p = _comm.group_size(group)
+    group = coll.resolve_group(group)
+    p = coll.group_size(group)
     if last_dim:
         check_divisible("input_.shape[-1]", x.shape[-1], p)
     if dim0:

@@ -10,11 +10,16 @@ With ``W`` ranks, tensor-parallel size ``t`` and pipeline size ``q`` (data-paral
 
 Example, 8 ranks, t=2, q=2: TP [0,1] [2,3] [4,5] [6,7]; PP [0,4] [1,5] [2,6] [3,7];
 DP [0,2] [1,3] [4,6] [5,7].
+
+This module sits at the bottom of tp_kernels and imports none of it. What the layers above make
+per group (NCCL communicators, peer-memory workspaces, measured choices) they register a
+teardown for with :func:`on_group_destroyed`; :func:`destroy_model_parallel` calls those before
+destroying each group.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch.distributed as dist
 
@@ -31,13 +36,24 @@ __all__ = [
     "get_tensor_model_parallel_world_size",
     "initialize_model_parallel",
     "model_parallel_is_initialized",
+    "on_group_destroyed",
     "rank_layout",
+    "tensor_model_parallel_group_or_none",
 ]
 
 _TENSOR_MODEL_PARALLEL_GROUP = None
 _PIPELINE_MODEL_PARALLEL_GROUP = None
 _DATA_PARALLEL_GROUP = None
 _ALL_GROUPS: List = []
+_TEARDOWNS: List[Callable[[object], None]] = []
+
+
+def on_group_destroyed(teardown: Callable[[object], None]) -> Callable[[object], None]:
+    """Register ``teardown(group)``, called (in registration order) for each group that
+    :func:`destroy_model_parallel` destroys, before torch destroys it. A teardown frees what its
+    module made for the group and must not raise. Returns ``teardown`` (usable as a decorator)."""
+    _TEARDOWNS.append(teardown)
+    return teardown
 
 
 def rank_layout(world_size: int, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1):
@@ -104,13 +120,9 @@ def destroy_model_parallel() -> None:
     groups = list(_ALL_GROUPS)
     _ALL_GROUPS.clear()
     _TENSOR_MODEL_PARALLEL_GROUP = _PIPELINE_MODEL_PARALLEL_GROUP = _DATA_PARALLEL_GROUP = None
-    from . import autotune
-    from .backends import fused, native
-
     for g in groups:
-        autotune.forget(g)
-        fused.destroy_workspaces(g)
-        native.destroy_communicators(g)
+        for teardown in _TEARDOWNS:
+            teardown(g)
     if dist.is_available() and dist.is_initialized():
         for g in groups:
             dist.destroy_process_group(g)
@@ -120,6 +132,11 @@ def _require(group, kind: str):
     if group is None:
         raise RuntimeError(f"the {kind} group is not set: call initialize_model_parallel() first")
     return group
+
+
+def tensor_model_parallel_group_or_none():
+    """The tensor-parallel group of :func:`initialize_model_parallel`, or None before it."""
+    return _TENSOR_MODEL_PARALLEL_GROUP
 
 
 def get_tensor_model_parallel_group():

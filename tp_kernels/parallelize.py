@@ -8,7 +8,7 @@ from typing import Dict, Iterable, Mapping
 import torch
 import torch.nn as nn
 
-from . import _comm
+from . import _collectives as coll
 from .embedding import VocabParallelEmbedding
 from .layers import ColumnParallelLinear, RowParallelLinear
 
@@ -43,7 +43,7 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], *, group=None, seque
         raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
     if not isinstance(plan, Mapping) or not plan:
         raise ValueError(f"plan: expected a non-empty mapping of name patterns to styles, got {plan!r}")
-    group = _comm.resolve_group(group)
+    group = coll.resolve_group(group)
     named = [(name, m) for name, m in module.named_modules(remove_duplicate=False) if name]
     chosen: Dict[str, str] = {}
     style_of: Dict[int, tuple] = {}  # id(module) -> (style, name): one style per module object
@@ -103,13 +103,13 @@ def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], group=None
         if not isinstance(param, torch.Tensor):
             raise ValueError(f"params[{i}]: expected a tensor, got {type(param).__name__}")
     grads = [param.grad for param in params if param.grad is not None]
-    group = _comm.resolve_group(group)
-    if not grads or _comm.group_size(group) == 1:
+    group = coll.resolve_group(group)
+    if not grads or coll.group_size(group) == 1:
         return
     for grad in grads[1:]:
         if grad.dtype != grads[0].dtype or grad.device != grads[0].device:
             raise ValueError("params: every gradient must share one dtype and device")
-    flat = _comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group, inplace=True).wait()
+    flat = coll.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group, inplace=True).wait()
     offset = 0
     for grad in grads:
         grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))

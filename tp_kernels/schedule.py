@@ -1,12 +1,13 @@
 """The chunk schedule of the ``pipelined`` backend, defined once.
 
-The portable backend (``tp_kernels.backends.pipelined``) follows exactly these boundaries and
-this order, so the CPU tests exercise the schedule the native backend uses.
+The portable backend (``tp_kernels.backends.pipelined``) follows these boundaries and this order,
+and the native one (``tp_kernels.backends.pipelined_native``) passes them to the native code, so
+the CPU tests exercise the schedule the GPU runs.
 
 * :func:`chunk_bounds` splits ``m`` rows into contiguous, nearly equal chunks.
-* All-gather + GEMM is a ring: at step ``s`` rank ``r`` multiplies the shard of rank
-  :func:`ring_source` ``(r - s) mod p`` while the next shard arrives from rank ``r - 1``;
-  each shard travels as ``num_chunks`` messages of :func:`chunk_bounds` ``(m/p, num_chunks)``.
+* All-gather + GEMM is a ring (:func:`ring`): at step ``s`` rank ``r`` multiplies the shard of
+  rank ``(r - s) mod p`` while the next shard arrives from rank ``r - 1``; each shard travels as
+  ``num_chunks`` messages of :func:`chunk_bounds` ``(m/p, num_chunks)``.
 * GEMM + reduce-scatter: chunk ``j`` is rows :func:`chunk_bounds` ``(m/p, num_chunks)[j]`` of
   *every* destination's block; its reduce-scatter runs while chunk ``j + 1`` multiplies.
 * GEMM + all-reduce: chunk ``j`` is rows :func:`chunk_bounds` ``(m, num_chunks)[j]``; its
@@ -15,13 +16,15 @@ this order, so the CPU tests exercise the schedule the native backend uses.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
-__all__ = ["DEFAULT_NUM_CHUNKS", "chunk_bounds", "resolve_num_chunks", "ring_source"]
+from ._op_table import ALL_GATHER_MATMUL, MATMUL_ALL_REDUCE, MATMUL_REDUCE_SCATTER
 
-#: Chunks per op when ``num_chunks=None``. All-gather + GEMM already pipelines over the p ring
-#: steps, so it sends each shard whole; the reductions split m in 4 (see docs/architecture.md).
-DEFAULT_NUM_CHUNKS = {"all_gather_matmul": 1, "matmul_reduce_scatter": 4, "matmul_all_reduce": 4}
+__all__ = ["DEFAULT_NUM_CHUNKS", "Ring", "boundaries", "chunk_bounds", "resolve_num_chunks", "ring", "ring_source"]
+
+#: Chunks per primitive when ``num_chunks=None``. All-gather + GEMM already pipelines over the p
+#: ring steps, so it sends each shard whole; the reductions split m in 4 (docs/architecture.md).
+DEFAULT_NUM_CHUNKS = {ALL_GATHER_MATMUL: 1, MATMUL_REDUCE_SCATTER: 4, MATMUL_ALL_REDUCE: 4}
 
 
 def chunk_bounds(m: int, num_chunks: int) -> List[Tuple[int, int]]:
@@ -46,13 +49,34 @@ def chunk_bounds(m: int, num_chunks: int) -> List[Tuple[int, int]]:
     return bounds
 
 
+def boundaries(m: int, num_chunks: int) -> List[int]:
+    """The chunks of :func:`chunk_bounds` as their boundaries ``[0, b1, ..., m]``, as the native
+    module takes them."""
+    return [0] + [end for _, end in chunk_bounds(m, num_chunks)]
+
+
 def ring_source(rank: int, step: int, world_size: int) -> int:
     """Whose shard rank ``rank`` multiplies at ring step ``step`` of all-gather + GEMM."""
     return (rank - step) % world_size
 
 
+class Ring(NamedTuple):
+    """Rank ``r``'s view of the all-gather ring: ``sources[s]`` is whose shard it multiplies at
+    step ``s`` (its own first); it forwards each shard to ``next`` and receives from ``prev``."""
+
+    sources: List[int]
+    next: int
+    prev: int
+
+
+def ring(rank: int, world_size: int) -> Ring:
+    """The ring of :func:`ring_source`: shards travel from rank ``r - 1`` to rank ``r``."""
+    return Ring([ring_source(rank, s, world_size) for s in range(world_size)], (rank + 1) % world_size,
+                (rank - 1) % world_size)
+
+
 def resolve_num_chunks(op: str, num_chunks: Optional[int]) -> int:
-    """Validate a user's ``num_chunks`` (positive int) or pick the default for ``op``."""
+    """Validate a user's ``num_chunks`` (positive int) or pick the default for primitive ``op``."""
     if num_chunks is None:
         return DEFAULT_NUM_CHUNKS[op]
     if not isinstance(num_chunks, int) or isinstance(num_chunks, bool) or num_chunks < 1:

@@ -85,12 +85,13 @@ void write_flag(uint32_t* flag, uint32_t value, cudaStream_t stream) {
 void wait_flags(uint32_t* const* flags, const uint32_t* codes, int count, uint64_t timeout_ns, uint32_t* error_word,
                 cudaStream_t stream) {
   if (count < 0 || count > kMaxRanks)
-    throw Error("wait_flags: count must be in [0, " + std::to_string(kMaxRanks) + "], got " + std::to_string(count));
-  if (error_word == nullptr) throw Error("wait_flags: null error word");
+    throw ArgumentError("flags: wait_flags takes 0 to " + std::to_string(kMaxRanks) + " flags, got " +
+                        std::to_string(count));
+  if (error_word == nullptr) throw ArgumentError("error_word: wait_flags got a null error word");
   FlagList list{};
   for (int i = 0; i < count; ++i) {
-    if (flags[i] == nullptr) throw Error("wait_flags: null flag " + std::to_string(i));
-    if (codes[i] == 0) throw Error("wait_flags: error code " + std::to_string(i) + " must be nonzero");
+    if (flags[i] == nullptr) throw ArgumentError("flags: wait_flags got a null flag " + std::to_string(i));
+    if (codes[i] == 0) throw ArgumentError("codes: wait_flags' error code " + std::to_string(i) + " must be nonzero");
     list.flag[i] = flags[i];
     list.code[i] = codes[i];
   }

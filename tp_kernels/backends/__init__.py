@@ -1,25 +1,83 @@
-"""Implementations of the three primitives behind one interface.
+"""Implementations of the three primitives behind one interface, and the names that pick them.
 
-Each backend module provides, on 2-D contiguous-or-not tensors and without autograd:
+Each implementation module provides, on 2-D tensors and without autograd, for an
+:class:`Impl` (the resolved choice: implementation, chunks, algorithm):
 
-* ``all_gather_matmul(x, weight, bias, group, num_chunks) -> (out, gathered_x)``
+* ``all_gather_matmul(x, weight, bias, group, impl) -> (out, gathered_x)``
   ``(m/p, k) -(AG)-> (m, k) x (k, n/p) -> (m, n/p)``; ``gathered_x`` is ``AG(x)``.
-* ``matmul_reduce_scatter(x, weight, bias, group, num_chunks) -> Pending``
+* ``matmul_reduce_scatter(x, weight, bias, group, impl) -> Pending``
   ``(m, k/p) x (k/p, n) -(RS)-> (m/p, n)``, bias added once after the reduction.
-* ``matmul_all_reduce(x, weight, bias, group, num_chunks) -> Pending``
+* ``matmul_all_reduce(x, weight, bias, group, impl) -> Pending``
   ``(m, k/p) x (k/p, n) -(AR)-> (m, n)``, bias added once after the reduction.
 
 ``weight`` is ``(n_out, k)`` as in ``F.linear`` and may be a transposed view. The reductions
-return a :class:`tp_kernels._comm.Pending` so that callers can overlap unrelated work (the
-weight gradient) with the tail of the communication before calling ``wait()``.
+return a :class:`tp_kernels._collectives.Pending` so that callers can overlap unrelated work
+(the weight gradient) with the tail of the communication before calling ``wait()``.
 
-``fused`` (:mod:`.fused`) runs on CUDA tensors of a group inside one node only, over peer
-memory. The user-facing names are ``BACKENDS``. ``IMPLEMENTATIONS`` adds ``"native"``: the
-``pipelined`` schedule in the native extension, which :func:`tp_kernels.ops.select_backend`
-picks for CUDA tensors (it is not a name users pass).
+The implementation to run is decided once per call, before it
+(:func:`tp_kernels.dispatch.select_backend`, which also asks each module's
+``unsupported_reason``); its name travels down with the call (the custom ops carry it) and
+nothing here checks or decides again. Names: ``"reference"``; ``"pipelined:<chunks>"`` (the
+portable schedule); ``"native:<chunks>"`` (the same schedule in the native extension, what
+``backend="pipelined"`` runs on CUDA); ``"fused:<chunks>"`` (all-gather and reduce-scatter over
+peer memory) and ``"fused:<algorithm>"`` (its all-reduce, e.g. ``"fused:two_shot"``).
 """
 
-from . import fused, native, pipelined, reference
+from __future__ import annotations
 
-BACKENDS = {"reference": reference, "pipelined": pipelined, "fused": fused}
-IMPLEMENTATIONS = {**BACKENDS, "native": native}
+import dataclasses
+import functools
+from typing import Optional
+
+from . import fused, pipelined, pipelined_native, reference
+
+__all__ = ["IMPLEMENTATIONS", "Impl", "parse", "run"]
+
+#: implementation name -> module
+IMPLEMENTATIONS = {"reference": reference, "pipelined": pipelined, "native": pipelined_native, "fused": fused}
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    """A resolved implementation: which module runs, in how many chunks, by which algorithm
+    (the fused all-reduce's)."""
+
+    backend: str
+    num_chunks: int = 1
+    algorithm: Optional[str] = None
+
+    @property
+    def name(self) -> str:
+        if self.backend == "reference":
+            return "reference"
+        return f"{self.backend}:{self.algorithm or self.num_chunks}"
+
+    @property
+    def module(self):
+        return IMPLEMENTATIONS[self.backend]
+
+
+@functools.lru_cache(maxsize=None)
+def parse(name: str) -> Impl:
+    """The :class:`Impl` an implementation name stands for; ``ValueError`` naming ``impl`` for a
+    name that none does."""
+    backend, _, param = name.partition(":")
+    bad = ValueError(f"impl: expected 'reference', 'pipelined:<chunks>', 'native:<chunks>', 'fused:<chunks>' or "
+                     f"'fused:<algorithm>', got {name!r}")
+    if backend == "reference":
+        if param:
+            raise bad
+        return Impl("reference")
+    if backend not in IMPLEMENTATIONS or not param:
+        raise bad
+    if param.isdigit() and int(param) > 0:
+        return Impl(backend, num_chunks=int(param))
+    if backend == "fused" and param in fused.algorithms():
+        return Impl(backend, algorithm=param)
+    raise bad
+
+
+def run(primitive: str, name: str, x, weight, bias, group):
+    """Primitive ``primitive`` on the implementation named ``name`` (see the module doc)."""
+    impl = parse(name)
+    return getattr(impl.module, primitive)(x, weight, bias, group, impl)

@@ -15,11 +15,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
+from .._op_table import PRIMITIVES as OPS
 from ..perf_model import MODELS
 
 __all__ = ["Case", "DECODE_M", "OPS", "LAYERS", "TARGETS", "model_cases", "custom_cases"]
 
-OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 #: layer targets: (name, kind, sequence_parallel)
 LAYERS = {"column": ("column", False), "column_sp": ("column", True), "row": ("row", False), "row_sp": ("row", True)}
 TARGETS = OPS + tuple(LAYERS)

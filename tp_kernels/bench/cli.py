@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 from ..perf_model import MODELS
+from ..settings import BACKEND_NAMES
+from ..testing import World, default_backend, launched_by_torchrun
 from . import report
 from .cases import DECODE_M, OPS, TARGETS, TRAIN_M, custom_cases, model_cases
 
@@ -48,8 +50,6 @@ def _csv(value: str, allowed=None, what: str = "", conv=str) -> List:
 
 
 def _parse(argv=None):
-    from ..ops import BACKEND_NAMES
-
     ap = argparse.ArgumentParser(prog="python -m tp_kernels.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one model, two m, fewer samples")
     ap.add_argument("-p", "--world-size", type=int, default=None,
@@ -118,8 +118,6 @@ def _slug(device: str) -> str:
 
 def main(argv=None) -> int:
     args, ap = _parse(argv)
-    from ..launch import World, default_backend, launched_by_torchrun
-
     torchrun = launched_by_torchrun()
     if torchrun:
         backend = "nccl" if torch.cuda.is_available() else "gloo"

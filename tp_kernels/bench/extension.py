@@ -35,6 +35,9 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.nn.functional as F
 
+from .. import _extension, ops
+from ..schedule import chunk_bounds
+
 TARGETS = {"gemm_vs_f_linear": 0.97, "host_overhead_us": 10.0, "chunk4_vs_unsplit": 0.95}
 LLAMA70B_TP8 = {"column": (8192, 8192, 28672 // 8), "row": (8192, 28672 // 8, 8192)}  # (m, k, n)
 
@@ -88,25 +91,21 @@ def tflops(m: int, k: int, n: int, ms: float) -> float:
 
 
 def _gemm_throughput(iters: int) -> Dict:
-    from .. import _native
-
     m = k = n = 8192
     x, w = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in ((m, k), (n, k)))
     t_torch = gpu_time_ms(lambda: F.linear(x, w), iters)
-    t_native = gpu_time_ms(lambda: _native.linear(x, w), iters)
+    t_native = gpu_time_ms(lambda: _extension.linear(x, w), iters)
     return {"shape": [m, k, n], "dtype": "bfloat16", "f_linear_ms": t_torch, "native_ms": t_native,
             "f_linear_tflops": tflops(m, k, n, t_torch), "native_tflops": tflops(m, k, n, t_native),
             "ratio": t_torch / t_native, "target": TARGETS["gemm_vs_f_linear"]}
 
 
 def _host_overhead(iters: int) -> Dict:
-    from .. import _native, ops
-
     m, k, n = 16, 28672 // 8, 8192
     x, w = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in ((m, k), (n, k)))
     calls = {
         "f_linear": lambda: F.linear(x, w),
-        "native_linear": lambda: _native.linear(x, w),
+        "native_linear": lambda: _extension.linear(x, w),
         "matmul_all_reduce_pipelined": lambda: ops.matmul_all_reduce(x, w, backend="pipelined"),
     }
     host = {name: host_time_us(fn, 200, iters) for name, fn in calls.items()}
@@ -118,37 +117,26 @@ def _host_overhead(iters: int) -> Dict:
 
 
 def _chunking(iters: int, p: int = 8, chunks: int = 4) -> Dict:
-    from .. import _native
-    from ..schedule import chunk_bounds
-
-    C = _native._C
     out = {}
     for name, (m, k, n) in LLAMA70B_TP8.items():
         x, w = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in ((m, k), (n, k)))
         y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        stream = torch.cuda.current_stream()
-        ws = _native._workspace(stream)
-
-        def gemm(row, rows, batch=1, stride_x=0, stride_y=0, y_row=None):
-            C.linear(x[row:].data_ptr(), w.data_ptr(), 0, y[row if y_row is None else y_row:].data_ptr(), rows, n, k,
-                     k, k, n, _native.DTYPE_CODES[x.dtype], ws.data_ptr(), ws.numel(), stream.cuda_stream, False,
-                     batch, stride_x, stride_y)
-
         mp = m // p
+        blocks = x.view(p, mp, k)
 
         def rows_split():  # all-reduce's chunks
             for a, b in chunk_bounds(m, chunks):
-                gemm(a, b - a)
+                _extension.linear(x[a:b], w, out=y[a:b])
 
         def rs_split():  # reduce-scatter's chunks: rows [a, b) of every destination block, batched
             for a, b in chunk_bounds(mp, chunks):
-                gemm(a, b - a, batch=p, stride_x=mp * k, stride_y=(b - a) * n, y_row=p * a)
+                _extension.linear(blocks[:, a:b], w, out=y[p * a:p * b].view(p, b - a, n))
 
         def ring_split():  # all-gather ring: one GEMM per shard
             for q in range(p):
-                gemm(q * mp, mp)
+                _extension.linear(x[q * mp:(q + 1) * mp], w, out=y[q * mp:(q + 1) * mp])
 
-        t_full = gpu_time_ms(lambda: gemm(0, m), iters)
+        t_full = gpu_time_ms(lambda: _extension.linear(x, w, out=y), iters)
         entry = {"shape": [m, k, n], "dtype": "bfloat16", "unsplit_ms": t_full, "unsplit_tflops": tflops(m, k, n, t_full)}
         for label, fn in ((f"{chunks}_row_chunks", rows_split), (f"{chunks}_rs_chunks_x{p}", rs_split),
                           (f"ring_{p}_shards", ring_split)):
@@ -162,19 +150,18 @@ def _chunking(iters: int, p: int = 8, chunks: int = 4) -> Dict:
 def gpu_record(prog: str) -> Optional[Dict]:
     """The start of a GPU benchmark's record (device, commit, date, versions), or None after
     saying on stderr why it cannot run here (no CUDA device, no native module)."""
-    from .. import _native
     from .cli import _commit
 
     if not torch.cuda.is_available():
         print(f"{prog}: needs a CUDA device; none is visible", file=sys.stderr)
         return None
-    reason = _native.unavailable()
+    reason = _extension.unavailable()
     if reason is not None:
         print(f"{prog}: {reason}", file=sys.stderr)
         return None
     return {"device": torch.cuda.get_device_name(), "commit": _commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "torch": torch.__version__, "native": _native._C.runtime_info()}
+            "torch": torch.__version__, "native": _extension.require().runtime_info()}
 
 
 def save_record(record: Dict, out_dir: str, stem: str, tag: str) -> str:

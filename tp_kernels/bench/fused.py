@@ -40,6 +40,9 @@ from typing import Callable, Dict, List, Sequence
 
 import torch
 
+from .. import _extension
+from ..backends import fused
+from ..testing import VirtualRanks
 from .extension import gpu_record, gpu_time_ms, save_record
 
 TARGETS = {"overlap_efficiency": 0.9, "gemm_slowdown": 0.05}
@@ -54,13 +57,13 @@ def overlap_efficiency(t_gemm: float, t_comm: float, t_overlap: float) -> float:
 
 
 def thresholds(sweep: Dict[str, Dict[int, float]]) -> Dict:
-    """From {algorithm: {bytes: ms}}: the fastest algorithm per size, and the largest size at
-    which one_shot, then two_shot, is still the fastest (None when it never is)."""
+    """From {algorithm: {bytes: ms}}: the fastest algorithm per size, and for each algorithm of
+    the size thresholds (``fused.MAX_BYTES``) the largest size at which it is still the fastest
+    (``"<algorithm>_max_bytes"``; None when it never is)."""
     sizes = sorted(next(iter(sweep.values())))
     best = {b: min(sweep, key=lambda a: sweep[a][b]) for b in sizes}
-    last = {a: max((b for b in sizes if best[b] == a), default=None) for a in ("one_shot", "two_shot")}
-    return {"fastest": {str(b): best[b] for b in sizes}, "one_shot_max_bytes": last["one_shot"],
-            "two_shot_max_bytes": last["two_shot"]}
+    last = {f"{a}_max_bytes": max((b for b in sizes if best[b] == a), default=None) for a in fused.MAX_BYTES}
+    return {"fastest": {str(b): best[b] for b in sizes}, **last}
 
 
 def _fork_join(streams: Sequence[torch.cuda.Stream], work: Callable[[int, torch.cuda.Stream], None]) -> None:
@@ -75,15 +78,12 @@ def _fork_join(streams: Sequence[torch.cuda.Stream], work: Callable[[int, torch.
 
 
 def _overlap(op: str, p: int, iters: int) -> Dict:
-    from .. import _native
-    from ..backends import fused
-
     m, k, n = LLAMA70B_TP8[op]
     dtype = torch.bfloat16
     mp = m // p
     gemm_streams = [torch.cuda.Stream() for _ in range(p)]
     copy_streams = [torch.cuda.Stream() for _ in range(p)]
-    with fused.VirtualRanks(p) as vr:
+    with VirtualRanks(p) as vr:
         if op == "all_gather_matmul":
             xs = [torch.randn(mp, k, device="cuda", dtype=dtype) for _ in range(p)]
             ws = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(p)]
@@ -92,7 +92,7 @@ def _overlap(op: str, p: int, iters: int) -> Dict:
 
             def gemms(q, s):
                 for d in range(p):
-                    _native.linear(gathered[q][d * mp:(d + 1) * mp], ws[q], out=outs[q][d * mp:(d + 1) * mp])
+                    _extension.linear(gathered[q][d * mp:(d + 1) * mp], ws[q], out=outs[q][d * mp:(d + 1) * mp])
 
             def comms(q, s):
                 for d in range(p):
@@ -110,14 +110,13 @@ def _overlap(op: str, p: int, iters: int) -> Dict:
 
             def gemms(q, s):
                 for d in range(p):
-                    _native.linear(xs[q][d * mp:(d + 1) * mp], ws[q], out=partial[q][d * mp:(d + 1) * mp])
+                    _extension.linear(xs[q][d * mp:(d + 1) * mp], ws[q], out=partial[q][d * mp:(d + 1) * mp])
 
             def comms(q, s):
                 for d in range(p):
                     if d != q:
                         inbox[d][q].copy_(partial[q][d * mp:(d + 1) * mp], non_blocking=True)
-                _native._C.reduce_partials([inbox[q][r].data_ptr() for r in range(p)], reduced[q].data_ptr(),
-                                           mp * n, _native.DTYPE_CODES[dtype], s.cuda_stream)
+                _extension.reduce_partials([inbox[q][r] for r in range(p)], reduced[q])
 
             def fused_op():
                 vr.matmul_reduce_scatter(xs, ws)
@@ -164,26 +163,23 @@ def _nccl_one_rank():
 
 
 def _all_reduce_latency(ps: Sequence[int], iters: int) -> List[Dict]:
-    from .. import _native
-    from ..backends import fused
-
     dist = _nccl_one_rank()
     k, n, dtype = 28672 // 8, 8192, torch.bfloat16
     rows = []
     for p in ps:
-        with fused.VirtualRanks(p) as vr:
+        with VirtualRanks(p) as vr:
             streams = [torch.cuda.Stream() for _ in range(p)]
             for m in DECODE_M:
                 xs = [torch.randn(m, k, device="cuda", dtype=dtype) for _ in range(p)]
                 ws = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(p)]
                 y = torch.randn(m, n, device="cuda", dtype=dtype)
                 row = {"p": p, "m": m, "k": k, "n": n, "bytes": m * n * 2,
-                       "gemms_ms": gpu_time_ms(lambda: _fork_join(streams, lambda q, s: _native.linear(xs[q], ws[q])),
+                       "gemms_ms": gpu_time_ms(lambda: _fork_join(streams, lambda q, s: _extension.linear(xs[q], ws[q])),
                                                iters),
                        "nccl_one_rank_all_reduce_ms": gpu_time_ms(lambda: dist.all_reduce(y), iters),
                        "reference_one_rank_ms": gpu_time_ms(
                            lambda: dist.all_reduce(torch.nn.functional.linear(xs[0], ws[0])), iters)}
-                for algo in fused.ALL_REDUCE_ALGORITHMS:
+                for algo in fused.algorithms():
                     if algo == "scatter_gather" and m < p:
                         continue
                     row[f"{algo}_ms"] = gpu_time_ms(lambda: vr.matmul_all_reduce(xs, ws, algorithm=algo), iters)
@@ -193,18 +189,16 @@ def _all_reduce_latency(ps: Sequence[int], iters: int) -> List[Dict]:
 
 
 def _crossovers(ps: Sequence[int], iters: int) -> Dict:
-    from ..backends import fused
-
     out = {}
     n, k, dtype = 4096, 256, torch.bfloat16  # a small k: the all-reduce dominates
     for p in ps:
-        sweep: Dict[str, Dict[int, float]] = {a: {} for a in fused.ALL_REDUCE_ALGORITHMS}
-        with fused.VirtualRanks(p) as vr:
+        sweep: Dict[str, Dict[int, float]] = {a: {} for a in fused.algorithms()}
+        with VirtualRanks(p) as vr:
             for nbytes in SWEEP_BYTES:
                 m = max(p, nbytes // (n * 2))
                 xs = [torch.randn(m, k, device="cuda", dtype=dtype) for _ in range(p)]
                 ws = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(p)]
-                for algo in fused.ALL_REDUCE_ALGORITHMS:
+                for algo in fused.algorithms():
                     sweep[algo][m * n * 2] = gpu_time_ms(lambda: vr.matmul_all_reduce(xs, ws, algorithm=algo), iters)
         out[str(p)] = {"n": n, "k": k, "ms": {a: {str(b): t for b, t in s.items()} for a, s in sweep.items()},
                        **thresholds(sweep)}

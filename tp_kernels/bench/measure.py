@@ -20,8 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import _comm, autotune, ops
+from .. import _collectives as coll
+from .. import autotune, dispatch, ops
 from .._timing import Timer
+from ..layers import ColumnParallelLinear, RowParallelLinear
 from ..perf_model import OP_COLLECTIVE
 from .cases import Case
 
@@ -72,19 +74,19 @@ def _collectives(case: Case, p: int) -> List[Tuple[str, Tuple[int, int], str]]:
     return [("all_reduce", (m, n), "y")]
 
 
-def _start(kind: str, buf: torch.Tensor, group) -> _comm.Pending:
+def _start(kind: str, buf: torch.Tensor, group) -> coll.Pending:
     if kind == "all_gather":
-        return _comm.all_gather_dim0(buf, group)
+        return coll.all_gather_dim0(buf, group)
     if kind == "reduce_scatter":
-        return _comm.reduce_scatter_dim0(buf, group, scratch=True)
-    return _comm.all_reduce(buf, group, inplace=True)
+        return coll.reduce_scatter_dim0(buf, group, scratch=True)
+    return coll.all_reduce(buf, group, inplace=True)
 
 
 def _ring(send: torch.Tensor, recv: torch.Tensor, group) -> None:
-    work, pending = _comm.ring_exchange(send, recv, group, tag=0, what="ring step")
+    work, pending = coll.ring_exchange(send, recv, group, tag=0, what="ring step")
     pending.wait()
     if work is not None:
-        _comm.wait(work, "ring step send", group, cuda=send.is_cuda)
+        coll.wait(work, "ring step send", group, cuda=send.is_cuda)
 
 
 def _gemms(case: Case, p: int) -> List[Tuple[int, int, int]]:
@@ -103,7 +105,7 @@ def _gemms(case: Case, p: int) -> List[Tuple[int, int, int]]:
 def measure_case(case: Case, backends: List[str], dtype: torch.dtype, device: torch.device, group,
                  timer: Timer, num_chunks: Optional[int]) -> dict:
     """Every timing of one case on this rank (all ranks call it together); seconds."""
-    p = _comm.group_size(group)
+    p = coll.group_size(group)
     esize = torch.empty((), dtype=dtype).element_size()
     gemms = _gemms(case, p)
     colls = _collectives(case, p)
@@ -180,16 +182,16 @@ def measure_case(case: Case, backends: List[str], dtype: torch.dtype, device: to
 
 
 def _resolved(op: str, backend: str, probe: torch.Tensor, p: int, group, made) -> str:
-    """What ran for ``backend``: for a measured ``"auto"``, the choices it made during the timing
-    (``"<choice> (measured)"``, an algorithm after a colon), else the routing's answer."""
-    if backend == "auto" and len(autotune.candidates(probe, probe, group, p)[0]) > 1:
-        chosen = sorted({d.choice + (f":{d.algorithm}" if d.algorithm else "") for d in made})
+    """What ran for ``backend``: for a measured ``"auto"``, the implementations it chose during
+    the timing (``"<choice> (measured)"``), else the decision's answer."""
+    if backend == "auto" and len(dispatch.candidates(probe, probe, group, p)[0]) > 1:
+        chosen = sorted({d.choice for d in made})
         return f"{'+'.join(chosen)} (measured)" if chosen else "measured before"
-    return ops.select_backend(op, backend, probe, p, group)
+    return dispatch.select_backend(op, backend, probe, p, group)
 
 
 def _time_backend(case, backend, dtype, device, group, timer, num_chunks, nsets) -> float:
-    p = _comm.group_size(group)
+    p = coll.group_size(group)
     (xm, xk), _ = case.local(p)
     if not case.is_layer:
         _, wshape = case.local(p)
@@ -197,8 +199,6 @@ def _time_backend(case, backend, dtype, device, group, timer, num_chunks, nsets)
         ws = _rand(wshape, nsets, device, dtype)
         fn = getattr(ops, case.target)
         return timer(lambda i: fn(xs[i % nsets], ws[i % nsets], group=group, backend=backend, num_chunks=num_chunks))
-    from ..layers import ColumnParallelLinear, RowParallelLinear
-
     cls = ColumnParallelLinear if case.kind == "column" else RowParallelLinear
     torch.manual_seed(0)
     layer = cls(case.k, case.n, sequence_parallel=case.sequence_parallel, backend=backend, device=device,
@@ -218,7 +218,7 @@ def _time_backend(case, backend, dtype, device, group, timer, num_chunks, nsets)
 def run_rank(config: dict) -> Optional[dict]:
     """Measure every case of ``config`` on this rank; rank 0 returns the measurements."""
     group = dist.group.WORLD if dist.is_initialized() else None
-    rank = _comm.group_rank(group)
+    rank = coll.group_rank(group)
     cuda = dist.is_initialized() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     timer = Timer(config["iters"], config["warmup"], cuda, group)

@@ -3,7 +3,8 @@
 // Each macro evaluates the call once and, on failure, throws tp_kernels::Error carrying the call's
 // text, the numeric code and the library's description of it, e.g.
 //   "ncclCommInitRank(&comm, p, id, r) failed: NCCL error 2 (unhandled system error) at comm.cpp:41"
-// The Python bindings turn tp_kernels::Error into RuntimeError.
+// The Python bindings turn tp_kernels::Error into RuntimeError, and ArgumentError (a bad argument,
+// found before any CUDA call: boundary.h) into ValueError.
 #pragma once
 
 #include <cublasLt.h>
@@ -18,6 +19,12 @@ namespace tp_kernels {
 class Error : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
+};
+
+// An argument the caller passed is wrong; the message starts with the argument's name.
+class ArgumentError : public Error {
+ public:
+  using Error::Error;
 };
 
 [[noreturn]] inline void fail(const char* call, const char* lib, long code, const char* meaning,

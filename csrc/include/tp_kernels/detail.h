@@ -65,19 +65,14 @@ inline std::string shape(int64_t rows, int64_t cols) {
   return "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
 }
 
-// The checks every primitive makes on its arguments before enqueueing anything.
-inline void validate_args(const OverlapArgs& a, int device, const std::string& op) {
+// The primitives run on the device of their group's context, which the caller makes current
+// (the Python side does, with torch.cuda.device); anything else is a bug, not a bad argument.
+inline void require_current_device(int device, const std::string& op) {
   int current = -1;
   TPK_CHECK_CUDA(cudaGetDevice(&current));
   if (current != device)
     throw Error(op + ": the current device is " + std::to_string(current) + ", the group's is " +
                 std::to_string(device));
-  if (a.bounds.size() < 2 || a.bounds.front() != 0)
-    throw Error(op + ": bounds must start at 0 and hold at least one chunk");
-  for (size_t j = 1; j < a.bounds.size(); ++j)
-    if (a.bounds[j] <= a.bounds[j - 1]) throw Error(op + ": bounds must be strictly increasing");
-  if (a.n < 1 || a.k < 1) throw Error(op + ": n and k must be positive");
-  if (a.x == nullptr || a.w == nullptr || a.out == nullptr) throw Error(op + ": null x, w or out");
 }
 
 }  // namespace detail

@@ -42,7 +42,8 @@ void wait_flags(uint32_t* const* flags, const uint32_t* codes, int count, uint64
                 cudaStream_t stream);
 
 // out[i] = sum over q = 0..p-1 of in[q][i], accumulated in fp32 in that order, for `count`
-// elements of `dtype`. Any of in[q] may be a peer's pointer; out may alias one of them.
+// elements of `dtype` (1 <= p <= kMaxRanks; the arguments are trusted: boundary.h checks them).
+// Any of in[q] may be a peer's pointer; out may alias one of them.
 void reduce_partials(const void* const* in, int p, void* out, int64_t count, DType dtype, cudaStream_t stream);
 
 // True when the driver provides the stream memory operations (CUDA 12+ drivers do).

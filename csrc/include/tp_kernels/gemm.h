@@ -10,6 +10,10 @@
 // default. The bias is added by the GEMM's epilogue. Work is enqueued on `stream`; nothing
 // blocks the host, so the call can be captured in a CUDA graph. The workspace (any size,
 // 0 allowed) is owned by the caller and must not be used concurrently by another stream.
+// m = 0 or n = 0 is no work; k = 0 (an empty sum) writes nothing: the caller fills Y with the bias.
+//
+// The arguments are trusted: they come checked from the boundary (boundary.h) or from the
+// primitives built on this GEMM.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -17,9 +21,9 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace tp_kernels {
+#include "tp_kernels/tensor.h"
 
-enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+namespace tp_kernels {
 
 struct LinearArgs {
   const void* x = nullptr;
@@ -36,10 +40,7 @@ struct LinearArgs {
   cudaStream_t stream = nullptr;
 };
 
-// Throws tp_kernels::Error on invalid arguments or a failed CUDA/cuBLASLt call.
+// Throws tp_kernels::Error when a CUDA or cuBLASLt call fails.
 void linear(const LinearArgs& args);
-
-// Bytes per element of `t`.
-size_t dtype_size(DType t);
 
 }  // namespace tp_kernels

@@ -42,20 +42,25 @@
 
 namespace tp_kernels {
 
+// The data regions of a workspace buffer, in layout order (their names: _C.REGIONS).
 enum class Region : int { kExport = 0, kInbox = 1, kExport2 = 2 };
 constexpr int kNumRegions = 3;
+const char* region_name(Region c);
+std::vector<std::string> region_names();
 constexpr size_t kControlBytes = 4096;
 constexpr size_t kRegionAlignment = 256;
 
-enum class FusedOp : int { kAllGatherMatmul = 0, kMatmulReduceScatter = 1, kMatmulAllReduce = 2 };
-
-// All-reduce algorithms of fused matmul_all_reduce.
+// All-reduce algorithms of fused matmul_all_reduce (their names: _C.ALL_REDUCE_ALGORITHMS).
 enum class AllReduceAlgo : int {
   kOneShot = 0,   // every rank reads every partial and sums them: the lowest latency, p x the reads
   kTwoShot = 1,   // each rank sums 1/p of the elements, then everyone gathers the sums
   kScatterGather = 2,  // partials pushed to their block's owner by copy engine while the next
                        // block multiplies, summed there, then gathered by copy engine
 };
+const char* algorithm_name(AllReduceAlgo algo);
+std::vector<std::string> algorithm_names();
+// The algorithm called `name`; throws ArgumentError naming `arg` when there is none.
+AllReduceAlgo parse_algorithm(const std::string& name, const std::string& arg);
 
 // Index of flag (region, release?, peer) in a control block.
 constexpr int flag_index(Region c, bool release, int peer) {
@@ -95,7 +100,7 @@ class PeerContext {
   // Sets it in every other rank's control block.
   void signal_all(Region c, bool release, cudaStream_t stream);
   // Makes `stream` consume this rank's flags (c, release, q) for each q in `peers` (bounded).
-  void wait(const std::vector<int>& peers, Region c, bool release, FusedOp op, cudaStream_t stream);
+  void wait(const std::vector<int>& peers, Region c, bool release, Primitive op, cudaStream_t stream);
   // The other ranks, in the order r + 1, r + 2, ... (mod p).
   std::vector<int> others() const;
 
@@ -120,11 +125,15 @@ class PeerContext {
   std::mutex op_mutex_;
 };
 
-// Bytes each region needs for an op (row-major shapes as in overlap.h; `rows` is m/p for the
-// first two, the largest block for the scatter-gather all-reduce).
-size_t fused_region_need(FusedOp op, Region c, int p, int64_t m, int64_t n, int64_t k, DType dtype,
-                         AllReduceAlgo algo);
+// Bytes each region (in Region order) needs on every rank for a fused call of `op` on p ranks,
+// rounded up to kRegionAlignment. `m` is the gathered rows for all_gather_matmul (p shards of
+// m/p) and the rows of x for the reductions; `algo` matters for matmul_all_reduce only.
+std::vector<size_t> fused_region_needs(Primitive op, int p, int64_t m, int64_t n, int64_t k, DType dtype,
+                                       AllReduceAlgo algo);
 
+// The fused primitives. Their arguments are trusted (boundary.h checks them); what each checks
+// itself is that the context's regions hold what the call needs.
+//
 // out [m, n] = AG(x) W^T (+ bias): each rank publishes its shard [m/p, k] in its export region;
 // the copy stream pulls the peers' shards chunk by chunk (bounds over m/p) into gathered
 // (scratch, [m, k]) while the caller's stream multiplies the chunks already there.

@@ -1,4 +1,4 @@
-"""Run functions on a world of local processes, spawned once and reused.
+"""Run functions on a world of local processes, spawned once and reused (tests, benchmarks).
 
 :class:`World` starts ``world_size`` processes, each with ``torch.distributed`` initialized
 (gloo on the CPU unless told otherwise) and a bounded collective timeout, then runs any number
@@ -27,6 +27,8 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from ..settings import set_timeout
 
 __all__ = ["World", "WorkerError", "default_backend", "launched_by_torchrun"]
 
@@ -59,9 +61,7 @@ def _worker(rank, world_size, store_path, backend, timeout_s, threads, env, cuda
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
         )
-        from . import _comm
-
-        _comm.set_timeout(timeout_s)
+        set_timeout(timeout_s)
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
         return

@@ -4,11 +4,13 @@ Everything that talks to ``torch.distributed`` goes through here:
 
 * group resolution (``group=None`` means the tensor-parallel group, or the default group when
   :func:`tp_kernels.initialize_model_parallel` was never called, or "this process alone" when
-  ``torch.distributed`` is not initialized at all);
+  ``torch.distributed`` is not initialized at all), and groups by name (the custom ops carry
+  the name);
 * one compatibility shim for the collectives renamed in torch 2.13
   (``all_gather_single``/``reduce_scatter_single``, formerly ``*_into_tensor``/``*_tensor``);
 * every collective is issued asynchronously and waited with :func:`wait`, which applies the
-  library-wide timeout and turns a stuck collective into an error naming the operation.
+  library-wide timeout (:func:`tp_kernels.settings.get_timeout`) and turns a stuck collective
+  into an error naming the operation.
 
 The helpers take and return contiguous tensors and never touch autograd.
 """
@@ -16,12 +18,14 @@ The helpers take and return contiguous tensors and never touch autograd.
 from __future__ import annotations
 
 import datetime
-import os
 import threading
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+
+from . import parallel_state, schedule
+from .settings import get_timeout
 
 __all__ = [
     "Pending",
@@ -29,48 +33,20 @@ __all__ = [
     "all_gather_dim0",
     "all_gather_last_dim",
     "all_reduce",
-    "get_timeout",
+    "group_from_name",
+    "group_key",
+    "group_name",
     "group_rank",
     "group_size",
     "reduce_scatter_dim0",
     "resolve_group",
-    "set_timeout",
+    "ring_exchange",
     "split",
     "wait",
 ]
 
-_DEFAULT_TIMEOUT_S = 300.0
-_timeout_s: Optional[float] = None
-
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def set_timeout(seconds: float) -> None:
-    """Set how long any tp_kernels collective may take before it raises (seconds, > 0).
-
-    The default is 300 s, or ``TP_KERNELS_TIMEOUT_S`` from the environment.
-    """
-    if not (isinstance(seconds, (int, float)) and seconds > 0):
-        raise ValueError(f"seconds: expected a positive number, got {seconds!r}")
-    global _timeout_s
-    _timeout_s = float(seconds)
-
-
-def get_timeout() -> float:
-    """The current collective timeout in seconds (see :func:`set_timeout`)."""
-    if _timeout_s is not None:
-        return _timeout_s
-    env = os.environ.get("TP_KERNELS_TIMEOUT_S")
-    if env:
-        try:
-            value = float(env)
-        except ValueError:
-            value = -1.0
-        if value <= 0:
-            raise ValueError(f"TP_KERNELS_TIMEOUT_S: expected a positive number of seconds, got {env!r}")
-        return value
-    return _DEFAULT_TIMEOUT_S
 
 
 def resolve_group(group):
@@ -81,14 +57,26 @@ def resolve_group(group):
                 f"group: this process (global rank {dist.get_rank()}) is not a member of the group it was given"
             )
         return group
-    from . import parallel_state
-
-    tp = parallel_state._TENSOR_MODEL_PARALLEL_GROUP
+    tp = parallel_state.tensor_model_parallel_group_or_none()
     if tp is not None:
         return tp
     if dist.is_available() and dist.is_initialized():
         return dist.group.WORLD
     return None
+
+
+def group_name(group) -> str:
+    """The name a custom op carries for ``group`` (``""``: this process alone)."""
+    return "" if group is None else group.group_name
+
+
+def group_from_name(name: str):
+    """The group :func:`group_name` named."""
+    if not name:
+        return None
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._resolve_process_group(name)
 
 
 def group_key(group, device: torch.device):
@@ -283,13 +271,13 @@ def split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group, tag: int, what: str):
     """Start sending ``send`` to the next rank of the ring and receiving ``recv`` from the previous.
 
-    The ring is ``r -> (r + 1) mod p`` in group ranks. Returns ``(send_work, recv_pending)``.
-    The pair is issued as one batch: with NCCL a lone send may wait for its receiver, and every
-    rank sending first would deadlock.
+    The ring is :func:`tp_kernels.schedule.ring`'s, in group ranks. Returns
+    ``(send_work, recv_pending)``. The pair is issued as one batch: with NCCL a lone send may wait
+    for its receiver, and every rank sending first would deadlock.
     """
-    p, r = group_size(group), group_rank(group)
-    nxt = dist.get_global_rank(group, (r + 1) % p)
-    prv = dist.get_global_rank(group, (r - 1) % p)
+    order = schedule.ring(group_rank(group), group_size(group))
+    nxt = dist.get_global_rank(group, order.next)
+    prv = dist.get_global_rank(group, order.prev)
     works = dist.batch_isend_irecv([
         dist.P2POp(dist.isend, send, nxt, group=group, tag=tag),
         dist.P2POp(dist.irecv, recv, prv, group=group, tag=tag),

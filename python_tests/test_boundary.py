@@ -1,0 +1,233 @@
+"""The Python/C++ boundary: every tensor crosses as a TensorRef built in one place
+(tp_kernels._extension) and is checked once, in C++ (csrc/boundary.cpp), with errors that name the
+argument, before any CUDA call. So all of it runs here, without a GPU: the tensors are host memory
+described as if on cuda:0 (nothing is dereferenced), and `linear_problem` / `primitive_problem`
+return what the core would receive.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tp_kernels import _extension, schedule
+
+pytestmark = pytest.mark.skipif(_extension._C is None, reason="the native module is not built")
+C = _extension._C
+
+
+def ref(name, t, device=0):
+    """``t`` (host memory) described as a tensor on cuda:``device``: checks only, never read."""
+    return C.TensorRef(name, t.data_ptr(), list(t.shape), list(t.stride()), _extension.dtype_name(t.dtype), device)
+
+
+def empty(name, shape, dtype="bfloat16", device=0):
+    """A tensor with no elements and a null data pointer, as torch gives for empty tensors."""
+    strides, s = [], 1
+    for d in reversed(shape):
+        strides.insert(0, s)
+        s *= max(d, 1)
+    return C.TensorRef(name, 0, list(shape), strides, dtype, device)
+
+
+
+def workspace():
+    return ref("workspace", torch.empty(64, dtype=torch.uint8))
+
+
+def linear(x, w, bias=None, out=None, **refs):
+    out = torch.empty(*x.shape[:-1], w.shape[0], dtype=x.dtype) if out is None else out
+    args = dict(x=ref("x", x), weight=ref("weight", w), bias=None if bias is None else ref("bias", bias),
+                out=ref("out", out), workspace=workspace())
+    args.update(refs)
+    return C.linear_problem(**args)
+
+
+def test_the_gemm_of_contiguous_operands():
+    x, w, b = torch.randn(6, 40, dtype=torch.bfloat16), torch.randn(24, 40, dtype=torch.bfloat16), torch.randn(24)
+    got = linear(x, w, b.bfloat16())
+    assert {k: got[k] for k in ("m", "n", "k", "ldx", "ldw", "ldy", "w_col_major", "batch", "dtype", "has_bias")} == {
+        "m": 6, "n": 24, "k": 40, "ldx": 40, "ldw": 40, "ldy": 24, "w_col_major": False, "batch": 1,
+        "dtype": "bfloat16", "has_bias": True}
+    assert got["workspace_bytes"] == 64
+
+
+def test_strided_rows_and_a_transposed_weight():
+    wide = torch.randn(6, 45)
+    x = wide[:, :40]  # rows 45 apart
+    wt = torch.randn(40, 24).t()  # [24, 40], column-major: a backward pass's W^T
+    buf = torch.empty(10, 30)
+    got = linear(x, wt, out=buf[2:8, :24])  # rows of a larger buffer, 30 apart
+    assert (got["ldx"], got["ldw"], got["w_col_major"], got["ldy"]) == (45, 24, True, 30)
+    padded = torch.randn(24, 48)[:, :40]  # row-major, rows 48 apart
+    assert (linear(x, padded)["ldw"], linear(x, padded)["w_col_major"]) == (48, False)
+
+
+def test_a_batch_of_products_with_one_weight():
+    """The reduce-scatter's chunk GEMM: rows [a, b) of each of p blocks of x, one W, into a
+    destination-major [p, b - a, n] buffer."""
+    p, mp, k, n, a, b = 4, 13, 24, 20, 3, 10
+    x = torch.randn(p * mp, k)
+    blocks = x.view(p, mp, k)[:, a:b]
+    y = torch.empty(p, b - a, n)
+    got = linear(blocks, torch.randn(n, k), out=y)
+    assert (got["batch"], got["m"], got["ldx"], got["stride_x"], got["ldy"], got["stride_y"]) == (
+        p, b - a, k, mp * k, n, (b - a) * n)
+    with pytest.raises(ValueError, match="bias: a bias is not supported with a batch of products"):
+        linear(blocks, torch.randn(n, k), torch.randn(n), out=y)
+
+
+def test_empty_matrices_have_null_pointers_and_pass_the_checks():
+    """m = 0 or n = 0 is no work and k = 0 an empty sum (the caller fills the bias): torch gives
+    such tensors a null data pointer, which is no error."""
+    w = ref("weight", torch.randn(8, 8).bfloat16())
+    got = C.linear_problem(x=empty("x", [0, 8]), weight=w, bias=None, out=empty("out", [0, 8]), workspace=workspace())
+    assert (got["m"], got["n"], got["k"]) == (0, 8, 8)
+    got = C.linear_problem(x=ref("x", torch.randn(3, 8).bfloat16()), weight=empty("weight", [0, 8]), bias=None,
+                           out=empty("out", [3, 0]), workspace=workspace())
+    assert (got["m"], got["n"], got["k"]) == (3, 0, 8)
+    got = C.linear_problem(x=empty("x", [5, 0]), weight=empty("weight", [3, 0]), bias=None,
+                           out=ref("out", torch.empty(5, 3).bfloat16()), workspace=workspace())
+    assert (got["m"], got["n"], got["k"]) == (5, 3, 0)
+    with pytest.raises(ValueError, match="x: expected a non-null data pointer"):
+        C.linear_problem(x=C.TensorRef("x", 0, [2, 8], [8, 1], "bfloat16", 0), weight=w, bias=None,
+                         out=ref("out", torch.empty(2, 8).bfloat16()), workspace=workspace())
+
+
+@pytest.mark.parametrize("case,message", [
+    ("x_1d", r"^x: expected a 2-D tensor \[m, k\], or a 3-D \[batch, m, k\], got \[40\] float32 on cuda:0"),
+    ("x_host", r"^x: expected a CUDA tensor, got \[6, 40\] float32 on the host"),
+    ("x_uint8", r"^x: expected dtype float32, float16, bfloat16, got \[6, 40\] uint8"),
+    ("x_last_dim_strided", r"^x: expected a contiguous last dim"),
+    ("x_overlapping_rows", r"^x: expected rows that do not overlap"),
+    ("weight_width", r"^weight: expected \[n, 40\] to match x \[6, 40\], got \[24, 39\]"),
+    ("weight_dtype", r"^weight: expected float32 on the device of x"),
+    ("weight_device", r"^weight: expected float32 on the device of x .*on cuda:1"),
+    ("weight_layout", r"^weight: expected a row-major or column-major weight \(strides \[192, 2\]\)"),
+    ("bias_shape", r"^bias: expected \[24\], got \[23\]"),
+    ("bias_strided", r"^bias: expected a contiguous tensor"),
+    ("out_shape", r"^out: expected \[6, 24\] \(x \[6, 40\] times weight \[24, 40\] transposed\), got \[5, 24\]"),
+    ("out_dtype", r"^out: expected float32 on the device of x"),
+    ("workspace_dtype", r"^workspace: expected uint8 bytes on the device of x"),
+])
+def test_bad_gemm_arguments_are_named(case, message):
+    x, w, b, out = torch.randn(6, 40), torch.randn(24, 40), torch.randn(24), torch.empty(6, 24)
+    args = dict(x=ref("x", x), weight=ref("weight", w), bias=ref("bias", b), out=ref("out", out),
+                workspace=workspace())
+    args.update({
+        "x_1d": lambda: {"x": ref("x", torch.randn(40))},
+        "x_host": lambda: {"x": ref("x", x, device=-1)},
+        "x_uint8": lambda: {"x": ref("x", torch.zeros(6, 40, dtype=torch.uint8))},
+        "x_last_dim_strided": lambda: {"x": ref("x", torch.randn(40, 6).t())},
+        "x_overlapping_rows": lambda: {"x": C.TensorRef("x", x.data_ptr(), [6, 40], [20, 1], "float32", 0)},
+        "weight_width": lambda: {"weight": ref("weight", torch.randn(24, 39))},
+        "weight_dtype": lambda: {"weight": ref("weight", w.half())},
+        "weight_device": lambda: {"weight": ref("weight", w, device=1)},
+        "weight_layout": lambda: {"weight": ref("weight", torch.randn(48, 96)[::2, ::2][:, :40])},
+        "bias_shape": lambda: {"bias": ref("bias", torch.randn(23))},
+        "bias_strided": lambda: {"bias": ref("bias", torch.randn(48)[::2])},
+        "out_shape": lambda: {"out": ref("out", torch.empty(5, 24))},
+        "out_dtype": lambda: {"out": ref("out", out.bfloat16())},
+        "workspace_dtype": lambda: {"workspace": ref("workspace", torch.empty(8))},
+    }[case]())
+    with pytest.raises(ValueError, match=message):
+        C.linear_problem(**args)
+
+
+def test_tensor_refs_are_checked_when_made():
+    with pytest.raises(ValueError, match="x: 2 sizes but 1 strides"):
+        C.TensorRef("x", 0, [2, 3], [3], "float32", 0)
+    with pytest.raises(ValueError, match="x: negative size"):
+        C.TensorRef("x", 0, [-2, 3], [3, 1], "float32", 0)
+    with pytest.raises(ValueError, match="x: unknown dtype 'float64' \\(known: float32, float16, bfloat16, uint8\\)"):
+        _extension.tensor_ref("x", torch.randn(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="x: expected a torch.Tensor, got list"):
+        _extension.tensor_ref("x", [1.0])
+    t = _extension.tensor_ref("weight", torch.randn(8, 6).t())
+    assert (t.name, t.shape, t.strides, t.dtype, t.device) == ("weight", [6, 8], [1, 6], "float32", -1)
+
+
+def test_the_python_side_names_every_argument_after_its_keyword():
+    seen = {}
+
+    def fake(*context, **kwargs):
+        seen.update(context=context, **kwargs)
+
+    xs = [torch.randn(3), torch.randn(3)]
+    _extension.call(fake, "ctx", stream=None, x=torch.randn(2, 3), inputs=xs, bias=None, bounds=[0, 2])
+    assert seen["context"] == ("ctx",) and seen["bias"] is None and seen["bounds"] == [0, 2]
+    assert seen["x"].name == "x" and [r.name for r in seen["inputs"]] == ["inputs[0]", "inputs[1]"]
+    assert seen["workspace"].name == "workspace" and seen["workspace"].dtype == "uint8" and seen["stream"] == 0
+    seen.clear()
+    _extension.call(fake, stream=None, gemm=False, out=torch.randn(2))
+    assert "workspace" not in seen
+
+
+# --- the primitives: what every native and fused op checks, per op -----------------------------
+
+
+def primitive(op, p=4, rank=1, device=0, mp=5, k=16, n=12, bias=False, chunks=2, **refs):
+    """A well-formed call of ``op`` on rank ``rank`` of ``p``, with ``refs`` replacing arguments."""
+    f = torch.float32
+    rows = mp if op == "all_gather_matmul" else p * mp
+    out_rows = p * mp if op == "all_gather_matmul" else mp if op == "matmul_reduce_scatter" else rows
+    scratch = (torch.empty(p * mp, k) if op == "all_gather_matmul" else torch.empty(rows, n)
+               if op == "matmul_reduce_scatter" else None)
+    chunked = rows if op == "matmul_all_reduce" else mp
+    order = schedule.ring(rank, p)
+    args = dict(op=op, rank=rank, size=p, device=device, x=ref("x", torch.randn(rows, k, dtype=f)),
+                weight=ref("weight", torch.randn(n, k, dtype=f)),
+                bias=ref("bias", torch.randn(n, dtype=f)) if bias else None,
+                out=ref("out", torch.empty(out_rows, n, dtype=f)),
+                scratch=None if scratch is None else ref("gathered" if op == "all_gather_matmul" else "partial",
+                                                         scratch),
+                bounds=schedule.boundaries(chunked, chunks), workspace=workspace())
+    if op == "all_gather_matmul":
+        args.update(ring=order.sources, ring_next=order.next, ring_prev=order.prev)
+    args.update(refs)
+    return C.primitive_problem(**args)
+
+
+def test_well_formed_primitive_calls():
+    ag = primitive("all_gather_matmul", bias=True)
+    assert (ag["n"], ag["k"], ag["bounds"], ag["has_bias"], ag["has_scratch"]) == (12, 16, [0, 3, 5], True, True)
+    assert (ag["ring"], ag["ring_next"], ag["ring_prev"]) == ([1, 0, 3, 2], 2, 0)
+    assert primitive("matmul_reduce_scatter", chunks=5)["bounds"] == [0, 1, 2, 3, 4, 5]
+    assert primitive("matmul_all_reduce", chunks=4)["bounds"] == schedule.boundaries(20, 4)
+    assert primitive("matmul_all_reduce", bounds=[])["bounds"] == [0, 20]  # one chunk: the fused one-/two-shot
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_the_schedules_ring_is_what_the_native_side_accepts(p):
+    for rank in range(p):
+        got = primitive("all_gather_matmul", p=p, rank=rank)
+        assert got["ring"] == [schedule.ring_source(rank, s, p) for s in range(p)]
+
+
+@pytest.mark.parametrize("op,refs,message", [
+    ("all_gather_matmul", {"out": "wrong"}, r"^out: expected \[20, 12\] \(the output of all_gather_matmul on 4 "
+                                            r"ranks\), got \[5, 12\]"),
+    ("all_gather_matmul", {"scratch": None}, r"^gathered: all_gather_matmul needs its buffer \[20, 16\]"),
+    ("matmul_reduce_scatter", {"scratch": None}, r"^partial: matmul_reduce_scatter needs its buffer \[20, 12\]"),
+    ("matmul_reduce_scatter", {"bias": "bias"}, r"^bias: matmul_reduce_scatter adds no bias"),
+    ("matmul_all_reduce", {"bias": "bias"}, r"^bias: matmul_all_reduce adds no bias"),
+    ("matmul_reduce_scatter", {"x": "odd_rows"}, r"^x: expected rows divisible by the group's 4 ranks"),
+    ("matmul_all_reduce", {"x": "strided"}, r"^x: expected a contiguous tensor"),
+    ("matmul_all_reduce", {"x": "cuda1"}, r"^x: expected a tensor on cuda:0, got \[20, 16\] float32 on cuda:1"),
+    ("all_gather_matmul", {"bounds": [0, 3]}, r"^bounds: got \[0, 3\], expected boundaries 0 < \.\.\. < 5 "
+                                              r"\(over m/p\)"),
+    ("matmul_all_reduce", {"bounds": [0, 5, 5, 20]}, r"^bounds: got \[0, 5, 5, 20\], expected them strictly increasing"),
+    ("all_gather_matmul", {"ring": [0, 1, 2, 3]}, r"^ring: expected every rank of 4 once, rank 1 first"),
+    ("all_gather_matmul", {"ring": [1, 1, 2, 3]}, r"^ring: expected every rank of 4 once"),
+    ("all_gather_matmul", {"ring_next": 1}, r"^ring_next, ring_prev: expected other ranks of 4, got 1 and 0"),
+    ("matmul_all_reduce", {"x": "no_rows", "out": "no_rows_out"},
+     r"^x, weight: matmul_all_reduce takes no empty dimension \(the plain GEMM does\), got x \[0, 16\]"),
+])
+def test_bad_primitive_arguments_are_named(op, refs, message):
+    values = {"wrong": ref("out", torch.empty(5, 12)), "bias": ref("bias", torch.randn(12)),
+              "odd_rows": ref("x", torch.randn(21, 16)), "strided": ref("x", torch.randn(20, 32)[:, :16]),
+              "cuda1": ref("x", torch.randn(20, 16), device=1), "no_rows": empty("x", [0, 16], "float32"),
+              "no_rows_out": empty("out", [0, 12], "float32")}
+    refs = {k: values.get(v, v) if isinstance(v, str) else v for k, v in refs.items()}
+    with pytest.raises(ValueError, match=message):
+        primitive(op, **refs)

@@ -1,0 +1,238 @@
+"""The one place that loads the native extension ``tp_kernels._C``, and that turns tensors into
+its arguments.
+
+Importing tp_kernels never fails for lack of it (or of a GPU): the reason it is unavailable is
+kept and reported by :func:`extension_status`.
+
+``_C`` needs ``libnccl.so.2`` and ``libcublasLt.so.13`` from the ``nvidia-nccl-cu13`` and
+``nvidia-cublas`` wheels. Its RPATH finds them next to an installed package
+(``$ORIGIN/../nvidia/...``); so that any layout works (an editable install in a source tree,
+too), they are first loaded here by path from wherever those wheels are installed.
+
+Every tensor crosses into ``_C`` as a ``_C.TensorRef`` (pointer, shape, strides, dtype name,
+device) made by :func:`tensor_ref`, through :func:`call`, and is checked once, in C++
+(``csrc/include/tp_kernels/boundary.h``): a bad one raises ``ValueError`` naming the argument.
+The lists both sides use (dtypes, ops, all-reduce algorithms, workspace regions) and the limits
+(``MAX_RANKS``, ...) are defined in C++ and read from ``_C``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import importlib.util
+import os
+from typing import Optional
+
+import torch
+
+from .settings import BACKEND_NAMES
+
+#: (package of the NVIDIA wheel, library _C links)
+_NVIDIA_LIBRARIES = (("nvidia.nccl", "libnccl.so.2"), ("nvidia.cu13", "libcublasLt.so.13"))
+
+
+def _preload_nvidia_libraries() -> None:
+    for package, name in _NVIDIA_LIBRARIES:
+        try:
+            spec = importlib.util.find_spec(package)
+        except ModuleNotFoundError:
+            spec = None
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            path = os.path.join(root, "lib", name)
+            if os.path.isfile(path):
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                break
+
+
+_C = None
+_reason: Optional[str] = None
+
+if importlib.util.find_spec("tp_kernels._C") is None:
+    _reason = "not built: this installation of tp_kernels has no native extension; the pure-PyTorch backends are used"
+else:
+    try:
+        _preload_nvidia_libraries()
+        _C = importlib.import_module("tp_kernels._C")
+    except (ImportError, OSError) as exc:  # built, but cannot load here (e.g. a missing library)
+        _reason = (
+            f"tp_kernels._C failed to load: {exc}. Its libraries come from the nvidia-nccl-cu13 and "
+            "nvidia-cublas wheels: pip install 'tp_kernels[cuda]'"
+        )
+
+
+def extension_status() -> dict:
+    """Whether the native module is importable and a CUDA device usable, with reasons.
+
+    Returns a dict: ``built`` (bool: the native module is importable), ``reason`` (str or None),
+    ``native`` (the native module's view when built: CUDA runtime/driver, NCCL and cuBLASLt
+    versions, ``device_count`` and ``device_error``; else None), ``cuda_available`` (torch
+    sees a CUDA device), ``cuda_reason`` (str or None), ``backends`` (names usable now: ``"fused"`` needs the native
+    module and a CUDA device).
+    """
+    cuda = torch.cuda.is_available()
+    if cuda:
+        cuda_reason = None
+    elif torch.version.cuda is None:
+        cuda_reason = "this torch build has no CUDA support"
+    else:
+        cuda_reason = "no CUDA device is visible"
+    return {
+        "built": _C is not None,
+        "reason": _reason,
+        "native": None if _C is None else _C.runtime_info(),
+        "cuda_available": cuda,
+        "cuda_reason": cuda_reason,
+        "backends": [b for b in BACKEND_NAMES if b != "fused" or (_C is not None and cuda)],
+    }
+
+
+def unavailable() -> Optional[str]:
+    """Why the native module cannot be used here, or None when it can."""
+    return None if _C is not None else f"the native extension is unavailable: {_reason}"
+
+
+def require():
+    """The native module; ``RuntimeError`` with the reason when it cannot be used here."""
+    reason = unavailable()
+    if reason is not None:
+        raise RuntimeError(reason)
+    return _C
+
+
+_dtype_names: dict = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch's name of ``dtype`` without ``torch.``, as the native module names dtypes."""
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype).rpartition(".")[2]
+    return name
+
+
+def unsupported_tensors_reason(x: torch.Tensor, weight: torch.Tensor) -> Optional[str]:
+    """Why the native module cannot take these tensors here, or None (what every native path
+    needs: the module, a CUDA device, a dtype of ``_C.DTYPES``, no empty dimension)."""
+    reason = unavailable()
+    if reason is not None:
+        return reason
+    if not x.is_cuda:
+        return f"x is on {x.device.type}, not on a CUDA device"
+    if dtype_name(x.dtype) not in _C.DTYPES:
+        return f"dtype {x.dtype} is not supported natively ({', '.join(_C.DTYPES)})"
+    if x.numel() == 0 or weight.numel() == 0:
+        return f"an empty dimension (x {tuple(x.shape)}, weight {tuple(weight.shape)})"
+    return None
+
+
+def tensor_ref(name: str, t: torch.Tensor):
+    """``t`` as the native module takes a tensor argument called ``name``."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    # get_device(): the CUDA ordinal, -1 for host memory
+    return _C.TensorRef(name, t.data_ptr(), t.shape, t.stride(), dtype_name(t.dtype), t.get_device())
+
+
+#: cuBLASLt workspace per (device, stream); cuBLAS recommends 32 MiB on Hopper.
+WORKSPACE_BYTES = 32 * 2**20
+#: (device, stream) -> (workspace, its TensorRef): made once, as the workspace never moves
+_workspaces: dict = {}
+
+
+def gemm_workspace(stream: "torch.cuda.Stream") -> torch.Tensor:
+    """The cuBLASLt workspace of ``stream`` (made on first use, owned by that stream)."""
+    return _workspace_entry(stream)[0]
+
+
+def _workspace_entry(stream):
+    key = (stream.device_index, stream.cuda_stream)
+    entry = _workspaces.get(key)
+    if entry is None:
+        with torch.cuda.stream(stream):  # owned by this stream, as the caching allocator needs
+            ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=stream.device)
+        entry = _workspaces[key] = (ws, tensor_ref("workspace", ws))
+    return entry
+
+
+def call(fn, *context, stream: Optional["torch.cuda.Stream"], gemm: bool = True, **args) -> None:
+    """``fn(*context, **args)`` for a native function ``fn`` of ``_C``, enqueued on ``stream``.
+
+    Every tensor in ``args`` goes as a TensorRef named after its keyword (a list of tensors as
+    ``name[0]``, ``name[1]``, ...; None stays None), then ``workspace`` (``stream``'s cuBLASLt
+    workspace, for functions that multiply: ``gemm``) and ``stream``. ``stream`` is None for
+    tensors not on a CUDA device: ``fn``'s checks then reject them before anything runs.
+    """
+    refs = {}
+    for name, value in args.items():
+        if isinstance(value, torch.Tensor):
+            value = tensor_ref(name, value)
+        elif isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            value = [tensor_ref(f"{name}[{i}]", t) for i, t in enumerate(value)]
+        refs[name] = value
+    if gemm:
+        refs["workspace"] = (tensor_ref("workspace", torch.empty(0, dtype=torch.uint8)) if stream is None
+                             else _workspace_entry(stream)[1])
+    fn(*context, **refs, stream=0 if stream is None else stream.cuda_stream)
+
+
+def gemm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[n, k]`` as the native GEMMs take it: as it is when it is row-major or
+    column-major (a transposed view, as backward passes use), else a row-major copy. (A cheap
+    sufficient test; the native side checks the layout it gets.)"""
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        (n, k), (s0, s1) = weight.shape, weight.stride()
+        if not ((s1 == 1 and s0 >= k) or (s0 == 1 and s1 >= n)):
+            return weight.contiguous()
+    return weight
+
+
+def _gemm_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[m, k]`` with a contiguous last dim and rows that do not overlap (the GEMMs' rows
+    may be strided), else a contiguous copy; other tensors as they are (the native side checks)."""
+    if isinstance(x, torch.Tensor) and x.dim() == 2:
+        (m, k), (s0, s1) = x.shape, x.stride()
+        if (k > 1 and s1 != 1) or (m > 1 and s0 < k):
+            return x.contiguous()
+    return x
+
+
+def _stream(t: torch.Tensor) -> Optional["torch.cuda.Stream"]:
+    return torch.cuda.current_stream(t.device) if isinstance(t, torch.Tensor) and t.is_cuda else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``Y = X Wᵀ + b`` through the native cuBLASLt GEMM, on the current stream (no autograd).
+
+    Args:
+        x: ``[m, k]`` CUDA tensor, float32/float16/bfloat16 (rows need not be adjacent, but the
+            last dim must be contiguous; otherwise a contiguous copy is made); or ``[batch, m, k]``:
+            ``batch`` products with the one weight (no bias).
+        weight: ``[n, k]``, same dtype and device, row- or column-major (a transposed view is
+            used as it is; another layout is copied); bias: ``[n]`` or None.
+        out: ``[m, n]`` (``[batch, m, n]``), same dtype and device, last dim contiguous (e.g. rows
+            of a larger buffer), written in place; None for a new tensor.
+    Returns:
+        ``[m, n]`` (``out`` when given), accumulated in float32.
+    Raises:
+        ValueError naming the argument (checked by the native module) for anything else.
+    """
+    C = require()
+    x, weight = _gemm_input(x), gemm_weight(weight)
+    bias = bias.contiguous() if isinstance(bias, torch.Tensor) else bias
+    y = out if out is not None else x.new_empty(tuple(x.shape[:-1]) + (weight.shape[0],))
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # the native side uses the current device
+        call(C.linear, x=x, weight=weight, bias=bias, out=y, stream=_stream(x))  # host tensors: rejected there
+    if x.shape[-1] == 0:  # an empty sum: the bias alone (the GEMM wrote nothing)
+        return y.copy_(bias.expand_as(y)) if bias is not None else y.zero_()
+    return y
+
+
+def reduce_partials(inputs, out: torch.Tensor) -> torch.Tensor:
+    """``out = inputs[0] + ... + inputs[p-1]``, in that order with fp32 accumulation, on the
+    current stream (the fused path's deterministic reduction); returns ``out``."""
+    C = require()
+    call(C.reduce_partials, inputs=list(inputs), out=out, stream=_stream(out), gemm=False)
+    return out

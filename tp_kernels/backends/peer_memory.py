@@ -1,0 +1,194 @@
+"""The symmetric workspace of the ``fused`` backend: one buffer per rank of a group, mapped into
+every other rank by CUDA IPC, and whether a group can have one at all.
+
+Every rank of a group owns one buffer (``cudaMalloc``: one IPC handle), laid out as
+``[control block][export][inbox][export2]`` (``_C.REGIONS``; ``csrc/include/tp_kernels/peer.h``).
+The handles are exchanged over the torch group and opened in every other rank; a
+``_C.PeerContext`` is this rank's table of the p buffers, which the fused ops take.
+
+* :func:`topology_reason`: whether the group is on one node with peer access, decided once per
+  group by two bounded all-gathers, so that every rank reaches the same answer.
+* :func:`context`: the group's PeerContext, its regions grown (to powers of two, at least
+  :data:`MIN_REGION_BYTES`) to what a call needs, all ranks together (their shapes agree).
+* :func:`destroy_workspaces`: free a group's workspace (``destroy_model_parallel`` does).
+
+Growth cannot happen inside a CUDA graph capture: the op then raises, asking for an eager call
+with those shapes first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+from typing import List, Optional, Sequence
+
+import torch
+
+from .. import _collectives as coll
+from .. import _extension, parallel_state, settings
+
+__all__ = ["MIN_REGION_BYTES", "capturing", "context", "destroy_workspaces", "grown", "region_needs",
+           "topology_reason"]
+
+#: The smallest size a workspace region grows to (regions grow to powers of two).
+MIN_REGION_BYTES = 2**20
+
+
+def region_needs(op: str, p: int, m: int, n: int, k: int, dtype: torch.dtype,
+                 algorithm: Optional[str] = None) -> List[int]:
+    """Bytes of each region (``_C.REGIONS``) a fused call of ``op`` needs on each rank.
+
+    ``m`` is the gathered rows for ``all_gather_matmul`` (``p`` shards of ``m/p``) and the rows of
+    ``x`` for the reductions; the sizes are the native module's, rounded up to its
+    ``REGION_ALIGNMENT``.
+    """
+    C = _extension.require()
+    return list(C.fused_region_needs(op, p, m, n, k, _extension.dtype_name(dtype), algorithm))
+
+
+def grown(have: Sequence[int], need: Sequence[int]) -> Optional[List[int]]:
+    """The region sizes to grow to (powers of two, at least MIN_REGION_BYTES), or None if
+    ``have`` already holds ``need``."""
+    if all(n <= h for n, h in zip(need, have)):
+        return None
+    return [h if n <= h else max(MIN_REGION_BYTES, 1 << (n - 1).bit_length()) for n, h in zip(need, have)]
+
+
+def capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def capture_growth_error(op: str, regions: Sequence[int]) -> RuntimeError:
+    return RuntimeError(
+        f"fused {op}: the group's workspace must grow to {list(regions)} bytes "
+        f"({', '.join(_extension.require().REGIONS)}), which cannot happen inside a CUDA graph capture: run the "
+        "op once with these shapes before capturing")
+
+
+#: (id(group), group name, device index) -> _GroupWorkspace
+_workspaces: dict = {}
+#: (id(group), group name, device index) -> (group, reason or None): whether the group can use peer memory
+_topology: dict = {}
+
+
+def host_id() -> bytes:
+    """16 bytes naming this host (its name and boot id): processes that share them share a node."""
+    boot = ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        pass
+    return hashlib.sha256(f"{socket.gethostname()}/{boot}".encode()).digest()[:16]
+
+
+def topology_reason(group, device: torch.device) -> Optional[str]:
+    """Why this group cannot use peer memory, or None. Decided once per group by two bounded
+    all-gathers, so that every rank reaches the same answer."""
+    key = coll.group_key(group, device)
+    if key in _topology:
+        return _topology[key][1]
+    if torch.compiler.is_compiling() or capturing():
+        return ("the group's peer access is checked by its first fused call, which cannot run inside "
+                "torch.compile tracing or a CUDA graph capture: run the op once eagerly first")
+    p = coll.group_size(group)
+    infos = coll.all_gather_bytes(host_id() + device.index.to_bytes(4, "little"), group, device)
+    devices = [int.from_bytes(i[16:], "little") for i in infos]
+    reason = None
+    if len({i[:16] for i in infos}) > 1:
+        reason = "the group spans several hosts (peer memory needs one node)"
+    else:
+        me = device.index
+        ok = all(d == me or torch.cuda.can_device_access_peer(me, d) for d in devices)
+        verdicts = coll.all_gather_bytes(bytes([ok]), group, device)
+        bad = [q for q in range(p) if verdicts[q] != b"\x01"]
+        if bad:
+            reason = f"rank {bad[0]} of the group cannot reach every peer's GPU by peer access"
+    _topology[key] = (group, reason)
+    return reason
+
+
+class _GroupWorkspace:
+    """This rank's buffer of a group's symmetric workspace, the peers' buffers mapped by CUDA IPC,
+    and the PeerContext over them."""
+
+    def __init__(self, group, device: torch.device):
+        self.group, self.device = group, device
+        self.p, self.rank = coll.group_size(group), coll.group_rank(group)
+        self.regions = [0] * len(_extension.require().REGIONS)
+        self.base = None
+        self.bases: List[int] = []
+        self.ctx = None
+
+    def context(self, op: str, need: Sequence[int]):
+        regions = grown(self.regions, need)
+        if regions is not None:
+            if capturing():
+                raise capture_growth_error(op, regions)
+            self._map(regions)
+        timeout = settings.get_timeout()
+        if self.ctx.timeout_s != timeout:
+            self.ctx.timeout_s = timeout
+        return self.ctx
+
+    def _map(self, regions: List[int]) -> None:
+        C, dev = _extension.require(), self.device.index
+        if self.base is not None:
+            self.ctx.check()  # a failed workspace is not silently replaced
+            self.release(barrier=True)
+        base = C.workspace_alloc(C.CONTROL_BYTES + sum(regions), dev)
+        try:
+            C.workspace_init(base, dev)
+            handles = coll.all_gather_bytes(C.ipc_handle(base, dev), self.group, self.device)
+            bases = [base if q == self.rank else C.ipc_open(h, dev) for q, h in enumerate(handles)]
+        except BaseException:
+            C.workspace_free(base, dev)
+            raise
+        self.base, self.bases, self.regions = base, bases, list(regions)
+        self.ctx = C.PeerContext(self.rank, self.p, dev, bases, regions, settings.get_timeout())
+
+    def release(self, barrier: bool) -> None:
+        """Unmap the peers' buffers and free this rank's, once no rank uses them any more: this
+        device is synchronised and, with ``barrier``, every rank has got this far too."""
+        if self.base is None:
+            return
+        C, dev = _extension.require(), self.device.index
+        torch.cuda.synchronize(self.device)
+        if barrier:
+            coll.all_gather_bytes(b"\x01", self.group, self.device)
+        self.ctx = None
+        for q, b in enumerate(self.bases):
+            if q != self.rank:
+                C.ipc_close(b, dev)
+        C.workspace_free(self.base, dev)
+        self.base, self.bases, self.regions = None, [], [0] * len(self.regions)
+
+
+def context(group, device: torch.device, op: str, need: Sequence[int]):
+    """The group's PeerContext on ``device``, its workspace grown to ``need`` (made on first use,
+    with every rank of the group)."""
+    key = coll.group_key(group, device)
+    ws = _workspaces.get(key)
+    if ws is None:
+        ws = _workspaces[key] = _GroupWorkspace(group, device)
+    return ws.context(op, need)
+
+
+@parallel_state.on_group_destroyed
+def destroy_workspaces(group=None) -> None:
+    """Free the fused workspaces of ``group`` (of every group when None).
+
+    Each rank synchronises its device and, while the group still works, waits for the others
+    (bounded) before freeing, so no peer still reads its buffer; errors are not raised.
+    """
+    for key in [k for k, ws in _workspaces.items() if group is None or ws.group is group]:
+        ws = _workspaces.pop(key)
+        try:
+            ws.release(barrier=True)
+        except Exception:  # a dead peer or a failed context: free what is ours anyway
+            try:
+                ws.release(barrier=False)
+            except Exception:
+                pass
+    for key in [k for k, (g, _) in _topology.items() if group is None or g is group]:
+        del _topology[key]

@@ -1,0 +1,132 @@
+"""The ``pipelined`` schedule in the native extension (implementation ``"native"``), for CUDA
+tensors: what ``backend="pipelined"`` runs wherever :func:`unsupported_reason` allows it.
+
+The GEMMs run on cuBLASLt on the caller's stream and the collectives on NCCL on a communication
+stream of the group's own communicator (``tp_kernels._C.Communicator``), chunk by chunk with
+the boundaries of :func:`tp_kernels.schedule.chunk_bounds` and the ring of
+:func:`tp_kernels.schedule.ring` (passed to the native code, so the CPU-tested schedule is the
+one run). Nothing blocks the host: the ops can be captured in a CUDA graph once the group's
+communicator exists.
+
+The communicator is made on a group's first native call: rank 0 makes an NCCL unique id and
+sends it over the torch group (whatever its backend: with a gloo group the tensors still move
+by NCCL), then every rank joins, bounded by :func:`tp_kernels.get_timeout`. A collective that
+does not complete within that timeout is caught by the communicator's watchdog, which aborts
+it; the next call on the group raises the error. ``destroy_model_parallel`` closes a group's
+communicators.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _collectives as coll
+from .. import _extension, parallel_state, settings
+from .._collectives import Pending
+from ..schedule import boundaries, ring
+from .reference import bias_epilogue
+
+__all__ = [
+    "all_gather_matmul",
+    "destroy_communicators",
+    "matmul_all_reduce",
+    "matmul_reduce_scatter",
+    "unsupported_reason",
+]
+
+#: (id(group), group name, device index) -> (group, communicator). The group is kept so that its
+#: id cannot be reused by another group while the entry lives.
+_communicators: dict = {}
+
+
+def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, group) -> Optional[str]:
+    """Why the native path cannot run this call, or None when it can.
+
+    Depends only on what every rank of the group shares (the extension, the device type, dtype
+    and shapes, whether a capture is running), so all ranks decide alike.
+    """
+    reason = _extension.unsupported_tensors_reason(x, weight)
+    if reason is not None:
+        return reason
+    if (not torch.compiler.is_compiling() and coll.group_size(group) > 1
+            and coll.group_key(group, x.device) not in _communicators and torch.cuda.is_current_stream_capturing()):
+        return ("the group's NCCL communicator is made on its first call, which a CUDA graph capture "
+                "cannot contain: run the op once before capturing")
+    return None
+
+
+def _communicator(group, device: torch.device):
+    """The group's communicator on ``device``, made on first use (a collective call)."""
+    key = coll.group_key(group, device)
+    entry = _communicators.get(key)
+    C = _extension.require()
+    if entry is None:
+        p, r = coll.group_size(group), coll.group_rank(group)
+        # Rank 0's id reaches the others through a bounded all-gather over the torch group.
+        uid = C.nccl_unique_id() if r == 0 else bytes(C.NCCL_UNIQUE_ID_BYTES)
+        uid = coll.all_gather_bytes(uid, group, device)[0]
+        comm = C.Communicator(uid, r, p, device.index, settings.get_comm_stream_priority(), settings.get_timeout())
+        entry = _communicators[key] = (group, comm)
+    comm = entry[1]
+    timeout = settings.get_timeout()
+    if comm.timeout_s != timeout:
+        comm.timeout_s = timeout
+    return comm
+
+
+@parallel_state.on_group_destroyed
+def destroy_communicators(group=None) -> None:
+    """Close the communicators of ``group`` (of every group when None); errors are not raised."""
+    for key in [k for k, (g, _) in _communicators.items() if group is None or g is group]:
+        _, comm = _communicators.pop(key)
+        try:
+            comm.close()
+        except RuntimeError:
+            pass  # ended by an error: the communicator was already aborted
+
+
+def all_gather_matmul(x, weight, bias, group, impl):
+    C = _extension.require()
+    p = coll.group_size(group)
+    if p == 1:
+        return _extension.linear(x, weight, bias), x
+    x = x.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    mp, k = x.shape
+    gathered = x.new_empty((p * mp, k))
+    out = x.new_empty((p * mp, weight.shape[0]))
+    order = ring(coll.group_rank(group), p)
+    with torch.cuda.device(x.device):
+        _extension.call(C.all_gather_matmul, _communicator(group, x.device), x=x,
+                        weight=_extension.gemm_weight(weight), bias=bias, out=out, gathered=gathered,
+                        bounds=boundaries(mp, impl.num_chunks), ring=order.sources, ring_next=order.next,
+                        ring_prev=order.prev, stream=torch.cuda.current_stream(x.device))
+    return out, gathered
+
+
+def _reduction(op: str, what: str, scatter: bool, x, weight, bias, group, impl) -> Pending:
+    """GEMM + reduce-scatter (``scatter``) or all-reduce; the bias is added after the reduction."""
+    C = _extension.require()
+    p = coll.group_size(group)
+    if p == 1:
+        return Pending(_extension.linear(x, weight, bias), what=what)
+    x = x.contiguous()
+    m, n = x.shape[0], weight.shape[0]
+    rows = m // p if scatter else m  # the rows chunked, and the output's
+    out = x.new_empty((rows, n))
+    scratch = {"partial": x.new_empty((m, n))} if scatter else {}  # destination-major chunks of x Wᵀ
+    with torch.cuda.device(x.device):
+        _extension.call(getattr(C, op), _communicator(group, x.device), x=x, weight=_extension.gemm_weight(weight),
+                        out=out, bounds=boundaries(rows, impl.num_chunks), stream=torch.cuda.current_stream(x.device),
+                        **scratch)
+    return Pending(out, what=what, group=group, finish=bias_epilogue(bias))
+
+
+def matmul_reduce_scatter(x, weight, bias, group, impl) -> Pending:
+    return _reduction("matmul_reduce_scatter", "matmul+reduce-scatter", True, x, weight, bias, group, impl)
+
+
+def matmul_all_reduce(x, weight, bias, group, impl) -> Pending:
+    return _reduction("matmul_all_reduce", "matmul+all-reduce", False, x, weight, bias, group, impl)

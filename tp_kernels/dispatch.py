@@ -1,0 +1,170 @@
+"""Which implementation runs a call: decided here, once, before it.
+
+:func:`resolve` turns (op, tensors, group, requested backend, chunks) into an
+implementation name (:mod:`tp_kernels.backends`: ``"reference"``, ``"pipelined:4"``,
+``"native:4"``, ``"fused:1"``, ``"fused:two_shot"``) after every check: what each backend can run
+here (their ``unsupported_reason``), what ``"auto"`` may choose (:func:`candidates`), its measured
+choice (:func:`tp_kernels.autotune.choose`) and the fused all-reduce algorithm. The custom ops
+carry that name down; the backward of a call runs on the implementation its forward chose, and
+nothing below decides or checks again.
+
+The logger ``tp_kernels.dispatch`` says at debug level why a fast path was left out.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Optional, Tuple
+
+import torch
+
+from . import _collectives as coll
+from . import autotune, settings
+from ._checks import check_choice
+from ._op_table import OPS, communicated_problem
+from .backends import Impl, fused, parse, pipelined_native
+from .schedule import DEFAULT_NUM_CHUNKS, resolve_num_chunks
+
+__all__ = ["candidates", "fused_all_reduce_algorithm", "resolve", "select_backend"]
+
+logger = logging.getLogger(__name__)
+
+
+def candidates(x: torch.Tensor, weight: torch.Tensor, group, p: Optional[int] = None) -> Tuple[List[str], List[str]]:
+    """The implementations (``"fused"``, ``"native"``, ``"pipelined"``, ``"reference"``) that
+    ``"auto"`` may run this call on, in the order of :data:`tp_kernels.settings.AUTO_CHOICES`,
+    and why the others were left out.
+
+    ``"pipelined"`` is the native path where it is supported, else the portable schedule (the
+    latter only when named: by default the portable schedule is no candidate, as it measured
+    slower than the reference on the CPU, docs/benchmarks.md). Only what every rank shares
+    goes into this, so all ranks get the same list. ``p`` defaults to the group's size.
+    """
+    if (coll.group_size(group) if p is None else p) == 1:
+        return ["reference"], ["one rank, nothing to overlap"]
+    named = settings.get_auto_candidates()
+    allowed = named if named is not None else settings.AUTO_CHOICES
+    out: List[str] = []
+    why: List[str] = []
+    native_reason = pipelined_native.unsupported_reason(x, weight, group)
+    if "fused" in allowed:
+        if native_reason is not None:  # the fused path needs what the native one needs
+            why.append(f"fused: {native_reason}")
+        elif named is None and not settings.auto_fused():
+            why.append(f"fused: {settings.AUTO_FUSED_OFF}")
+        else:
+            reason = fused.unsupported_reason(x, weight, group)
+            if reason is None:
+                out.append("fused")
+            else:
+                why.append(f"fused: {reason}")
+    if "pipelined" in allowed:
+        if native_reason is None and (named is not None or settings.auto_native()):
+            out.append("native")
+        elif named is not None:
+            out.append("pipelined")
+            why.append(f"pipelined: the portable schedule, not the native one: {native_reason}")
+        else:
+            why.append(f"pipelined: {native_reason or settings.AUTO_NATIVE_OFF}")
+    if "reference" in allowed or not out:
+        out.append("reference")
+    return out, why
+
+
+def fused_all_reduce_algorithm(op: str, x: torch.Tensor, weight: torch.Tensor, p: int,
+                               measured: Optional[str] = None) -> str:
+    """The fused all-reduce algorithm for this call of ``op`` (``matmul_all_reduce``, or the
+    backward of ``linear_with_grad_all_reduce``): ``measured`` (``"auto"``'s choice for this
+    call), else what ``"auto"`` measured for its size class, through
+    :func:`tp_kernels.backends.fused.all_reduce_algorithm`."""
+    m, n, _ = communicated_problem(op, x.shape[0], weight.shape)
+    if measured is None:
+        measured = autotune.measured_algorithm(m, n, p, x.dtype)
+    return fused.all_reduce_algorithm(m, n, p, x.dtype, measured)
+
+
+def _name(impl: str, op: str, x, weight, p: int, num_chunks: int, algorithm: Optional[str] = None) -> str:
+    """The implementation name of ``impl`` for this call."""
+    if impl == "fused" and OPS[op].primitive == "matmul_all_reduce":
+        return Impl("fused", algorithm=fused_all_reduce_algorithm(op, x, weight, p, algorithm)).name
+    return Impl(impl, num_chunks=num_chunks).name
+
+
+def _variants(impl: str, op: str, x, weight, p: int, num_chunks: int) -> List[str]:
+    """What ``"auto"`` measures of candidate ``impl``, the one it runs unmeasured first: for the
+    fused all-reduce, each algorithm that can run the call (unless ``TP_KERNELS_FUSED_ALL_REDUCE``
+    forces one), the one :func:`fused_all_reduce_algorithm` picks first; else the one name."""
+    first = _name(impl, op, x, weight, p, num_chunks)
+    if (impl == "fused" and OPS[op].primitive == "matmul_all_reduce"
+            and settings.forced_all_reduce_algorithm(fused.algorithms()) is None):
+        m = communicated_problem(op, x.shape[0], weight.shape)[0]
+        others = [Impl("fused", algorithm=a).name for a in fused.algorithms() if a != "scatter_gather" or m >= p]
+        return [first] + [v for v in others if v != first]
+    return [first]
+
+
+def select_backend(op: str, backend: str, x: torch.Tensor, p: int, group=None,
+                   weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                   num_chunks: Optional[int] = None) -> str:
+    """:func:`resolve`, its options checked first (``op``, ``backend``, ``num_chunks``)."""
+    check_choice("op", op, tuple(OPS))
+    check_choice("backend", backend, settings.BACKEND_NAMES)
+    resolve_num_chunks(OPS[op].primitive, num_chunks)
+    return resolve(op, backend, x, p, group, weight, bias, num_chunks)
+
+
+def resolve(op: str, backend: str, x: torch.Tensor, p: int, group=None, weight: Optional[torch.Tensor] = None,
+            bias: Optional[torch.Tensor] = None, num_chunks: Optional[int] = None) -> str:
+    """The implementation name that runs ``op`` (a public op of :mod:`tp_kernels.ops`) for this
+    call of ``p`` ranks, ``x`` 2-D: the one decision (see the module doc). The options were
+    checked by the caller (:func:`select_backend`, the public ops, the layers).
+
+    * ``"reference"`` runs the reference.
+    * ``"pipelined"`` runs the native extension (``"native:<chunks>"``: cuBLASLt and NCCL, the
+      same chunk schedule) for CUDA tensors it supports, else the portable schedule on
+      ``torch.distributed`` (``"pipelined:<chunks>"``); the reason is logged at debug level.
+    * ``"fused"`` runs over peer memory (:mod:`tp_kernels.backends.fused`) and raises a
+      ``ValueError`` with the reason where it cannot (host tensors, a group across nodes or
+      without peer access, no native extension): it has no portable form to fall back on.
+    * ``"auto"`` chooses among the backends allowed for it that can run the call
+      (:func:`candidates`; by default the reference, plus the fused and native paths where
+      ``TP_KERNELS_AUTO_FUSED``/``TP_KERNELS_AUTO_NATIVE`` switch them on), measuring them on
+      the first call of each shape class when there are several
+      (:func:`tp_kernels.autotune.choose`); with one rank it runs the reference. It says why at
+      debug level. ``bias`` is the call's, for measuring.
+
+    ``num_chunks`` (None: the schedule's default for the op's primitive) goes into the name of
+    the chunked implementations. Every input of the decision is the same on all ranks of the
+    group, so they all decide alike (the first fused call of a group checks its peer access
+    collectively; a measurement agrees the figures across the ranks).
+    """
+    if backend == "reference":
+        return backend
+    chunks = DEFAULT_NUM_CHUNKS[OPS[op].primitive] if num_chunks is None else num_chunks
+    w = x if weight is None else weight
+    if backend == "fused":
+        reason = fused.unsupported_reason(x, w, group)
+        if reason is not None:
+            raise ValueError(f"backend: 'fused' cannot run {op} (p={p}, x {tuple(x.shape)} {x.dtype} on "
+                             f"{x.device}): {reason}. Use 'pipelined' or 'auto' there.")
+        return _name("fused", op, x, w, p, chunks)
+    if backend == "pipelined":
+        reason = pipelined_native.unsupported_reason(x, w, group)
+        if reason is None:
+            return _name("native", op, x, w, p, chunks)
+        if x.is_cuda:
+            logger.debug("pipelined %s (p=%d, x %s %s): the portable schedule, not the native one: %s", op, p,
+                         tuple(x.shape), x.dtype, reason)
+        return _name("pipelined", op, x, w, p, chunks)
+    impls, why = candidates(x, w, group, p)
+    if why and logger.isEnabledFor(logging.DEBUG):
+        logger.debug("auto backend for %s (p=%d, x %s %s on %s): candidates %s; left out: %s", op, p,
+                     tuple(x.shape), x.dtype, x.device.type, impls, "; ".join(why))
+    if len(impls) == 1:
+        return _name(impls[0], op, x, w, p, chunks)
+    variants = [v for impl in impls for v in _variants(impl, op, x, w, p, chunks)]
+    choice = parse(autotune.choose(op, variants, x, w, bias, group))
+    if choice.algorithm is not None:  # the measured class's algorithm, valid for these rows
+        return _name("fused", op, x, w, p, chunks, choice.algorithm)
+    return choice.name
+

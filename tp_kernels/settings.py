@@ -1,0 +1,223 @@
+"""Every run-time switch of tp_kernels: defined, defaulted, validated and documented here.
+
+=====================================  ==========================  ===========================================
+environment variable                   setter (wins over it)       meaning, default
+=====================================  ==========================  ===========================================
+``TP_KERNELS_TIMEOUT_S``               :func:`set_timeout`         bound on every collective wait, seconds
+                                                                   (finite, > 0); default 300
+``TP_KERNELS_COMM_STREAM_PRIORITY``    :func:`set_comm_stream_     CUDA priority of the native pipelined
+                                       priority`                   path's communication stream (lower is
+                                                                   higher, clamped); default the highest
+``TP_KERNELS_AUTO_CANDIDATES``         :func:`set_auto_            the backends ``"auto"`` may choose, e.g.
+                                       candidates`                 ``fused,pipelined,reference``; default:
+                                                                   the reference plus the fast paths switched
+                                                                   on below
+``TP_KERNELS_AUTO_NATIVE``             (0/1)                       the native pipelined path is a default
+                                                                   candidate of ``"auto"``; default 0
+``TP_KERNELS_AUTO_FUSED``              (0/1)                       the fused path is a default candidate of
+                                                                   ``"auto"``; default 0
+``TP_KERNELS_AUTOTUNE``                :func:`set_autotune`        ``"auto"`` measures its candidates (1) or
+                                                                   takes the first (0); default 1
+``TP_KERNELS_FUSED_ALL_REDUCE``        (a name)                    force the fused all-reduce algorithm
+                                                                   (``one_shot``, ``two_shot``,
+                                                                   ``scatter_gather``); default: chosen
+=====================================  ==========================  ===========================================
+
+Environment values are read when used, so a change takes effect at the next call; a malformed
+one raises ``ValueError`` naming the variable. Build switches (``TP_KERNELS_SKIP_CUDA_BUILD``,
+``TP_KERNELS_CUDA_ARCHS``, ``TP_KERNELS_BUILD_TYPE``, ``MAX_JOBS``) are read by ``setup.py`` at
+build time, and ``TP_KERNELS_COMMIT`` names the commit in the benchmarks' records.
+
+This module also holds the names a caller may pass as ``backend=``, which the switches above are
+checked against. It imports nothing of tp_kernels.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable, Optional, Sequence, Tuple
+
+__all__ = [
+    "AUTO_CHOICES",
+    "AUTO_FUSED_DEFAULT",
+    "AUTO_NATIVE_DEFAULT",
+    "BACKENDS",
+    "BACKEND_NAMES",
+    "DEFAULT_TIMEOUT_S",
+    "auto_fused",
+    "auto_native",
+    "autotune_enabled",
+    "forced_all_reduce_algorithm",
+    "get_auto_candidates",
+    "get_comm_stream_priority",
+    "get_timeout",
+    "set_auto_candidates",
+    "set_autotune",
+    "set_comm_stream_priority",
+    "set_timeout",
+]
+
+#: The backends a caller names with ``backend=``, besides ``"auto"``.
+BACKENDS = ("reference", "pipelined", "fused")
+BACKEND_NAMES = ("auto",) + BACKENDS
+#: The backends ``"auto"`` may be allowed to choose, in the order it takes them without measuring
+#: (the fastest by design first).
+AUTO_CHOICES = tuple(reversed(BACKENDS))
+
+DEFAULT_TIMEOUT_S = 300.0
+#: The longest timeout accepted: a day (a longer one is a mistake, and overflows some backends'
+#: deadline arithmetic).
+MAX_TIMEOUT_S = 86400.0
+#: The default priority asks for the device's highest (the native side clamps it).
+HIGHEST_PRIORITY = -(2**31)
+#: Whether ``"auto"`` may pick the native pipelined path / the fused path without being asked.
+#: Both stay off until the GPU suite (``bench/gpu_suite.sh``) has passed with them and measured
+#: them against the reference: ``"auto"`` must never be wrong or slower.
+AUTO_NATIVE_DEFAULT = False
+AUTO_FUSED_DEFAULT = False
+
+_timeout_s: Optional[float] = None
+_priority: Optional[int] = None
+_candidates: Optional[Tuple[str, ...]] = None
+_autotune: Optional[bool] = None
+
+
+def _env(name: str) -> Optional[str]:
+    value = os.environ.get(name)
+    return None if value in (None, "") else value
+
+
+def _read(override, name: str, parse: Callable[[str], object], default):
+    """A setting: the setter's value, else the environment variable ``name`` parsed, else
+    ``default``."""
+    if override is not None:
+        return override
+    value = _env(name)
+    return default if value is None else parse(value)
+
+
+def _parse_switch(name: str) -> Callable[[str], bool]:
+    def parse(value: str) -> bool:
+        if value not in ("0", "1"):
+            raise ValueError(f"{name}: expected 0 or 1, got {value!r}")
+        return value == "1"
+
+    return parse
+
+
+def _check_timeout(what: str, seconds) -> float:
+    if (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds)
+            or not 0 < seconds <= MAX_TIMEOUT_S):
+        raise ValueError(f"{what}: expected a positive number of seconds, at most {MAX_TIMEOUT_S:g}, "
+                         f"got {seconds!r}")
+    return float(seconds)
+
+
+def _parse_timeout(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    return _check_timeout("TP_KERNELS_TIMEOUT_S", seconds)
+
+
+def set_timeout(seconds: float) -> None:
+    """Set how long any tp_kernels collective may take before it raises (seconds, > 0).
+
+    The default is 300 s, or ``TP_KERNELS_TIMEOUT_S`` from the environment.
+    """
+    global _timeout_s
+    _timeout_s = _check_timeout("seconds", seconds)
+
+
+def get_timeout() -> float:
+    """The current collective timeout in seconds (see :func:`set_timeout`)."""
+    return _read(_timeout_s, "TP_KERNELS_TIMEOUT_S", _parse_timeout, DEFAULT_TIMEOUT_S)
+
+
+def set_comm_stream_priority(priority: int) -> None:
+    """Priority of the communication stream of native communicators created from now on.
+
+    CUDA's convention: a lower number is a higher priority; values beyond the device's range are
+    clamped to it. The default is the highest priority, so that NCCL kernels are scheduled
+    promptly between GEMM blocks (``TP_KERNELS_COMM_STREAM_PRIORITY`` overrides it).
+    """
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority: expected an int, got {priority!r}")
+    global _priority
+    _priority = priority
+
+
+def _parse_priority(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"TP_KERNELS_COMM_STREAM_PRIORITY: expected an int, got {value!r}") from None
+
+
+def get_comm_stream_priority() -> int:
+    """The priority new communication streams ask for (see :func:`set_comm_stream_priority`)."""
+    return _read(_priority, "TP_KERNELS_COMM_STREAM_PRIORITY", _parse_priority, HIGHEST_PRIORITY)
+
+
+def _check_candidates(names, what: str) -> Tuple[str, ...]:
+    names = None if isinstance(names, str) else tuple(names)
+    if not names or any(n not in AUTO_CHOICES for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"{what}: expected distinct names among {AUTO_CHOICES}, got {names!r}")
+    return names
+
+
+def set_auto_candidates(names: Optional[Sequence[str]]) -> None:
+    """The backends ``"auto"`` chooses among (any of :data:`AUTO_CHOICES`), measured when several
+    can run a call; None returns to ``TP_KERNELS_AUTO_CANDIDATES`` or the default. Decisions
+    already made are kept: :func:`tp_kernels.autotune.forget` drops them."""
+    global _candidates
+    _candidates = None if names is None else _check_candidates(names, "names")
+
+
+def get_auto_candidates() -> Optional[Tuple[str, ...]]:
+    """The backends named for ``"auto"``, or None for the default."""
+    return _read(_candidates, "TP_KERNELS_AUTO_CANDIDATES",
+                 lambda value: _check_candidates([n.strip() for n in value.split(",")], "TP_KERNELS_AUTO_CANDIDATES"),
+                 None)
+
+
+def set_autotune(enabled: Optional[bool]) -> None:
+    """Whether ``"auto"`` measures its candidates (default: ``TP_KERNELS_AUTOTUNE``, else yes);
+    without measuring it takes the first of them in the order of :data:`AUTO_CHOICES`."""
+    if enabled is not None and not isinstance(enabled, bool):
+        raise ValueError(f"enabled: expected a bool or None, got {enabled!r}")
+    global _autotune
+    _autotune = enabled
+
+
+def autotune_enabled() -> bool:
+    return _read(_autotune, "TP_KERNELS_AUTOTUNE", _parse_switch("TP_KERNELS_AUTOTUNE"), True)
+
+
+#: Why the native pipelined path is no default candidate of ``"auto"`` (while it is not).
+AUTO_NATIVE_OFF = ("the native path is not yet chosen automatically (it has not passed the GPU suite); "
+                   "use backend='pipelined', or set TP_KERNELS_AUTO_NATIVE=1")
+AUTO_FUSED_OFF = "not switched on for 'auto' (TP_KERNELS_AUTO_FUSED=1 or set_auto_candidates)"
+
+
+def auto_native() -> bool:
+    """Whether ``"auto"`` may run the native pipelined path unasked (:data:`AUTO_NATIVE_DEFAULT`)."""
+    return _read(None, "TP_KERNELS_AUTO_NATIVE", _parse_switch("TP_KERNELS_AUTO_NATIVE"), AUTO_NATIVE_DEFAULT)
+
+
+def auto_fused() -> bool:
+    """Whether ``"auto"`` may run the fused path unasked (:data:`AUTO_FUSED_DEFAULT`)."""
+    return _read(None, "TP_KERNELS_AUTO_FUSED", _parse_switch("TP_KERNELS_AUTO_FUSED"), AUTO_FUSED_DEFAULT)
+
+
+def forced_all_reduce_algorithm(known: Sequence[str]) -> Optional[str]:
+    """The fused all-reduce algorithm ``TP_KERNELS_FUSED_ALL_REDUCE`` forces, one of ``known``
+    (the native module's ``ALL_REDUCE_ALGORITHMS``), or None when it is unset."""
+    def parse(value: str) -> str:
+        if value not in known:
+            raise ValueError(f"TP_KERNELS_FUSED_ALL_REDUCE: expected one of {tuple(known)}, got {value!r}")
+        return value
+
+    return _read(None, "TP_KERNELS_FUSED_ALL_REDUCE", parse, None)

@@ -1,0 +1,155 @@
+"""p ranks of the fused path driven by one process on one GPU: how its kernels, flags and peer
+copies are tested and measured on a single GPU."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from .. import _extension, settings
+from ..backends import fused, peer_memory
+
+__all__ = ["VirtualRanks"]
+
+
+class VirtualRanks:
+    """p ranks driven by this process on one GPU, for tests and benchmarks of the fused path.
+
+    Each rank has its own workspace buffer, PeerContext, stream and copy stream; the ops take one
+    input per rank, enqueue every rank's work on its stream (the host never waits inside an op,
+    so rank 0 can wait on the GPU for rank 1's data) and order the current stream after all of
+    them. The kernels, flags and copies are those of a real group (``fused.rank_*``); only the
+    buffers are in one process (and on one GPU, so the copies share its memory bandwidth instead
+    of NVLink).
+
+    Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self, p: int, device=None, timeout_s: Optional[float] = None):
+        C = _extension.require()
+        if not isinstance(p, int) or isinstance(p, bool) or not 1 <= p <= C.MAX_RANKS:
+            raise ValueError(f"p: expected an int in [1, {C.MAX_RANKS}], got {p!r}")
+        if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise ValueError(f"timeout_s: expected a positive number, got {timeout_s!r}")
+        self.device = torch.device("cuda", torch.cuda.current_device() if device is None else torch.device(device).index)
+        self.p = p
+        self.timeout_s = timeout_s
+        self.streams = [torch.cuda.Stream(self.device) for _ in range(p)]
+        self.regions = [0] * len(C.REGIONS)
+        self.bases: List[int] = []
+        self.contexts: list = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        """Free every rank's buffer (after the device has finished with them)."""
+        if self.bases:
+            torch.cuda.synchronize(self.device)
+            self.contexts = []
+            for b in self.bases:
+                _extension.require().workspace_free(b, self.device.index)
+            self.bases, self.regions = [], [0] * len(self.regions)
+
+    def check(self) -> None:
+        """Raise the error a timed-out device wait of any rank recorded."""
+        for ctx in self.contexts:
+            ctx.check()
+
+    def _ensure(self, op: str, need: Sequence[int]) -> None:
+        grown = peer_memory.grown(self.regions, need)
+        if grown is not None:
+            if peer_memory.capturing():
+                raise peer_memory.capture_growth_error(op, grown)
+            self.check()
+            self.close()
+            C, dev = _extension.require(), self.device.index
+            for _ in range(self.p):
+                self.bases.append(C.workspace_alloc(C.CONTROL_BYTES + sum(grown), dev))
+                C.workspace_init(self.bases[-1], dev)
+            self.regions = grown
+            self.contexts = [C.PeerContext(q, self.p, dev, self.bases, grown, self._timeout()) for q in range(self.p)]
+        for ctx in self.contexts:
+            ctx.timeout_s = self._timeout()
+
+    def _timeout(self) -> float:
+        return self.timeout_s if self.timeout_s is not None else settings.get_timeout()
+
+    def _check_inputs(self, xs, weights, op: str):
+        if len(xs) != self.p or len(weights) != self.p:
+            raise ValueError(f"{op}: expected one x and one weight per rank ({self.p}), got {len(xs)} and {len(weights)}")
+        for q, (x, w) in enumerate(zip(xs, weights)):
+            if x.device != self.device or w.device != self.device:
+                raise ValueError(f"xs[{q}]/weights[{q}]: expected tensors on {self.device}")
+            if x.dim() != 2 or w.dim() != 2 or x.shape != xs[0].shape or w.shape != weights[0].shape:
+                raise ValueError(f"xs[{q}]/weights[{q}]: expected 2-D tensors shaped like rank 0's "
+                                 f"{tuple(xs[0].shape)}/{tuple(weights[0].shape)}")
+            if _extension.dtype_name(x.dtype) not in _extension.require().DTYPES or x.dtype != w.dtype:
+                raise ValueError(f"xs[{q}]: dtype {x.dtype} (weight {w.dtype}): expected one of "
+                                 f"{', '.join(_extension.require().DTYPES)} for both")
+            if x.shape[1] != w.shape[1]:
+                raise ValueError(f"xs[{q}]: {x.shape[1]} columns do not match weights[{q}] {tuple(w.shape)}")
+
+    def _launch(self, fn, inputs) -> list:
+        """fn(q, stream) for every rank on its stream, ordered after the current stream's work
+        and before what the current stream does next."""
+        current = torch.cuda.current_stream(self.device)
+        for s in self.streams:
+            s.wait_stream(current)
+        results = []
+        for q, s in enumerate(self.streams):
+            for t in inputs[q]:
+                if t is not None:
+                    t.record_stream(s)
+            with torch.cuda.stream(s):
+                results.append(fn(q, s))
+        for s in self.streams:
+            current.wait_stream(s)
+        for r in results:
+            for t in (r if isinstance(r, tuple) else (r,)):
+                t.record_stream(current)
+        return results
+
+    def all_gather_matmul(self, xs, weights, biases=None, num_chunks: int = 1):
+        """Per rank q: ``(AG(xs) weights[q]ᵀ + biases[q], AG(xs))``."""
+        self._check_inputs(xs, weights, "all_gather_matmul")
+        biases = [None] * self.p if biases is None else [None if b is None else b.contiguous() for b in biases]
+        xs = [x.contiguous() for x in xs]
+        mp, k = xs[0].shape
+        self._ensure("all_gather_matmul",
+                     peer_memory.region_needs("all_gather_matmul", self.p, self.p * mp, weights[0].shape[0], k,
+                                              xs[0].dtype))
+        return self._launch(
+            lambda q, s: fused.rank_all_gather_matmul(self.contexts[q], xs[q], weights[q], biases[q], num_chunks, s),
+            [(xs[q], weights[q], biases[q]) for q in range(self.p)])
+
+    def matmul_reduce_scatter(self, xs, weights):
+        """Per rank q: block q of ``Σ_r xs[r] weights[r]ᵀ`` (rows split in p)."""
+        self._check_inputs(xs, weights, "matmul_reduce_scatter")
+        xs = [x.contiguous() for x in xs]
+        m, k = xs[0].shape
+        if m % self.p:
+            raise ValueError(f"xs[0].shape[0]: {m} is not divisible by p = {self.p}")
+        self._ensure("matmul_reduce_scatter",
+                     peer_memory.region_needs("matmul_reduce_scatter", self.p, m, weights[0].shape[0], k, xs[0].dtype))
+        return self._launch(lambda q, s: fused.rank_matmul_reduce_scatter(self.contexts[q], xs[q], weights[q], s),
+                            [(xs[q], weights[q]) for q in range(self.p)])
+
+    def matmul_all_reduce(self, xs, weights, algorithm: Optional[str] = None):
+        """Per rank q: ``Σ_r xs[r] weights[r]ᵀ`` by ``algorithm`` (default:
+        :func:`tp_kernels.backends.fused.all_reduce_algorithm`)."""
+        self._check_inputs(xs, weights, "matmul_all_reduce")
+        xs = [x.contiguous() for x in xs]
+        m, k = xs[0].shape
+        n = weights[0].shape[0]
+        algorithm = (fused.all_reduce_algorithm(m, n, self.p, xs[0].dtype) if algorithm is None
+                     else fused.check_algorithm(algorithm, m, self.p))
+        self._ensure("matmul_all_reduce",
+                     peer_memory.region_needs("matmul_all_reduce", self.p, m, n, k, xs[0].dtype, algorithm))
+        return self._launch(
+            lambda q, s: fused.rank_matmul_all_reduce(self.contexts[q], xs[q], weights[q], algorithm, s),
+            [(xs[q], weights[q]) for q in range(self.p)])
