@@ -313,48 +313,66 @@ PYBIND11_MODULE(_C, m) {
       .def("describe", &PeerContext::describe, py::arg("code"), "The message for an error code.")
       .def("check", &PeerContext::check, "Raise the error a timed-out device wait recorded, if any.");
 
+  m.attr("ALL_PHASES") = tp_kernels::kAllPhases;
+  m.def(
+      "fused_phases",
+      [](const std::string& op, const std::optional<std::string>& algorithm) {
+        return tp_kernels::fused_phases(
+            tp_kernels::parse_primitive(op, "op"),
+            algorithm ? tp_kernels::parse_algorithm(*algorithm, "algorithm") : AllReduceAlgo::kOneShot);
+      },
+      py::arg("op"), py::arg("algorithm") = py::none(),
+      "The phases of fused `op` (peer.h): ranks driven by one process enqueue phase k of every rank before "
+      "phase k + 1 of any.");
   m.def(
       "fused_all_gather_matmul",
       [](PeerContext& ctx, const TensorRef& x, const TensorRef& weight, const OptionalRef& bias, const TensorRef& out,
-         const TensorRef& gathered, std::vector<int64_t> bounds, const TensorRef& workspace, uintptr_t stream) {
+         const TensorRef& gathered, std::vector<int64_t> bounds, int phase, const TensorRef& workspace,
+         uintptr_t stream) {
         OverlapArgs a = tp_kernels::primitive_args(Primitive::kAllGatherMatmul, ctx.size(), ctx.device(), x, weight,
                                                    opt(bias), out, &gathered, std::move(bounds), workspace,
                                                    stream_ptr(stream));
+        tp_kernels::check_phase(phase, tp_kernels::fused_phases(Primitive::kAllGatherMatmul, AllReduceAlgo::kOneShot));
         py::gil_scoped_release release;
-        tp_kernels::fused_all_gather_matmul(ctx, a);
+        tp_kernels::fused_all_gather_matmul(ctx, a, phase);
       },
       py::arg("ctx"), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("gathered"),
-      py::arg("bounds"), py::arg("workspace"), py::arg("stream"),
+      py::arg("bounds"), py::arg("phase"), py::arg("workspace"), py::arg("stream"),
       "out [m, n] = AG(x)[m, k] weight^T (+ bias): shards published in the export regions and pulled by "
-      "copy engine chunk by chunk (bounds over m/p) into `gathered` while the GEMM runs.");
+      "copy engine chunk by chunk (bounds over m/p) into `gathered` while the GEMM runs; `phase`: one "
+      "phase, or ALL_PHASES.");
   m.def(
       "fused_matmul_reduce_scatter",
       [](PeerContext& ctx, const TensorRef& x, const TensorRef& weight, const TensorRef& out, const TensorRef& partial,
-         const TensorRef& workspace, uintptr_t stream) {
+         int phase, const TensorRef& workspace, uintptr_t stream) {
         OverlapArgs a = tp_kernels::primitive_args(Primitive::kMatmulReduceScatter, ctx.size(), ctx.device(), x,
                                                    weight, nullptr, out, &partial, {}, workspace, stream_ptr(stream));
+        tp_kernels::check_phase(phase,
+                                tp_kernels::fused_phases(Primitive::kMatmulReduceScatter, AllReduceAlgo::kOneShot));
         py::gil_scoped_release release;
-        tp_kernels::fused_matmul_reduce_scatter(ctx, a);
+        tp_kernels::fused_matmul_reduce_scatter(ctx, a, phase);
       },
-      py::arg("ctx"), py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("partial"), py::arg("workspace"),
-      py::arg("stream"),
+      py::arg("ctx"), py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("partial"), py::arg("phase"),
+      py::arg("workspace"), py::arg("stream"),
       "out [m/p, n] = RS(x[m, k] weight^T): partials pushed by copy engine into their destination's inbox "
-      "(through `partial` [m, n]), summed in rank order.");
+      "(through `partial` [m, n]), summed in rank order; `phase`: one phase, or ALL_PHASES.");
   m.def(
       "fused_matmul_all_reduce",
       [](PeerContext& ctx, const TensorRef& x, const TensorRef& weight, const TensorRef& out,
-         const OptionalRef& partial, std::vector<int64_t> bounds, const std::string& algorithm,
+         const OptionalRef& partial, std::vector<int64_t> bounds, const std::string& algorithm, int phase,
          const TensorRef& workspace, uintptr_t stream) {
         const AllReduceAlgo algo = tp_kernels::parse_algorithm(algorithm, "algorithm");
         OverlapArgs a = tp_kernels::primitive_args(Primitive::kMatmulAllReduce, ctx.size(), ctx.device(), x, weight,
                                                    nullptr, out, opt(partial), std::move(bounds), workspace,
                                                    stream_ptr(stream));
         tp_kernels::check_all_reduce_algorithm(a, algo, ctx.size(), opt(partial) != nullptr);
+        tp_kernels::check_phase(phase, tp_kernels::fused_phases(Primitive::kMatmulAllReduce, algo));
         py::gil_scoped_release release;
-        tp_kernels::fused_matmul_all_reduce(ctx, a, algo);
+        tp_kernels::fused_matmul_all_reduce(ctx, a, algo, phase);
       },
       py::arg("ctx"), py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("partial"), py::arg("bounds"),
-      py::arg("algorithm"), py::arg("workspace"), py::arg("stream"),
+      py::arg("algorithm"), py::arg("phase"), py::arg("workspace"), py::arg("stream"),
       "out [m, n] = AR(x[m, k] weight^T) by `algorithm` (one of ALL_REDUCE_ALGORITHMS): bounds [0, m] for "
-      "one_shot and two_shot; the p + 1 block boundaries and `partial` [m, n] for scatter_gather.");
+      "one_shot and two_shot; the p + 1 block boundaries and `partial` [m, n] for scatter_gather; `phase`: "
+      "one phase, or ALL_PHASES.");
 }

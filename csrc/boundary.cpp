@@ -232,6 +232,12 @@ void check_all_reduce_algorithm(const OverlapArgs& a, AllReduceAlgo algo, int p,
   if (!has_partial) throw ArgumentError("partial: scatter_gather needs its buffer [m, n]");
 }
 
+void check_phase(int phase, int phases) {
+  if (phase != kAllPhases && (phase < 0 || phase >= phases))
+    throw ArgumentError("phase: expected " + std::to_string(kAllPhases) + " (all) or 0 to " + std::to_string(phases - 1) +
+                        ", got " + std::to_string(phase));
+}
+
 void set_ring(OverlapArgs& a, int rank, int p, std::vector<int> ring, int next, int prev) {
   std::vector<int> sorted = ring;
   std::sort(sorted.begin(), sorted.end());

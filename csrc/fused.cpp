@@ -33,11 +33,14 @@ void start(PeerContext& ctx, const std::string& op) {
   ctx.check();
 }
 
+// Phase k of an op runs when all of them run, or just that one (peer.h).
+bool runs(int phase, int k) { return phase == kAllPhases || phase == k; }
+
 // GEMM of destination blocks (rows bounds[d]..bounds[d+1] of x) in the order r + 1, ..., r: each
 // remote block goes to scratch and is pushed by the copy stream into its destination's inbox slot
 // r while the next block multiplies; the own block multiplies straight into the own inbox slot r.
-// `slot_bytes` is the inbox slot stride. Ends with the caller's stream having consumed every
-// peer's delivery (ready flags), so the inbox holds all p partials.
+// `slot_bytes` is the inbox slot stride. Its waits need the destinations' releases of earlier ops;
+// its signals tell each destination its partial has arrived.
 void scatter_partials(PeerContext& ctx, const OverlapArgs& a, const std::vector<int64_t>& blocks, int64_t slot_bytes,
                       Primitive op) {
   const int p = ctx.size(), r = ctx.rank();
@@ -58,6 +61,10 @@ void scatter_partials(PeerContext& ctx, const OverlapArgs& a, const std::vector<
     copy(ctx.region(d, Region::kInbox, r * slot_bytes), partial, bytes, cs);
     ctx.signal(d, Region::kInbox, false, cs);
   }
+}
+
+// The caller's stream consumes every peer's delivery (their scatter_partials).
+void wait_inbox(PeerContext& ctx, const OverlapArgs& a, Primitive op) {
   ctx.wait(ctx.others(), Region::kInbox, false, op, a.stream);
 }
 
@@ -72,7 +79,12 @@ void reduce_inbox(PeerContext& ctx, const OverlapArgs& a, int64_t rows, int64_t 
 
 }  // namespace
 
-void fused_all_gather_matmul(PeerContext& ctx, const OverlapArgs& a) {
+int fused_phases(Primitive op, AllReduceAlgo algo) {
+  if (op != Primitive::kMatmulAllReduce) return 2;
+  return algo == AllReduceAlgo::kOneShot ? 2 : 3;
+}
+
+void fused_all_gather_matmul(PeerContext& ctx, const OverlapArgs& a, int phase) {
   const std::string op = "fused all_gather_matmul";
   auto guard = ctx.lock();
   start(ctx, op);
@@ -81,13 +93,16 @@ void fused_all_gather_matmul(PeerContext& ctx, const OverlapArgs& a) {
   const size_t chunks = a.bounds.size() - 1;
   need_region(ctx, Region::kExport, mp * a.k * es, op + " (shard " + shape(mp, a.k) + ")");
   cudaStream_t cs = ctx.copy_stream();
-  order(a.stream, cs, ctx.event(0));  // gathered comes from the caller's stream
   const std::vector<int> peers = ctx.others();
-  // Publish this rank's shard once every peer has finished reading the last one.
-  ctx.wait(peers, Region::kExport, true, Primitive::kAllGatherMatmul, a.stream);
-  copy(ctx.region(r, Region::kExport), a.x, mp * a.k * es, a.stream);
-  ctx.signal_all(Region::kExport, false, a.stream);
-  copy(row_ptr(a.scratch, r * mp, a.k, a.dtype), a.x, mp * a.k * es, a.stream);
+  if (runs(phase, 0)) {
+    order(a.stream, cs, ctx.event(0));  // gathered comes from the caller's stream
+    // Publish this rank's shard once every peer has finished reading the last one.
+    ctx.wait(peers, Region::kExport, true, Primitive::kAllGatherMatmul, a.stream);
+    copy(ctx.region(r, Region::kExport), a.x, mp * a.k * es, a.stream);
+    ctx.signal_all(Region::kExport, false, a.stream);
+    copy(row_ptr(a.scratch, r * mp, a.k, a.dtype), a.x, mp * a.k * es, a.stream);
+  }
+  if (!runs(phase, 1)) return;
   // Pull the peers' shards chunk by chunk; event 1 + (s - 1) * chunks + j marks chunk j of step s.
   for (int s = 1; s < p; ++s) {
     const int src = peers[s - 1];
@@ -113,7 +128,7 @@ void fused_all_gather_matmul(PeerContext& ctx, const OverlapArgs& a) {
   order(cs, a.stream, ctx.event(1 + (p - 1) * chunks));
 }
 
-void fused_matmul_reduce_scatter(PeerContext& ctx, const OverlapArgs& a) {
+void fused_matmul_reduce_scatter(PeerContext& ctx, const OverlapArgs& a, int phase) {
   const std::string op = "fused matmul_reduce_scatter";
   auto guard = ctx.lock();
   start(ctx, op);
@@ -121,14 +136,18 @@ void fused_matmul_reduce_scatter(PeerContext& ctx, const OverlapArgs& a) {
   const int64_t mp = a.bounds.back(), es = static_cast<int64_t>(dtype_size(a.dtype));
   const int64_t slot = mp * a.n * es;
   need_region(ctx, Region::kInbox, p * slot, op + " (partials " + shape(p * mp, a.n) + ")");
-  std::vector<int64_t> blocks;
-  for (int d = 0; d <= p; ++d) blocks.push_back(d * mp);
-  scatter_partials(ctx, a, blocks, slot, Primitive::kMatmulReduceScatter);
+  if (runs(phase, 0)) {
+    std::vector<int64_t> blocks;
+    for (int d = 0; d <= p; ++d) blocks.push_back(d * mp);
+    scatter_partials(ctx, a, blocks, slot, Primitive::kMatmulReduceScatter);
+  }
+  if (!runs(phase, 1)) return;
+  wait_inbox(ctx, a, Primitive::kMatmulReduceScatter);
   reduce_inbox(ctx, a, mp, slot, a.out);
   order(ctx.copy_stream(), a.stream, ctx.event(p + 1));
 }
 
-void fused_matmul_all_reduce(PeerContext& ctx, const OverlapArgs& a, AllReduceAlgo algo) {
+void fused_matmul_all_reduce(PeerContext& ctx, const OverlapArgs& a, AllReduceAlgo algo, int phase) {
   const std::string op = "fused matmul_all_reduce";
   auto guard = ctx.lock();
   start(ctx, op);
@@ -139,32 +158,39 @@ void fused_matmul_all_reduce(PeerContext& ctx, const OverlapArgs& a, AllReduceAl
   if (algo == AllReduceAlgo::kOneShot || algo == AllReduceAlgo::kTwoShot) {
     const int64_t m = a.bounds.back(), count = m * a.n;
     need_region(ctx, Region::kExport, count * es, op + " (partial " + shape(m, a.n) + ")");
-    // Every rank's partial in its export region.
-    ctx.wait(peers, Region::kExport, true, id, a.stream);
-    gemm(a, a.x, ctx.region(r, Region::kExport), m, nullptr);
-    ctx.signal_all(Region::kExport, false, a.stream);
-    ctx.wait(peers, Region::kExport, false, id, a.stream);
-    const void* in[kMaxRanks];
-    if (algo == AllReduceAlgo::kOneShot) {
-      for (int q = 0; q < p; ++q) in[q] = ctx.region(q, Region::kExport);
-      reduce_partials(in, p, a.out, count, a.dtype, a.stream);
-      ctx.signal_all(Region::kExport, true, a.stream);
-      return;
-    }
-    const int64_t per = two_shot_slice(count, p, a.dtype);
-    need_region(ctx, Region::kExport2, per * es, op + " (two-shot slice of " + std::to_string(per) + ")");
+    const int64_t per = algo == AllReduceAlgo::kTwoShot ? two_shot_slice(count, p, a.dtype) : 0;
+    if (algo == AllReduceAlgo::kTwoShot)
+      need_region(ctx, Region::kExport2, per * es, op + " (two-shot slice of " + std::to_string(per) + ")");
     auto lo = [&](int q) { return std::min<int64_t>(q * per, count); };
     auto len = [&](int q) { return std::min<int64_t>((q + 1) * per, count) - lo(q); };
-    // Sum this rank's slice of everyone's partial into export2, then gather the slices.
-    ctx.wait(peers, Region::kExport2, true, id, a.stream);
-    for (int q = 0; q < p; ++q) in[q] = static_cast<const char*>(ctx.region(q, Region::kExport)) + lo(r) * es;
-    reduce_partials(in, p, ctx.region(r, Region::kExport2), len(r), a.dtype, a.stream);
-    ctx.signal_all(Region::kExport, true, a.stream);
-    ctx.signal_all(Region::kExport2, false, a.stream);
-    copy(static_cast<char*>(a.out) + lo(r) * es, ctx.region(r, Region::kExport2), len(r) * es, a.stream);
-    ctx.wait(peers, Region::kExport2, false, id, a.stream);
-    for (int q : peers) copy(static_cast<char*>(a.out) + lo(q) * es, ctx.region(q, Region::kExport2), len(q) * es, a.stream);
-    ctx.signal_all(Region::kExport2, true, a.stream);
+    const void* in[kMaxRanks];
+    if (runs(phase, 0)) {  // every rank's partial in its export region
+      ctx.wait(peers, Region::kExport, true, id, a.stream);
+      gemm(a, a.x, ctx.region(r, Region::kExport), m, nullptr);
+      ctx.signal_all(Region::kExport, false, a.stream);
+    }
+    if (runs(phase, 1)) {
+      ctx.wait(peers, Region::kExport, false, id, a.stream);
+      if (algo == AllReduceAlgo::kOneShot) {
+        for (int q = 0; q < p; ++q) in[q] = ctx.region(q, Region::kExport);
+        reduce_partials(in, p, a.out, count, a.dtype, a.stream);
+        ctx.signal_all(Region::kExport, true, a.stream);
+        return;
+      }
+      // Sum this rank's slice of everyone's partial into export2 ...
+      ctx.wait(peers, Region::kExport2, true, id, a.stream);
+      for (int q = 0; q < p; ++q) in[q] = static_cast<const char*>(ctx.region(q, Region::kExport)) + lo(r) * es;
+      reduce_partials(in, p, ctx.region(r, Region::kExport2), len(r), a.dtype, a.stream);
+      ctx.signal_all(Region::kExport, true, a.stream);
+      ctx.signal_all(Region::kExport2, false, a.stream);
+      copy(static_cast<char*>(a.out) + lo(r) * es, ctx.region(r, Region::kExport2), len(r) * es, a.stream);
+    }
+    if (algo == AllReduceAlgo::kTwoShot && runs(phase, 2)) {  // ... then gather the slices
+      ctx.wait(peers, Region::kExport2, false, id, a.stream);
+      for (int q : peers)
+        copy(static_cast<char*>(a.out) + lo(q) * es, ctx.region(q, Region::kExport2), len(q) * es, a.stream);
+      ctx.signal_all(Region::kExport2, true, a.stream);
+    }
     return;
   }
   int64_t block = 0;
@@ -172,15 +198,19 @@ void fused_matmul_all_reduce(PeerContext& ctx, const OverlapArgs& a, AllReduceAl
   const int64_t slot = block * a.n * es;
   need_region(ctx, Region::kInbox, p * slot, op + " (partial blocks of " + shape(block, a.n) + ")");
   need_region(ctx, Region::kExport, slot, op + " (reduced block " + shape(block, a.n) + ")");
-  scatter_partials(ctx, a, a.bounds, slot, id);
+  cudaStream_t cs = ctx.copy_stream();
+  if (runs(phase, 0)) scatter_partials(ctx, a, a.bounds, slot, id);
   // This rank's block: summed into its export region, copied to out, and gathered by the peers.
   const int64_t rows = a.bounds[r + 1] - a.bounds[r];
-  ctx.wait(peers, Region::kExport, true, id, a.stream);
-  reduce_inbox(ctx, a, rows, slot, ctx.region(r, Region::kExport));
-  ctx.signal_all(Region::kExport, false, a.stream);
-  cudaStream_t cs = ctx.copy_stream();
-  order(a.stream, cs, ctx.event(p + 1));
-  copy(row_ptr(a.out, a.bounds[r], a.n, a.dtype), ctx.region(r, Region::kExport), rows * a.n * es, a.stream);
+  if (runs(phase, 1)) {
+    wait_inbox(ctx, a, id);
+    ctx.wait(peers, Region::kExport, true, id, a.stream);
+    reduce_inbox(ctx, a, rows, slot, ctx.region(r, Region::kExport));
+    ctx.signal_all(Region::kExport, false, a.stream);
+    order(a.stream, cs, ctx.event(p + 1));
+    copy(row_ptr(a.out, a.bounds[r], a.n, a.dtype), ctx.region(r, Region::kExport), rows * a.n * es, a.stream);
+  }
+  if (!runs(phase, 2)) return;
   for (int q : peers) {
     ctx.wait({q}, Region::kExport, false, id, cs);
     copy(row_ptr(a.out, a.bounds[q], a.n, a.dtype), ctx.region(q, Region::kExport),

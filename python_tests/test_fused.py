@@ -264,6 +264,32 @@ def test_fused_native_calls_without_a_gpu_are_clear_errors():
         C.workspace_alloc(1 << 20, 0)
 
 
+@built
+def test_the_fused_ops_run_in_phases():
+    C = _extension._C
+    assert [C.fused_phases("all_gather_matmul"), C.fused_phases("matmul_reduce_scatter")] == [2, 2]
+    assert [C.fused_phases("matmul_all_reduce", a) for a in C.ALL_REDUCE_ALGORITHMS] == [2, 3, 3]
+    with pytest.raises(ValueError, match="algorithm: expected one of"):
+        C.fused_phases("matmul_all_reduce", "ring")
+    assert C.ALL_PHASES == -1
+
+
+@pytest.mark.parametrize("phases", [[2, 2], [2, 2, 2, 2], [3, 3, 3, 3, 3, 3, 3, 3], [1], []])
+def test_virtual_ranks_enqueue_every_ranks_phase_before_the_next_phase_of_any(phases):
+    """Phase k of every rank comes before phase k + 1 of any, so every signal a wait needs (sent in
+    an earlier phase) is enqueued before that wait: one host thread can drive the ranks."""
+    from tp_kernels.testing import phase_order
+
+    order = phase_order(phases)
+    assert sorted(order) == [(q, k) for q, n in enumerate(phases) for k in range(n)]  # each once
+    position = {step: i for i, step in enumerate(order)}
+    for q, n in enumerate(phases):
+        for k in range(n):
+            assert all(position[(q, k)] < position[(r, k + 1)] for r in range(len(phases)) if k + 1 < phases[r])
+            if k:
+                assert position[(q, k - 1)] < position[(q, k)]  # a rank's own phases in order
+
+
 def test_virtual_ranks_check_their_arguments():
     if _extension._C is None:
         with pytest.raises(RuntimeError, match="extension is unavailable"):

@@ -19,14 +19,15 @@ Readiness is signalled by flags in the workspace (see ``csrc/include/tp_kernels/
 every device-side wait is bounded by :func:`tp_kernels.get_timeout`. A wait that times out
 records the op and the peer, and the group's next fused call raises that error.
 
-The ``rank_*`` functions are one rank's part of an op on a PeerContext; they serve process
-groups here and virtual ranks (:class:`tp_kernels.testing.VirtualRanks`: p ranks driven by one
-process on one GPU, how the fused path is tested and measured on a single GPU) alike.
+The ``rank_*`` functions prepare one rank's part of an op on a PeerContext (a :class:`RankCall`,
+enqueued in phases); they serve process groups here and virtual ranks
+(:class:`tp_kernels.testing.VirtualRanks`: p ranks driven by one process on one GPU, how the
+fused path is tested and measured on a single GPU) alike.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -39,6 +40,7 @@ from .reference import bias_epilogue
 
 __all__ = [
     "MAX_BYTES",
+    "RankCall",
     "algorithms",
     "all_gather_matmul",
     "all_reduce_algorithm",
@@ -111,39 +113,63 @@ def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, group) -> Optional
 # --- one rank's part, on a PeerContext: shared by process groups and virtual ranks -----------------
 
 
-def rank_all_gather_matmul(ctx, x, weight, bias, num_chunks: int, stream):
-    """``(AG(x) Wᵀ + b, AG(x))`` of this rank: x ``[m/p, k]`` contiguous, on ``stream``."""
+class RankCall(NamedTuple):
+    """One rank's part of a fused op, its buffers made and nothing enqueued yet.
+
+    ``enqueue(phase)`` enqueues phase ``phase`` (``0 .. phases - 1``) or, with None, every phase in
+    order. A phase's waits need only what peers signal in earlier phases (or earlier ops), so a
+    process driving several ranks enqueues phase k of every rank before phase k + 1 of any
+    (:class:`tp_kernels.testing.VirtualRanks`); a rank that is a process of its own enqueues them
+    all at once.
+    """
+
+    result: object
+    phases: int
+    enqueue: Callable[[Optional[int]], None]
+
+
+def _rank_call(result, fn, ctx, phases: int, stream, **args) -> RankCall:
+    def enqueue(phase: Optional[int] = None) -> None:
+        _extension.call(fn, ctx, phase=_extension.require().ALL_PHASES if phase is None else phase, stream=stream,
+                        **args)
+
+    return RankCall(result, phases, enqueue)
+
+
+def rank_all_gather_matmul(ctx, x, weight, bias, num_chunks: int, stream) -> RankCall:
+    """This rank's ``(AG(x) Wᵀ + b, AG(x))``: x ``[m/p, k]`` contiguous, on ``stream``."""
+    C = _extension.require()
     mp, k = x.shape
     with torch.cuda.stream(stream):
         gathered = x.new_empty((ctx.size * mp, k))
         out = x.new_empty((ctx.size * mp, weight.shape[0]))
-    _extension.call(_extension.require().fused_all_gather_matmul, ctx, x=x, weight=_extension.gemm_weight(weight),
-                    bias=bias, out=out, gathered=gathered, bounds=boundaries(mp, num_chunks), stream=stream)
-    return out, gathered
+    return _rank_call((out, gathered), C.fused_all_gather_matmul, ctx, C.fused_phases("all_gather_matmul"), stream,
+                      x=x, weight=_extension.gemm_weight(weight), bias=bias, out=out, gathered=gathered,
+                      bounds=boundaries(mp, num_chunks))
 
 
-def rank_matmul_reduce_scatter(ctx, x, weight, stream):
+def rank_matmul_reduce_scatter(ctx, x, weight, stream) -> RankCall:
     """This rank's block of ``RS(x Wᵀ)``: x ``[m, k]`` contiguous, on ``stream``."""
+    C = _extension.require()
     m = x.shape[0]
     with torch.cuda.stream(stream):
         out = x.new_empty((m // ctx.size, weight.shape[0]))
         partial = x.new_empty((m, weight.shape[0]))
-    _extension.call(_extension.require().fused_matmul_reduce_scatter, ctx, x=x,
-                    weight=_extension.gemm_weight(weight), out=out, partial=partial, stream=stream)
-    return out
+    return _rank_call(out, C.fused_matmul_reduce_scatter, ctx, C.fused_phases("matmul_reduce_scatter"), stream,
+                      x=x, weight=_extension.gemm_weight(weight), out=out, partial=partial)
 
 
-def rank_matmul_all_reduce(ctx, x, weight, algorithm: str, stream):
-    """``AR(x Wᵀ)`` by ``algorithm``: x ``[m, k]`` contiguous, on ``stream``."""
+def rank_matmul_all_reduce(ctx, x, weight, algorithm: str, stream) -> RankCall:
+    """This rank's ``AR(x Wᵀ)`` by ``algorithm``: x ``[m, k]`` contiguous, on ``stream``."""
+    C = _extension.require()
     m = x.shape[0]
     scatter_gather = algorithm == "scatter_gather"
     with torch.cuda.stream(stream):
         out = x.new_empty((m, weight.shape[0]))
         partial = x.new_empty((m, weight.shape[0])) if scatter_gather else None
-    _extension.call(_extension.require().fused_matmul_all_reduce, ctx, x=x, weight=_extension.gemm_weight(weight),
-                    out=out, partial=partial, bounds=boundaries(m, ctx.size if scatter_gather else 1),
-                    algorithm=algorithm, stream=stream)
-    return out
+    return _rank_call(out, C.fused_matmul_all_reduce, ctx, C.fused_phases("matmul_all_reduce", algorithm), stream,
+                      x=x, weight=_extension.gemm_weight(weight), out=out, partial=partial,
+                      bounds=boundaries(m, ctx.size if scatter_gather else 1), algorithm=algorithm)
 
 
 # --- the backend: process groups ---------------------------------------------------------------------
@@ -159,7 +185,9 @@ def all_gather_matmul(x, weight, bias, group, impl):
     need = peer_memory.region_needs("all_gather_matmul", p, p * mp, weight.shape[0], k, x.dtype)
     with torch.cuda.device(x.device):
         ctx = peer_memory.context(group, x.device, "all_gather_matmul", need)
-        return rank_all_gather_matmul(ctx, x, weight, bias, impl.num_chunks, torch.cuda.current_stream())
+        call = rank_all_gather_matmul(ctx, x, weight, bias, impl.num_chunks, torch.cuda.current_stream())
+        call.enqueue(None)
+    return call.result
 
 
 def _reduction(op: str, what: str, x, weight, bias, group, algorithm: Optional[str] = None) -> Pending:
@@ -175,9 +203,10 @@ def _reduction(op: str, what: str, x, weight, bias, group, algorithm: Optional[s
     with torch.cuda.device(x.device):
         ctx = peer_memory.context(group, x.device, op, need)
         stream = torch.cuda.current_stream()
-        out = (rank_matmul_all_reduce(ctx, x, weight, algorithm, stream) if algorithm is not None
-               else rank_matmul_reduce_scatter(ctx, x, weight, stream))
-    return Pending(out, what=what, group=group, finish=bias_epilogue(bias))
+        call = (rank_matmul_all_reduce(ctx, x, weight, algorithm, stream) if algorithm is not None
+                else rank_matmul_reduce_scatter(ctx, x, weight, stream))
+        call.enqueue(None)
+    return Pending(call.result, what=what, group=group, finish=bias_epilogue(bias))
 
 
 def matmul_reduce_scatter(x, weight, bias, group, impl) -> Pending:

@@ -7,7 +7,7 @@
   on one GPU.
 """
 
-from .virtual_ranks import VirtualRanks
+from .virtual_ranks import VirtualRanks, phase_order
 from .world import World, WorkerError, default_backend, launched_by_torchrun
 
-__all__ = ["VirtualRanks", "World", "WorkerError", "default_backend", "launched_by_torchrun"]
+__all__ = ["VirtualRanks", "World", "WorkerError", "default_backend", "launched_by_torchrun", "phase_order"]

@@ -10,7 +10,13 @@ import torch
 from .. import _extension, settings
 from ..backends import fused, peer_memory
 
-__all__ = ["VirtualRanks"]
+__all__ = ["VirtualRanks", "phase_order"]
+
+
+def phase_order(phases: Sequence[int]) -> List[tuple]:
+    """``(rank, phase)`` in the order virtual ranks enqueue them, for ranks with ``phases[q]``
+    phases each: in rounds, phase k of every rank before phase k + 1 of any."""
+    return [(q, k) for k in range(max(phases, default=0)) for q, n in enumerate(phases) if k < n]
 
 
 class VirtualRanks:
@@ -94,25 +100,34 @@ class VirtualRanks:
             if x.shape[1] != w.shape[1]:
                 raise ValueError(f"xs[{q}]: {x.shape[1]} columns do not match weights[{q}] {tuple(w.shape)}")
 
-    def _launch(self, fn, inputs) -> list:
-        """fn(q, stream) for every rank on its stream, ordered after the current stream's work
-        and before what the current stream does next."""
+    def _launch(self, prepare, inputs) -> list:
+        """Every rank's part of an op (``prepare(q, stream)``: a :class:`fused.RankCall`) on its
+        stream, ordered after the current stream's work and before what the current stream does
+        next; returns the ranks' results.
+
+        The phases go in rounds (:func:`phase_order`): phase k of every rank is enqueued before
+        phase k + 1 of any. A phase's waits need only signals of earlier phases, so each is
+        enqueued after everything it waits for, whichever hardware queue a stream lands in and
+        whenever a kernel's module loads: no rank's spinning wait can sit in front of the work it
+        waits for.
+        """
         current = torch.cuda.current_stream(self.device)
         for s in self.streams:
             s.wait_stream(current)
-        results = []
+        calls = []
         for q, s in enumerate(self.streams):
             for t in inputs[q]:
                 if t is not None:
                     t.record_stream(s)
-            with torch.cuda.stream(s):
-                results.append(fn(q, s))
+            calls.append(prepare(q, s))
+        for q, phase in phase_order([c.phases for c in calls]):
+            calls[q].enqueue(phase)
         for s in self.streams:
             current.wait_stream(s)
-        for r in results:
-            for t in (r if isinstance(r, tuple) else (r,)):
+        for c in calls:
+            for t in (c.result if isinstance(c.result, tuple) else (c.result,)):
                 t.record_stream(current)
-        return results
+        return [c.result for c in calls]
 
     def all_gather_matmul(self, xs, weights, biases=None, num_chunks: int = 1):
         """Per rank q: ``(AG(xs) weights[q]ᵀ + biases[q], AG(xs))``."""

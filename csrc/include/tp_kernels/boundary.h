@@ -47,6 +47,9 @@ OverlapArgs primitive_args(Primitive op, int p, int device, const TensorRef& x, 
 // the p blocks' boundaries (p + 1 of them, so m >= p) and a partial buffer.
 void check_all_reduce_algorithm(const OverlapArgs& args, AllReduceAlgo algo, int p, bool has_partial);
 
+// `phase` of a fused op of `phases` (peer.h): kAllPhases, or one of 0 .. phases - 1.
+void check_phase(int phase, int phases);
+
 // The pipelined all-gather's ring for rank `rank` of `p`: `ring` holds every rank once, this rank
 // first; `next` and `prev` are other ranks (or this one, when p = 1).
 void set_ring(OverlapArgs& args, int rank, int p, std::vector<int> ring, int next, int prev);

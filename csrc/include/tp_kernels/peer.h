@@ -134,20 +134,31 @@ std::vector<size_t> fused_region_needs(Primitive op, int p, int64_t m, int64_t n
 // The fused primitives. Their arguments are trusted (boundary.h checks them); what each checks
 // itself is that the context's regions hold what the call needs.
 //
+// Each op is a sequence of phases: a phase's waits need only signals that peers send in earlier
+// phases of the same op, or in earlier ops. A process that drives several ranks on one GPU
+// (virtual ranks) enqueues phase k of every rank before phase k + 1 of any, so every signal a
+// wait needs is enqueued before that wait, whatever hardware queue each stream lands in and
+// whenever a kernel's module loads: the launch is safe by construction. `phase` runs one phase
+// (0 .. fused_phases() - 1) or, with kAllPhases, all of them in order: what a rank that is a
+// process of its own does.
+constexpr int kAllPhases = -1;
+int fused_phases(Primitive op, AllReduceAlgo algo);
+//
 // out [m, n] = AG(x) W^T (+ bias): each rank publishes its shard [m/p, k] in its export region;
 // the copy stream pulls the peers' shards chunk by chunk (bounds over m/p) into gathered
 // (scratch, [m, k]) while the caller's stream multiplies the chunks already there.
-void fused_all_gather_matmul(PeerContext& ctx, const OverlapArgs& args);
+void fused_all_gather_matmul(PeerContext& ctx, const OverlapArgs& args, int phase = kAllPhases);
 
 // out [m/p, n] = RS(x W^T): the partial for each destination (rows of its block) multiplies on
 // the caller's stream into scratch ([m, n]) while the copy stream pushes the previous one into
 // its destination's inbox; then the p partials in the inbox are summed in rank order in fp32.
 // bounds = {0, m/p}. The result's bits depend neither on timing nor on chunking.
-void fused_matmul_reduce_scatter(PeerContext& ctx, const OverlapArgs& args);
+void fused_matmul_reduce_scatter(PeerContext& ctx, const OverlapArgs& args, int phase = kAllPhases);
 
 // out [m, n] = AR(x W^T) by `algo`. bounds: {0, m} for one-/two-shot; the p + 1 block boundaries
 // over m for scatter-gather (scratch [m, n]). Deterministic like the reduce-scatter.
-void fused_matmul_all_reduce(PeerContext& ctx, const OverlapArgs& args, AllReduceAlgo algo);
+void fused_matmul_all_reduce(PeerContext& ctx, const OverlapArgs& args, AllReduceAlgo algo,
+                             int phase = kAllPhases);
 
 // Elements of each rank's slice in the two-shot all-reduce of `count` elements (16-byte aligned
 // slices; the last ones may be short or empty).
