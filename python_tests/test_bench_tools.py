@@ -281,3 +281,78 @@ def test_gpu_bench_records_are_saved_by_device_and_tag(tmp_path):
     assert os.path.basename(path) == "fused-nvidia-h100-80gb-hbm3-abc1234.json"
     assert json.load(open(path)) == {"device": "NVIDIA H100 80GB HBM3", "figure": 1.5}
     assert os.path.basename(save_record({"device": "x"}, str(tmp_path), "extension", "")) == "extension-x.json"
+
+
+# --- the GPU suite's records (bench/gpu_summary.py), from fake logs ------------------------------
+
+
+def _gpu_summary():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "gpu_summary.py")
+    spec = importlib.util.spec_from_file_location("gpu_summary", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="4">
+<testcase classname="python_tests.test_gpu" name="test_a" time="1.5"/>
+<testcase classname="python_tests.test_gpu" name="test_b[x]" time="12.25">{b}</testcase>
+<testcase classname="python_tests.test_gpu" name="test_c" time="0.5">{c}</testcase>
+<testcase classname="python_tests.test_gpu" name="test_d" time="0.1"/>
+</testsuite></testsuites>"""
+
+
+def test_the_gpu_tests_record_counts_failures_skips_and_durations(tmp_path):
+    import json
+
+    summary = _gpu_summary()
+    logs, results = tmp_path / "logs", tmp_path / "results"
+    logs.mkdir()
+    (logs / "gpu-tests.xml").write_text(JUNIT.format(
+        b='<failure message="AssertionError: max error 3e-2 &gt; 1e-2&#10;more">tb</failure>',
+        c='<skipped message="needs a CUDA device"/>'))
+    assert summary.main(["tests", str(logs), str(results), "abc1234"]) == 1  # a failure: not green
+    record = json.load(open(results / "gpu-tests-abc1234.json"))
+    assert record["counts"] == {"tests": 4, "failed": 1, "errors": 0, "skipped": 1, "passed": 2}
+    assert record["failed"] == [{"test": "python_tests.test_gpu::test_b[x]",
+                                 "message": "AssertionError: max error 3e-2 > 1e-2"}]
+    assert record["skipped"][0]["message"] == "needs a CUDA device"
+    assert record["durations"]["python_tests.test_gpu::test_b[x]"] == 12.25
+    assert list(record["slowest"])[0] == "python_tests.test_gpu::test_b[x]" and record["seconds"] == pytest.approx(14.35, abs=0.06)
+    assert {"device", "commit", "date", "part"} <= set(record) and record["commit"] == "abc1234"
+    (logs / "gpu-tests.xml").write_text(JUNIT.format(b="", c=""))
+    assert summary.main(["tests", str(logs), str(results), "abc1234"]) == 0  # all passed: green
+    (logs / "gpu-tests.xml").write_text(JUNIT.format(b="", c='<skipped message="the native module is not built"/>'))
+    assert summary.main(["tests", str(logs), str(results), "abc1234"]) == 1  # a skip on a GPU machine: not green
+
+
+def test_the_gpu_sanitize_and_bench_records(tmp_path):
+    import json
+
+    summary = _gpu_summary()
+    logs, results = tmp_path / "logs", tmp_path / "results"
+    logs.mkdir()
+    (logs / "status.txt").write_text("memcheck 0\nracecheck 9\n")
+    (logs / "sanitize-memcheck.log").write_text("wrong: none\n========= ERROR SUMMARY: 0 errors\n")
+    (logs / "sanitize-racecheck.log").write_text("========= ERROR SUMMARY: 2 errors\n")
+    assert summary.main(["sanitize", str(logs), str(results), "c0ffee"]) == 1
+    tools = json.load(open(results / "gpu-sanitize-c0ffee.json"))["tools"]
+    assert tools == {"memcheck": {"exit_status": 0, "errors": 0}, "racecheck": {"exit_status": 9, "errors": 2}}
+    (logs / "status.txt").write_text("bench 0\nextension 124\n")
+    (logs / "bench").mkdir()
+    (logs / "bench" / "h100.json").write_text(json.dumps({"device": "H100", "measurements": [1, 2], "rows": [3]}))
+    assert summary.main(["bench", str(logs), str(results), "c0ffee"]) == 1  # a step out of time
+    record = json.load(open(results / "gpu-bench-c0ffee.json"))
+    assert record["steps"] == {"bench": 0, "extension": 124}
+    assert record["records"] == {"bench/h100.json": {"device": "H100", "rows": [3]}}
+    assert summary.main(["nonsense", str(logs), str(results), "c0ffee"]) == 2
+
+
+def test_the_gpu_suite_script_names_its_parts():
+    import subprocess
+
+    script = os.path.join(os.path.dirname(__file__), "..", "bench", "gpu_suite.sh")
+    out = subprocess.run(["bash", script, "everything"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "usage: bash bench/gpu_suite.sh {tests|bench|sanitize}" in out.stderr

@@ -1,0 +1,124 @@
+"""The record of one part of the GPU suite (bench/gpu_suite.sh), written as JSON with the device,
+the commit and the date:
+
+    python bench/gpu_summary.py tests    LOGS RESULTS COMMIT   # LOGS/gpu-tests.xml (junit)
+    python bench/gpu_summary.py bench    LOGS RESULTS COMMIT   # LOGS/{bench,extension,fused}/*.json, LOGS/status.txt
+    python bench/gpu_summary.py sanitize LOGS RESULTS COMMIT   # LOGS/status.txt, LOGS/sanitize-*.log
+
+It writes ``RESULTS/gpu-<part>-<COMMIT>.json`` and prints one line saying what it holds. Exit
+status: 0 when the part is green (every test passed and none was skipped for lack of something
+this machine has; every step finished; the sanitizers found nothing), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import datetime
+import glob
+import json
+import os
+import re
+import sys
+import xml.etree.ElementTree as ET
+from typing import Dict, List
+
+#: Skips that are fine on a GPU machine: none. A GPU test skipped there lacks something it has.
+ALLOWED_SKIPS: List[str] = []
+
+
+def _machine() -> Dict:
+    try:
+        import torch
+
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+        versions = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    except ImportError:  # the summary itself needs no torch
+        device, versions = "unknown (torch not importable)", {}
+    return {"device": device, **versions}
+
+
+def _steps(logs: str) -> Dict[str, int]:
+    """``LOGS/status.txt``: one ``<step> <exit status>`` line per step the part ran."""
+    path = os.path.join(logs, "status.txt")
+    if not os.path.exists(path):
+        return {}
+    return {line.split()[0]: int(line.split()[1]) for line in open(path) if line.strip()}
+
+
+def tests(logs: str) -> Dict:
+    """Counts, the failed and skipped tests with their first line of message, and every test's
+    duration, from pytest's junit XML."""
+    root = ET.parse(os.path.join(logs, "gpu-tests.xml")).getroot()
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    cases = [c for s in suites for c in s.iter("testcase")]
+    failed, errors, skipped, durations = [], [], [], {}
+    for c in cases:
+        name = f"{c.get('classname')}::{c.get('name')}"
+        durations[name] = round(float(c.get("time", 0.0)), 3)
+        for tag, sink in (("failure", failed), ("error", errors), ("skipped", skipped)):
+            node = c.find(tag)
+            if node is not None:
+                message = (node.get("message") or node.text or "").strip().splitlines()
+                sink.append({"test": name, "message": message[0][:300] if message else ""})
+    counts = {"tests": len(cases), "failed": len(failed), "errors": len(errors), "skipped": len(skipped)}
+    counts["passed"] = counts["tests"] - counts["failed"] - counts["errors"] - counts["skipped"]
+    slowest = dict(sorted(durations.items(), key=lambda kv: -kv[1])[:30])
+    green = (counts["tests"] > 0 and not failed and not errors
+             and all(s["test"] in ALLOWED_SKIPS for s in skipped))
+    return {"counts": counts, "failed": failed, "errors": errors, "skipped": skipped,
+            "seconds": round(sum(durations.values()), 1), "slowest": slowest, "durations": durations, "green": green}
+
+
+def bench(logs: str) -> Dict:
+    """Every step's exit status and the records the benchmarks wrote (the main job's without its
+    raw measurements, which stay in its own JSON next to this record)."""
+    records = {}
+    for part in ("bench", "extension", "fused"):
+        for path in sorted(glob.glob(os.path.join(logs, part, "*.json"))):
+            record = json.load(open(path))
+            record.pop("measurements", None)
+            records[f"{part}/{os.path.basename(path)}"] = record
+    steps = _steps(logs)
+    return {"steps": steps, "records": records, "green": bool(steps) and not any(steps.values())}
+
+
+#: compute-sanitizer's last line, e.g. "========= ERROR SUMMARY: 0 errors"
+_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
+
+
+def sanitize(logs: str) -> Dict:
+    """Per tool: the exit status (0 clean, 9 errors found, 3 a device wait timed out, 1 a wrong
+    result, 124 out of time) and the error count of its summary line."""
+    steps = _steps(logs)
+    tools = {}
+    for tool, status in steps.items():
+        path = os.path.join(logs, f"sanitize-{tool}.log")
+        found = _SUMMARY.findall(open(path, errors="replace").read()) if os.path.exists(path) else []
+        tools[tool] = {"exit_status": status, "errors": int(found[-1]) if found else None}
+    green = bool(tools) and all(t["exit_status"] == 0 and t["errors"] == 0 for t in tools.values())
+    return {"tools": tools, "green": green}
+
+
+PARTS = {"tests": tests, "bench": bench, "sanitize": sanitize}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 4 or argv[0] not in PARTS:
+        print(f"usage: python bench/gpu_summary.py {{{','.join(PARTS)}}} LOGS RESULTS COMMIT", file=sys.stderr)
+        return 2
+    part, logs, results, commit = argv
+    record = {**_machine(), "part": part, "commit": commit,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              **PARTS[part](logs)}
+    os.makedirs(results, exist_ok=True)
+    path = os.path.join(results, f"gpu-{part}-{commit}.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    summary = {"tests": lambda r: f"{r['counts']}", "bench": lambda r: f"steps {r['steps']}",
+               "sanitize": lambda r: f"{r['tools']}"}[part](record)
+    print(f"wrote {path}: {'green' if record['green'] else 'NOT green'}; {summary}")
+    return 0 if record["green"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
