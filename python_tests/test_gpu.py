@@ -200,11 +200,12 @@ def test_native_linear_matches_float64(dtype, m, k, n, bias):
     ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
     plain = torch.nn.functional.linear(x, w, b)
     assert_close("native linear", y, ref, plain)
-    # a row-strided view (ldx > k) gives the same result
+    # a row-strided view (ldx > k) is read in place, as rows: as right. Not bitwise the same: another
+    # leading dimension is another cuBLASLt problem, which may take another kernel (and summation order).
     if m and k:
         wide = torch.zeros(m, k + 5, device="cuda", dtype=dtype)
         wide[:, :k] = x
-        assert torch.equal(_extension.linear(wide[:, :k], w, b), y)
+        assert_close("native linear of rows k + 5 apart", _extension.linear(wide[:, :k], w, b), ref, plain)
 
 
 @native_built
@@ -353,7 +354,7 @@ def _run_virtual(vr, case, xs, ws, biases=None, num_chunks=1):
 def test_fused_virtual_ranks_against_float64(case, dtype, p):
     rows, k, n = 5, 37, 19  # odd shapes: nothing a multiple of 8
     xs, ws = _virtual_inputs(case, p, rows, k, n, dtype)
-    with VirtualRanks(p, timeout_s=30.0) as vr:
+    with VirtualRanks(p, timeout_s=10.0) as vr:
         if case == "all_gather_matmul":
             biases = [torch.randn(n).to("cuda", dtype) for _ in range(p)]
             for chunks in (1, 2, 5):
@@ -398,7 +399,7 @@ def test_fused_reductions_are_the_fixed_order_sum_of_the_partials(case, p):
     for t in partial[1:]:
         acc = acc + t.float()
     expected = acc.to(dtype)
-    with VirtualRanks(p, timeout_s=30.0) as vr:
+    with VirtualRanks(p, timeout_s=10.0) as vr:
         first = _run_virtual(vr, case, xs, ws)
         for _ in range(3):
             again = _run_virtual(vr, case, xs, ws)
@@ -412,7 +413,7 @@ def test_fused_reductions_are_the_fixed_order_sum_of_the_partials(case, p):
 @pytest.mark.parametrize("p", [2, 4])
 def test_fused_cuda_graph_replay_equals_eager(p):
     dtype, rows, k, n = torch.bfloat16, 16, 256, 128
-    with VirtualRanks(p, timeout_s=30.0) as vr:
+    with VirtualRanks(p, timeout_s=10.0) as vr:
         inputs = {case: _virtual_inputs(case, p, rows, k, n, dtype, seed=i) for i, case in enumerate(FUSED_CASES)}
         for case, (xs, ws) in inputs.items():
             _run_virtual(vr, case, xs, ws)  # workspace and cuBLAS workspaces made outside the capture
@@ -439,7 +440,7 @@ def test_fused_stress_of_consecutive_calls_with_varying_shapes():
     """1,000 calls, shapes and ops changing (the workspace grows as needed), a sample checked."""
     p, dtype = 4, torch.bfloat16
     shapes = [(1, 64, 32), (8, 128, 64), (3, 40, 24), (32, 256, 128), (2, 8, 8)]
-    with VirtualRanks(p, timeout_s=30.0) as vr:
+    with VirtualRanks(p, timeout_s=10.0) as vr:
         for i in range(1000):
             case = FUSED_CASES[i % len(FUSED_CASES)]
             rows, k, n = shapes[(i // len(FUSED_CASES)) % len(shapes)]
@@ -470,11 +471,12 @@ def test_fused_dead_peer_is_a_timeout_error(case):
         start = time.monotonic()
         with torch.cuda.stream(stream):
             if case == "all_gather_matmul":
-                fused.rank_all_gather_matmul(ctx, xs[0], ws[0], None, 1, stream)
+                call = fused.rank_all_gather_matmul(ctx, xs[0], ws[0], None, 1, stream)
             elif case == "matmul_reduce_scatter":
-                fused.rank_matmul_reduce_scatter(ctx, xs[0], ws[0], stream)
+                call = fused.rank_matmul_reduce_scatter(ctx, xs[0], ws[0], stream)
             else:
-                fused.rank_matmul_all_reduce(ctx, xs[0], ws[0], "one_shot", stream)
+                call = fused.rank_matmul_all_reduce(ctx, xs[0], ws[0], "one_shot", stream)
+            call.enqueue(None)  # every phase: rank 1 takes no part
         torch.cuda.synchronize()
         elapsed = time.monotonic() - start
         assert 1.0 <= elapsed < 30.0, elapsed
