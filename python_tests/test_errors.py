@@ -1,4 +1,5 @@
-"""Bad input raises ValueError naming the argument before any collective; nothing hangs."""
+"""Bad input raises ValueError naming the argument before any collective (but the fingerprint
+exchange that tells every rank about it); nothing hangs."""
 
 from __future__ import annotations
 
@@ -12,16 +13,21 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import tp_kernels
-from tp_kernels import _collectives, ops
+from tp_kernels import _agreement, _collectives, ops
 from helpers import rank_world
 
 
 @contextlib.contextmanager
 def no_collectives():
-    """Make any collective or point-to-point call fail loudly (not with ValueError)."""
+    """Make any collective or point-to-point call fail loudly (not with ValueError), but the
+    exchange of the call's fingerprint (tp_kernels._agreement), which every rank makes, with its
+    error, before any payload moves: here every rank makes the same call, so it is simulated."""
 
     def boom(*args, **kwargs):
         raise AssertionError("a collective was started before the input was checked")
+
+    def same_call_everywhere(mine, group, device):
+        return None  # every rank's fingerprint alike
 
     names = ["all_reduce", "all_gather", "isend", "irecv", "broadcast"]
     with contextlib.ExitStack() as stack:
@@ -29,6 +35,7 @@ def no_collectives():
             stack.enter_context(mock.patch.object(dist, name, boom))
         stack.enter_context(mock.patch.object(_collectives, "_all_gather_single", boom))
         stack.enter_context(mock.patch.object(_collectives, "_reduce_scatter_single", boom))
+        stack.enter_context(mock.patch.object(_agreement, "_views_if_they_differ", same_call_everywhere))
         yield
 
 

@@ -24,6 +24,12 @@ def check_choice(name: str, value, choices):
     return value
 
 
+def check_float_dtype(name: str, dtype) -> None:
+    """``dtype`` is None (torch's default) or a floating-point ``torch.dtype`` (parameters are)."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"{name}: expected a floating-point torch.dtype (parameters learn), got {dtype!r}")
+
+
 def check_divisible(name: str, value: int, p: int) -> int:
     """``value // p``, or a ValueError when ``p`` does not divide ``value``."""
     if value % p:

@@ -33,6 +33,7 @@ __all__ = [
     "all_gather_dim0",
     "all_gather_last_dim",
     "all_reduce",
+    "check_alive",
     "group_from_name",
     "group_key",
     "group_name",
@@ -77,6 +78,25 @@ def group_from_name(name: str):
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._resolve_process_group(name)
+
+
+#: Groups destroy_model_parallel destroyed (kept, so that their ids are not reused meanwhile).
+_destroyed: list = []
+
+
+@parallel_state.on_group_destroyed
+def _forget_group(group) -> None:
+    _destroyed.append(group)
+
+
+def check_alive(group) -> None:
+    """Raise a ``RuntimeError`` saying what to do when ``group`` was destroyed (a layer kept past
+    ``destroy_model_parallel``), instead of torch's "not registered"."""
+    if group is not None and any(g is group for g in _destroyed):
+        raise RuntimeError(
+            f"group: the process group {group.group_name!r} of this call was destroyed by "
+            "tp_kernels.destroy_model_parallel(); make the layer again (or pass a live group) after "
+            "tp_kernels.initialize_model_parallel()")
 
 
 def group_key(group, device: torch.device):
@@ -125,6 +145,24 @@ class Pending:
         return self.tensor
 
 
+def _dead_peer_error(what: str, group, timeout: float, exc: BaseException) -> RuntimeError:
+    return RuntimeError(
+        f"tp_kernels: {what} did not complete on global rank {dist.get_rank()} "
+        f"(group of {group_size(group)} ranks, timeout {timeout:g} s): {exc}. A peer rank may have died, "
+        "diverged, or called a different collective. The limit is set with "
+        "tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S."
+    )
+
+
+def _issue(what: str, group, start):
+    """``start()``: a collective's start, whose failure (a peer's connection gone, say) is raised
+    as :func:`wait` raises a failed wait."""
+    try:
+        return start()
+    except RuntimeError as exc:  # RuntimeError or DistBackendError from the backend
+        raise _dead_peer_error(what, group, get_timeout(), exc) from exc
+
+
 def wait(work, what: str, group=None, *, cuda: bool = False) -> None:
     """Wait for ``work`` at most :func:`get_timeout` seconds; raise a readable error otherwise.
 
@@ -147,13 +185,7 @@ def wait(work, what: str, group=None, *, cuda: bool = False) -> None:
                 raise TimeoutError(f"not completed after {timeout:g} s")
         work.wait(timeout=datetime.timedelta(seconds=timeout))  # raises the backend's error, if any
     except Exception as exc:  # TimeoutError, RuntimeError or DistBackendError from the backend
-        size = group_size(group)
-        raise RuntimeError(
-            f"tp_kernels: {what} did not complete on global rank {dist.get_rank()} "
-            f"(group of {size} ranks, timeout {timeout:g} s): {exc}. A peer rank may have died, "
-            "diverged, or called a different collective. The limit is set with "
-            "tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S."
-        ) from exc
+        raise _dead_peer_error(what, group, timeout, exc) from exc
 
 
 def _future(work):
@@ -178,8 +210,9 @@ def all_gather_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] = Non
         return _local(x, out, "all-gather")
     if out is None:
         out = x.new_empty((x.shape[0] * p,) + tuple(x.shape[1:]))
-    work = _all_gather_single(out, x, group=group, async_op=True)
-    return Pending(out, [work], f"all-gather of {tuple(x.shape)} {x.dtype}", group)
+    what = f"all-gather of {tuple(x.shape)} {x.dtype}"
+    work = _issue(what, group, lambda: _all_gather_single(out, x, group=group, async_op=True))
+    return Pending(out, [work], what, group)
 
 
 def exchange_device(group, device: torch.device) -> torch.device:
@@ -233,7 +266,8 @@ def reduce_scatter_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] =
         r = group_rank(group)
         return Pending(out, deps=[summed], what=what, group=group,
                        finish=lambda o: o.copy_(summed.tensor[r * mp : (r + 1) * mp]))
-    work = _reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    work = _issue(what, group,
+                  lambda: _reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group, async_op=True))
     return Pending(out, [work], what, group)
 
 
@@ -246,8 +280,9 @@ def all_reduce(x: torch.Tensor, group, *, op=dist.ReduceOp.SUM, inplace: bool = 
         return _local(x, None, "all-reduce")
     if not (inplace and x.is_contiguous()):
         x = x.contiguous() if inplace else x.clone(memory_format=torch.contiguous_format)
-    work = dist.all_reduce(x, op=op, group=group, async_op=True)
-    return Pending(x, [work], f"all-reduce of {tuple(x.shape)} {x.dtype}", group)
+    what = f"all-reduce of {tuple(x.shape)} {x.dtype}"
+    work = _issue(what, group, lambda: dist.all_reduce(x, op=op, group=group, async_op=True))
+    return Pending(x, [work], what, group)
 
 
 def all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
@@ -278,10 +313,10 @@ def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group, tag: int, what:
     order = schedule.ring(group_rank(group), group_size(group))
     nxt = dist.get_global_rank(group, order.next)
     prv = dist.get_global_rank(group, order.prev)
-    works = dist.batch_isend_irecv([
+    works = _issue(what, group, lambda: dist.batch_isend_irecv([
         dist.P2POp(dist.isend, send, nxt, group=group, tag=tag),
         dist.P2POp(dist.irecv, recv, prv, group=group, tag=tag),
-    ])
+    ]))
     if len(works) == 2:
         return works[0], Pending(recv, [works[1]], what, group)
     # NCCL coalesces the batch into one work: it completes both

@@ -48,6 +48,7 @@ import torch
 
 from . import _collectives as coll
 from . import backends, parallel_state
+from ._agreement import exchange_views
 from ._op_table import OPS, communicated_problem
 from ._timing import Timer
 from .settings import AUTO_CHOICES as CHOICES
@@ -153,8 +154,7 @@ def _run_variant(primitive: str, name: str, x, weight, bias, group):
 
 def _agree(view: str, group, device: torch.device) -> None:
     """Raise on every rank unless all ranks of ``group`` are about to measure the same thing."""
-    payload = view.encode()[:_HEADER_BYTES].ljust(_HEADER_BYTES, b"\0")
-    views = [v.rstrip(b"\0").decode(errors="replace") for v in coll.all_gather_bytes(payload, group, device)]
+    views = exchange_views(view, group, device, _HEADER_BYTES)
     if len(set(views)) > 1:
         listing = "; ".join(f"rank {q}: {v}" for q, v in enumerate(views))
         raise RuntimeError(f"backend='auto': the ranks of group {group.group_name!r} disagree on the call to "

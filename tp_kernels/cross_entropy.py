@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from . import _collectives as coll
+from ._agreement import agree, describe
 from ._checks import check_tensor
 from .embedding import check_index_range
 
@@ -79,23 +80,34 @@ def vocab_parallel_cross_entropy(
     Returns:
         ``[...]`` float32 loss per token.
     """
-    check_tensor("logits", logits, min_dim=1)
-    check_tensor("target", target)
-    if not logits.is_floating_point():
-        raise ValueError(f"logits: expected a floating-point tensor, got {logits.dtype}")
-    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
-        raise ValueError(f"target: expected an integer tensor of class ids, got {target.dtype}")
-    if tuple(target.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(
-            f"target: expected shape {tuple(logits.shape[:-1])} (logits' leading dims), got {tuple(target.shape)}"
-        )
-    if target.device != logits.device:
-        raise ValueError(f"target: device {target.device} does not match logits' device {logits.device}")
-    if not (isinstance(label_smoothing, (int, float)) and 0.0 <= label_smoothing <= 1.0):
-        raise ValueError(f"label_smoothing: expected a float in [0, 1], got {label_smoothing!r}")
     group = coll.resolve_group(group)
-    vocab = logits.shape[-1] * coll.group_size(group)
-    check_index_range("target", target, vocab, allowed=ignore_index)
+
+    def check() -> int:
+        check_tensor("logits", logits, min_dim=1)
+        check_tensor("target", target)
+        if not logits.is_floating_point():
+            raise ValueError(f"logits: expected a floating-point tensor, got {logits.dtype}")
+        if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+            raise ValueError(f"target: expected an integer tensor of class ids, got {target.dtype}")
+        if tuple(target.shape) != tuple(logits.shape[:-1]):
+            raise ValueError(
+                f"target: expected shape {tuple(logits.shape[:-1])} (logits' leading dims), got {tuple(target.shape)}"
+            )
+        if target.device != logits.device:
+            raise ValueError(f"target: device {target.device} does not match logits' device {logits.device}")
+        if not (isinstance(label_smoothing, (int, float)) and not isinstance(label_smoothing, bool)
+                and 0.0 <= label_smoothing <= 1.0):
+            raise ValueError(f"label_smoothing: expected a float in [0, 1], got {label_smoothing!r}")
+        if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+            raise ValueError(f"ignore_index: expected an int, got {ignore_index!r}")
+        vocab = logits.shape[-1] * coll.group_size(group)
+        check_index_range("target", target, vocab, allowed=ignore_index)
+        return vocab
+
+    # ranks whose blocks of the vocabulary differ in width would compute a wrong loss: agreed first
+    agree("vocab_parallel_cross_entropy", group, check,
+          lambda vocab: f"logits {describe(logits)}, target {describe(target)}, vocabulary {vocab}, "
+                        f"label_smoothing {label_smoothing}, ignore_index {ignore_index}", hint=logits)
     loss = _VocabParallelCrossEntropy.apply(
         logits.reshape(-1, logits.shape[-1]), target.reshape(-1), float(label_smoothing), int(ignore_index), group
     )

@@ -9,11 +9,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import _collectives as coll
-from ._checks import check_divisible, check_int, check_tensor
+from ._agreement import agree, describe
+from ._checks import check_divisible, check_float_dtype, check_int, check_tensor
 from .layers import ShareGroupOnCopy
-from .mappings import reduce_from_tensor_model_parallel_region
+from .mappings import reduce_from
 
-__all__ = ["VocabParallelEmbedding", "check_index_range"]
+__all__ = ["ID_DTYPES", "VocabParallelEmbedding", "check_index_range"]
+
+#: The dtypes of ids the embedding (``F.embedding``) takes.
+ID_DTYPES = (torch.int64, torch.int32)
 
 
 def _can_sync(t: torch.Tensor) -> bool:
@@ -62,6 +66,7 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
         super().__init__()
         check_int("num_embeddings", num_embeddings)
         check_int("embedding_dim", embedding_dim)
+        check_float_dtype("dtype", dtype)
         if padding_idx is not None:
             if padding_idx < 0:
                 padding_idx += num_embeddings
@@ -121,20 +126,25 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
         layer.load_full_weight(embedding.weight.detach())
         return layer
 
-    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+    def _check(self, input_) -> None:
         check_tensor("input_", input_)
-        if input_.is_floating_point() or input_.is_complex() or input_.dtype == torch.bool:
-            raise ValueError(f"input_: expected an integer tensor of ids, got {input_.dtype}")
+        if input_.dtype not in ID_DTYPES:
+            raise ValueError(f"input_: expected ids of dtype torch.int64 or torch.int32, got {input_.dtype}")
         if input_.device != self.weight.device:
             raise ValueError(f"input_: device {input_.device} does not match the weight's device {self.weight.device}")
         check_index_range("input_", input_, self.num_embeddings)
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        agree("VocabParallelEmbedding", self.group, lambda: self._check(input_),
+              lambda _: f"input_ {describe(input_)}, weight {describe(self.weight)}, vocabulary {self.num_embeddings}",
+              hint=self.weight)
         if self.tp_size == 1:
             return F.embedding(input_, self.weight, self.padding_idx)
         outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
         local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight, self._local_padding_idx)  # [..., D], this rank's rows
         out = out.masked_fill(outside.unsqueeze(-1), 0)
-        return reduce_from_tensor_model_parallel_region(out, self.group)  # sum over ranks: [..., D]
+        return reduce_from(out, self.group)  # sum over ranks: [..., D]
 
     def extra_repr(self) -> str:
         s = f"{self.num_embeddings}, {self.embedding_dim}, tp_size={self.tp_size}"

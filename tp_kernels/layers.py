@@ -24,12 +24,8 @@ import torch.nn as nn
 
 from . import _collectives as coll
 from . import ops
-from ._checks import check_choice, check_divisible, check_int, check_tensor
-from .mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_tensor_model_parallel_region,
-    scatter_to_tensor_model_parallel_region,
-)
+from ._checks import check_choice, check_divisible, check_float_dtype, check_int, check_tensor
+from .mappings import copy_to, gather_last_dim, scatter_last_dim
 from .settings import BACKEND_NAMES
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
@@ -80,6 +76,7 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
         super().__init__()
         check_int("in_features", in_features)
         check_int("out_features", out_features)
+        check_float_dtype("dtype", dtype)
         check_choice("backend", backend, BACKEND_NAMES)
         if num_chunks is not None:
             check_int("num_chunks", num_chunks)
@@ -174,9 +171,11 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
             f"tp_size={self.tp_size}, sequence_parallel={self.sequence_parallel}, backend={self.backend!r}"
         )
 
-    def _op(self, op: str, input_, bias):
-        """Run ``op`` on this rank's weight; argument errors name ``input_``."""
-        return ops.run(op, input_, self.weight, bias, self.group, self.backend, self.num_chunks, x_name="input_")
+    def _op(self, op: str, input_, bias, prepare=None):
+        """Run ``op`` on this rank's weight; argument errors name ``input_``; ``prepare(input_)``
+        checks and prepares the input first (agreed with the group as the op's own checks are)."""
+        return ops.run(op, input_, self.weight, bias, self.group, self.backend, self.num_chunks, x_name="input_",
+                       prepare=prepare)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -221,12 +220,12 @@ class ColumnParallelLinear(_ParallelLinear):
             # [..., in] x [in, out/p] -> [..., out/p]; backward all-reduces d(input)
             out = self._op("linear_with_grad_all_reduce", input_, bias)
         if self.gather_output:
-            out = gather_from_tensor_model_parallel_region(out, self.group)  # [..., out]
+            out = gather_last_dim(out, self.group)  # [..., out]
         if not self.skip_bias_add:
             return out
         out_bias = self.bias
         if out_bias is not None and self.gather_output:
-            out_bias = gather_from_tensor_model_parallel_region(out_bias, self.group)
+            out_bias = gather_last_dim(out_bias, self.group)
         return out, out_bias
 
     def extra_repr(self) -> str:
@@ -267,27 +266,30 @@ class RowParallelLinear(_ParallelLinear):
                          skip_bias_add=skip_bias_add, group=group, init_method=init_method, device=device,
                          dtype=dtype, backend=backend, num_chunks=num_chunks)
 
+    def _split_input(self, input_: torch.Tensor) -> torch.Tensor:
+        """The full input ``[..., in]`` (``input_is_parallel=False``) as this rank's ``[..., in/p]``."""
+        check_tensor("input_", input_, min_dim=1)
+        if input_.shape[-1] != self.in_features:
+            raise ValueError(
+                f"input_: expected the last dim to be in_features={self.in_features} "
+                f"(input_is_parallel=False), got shape {tuple(input_.shape)}"
+            )
+        return scatter_last_dim(input_, self.group)  # [..., in/p]
+
     def forward(self, input_: torch.Tensor):
-        if not self.input_is_parallel:
-            check_tensor("input_", input_, min_dim=1)
-            if input_.shape[-1] != self.in_features:
-                raise ValueError(
-                    f"input_: expected the last dim to be in_features={self.in_features} "
-                    f"(input_is_parallel=False), got shape {tuple(input_.shape)}"
-                )
-            input_ = scatter_to_tensor_model_parallel_region(input_, self.group)  # [..., in/p]
+        prepare = None if self.input_is_parallel else self._split_input
         bias = None if self.skip_bias_add else self.bias
         if self.sequence_parallel:
             # [s, ..., in/p] x [in/p, out] -(RS)-> [s/p, ..., out]
-            out = self._op("matmul_reduce_scatter", input_, bias)
+            out = self._op("matmul_reduce_scatter", input_, bias, prepare)
         else:
             # [..., in/p] x [in/p, out] -(AR)-> [..., out]
-            out = self._op("matmul_all_reduce", input_, bias)
+            out = self._op("matmul_all_reduce", input_, bias, prepare)
         if not self.skip_bias_add:
             return out
         out_bias = self.bias
         if out_bias is not None and self.sequence_parallel:
-            out_bias = copy_to_tensor_model_parallel_region(out_bias, self.group)
+            out_bias = copy_to(out_bias, self.group)
         return out, out_bias
 
     def extra_repr(self) -> str:

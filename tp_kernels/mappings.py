@@ -2,6 +2,8 @@
 
 Each is the identity when the group has one rank. "Tensor-parallel region" functions act on
 the last dim; "sequence-parallel region" functions act on dim 0 (Megatron's ``[s, b, h]``).
+Each checks its input and agrees on the call with the group's other ranks before any collective
+(:mod:`tp_kernels._agreement`).
 
 ==============================================  =====================  =====================
 function                                        forward                backward
@@ -23,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import _collectives as coll
+from ._agreement import agree, describe
 from ._checks import check_divisible, check_tensor
 
 __all__ = [
@@ -126,45 +129,73 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
         return _gather_dim0(dy, ctx.group), None
 
 
-def _setup(x, group, *, last_dim=False, dim0=False):
-    check_tensor("input_", x, min_dim=1)
+# --- what the layers call (their arguments already checked and agreed with the group) ---------------
+
+
+def _on(function, x, group, *args):
+    return x if coll.group_size(group) == 1 else function.apply(x, group, *args)
+
+
+def copy_to(x, group):
+    return _on(_CopyToRegion, x, group)
+
+
+def reduce_from(x, group):
+    return _on(_ReduceFromRegion, x, group)
+
+
+def scatter_last_dim(x, group):
+    return _on(_ScatterToRegion, x, group)
+
+
+def gather_last_dim(x, group):
+    return _on(_GatherFromRegion, x, group)
+
+
+# --- the public mappings: checked, and agreed with the group, before any collective -----------------
+
+
+def _agreed(name: str, x, group, *, last_dim=False, dim0=False, flags: str = ""):
+    """The group a public mapping of ``x`` runs on, once ``x`` is checked and the call agreed with
+    the group's other ranks (:func:`tp_kernels._agreement.agree`)."""
     group = coll.resolve_group(group)
-    p = coll.group_size(group)
-    if last_dim:
-        check_divisible("input_.shape[-1]", x.shape[-1], p)
-    if dim0:
-        check_divisible("input_.shape[0]", x.shape[0], p)
-    return group, p
+
+    def check():
+        check_tensor("input_", x, min_dim=1)
+        p = coll.group_size(group)
+        if last_dim:
+            check_divisible("input_.shape[-1]", x.shape[-1], p)
+        if dim0:
+            check_divisible("input_.shape[0]", x.shape[0], p)
+
+    agree(name, group, check, lambda _: f"input_ {describe(x)}{flags}", hint=x)
+    return group
 
 
 def copy_to_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward. ``[...] -> [...]``."""
-    group, p = _setup(input_, group)
-    return input_ if p == 1 else _CopyToRegion.apply(input_, group)
+    return copy_to(input_, _agreed("copy_to_tensor_model_parallel_region", input_, group))
 
 
 def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """All-reduce (sum) forward, on a copy; identity backward. ``[...] -> [...]``."""
-    group, p = _setup(input_, group)
-    return input_ if p == 1 else _ReduceFromRegion.apply(input_, group)
+    return reduce_from(input_, _agreed("reduce_from_tensor_model_parallel_region", input_, group))
 
 
 def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """This rank's block of the last dim forward, all-gather backward. ``[..., d] -> [..., d/p]``."""
-    group, p = _setup(input_, group, last_dim=True)
-    return input_ if p == 1 else _ScatterToRegion.apply(input_, group)
+    return scatter_last_dim(input_, _agreed("scatter_to_tensor_model_parallel_region", input_, group, last_dim=True))
 
 
 def gather_from_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """All-gather of the last dim forward, split backward. ``[..., d/p] -> [..., d]``."""
-    group, p = _setup(input_, group)
-    return input_ if p == 1 else _GatherFromRegion.apply(input_, group)
+    return gather_last_dim(input_, _agreed("gather_from_tensor_model_parallel_region", input_, group))
 
 
 def scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """This rank's block of dim 0 forward, all-gather backward. ``[s, ...] -> [s/p, ...]``."""
-    group, p = _setup(input_, group, dim0=True)
-    return input_ if p == 1 else _ScatterToSequenceRegion.apply(input_, group)
+    group = _agreed("scatter_to_sequence_parallel_region", input_, group, dim0=True)
+    return _on(_ScatterToSequenceRegion, input_, group)
 
 
 def gather_from_sequence_parallel_region(
@@ -175,11 +206,13 @@ def gather_from_sequence_parallel_region(
     Backward reduce-scatters the gradient (the consumer is tensor-parallel, so each rank holds a
     partial gradient), or just splits it when ``tensor_parallel_output_grad=False``.
     """
-    group, p = _setup(input_, group)
-    return input_ if p == 1 else _GatherFromSequenceRegion.apply(input_, group, bool(tensor_parallel_output_grad))
+    reduce = bool(tensor_parallel_output_grad)
+    group = _agreed("gather_from_sequence_parallel_region", input_, group,
+                    flags=f", tensor_parallel_output_grad {reduce}")
+    return _on(_GatherFromSequenceRegion, input_, group, reduce)
 
 
 def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """Reduce-scatter of dim 0 forward, all-gather backward. ``[s, ...] -> [s/p, ...]``."""
-    group, p = _setup(input_, group, dim0=True)
-    return input_ if p == 1 else _ReduceScatterToSequenceRegion.apply(input_, group)
+    group = _agreed("reduce_scatter_to_sequence_parallel_region", input_, group, dim0=True)
+    return _on(_ReduceScatterToSequenceRegion, input_, group)

@@ -22,18 +22,19 @@ The backward passes are made of the same primitives (docs/architecture.md):
 :mod:`tp_kernels.schedule`), ``"fused"`` (peer memory inside one node,
 :mod:`tp_kernels.backends.fused`) or ``"auto"``; what runs is decided once per call
 (:func:`tp_kernels.dispatch.resolve`; :func:`select_backend` answers the same question).
-``num_chunks=None`` takes the schedule's default. Every argument is checked before any
-collective starts.
+``num_chunks=None`` takes the schedule's default. Every argument is checked, and the call agreed
+with the group's other ranks (:mod:`tp_kernels._agreement`), before any collective starts.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from . import _collectives as coll
 from . import _library  # noqa: F401  (registers torch.ops.tp_kernels.*)
+from ._agreement import agree, describe
 from ._checks import check_choice, check_divisible, check_linear_args
 from ._op_table import OPS
 from .dispatch import resolve, select_backend
@@ -54,31 +55,48 @@ def _flatten(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int], x_name: str = "x") -> torch.Tensor:
-    """Check the tensors (before any communication; errors name the input ``x_name``), decide
-    the implementation once (:func:`tp_kernels.dispatch.resolve`), run ``torch.ops.tp_kernels.<op>`` on the
-    flattened input and restore its leading dims. ``group`` (resolved), ``backend`` and
-    ``num_chunks`` (a positive int or None) were checked by the caller: the public ops below, and
-    the layers, once, when they are made."""
-    x, weight, bias = check_linear_args(x, weight, bias, x_name=x_name, min_dim=OPS[op].min_dim)
-    p = coll.group_size(group)
-    lead = list(x.shape[:-1])
-    if op == "all_gather_matmul":
-        lead[0] *= p
-    elif op == "matmul_reduce_scatter":
-        lead[0] = check_divisible(f"{x_name}.shape[0]", x.shape[0], p)
+def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int], x_name: str = "x",
+        prepare: Optional[Callable] = None) -> torch.Tensor:
+    """Check the tensors (errors name the input ``x_name``) and agree on the call with the group
+    (:func:`tp_kernels._agreement.agree`) before any communication, decide the implementation once
+    (:func:`tp_kernels.dispatch.resolve`), run ``torch.ops.tp_kernels.<op>`` on the flattened input
+    and restore its leading dims. ``group`` was resolved by the caller; ``prepare(x)``, the
+    caller's own checks (of ``backend`` and ``num_chunks`` by the public ops below; the layers
+    check theirs once, when they are made) and preparation of ``x``, runs first, in the agreement
+    too."""
+
+    def check():
+        x_ = prepare(x) if prepare is not None else x
+        x_, w, b = check_linear_args(x_, weight, bias, x_name=x_name, min_dim=OPS[op].min_dim)
+        lead = list(x_.shape[:-1])
+        if op == "all_gather_matmul":
+            lead[0] *= coll.group_size(group)
+        elif op == "matmul_reduce_scatter":
+            lead[0] = check_divisible(f"{x_name}.shape[0]", x_.shape[0], coll.group_size(group))
+        return x_, w, b, lead
+
+    def fingerprint(checked) -> str:
+        x_, w, b, _ = checked
+        return (f"{x_name} {describe(x_)}, weight {describe(w)}, bias {describe(b)}, backend {backend}, "
+                f"num_chunks {num_chunks}")
+
+    x, weight, bias, lead = agree(op, group, check, fingerprint, hint=x)
     x2d = _flatten(x)
-    impl = resolve(op, backend, x2d, p, group, weight, bias, num_chunks)
+    impl = resolve(op, backend, x2d, coll.group_size(group), group, weight, bias, num_chunks)
     out = getattr(torch.ops.tp_kernels, op)(x2d, weight, bias, coll.group_name(group), impl)
     return out.reshape(*lead, weight.shape[0])
 
 
 def _public(op: str, x, weight, bias, group, backend, num_chunks) -> torch.Tensor:
-    """A public op's call: its options checked, then :func:`run`."""
+    """A public op's call: :func:`run`, its options checked with its tensors."""
     group = coll.resolve_group(group)
-    check_choice("backend", backend, BACKEND_NAMES)
-    resolve_num_chunks(OPS[op].primitive, num_chunks)  # validates
-    return run(op, x, weight, bias, group, backend, num_chunks)
+
+    def check_options(x):
+        check_choice("backend", backend, BACKEND_NAMES)
+        resolve_num_chunks(OPS[op].primitive, num_chunks)  # validates
+        return x
+
+    return run(op, x, weight, bias, group, backend, num_chunks, prepare=check_options)
 
 
 def all_gather_matmul(

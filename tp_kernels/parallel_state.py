@@ -11,17 +11,20 @@ With ``W`` ranks, tensor-parallel size ``t`` and pipeline size ``q`` (data-paral
 Example, 8 ranks, t=2, q=2: TP [0,1] [2,3] [4,5] [6,7]; PP [0,4] [1,5] [2,6] [3,7];
 DP [0,2] [1,3] [4,6] [5,7].
 
-This module sits at the bottom of tp_kernels and imports none of it. What the layers above make
-per group (NCCL communicators, peer-memory workspaces, measured choices) they register a
+This module sits at the bottom of tp_kernels and imports none of it but its settings. What the
+layers above make per group (NCCL communicators, peer-memory workspaces, measured choices) they register a
 teardown for with :func:`on_group_destroyed`; :func:`destroy_model_parallel` calls those before
 destroying each group.
 """
 
 from __future__ import annotations
 
+import datetime
 from typing import Callable, List, Optional
 
 import torch.distributed as dist
+
+from .settings import get_timeout
 
 __all__ = [
     "destroy_model_parallel",
@@ -81,11 +84,51 @@ def rank_layout(world_size: int, tensor_model_parallel_size: int = 1, pipeline_m
     return tp, pp, dp
 
 
+#: How many times this process has asked for an agreed layout (the store keys of each time).
+_agreements = 0
+
+
+def _agree_on_layout(world: int, rank: int, view: str, error: Optional[Exception]) -> None:
+    """Every rank of the world posts the layout it asks for (or its error) to the default group's
+    store, and waits for all the others' within :func:`tp_kernels.get_timeout`: no collective, so
+    this is bounded whatever the backend. Raises on every rank unless they all ask for the same."""
+    from torch.distributed import distributed_c10d
+
+    global _agreements
+    _agreements += 1
+    store = distributed_c10d._get_default_store()
+    keys = [f"tp_kernels/initialize_model_parallel/{_agreements}/{q}" for q in range(world)]
+    store.set(keys[rank], f"error: {error}" if error is not None else view)
+    timeout = get_timeout()
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except Exception as exc:  # the store's timeout error, whatever its type in this torch
+        missing = [q for q, key in enumerate(keys) if not store.check([key])]
+        who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {', '.join(map(str, missing))}"
+        raise RuntimeError(
+            f"initialize_model_parallel: {who} did not arrive within {timeout:g} s; every rank of the "
+            "world must call it (the limit is tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S)") from exc
+    views = [store.get(key).decode() for key in keys]
+    if error is not None:
+        raise error
+    failed = [(q, v) for q, v in enumerate(views) if v.startswith("error: ")]
+    if failed:
+        listing = "; ".join(f"rank {q}: {v[len('error: '):]}" for q, v in failed)
+        raise RuntimeError(f"initialize_model_parallel: a rank rejected its arguments, so no group was made ({listing})")
+    if len(set(views)) > 1:
+        listing = "; ".join(f"rank {q}: {v}" for q, v in enumerate(views))
+        raise RuntimeError(f"initialize_model_parallel: the ranks disagree on the layout, so no group was made "
+                           f"({listing})")
+
+
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> None:
     """Create the TP, PP and DP groups (Megatron layout, see the module docstring).
 
-    Call on every rank after ``torch.distributed.init_process_group``. Afterwards every
-    tp_kernels API given ``group=None`` runs on this rank's tensor-parallel group.
+    Call on every rank after ``torch.distributed.init_process_group``. The ranks first agree on
+    the sizes, bounded by :func:`tp_kernels.get_timeout`: sizes that differ between ranks, a size
+    wrong on one rank, or a rank that does not arrive raise ``RuntimeError`` on every rank that
+    did, saying which. Afterwards every tp_kernels API given ``group=None`` runs on this rank's
+    tensor-parallel group.
     """
     global _TENSOR_MODEL_PARALLEL_GROUP, _PIPELINE_MODEL_PARALLEL_GROUP, _DATA_PARALLEL_GROUP
     if not (dist.is_available() and dist.is_initialized()):
@@ -96,7 +139,13 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     if model_parallel_is_initialized():
         raise RuntimeError("initialize_model_parallel: already initialized; call destroy_model_parallel() first")
     world, rank = dist.get_world_size(), dist.get_rank()
-    layouts = rank_layout(world, tensor_model_parallel_size, pipeline_model_parallel_size)
+    error = layouts = None
+    try:
+        layouts = rank_layout(world, tensor_model_parallel_size, pipeline_model_parallel_size)
+    except ValueError as exc:
+        error = exc
+    _agree_on_layout(world, rank, f"tensor_model_parallel_size={tensor_model_parallel_size}, "
+                                  f"pipeline_model_parallel_size={pipeline_model_parallel_size}", error)
     mine = []
     # Every rank creates every group, in the same order, as new_group requires.
     for ranks_lists in layouts:

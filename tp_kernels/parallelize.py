@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from . import _collectives as coll
+from ._agreement import agree, describe
 from .embedding import VocabParallelEmbedding
 from .layers import ColumnParallelLinear, RowParallelLinear
 
@@ -99,16 +100,25 @@ def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], group=None
     Parameters without a gradient are skipped. One all-reduce for all of them.
     """
     params = list(params)
-    for i, param in enumerate(params):
-        if not isinstance(param, torch.Tensor):
-            raise ValueError(f"params[{i}]: expected a tensor, got {type(param).__name__}")
-    grads = [param.grad for param in params if param.grad is not None]
     group = coll.resolve_group(group)
+
+    def check():
+        for i, param in enumerate(params):
+            if not isinstance(param, torch.Tensor):
+                raise ValueError(f"params[{i}]: expected a tensor, got {type(param).__name__}")
+        grads = [param.grad for param in params if param.grad is not None]
+        for grad in grads[1:]:
+            if grad.dtype != grads[0].dtype or grad.device != grads[0].device:
+                raise ValueError("params: every gradient must share one dtype and device")
+        return grads
+
+    # a rank whose parameters have no gradients (or others) would skip the all-reduce: agreed first
+    grads = agree("allreduce_sequence_parallel_grads", group, check,
+                  lambda grads: f"{len(grads)} gradients of {sum(g.numel() for g in grads)} elements, "
+                                f"{describe(grads[0]) if grads else 'none'}",
+                  hint=next((p_.grad for p_ in params if isinstance(p_, torch.Tensor) and p_.grad is not None), None))
     if not grads or coll.group_size(group) == 1:
         return
-    for grad in grads[1:]:
-        if grad.dtype != grads[0].dtype or grad.device != grads[0].device:
-            raise ValueError("params: every gradient must share one dtype and device")
     flat = coll.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group, inplace=True).wait()
     offset = 0
     for grad in grads:

@@ -21,6 +21,10 @@ environment variable                   setter (wins over it)       meaning, defa
 ``TP_KERNELS_FUSED_ALL_REDUCE``        (a name)                    force the fused all-reduce algorithm
                                                                    (``one_shot``, ``two_shot``,
                                                                    ``scatter_gather``); default: chosen
+``TP_KERNELS_FINGERPRINTS``            :func:`set_fingerprints`    every call agrees across the group on
+                                                                   what it does before any payload moves
+                                                                   (1) or not (0); default 0 (its cost:
+                                                                   docs/api.md, "When ranks disagree")
 =====================================  ==========================  ===========================================
 
 Environment values are read when used, so a change takes effect at the next call; a malformed
@@ -48,6 +52,7 @@ __all__ = [
     "auto_fused",
     "auto_native",
     "autotune_enabled",
+    "fingerprints_enabled",
     "forced_all_reduce_algorithm",
     "get_auto_candidates",
     "get_comm_stream_priority",
@@ -55,6 +60,7 @@ __all__ = [
     "set_auto_candidates",
     "set_autotune",
     "set_comm_stream_priority",
+    "set_fingerprints",
     "set_timeout",
 ]
 
@@ -81,6 +87,7 @@ _timeout_s: Optional[float] = None
 _priority: Optional[int] = None
 _candidates: Optional[Tuple[str, ...]] = None
 _autotune: Optional[bool] = None
+_fingerprints: Optional[bool] = None
 
 
 def _env(name: str) -> Optional[str]:
@@ -194,6 +201,29 @@ def set_autotune(enabled: Optional[bool]) -> None:
 
 def autotune_enabled() -> bool:
     return _read(_autotune, "TP_KERNELS_AUTOTUNE", _parse_switch("TP_KERNELS_AUTOTUNE"), True)
+
+
+#: Whether calls exchange their fingerprints by default. Off: the exchange is one more small
+#: collective per call, a round trip that cost a median 30 % of a call at the CPU benchmark's
+#: shapes on 2 gloo ranks (``python -m tp_kernels.bench.fingerprints``; the issue's bar for "on"
+#: is 3 %), and on NCCL it would wait for the GPU on every call.
+FINGERPRINTS_DEFAULT = False
+
+
+def set_fingerprints(enabled: Optional[bool]) -> None:
+    """Whether every call agrees across its group on what it does before any payload moves (see
+    docs/api.md, "When ranks disagree"); None returns to ``TP_KERNELS_FINGERPRINTS`` or the
+    default (:data:`FINGERPRINTS_DEFAULT`). Every rank of a group must use the same setting."""
+    if enabled is not None and not isinstance(enabled, bool):
+        raise ValueError(f"enabled: expected a bool or None, got {enabled!r}")
+    global _fingerprints
+    _fingerprints = enabled
+
+
+def fingerprints_enabled() -> bool:
+    """Whether calls exchange fingerprints (:func:`set_fingerprints`)."""
+    return _read(_fingerprints, "TP_KERNELS_FINGERPRINTS", _parse_switch("TP_KERNELS_FINGERPRINTS"),
+                 FINGERPRINTS_DEFAULT)
 
 
 #: Why the native pipelined path is no default candidate of ``"auto"`` (while it is not).

@@ -1,0 +1,349 @@
+"""Ranks that disagree (tp_kernels._agreement): inputs that differ between ranks, or an argument
+wrong on one rank only, give every rank a clear error within the timeout, never an abort, a hang or
+a wrong result, and the group works afterwards, with fingerprints on (TP_KERNELS_FINGERPRINTS=1).
+Group setup and destroyed groups need no switch. Same-input bad calls are test_errors.py's.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tp_kernels
+from helpers import rank_world
+from tp_kernels import _collectives, ops, settings
+from tp_kernels.testing import World, WorkerError
+
+DEADLINE_S = 120  # each world.run: a hard limit on the whole case
+
+
+def fingerprints(check):
+    """Run the rank function ``check`` with fingerprints on."""
+
+    @functools.wraps(check)
+    def on(*args, **kwargs):
+        settings.set_fingerprints(True)
+        try:
+            return check(*args, **kwargs)
+        finally:
+            settings.set_fingerprints(None)
+
+    return on
+
+
+def _raises(fn):
+    """The exception ``fn()`` raises, as (type name, message); a wrong result is no exception."""
+    try:
+        fn()
+    except (ValueError, RuntimeError) as exc:
+        return type(exc).__name__, str(exc)
+    raise AssertionError("no error: a call the ranks disagree on ran")
+
+
+def _still_works():
+    """A good call after the failed one: the group is usable, and right."""
+    r, p = rank_world()
+    x, w = torch.ones(4, 6), torch.ones(5, 6)
+    y = ops.matmul_all_reduce(x, w, backend="reference")
+    assert torch.equal(y, torch.full((4, 5), 6.0 * p))
+
+
+#: op -> how rank ``r`` of ``p`` builds its call, differing on ``what`` on rank 1 only
+def _op_call(op, what, backend):
+    r, p = rank_world()
+    odd = r == 1
+    rows, k, n = (5 if odd and what == "batch" else 4) * p, (7 if odd and what == "width" else 6), 5
+    dtype = torch.float64 if odd and what == "dtype" else torch.float32
+    chunks = 3 if odd and what == "num_chunks" else 2
+    chosen = ("reference" if backend == "pipelined" else "pipelined") if odd and what == "backend" else backend
+    x = torch.randn(rows // p if op == "all_gather_matmul" else rows, k, dtype=dtype)
+    w = torch.randn(n, k, dtype=dtype)
+    return lambda: getattr(ops, op)(x, w, backend=chosen, num_chunks=chunks)
+
+
+@fingerprints
+def check_inputs_that_differ(op, backend):
+    r, p = rank_world()
+    messages = {}
+    for what in ("batch", "width", "dtype", "num_chunks", "backend"):
+        start = time.monotonic()
+        kind, message = _raises(_op_call(op, what, backend))
+        assert kind == "RuntimeError" and "disagree on this call, so none of it ran" in message, (what, message)
+        assert f"rank 0: {op}:" in message and f"rank 1: {op}:" in message, message  # every rank's view
+        assert time.monotonic() - start < 30, what
+        messages[what] = message
+        _still_works()
+    return messages
+
+
+@pytest.mark.parametrize("backend", ["reference", "pipelined"])
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
+def test_inputs_that_differ_between_ranks_are_an_error_on_every_rank(world2, op, backend):
+    per_rank = world2.run(check_inputs_that_differ, op, backend, deadline_s=DEADLINE_S)
+    assert per_rank[0] == per_rank[1]  # the same error, word for word, on every rank
+
+
+def test_inputs_that_differ_on_4_ranks(world4):
+    per_rank = world4.run(check_inputs_that_differ, "all_gather_matmul", "pipelined", deadline_s=DEADLINE_S)
+    assert all(m == per_rank[0] for m in per_rank)
+
+
+@fingerprints
+def check_cross_entropy_over_blocks_of_different_widths():
+    r, p = rank_world()
+    logits = torch.randn(3, 4 if r == 0 else 5)
+    target = torch.tensor([0, 1, 2])
+    kind, message = _raises(lambda: tp_kernels.vocab_parallel_cross_entropy(logits, target))
+    assert kind == "RuntimeError" and "disagree" in message and "logits [3, 4]" in message and "logits [3, 5]" in message
+    _still_works()
+    return message
+
+
+def test_cross_entropy_over_blocks_of_different_widths_is_an_error_not_a_wrong_loss(world2):
+    per_rank = world2.run(check_cross_entropy_over_blocks_of_different_widths, deadline_s=DEADLINE_S)
+    assert per_rank[0] == per_rank[1]
+
+
+@fingerprints
+def check_one_round_when_the_ranks_agree():
+    """Ranks that agree exchange a digest only; the descriptions travel only when they differ."""
+    from tp_kernels import _agreement
+
+    r, p = rank_world()
+    exchanged = []
+    original = _agreement.exchange_views
+    _agreement.exchange_views = lambda *args, **kwargs: exchanged.append(1) or original(*args, **kwargs)
+    try:
+        _still_works()
+        agreed = len(exchanged)
+        _raises(_op_call("matmul_all_reduce", "batch", "reference"))
+        return agreed, len(exchanged)
+    finally:
+        _agreement.exchange_views = original
+
+
+def test_ranks_that_agree_exchange_one_digest(world2):
+    assert world2.run(check_one_round_when_the_ranks_agree, deadline_s=DEADLINE_S) == [(0, 1)] * 2
+
+
+def test_fingerprints_are_off_by_default(monkeypatch):
+    monkeypatch.delenv("TP_KERNELS_FINGERPRINTS", raising=False)
+    assert settings.fingerprints_enabled() is settings.FINGERPRINTS_DEFAULT is False
+    monkeypatch.setenv("TP_KERNELS_FINGERPRINTS", "1")
+    assert settings.fingerprints_enabled() is True
+    monkeypatch.setenv("TP_KERNELS_FINGERPRINTS", "on")
+    with pytest.raises(ValueError, match="TP_KERNELS_FINGERPRINTS: expected 0 or 1"):
+        settings.fingerprints_enabled()
+    with pytest.raises(ValueError, match="enabled: expected a bool or None"):
+        settings.set_fingerprints("yes")
+
+
+# --- an argument wrong on one rank only -------------------------------------------------------------
+
+
+def _one_rank_wrong(case, r):
+    """(the call, the argument its error names) where rank 1's argument is wrong."""
+    odd = r == 1
+    if case == "layer input width":
+        layer = tp_kernels.ColumnParallelLinear(6, 8 * dist.get_world_size())
+        x = torch.randn(3, 7 if odd else 6)
+        return (lambda: layer(x)), "input_"
+    if case == "embedding id":
+        emb = tp_kernels.VocabParallelEmbedding(4 * dist.get_world_size(), 3)
+        ids = torch.tensor([1, 99 if odd else 2])
+        return (lambda: emb(ids)), "input_"
+    if case == "target":
+        logits = torch.randn(2, 4)
+        target = torch.tensor([1, 10_000 if odd else 3])
+        return (lambda: tp_kernels.vocab_parallel_cross_entropy(logits, target)), "target"
+    if case == "grads on one rank only":
+        w = torch.nn.Parameter(torch.randn(3))
+        if not odd:
+            w.grad = torch.ones(3)
+        return (lambda: tp_kernels.allreduce_sequence_parallel_grads([w])), None
+    if case == "mapping":
+        x = torch.randn(2, 5 if odd else 4 * dist.get_world_size())
+        return (lambda: tp_kernels.mappings.scatter_to_tensor_model_parallel_region(x)), "input_.shape[-1]"
+    raise AssertionError(case)
+
+
+ONE_RANK_CASES = ["layer input width", "embedding id", "target", "grads on one rank only", "mapping"]
+
+
+@fingerprints
+def check_one_rank_wrong(case):
+    r, p = rank_world()
+    call, name = _one_rank_wrong(case, r)
+    start = time.monotonic()
+    kind, message = _raises(call)
+    if case == "grads on one rank only":  # nothing is wrong on either rank alone: they disagree
+        assert kind == "RuntimeError" and "disagree" in message and "3 elements" in message, message
+    elif r == 1:  # the rank whose argument is wrong: its own error, naming the argument
+        assert kind == "ValueError" and message.startswith(name), message
+    else:  # its peers learn it, naming the rank and its message
+        assert kind == "RuntimeError" and "rejected its arguments" in message and f"rank 1: {name}" in message, message
+    assert time.monotonic() - start < 30
+    _still_works()  # the peer that was waiting is not left in a half-finished collective
+    return kind
+
+
+@pytest.mark.parametrize("case", ONE_RANK_CASES)
+def test_an_argument_wrong_on_one_rank_is_an_error_on_every_rank(world2, case):
+    kinds = world2.run(check_one_rank_wrong, case, deadline_s=DEADLINE_S)
+    assert len(kinds) == 2
+
+
+def test_an_argument_wrong_on_one_rank_of_4(world4):
+    kinds = world4.run(check_one_rank_wrong, "layer input width", deadline_s=DEADLINE_S)
+    assert kinds == ["RuntimeError", "ValueError", "RuntimeError", "RuntimeError"]
+
+
+# --- setup: groups, and layers outliving them -------------------------------------------------------
+
+
+def check_initialize_with_sizes_that_differ():
+    r, p = rank_world()
+    old = tp_kernels.get_timeout()
+    tp_kernels.set_timeout(5)
+    try:
+        start = time.monotonic()
+        kind, message = _raises(lambda: tp_kernels.initialize_model_parallel(2 if r == 0 else 1))
+        elapsed = time.monotonic() - start
+    finally:
+        tp_kernels.set_timeout(old)
+    assert kind == "RuntimeError" and "initialize_model_parallel: the ranks disagree" in message, message
+    assert "rank 0: tensor_model_parallel_size=2" in message and "rank 1: tensor_model_parallel_size=1" in message
+    assert elapsed < 15 and not tp_kernels.model_parallel_is_initialized()
+    tp_kernels.initialize_model_parallel(p)  # the same sizes everywhere: it works
+    try:
+        assert tp_kernels.get_tensor_model_parallel_world_size() == p
+        _still_works()
+    finally:
+        tp_kernels.destroy_model_parallel()
+    return message
+
+
+def test_initialize_with_sizes_that_differ(world2):
+    per_rank = world2.run(check_initialize_with_sizes_that_differ, deadline_s=DEADLINE_S)
+    assert per_rank[0] == per_rank[1]
+
+
+def check_initialize_without_one_rank():
+    r, p = rank_world()
+    if r == p - 1:
+        return None  # never arrives
+    old = tp_kernels.get_timeout()
+    tp_kernels.set_timeout(3)
+    try:
+        start = time.monotonic()
+        kind, message = _raises(lambda: tp_kernels.initialize_model_parallel(1))
+        elapsed = time.monotonic() - start
+    finally:
+        tp_kernels.set_timeout(old)
+    assert kind == "RuntimeError" and f"rank {p - 1} did not arrive within 3 s" in message, message
+    assert 3 <= elapsed < 15, elapsed
+    return message
+
+
+def test_initialize_without_one_rank_is_an_error_within_the_timeout():
+    with World(3, backend="gloo", timeout_s=60.0) as world:  # its own world: the absent rank stays out of step
+        per_rank = world.run(check_initialize_without_one_rank, deadline_s=DEADLINE_S)
+    assert per_rank[0] == per_rank[1] and per_rank[2] is None
+
+
+def check_layer_after_destroy():
+    r, p = rank_world()
+    tp_kernels.initialize_model_parallel(p)
+    layer = tp_kernels.RowParallelLinear(4 * p, 3)
+    x = torch.randn(2, 4)
+    layer(x)
+    tp_kernels.destroy_model_parallel()
+    kind, message = _raises(lambda: layer(x))
+    assert kind == "RuntimeError" and message.startswith("group: the process group") and \
+        "destroyed by tp_kernels.destroy_model_parallel()" in message, message
+    return True
+
+
+def test_a_layer_used_after_destroy_model_parallel_says_so(world2):
+    assert world2.run(check_layer_after_destroy, deadline_s=DEADLINE_S) == [True, True]
+
+
+# --- a peer that dies mid-call ---------------------------------------------------------------------
+
+
+def check_peer_dies_in_the_ring(path):
+    """Rank 1 agrees on the call, then exits inside the pipelined ring; rank 0's error is the
+    explained one, not gloo's own."""
+    r, p = rank_world()
+    tp_kernels.set_timeout(10)
+    if r == 1:
+        _collectives.ring_exchange = lambda *args, **kwargs: os._exit(3)
+    x, w = torch.randn(4, 6), torch.randn(5, 6)
+    try:
+        ops.all_gather_matmul(x, w, backend="pipelined")
+    except RuntimeError as exc:
+        with open(path, "w") as f:
+            f.write(str(exc))
+        raise
+
+
+def test_a_peer_that_dies_in_the_ring_is_the_explained_error():
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rank0.txt")
+        world = World(2, backend="gloo", timeout_s=60.0)
+        with pytest.raises(WorkerError):
+            world.run(check_peer_dies_in_the_ring, path, deadline_s=DEADLINE_S)
+        world.close()
+        deadline = time.monotonic() + 30
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        message = open(path).read()
+    assert "all-gather+matmul ring" in message and "A peer rank may have died" in message, message
+
+
+# --- local checks, clearer messages -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [True, float("inf"), float("nan"), 1e10, 0, -1, "5"])
+def test_set_timeout_rejects_what_is_not_a_sensible_number_of_seconds(bad):
+    with pytest.raises(ValueError, match="seconds: expected a positive number of seconds, at most 86400"):
+        tp_kernels.set_timeout(bad)
+
+
+def test_a_malformed_timeout_in_the_environment_is_named(monkeypatch):
+    monkeypatch.setattr(settings, "_timeout_s", None)
+    for value in ("inf", "nan", "1e10", "soon", "0"):
+        monkeypatch.setenv("TP_KERNELS_TIMEOUT_S", value)
+        with pytest.raises(ValueError, match="TP_KERNELS_TIMEOUT_S: expected a positive number of seconds"):
+            tp_kernels.get_timeout()
+
+
+def test_clear_messages_for_integer_dtypes_and_ids():
+    with pytest.raises(ValueError, match="dtype: expected a floating-point torch.dtype"):
+        tp_kernels.ColumnParallelLinear(4, 6, dtype=torch.int64)
+    with pytest.raises(ValueError, match="dtype: expected a floating-point torch.dtype"):
+        tp_kernels.VocabParallelEmbedding(8, 4, dtype=torch.int32)
+    emb = tp_kernels.VocabParallelEmbedding(8, 4)
+    for dtype in (torch.int16, torch.uint8, torch.int8):
+        with pytest.raises(ValueError, match=f"input_: expected ids of dtype torch.int64 or torch.int32, got {dtype}"):
+            emb(torch.tensor([1, 2], dtype=dtype))
+    assert emb(torch.tensor([1, 2], dtype=torch.int32)).shape == (2, 4)
+
+
+def check_huge_num_chunks():
+    x, w = torch.randn(4, 6), torch.randn(5, 6)
+    ref = ops.matmul_all_reduce(x, w, backend="reference")
+    for op_chunks in (2**31, 2**63):
+        y = ops.matmul_all_reduce(x, w, backend="pipelined", num_chunks=op_chunks)
+        assert torch.allclose(y, ref, atol=1e-5)
+    return True
+
+
+def test_a_huge_num_chunks_is_as_many_chunks_as_rows(world2):
+    assert world2.run(check_huge_num_chunks, deadline_s=DEADLINE_S) == [True, True]

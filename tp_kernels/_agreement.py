@@ -1,0 +1,114 @@
+"""Ranks that disagree: a call agrees across its group on what it does, or fails on every rank.
+
+Every public call that communicates (the ops and layers, the embedding, the cross-entropy, the
+mappings) first checks its own arguments, then exchanges a *fingerprint* with its group: a
+fixed-size description of what it is about to do (the call, the shapes and dtypes of its
+tensors, the backend, the chunking, whether gradients will flow), or the error this rank's check
+raised. Only when every rank describes the same call does any payload move. Otherwise every
+rank raises, before any other collective: the rank whose arguments were wrong its own
+``ValueError``, the others a ``RuntimeError`` naming that rank and its message; or, when the
+ranks disagree, every rank the same ``RuntimeError`` listing each rank's view. So a mismatch is
+never an abort, a hang or a silently wrong result, and a rank that moves on to its next call
+never meets a half-finished one.
+
+The exchange is one all-gather of a :data:`DIGEST_BYTES` digest of the fingerprint per rank;
+only when the digests differ, a second one of the fingerprints themselves (:data:`PAYLOAD_BYTES`,
+to say what differs). Both are bounded like every collective (:func:`tp_kernels.get_timeout`).
+That is one more round trip per call, whose cost
+``python -m tp_kernels.bench.fingerprints`` measures. It is off by default
+(``TP_KERNELS_FINGERPRINTS=1`` or :func:`tp_kernels.settings.set_fingerprints` turn it on). What
+runs whatever the setting: a destroyed group is named, and ``initialize_model_parallel`` agrees
+on the layout, bounded (:mod:`tp_kernels.parallel_state`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable, List, Optional, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from . import _collectives as coll
+from . import settings
+
+__all__ = ["DIGEST_BYTES", "PAYLOAD_BYTES", "agree", "describe", "exchange_views"]
+
+#: Bytes of one rank's fingerprint: a description, or an error message, cut to fit.
+PAYLOAD_BYTES = 512
+#: Bytes of the digest exchanged first.
+DIGEST_BYTES = 16
+
+T = TypeVar("T")
+
+_OK, _ERROR = "ok", "error"
+
+
+def describe(t) -> str:
+    """A tensor argument as a fingerprint sees it: shape, dtype, device type and whether it wants
+    a gradient (not its data, nor its device index: those may differ between ranks)."""
+    if t is None:
+        return "None"
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    grad = " grad" if t.requires_grad and torch.is_grad_enabled() else ""
+    return f"{list(t.shape)} {str(t.dtype).rpartition('.')[2]} {t.device.type}{grad}"
+
+
+def _exchange_device(group, hint) -> torch.device:
+    """Where the fingerprints travel: the host for gloo, this rank's GPU for NCCL."""
+    if isinstance(hint, torch.Tensor) and hint.is_cuda:
+        return coll.exchange_device(group, hint.device)
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def exchange_views(view: str, group, device: torch.device, size: int = PAYLOAD_BYTES) -> List[str]:
+    """Every rank's ``view`` (UTF-8, cut to ``size`` bytes), in group rank order: one bounded
+    all-gather."""
+    payload = view.encode()[:size].ljust(size, b"\0")
+    return [v.rstrip(b"\0").decode(errors="replace") for v in coll.all_gather_bytes(payload, group, device)]
+
+
+def _views_if_they_differ(mine: str, group, device: torch.device) -> Optional[List[str]]:
+    """None when every rank's ``mine`` is the same (one all-gather of digests), else every rank's."""
+    digest = hashlib.blake2b(mine.encode()[:PAYLOAD_BYTES], digest_size=DIGEST_BYTES).digest()
+    if len(set(coll.all_gather_bytes(digest, group, device))) == 1:
+        return None
+    return exchange_views(mine, group, device)
+
+
+def agree(call: str, group, check: Callable[[], T], fingerprint: Callable[[T], str], hint=None) -> T:
+    """``check()`` (this rank's argument checks, raising ``ValueError``), agreed with the group.
+
+    When fingerprints are on and the group has several ranks, every rank exchanges
+    ``call + fingerprint(check())``, or its error, and all raise together unless they are all the
+    same (see the module doc). Returns ``check()``'s result. ``hint``: a tensor of the call, to
+    find this rank's device on an NCCL group.
+    """
+    coll.check_alive(group)
+    timeout = settings.get_timeout()  # a malformed TP_KERNELS_TIMEOUT_S fails here, before any collective
+    error: Optional[ValueError] = None
+    try:
+        result = check()
+    except ValueError as exc:
+        error = exc
+    p = coll.group_size(group)
+    if p > 1 and settings.fingerprints_enabled():
+        mine = f"{_ERROR}|{error}" if error is not None else f"{_OK}|{call}: {fingerprint(result)}"
+        views = _views_if_they_differ(mine, group, _exchange_device(group, hint)) or [mine]  # [mine]: all alike
+        failed = [(q, v.partition("|")[2]) for q, v in enumerate(views) if v.partition("|")[0] != _OK]
+        if error is None and failed:
+            listing = "; ".join(f"rank {q}: {message}" for q, message in failed)
+            raise RuntimeError(f"tp_kernels: {call}: {'a rank' if len(failed) == 1 else 'ranks'} of group "
+                               f"{group.group_name!r} rejected its arguments, so no rank ran the call ({listing})")
+        if error is None and len(set(views)) > 1:
+            listing = "; ".join(f"rank {q}: {v.partition('|')[2]}" for q, v in enumerate(views))
+            raise RuntimeError(
+                f"tp_kernels: the ranks of group {group.group_name!r} disagree on this call, so none of it ran "
+                f"({listing}). Every rank of a group must make the same calls, with tensors of the same shapes "
+                f"and dtypes (only their data may differ), within {timeout:g} s of each other")
+    if error is not None:
+        raise error
+    return result
