@@ -153,11 +153,11 @@ def _one_rank_wrong(case, r):
     if case == "layer input width":
         layer = tp_kernels.ColumnParallelLinear(6, 8 * dist.get_world_size())
         x = torch.randn(3, 7 if odd else 6)
-        return (lambda: layer(x)), "input_"
+        return (lambda: layer(x)), "input"
     if case == "embedding id":
         emb = tp_kernels.VocabParallelEmbedding(4 * dist.get_world_size(), 3)
         ids = torch.tensor([1, 99 if odd else 2])
-        return (lambda: emb(ids)), "input_"
+        return (lambda: emb(ids)), "input"
     if case == "target":
         logits = torch.randn(2, 4)
         target = torch.tensor([1, 10_000 if odd else 3])
@@ -169,7 +169,7 @@ def _one_rank_wrong(case, r):
         return (lambda: tp_kernels.allreduce_sequence_parallel_grads([w])), None
     if case == "mapping":
         x = torch.randn(2, 5 if odd else 4 * dist.get_world_size())
-        return (lambda: tp_kernels.mappings.scatter_to_tensor_model_parallel_region(x)), "input_.shape[-1]"
+        return (lambda: tp_kernels.mappings.scatter_to_tensor_model_parallel_region(x)), "input.shape[-1]"
     raise AssertionError(case)
 
 
@@ -331,7 +331,7 @@ def test_clear_messages_for_integer_dtypes_and_ids():
         tp_kernels.VocabParallelEmbedding(8, 4, dtype=torch.int32)
     emb = tp_kernels.VocabParallelEmbedding(8, 4)
     for dtype in (torch.int16, torch.uint8, torch.int8):
-        with pytest.raises(ValueError, match=f"input_: expected ids of dtype torch.int64 or torch.int32, got {dtype}"):
+        with pytest.raises(ValueError, match=f"input: expected ids of dtype torch.int64 or torch.int32, got {dtype}"):
             emb(torch.tensor([1, 2], dtype=dtype))
     assert emb(torch.tensor([1, 2], dtype=torch.int32)).shape == (2, 4)
 

@@ -35,11 +35,11 @@ def check_embedding(padding_idx):
         pad_owner, pad_local = divmod(padding_idx, 11)
         if pad_owner == r:
             assert torch.all(par.weight.grad[pad_local] == 0)
-    with pytest.raises(ValueError, match="input_"):
+    with pytest.raises(ValueError, match="input"):
         par(torch.tensor([0, vocab]))
-    with pytest.raises(ValueError, match="input_"):
+    with pytest.raises(ValueError, match="input"):
         par(torch.tensor([-1]))
-    with pytest.raises(ValueError, match="input_"):
+    with pytest.raises(ValueError, match="input"):
         par(torch.zeros(3))
 
 

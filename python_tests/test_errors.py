@@ -52,28 +52,31 @@ def bad_calls(p):
         ("out_features", lambda: tp_kernels.ColumnParallelLinear(6, 4 * p + 1)),
         ("in_features", lambda: tp_kernels.RowParallelLinear(6 * p + 1, 5)),
         ("num_embeddings", lambda: tp_kernels.VocabParallelEmbedding(3 * p + 1, 4)),
+        ("plan['fc*']: 'fc1' (colwise) has out_features=", lambda: tp_kernels.parallelize(_Odd(p), {"fc*": "colwise"})),
+        ("plan['emb']: 'emb' (vocab) has num_embeddings=", lambda: tp_kernels.parallelize(_Odd(p), {"emb": "vocab"})),
+        ("pass input_is_parallel=False", lambda: row(torch.randn(3, 6 * p))),
         ("x.shape[0]", lambda: ops.matmul_reduce_scatter(torch.randn(2 * p + 1, 6), w, b)),
-        ("input_.shape[0]", lambda: tp_kernels.mappings.scatter_to_sequence_parallel_region(torch.randn(2 * p + 1, 3))),
-        ("input_.shape[-1]", lambda: tp_kernels.mappings.scatter_to_tensor_model_parallel_region(torch.randn(3, 2 * p + 1))),
+        ("input.shape[0]", lambda: tp_kernels.mappings.scatter_to_sequence_parallel_region(torch.randn(2 * p + 1, 3))),
+        ("input.shape[-1]", lambda: tp_kernels.mappings.scatter_to_tensor_model_parallel_region(torch.randn(3, 2 * p + 1))),
     ]
     calls = [
         # wrong input width
-        ("input_", lambda: col(torch.randn(3, 7))),
-        ("input_", lambda: row(torch.randn(3, 7))),
-        ("input_", lambda: row_full(torch.randn(3, 6 * p + 1))),
+        ("input:", lambda: col(torch.randn(3, 7))),
+        ("input:", lambda: row(torch.randn(3, 7))),
+        ("input:", lambda: row_full(torch.randn(3, 6 * p + 1))),
         ("x", lambda: ops.all_gather_matmul(torch.randn(4, 7), w, b)),
         ("x", lambda: ops.matmul_all_reduce(torch.randn(4, 7), w, b)),
         ("bias", lambda: ops.matmul_all_reduce(x, w, torch.randn(4))),
         ("weight", lambda: ops.matmul_all_reduce(x, torch.randn(5, 6, 1), b)),
         # dtype / device mismatch between input and weight
-        ("input_", lambda: col(torch.randn(3, 6, dtype=torch.float64))),
-        ("input_", lambda: row(torch.randn(3, 6, dtype=torch.bfloat16))),
+        ("input:", lambda: col(torch.randn(3, 6, dtype=torch.float64))),
+        ("input:", lambda: row(torch.randn(3, 6, dtype=torch.bfloat16))),
         ("x", lambda: ops.all_gather_matmul(x.double(), w, b)),
         ("bias", lambda: ops.matmul_reduce_scatter(torch.randn(2 * p, 6), w, b.half())),
-        ("input_", lambda: col(torch.randn(3, 6, device="meta"))),
-        ("input_", lambda: emb(torch.zeros(3, dtype=torch.long, device="meta"))),
+        ("input:", lambda: col(torch.randn(3, 6, device="meta"))),
+        ("input:", lambda: emb(torch.zeros(3, dtype=torch.long, device="meta"))),
         # sequence parallelism needs a dim 0 to split
-        ("input_", lambda: col_sp(torch.randn(6))),
+        ("input:", lambda: col_sp(torch.randn(6))),
         # options
         ("sequence_parallel", lambda: tp_kernels.RowParallelLinear(6 * p, 5, input_is_parallel=False, sequence_parallel=True)),
         ("backend", lambda: ops.matmul_all_reduce(x, w, b, backend="fast")),
@@ -92,6 +95,15 @@ def bad_calls(p):
         ("module", lambda: tp_kernels.parallelize("fc1", {"fc1": "colwise"})),
     ]
     return (divisibility if p > 1 else []) + calls
+
+
+class _Odd(nn.Module):
+    """Split sizes p does not divide."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.emb = nn.Embedding(3 * p + 1, 6)
+        self.fc1 = nn.Linear(6, 4 * p + 1)
 
 
 class _Tiny(nn.Module):

@@ -38,13 +38,29 @@ def _status_in_subprocess(prelude: str = "") -> dict:
 def test_import_without_gpu_or_loadable_extension():
     status = _status_in_subprocess(_BLOCK_NATIVE)
     assert status["built"] is False and status["native"] is None
-    assert "simulated: libnccl.so.2 missing" in status["reason"] and "tp_kernels[cuda]" in status["reason"]
+    assert "simulated: libnccl.so.2 missing" in status["reason"] and "failed to load" in status["reason"]
+    assert "with a CPU torch, install them yourself" in status["reason"]
     assert status["cuda_available"] is False and status["cuda_reason"]
     assert set(status["backends"]) == {"auto", "reference", "pipelined"}
     # the pure-PyTorch path still works in such a process
     code = _BLOCK_NATIVE + (
         "\nimport torch, tp_kernels\nl = tp_kernels.ColumnParallelLinear(3, 4)\nprint(l(torch.randn(2, 3)).shape)"
     )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "torch.Size([2, 4])" in out.stdout, out.stderr
+
+
+@pytest.mark.skipif(not tp_kernels.extension_status()["built"], reason="the native module is not built here")
+def test_a_torch_of_another_cuda_major_keeps_the_pure_pytorch_backends_and_says_which_build():
+    major = tp_kernels.extension_status()["build"]["cuda_major"]
+    other = 12 if major == 13 else 13
+    fake_torch = f"import torch\ntorch.version.cuda = '{other}.8'\n"
+    status = _status_in_subprocess(fake_torch)
+    assert status["built"] is False and status["native"] is None and status["torch_cuda"] == f"{other}.8"
+    assert f"tp_kernels._C is built for CUDA {major}" in status["reason"], status["reason"]
+    assert f"Install the CUDA {other} build of tp_kernels: reinstall it with a CUDA {other} nvcc" in status["reason"]
+    assert status["build"]["cuda_major"] == major and "fused" not in status["backends"]
+    code = fake_torch + "import tp_kernels\nprint(tp_kernels.ColumnParallelLinear(3, 4)(torch.randn(2, 3)).shape)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "torch.Size([2, 4])" in out.stdout, out.stderr
 
@@ -57,8 +73,11 @@ def test_status_of_this_installation():
     if not status["built"]:
         assert status["reason"] and status["native"] is None
         return
+    build = status["build"]
+    assert build["cuda_major"] in (12, 13) and build["cuda"].startswith(f"{build['cuda_major']}.")
+    assert build["cuda_archs"] and build["nccl"] and build["cublas"].startswith(f"{build['cuda_major']}.")
     native = status["native"]
-    assert native["cuda_runtime_version"] >= 13000
+    assert native["cuda_runtime_version"] // 1000 == build["cuda_major"]
     assert native["nccl_version"] >= 22809  # NCCL 2.28.9 or newer
     assert native["cublaslt_version"] >= 130000
     if native["device_count"] == 0:

@@ -4,10 +4,15 @@ its arguments.
 Importing tp_kernels never fails for lack of it (or of a GPU): the reason it is unavailable is
 kept and reported by :func:`extension_status`.
 
-``_C`` needs ``libnccl.so.2`` and ``libcublasLt.so.13`` from the ``nvidia-nccl-cu13`` and
-``nvidia-cublas`` wheels. Its RPATH finds them next to an installed package
-(``$ORIGIN/../nvidia/...``); so that any layout works (an editable install in a source tree,
-too), they are first loaded here by path from wherever those wheels are installed.
+``_C`` is built for one CUDA major (``_C_build.json``, written next to it by its build, says which,
+and what it was built with). It uses ``libnccl.so.2`` and the cuBLASLt of that major from the
+NVIDIA wheels a CUDA torch of that major depends on (CUDA 13: ``nvidia-nccl-cu13``,
+``nvidia-cublas``; CUDA 12: ``nvidia-nccl-cu12``, ``nvidia-cublas-cu12``); tp_kernels installs
+none of them. Its RPATH finds them next to an installed package (``$ORIGIN/../nvidia/...``); so
+that any layout works (an editable install in a source tree, too), they are first loaded here by
+path from wherever those wheels are installed. When the installed torch is built for another CUDA
+major, ``_C`` is not loaded: the pure-PyTorch backends run, and the reason says which build of
+tp_kernels to install.
 
 Every tensor crosses into ``_C`` as a ``_C.TensorRef`` (pointer, shape, strides, dtype name,
 device) made by :func:`tensor_ref`, through :func:`call`, and is checked once, in C++
@@ -22,6 +27,7 @@ import contextlib
 import ctypes
 import importlib
 import importlib.util
+import json
 import os
 from typing import Optional
 
@@ -29,47 +35,77 @@ import torch
 
 from .settings import BACKEND_NAMES
 
-#: (package of the NVIDIA wheel, library _C links)
-_NVIDIA_LIBRARIES = (("nvidia.nccl", "libnccl.so.2"), ("nvidia.cu13", "libcublasLt.so.13"))
+
+def _build_record(spec) -> Optional[dict]:
+    """``_C_build.json`` next to the module ``spec`` found, or None (a build that wrote none)."""
+    if not spec.origin:
+        return None
+    path = os.path.join(os.path.dirname(spec.origin), "_C_build.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
-def _preload_nvidia_libraries() -> None:
-    for package, name in _NVIDIA_LIBRARIES:
-        try:
-            spec = importlib.util.find_spec(package)
-        except ModuleNotFoundError:
-            spec = None
-        for root in (spec.submodule_search_locations or []) if spec else []:
-            path = os.path.join(root, "lib", name)
+def _torch_cuda_major() -> Optional[int]:
+    """The CUDA major this torch is built for, or None for a CPU build."""
+    return int(torch.version.cuda.split(".")[0]) if torch.version.cuda else None
+
+
+def _preload(libraries) -> None:
+    """Load each ``(directory under site-packages, file)`` from wherever the NVIDIA wheels are."""
+    try:
+        spec = importlib.util.find_spec("nvidia")
+    except (ModuleNotFoundError, ValueError):
+        spec = None
+    roots = [os.path.dirname(loc) for loc in (spec.submodule_search_locations or [])] if spec else []
+    for directory, name in libraries:
+        for root in roots:
+            path = os.path.join(root, directory, name)
             if os.path.isfile(path):
                 ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
                 break
 
 
-_C = None
-_reason: Optional[str] = None
-
-if importlib.util.find_spec("tp_kernels._C") is None:
-    _reason = "not built: this installation of tp_kernels has no native extension; the pure-PyTorch backends are used"
-else:
+def _load():
+    """``(the module or None, build record or None, why it is None)``."""
+    spec = importlib.util.find_spec("tp_kernels._C")
+    if spec is None:
+        return None, None, ("not built: this installation of tp_kernels has no native extension; the pure-PyTorch "
+                            "backends are used")
+    record = _build_record(spec)
+    build = record or {}
+    major, torch_major = build.get("cuda_major"), _torch_cuda_major()
+    if major is not None and torch_major is not None and major != torch_major:
+        return None, record, (
+            f"tp_kernels._C is built for CUDA {major} ({build.get('cuda')}), this torch {torch.__version__} for CUDA "
+            f"{torch.version.cuda}: the pure-PyTorch backends are used. Install the CUDA {torch_major} build of "
+            f"tp_kernels: reinstall it with a CUDA {torch_major} nvcc (CUDA_HOME=<a CUDA {torch_major} toolkit> pip "
+            "install --no-build-isolation --force-reinstall --no-deps <tp_kernels>)")
     try:
-        _preload_nvidia_libraries()
-        _C = importlib.import_module("tp_kernels._C")
+        _preload(build.get("libraries", ()))
+        return importlib.import_module("tp_kernels._C"), record, None
     except (ImportError, OSError) as exc:  # built, but cannot load here (e.g. a missing library)
-        _reason = (
-            f"tp_kernels._C failed to load: {exc}. Its libraries come from the nvidia-nccl-cu13 and "
-            "nvidia-cublas wheels: pip install 'tp_kernels[cuda]'"
-        )
+        wheels = build.get("wheels") or "the NVIDIA NCCL and cuBLAS wheels"
+        return None, record, (
+            f"tp_kernels._C (CUDA {major}) failed to load: {exc}. It uses the NCCL and cuBLASLt of {wheels}, which a "
+            f"CUDA {major} torch installs; with a CPU torch, install them yourself to use it")
+
+
+_C, _build, _reason = _load()
 
 
 def extension_status() -> dict:
     """Whether the native module is importable and a CUDA device usable, with reasons.
 
     Returns a dict: ``built`` (bool: the native module is importable), ``reason`` (str or None),
-    ``native`` (the native module's view when built: CUDA runtime/driver, NCCL and cuBLASLt
-    versions, ``device_count`` and ``device_error``; else None), ``cuda_available`` (torch
-    sees a CUDA device), ``cuda_reason`` (str or None), ``backends`` (names usable now: ``"fused"`` needs the native
-    module and a CUDA device).
+    ``build`` (what the installed module was built with: CUDA major and version, architectures,
+    NCCL and cuBLAS versions, the wheels it uses; None without one), ``native`` (the loaded
+    module's view: CUDA runtime/driver, NCCL and cuBLASLt versions, ``device_count`` and
+    ``device_error``; else None), ``torch_cuda`` (the CUDA version this torch is built for, or
+    None), ``cuda_available`` (torch sees a CUDA device), ``cuda_reason`` (str or None),
+    ``backends`` (names usable now: ``"fused"`` needs the native module and a CUDA device).
     """
     cuda = torch.cuda.is_available()
     if cuda:
@@ -81,7 +117,9 @@ def extension_status() -> dict:
     return {
         "built": _C is not None,
         "reason": _reason,
+        "build": _build,
         "native": None if _C is None else _C.runtime_info(),
+        "torch_cuda": torch.version.cuda,
         "cuda_available": cuda,
         "cuda_reason": cuda_reason,
         "backends": [b for b in BACKEND_NAMES if b != "fused" or (_C is not None and cuda)],

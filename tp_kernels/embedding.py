@@ -127,16 +127,16 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
         return layer
 
     def _check(self, input_) -> None:
-        check_tensor("input_", input_)
+        check_tensor("input", input_)
         if input_.dtype not in ID_DTYPES:
-            raise ValueError(f"input_: expected ids of dtype torch.int64 or torch.int32, got {input_.dtype}")
+            raise ValueError(f"input: expected ids of dtype torch.int64 or torch.int32, got {input_.dtype}")
         if input_.device != self.weight.device:
-            raise ValueError(f"input_: device {input_.device} does not match the weight's device {self.weight.device}")
-        check_index_range("input_", input_, self.num_embeddings)
+            raise ValueError(f"input: device {input_.device} does not match the weight's device {self.weight.device}")
+        check_index_range("input", input_, self.num_embeddings)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         agree("VocabParallelEmbedding", self.group, lambda: self._check(input_),
-              lambda _: f"input_ {describe(input_)}, weight {describe(self.weight)}, vocabulary {self.num_embeddings}",
+              lambda _: f"input {describe(input_)}, weight {describe(self.weight)}, vocabulary {self.num_embeddings}",
               hint=self.weight)
         if self.tp_size == 1:
             return F.embedding(input_, self.weight, self.padding_idx)

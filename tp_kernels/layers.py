@@ -174,7 +174,7 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
     def _op(self, op: str, input_, bias, prepare=None):
         """Run ``op`` on this rank's weight; argument errors name ``input_``; ``prepare(input_)``
         checks and prepares the input first (agreed with the group as the op's own checks are)."""
-        return ops.run(op, input_, self.weight, bias, self.group, self.backend, self.num_chunks, x_name="input_",
+        return ops.run(op, input_, self.weight, bias, self.group, self.backend, self.num_chunks, x_name="input",
                        prepare=prepare)
 
 
@@ -268,16 +268,27 @@ class RowParallelLinear(_ParallelLinear):
 
     def _split_input(self, input_: torch.Tensor) -> torch.Tensor:
         """The full input ``[..., in]`` (``input_is_parallel=False``) as this rank's ``[..., in/p]``."""
-        check_tensor("input_", input_, min_dim=1)
+        check_tensor("input", input_, min_dim=1)
         if input_.shape[-1] != self.in_features:
             raise ValueError(
-                f"input_: expected the last dim to be in_features={self.in_features} "
+                f"input: expected the last dim to be in_features={self.in_features} "
                 f"(input_is_parallel=False), got shape {tuple(input_.shape)}"
             )
         return scatter_last_dim(input_, self.group)  # [..., in/p]
 
+    def _check_block(self, input_: torch.Tensor) -> torch.Tensor:
+        """This rank's block ``[..., in/p]`` (``input_is_parallel=True``); a full-width input is
+        named as the likely mistake it is."""
+        if (isinstance(input_, torch.Tensor) and self.tp_size > 1 and input_.dim() >= 1
+                and input_.shape[-1] == self.in_features):
+            raise ValueError(
+                f"input: its last dim is the full in_features={self.in_features}, but this layer takes this rank's "
+                f"block [..., {self.in_features_per_partition}] (input_is_parallel=True): pass input_is_parallel=False "
+                "to have the layer split the input")
+        return input_
+
     def forward(self, input_: torch.Tensor):
-        prepare = None if self.input_is_parallel else self._split_input
+        prepare = self._check_block if self.input_is_parallel else self._split_input
         bias = None if self.skip_bias_add else self.bias
         if self.sequence_parallel:
             # [s, ..., in/p] x [in/p, out] -(RS)-> [s/p, ..., out]

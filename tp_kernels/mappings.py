@@ -161,14 +161,14 @@ def _agreed(name: str, x, group, *, last_dim=False, dim0=False, flags: str = "")
     group = coll.resolve_group(group)
 
     def check():
-        check_tensor("input_", x, min_dim=1)
+        check_tensor("input", x, min_dim=1)
         p = coll.group_size(group)
         if last_dim:
-            check_divisible("input_.shape[-1]", x.shape[-1], p)
+            check_divisible("input.shape[-1]", x.shape[-1], p)
         if dim0:
-            check_divisible("input_.shape[0]", x.shape[0], p)
+            check_divisible("input.shape[0]", x.shape[0], p)
 
-    agree(name, group, check, lambda _: f"input_ {describe(x)}{flags}", hint=x)
+    agree(name, group, check, lambda _: f"input {describe(x)}{flags}", hint=x)
     return group
 
 

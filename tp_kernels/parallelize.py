@@ -23,6 +23,15 @@ STYLES = {
 }
 
 
+def _split_size(style: str, module) -> tuple:
+    """(the name, the size) of the dimension that ``style`` splits ``module`` along."""
+    if style == "colwise":
+        return "out_features", module.out_features
+    if style == "rowwise":
+        return "in_features", module.in_features
+    return "num_embeddings", module.num_embeddings
+
+
 def parallelize(module: nn.Module, plan: Mapping[str, str], *, group=None, sequence_parallel: bool = False) -> nn.Module:
     """Replace, in place, the submodules of ``module`` that ``plan`` names by parallel layers.
 
@@ -37,14 +46,16 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], *, group=None, seque
     activations between a row layer and the next column layer are split along dim 0.
 
     Everything is checked before anything is replaced: an unknown style, a pattern that matches
-    nothing, a style applied to the wrong module type, or one module given two styles raise
-    ``ValueError``. Returns ``module``.
+    nothing, a style applied to the wrong module type, a split size the group's size does not
+    divide, or one module given two styles raise ``ValueError`` naming the pattern and the
+    module's path. Returns ``module``.
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
     if not isinstance(plan, Mapping) or not plan:
         raise ValueError(f"plan: expected a non-empty mapping of name patterns to styles, got {plan!r}")
     group = coll.resolve_group(group)
+    p = coll.group_size(group)
     named = [(name, m) for name, m in module.named_modules(remove_duplicate=False) if name]
     chosen: Dict[str, str] = {}
     style_of: Dict[int, tuple] = {}  # id(module) -> (style, name): one style per module object
@@ -60,6 +71,10 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], *, group=None, seque
                 raise ValueError(
                     f"plan[{pattern!r}]: style {style!r} applies to {expected.__name__}, but {name!r} is a {type(m).__name__}"
                 )
+            size, value = _split_size(style, m)
+            if value % p:
+                raise ValueError(f"plan[{pattern!r}]: {name!r} ({style}) has {size}={value}, which the tensor-parallel "
+                                 f"size {p} does not divide")
             first_style, first_name = style_of.setdefault(id(m), (style, name))
             if first_style != style:
                 raise ValueError(

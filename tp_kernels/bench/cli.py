@@ -7,7 +7,7 @@
 Without torchrun it spawns its own ranks: gloo processes on the CPU (default p = 2), one rank
 per GPU otherwise. For every case (an op, or a layer forward+backward, at a model's shape) it
 measures the GEMMs alone, the collectives alone, the GEMMs under the collectives, and every
-backend; then prints and saves (``--out-dir``, default ``bench/results``) a JSON and a CSV
+backend; then prints and saves (``--out-dir``, default :func:`default_out_dir`) a JSON and a CSV
 with device, commit and date, and a PNG plot of speedup and overlap efficiency against m.
 The metrics are defined in :mod:`tp_kernels.bench.report`.
 """
@@ -72,7 +72,8 @@ def _parse(argv=None):
     ap.add_argument("--iters", type=int, default=None, help="timed samples per measurement (default 20, quick 5)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed samples per measurement")
     ap.add_argument("--num-chunks", type=int, default=None, help="pipelined chunks (default: the schedule's)")
-    ap.add_argument("--out-dir", default=os.path.join("bench", "results"), help="where the JSON, CSV and PNG go")
+    ap.add_argument("--out-dir", default=default_out_dir(),
+                    help="where the JSON, CSV and PNG go (default: %(default)s)")
     ap.add_argument("--tag", default="", help="appended to the output files' names")
     ap.add_argument("--no-save", action="store_true", help="print only")
     args = ap.parse_args(argv)
@@ -90,6 +91,13 @@ def _parse(argv=None):
             ap.error(f"--{name.replace('_', '-')}: expected a positive int, got {v}")
     args.iters = args.iters or (5 if args.quick else 20)
     return args, ap
+
+
+def default_out_dir() -> str:
+    """Where the benchmarks write when not told: a folder of this user's (``$XDG_CACHE_HOME`` or
+    ``~/.cache``, then ``tp_kernels/bench``), never the source tree."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "tp_kernels", "bench")
 
 
 def _commit() -> str:
@@ -166,6 +174,7 @@ def main(argv=None) -> int:
               f"measured GEMM peak TFLOP/s: {peaks}; {elapsed:.0f} s")
     print(header)
     print(report.format_table(rows))
+    print(report.LEGEND.format(baseline=args.backends[0]))
     errors = report.model_error_summary(rows)
     for schedule, e in errors.items():
         print(f"# perf model vs measured, {schedule}: median |error| {100 * e['median_abs_err']:.0f}%, "

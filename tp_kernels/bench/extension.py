@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _extension, ops
+from .cli import _commit, _slug, default_out_dir
 from ..schedule import chunk_bounds
 
 TARGETS = {"gemm_vs_f_linear": 0.97, "host_overhead_us": 10.0, "chunk4_vs_unsplit": 0.95}
@@ -150,8 +151,6 @@ def _chunking(iters: int, p: int = 8, chunks: int = 4) -> Dict:
 def gpu_record(prog: str) -> Optional[Dict]:
     """The start of a GPU benchmark's record (device, commit, date, versions), or None after
     saying on stderr why it cannot run here (no CUDA device, no native module)."""
-    from .cli import _commit
-
     if not torch.cuda.is_available():
         print(f"{prog}: needs a CUDA device; none is visible", file=sys.stderr)
         return None
@@ -166,8 +165,6 @@ def gpu_record(prog: str) -> Optional[Dict]:
 
 def save_record(record: Dict, out_dir: str, stem: str, tag: str) -> str:
     """Write ``record`` as ``<out_dir>/<stem>-<device>[-<tag>].json``; returns the path."""
-    from .cli import _slug
-
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{stem}-{_slug(record['device'])}{'-' + tag if tag else ''}.json")
     with open(path, "w") as f:
@@ -180,7 +177,7 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m tp_kernels.bench.extension", description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=20, help="timed samples per figure")
-    ap.add_argument("--out-dir", default=os.path.join("bench", "results"))
+    ap.add_argument("--out-dir", default=default_out_dir(), help="default: %(default)s")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     record = gpu_record("tp_kernels.bench.extension")

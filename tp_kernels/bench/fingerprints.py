@@ -36,7 +36,7 @@ from .._agreement import agree
 from .._timing import Timer
 from ..testing import World, launched_by_torchrun
 from .cases import Case, TARGETS, model_cases
-from .cli import QUICK_M, _commit, _device_name, _slug
+from .cli import QUICK_M, _commit, _device_name, _slug, default_out_dir
 from .measure import _time_backend, buffer_sets
 
 #: the overhead below which fingerprints may be on by default
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tp_kernels.bench.fingerprints", description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=10, help="timed samples per measurement")
     ap.add_argument("--m", default=None, help="token counts (default: the main job's --quick ones)")
-    ap.add_argument("--out-dir", default=os.path.join("bench", "results"))
+    ap.add_argument("--out-dir", default=default_out_dir(), help="default: %(default)s")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     torchrun = launched_by_torchrun()

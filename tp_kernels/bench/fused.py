@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Callable, Dict, List, Sequence
 
@@ -43,6 +42,7 @@ import torch
 from .. import _extension
 from ..backends import fused
 from ..testing import VirtualRanks
+from .cli import default_out_dir
 from .extension import gpu_record, gpu_time_ms, save_record
 
 TARGETS = {"overlap_efficiency": 0.9, "gemm_slowdown": 0.05}
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tp_kernels.bench.fused", description=__doc__.split("\n\n")[0])
     ap.add_argument("--p", type=int, default=8, help="virtual ranks for the overlap figures (2..8)")
     ap.add_argument("--iters", type=int, default=10, help="timed samples per figure")
-    ap.add_argument("--out-dir", default=os.path.join("bench", "results"))
+    ap.add_argument("--out-dir", default=default_out_dir(), help="default: %(default)s")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     if not 2 <= args.p <= 8:

@@ -2,8 +2,9 @@
 
 Per case and backend (times are medians, seconds in, milliseconds out):
 
-* ``tflops``: this rank's GEMM FLOPs / time; ``pct_peak``: against the run's measured peak
-  (a large square GEMM, :func:`tp_kernels.bench.measure.measure_peak`);
+* ``tflops``: this rank's GEMM FLOPs / time; ``pct_peak``: against the run's peak, the fastest
+  rate it saw: a large square GEMM's (:func:`tp_kernels.bench.measure.measure_peak`), any case's
+  GEMMs alone, or any backend's (so never above 100 %);
 * ``speedup``: the baseline backend's time / this backend's, measured in the same run;
 * ``E = (t_gemm + t_comm - t) / t_comm``: overlap efficiency (1: communication fully hidden,
   0: none hidden; below 0: slower than running one after the other);
@@ -27,9 +28,21 @@ from typing import Dict, List, Optional
 from .. import perf_model
 from .cases import TARGETS, Case
 
-__all__ = ["CSV_FIELDS", "compute_rows", "format_table", "model_error_summary", "plot", "to_csv"]
+__all__ = ["CSV_FIELDS", "LEGEND", "compute_rows", "format_table", "model_error_summary", "plot", "to_csv"]
 
-_E_FLOOR = -2.0  # plotted E below this is drawn at it (the JSON and CSV keep the value)
+#: The E axis's range: a point outside it is drawn at the nearer end as a labelled triangle.
+_E_FLOOR, _E_CEILING = -2.0, 1.5
+
+#: What the table's columns mean, printed under it.
+LEGEND = """\
+ms: median time per call, the slowest rank's; a layer's is forward+backward. TFLOP/s: this rank's GEMM
+FLOPs / ms. %peak: of the fastest rate this run saw (a square GEMM, a case's GEMMs alone, or a backend).
+speedup: the baseline backend's ms / this backend's, both measured in this run ({baseline} is the baseline).
+E: overlap efficiency (t_gemm + t_comm - ms) / t_comm: 1 = the communication is fully hidden, 0 = nothing
+hidden, below 0 = slower than the GEMMs then the collectives one after the other.
+slow: the GEMMs' time while the collectives run beside them / alone. exposed: ms - t_gemm, the time the
+communication adds. model ms: the performance model's prediction from this run's own GEMM and collective
+times; err: model / measured - 1."""
 
 CSV_FIELDS = [
     "target", "model", "m", "in", "out", "sequence_parallel", "p", "dtype", "backend", "resolved", "median_ms",
@@ -79,13 +92,14 @@ def _predict(case: Case, p: int, dtype: str, schedule: str, gemm, link, slowdown
 def compute_rows(result: dict, p: int, baseline: str, num_chunks: Optional[int] = None) -> List[dict]:
     """One row per (case, dtype, backend) with every metric of the module docstring."""
     models = {d: _model_inputs(result, d) for d in {c["dtype"] for c in result["cases"]}}
+    peaks = _peaks(result, p)
     rows = []
     for c in result["cases"]:
         case, dtype = Case(**c["case"]), c["dtype"]
         t_gemm, t_comm, t_guc = c["gemm_total"], c["comm_total"], c["gemm_under_comm"]
         slowdown = t_guc / t_gemm if t_gemm > 0 else float("nan")
         base = c["backend"][baseline]
-        peak = result["peak_tflops"][dtype]
+        peak = peaks[dtype]
         gemm, link = models[dtype]
         for backend, t in c["backend"].items():
             resolved = c["resolved"][backend]
@@ -103,6 +117,18 @@ def compute_rows(result: dict, p: int, baseline: str, num_chunks: Optional[int] 
                 "model_err": None if model is None else model / t - 1.0,
             })
     return rows
+
+
+def _peaks(result: dict, p: int) -> Dict[str, float]:
+    """Per dtype, the fastest TFLOP/s this run saw: the square GEMM's, any case's GEMMs alone, and
+    any backend's whole case."""
+    peaks = dict(result["peak_tflops"])
+    for c in result["cases"]:
+        case, dtype = Case(**c["case"]), c["dtype"]
+        rates = [2.0 * m * n * k / t / 1e12 for (m, n, k), t in c["gemm"] if t > 0]
+        rates += [case.gemm_flops(p) / t / 1e12 for t in c["backend"].values() if t > 0]
+        peaks[dtype] = max([peaks.get(dtype, 0.0)] + rates)
+    return peaks
 
 
 def _fmt(v, spec: str, width: int) -> str:
@@ -146,8 +172,10 @@ def to_csv(rows: List[dict]) -> str:
 
 
 def plot(rows: List[dict], path: str, title: str) -> Optional[str]:
-    """Write a PNG of speedup (top) and E (bottom) against m, one column per target; return
-    its path, or None when matplotlib is not installed."""
+    """Write a PNG of speedup against the baseline (top row) and E (bottom row) against m, one
+    column per target, one y scale per row, every measured m marked on a log-2 axis, and E below
+    the axis's floor drawn at the floor as a labelled triangle; return its path, or None when
+    matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -157,40 +185,53 @@ def plot(rows: List[dict], path: str, title: str) -> Optional[str]:
         return None
     present = set(r["target"] for r in rows)
     targets = [t for t in TARGETS if t in present]
-    fig, axes = plt.subplots(2, len(targets), figsize=(3.6 * len(targets), 6.4), squeeze=False, sharex="col")
-    for col, target in enumerate(targets):
-        series = defaultdict(list)
-        for r in rows:
-            if r["target"] == target and r["backend"] != r["baseline"]:
-                series[(r["model"], r["dtype"], r["backend"])].append(r)
-        for (model, dtype, backend), rs in sorted(series.items()):
-            rs.sort(key=lambda r: r["m"])
-            label = f"{backend} {model} {dtype}"
-            axes[0][col].plot([r["m"] for r in rs], [r["speedup"] for r in rs], marker="o", label=label)
-            pts = [(r["m"], max(_E_FLOOR, r["E"])) for r in rs if r["E"] is not None]
-            if pts:
-                axes[1][col].plot(*zip(*pts), marker="o", label=label)
-        axes[0][col].axhline(1.0, color="grey", lw=0.8, ls="--")
-        axes[1][col].axhline(0.0, color="grey", lw=0.8, ls="--")
-        axes[1][col].axhline(1.0, color="grey", lw=0.8, ls=":")
-        axes[0][col].set_title(target, fontsize=9)
-        axes[1][col].set_xlabel("m (tokens)")
-        for ax in (axes[0][col], axes[1][col]):
-            ax.set_xscale("log", base=2)
-            ax.grid(True, alpha=0.3)
-    axes[0][0].set_ylabel("speedup vs baseline")
-    axes[1][0].set_ylabel(f"overlap efficiency E (clipped at {_E_FLOOR:g})")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    for ax in axes[0][1:]:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            if lab not in labels:
-                handles.append(h)
-                labels.append(lab)
-    if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    baseline = rows[0]["baseline"] if rows else "baseline"
+    ms = sorted({r["m"] for r in rows})
+    with plt.rc_context({"font.size": 10}):
+        fig, axes = plt.subplots(2, len(targets), figsize=(2.8 * len(targets) + 0.8, 6.6), squeeze=False,
+                                 sharex=True, sharey="row")
+        colors = {}
+        for col, target in enumerate(targets):
+            series = defaultdict(list)
+            for r in rows:
+                if r["target"] == target and r["backend"] != r["baseline"]:
+                    series[(r["model"], r["dtype"], r["backend"])].append(r)
+            for key, rs in sorted(series.items()):
+                rs.sort(key=lambda r: r["m"])
+                label = f"{key[2]}, {key[0]} {key[1]}"
+                color = colors.setdefault(label, f"C{len(colors)}")
+                axes[0][col].plot([r["m"] for r in rs], [r["speedup"] for r in rs], marker="o", color=color,
+                                  label=label)
+                pts = [(r["m"], r["E"]) for r in rs if r["E"] is not None]
+                if pts:
+                    shown = [min(_E_CEILING, max(_E_FLOOR, e)) for _, e in pts]
+                    axes[1][col].plot([m for m, _ in pts], shown, color=color, marker="o")
+                    for (m, e), y in zip(pts, shown):
+                        if y != e:  # outside the axis: at its end, marked, with its value
+                            below = e < y
+                            axes[1][col].plot([m], [y], marker="v" if below else "^", ms=9, color=color)
+                            axes[1][col].annotate(f"{e:.1f}", (m, y), textcoords="offset points",
+                                                  xytext=(0, 7 if below else -14), ha="center", fontsize=8,
+                                                  color=color)
+            axes[0][col].axhline(1.0, color="grey", lw=0.8, ls="--")
+            axes[1][col].axhline(0.0, color="grey", lw=0.8, ls="--")
+            axes[1][col].axhline(1.0, color="grey", lw=0.8, ls=":")
+            axes[0][col].set_title(target)
+            axes[1][col].set_xlabel("m (tokens)")
+            for ax in (axes[0][col], axes[1][col]):
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(ms, [str(m) for m in ms])
+                ax.minorticks_off()
+                ax.grid(True, alpha=0.3)
+        axes[1][0].set_ylim(_E_FLOOR - 0.25, _E_CEILING + 0.25)
+        axes[0][0].set_ylabel(f"speedup vs {baseline}")
+        axes[1][0].set_ylabel(f"overlap efficiency E\n(▼ ▲: beyond {_E_FLOOR:g} / {_E_CEILING:g}, value beside)")
+        if colors:
+            handles = [plt.Line2D([], [], color=c, marker="o") for c in colors.values()]
+            fig.legend(handles, list(colors), loc="lower center", ncol=min(4, len(colors)))
+        fig.suptitle(title)
+        fig.tight_layout(rect=(0, 0.07, 1, 0.96))
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
     return path
