@@ -110,6 +110,17 @@ class CMakeBuild(build_ext):
         subprocess.run([cmake_bin, "--build", str(build_dir), "--parallel", jobs], check=True)
 
 
+    def copy_extensions_to_source(self) -> None:
+        """An in-place (editable) install: the module's build record goes next to it too."""
+        super().copy_extensions_to_source()
+        build_py = self.get_finalized_command("build_py")
+        for ext in self.extensions:
+            inplace_file, regular_file = self._get_inplace_equivalent(build_py, ext)
+            record = os.path.join(os.path.dirname(regular_file), "_C_build.json")
+            if os.path.exists(record):
+                self.copy_file(record, os.path.join(os.path.dirname(inplace_file), "_C_build.json"), level=self.verbose)
+
+
 def _build_plan():
     """(extension modules, version): the version names the CUDA major the extension is built for."""
     major = cuda_major()
