@@ -11,6 +11,7 @@
 
 #include "tp_kernels/boundary.h"
 #include "tp_kernels/check.h"
+#include "tp_kernels/collectives.h"
 #include "tp_kernels/comm.h"
 #include "tp_kernels/device_ops.h"
 #include "tp_kernels/gemm.h"
@@ -24,6 +25,7 @@ namespace py = pybind11;
 namespace {
 
 using tp_kernels::AllReduceAlgo;
+using tp_kernels::CollectiveArgs;
 using tp_kernels::Communicator;
 using tp_kernels::OverlapArgs;
 using tp_kernels::PeerContext;
@@ -60,6 +62,13 @@ py::dict describe(const OverlapArgs& a) {
   return d;
 }
 
+py::dict describe(const CollectiveArgs& a) {
+  py::dict d;
+  d["count"] = a.count, d["dtype"] = tp_kernels::dtype_name(a.dtype), d["peer"] = a.peer;
+  d["has_x"] = a.x != nullptr, d["has_out"] = a.out != nullptr;
+  return d;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -71,6 +80,7 @@ PYBIND11_MODULE(_C, m) {
   // The lists and limits both sides use, defined here and read by the Python side.
   m.attr("DTYPES") = names(tp_kernels::compute_dtype_names());
   m.attr("OPS") = names(tp_kernels::primitive_names());
+  m.attr("COLLECTIVES") = names(tp_kernels::collective_names());
   m.attr("ALL_REDUCE_ALGORITHMS") = names(tp_kernels::algorithm_names());
   m.attr("REGIONS") = names(tp_kernels::region_names());
   m.attr("MAX_RANKS") = tp_kernels::kMaxRanks;
@@ -145,6 +155,18 @@ PYBIND11_MODULE(_C, m) {
       "(checked as the primitives check them), as a dict; runs nothing.");
 
   m.def(
+      "collective_problem",
+      [](const std::string& collective, int rank, int size, int device, const OptionalRef& x, const OptionalRef& out,
+         int peer) {
+        return describe(tp_kernels::collective_args(tp_kernels::parse_collective(collective, "collective"), rank, size,
+                                                    device, opt(x), opt(out), peer, nullptr));
+      },
+      py::arg("collective"), py::arg("rank"), py::arg("size"), py::arg("device"), py::arg("x"), py::arg("out"),
+      py::arg("peer") = -1,
+      "The arguments collective `collective` (one of COLLECTIVES) of rank `rank` of a group of `size` on `device` "
+      "would get (checked as nccl_collective and fused_all_reduce check them), as a dict; runs nothing.");
+
+  m.def(
       "nccl_unique_id", []() { return py::bytes(tp_kernels::nccl_unique_id()); },
       "A new NCCL unique id (bytes), made by one rank of a group and sent to the others.");
 
@@ -212,6 +234,21 @@ PYBIND11_MODULE(_C, m) {
       py::arg("comm"), py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("bounds"), py::arg("workspace"),
       py::arg("stream"), "out [m, n] = AR(x[m, k] weight^T), chunk by chunk, in place in out.");
 
+  m.def(
+      "nccl_collective",
+      [](Communicator& comm, const std::string& collective, const OptionalRef& x, const OptionalRef& out, int peer,
+         uintptr_t stream) {
+        const tp_kernels::Collective c = tp_kernels::parse_collective(collective, "collective");
+        CollectiveArgs a = tp_kernels::collective_args(c, comm.rank(), comm.size(), comm.device(), opt(x), opt(out),
+                                                       peer, stream_ptr(stream));
+        py::gil_scoped_release release;
+        tp_kernels::nccl_collective(comm, c, a);
+      },
+      py::arg("comm"), py::arg("collective"), py::arg("x"), py::arg("out"), py::arg("peer"), py::arg("stream"),
+      "Collective `collective` (one of COLLECTIVES: all_reduce, all_gather and reduce_scatter over dim 0, "
+      "broadcast and gather from/to rank `peer`, send to and recv from rank `peer`) on the communicator's NCCL "
+      "communicator, enqueued on `stream` (capturable in a CUDA graph).");
+
   // Device building blocks of the peer-memory path (device_ops.h); flags are device addresses,
   // possibly a peer's.
   m.def("stream_memory_ops_available", &tp_kernels::stream_memory_ops_available,
@@ -263,6 +300,21 @@ PYBIND11_MODULE(_C, m) {
       "Bytes each region (in REGIONS order) needs on every rank for fused `op` (one of OPS) with p ranks, "
       "m rows (the gathered rows for all_gather_matmul), n, k, dtype and all-reduce algorithm, rounded "
       "up to REGION_ALIGNMENT.");
+  m.def(
+      "fused_all_reduce_needs",
+      [](int p, int64_t count, const std::string& dtype, const std::string& algorithm) {
+        return tp_kernels::fused_all_reduce_needs(p, count, tp_kernels::parse_dtype(dtype, "dtype"),
+                                                  tp_kernels::parse_algorithm(algorithm, "algorithm"));
+      },
+      py::arg("p"), py::arg("count"), py::arg("dtype"), py::arg("algorithm"),
+      "Bytes each region (in REGIONS order) needs on every rank for fused_all_reduce of `count` elements.");
+  m.def(
+      "all_reduce_layout",
+      [](int64_t count, const std::string& dtype) {
+        const tp_kernels::AllReduceLayout l = tp_kernels::all_reduce_layout(count, tp_kernels::parse_dtype(dtype, "dtype"));
+        return py::make_tuple(l.rows, l.cols);
+      },
+      py::arg("count"), py::arg("dtype"), "The (rows, cols) view fused_all_reduce takes of `count` elements.");
   m.def(
       "two_shot_slice",
       [](int64_t count, int p, const std::string& dtype) {
@@ -375,4 +427,19 @@ PYBIND11_MODULE(_C, m) {
       "out [m, n] = AR(x[m, k] weight^T) by `algorithm` (one of ALL_REDUCE_ALGORITHMS): bounds [0, m] for "
       "one_shot and two_shot; the p + 1 block boundaries and `partial` [m, n] for scatter_gather; `phase`: "
       "one phase, or ALL_PHASES.");
+  m.def(
+      "fused_all_reduce",
+      [](PeerContext& ctx, const TensorRef& x, const TensorRef& out, const std::string& algorithm, int phase,
+         uintptr_t stream) {
+        const AllReduceAlgo algo = tp_kernels::parse_algorithm(algorithm, "algorithm");
+        CollectiveArgs a = tp_kernels::collective_args(tp_kernels::Collective::kAllReduce, ctx.rank(), ctx.size(),
+                                                       ctx.device(), &x, &out, -1, stream_ptr(stream));
+        tp_kernels::check_phase(phase, tp_kernels::fused_phases(Primitive::kMatmulAllReduce, algo));
+        py::gil_scoped_release release;
+        tp_kernels::fused_all_reduce(ctx, a, algo, phase);
+      },
+      py::arg("ctx"), py::arg("x"), py::arg("out"), py::arg("algorithm"), py::arg("phase"), py::arg("stream"),
+      "out = the sum over ranks of x (any shape, contiguous; out may be x) by `algorithm` (one of "
+      "ALL_REDUCE_ALGORITHMS), over the workspace: the same bits for every algorithm; `phase`: one phase "
+      "(fused_phases('matmul_all_reduce', algorithm)), or ALL_PHASES.");
 }

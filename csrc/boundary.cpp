@@ -219,6 +219,59 @@ OverlapArgs primitive_args(Primitive op, int p, int device, const TensorRef& x, 
   return a;
 }
 
+CollectiveArgs collective_args(Collective c, int rank, int p, int device, const TensorRef* x, const TensorRef* out,
+                               int peer, cudaStream_t stream) {
+  const std::string name = collective_name(c);
+  const bool root = (c == Collective::kBroadcast || c == Collective::kGather);
+  const char* peer_name = c == Collective::kSend || c == Collective::kGather ? "dst" : "src";
+  if (c == Collective::kAllReduce || c == Collective::kAllGather || c == Collective::kReduceScatter) {
+    peer = -1;
+  } else if (peer < 0 || peer >= p || (!root && peer == rank)) {
+    throw ArgumentError(std::string(peer_name) + ": expected " + (root ? "a rank" : "another rank") + " of the group's " +
+                        std::to_string(p) + " (this is rank " + std::to_string(rank) + "), got " + std::to_string(peer));
+  }
+  // Which tensors the call takes on this rank.
+  const bool takes_x = c != Collective::kRecv;
+  const bool takes_out = c != Collective::kSend && (c != Collective::kGather || rank == peer);
+  auto presence = [&](const TensorRef* t, bool takes, const char* what) {
+    if (takes && t == nullptr) throw ArgumentError(std::string(what) + ": " + name + " needs it on rank " + std::to_string(rank));
+    if (!takes && t != nullptr)
+      throw ArgumentError(std::string(what) + ": " + name + " takes none on rank " + std::to_string(rank) +
+                          (c == Collective::kGather ? " (only the root, rank " + std::to_string(peer) + ", receives)" : ""));
+  };
+  presence(x, takes_x, "x");
+  presence(out, takes_out, "out");
+  const TensorRef& first = takes_x ? *x : *out;
+  require_cuda(first, device);
+  if (reduces(c)) require_compute_dtype(first);
+  require_contiguous(first);
+  if (takes_x && takes_out) {
+    require_like(*out, *x);
+    require_contiguous(*out);
+    std::vector<int64_t> expected = x->shape;
+    if (c == Collective::kAllGather || c == Collective::kGather || c == Collective::kReduceScatter) {
+      if (x->dim() < 1) fail(*x, "at least one dimension (dim 0 is " + std::string(c == Collective::kReduceScatter ? "scattered" : "gathered") + ")");
+      if (c == Collective::kReduceScatter) {
+        if (x->shape[0] % p) fail(*x, "dim 0 divisible by the group's " + std::to_string(p) + " ranks");
+        expected[0] /= p;
+      } else {
+        expected[0] *= p;
+      }
+    }
+    require_shape(*out, expected, " (the output of " + name + " of " + x->name + " " + dims(x->shape) + " on " +
+                                      std::to_string(p) + " ranks)");
+  }
+
+  CollectiveArgs a;
+  a.x = takes_x ? x->ptr() : nullptr;
+  a.out = takes_out ? out->ptr() : nullptr;
+  a.count = c == Collective::kReduceScatter || c == Collective::kRecv ? out->numel() : x->numel();
+  a.dtype = first.dtype;
+  a.peer = peer;
+  a.stream = stream;
+  return a;
+}
+
 void check_all_reduce_algorithm(const OverlapArgs& a, AllReduceAlgo algo, int p, bool has_partial) {
   if (algo != AllReduceAlgo::kScatterGather) {
     if (a.bounds.size() != 2)

@@ -36,26 +36,41 @@ void start(PeerContext& ctx, const std::string& op) {
 // Phase k of an op runs when all of them run, or just that one (peer.h).
 bool runs(int phase, int k) { return phase == kAllPhases || phase == k; }
 
-// GEMM of destination blocks (rows bounds[d]..bounds[d+1] of x) in the order r + 1, ..., r: each
-// remote block goes to scratch and is pushed by the copy stream into its destination's inbox slot
-// r while the next block multiplies; the own block multiplies straight into the own inbox slot r.
-// `slot_bytes` is the inbox slot stride. Its waits need the destinations' releases of earlier ops;
-// its signals tell each destination its partial has arrived.
+// Rows row..row+rows of this rank's partial into `dst` on the caller's stream: their GEMM, or,
+// for the all-reduce alone (a.w == nullptr: x is the partial, [m, n]), a copy of x's rows.
+void partial_rows(const OverlapArgs& a, int64_t row, int64_t rows, void* dst) {
+  if (rows == 0) return;
+  if (a.w != nullptr)
+    gemm(a, row_ptr(a.x, row, a.k, a.dtype), dst, rows, nullptr);
+  else
+    copy(dst, row_ptr(a.x, row, a.n, a.dtype), rows * a.n * static_cast<int64_t>(dtype_size(a.dtype)), a.stream);
+}
+
+// The partial of destination blocks (rows bounds[d]..bounds[d+1]) in the order r + 1, ..., r:
+// each remote block's GEMM goes to scratch and is pushed by the copy stream into its destination's
+// inbox slot r while the next block multiplies (without a GEMM, x's rows are pushed as they are);
+// the own block goes straight into the own inbox slot r. `slot_bytes` is the inbox slot stride.
+// Its waits need the destinations' releases of earlier ops; its signals tell each destination its
+// partial has arrived. A block may be empty (the all-reduce alone of fewer rows than ranks).
 void scatter_partials(PeerContext& ctx, const OverlapArgs& a, const std::vector<int64_t>& blocks, int64_t slot_bytes,
                       Primitive op) {
   const int p = ctx.size(), r = ctx.rank();
   cudaStream_t cs = ctx.copy_stream();
-  order(a.stream, cs, ctx.event(0));  // scratch comes from the caller's stream
+  order(a.stream, cs, ctx.event(0));  // scratch and x come from the caller's stream
   for (int s = 1; s <= p; ++s) {
     const int d = (r + s) % p;
     const int64_t row = blocks[d], rows = blocks[d + 1] - blocks[d];
     const int64_t bytes = rows * a.n * static_cast<int64_t>(dtype_size(a.dtype));
     if (d == r) {
-      if (rows > 0) gemm(a, row_ptr(a.x, row, a.k, a.dtype), ctx.region(r, Region::kInbox, r * slot_bytes), rows, nullptr);
+      partial_rows(a, row, rows, ctx.region(r, Region::kInbox, r * slot_bytes));
       continue;
     }
-    void* partial = row_ptr(a.scratch, row, a.n, a.dtype);
-    if (rows > 0) gemm(a, row_ptr(a.x, row, a.k, a.dtype), partial, rows, nullptr);
+    const void* partial = row_ptr(a.x, row, a.n, a.dtype);  // the all-reduce alone: x is the partial
+    if (a.w != nullptr) {
+      void* product = row_ptr(a.scratch, row, a.n, a.dtype);
+      partial_rows(a, row, rows, product);
+      partial = product;
+    }
     order(a.stream, cs, ctx.event(s));
     ctx.wait({d}, Region::kInbox, true, op, cs);  // d has consumed what this rank put there last time
     copy(ctx.region(d, Region::kInbox, r * slot_bytes), partial, bytes, cs);
@@ -147,8 +162,11 @@ void fused_matmul_reduce_scatter(PeerContext& ctx, const OverlapArgs& a, int pha
   order(ctx.copy_stream(), a.stream, ctx.event(p + 1));
 }
 
-void fused_matmul_all_reduce(PeerContext& ctx, const OverlapArgs& a, AllReduceAlgo algo, int phase) {
-  const std::string op = "fused matmul_all_reduce";
+namespace {
+
+// out = AR(partial) by `algo`, the partial being x W^T, or x itself when a.w == nullptr (the
+// all-reduce alone). `op` names the call in messages.
+void all_reduce(PeerContext& ctx, const OverlapArgs& a, AllReduceAlgo algo, int phase, const std::string& op) {
   auto guard = ctx.lock();
   start(ctx, op);
   const int p = ctx.size(), r = ctx.rank();
@@ -166,7 +184,7 @@ void fused_matmul_all_reduce(PeerContext& ctx, const OverlapArgs& a, AllReduceAl
     const void* in[kMaxRanks];
     if (runs(phase, 0)) {  // every rank's partial in its export region
       ctx.wait(peers, Region::kExport, true, id, a.stream);
-      gemm(a, a.x, ctx.region(r, Region::kExport), m, nullptr);
+      partial_rows(a, 0, m, ctx.region(r, Region::kExport));
       ctx.signal_all(Region::kExport, false, a.stream);
     }
     if (runs(phase, 1)) {
@@ -218,6 +236,31 @@ void fused_matmul_all_reduce(PeerContext& ctx, const OverlapArgs& a, AllReduceAl
     ctx.signal(q, Region::kExport, true, cs);
   }
   order(cs, a.stream, ctx.event(p + 2));
+}
+
+}  // namespace
+
+void fused_matmul_all_reduce(PeerContext& ctx, const OverlapArgs& a, AllReduceAlgo algo, int phase) {
+  all_reduce(ctx, a, algo, phase, "fused matmul_all_reduce");
+}
+
+void fused_all_reduce(PeerContext& ctx, const CollectiveArgs& c, AllReduceAlgo algo, int phase) {
+  if (c.count == 0) return;
+  const AllReduceLayout layout = all_reduce_layout(c.count, c.dtype);
+  OverlapArgs a;
+  a.x = c.x;
+  a.out = c.out;
+  a.n = a.k = layout.cols;
+  a.dtype = c.dtype;
+  a.stream = c.stream;
+  if (algo == AllReduceAlgo::kScatterGather) {  // p blocks of at most ceil(rows / p) rows, as fused_region_needs sizes them
+    const int p = ctx.size();
+    const int64_t block = (layout.rows + p - 1) / p;
+    for (int d = 0; d <= p; ++d) a.bounds.push_back(std::min<int64_t>(d * block, layout.rows));
+  } else {
+    a.bounds = {0, layout.rows};
+  }
+  all_reduce(ctx, a, algo, phase, "fused all_reduce");
 }
 
 }  // namespace tp_kernels

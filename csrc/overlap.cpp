@@ -11,20 +11,11 @@
 namespace tp_kernels {
 namespace {
 
-ncclDataType_t nccl_type(DType t) {
-  switch (t) {
-    case DType::kFloat32: return ncclFloat32;
-    case DType::kFloat16: return ncclFloat16;
-    case DType::kBFloat16: return ncclBfloat16;
-    default: break;
-  }
-  throw Error(std::string("no NCCL reduction in ") + dtype_name(t));
-}
-
 // The one list of the primitives' names (Python reads it as _C.OPS), in enum order.
 const char* const kPrimitiveNames[] = {"all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"};
 
 using detail::gemm;
+using detail::nccl_type;
 using detail::order;
 using detail::row_ptr;
 using detail::shape;

@@ -226,6 +226,18 @@ std::vector<size_t> fused_region_needs(Primitive op, int p, int64_t m, int64_t n
   return out;
 }
 
+AllReduceLayout all_reduce_layout(int64_t count, DType dtype) {
+  const int64_t per_row = 16 / static_cast<int64_t>(dtype_size(dtype));
+  const int64_t cols = count % per_row == 0 ? per_row : 1;
+  return {count / cols, cols};
+}
+
+std::vector<size_t> fused_all_reduce_needs(int p, int64_t count, DType dtype, AllReduceAlgo algo) {
+  if (count < 0) throw ArgumentError("count: negative");
+  const AllReduceLayout l = all_reduce_layout(count, dtype);
+  return fused_region_needs(Primitive::kMatmulAllReduce, p, l.rows, l.cols, l.cols, dtype, algo);
+}
+
 int64_t two_shot_slice(int64_t count, int p, DType dtype) {
   const int64_t align = 16 / static_cast<int64_t>(dtype_size(dtype));  // 16-byte aligned slices
   const int64_t per = (count + p - 1) / p;

@@ -231,3 +231,76 @@ def test_bad_primitive_arguments_are_named(op, refs, message):
     refs = {k: values.get(v, v) if isinstance(v, str) else v for k, v in refs.items()}
     with pytest.raises(ValueError, match=message):
         primitive(op, **refs)
+
+
+# --- the plain collectives (tp_kernels.Communicator): nccl_collective and fused_all_reduce --------
+
+
+def collective(name, p=4, rank=1, peer=-1, device=0, x=None, out=None, dtype=torch.float32, rows=8, **refs):
+    """A call of collective ``name`` on rank ``rank`` of ``p``: x ``[rows, 6]`` and the output
+    its shape needs, ``refs`` replacing them (``x=False`` / ``out=False``: none)."""
+    shape = {"all_gather": (p * rows, 6), "gather": (p * rows, 6), "reduce_scatter": (rows // p, 6)}.get(name, (rows, 6))
+    xr = None if x is False else x if x is not None else ref("x", torch.randn(rows, 6).to(dtype), device)
+    outr = None if out is False else out if out is not None else ref("out", torch.empty(shape, dtype=dtype), device)
+    return C.collective_problem(collective=name, rank=rank, size=p, device=device, x=xr, out=outr, peer=peer)
+
+
+def test_well_formed_collective_calls():
+    assert collective("all_reduce") == {"count": 48, "dtype": "float32", "peer": -1, "has_x": True, "has_out": True}
+    assert collective("all_gather", dtype=torch.uint8)["count"] == 48  # any dtype moves: counted per rank
+    assert collective("reduce_scatter", dtype=torch.bfloat16)["count"] == 12  # the output's block
+    assert collective("broadcast", peer=3)["peer"] == 3
+    assert collective("gather", peer=1)["has_out"] and not collective("gather", peer=0, out=False)["has_out"]
+    assert collective("send", peer=0, out=False) == {"count": 48, "dtype": "float32", "peer": 0, "has_x": True,
+                                                     "has_out": False}
+    assert collective("recv", peer=2, x=False)["count"] == 48
+    assert collective("all_reduce", peer=3)["peer"] == -1  # the symmetric collectives have no root
+    assert collective("all_gather", rows=0, x=empty("x", [0, 6], "float32"),
+                      out=empty("out", [0, 6], "float32"))["count"] == 0
+
+
+@pytest.mark.parametrize("name,refs,message", [
+    ("all_reduce", {"dtype": torch.uint8}, r"^x: expected dtype float32, float16, bfloat16, got \[8, 6\] uint8"),
+    ("reduce_scatter", {"rows": 6}, r"^x: expected dim 0 divisible by the group's 4 ranks"),
+    ("all_reduce", {"out": "small"}, r"^out: expected \[8, 6\] \(the output of all_reduce of x \[8, 6\] on 4 ranks\), "
+                                     r"got \[4, 6\]"),
+    ("all_gather", {"out": "small"}, r"^out: expected \[32, 6\] \(the output of all_gather"),
+    ("all_gather", {"out": "half"}, r"^out: expected float32 on the device of x"),
+    ("all_gather", {"x": "scalar", "out": "scalar_out"}, r"^x: expected at least one dimension \(dim 0 is gathered\)"),
+    ("all_reduce", {"x": "host"}, r"^x: expected a CUDA tensor, got \[8, 6\] float32 on the host"),
+    ("all_reduce", {"x": "cuda1"}, r"^x: expected a tensor on cuda:0, got \[8, 6\] float32 on cuda:1"),
+    ("all_reduce", {"x": "strided"}, r"^x: expected a contiguous tensor"),
+    ("broadcast", {"peer": 4}, r"^src: expected a rank of the group's 4 \(this is rank 1\), got 4"),
+    ("send", {"peer": 1, "out": False}, r"^dst: expected another rank of the group's 4 \(this is rank 1\), got 1"),
+    ("recv", {"peer": -1, "x": False}, r"^src: expected another rank of the group's 4"),
+    ("gather", {"peer": 0}, r"^out: gather takes none on rank 1 \(only the root, rank 0, receives\)"),
+    ("gather", {"peer": 1, "out": False}, r"^out: gather needs it on rank 1"),
+    ("all_reduce", {"x": False}, r"^x: all_reduce needs it on rank 1"),
+    ("send", {"peer": 0}, r"^out: send takes none on rank 1"),
+    ("scatter", {}, r"^collective: expected one of all_reduce, all_gather, reduce_scatter, broadcast, gather, send, "
+                    r"recv, got 'scatter'"),
+])
+def test_bad_collective_arguments_are_named(name, refs, message):
+    values = {"small": ref("out", torch.empty(4, 6)), "half": ref("out", torch.empty(32, 6, dtype=torch.float16)),
+              "scalar": ref("x", torch.tensor(1.0)), "scalar_out": ref("out", torch.tensor(1.0)),
+              "host": ref("x", torch.randn(8, 6), device=-1), "cuda1": ref("x", torch.randn(8, 6), device=1),
+              "strided": ref("x", torch.randn(8, 12)[:, :6])}
+    refs = {k: values.get(v, v) if isinstance(v, str) else v for k, v in refs.items()}
+    with pytest.raises(ValueError, match=message):
+        collective(name, **refs)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_fused_all_reduce_layout_and_its_workspace(dtype):
+    """The all-reduce alone views `count` elements as rows of 16 bytes where it can (else of one
+    element); its workspace needs are those of the matmul all-reduce of that view, for any count."""
+    per_row = 16 // torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    for count in (1, 7, per_row, 3 * per_row, 1000 * per_row + 1, 2**20):
+        rows, cols = C.all_reduce_layout(count, dtype)
+        assert rows * cols == count and cols == (per_row if count % per_row == 0 else 1)
+        for algo in C.ALL_REDUCE_ALGORITHMS:
+            for p in (2, 8):
+                assert C.fused_all_reduce_needs(p, count, dtype, algo) == \
+                    C.fused_region_needs("matmul_all_reduce", p, rows, cols, cols, dtype, algo)
+    with pytest.raises(ValueError, match=r"algorithm: expected one of one_shot, two_shot, scatter_gather"):
+        C.fused_all_reduce_needs(2, 8, dtype, "ring")

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "tp_kernels/collectives.h"
 #include "tp_kernels/device_ops.h"
 #include "tp_kernels/gemm.h"
 #include "tp_kernels/overlap.h"
@@ -42,6 +43,13 @@ LinearArgs linear_args(const TensorRef& x, const TensorRef& weight, const Tensor
 OverlapArgs primitive_args(Primitive op, int p, int device, const TensorRef& x, const TensorRef& weight,
                            const TensorRef* bias, const TensorRef& out, const TensorRef* scratch,
                            std::vector<int64_t> bounds, const TensorRef& workspace, cudaStream_t stream);
+
+// The arguments of collective `c` (collectives.h gives the shapes) for rank `rank` of a group of
+// `p` on `device`: `x` (none for recv) and `out` (none for send, and for gather off the root)
+// contiguous, of one dtype (a compute dtype for the reductions); `peer` the root (broadcast,
+// gather), the destination (send) or the source (recv), another rank for send and recv.
+CollectiveArgs collective_args(Collective c, int rank, int p, int device, const TensorRef* x, const TensorRef* out,
+                               int peer, cudaStream_t stream);
 
 // The fused all-reduce by `algo` (peer.h): one chunk for one_shot and two_shot; for scatter_gather
 // the p blocks' boundaries (p + 1 of them, so m >= p) and a partial buffer.

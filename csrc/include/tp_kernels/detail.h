@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cuda_runtime_api.h>
+#include <nccl.h>
 
 #include <cstdint>
 #include <string>
@@ -59,6 +60,17 @@ inline void gemm(const OverlapArgs& a, const void* x, void* y, int64_t rows, con
 inline void order(cudaStream_t from, cudaStream_t to, cudaEvent_t e) {
   TPK_CHECK_CUDA(cudaEventRecord(e, from));
   TPK_CHECK_CUDA(cudaStreamWaitEvent(to, e, 0));
+}
+
+// NCCL's name of `t` (every dtype of the table has one).
+inline ncclDataType_t nccl_type(DType t) {
+  switch (t) {
+    case DType::kFloat32: return ncclFloat32;
+    case DType::kFloat16: return ncclFloat16;
+    case DType::kBFloat16: return ncclBfloat16;
+    case DType::kUInt8: return ncclUint8;
+  }
+  throw Error(std::string("no NCCL type for ") + dtype_name(t));
 }
 
 inline std::string shape(int64_t rows, int64_t cols) {

@@ -37,6 +37,7 @@
 #include <string>
 #include <vector>
 
+#include "tp_kernels/collectives.h"
 #include "tp_kernels/device_ops.h"
 #include "tp_kernels/overlap.h"
 
@@ -159,6 +160,24 @@ void fused_matmul_reduce_scatter(PeerContext& ctx, const OverlapArgs& args, int 
 // over m for scatter-gather (scratch [m, n]). Deterministic like the reduce-scatter.
 void fused_matmul_all_reduce(PeerContext& ctx, const OverlapArgs& args, AllReduceAlgo algo,
                              int phase = kAllPhases);
+
+// The all-reduce alone (tp_kernels.Communicator): out = the sum over ranks of x (args from
+// collective_args(kAllReduce, ...); out may be x), by `algo`, in the phases of
+// fused_phases(kMatmulAllReduce, algo). It is fused_matmul_all_reduce with each rank's x in place
+// of its partial product: x is copied into the workspace (so a CUDA graph captures the copy, and
+// x itself needs no registration), viewed as all_reduce_layout's rows. Every algorithm sums each
+// element in rank order in fp32, so they all give the same bits, for any count.
+void fused_all_reduce(PeerContext& ctx, const CollectiveArgs& args, AllReduceAlgo algo, int phase = kAllPhases);
+
+// The [rows, cols] view fused_all_reduce takes of `count` elements: rows of 16 bytes where the
+// count allows, else rows of one element (scatter_gather splits rows among the ranks).
+struct AllReduceLayout {
+  int64_t rows, cols;
+};
+AllReduceLayout all_reduce_layout(int64_t count, DType dtype);
+
+// Bytes each region needs on every rank for fused_all_reduce of `count` elements on p ranks.
+std::vector<size_t> fused_all_reduce_needs(int p, int64_t count, DType dtype, AllReduceAlgo algo);
 
 // Elements of each rank's slice in the two-shot all-reduce of `count` elements (16-byte aligned
 // slices; the last ones may be short or empty).
