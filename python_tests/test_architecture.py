@@ -31,7 +31,7 @@ LAYERS = [
     ("extension loader", ["_extension"]),
     ("backends", ["backends", "backends.*"]),
     ("decision and custom ops", ["autotune", "dispatch", "_library"]),
-    ("ops and mappings", ["ops", "mappings"]),
+    ("ops and mappings", ["ops", "mappings", "communicator"]),
     ("layers", ["layers", "embedding", "cross_entropy", "parallelize"]),
     ("tools", ["testing", "testing.*", "perf_model", "bench", "bench.*"]),
     ("package", [""]),
@@ -122,10 +122,11 @@ def test_the_lower_layers_know_nothing_of_the_upper_ones():
     """The group teardown reaches the layers that made per-group state through hooks they
     register (parallel_state imports none of them)."""
     assert _imports("parallel_state") == {"settings"} and _imports("settings") == set()
-    from tp_kernels import autotune, parallel_state
+    from tp_kernels import autotune, communicator, parallel_state
     from tp_kernels.backends import peer_memory, pipelined_native
 
-    for teardown in (autotune.forget, peer_memory.destroy_workspaces, pipelined_native.destroy_communicators):
+    for teardown in (autotune.forget, peer_memory.destroy_workspaces, pipelined_native.destroy_communicators,
+                     communicator._forget):
         assert teardown in parallel_state._TEARDOWNS
 
 
@@ -203,6 +204,8 @@ built = pytest.mark.skipif(_extension._C is None, reason="the native module is n
 def test_pythons_view_of_the_native_lists():
     C = _extension._C
     assert C.OPS == _op_table.PRIMITIVES == tuple(schedule.DEFAULT_NUM_CHUNKS)
+    assert C.COLLECTIVES == _op_table.COLLECTIVES
+    assert set(_op_table.REDUCTIONS) < set(C.COLLECTIVES) and set(_op_table.POINT_TO_POINT) < set(C.COLLECTIVES)
     assert all(getattr(torch, name).is_floating_point for name in C.DTYPES)
     from tp_kernels.backends import fused
 
@@ -228,11 +231,12 @@ def _string_collections(path):
 @built
 def test_no_list_is_written_on_both_sides_of_the_boundary():
     """A module that talks to the native module reads its lists from it: none writes two or more
-    names of a list the native module defines. The op list has one Python definition, the
-    table of the public ops, which the test above holds equal to the native one."""
+    names of a list the native module defines (nor does any module write two op names). The op
+    and collective lists have one Python definition each, in the table of the public ops, which
+    the test above holds equal to the native ones."""
     C = _extension._C
     native_lists = {"ops": C.OPS, "dtypes": C.DTYPES, "all-reduce algorithms": C.ALL_REDUCE_ALGORITHMS,
-                    "regions": C.REGIONS}
+                    "regions": C.REGIONS, "collectives": C.COLLECTIVES}
     found = []
     for module, path in MODULES.items():
         talks_to_native = "_extension" in _imports(module) or module == "_extension"
@@ -240,7 +244,7 @@ def test_no_list_is_written_on_both_sides_of_the_boundary():
             for what, names in native_lists.items():
                 if len(strings & set(names)) < 2:
                     continue
-                if what == "ops" and module == "_op_table":
+                if what in ("ops", "collectives") and module == "_op_table":
                     continue
                 if what == "ops" or talks_to_native:
                     found.append(f"tp_kernels/{path.relative_to(PACKAGE)}:{line} writes {what}: {sorted(strings)}")

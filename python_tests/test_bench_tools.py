@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tp_kernels import perf_model as pm
-from tp_kernels.bench import cases, report
+from tp_kernels.bench import cases, communicator, report
 from tp_kernels.schedule import DEFAULT_NUM_CHUNKS
 
 
@@ -218,6 +218,35 @@ def test_main_job_writes_json_csv_png(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "tp_kernels.bench", "--targets", "nope"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "unknown target nope" in bad.stderr
+
+
+@pytest.mark.slow
+def test_the_communicator_sweep_alone(tmp_path):
+    cmd = [sys.executable, "-m", "tp_kernels.bench", "--quick", "--iters", "2", "--warmup", "0",
+           "--targets", "communicator", "--out-dir", str(tmp_path), "--tag", "sweep"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    sweep = json.load(open(tmp_path / "cpu-gloo-p2-quick-sweep.json"))["communicator"]
+    assert (sweep["p"], sweep["dtype"], sweep["paths"]) == (2, "float32", ["reference"])  # the CPU: one path
+    assert [r["bytes"] for r in sweep["rows"]] == list(communicator.QUICK_SIZES)
+    assert all(r["times_s"]["reference"] > 0 and r["auto"] == "reference" for r in sweep["rows"])
+    assert sweep["crossovers"] == [] and "64 MiB" in run.stdout and "auto's choice: reference" in run.stdout
+    assert not (tmp_path / "cpu-gloo-p2-quick-sweep.csv").exists()  # no case, no case table
+
+
+def test_communicator_table_and_crossovers():
+    paths = ["fused:one_shot", "native:1", "reference"]
+    times = [(1e-6, 5e-6, 9e-6), (8e-6, 6e-6, 9e-6), (9e-5, 2e-5, 3e-5)]
+    rows = [{"bytes": b, "numel": b // 2, "times_s": dict(zip(paths, t)), "auto": paths[t.index(min(t))]}
+            for b, t in zip((512, 2**20, 64 * 2**20), times)]
+    assert communicator.crossovers(rows) == [{"bytes": 2**20, "from": "fused:one_shot", "to": "native:1"}]
+    table = communicator.format_table({"dtype": "bfloat16", "p": 8, "paths": paths, "rows": rows,
+                                       "crossovers": communicator.crossovers(rows)})
+    lines = table.splitlines()
+    assert "p=8" in lines[0] and lines[1].split() == ["bytes"] + paths + ["auto"]
+    assert lines[3].split()[:4] == ["512", "B", "1.0*", "5.0"] and lines[4].split()[3] == "6.0*"
+    assert lines[5].startswith("   64 MiB") and lines[-1] == "# auto's crossovers: fused:one_shot -> native:1 at 1 MiB"
+    assert communicator.SIZES[0] == 512 and communicator.SIZES[-1] == communicator.QUICK_SIZES[-1] == 64 * 2**20
 
 
 def _has_matplotlib():

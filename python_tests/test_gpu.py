@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import test_autotune
+import test_communicator
 import test_layers
 import test_library
 import test_ops
@@ -539,3 +540,159 @@ def test_auto_measures_fused_native_and_reference_on_one_gpu(shared_gpu_world):
                           else {f"fused:{chunks}"})
         assert set(variants[:-2]) == fused_variants and len(variants) == len(fused_variants) + 2, (op, m_class, variants)
         assert list(variants[-2:]) == [f"native:{chunks}", "reference"], (op, m_class, variants)
+
+
+# --- tp_kernels.Communicator: its paths on processes sharing the GPU, and the fused all-reduce alone
+# on virtual ranks ----------------------------------------------------------------------------------
+
+COMM_DTYPES = (torch.float32, torch.bfloat16, torch.int64)
+
+
+@native_built
+@pytest.mark.parametrize("backend", ["reference", "pipelined", "fused"])
+def test_communicator_against_torch_distributed_on_one_gpu(shared_gpu_world, backend):
+    shared_gpu_world.run(test_communicator.check_against_torch_distributed, backend, "cuda", COMM_DTYPES)
+
+
+def _rank_order_sum(parts, dtype):
+    """The fused all-reduce's result: the parts summed in rank order in float32, then rounded."""
+    acc = parts[0].float()
+    for t in parts[1:]:
+        acc = acc + t.float()
+    return acc.to(dtype)
+
+
+#: element counts: one, odd, 16-byte rows, rows not divisible by the ranks, large
+ALL_REDUCE_COUNTS = (1, 7, 4096, 65537, 2**20 + 8)
+
+
+@native_built
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_all_reduce_alone_is_the_rank_order_sum_for_every_algorithm(p, dtype):
+    """The all-reduce alone on virtual ranks: every algorithm gives the rank-order fp32 sum, bit for
+    bit, for any count, on every rank; and it is within rounding of the float64 sum."""
+    with VirtualRanks(p, timeout_s=10.0) as vr:
+        for count in ALL_REDUCE_COUNTS:
+            g = torch.Generator().manual_seed(count + p)
+            xs = [torch.randn(count, generator=g).to("cuda", dtype) for _ in range(p)]
+            want = _rank_order_sum(xs, dtype)
+            for algorithm in fused.algorithms():
+                for q, out in enumerate(vr.all_reduce(xs, algorithm)):
+                    assert torch.equal(out, want), f"{algorithm} count {count} rank {q}"
+            ref = sum(x.double() for x in xs)
+            assert_close(f"fused all_reduce count {count}", want, ref, sum(xs), terms=p)
+        vr.check()
+
+
+@native_built
+@pytest.mark.parametrize("p", [2, 4])
+def test_fused_all_reduce_alone_graph_replay_equals_eager(p):
+    dtype = torch.bfloat16
+    with VirtualRanks(p, timeout_s=10.0) as vr:
+        xs = {(a, c): [torch.randn(c, device="cuda", dtype=dtype) for _ in range(p)]
+              for a in fused.algorithms() for c in (5, 4096)}
+        for (a, _), x in xs.items():
+            vr.all_reduce(x, a)  # the workspace made outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = {key: vr.all_reduce(x, key[0]) for key, x in xs.items()}
+        for _ in range(10):
+            for x in xs.values():
+                for t in x:
+                    t.normal_()
+            graph.replay()
+            for key, x in xs.items():
+                for a, b in zip(captured[key], vr.all_reduce(x, key[0])):
+                    assert torch.equal(a, b), key
+        vr.check()
+
+
+def check_communicator_paths(dtype):
+    """Across processes: the fused all-reduce by each algorithm is the rank-order sum bit for bit;
+    NCCL's within rounding of float64; every collective of the native path moves the bits."""
+    from tp_kernels import backends
+
+    r, p = rank_world()
+    group = _collectives.resolve_group(None)
+    dtype = getattr(torch, dtype)
+    for count in (1, 7, 4096, 65537):
+        gen = torch.Generator(device="cuda")
+        parts = [torch.randn(count, generator=gen.manual_seed(1000 * q + count), device="cuda").to(dtype)
+                 for q in range(p)]
+        x = parts[r]
+        want = _rank_order_sum(parts, dtype)
+        for a in fused.algorithms():
+            out = backends.run_collective("all_reduce", f"fused:{a}", x, torch.empty_like(x), -1, group)
+            assert torch.equal(out, want), f"fused:{a} count {count}"
+        nccl = backends.run_collective("all_reduce", "native:1", x, torch.empty_like(x), -1, group)
+        assert_close(f"NCCL all_reduce count {count}", nccl, sum(t.double() for t in parts), sum(parts), terms=p)
+        gathered = backends.run_collective("all_gather", "native:1", x, x.new_empty(p * count), -1, group)
+        assert torch.equal(gathered, torch.cat(parts))
+
+
+@native_built
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_communicator_paths_across_processes(shared_gpu_world, dtype):
+    shared_gpu_world.run(check_communicator_paths, dtype)
+
+
+def check_communicator_graph_capture(backend):
+    """Decode-style capture: all_reduce and all_gather in a CUDA graph after capture(); replays
+    equal eager calls on the same path, bit for bit."""
+    r, p = rank_world()
+    comm = tp_kernels.Communicator(backend=backend)
+    static = {c: torch.randn(c, device="cuda", dtype=torch.bfloat16) for c in (8, 4096)}
+    for x in static.values():  # eager first: the decision of each size, made outside the capture
+        comm.all_reduce(x), comm.all_gather(x)
+    torch.cuda.synchronize()
+    with comm.capture():
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = {c: (comm.all_reduce(x), comm.all_gather(x)) for c, x in static.items()}
+    gen = torch.Generator(device="cuda").manual_seed(r)
+    for _ in range(10):
+        for x in static.values():
+            x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
+        graph.replay()
+        for c, x in static.items():
+            assert torch.equal(captured[c][0], comm.all_reduce(x)), (backend, c)
+            assert torch.equal(captured[c][1], comm.all_gather(x)), (backend, c)
+    torch.cuda.synchronize()
+
+
+@native_built
+@pytest.mark.parametrize("backend", ["pipelined", "fused"])
+def test_communicator_graph_capture_and_replay(shared_gpu_world, backend):
+    shared_gpu_world.run(check_communicator_graph_capture, backend)
+
+
+def check_communicator_mixed_sizes(calls):
+    """``calls`` all-reduces of mixed sizes and dtypes with backend="auto" choosing among every
+    path: each against the float64 sum of every rank's input (made on every rank from seeds)."""
+    r, p = rank_world()
+    settings.set_auto_candidates(("fused", "pipelined", "reference"))
+    try:
+        comm = tp_kernels.Communicator()
+        sizes = (1, 3, 100, 1000, 4099, 65536, 300000)
+        for i in range(calls):
+            count, dtype = sizes[i % len(sizes)], (torch.bfloat16, torch.float32)[(i // len(sizes)) % 2]
+            gen = torch.Generator(device="cuda")
+            parts = [torch.randn(count, generator=gen.manual_seed(7919 * i + q), device="cuda").to(dtype)
+                     for q in range(p)]
+            y = comm.all_reduce(parts[r])
+            if i % 10 == 0 or i >= calls - len(sizes) * 2:
+                assert_close(f"call {i}: {count} {dtype}", y, sum(t.double() for t in parts), sum(parts), terms=p)
+        torch.cuda.synchronize()
+        return sorted({(d.m_class, str(d.dtype), d.choice) for d in tp_kernels.autotune.decisions()
+                       if d.op == "all_reduce"})
+    finally:
+        settings.set_auto_candidates(None)
+        tp_kernels.autotune.forget()
+
+
+@native_built
+def test_communicator_1000_mixed_size_calls(shared_gpu_world):
+    per_rank = shared_gpu_world.run(check_communicator_mixed_sizes, 1000, deadline_s=400)
+    assert all(d == per_rank[0] for d in per_rank), per_rank  # every rank chose alike

@@ -10,6 +10,8 @@ Public API (see docs/api.md):
 * :mod:`tp_kernels.mappings`: Megatron's communication mappings;
 * :mod:`tp_kernels.ops`: :func:`all_gather_matmul`, :func:`matmul_reduce_scatter`,
   :func:`matmul_all_reduce` on any backend;
+* :class:`Communicator` (:mod:`tp_kernels.communicator`): the plain collectives serving engines
+  call, each on its fastest path, and :func:`tensor_model_parallel_all_reduce` & co.;
 * layers: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
   :class:`VocabParallelEmbedding`, :func:`vocab_parallel_cross_entropy`, :func:`parallelize`;
 * :mod:`tp_kernels.testing`: the harnesses that test and measure it on one machine.
@@ -17,10 +19,16 @@ Public API (see docs/api.md):
 docs/architecture.md draws the layers of the package and follows a call through them.
 """
 
-from . import autotune, mappings, ops, schedule, settings
+from . import autotune, communicator, mappings, ops, schedule, settings
 from ._extension import extension_status
 from .settings import get_timeout, set_comm_stream_priority, set_timeout
 from .cross_entropy import vocab_parallel_cross_entropy
+from .communicator import (
+    Communicator,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+    tensor_model_parallel_gather,
+)
 from .embedding import VocabParallelEmbedding
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .ops import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
@@ -44,11 +52,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ColumnParallelLinear",
+    "Communicator",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "all_gather_matmul",
     "allreduce_sequence_parallel_grads",
     "autotune",
+    "communicator",
     "destroy_model_parallel",
     "extension_status",
     "get_data_parallel_group",
@@ -72,5 +82,8 @@ __all__ = [
     "set_comm_stream_priority",
     "set_timeout",
     "settings",
+    "tensor_model_parallel_all_gather",
+    "tensor_model_parallel_all_reduce",
+    "tensor_model_parallel_gather",
     "vocab_parallel_cross_entropy",
 ]

@@ -16,8 +16,9 @@ only when the digests differ, a second one of the fingerprints themselves (:data
 to say what differs). Both are bounded like every collective (:func:`tp_kernels.get_timeout`).
 That is one more round trip per call, whose cost
 ``python -m tp_kernels.bench.fingerprints`` measures. It is off by default
-(``TP_KERNELS_FINGERPRINTS=1`` or :func:`tp_kernels.settings.set_fingerprints` turn it on). What
-runs whatever the setting: a destroyed group is named, and ``initialize_model_parallel`` agrees
+(``TP_KERNELS_FINGERPRINTS=1`` or :func:`tp_kernels.settings.set_fingerprints` turn it on), and
+skipped while torch.compile traces a call or a CUDA graph captures it. What runs whatever the
+setting: a destroyed group is named, and ``initialize_model_parallel`` agrees
 on the layout, bounded (:mod:`tp_kernels.parallel_state`).
 """
 
@@ -79,6 +80,13 @@ def _views_if_they_differ(mine: str, group, device: torch.device) -> Optional[Li
     return exchange_views(mine, group, device)
 
 
+def _recording() -> bool:
+    """Whether the call is being recorded rather than run: torch.compile tracing it or a CUDA
+    graph capturing it. The exchange (a collective read back on the host) cannot be recorded;
+    the recorded call replays what ran eagerly before."""
+    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 def agree(call: str, group, check: Callable[[], T], fingerprint: Callable[[T], str], hint=None) -> T:
     """``check()`` (this rank's argument checks, raising ``ValueError``), agreed with the group.
 
@@ -95,7 +103,7 @@ def agree(call: str, group, check: Callable[[], T], fingerprint: Callable[[T], s
     except ValueError as exc:
         error = exc
     p = coll.group_size(group)
-    if p > 1 and settings.fingerprints_enabled():
+    if p > 1 and settings.fingerprints_enabled() and not _recording():
         mine = f"{_ERROR}|{error}" if error is not None else f"{_OK}|{call}: {fingerprint(result)}"
         views = _views_if_they_differ(mine, group, _exchange_device(group, hint)) or [mine]  # [mine]: all alike
         failed = [(q, v.partition("|")[2]) for q, v in enumerate(views) if v.partition("|")[0] != _OK]

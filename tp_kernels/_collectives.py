@@ -33,15 +33,19 @@ __all__ = [
     "all_gather_dim0",
     "all_gather_last_dim",
     "all_reduce",
+    "broadcast",
     "check_alive",
+    "gather",
     "group_from_name",
     "group_key",
     "group_name",
     "group_rank",
     "group_size",
+    "recv",
     "reduce_scatter_dim0",
     "resolve_group",
     "ring_exchange",
+    "send",
     "split",
     "wait",
 ]
@@ -283,6 +287,43 @@ def all_reduce(x: torch.Tensor, group, *, op=dist.ReduceOp.SUM, inplace: bool = 
     what = f"all-reduce of {tuple(x.shape)} {x.dtype}"
     work = _issue(what, group, lambda: dist.all_reduce(x, op=op, group=group, async_op=True))
     return Pending(x, [work], what, group)
+
+
+def broadcast(x: torch.Tensor, src: int, group) -> Pending:
+    """Start broadcasting contiguous ``x`` from group rank ``src`` into ``x`` on every rank."""
+    if group_size(group) == 1:
+        return _local(x, None, "broadcast")
+    what = f"broadcast of {tuple(x.shape)} {x.dtype} from rank {src}"
+    root = dist.get_global_rank(group, src)
+    work = _issue(what, group, lambda: dist.broadcast(x, src=root, group=group, async_op=True))
+    return Pending(x, [work], what, group)
+
+
+def gather(x: torch.Tensor, out: Optional[torch.Tensor], dst: int, group) -> Pending:
+    """Start gathering contiguous ``x`` ``[d, ...]`` of every rank into ``out`` ``[p*d, ...]``
+    (rank-major) on group rank ``dst``; ``out`` is None on the other ranks."""
+    p = group_size(group)
+    if p == 1:
+        return _local(x, out, "gather")
+    what = f"gather of {tuple(x.shape)} {x.dtype} to rank {dst}"
+    blocks = list(out.chunk(p)) if out is not None else None
+    root = dist.get_global_rank(group, dst)
+    work = _issue(what, group, lambda: dist.gather(x, blocks, dst=root, group=group, async_op=True))
+    return Pending(x if out is None else out, [work], what, group)
+
+
+def send(x: torch.Tensor, dst: int, group) -> Pending:
+    """Start sending contiguous ``x`` to group rank ``dst``."""
+    what = f"send of {tuple(x.shape)} {x.dtype} to rank {dst}"
+    work = _issue(what, group, lambda: dist.isend(x, dst=dist.get_global_rank(group, dst), group=group))
+    return Pending(x, [work], what, group)
+
+
+def recv(out: torch.Tensor, src: int, group) -> Pending:
+    """Start receiving contiguous ``out`` from group rank ``src``."""
+    what = f"recv of {tuple(out.shape)} {out.dtype} from rank {src}"
+    work = _issue(what, group, lambda: dist.irecv(out, src=dist.get_global_rank(group, src), group=group))
+    return Pending(out, [work], what, group)
 
 
 def all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:

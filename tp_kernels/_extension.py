@@ -165,6 +165,20 @@ def unsupported_tensors_reason(x: torch.Tensor, weight: torch.Tensor) -> Optiona
     return None
 
 
+def unsupported_collective_reason(reduces: bool, x: torch.Tensor) -> Optional[str]:
+    """Why the native module cannot take this collective's input here, or None: the module, a CUDA
+    device and, for a collective that sums (``reduces``), a dtype of ``_C.DTYPES`` (the others
+    move any dtype, as bytes)."""
+    reason = unavailable()
+    if reason is not None:
+        return reason
+    if not x.is_cuda:
+        return f"x is on {x.device.type}, not on a CUDA device"
+    if reduces and dtype_name(x.dtype) not in _C.DTYPES:
+        return f"dtype {x.dtype} is not summed natively ({', '.join(_C.DTYPES)})"
+    return None
+
+
 def tensor_ref(name: str, t: torch.Tensor):
     """``t`` as the native module takes a tensor argument called ``name``."""
     if not isinstance(t, torch.Tensor):

@@ -9,8 +9,13 @@ same implementation. :mod:`tp_kernels.ops` checks the arguments and decides befo
 
 Backward ops return an empty tensor for a gradient that is not needed (a custom op cannot
 return None); the autograd wrappers turn those back into None.
-"""
 
+The plain collectives of :class:`tp_kernels.Communicator` are custom ops too (``all_reduce``,
+``all_reduce_out``, ``all_gather``, ``reduce_scatter``, ``gather``, ``broadcast``), over dim 0 of
+contiguous tensors, with the implementation decided before the call
+(:func:`tp_kernels.dispatch.resolve_collective`); they have no autograd formula (serving runs
+without gradients; :mod:`tp_kernels.mappings` has the differentiable ones).
+"""
 
 from typing import Optional, Tuple
 
@@ -19,7 +24,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _collectives as coll
-from .backends import run
+from ._op_table import collective_output_shape
+from .backends import run, run_collective
 
 __all__: list = []  # the ops are torch.ops.tp_kernels.*
 
@@ -181,3 +187,85 @@ linear_with_grad_all_reduce_backward.register_fake(_fake_grads)
 
 
 _register_backward(linear_with_grad_all_reduce, linear_with_grad_all_reduce_backward)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plain collectives (tp_kernels.Communicator), over dim 0 of contiguous tensors
+
+
+def _output(collective: str, x: Tensor, group: str, receives: bool = True) -> Optional[Tensor]:
+    shape = collective_output_shape(collective, x.shape, _size(group), receives)
+    return None if shape is None else x.new_empty(shape)
+
+
+def _collective(collective: str, x: Tensor, group: str, impl: str, peer: int = -1) -> Tensor:
+    """``collective`` of ``x`` into a new tensor (for ``gather`` off the root: an empty one)."""
+    g = coll.group_from_name(group)
+    receives = collective != "gather" or coll.group_rank(g) == peer
+    out = _output(collective, x, group, receives)
+    if out is None:
+        run_collective(collective, impl, x, None, peer, g)
+        return x.new_empty((0,) + tuple(x.shape[1:]))
+    return run_collective(collective, impl, x, out, peer, g)
+
+
+@torch.library.custom_op("tp_kernels::all_reduce", mutates_args=())
+def all_reduce(x: Tensor, group: str, impl: str) -> Tensor:
+    return _collective("all_reduce", x, group, impl)
+
+
+@all_reduce.register_fake
+def _(x, group, impl):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("tp_kernels::all_reduce_out", mutates_args=("out",))
+def all_reduce_out(x: Tensor, out: Tensor, group: str, impl: str) -> None:
+    run_collective("all_reduce", impl, x, out, -1, coll.group_from_name(group))
+
+
+@all_reduce_out.register_fake
+def _(x, out, group, impl):
+    return None
+
+
+@torch.library.custom_op("tp_kernels::all_gather", mutates_args=())
+def all_gather(x: Tensor, group: str, impl: str) -> Tensor:
+    return _collective("all_gather", x, group, impl)
+
+
+@all_gather.register_fake
+def _(x, group, impl):
+    return _output("all_gather", x, group)
+
+
+@torch.library.custom_op("tp_kernels::reduce_scatter", mutates_args=())
+def reduce_scatter(x: Tensor, group: str, impl: str) -> Tensor:
+    return _collective("reduce_scatter", x, group, impl)
+
+
+@reduce_scatter.register_fake
+def _(x, group, impl):
+    return _output("reduce_scatter", x, group)
+
+
+@torch.library.custom_op("tp_kernels::gather", mutates_args=())
+def gather(x: Tensor, dst: int, group: str, impl: str) -> Tensor:
+    return _collective("gather", x, group, impl, dst)
+
+
+@gather.register_fake
+def _(x, dst, group, impl):
+    if coll.group_rank(coll.group_from_name(group)) == dst:
+        return _output("gather", x, group)
+    return x.new_empty((0,) + tuple(x.shape[1:]))
+
+
+@torch.library.custom_op("tp_kernels::broadcast", mutates_args=("x",))
+def broadcast(x: Tensor, src: int, group: str, impl: str) -> None:
+    run_collective("broadcast", impl, x, x, src, coll.group_from_name(group))
+
+
+@broadcast.register_fake
+def _(x, src, group, impl):
+    return None

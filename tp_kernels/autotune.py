@@ -29,6 +29,10 @@ Every rank gets the same figures, so all ranks choose alike. Before measuring, t
 exchange what they are about to measure (the call and the candidates); ranks that disagree get
 a ``RuntimeError`` naming every rank's view instead of mismatched collectives.
 
+The plain collectives of :class:`tp_kernels.Communicator` are measured the same way
+(:func:`choose_collective`): per size class (collective, group, dtype, the element count rounded
+up to a power of two, the root), each variant run on the call's input into a scratch output.
+
 The forward decides: the backward of a call runs on the implementation its forward chose.
 Nothing is measured while ``torch.compile`` traces or a CUDA graph is captured: the class's
 decision is used if there is one, else the first candidate in the order fused, pipelined,
@@ -49,7 +53,7 @@ import torch
 from . import _collectives as coll
 from . import backends, parallel_state
 from ._agreement import exchange_views
-from ._op_table import OPS, communicated_problem
+from ._op_table import OPS, POINT_TO_POINT, collective_output_shape, communicated_problem
 from ._timing import Timer
 from .settings import AUTO_CHOICES as CHOICES
 from .settings import autotune_enabled, get_auto_candidates, set_auto_candidates, set_autotune
@@ -61,6 +65,7 @@ __all__ = [
     "Decision",
     "autotune_enabled",
     "choose",
+    "choose_collective",
     "decisions",
     "forget",
     "get_auto_candidates",
@@ -179,21 +184,49 @@ def choose(op: str, variants: Sequence[str], x: torch.Tensor, weight: torch.Tens
     primitive, a, w, b = _operands(op, x, weight, bias)
     m, n, k = communicated_problem(op, x.shape[0], weight.shape)
     key = (op, coll.group_key(group, x.device), x.dtype, size_class(m), n, k, b is not None, tuple(variants))
+    return _measured(key, op, variants, x, group, m, n, k, b is not None,
+                     lambda v: _run_variant(primitive, v, a, w, b, group))
+
+
+def choose_collective(collective: str, variants: Sequence[str], x: torch.Tensor, group, peer: int = -1) -> str:
+    """:func:`choose` for a plain collective of :class:`tp_kernels.Communicator`: measured on the
+    first call of its size class (its element count rounded up to a power of two: the decision's
+    ``m_class``; ``n`` and ``k`` are 0), on scratch copies of the call's tensors. Point-to-point
+    ``send`` and ``recv`` are not measured (one side alone cannot time them): they run the first."""
+    if len(variants) == 1 or not autotune_enabled() or collective in POINT_TO_POINT:
+        return variants[0]
+    numel, p = x.numel(), coll.group_size(group)
+    key = (collective, coll.group_key(group, x.device), x.dtype, size_class(numel), peer, tuple(variants))
+    receives = collective != "gather" or coll.group_rank(group) == peer
+    shape = collective_output_shape(collective, x.shape, p, receives)
+    out = None if shape is None else x.new_empty(shape)  # x is only read (broadcast writes out)
+    return _measured(key, collective, variants, x, group, numel, 0, 0, False,
+                     lambda v: backends.run_collective(collective, v, x, out, peer, group),
+                     also=f" peer={peer}" if peer >= 0 else "")
+
+
+def _measured(key: tuple, op: str, variants: Sequence[str], x: torch.Tensor, group, m: int, n: int, k: int,
+              bias: bool, run, also: str = "") -> str:
+    """The decision of class ``key``: known, or measured now by timing ``run(variant)`` for each
+    variant (see the module doc); the first variant where nothing can be measured. ``also``: more
+    of the call, for the ranks to agree on."""
     hit = _decisions.get(key)
     if hit is not None:
         return hit[1].choice
     why_not = _not_measurable(x)
     if why_not is not None:
-        logger.debug("auto backend for %s: %s and the shape class was never measured: %s", op, why_not, variants[0])
+        if not torch.compiler.is_compiling():  # a logger call would break torch.compile's graph
+            logger.debug("auto backend for %s: %s and the shape class was never measured: %s", op, why_not,
+                         variants[0])
         return variants[0]
     p = coll.group_size(group)
-    _agree(f"{op} m={m} n={n} k={k} {x.dtype} bias={b is not None} p={p} candidates={','.join(variants)}",
+    _agree(f"{op} m={m} n={n} k={k} {x.dtype} bias={bias} p={p}{also} candidates={','.join(variants)}",
            group, x.device)
     with torch.no_grad(), (torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()):
         timer = Timer(REPEATS, WARMUP, x.is_cuda, group)
-        times = tuple(timer(lambda i, v=v: _run_variant(primitive, v, a, w, b, group)) for v in variants)
+        times = tuple(timer(lambda i, v=v: run(v)) for v in variants)
     best = min(range(len(variants)), key=times.__getitem__)
-    decision = Decision(op, group.group_name, str(x.device), x.dtype, p, size_class(m), n, k, b is not None,
+    decision = Decision(op, group.group_name, str(x.device), x.dtype, p, size_class(m), n, k, bias,
                         tuple(variants), times, variants[best])
     if decision.algorithm is not None:
         _algorithms[_algorithm_key(m, n, p, x.dtype)] = decision.algorithm

@@ -8,13 +8,18 @@ choice (:func:`tp_kernels.autotune.choose`) and the fused all-reduce algorithm. 
 carry that name down; the backward of a call runs on the implementation its forward chose, and
 nothing below decides or checks again.
 
-The logger ``tp_kernels.dispatch`` says at debug level why a fast path was left out.
+:func:`resolve_collective` is the same decision for the plain collectives of
+:class:`tp_kernels.Communicator` (``"reference"``, ``"native:1"``, ``"fused:one_shot"``), with
+the candidates of ``"auto"`` found by the same rules (:func:`collective_candidates`).
+
+The logger ``tp_kernels.dispatch`` says at debug level why a fast path was left out (not while
+torch.compile traces: a logger call would break its graph).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -25,9 +30,16 @@ from ._op_table import OPS, communicated_problem
 from .backends import Impl, fused, parse, pipelined_native
 from .schedule import DEFAULT_NUM_CHUNKS, resolve_num_chunks
 
-__all__ = ["candidates", "fused_all_reduce_algorithm", "resolve", "select_backend"]
+__all__ = ["candidates", "capture_paths", "collective_candidates", "collective_variants", "fused_all_reduce_algorithm",
+           "resolve", "resolve_collective", "select_backend"]
 
 logger = logging.getLogger(__name__)
+
+
+def _debugging() -> bool:
+    """Whether to say why at debug level: never while torch.compile traces (a logger call there
+    would break the graph, and ``fullgraph=True`` fail)."""
+    return not torch.compiler.is_compiling() and logger.isEnabledFor(logging.DEBUG)
 
 
 def candidates(x: torch.Tensor, weight: torch.Tensor, group, p: Optional[int] = None) -> Tuple[List[str], List[str]]:
@@ -42,18 +54,37 @@ def candidates(x: torch.Tensor, weight: torch.Tensor, group, p: Optional[int] = 
     """
     if (coll.group_size(group) if p is None else p) == 1:
         return ["reference"], ["one rank, nothing to overlap"]
+    return _allowed(pipelined_native.unsupported_reason(x, weight, group),
+                    lambda: fused.unsupported_reason(x, weight, group), portable=True)
+
+
+def collective_candidates(collective: str, x: torch.Tensor, group) -> Tuple[List[str], List[str]]:
+    """What ``"auto"`` may run collective ``collective`` (of ``_op_table.COLLECTIVES``) on, like
+    :func:`candidates`: ``"fused"`` (the all-reduce only), ``"native"`` (NCCL), ``"reference"``
+    (``torch.distributed``), and why the others were left out."""
+    if coll.group_size(group) == 1:
+        return ["reference"], ["one rank, nothing to communicate"]
+    return _allowed(pipelined_native.unsupported_collective_reason(collective, x, group),
+                    lambda: fused.unsupported_collective_reason(collective, x, group), portable=False)
+
+
+def _allowed(native_reason: Optional[str], fused_reason: Callable[[], Optional[str]],
+             portable: bool) -> Tuple[List[str], List[str]]:
+    """The candidates of ``"auto"`` given why the native and the fused paths cannot run a call
+    (``fused_reason`` is asked only when the fused path is allowed and the native one can run:
+    its first call of a group is collective), and whether a portable schedule stands in for the
+    native one where that cannot run and ``"pipelined"`` is named."""
     named = settings.get_auto_candidates()
     allowed = named if named is not None else settings.AUTO_CHOICES
     out: List[str] = []
     why: List[str] = []
-    native_reason = pipelined_native.unsupported_reason(x, weight, group)
     if "fused" in allowed:
         if native_reason is not None:  # the fused path needs what the native one needs
             why.append(f"fused: {native_reason}")
         elif named is None and not settings.auto_fused():
             why.append(f"fused: {settings.AUTO_FUSED_OFF}")
         else:
-            reason = fused.unsupported_reason(x, weight, group)
+            reason = fused_reason()
             if reason is None:
                 out.append("fused")
             else:
@@ -61,7 +92,7 @@ def candidates(x: torch.Tensor, weight: torch.Tensor, group, p: Optional[int] = 
     if "pipelined" in allowed:
         if native_reason is None and (named is not None or settings.auto_native()):
             out.append("native")
-        elif named is not None:
+        elif named is not None and portable:
             out.append("pipelined")
             why.append(f"pipelined: the portable schedule, not the native one: {native_reason}")
         else:
@@ -152,12 +183,12 @@ def resolve(op: str, backend: str, x: torch.Tensor, p: int, group=None, weight: 
         reason = pipelined_native.unsupported_reason(x, w, group)
         if reason is None:
             return _name("native", op, x, w, p, chunks)
-        if x.is_cuda:
+        if x.is_cuda and _debugging():
             logger.debug("pipelined %s (p=%d, x %s %s): the portable schedule, not the native one: %s", op, p,
                          tuple(x.shape), x.dtype, reason)
         return _name("pipelined", op, x, w, p, chunks)
     impls, why = candidates(x, w, group, p)
-    if why and logger.isEnabledFor(logging.DEBUG):
+    if why and _debugging():
         logger.debug("auto backend for %s (p=%d, x %s %s on %s): candidates %s; left out: %s", op, p,
                      tuple(x.shape), x.dtype, x.device.type, impls, "; ".join(why))
     if len(impls) == 1:
@@ -168,3 +199,73 @@ def resolve(op: str, backend: str, x: torch.Tensor, p: int, group=None, weight: 
         return _name("fused", op, x, w, p, chunks, choice.algorithm)
     return choice.name
 
+
+
+def collective_variants(kind: str, collective: str, x: torch.Tensor, p: int) -> List[str]:
+    """The implementation names of candidate ``kind`` for a collective, the one it runs unmeasured
+    first: for the fused all-reduce each algorithm (one when ``TP_KERNELS_FUSED_ALL_REDUCE``
+    forces it), :func:`fused.collective_algorithm`'s pick first."""
+    if kind == "fused":
+        first = fused.collective_algorithm(x.numel(), p, x.dtype, autotune.measured_algorithm(x.numel(), 0, p, x.dtype))
+        forced = settings.forced_all_reduce_algorithm(fused.algorithms()) is not None
+        rest = [] if forced else [a for a in fused.algorithms() if a != first]
+        return [Impl("fused", algorithm=a).name for a in [first] + rest]
+    return ["native:1" if kind == "native" else "reference"]
+
+
+def resolve_collective(collective: str, backend: str, x: torch.Tensor, group, peer: int = -1) -> str:
+    """The implementation name that runs ``collective`` (of ``_op_table.COLLECTIVES``) for this
+    call on ``group``, ``x`` its input (for ``recv``, its output): the one decision for the plain
+    collectives, as :func:`resolve` is for the ops. The options were checked by the caller.
+
+    * With one rank, for an empty tensor, or for ``"reference"``: ``"reference"``
+      (``torch.distributed``).
+    * ``"pipelined"``: the group's NCCL communicator (``"native:1"``) where the native path can
+      run the call, else the reference (there is no portable schedule of a lone collective).
+    * ``"fused"``: the all-reduce over peer memory (``"fused:<algorithm>"``, the algorithm by
+      :func:`fused.collective_algorithm`), the other collectives on the NCCL communicator; a
+      ``ValueError`` with the reason where that cannot run.
+    * ``"auto"``: among :func:`collective_candidates`, measured on the first call of each size
+      class (:func:`tp_kernels.autotune.choose_collective`).
+    """
+    p = coll.group_size(group)
+    if backend == "reference" or p == 1 or x.numel() == 0:
+        return "reference"
+    if backend == "pipelined":
+        reason = pipelined_native.unsupported_collective_reason(collective, x, group)
+        if reason is not None:
+            if _debugging():
+                logger.debug("pipelined %s (p=%d, x %s %s): torch.distributed: %s", collective, p, tuple(x.shape),
+                             x.dtype, reason)
+            return "reference"
+        return "native:1"
+    if backend == "fused":
+        reason = pipelined_native.unsupported_collective_reason(collective, x, group)
+        if reason is None and collective == "all_reduce":
+            reason = fused.unsupported_collective_reason(collective, x, group)
+        if reason is not None:
+            raise ValueError(f"backend: 'fused' cannot run {collective} (p={p}, x {tuple(x.shape)} {x.dtype} on "
+                             f"{x.device}): {reason}. Use 'pipelined' or 'auto' there.")
+        return collective_variants("fused" if collective == "all_reduce" else "native", collective, x, p)[0]
+    kinds, why = collective_candidates(collective, x, group)
+    if why and _debugging():
+        logger.debug("auto backend for %s (p=%d, x %s %s on %s): candidates %s; left out: %s", collective, p,
+                      tuple(x.shape), x.dtype, x.device.type, kinds, "; ".join(why))
+    variants = [v for kind in kinds for v in collective_variants(kind, collective, x, p)]
+    return autotune.choose_collective(collective, variants, x, group, peer)
+
+
+def capture_paths(backend: str, x: torch.Tensor, group) -> List[str]:
+    """The paths among ``"native"`` and ``"fused"`` that :func:`resolve_collective` may run the
+    plain collectives of ``backend`` on, for tensors like ``x``: what a CUDA graph capture needs
+    made beforehand (:func:`tp_kernels.backends.prepare_capture`)."""
+    if backend == "reference" or coll.group_size(group) == 1:
+        return []
+    if pipelined_native.unsupported_collective_reason("all_reduce", x, group) is not None:
+        return []
+    if backend == "auto":
+        return [k for k in collective_candidates("all_reduce", x, group)[0] if k in ("fused", "native")]
+    if backend == "fused":
+        resolve_collective("all_reduce", backend, x, group)  # raises where the fused path cannot run
+        return ["fused", "native"]
+    return ["native"]

@@ -14,6 +14,13 @@ Each implementation module provides, on 2-D tensors and without autograd, for an
 return a :class:`tp_kernels._collectives.Pending` so that callers can overlap unrelated work
 (the weight gradient) with the tail of the communication before calling ``wait()``.
 
+The plain collectives of :class:`tp_kernels.Communicator` (``_op_table.COLLECTIVES``) take
+``(x, out, peer, group, impl)`` (contiguous tensors, dim 0 gathered or scattered; ``peer`` the
+root, destination or source; None for a tensor the rank does not have) and return the output.
+``reference`` runs them all on ``torch.distributed``, ``native`` all on the group's NCCL
+communicator, ``fused`` the all-reduce only (``"fused:<algorithm>"``); :func:`run_collective`
+calls them, and :func:`prepare_capture` makes beforehand what a CUDA graph capture cannot.
+
 The implementation to run is decided once per call, before it
 (:func:`tp_kernels.dispatch.select_backend`, which also asks each module's
 ``unsupported_reason``); its name travels down with the call (the custom ops carry it) and
@@ -29,9 +36,12 @@ import dataclasses
 import functools
 from typing import Optional
 
-from . import fused, pipelined, pipelined_native, reference
+import torch
 
-__all__ = ["IMPLEMENTATIONS", "Impl", "parse", "run"]
+from .. import _collectives as coll
+from . import fused, peer_memory, pipelined, pipelined_native, reference
+
+__all__ = ["IMPLEMENTATIONS", "Impl", "parse", "prepare_capture", "run", "run_collective"]
 
 #: implementation name -> module
 IMPLEMENTATIONS = {"reference": reference, "pipelined": pipelined, "native": pipelined_native, "fused": fused}
@@ -81,3 +91,26 @@ def run(primitive: str, name: str, x, weight, bias, group):
     """Primitive ``primitive`` on the implementation named ``name`` (see the module doc)."""
     impl = parse(name)
     return getattr(impl.module, primitive)(x, weight, bias, group, impl)
+
+
+def run_collective(collective: str, name: str, x, out, peer: int, group):
+    """Collective ``collective`` on the implementation named ``name`` (see the module doc)."""
+    impl = parse(name)
+    return getattr(impl.module, collective)(x, out, peer, group, impl)
+
+
+def prepare_capture(backends, group, device, all_reduce_bytes: int) -> None:
+    """Make, with every rank of ``group``, what the plain collectives of ``backends`` (``"native"``,
+    ``"fused"``) need and a CUDA graph capture cannot make: the group's NCCL communicator; its
+    peer-memory workspace, checked and grown to hold a fused all-reduce of ``all_reduce_bytes``
+    by any algorithm."""
+    if "native" in backends or "fused" in backends:
+        with torch.cuda.device(device):
+            pipelined_native.communicator(group, device)
+    if "fused" in backends:
+        # The regions' needs follow the bytes, whatever the dtype: count them as float32 elements.
+        p, numel = coll.group_size(group), max(1, -(-all_reduce_bytes // 4))
+        need = [max(sizes) for sizes in zip(*(peer_memory.all_reduce_needs(p, numel, torch.float32, a)
+                                              for a in fused.algorithms()))]
+        with torch.cuda.device(device):
+            peer_memory.context(group, device, "all_reduce", need)

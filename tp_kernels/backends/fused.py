@@ -14,6 +14,10 @@ copy engine while cuBLASLt multiplies on all SMs:
   (``"fused:two_shot"``): ``one_shot`` and ``two_shot`` kernels over peer memory for small
   messages, ``scatter_gather`` (the reduce-scatter above, then a copy-engine all-gather) for large
   ones. Deterministic too; ``num_chunks`` does not apply.
+* ``all_reduce`` (the plain collective of :class:`tp_kernels.Communicator`): the same three
+  algorithms on the caller's tensor in place of a product (``_C.fused_all_reduce``), chosen by
+  :func:`collective_algorithm`; every algorithm gives the same bits (each element is summed in
+  rank order in fp32), so switching between them never changes a result.
 
 Readiness is signalled by flags in the workspace (see ``csrc/include/tp_kernels/peer.h``);
 every device-side wait is bounded by :func:`tp_kernels.get_timeout`. A wait that times out
@@ -43,13 +47,17 @@ __all__ = [
     "RankCall",
     "algorithms",
     "all_gather_matmul",
+    "all_reduce",
     "all_reduce_algorithm",
     "check_algorithm",
+    "collective_algorithm",
     "matmul_all_reduce",
     "matmul_reduce_scatter",
     "rank_all_gather_matmul",
+    "rank_all_reduce",
     "rank_matmul_all_reduce",
     "rank_matmul_reduce_scatter",
+    "unsupported_collective_reason",
     "unsupported_reason",
 ]
 
@@ -74,11 +82,19 @@ def all_reduce_algorithm(m: int, n: int, p: int, dtype: torch.dtype, measured: O
     ``backend="auto"`` measured fastest for this size class); else the size thresholds.
     ``scatter_gather`` needs ``m >= p`` and falls back to ``two_shot`` below that.
     """
+    algo = collective_algorithm(m * n, p, dtype, measured)
+    return "two_shot" if algo == "scatter_gather" and m < p else algo
+
+
+def collective_algorithm(numel: int, p: int, dtype: torch.dtype, measured: Optional[str] = None) -> str:
+    """The algorithm of a fused all-reduce of ``numel`` elements on p ranks: forced by
+    ``TP_KERNELS_FUSED_ALL_REDUCE``, else ``measured``, else by size (:data:`MAX_BYTES`). (The
+    all-reduce alone runs any of them for any size.)"""
     algo = settings.forced_all_reduce_algorithm(algorithms()) or measured
     if algo is None:
-        nbytes = m * n * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
         algo = next((a for a, most in MAX_BYTES.items() if nbytes <= most), "scatter_gather")
-    return "two_shot" if algo == "scatter_gather" and m < p else algo
+    return algo
 
 
 def check_algorithm(algorithm: str, m: int, p: int) -> str:
@@ -96,9 +112,18 @@ def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, group) -> Optional
     The first call of a group with several ranks checks, collectively, that the group is on one
     node with peer access; everything else depends only on what all ranks share.
     """
-    reason = _extension.unsupported_tensors_reason(x, weight)
-    if reason is not None:
-        return reason
+    return _extension.unsupported_tensors_reason(x, weight) or _group_reason(group, x.device)
+
+
+def unsupported_collective_reason(collective: str, x: torch.Tensor, group) -> Optional[str]:
+    """Why the fused path cannot run this collective, or None when it can: it has the all-reduce
+    only, in the dtypes of ``_C.DTYPES``; the group as for :func:`unsupported_reason`."""
+    if collective != "all_reduce":
+        return f"the fused path has no {collective} (only the all-reduce)"
+    return _extension.unsupported_collective_reason(True, x) or _group_reason(group, x.device)
+
+
+def _group_reason(group, device: torch.device) -> Optional[str]:
     p = coll.group_size(group)
     if p == 1:
         return None
@@ -107,7 +132,7 @@ def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, group) -> Optional
         return f"{p} ranks: the fused path supports at most {C.MAX_RANKS}"
     if not C.stream_memory_ops_available():
         return "the CUDA driver does not provide stream memory operations (cuStreamWriteValue32)"
-    return peer_memory.topology_reason(group, x.device)
+    return peer_memory.topology_reason(group, device)
 
 
 # --- one rank's part, on a PeerContext: shared by process groups and virtual ranks -----------------
@@ -128,10 +153,10 @@ class RankCall(NamedTuple):
     enqueue: Callable[[Optional[int]], None]
 
 
-def _rank_call(result, fn, ctx, phases: int, stream, **args) -> RankCall:
+def _rank_call(result, fn, ctx, phases: int, stream, gemm: bool = True, **args) -> RankCall:
     def enqueue(phase: Optional[int] = None) -> None:
         _extension.call(fn, ctx, phase=_extension.require().ALL_PHASES if phase is None else phase, stream=stream,
-                        **args)
+                        gemm=gemm, **args)
 
     return RankCall(result, phases, enqueue)
 
@@ -170,6 +195,14 @@ def rank_matmul_all_reduce(ctx, x, weight, algorithm: str, stream) -> RankCall:
     return _rank_call(out, C.fused_matmul_all_reduce, ctx, C.fused_phases("matmul_all_reduce", algorithm), stream,
                       x=x, weight=_extension.gemm_weight(weight), out=out, partial=partial,
                       bounds=boundaries(m, ctx.size if scatter_gather else 1), algorithm=algorithm)
+
+
+def rank_all_reduce(ctx, x, out, algorithm: str, stream) -> RankCall:
+    """This rank's part of ``out = Σ_ranks x`` by ``algorithm``: x contiguous, out of its shape
+    (may be x), on ``stream``."""
+    C = _extension.require()
+    return _rank_call(out, C.fused_all_reduce, ctx, C.fused_phases("matmul_all_reduce", algorithm), stream,
+                      gemm=False, x=x, out=out, algorithm=algorithm)
 
 
 # --- the backend: process groups ---------------------------------------------------------------------
@@ -218,3 +251,17 @@ def matmul_all_reduce(x, weight, bias, group, impl) -> Pending:
         raise ValueError(f"impl: the fused all-reduce runs an algorithm of {tuple(algorithms())}, named in the "
                          f"implementation (e.g. 'fused:two_shot'), got {impl.name!r}")
     return _reduction("matmul_all_reduce", "fused matmul+all-reduce", x, weight, bias, group, impl.algorithm)
+
+
+def all_reduce(x, out, peer, group, impl):
+    """The plain all-reduce (``backends.run_collective``): ``out = Σ_ranks x`` by the algorithm
+    named in ``impl``, over the group's workspace."""
+    p = coll.group_size(group)
+    if p == 1:
+        return out if out is x else out.copy_(x)
+    need = peer_memory.all_reduce_needs(p, x.numel(), x.dtype, impl.algorithm)
+    with torch.cuda.device(x.device):
+        ctx = peer_memory.context(group, x.device, "all_reduce", need)
+        call = rank_all_reduce(ctx, x, out, impl.algorithm, torch.cuda.current_stream())
+        call.enqueue(None)
+    return out

@@ -27,7 +27,7 @@ import torch
 from .. import _collectives as coll
 from .. import _extension, parallel_state, settings
 
-__all__ = ["MIN_REGION_BYTES", "capturing", "context", "destroy_workspaces", "grown", "region_needs",
+__all__ = ["MIN_REGION_BYTES", "all_reduce_needs", "capturing", "context", "destroy_workspaces", "grown", "region_needs",
            "topology_reason"]
 
 #: The smallest size a workspace region grows to (regions grow to powers of two).
@@ -44,6 +44,13 @@ def region_needs(op: str, p: int, m: int, n: int, k: int, dtype: torch.dtype,
     """
     C = _extension.require()
     return list(C.fused_region_needs(op, p, m, n, k, _extension.dtype_name(dtype), algorithm))
+
+
+def all_reduce_needs(p: int, numel: int, dtype: torch.dtype, algorithm: str) -> List[int]:
+    """Bytes of each region a fused all-reduce of ``numel`` elements (the collective alone) needs
+    on each rank."""
+    C = _extension.require()
+    return list(C.fused_all_reduce_needs(p, numel, _extension.dtype_name(dtype), algorithm))
 
 
 def grown(have: Sequence[int], need: Sequence[int]) -> Optional[List[int]]:

@@ -14,6 +14,10 @@ by NCCL), then every rank joins, bounded by :func:`tp_kernels.get_timeout`. A co
 does not complete within that timeout is caught by the communicator's watchdog, which aborts
 it; the next call on the group raises the error. ``destroy_model_parallel`` closes a group's
 communicators.
+
+The plain collectives of :class:`tp_kernels.Communicator` (``all_reduce`` ... ``recv``) run on
+the same communicator, enqueued on the caller's stream (``_C.nccl_collective``), so that a CUDA
+graph captures them; the collectives that only move data take any dtype, as bytes.
 """
 
 from __future__ import annotations
@@ -25,14 +29,24 @@ import torch
 from .. import _collectives as coll
 from .. import _extension, parallel_state, settings
 from .._collectives import Pending
+from .._op_table import REDUCTIONS
 from ..schedule import boundaries, ring
 from .reference import bias_epilogue
 
 __all__ = [
+    "all_gather",
     "all_gather_matmul",
+    "all_reduce",
+    "broadcast",
+    "communicator",
     "destroy_communicators",
+    "gather",
     "matmul_all_reduce",
     "matmul_reduce_scatter",
+    "recv",
+    "reduce_scatter",
+    "send",
+    "unsupported_collective_reason",
     "unsupported_reason",
 ]
 
@@ -47,9 +61,16 @@ def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, group) -> Optional
     Depends only on what every rank of the group shares (the extension, the device type, dtype
     and shapes, whether a capture is running), so all ranks decide alike.
     """
-    reason = _extension.unsupported_tensors_reason(x, weight)
-    if reason is not None:
-        return reason
+    return _extension.unsupported_tensors_reason(x, weight) or _capture_reason(x, group)
+
+
+def unsupported_collective_reason(collective: str, x: torch.Tensor, group) -> Optional[str]:
+    """Why the native path cannot run this collective, or None when it can (the reductions need a
+    dtype of ``_C.DTYPES``; the others move any dtype). Depends only on what the ranks share."""
+    return _extension.unsupported_collective_reason(collective in REDUCTIONS, x) or _capture_reason(x, group)
+
+
+def _capture_reason(x: torch.Tensor, group) -> Optional[str]:
     if (not torch.compiler.is_compiling() and coll.group_size(group) > 1
             and coll.group_key(group, x.device) not in _communicators and torch.cuda.is_current_stream_capturing()):
         return ("the group's NCCL communicator is made on its first call, which a CUDA graph capture "
@@ -57,7 +78,7 @@ def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, group) -> Optional
     return None
 
 
-def _communicator(group, device: torch.device):
+def communicator(group, device: torch.device):
     """The group's communicator on ``device``, made on first use (a collective call)."""
     key = coll.group_key(group, device)
     entry = _communicators.get(key)
@@ -99,7 +120,7 @@ def all_gather_matmul(x, weight, bias, group, impl):
     out = x.new_empty((p * mp, weight.shape[0]))
     order = ring(coll.group_rank(group), p)
     with torch.cuda.device(x.device):
-        _extension.call(C.all_gather_matmul, _communicator(group, x.device), x=x,
+        _extension.call(C.all_gather_matmul, communicator(group, x.device), x=x,
                         weight=_extension.gemm_weight(weight), bias=bias, out=out, gathered=gathered,
                         bounds=boundaries(mp, impl.num_chunks), ring=order.sources, ring_next=order.next,
                         ring_prev=order.prev, stream=torch.cuda.current_stream(x.device))
@@ -118,7 +139,7 @@ def _reduction(op: str, what: str, scatter: bool, x, weight, bias, group, impl) 
     out = x.new_empty((rows, n))
     scratch = {"partial": x.new_empty((m, n))} if scatter else {}  # destination-major chunks of x Wᵀ
     with torch.cuda.device(x.device):
-        _extension.call(getattr(C, op), _communicator(group, x.device), x=x, weight=_extension.gemm_weight(weight),
+        _extension.call(getattr(C, op), communicator(group, x.device), x=x, weight=_extension.gemm_weight(weight),
                         out=out, bounds=boundaries(rows, impl.num_chunks), stream=torch.cuda.current_stream(x.device),
                         **scratch)
     return Pending(out, what=what, group=group, finish=bias_epilogue(bias))
@@ -130,3 +151,39 @@ def matmul_reduce_scatter(x, weight, bias, group, impl) -> Pending:
 
 def matmul_all_reduce(x, weight, bias, group, impl) -> Pending:
     return _reduction("matmul_all_reduce", "matmul+all-reduce", False, x, weight, bias, group, impl)
+
+
+# --- the plain collectives: (x, out, peer, group, impl), as backends.run_collective passes them ---
+
+
+def _as_bytes(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A contiguous tensor's elements as a flat uint8 view (what the collectives that only move
+    data send, whatever the dtype); None stays None."""
+    return None if t is None else t.reshape(-1).view(torch.uint8)
+
+
+def _nccl(collective: str):
+    moves_bytes = collective not in REDUCTIONS
+
+    def run(x, out, peer, group, impl):
+        t = x if x is not None else out
+        C = _extension.require()
+        with torch.cuda.device(t.device):
+            comm = communicator(group, t.device)
+            _extension.call(C.nccl_collective, comm, collective, x=_as_bytes(x) if moves_bytes else x,
+                            out=_as_bytes(out) if moves_bytes else out, peer=peer,
+                            stream=torch.cuda.current_stream(t.device), gemm=False)
+        return out
+
+    run.__name__ = run.__qualname__ = collective
+    run.__doc__ = f"``{collective}`` on the group's NCCL communicator (see _op_table.COLLECTIVES)."
+    return run
+
+
+all_reduce = _nccl("all_reduce")
+all_gather = _nccl("all_gather")
+reduce_scatter = _nccl("reduce_scatter")
+broadcast = _nccl("broadcast")
+gather = _nccl("gather")
+send = _nccl("send")
+recv = _nccl("recv")

@@ -31,3 +31,41 @@ def matmul_all_reduce(x, weight, bias, group, impl) -> Pending:
     # (m, k/p) x (k/p, n) -> (m, n) partial -(AR)-> (m, n)
     ar = coll.all_reduce(F.linear(x, weight), group, inplace=True)
     return Pending(ar.tensor, deps=[ar], what=ar.what, group=group, finish=bias_epilogue(bias))
+
+
+# --- the plain collectives (tp_kernels.Communicator): torch.distributed, bounded -------------------
+# Each takes (x, out, peer, group, impl) as backends.run_collective passes them: contiguous
+# tensors, dim 0 gathered or scattered; returns the output.
+
+
+def all_reduce(x, out, peer, group, impl):
+    if out is not x:
+        out.copy_(x)
+    return coll.all_reduce(out, group, inplace=True).wait()
+
+
+def all_gather(x, out, peer, group, impl):
+    return coll.all_gather_dim0(x, group, out=out).wait()
+
+
+def reduce_scatter(x, out, peer, group, impl):
+    return coll.reduce_scatter_dim0(x, group, out=out).wait()
+
+
+def broadcast(x, out, peer, group, impl):
+    if out is not x:
+        out.copy_(x)
+    return coll.broadcast(out, peer, group).wait()
+
+
+def gather(x, out, peer, group, impl):
+    coll.gather(x, out, peer, group).wait()
+    return out
+
+
+def send(x, out, peer, group, impl):
+    coll.send(x, peer, group).wait()
+
+
+def recv(x, out, peer, group, impl):
+    return coll.recv(out, peer, group).wait()

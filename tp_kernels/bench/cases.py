@@ -18,11 +18,14 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from .._op_table import PRIMITIVES as OPS
 from ..perf_model import MODELS
 
-__all__ = ["Case", "DECODE_M", "OPS", "LAYERS", "TARGETS", "model_cases", "custom_cases"]
+__all__ = ["Case", "DECODE_M", "OPS", "LAYERS", "SWEEPS", "TARGETS", "model_cases", "custom_cases"]
 
 #: layer targets: (name, kind, sequence_parallel)
 LAYERS = {"column": ("column", False), "column_sp": ("column", True), "row": ("row", False), "row_sp": ("row", True)}
 TARGETS = OPS + tuple(LAYERS)
+#: targets that are sweeps of their own rather than cases: the communicator's all-reduce latency
+#: against message size (tp_kernels.bench.communicator)
+SWEEPS = ("communicator",)
 DECODE_M = (1, 16, 64, 256)
 TRAIN_M = {"cuda": (4096, 8192, 16384), "cpu": (1024, 4096)}
 

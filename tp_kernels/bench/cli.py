@@ -1,6 +1,6 @@
 """The main job: ``python -m tp_kernels.bench``.
 
-    python -m tp_kernels.bench --quick       # one model, two m, every op and layer (< 1 min on 2 CPU cores)
+    python -m tp_kernels.bench --quick       # one model, two m, every op and layer, the communicator (< 1 min on 2 CPU cores)
     python -m tp_kernels.bench               # Llama-3 8B/70B and GPT-3 175B shapes, decode and training m
     torchrun --nproc-per-node 8 -m tp_kernels.bench   # real multi-GPU nodes (NCCL)
 
@@ -9,7 +9,9 @@ per GPU otherwise. For every case (an op, or a layer forward+backward, at a mode
 measures the GEMMs alone, the collectives alone, the GEMMs under the collectives, and every
 backend; then prints and saves (``--out-dir``, default :func:`default_out_dir`) a JSON and a CSV
 with device, commit and date, and a PNG plot of speedup and overlap efficiency against m.
-The metrics are defined in :mod:`tp_kernels.bench.report`.
+The metrics are defined in :mod:`tp_kernels.bench.report`. The ``communicator`` target times
+the communicator's all-reduce on every path against message size, with the crossovers its
+``"auto"`` chooses (:mod:`tp_kernels.bench.communicator`; in the JSON under ``"communicator"``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from ..perf_model import MODELS
 from ..settings import BACKEND_NAMES
 from ..testing import World, default_backend, launched_by_torchrun
 from . import report
-from .cases import DECODE_M, OPS, TARGETS, TRAIN_M, custom_cases, model_cases
+from . import communicator
+from .cases import DECODE_M, OPS, SWEEPS, TARGETS, TRAIN_M, custom_cases, model_cases
 
 QUICK_M = {"cuda": (16, 8192), "cpu": (16, 1024)}
 
@@ -57,8 +60,8 @@ def _parse(argv=None):
     ap.add_argument("--backends", default="reference,pipelined",
                     type=lambda v: _csv(v, BACKEND_NAMES, "backend"),
                     help="comma-separated; the first is the baseline of 'speedup' (default: reference,pipelined)")
-    ap.add_argument("--targets", default=",".join(TARGETS), type=lambda v: _csv(v, TARGETS, "target"),
-                    help="ops and layers to run (default: all): " + ", ".join(TARGETS))
+    ap.add_argument("--targets", default=",".join(TARGETS + SWEEPS), type=lambda v: _csv(v, TARGETS + SWEEPS, "target"),
+                    help="ops, layers and sweeps to run (default: all): " + ", ".join(TARGETS + SWEEPS))
     ap.add_argument("--dtypes", default=None, type=lambda v: _csv(v, ["float32", "bfloat16", "float16"], "dtype"),
                     help="default: bfloat16 on GPUs, float32 on the CPU")
     ap.add_argument("--models", default=None, type=lambda v: _csv(v, sorted(MODELS), "model"),
@@ -138,20 +141,23 @@ def main(argv=None) -> int:
         backend = default_backend(p)
     where = "cuda" if backend == "nccl" else "cpu"
     scale = args.scale or (1 if where == "cuda" else 64)
+    case_targets = [t for t in args.targets if t in TARGETS]
+    sweep = "communicator" in args.targets
     if args.shape:
-        cases = custom_cases(args.shape, args.targets, p)
+        cases = custom_cases(args.shape, case_targets, p)
     else:
         models = args.models or (["llama3-70b"] if args.quick else sorted(MODELS))
         ms = args.m or (QUICK_M[where] if args.quick else DECODE_M + TRAIN_M[where])
         try:
-            cases = model_cases(models, ms, args.targets, p, scale)
+            cases = model_cases(models, ms, case_targets, p, scale)
         except KeyError as exc:
             ap.error(f"--models: {exc}")
-    if not cases:
+    if not cases and not sweep:
         ap.error(f"no case runs on p={p} (m and the split feature sizes must be divisible by p)")
     dtypes = args.dtypes or (["bfloat16"] if where == "cuda" else ["float32"])
     config = {"cases": [c.__dict__ for c in cases], "backends": args.backends, "dtypes": dtypes,
-              "iters": args.iters, "warmup": args.warmup, "num_chunks": args.num_chunks}
+              "iters": args.iters, "warmup": args.warmup, "num_chunks": args.num_chunks,
+              "communicator": sweep, "quick": args.quick}
     from .measure import run_rank
 
     start = time.monotonic()
@@ -162,7 +168,8 @@ def main(argv=None) -> int:
         if not rank0:
             return 0
     else:
-        print(f"tp_kernels.bench: {len(cases)} cases x {len(dtypes)} dtypes on {p} ranks ({backend})",
+        print(f"tp_kernels.bench: {len(cases)} cases x {len(dtypes)} dtypes" + (" and the communicator sweep" if sweep
+              else "") + f" on {p} ranks ({backend})",
               file=sys.stderr, flush=True)
         with World(p, backend=backend, timeout_s=300.0) as world:
             result = world.run(run_rank, config, deadline_s=6 * 3600.0)[0]
@@ -170,15 +177,18 @@ def main(argv=None) -> int:
     device = _device_name(backend)
     elapsed = time.monotonic() - start
     peaks = ", ".join(f"{d} {v:.2f}" for d, v in result["peak_tflops"].items())
-    header = (f"# {device}, {backend}, p={p}, {args.iters} samples per measurement (median, slowest rank), "
-              f"measured GEMM peak TFLOP/s: {peaks}; {elapsed:.0f} s")
+    header = (f"# {device}, {backend}, p={p}, {args.iters} samples per measurement (median, slowest rank)"
+              + (f", measured GEMM peak TFLOP/s: {peaks}" if peaks else "") + f"; {elapsed:.0f} s")
     print(header)
-    print(report.format_table(rows))
-    print(report.LEGEND.format(baseline=args.backends[0]))
+    if rows:
+        print(report.format_table(rows))
+        print(report.LEGEND.format(baseline=args.backends[0]))
     errors = report.model_error_summary(rows)
     for schedule, e in errors.items():
         print(f"# perf model vs measured, {schedule}: median |error| {100 * e['median_abs_err']:.0f}%, "
               f"worst {100 * e['max_abs_err']:.0f}% over {e['cases']} cases")
+    if result.get("communicator"):
+        print(communicator.format_table(result["communicator"]))
     if args.no_save:
         return 0
     stem = os.path.join(args.out_dir, f"{_slug(device)}-{backend}-p{p}" + ("-quick" if args.quick else "")
@@ -190,11 +200,15 @@ def main(argv=None) -> int:
         "config": {k: v for k, v in config.items() if k != "cases"} | {"scale": scale, "quick": args.quick,
                                                                        "ops": [t for t in args.targets if t in OPS]},
         "peak_tflops": result["peak_tflops"], "model_error": errors, "results": rows,
+        "communicator": result.get("communicator"),  # the all-reduce latency sweep, when run
         "measurements": result,  # the raw per-case timings (seconds) the rows were computed from
     }
     os.makedirs(args.out_dir, exist_ok=True)
     with open(stem + ".json", "w") as f:
         json.dump(record, f, indent=1)
+    if not rows:
+        print(f"# wrote {stem}.json")
+        return 0
     with open(stem + ".csv", "w") as f:
         f.write(report.to_csv(rows))
     png = report.plot(rows, stem + ".png", f"{device}, {backend}, p={p}, commit {record['commit']}")

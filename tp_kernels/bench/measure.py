@@ -25,6 +25,7 @@ from .. import autotune, dispatch, ops
 from .._timing import Timer
 from ..layers import ColumnParallelLinear, RowParallelLinear
 from ..perf_model import OP_COLLECTIVE
+from . import communicator
 from .cases import Case
 
 __all__ = ["Timer", "buffer_sets", "measure_case", "measure_peak", "run_rank"]
@@ -229,7 +230,8 @@ def run_rank(config: dict) -> Optional[dict]:
     done = 0
     for dtype_name in config["dtypes"]:
         dtype = getattr(torch, dtype_name)
-        result["peak_tflops"][dtype_name] = measure_peak(dtype, device, timer)
+        if cases:
+            result["peak_tflops"][dtype_name] = measure_peak(dtype, device, timer)
         for case in cases:
             if rank == 0 and config.get("progress", True):
                 _progress(done, total, start, f"{case.label()} {dtype_name}")
@@ -238,6 +240,11 @@ def run_rank(config: dict) -> Optional[dict]:
             m["gemm"] = [[list(k), v] for k, v in m["gemm"].items()]
             result["cases"].append({"case": dataclasses.asdict(case), "dtype": dtype_name, **m})
             done += 1
+    if config.get("communicator"):
+        if rank == 0 and config.get("progress", True):
+            _progress(done, total, start, "communicator sweep")
+        result["communicator"] = communicator.sweep(getattr(torch, config["dtypes"][0]), device, group, timer,
+                                                    quick=config.get("quick", False))
     if rank == 0 and config.get("progress", True):
         _progress(done, total, start, "done", end=True)
     return result if rank == 0 else None

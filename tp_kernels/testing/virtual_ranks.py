@@ -168,3 +168,27 @@ class VirtualRanks:
         return self._launch(
             lambda q, s: fused.rank_matmul_all_reduce(self.contexts[q], xs[q], weights[q], algorithm, s),
             [(xs[q], weights[q]) for q in range(self.p)])
+
+    def all_reduce(self, xs, algorithm: Optional[str] = None):
+        """Per rank q: ``Σ_r xs[r]`` (the plain all-reduce of :class:`tp_kernels.Communicator`, any
+        shape) by ``algorithm`` (default: :func:`tp_kernels.backends.fused.collective_algorithm`)."""
+        if len(xs) != self.p:
+            raise ValueError(f"all_reduce: expected one x per rank ({self.p}), got {len(xs)}")
+        for q, x in enumerate(xs):
+            if x.device != self.device or x.shape != xs[0].shape or x.dtype != xs[0].dtype:
+                raise ValueError(f"xs[{q}]: expected a tensor shaped like rank 0's {tuple(xs[0].shape)} "
+                                 f"{xs[0].dtype} on {self.device}")
+        xs = [x.contiguous() for x in xs]
+        numel, dtype = xs[0].numel(), xs[0].dtype
+        if algorithm is None:
+            algorithm = fused.collective_algorithm(numel, self.p, dtype)
+        elif algorithm not in fused.algorithms():
+            raise ValueError(f"algorithm: expected one of {tuple(fused.algorithms())}, got {algorithm!r}")
+        self._ensure("all_reduce", peer_memory.all_reduce_needs(self.p, numel, dtype, algorithm))
+
+        def prepare(q, s):
+            with torch.cuda.stream(s):
+                out = torch.empty_like(xs[q])
+            return fused.rank_all_reduce(self.contexts[q], xs[q], out, algorithm, s)
+
+        return self._launch(prepare, [(xs[q],) for q in range(self.p)])

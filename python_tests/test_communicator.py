@@ -1,0 +1,429 @@
+"""tp_kernels.Communicator on gloo ranks, p in {1, 2, 4}: every method against torch.distributed
+itself on odd shapes, every dim and several dtypes; bad inputs named on every rank before anything
+moves; ranks that disagree raise together (fingerprints on); the custom ops under opcheck and
+torch.compile; the module functions on the tensor-parallel group. The GPU paths are test_gpu.py's.
+
+The ``check_*`` functions run on every rank and take the device, so that the GPU suite runs them
+on CUDA tensors too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tp_kernels
+from helpers import assert_close, rank_world
+from test_disagreement import DEADLINE_S, fingerprints
+from tp_kernels import Communicator, autotune, dispatch, settings
+from tp_kernels._collectives import group_name, resolve_group
+
+SHAPE = (3, 5, 7)  # odd: nothing divisible by anything
+DTYPES = [torch.float32, torch.float64, torch.int64]
+
+
+def _data(shape, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g, dtype=torch.float64).to(device, dtype)
+    return torch.randint(-1000, 1000, shape, generator=g).to(device, dtype)
+
+
+def _torch_all_gather(x, dim):
+    p = dist.get_world_size()
+    parts = [torch.empty_like(x) for _ in range(p)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=dim)
+
+
+def _torch_sum(x):
+    s = x.clone()
+    dist.all_reduce(s)
+    return s
+
+
+def _same(name, got, want):
+    assert got.shape == want.shape and got.dtype == want.dtype, f"{name}: {got.shape} {got.dtype} != {want.shape} " \
+                                                                  f"{want.dtype}"
+    assert got.device == want.device, f"{name}: on {got.device}, not {want.device}"
+    assert torch.equal(got, want), f"{name}: differs from torch.distributed by {(got - want).abs().max().item()}"
+
+
+def _sum_matches(name, got, x, want, exact, reduce=lambda t: t):
+    """A sum over the ranks: the same bits as torch.distributed's ``want`` where ``exact`` (gloo
+    against gloo) or for integers; else (another algorithm or library on the GPU) against the
+    float64 sum of every rank's ``x`` (gathered exactly), ``reduce`` of it, within plain
+    PyTorch's own error (helpers.assert_close)."""
+    if exact or not got.dtype.is_floating_point:
+        _same(name, got, want)
+        return
+    p = dist.get_world_size()
+    ref64 = reduce(_torch_all_gather(x.unsqueeze(0), 0).double().sum(0))
+    assert_close(name, got, ref64, want, terms=p)
+
+
+def check_against_torch_distributed(backend="auto", device="cpu", dtypes=DTYPES):
+    """Every method, every dim, on each rank's own data, against torch.distributed: the same bits
+    on the CPU; on the GPU the data moved bit for bit and the sums within their rounding."""
+    r, p = rank_world()
+    comm = Communicator(backend=backend, device=device)
+    assert (comm.rank_in_group, comm.world_size) == (r, p)
+    exact = device == "cpu"
+    for dtype in dtypes:
+        x = _data(SHAPE, dtype, device, seed=10 * r + 1)
+        name = f"{dtype} p={p}"
+        # the fused path sums the dtypes of _C.DTYPES only (backend="fused" raises for the others)
+        sums = backend != "fused" or dtype in (torch.float32, torch.float16, torch.bfloat16)
+        if sums:
+            _sum_matches(f"all_reduce {name}", comm.all_reduce(x), x, _torch_sum(x), exact)
+            out = torch.empty_like(x)
+            assert comm.all_reduce(x, out=out) is out
+            _sum_matches(f"all_reduce out= {name}", out, x, _torch_sum(x), exact)
+            inplace = x.clone()
+            assert comm.all_reduce(inplace, out=inplace) is inplace
+            _sum_matches(f"all_reduce in place {name}", inplace, x, _torch_sum(x), exact)
+            strided = x.transpose(0, 2)
+            _sum_matches(f"all_reduce strided {name}", comm.all_reduce(strided), strided,
+                         _torch_sum(strided.contiguous()), exact)
+        for dim in range(-len(SHAPE), len(SHAPE)):
+            want = _torch_all_gather(x, dim)
+            _same(f"all_gather dim {dim} {name}", comm.all_gather(x, dim=dim), want)
+            for dst in {0, p - 1}:
+                got = comm.gather(x, dst=dst, dim=dim)
+                if r == dst:
+                    _same(f"gather dim {dim} to {dst} {name}", got, want)
+                else:
+                    assert got is None, f"gather: rank {r} is not the destination {dst}, got a tensor"
+            if not sums:
+                continue
+            y = _data(SHAPE[:dim % 3] + (SHAPE[dim % 3] * p,) + SHAPE[dim % 3 + 1:], dtype, device, seed=r + 100)
+            # torch's reduce-scatter of dim `dim`: over the tensor with that dim moved first (gloo's
+            # ring sums each element in an order that depends on where it lies in the buffer)
+            want = _torch_sum(y.movedim(dim, 0).contiguous()).chunk(p)[r].movedim(0, dim)
+            _sum_matches(f"reduce_scatter dim {dim} {name}", comm.reduce_scatter(y, dim=dim), y, want, exact,
+                         lambda t, d=dim: t.chunk(p, dim=d)[r])
+        for src in {0, p - 1}:
+            b = x.clone()
+            assert comm.broadcast(b, src=src) is b
+            want = x.clone()
+            dist.broadcast(want, src=src)
+            _same(f"broadcast from {src} {name}", b, want)
+            strided = x.clone().transpose(0, 1)  # a strided tensor is written in place too
+            assert comm.broadcast(strided, src=src) is strided
+            _same(f"broadcast strided from {src} {name}", strided, want.transpose(0, 1))
+        if p > 1:  # a ring: each rank sends to the next and receives from the previous
+            nxt, prv = (r + 1) % p, (r - 1) % p
+            if r % 2 == 0:
+                comm.send(x, nxt)
+                got = comm.recv(SHAPE, dtype, prv)
+            else:
+                got = comm.recv(SHAPE, dtype, prv)
+                comm.send(x, nxt)
+            _same(f"recv from {prv} {name}", got, _data(SHAPE, dtype, device, seed=10 * prv + 1))
+
+
+def check_vectors_scalars_and_empty_tensors(device="cpu"):
+    r, p = rank_world()
+    comm = Communicator(device=device)
+    v = torch.arange(7.0, device=device) + r
+    _same("all_reduce of a vector", comm.all_reduce(v), _torch_sum(v))
+    s = torch.tensor(float(r + 1), device=device)
+    _same("all_reduce of a 0-d tensor", comm.all_reduce(s), torch.tensor(p * (p + 1) / 2, device=device))
+    _same("all_gather of a vector", comm.all_gather(v), _torch_all_gather(v, 0))
+    for shape, dim in (((0, 3), 0), ((2, 0), -1), ((0, 4 * p), 1)):
+        e = torch.empty(shape, device=device)
+        assert comm.all_reduce(e).shape == e.shape
+        assert comm.all_gather(e, dim=dim).shape == e.shape[:dim % 2] + (e.shape[dim % 2] * p,) + e.shape[dim % 2 + 1:]
+    assert comm.reduce_scatter(torch.empty(0, 4 * p, device=device), dim=1).shape == (0, 4)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_every_method_matches_torch_distributed(world):
+    world.run(check_against_torch_distributed, deadline_s=DEADLINE_S)
+
+
+@pytest.mark.parametrize("world", [1, 2], indirect=True)
+@pytest.mark.parametrize("backend", ["reference", "pipelined"])
+def test_every_method_matches_torch_distributed_on_named_backends(world, backend):
+    world.run(check_against_torch_distributed, backend, deadline_s=DEADLINE_S)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_vectors_scalars_and_empty_tensors(world):
+    world.run(check_vectors_scalars_and_empty_tensors, deadline_s=DEADLINE_S)
+
+
+# --- bad inputs: the same on every rank, so every rank raises its own ValueError ---------------------
+
+#: (call on a communicator, the ValueError's message); every rank makes the same bad call
+BAD_CALLS = [
+    (lambda c, p: c.all_reduce(torch.ones(3, dtype=torch.bool)), r"x: expected a real number dtype to sum"),
+    (lambda c, p: c.all_reduce(torch.ones(3, device="meta")), r"x: expected a tensor on cpu .* got one on meta"),
+    (lambda c, p: c.all_reduce([1.0, 2.0]), r"x: expected a torch.Tensor, got list"),
+    (lambda c, p: c.all_reduce(torch.ones(3), out=torch.ones(4)), r"out: expected a contiguous \[3\] torch.float32"),
+    (lambda c, p: c.all_reduce(torch.ones(3), out=torch.ones(3, dtype=torch.float64)), r"out: expected .*float32 .*got \[3\] torch.float64"),
+    (lambda c, p: c.all_reduce(torch.ones(2, 3), out=torch.ones(3, 2).t()), r"out: expected a contiguous .* strided"),
+    (lambda c, p: c.all_gather(torch.ones(2, 3), dim=2), r"dim: expected a dim of x \[2, 3\] \(in \[-2, 1\]\), got 2"),
+    (lambda c, p: c.all_gather(torch.ones(2, 3), dim=1.0), r"dim: expected an int, got 1.0"),
+    (lambda c, p: c.all_gather(torch.tensor(1.0)), r"x: expected a tensor with a dim .* got a 0-d"),
+    (lambda c, p: c.gather(torch.ones(2), dst=p), r"dst: expected a rank of the group's \d+, got \d+"),
+    (lambda c, p: c.gather(torch.ones(2), dst=-1), r"dst: expected a rank of the group's \d+, got -1"),
+    (lambda c, p: c.reduce_scatter(torch.ones(2, 3 * p + 1), dim=1),
+     r"x: dim 1 of \[2, \d+\] \(\d+\) is not divisible by the group's \d+ ranks"),
+    (lambda c, p: c.reduce_scatter(torch.ones(2, dtype=torch.complex64)), r"x: expected a real number dtype"),
+    (lambda c, p: c.broadcast(torch.ones(2), src=p), r"src: expected a rank of the group's \d+, got \d+"),
+    (lambda c, p: c.send(torch.ones(2), dst=dist.get_rank()), r"dst: expected (another rank|a rank)"),
+    (lambda c, p: c.recv((2,), torch.float32, src=dist.get_rank()), r"src: expected (another rank|a rank)"),
+    (lambda c, p: c.recv((2, -1), torch.float32, src=(dist.get_rank() + 1) % p), r"shape: expected sizes >= 0|src:"),
+    (lambda c, p: c.recv((2,), "float32", src=(dist.get_rank() + 1) % p), r"dtype: expected a torch.dtype|src:"),
+]
+
+
+def check_bad_calls(with_fingerprints: bool):
+    r, p = rank_world()
+    comm = Communicator()
+    settings.set_fingerprints(with_fingerprints)
+    try:
+        for i, (call, message) in enumerate(BAD_CALLS):
+            if p == 1 and "divisible" in message:
+                continue  # every size divides among one rank
+            with pytest.raises(ValueError, match=message):
+                call(comm, p)
+            y = comm.all_reduce(torch.full((2,), float(r)))  # the group still works, and right
+            assert torch.equal(y, torch.full((2,), p * (p - 1) / 2)), f"after bad call {i}"
+    finally:
+        settings.set_fingerprints(None)
+
+
+@pytest.mark.parametrize("with_fingerprints", [False, True])
+@pytest.mark.parametrize("world", [1, 2], indirect=True)
+def test_bad_inputs_are_named_on_every_rank(world, with_fingerprints):
+    world.run(check_bad_calls, with_fingerprints, deadline_s=DEADLINE_S)
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError, match=r"backend: expected one of .*'auto'.*got 'nccl'"):
+        Communicator(backend="nccl")
+    with pytest.raises(ValueError, match=r"device: expected a torch.device or a device string, got 'gpu0'"):
+        Communicator(device="gpu0")
+    with pytest.raises(ValueError, match=r"max_bytes: expected a positive int, got 0"):
+        with Communicator().capture(max_bytes=0):
+            pass
+
+
+# --- ranks that disagree (fingerprints on): every rank raises, nothing hangs ------------------------
+
+#: what rank 1 does differently: (its call, the error other ranks get)
+DISAGREEMENTS = {
+    "shape": lambda c, r: c.all_reduce(torch.ones(3 if r == 1 else 4)),
+    "dtype": lambda c, r: c.all_gather(torch.ones(4, dtype=torch.float64 if r == 1 else torch.float32)),
+    "dim": lambda c, r: c.all_gather(torch.ones(2, 2), dim=0 if r == 1 else 1),
+    "root": lambda c, r: c.broadcast(torch.ones(2), src=1 if r == 1 else 0),
+    "collective": lambda c, r: c.all_reduce(torch.ones(2)) if r == 1 else c.broadcast(torch.ones(2)),
+    "bad on one rank": lambda c, r: c.reduce_scatter(torch.ones(5 if r == 1 else 4 * dist.get_world_size())),
+}
+
+
+@fingerprints
+def check_disagreement(what):
+    r, p = rank_world()
+    comm = Communicator()
+    try:
+        DISAGREEMENTS[what](comm, r)
+    except (ValueError, RuntimeError) as exc:
+        kind, message = type(exc).__name__, str(exc)
+    else:
+        raise AssertionError(f"rank {r}: no error, though rank 1 disagreed on the {what}")
+    if what == "bad on one rank":
+        if r == 1:
+            assert kind == "ValueError" and "not divisible" in message, message
+        else:
+            assert kind == "RuntimeError" and "rank 1: x: dim 0" in message, message
+    else:
+        assert kind == "RuntimeError" and "disagree on this call" in message and "rank 1" in message, message
+    y = comm.all_reduce(torch.ones(2))  # the group still works, and right
+    assert torch.equal(y, torch.full((2,), float(p)))
+    return message if what != "bad on one rank" else None
+
+
+@pytest.mark.parametrize("what", sorted(DISAGREEMENTS))
+@pytest.mark.parametrize("world", [2, 4], indirect=True)
+def test_ranks_that_disagree_all_raise(world, what):
+    messages = world.run(check_disagreement, what, deadline_s=DEADLINE_S)
+    if what != "bad on one rank":
+        assert len(set(messages)) == 1, messages  # the same message on every rank
+
+
+# --- the module functions, on the tensor-parallel group -------------------------------------------
+
+
+def check_tensor_model_parallel_functions():
+    r, p = rank_world()
+    tp_kernels.initialize_model_parallel(tensor_model_parallel_size=2)
+    try:
+        tp = tp_kernels.get_tensor_model_parallel_group()
+        tr = tp_kernels.get_tensor_model_parallel_rank()
+        x = torch.full((2, 3), float(r))
+        peer = r + 1 if tr == 0 else r - 1  # the other rank of this rank's tensor-parallel pair
+        _same("tensor_model_parallel_all_reduce", tp_kernels.tensor_model_parallel_all_reduce(x),
+              torch.full((2, 3), float(r + peer)))
+        pair = [x, torch.full((2, 3), float(peer))] if tr == 0 else [torch.full((2, 3), float(peer)), x]
+        _same("tensor_model_parallel_all_gather", tp_kernels.tensor_model_parallel_all_gather(x),
+              torch.cat(pair, dim=-1))
+        got = tp_kernels.tensor_model_parallel_gather(x, dst=1, dim=0)
+        assert (got is None) == (tr != 1)
+        if got is not None:
+            _same("tensor_model_parallel_gather", got, torch.cat(pair, dim=0))
+        comm = tp_kernels.communicator.tensor_parallel_communicator()
+        assert comm.group is tp and comm is tp_kernels.communicator.tensor_parallel_communicator()
+    finally:
+        tp_kernels.destroy_model_parallel()
+    assert not tp_kernels.communicator._tp_communicators  # forgotten with the groups
+
+
+def test_tensor_model_parallel_functions(world4):
+    world4.run(check_tensor_model_parallel_functions, deadline_s=DEADLINE_S)
+
+
+# --- the decision: torch.distributed on the CPU; what "fused" says there; measuring ----------------
+
+
+def check_decisions_on_the_cpu():
+    r, p = rank_world()
+    group = resolve_group(None)
+    x = torch.ones(8)
+    for collective in ("all_reduce", "all_gather", "broadcast"):
+        for backend in ("auto", "reference", "pipelined"):
+            assert dispatch.resolve_collective(collective, backend, x, group) == "reference"
+        kinds, why = dispatch.collective_candidates(collective, x, group)
+        assert kinds == ["reference"] and (p == 1 or why), (kinds, why)
+    if p > 1:
+        with pytest.raises(ValueError, match=r"backend: 'fused' cannot run all_reduce .*not on a CUDA device"):
+            dispatch.resolve_collective("all_reduce", "fused", x, group)
+        with pytest.raises(ValueError, match=r"backend: 'fused' cannot run all_reduce"):
+            Communicator(backend="fused").all_reduce(x)
+    assert dispatch.capture_paths("auto", x, group) == []
+
+
+@pytest.mark.parametrize("world", [1, 2], indirect=True)
+def test_decisions_on_the_cpu(world):
+    world.run(check_decisions_on_the_cpu, deadline_s=DEADLINE_S)
+
+
+def check_measured_collective():
+    """choose_collective measures its variants on scratch tensors, alike on every rank, and keeps
+    the decision for the size class (two reference variants stand in for the GPU's paths)."""
+    r, p = rank_world()
+    group = resolve_group(None)
+    autotune.forget()
+    x = torch.full((100,), float(r))
+    before = x.clone()
+    choice = autotune.choose_collective("all_reduce", ["reference", "reference"], x, group)
+    assert choice == "reference" and torch.equal(x, before)  # measuring does not touch the call's tensors
+    (d,) = autotune.decisions()
+    assert (d.op, d.m_class, d.n, d.k, d.p, len(d.times_s)) == ("all_reduce", 128, 0, 0, p, 2)
+    assert all(t > 0 for t in d.times_s)
+    assert autotune.choose_collective("all_reduce", ["reference", "reference"], torch.ones(128), group) == choice
+    assert len(autotune.decisions()) == 1  # the same size class: measured once
+    # a broadcast is measured on a scratch output, so its input stays
+    autotune.choose_collective("broadcast", ["reference", "reference"], x, group, 0)
+    assert torch.equal(x, before)
+    times = autotune.decisions()[-1].times_s
+    autotune.forget()
+    return times
+
+
+def test_measured_collective(world2):
+    per_rank = world2.run(check_measured_collective, deadline_s=DEADLINE_S)
+    assert per_rank[0] == per_rank[1]  # the slowest rank's figures, on every rank
+
+
+# --- custom ops: opcheck and torch.compile ----------------------------------------------------------
+
+
+def check_opcheck_collectives():
+    r, p = rank_world()
+    group = group_name(dist.group.WORLD)
+    ops = torch.ops.tp_kernels
+    x = torch.randn(2 * p, 3, generator=torch.Generator().manual_seed(r))
+    cases = [
+        (ops.all_reduce, (x, group, "reference")),
+        (ops.all_reduce_out, (x, torch.empty_like(x), group, "reference")),
+        (ops.all_gather, (x, group, "reference")),
+        (ops.reduce_scatter, (x, group, "reference")),
+        (ops.gather, (x, 0, group, "reference")),
+        (ops.broadcast, (x.clone(), 0, group, "reference")),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("world", [1, 2], indirect=True)
+def test_opcheck_collectives(world):
+    world.run(check_opcheck_collectives, deadline_s=DEADLINE_S)
+
+
+def check_compiled_communicator(device="cpu"):
+    r, p = rank_world()
+    comm = Communicator(device=device)
+
+    def step(x):
+        y = comm.all_reduce(x * 2)
+        z = comm.all_gather(y, dim=-1)
+        return comm.reduce_scatter(z.relu(), dim=-1) + 1
+
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(r)).to(device)
+    eager = step(x)
+    torch._dynamo.reset()
+    targets = []
+
+    def record(gm, example_inputs):
+        targets.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    compiled = torch.compile(step, backend=record, fullgraph=True)(x)
+    assert torch.equal(compiled, eager)
+    ops = torch.ops.tp_kernels
+    assert {ops.all_reduce, ops.all_gather, ops.reduce_scatter} <= set(targets), targets  # one node each
+
+
+@pytest.mark.parametrize("world", [1, 2], indirect=True)
+def test_compiled_communicator_matches_eager(world):
+    world.run(check_compiled_communicator, deadline_s=600)
+
+
+def check_one_decision_per_call():
+    """Each call resolves its implementation once, and its custom op runs that one."""
+    from tp_kernels import _library
+
+    r, p = rank_world()
+    comm = Communicator()
+    resolved, ran = [], []
+    original_resolve, original_run = dispatch.resolve_collective, _library.run_collective
+
+    def resolve(*args, **kwargs):
+        resolved.append(original_resolve(*args, **kwargs))
+        return resolved[-1]
+
+    def run(collective, impl, *args):
+        ran.append(impl)
+        return original_run(collective, impl, *args)
+
+    dispatch.resolve_collective, _library.run_collective = resolve, run
+    try:
+        x = torch.ones(2 * p, 3)
+        calls = [lambda: comm.all_reduce(x), lambda: comm.all_reduce(x, out=torch.empty_like(x)),
+                 lambda: comm.all_gather(x, dim=1), lambda: comm.gather(x, dst=0, dim=0),
+                 lambda: comm.reduce_scatter(x, dim=0), lambda: comm.broadcast(x.clone(), src=0)]
+        for i, call in enumerate(calls):
+            resolved.clear(), ran.clear()
+            call()
+            assert len(resolved) == 1 and ran == resolved, (i, resolved, ran)
+    finally:
+        dispatch.resolve_collective, _library.run_collective = original_resolve, original_run
+
+
+@pytest.mark.parametrize("world", [1, 2], indirect=True)
+def test_a_communicator_call_is_decided_once(world):
+    world.run(check_one_decision_per_call, deadline_s=DEADLINE_S)

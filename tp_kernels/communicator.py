@@ -1,0 +1,318 @@
+"""A group's communicator, for serving engines: the collectives they call, each on its fastest path.
+
+Inference engines (vLLM, SGLang) call a communicator rather than layers: ``all_reduce`` after a
+row-parallel projection, ``all_gather`` / ``gather`` of the logits, ``broadcast`` of the batch,
+``send`` / ``recv`` between pipeline stages. :class:`Communicator` has those methods, with the
+dimension handling such engines expect (any dim, any leading shape), over any process group,
+and the module functions :func:`tensor_model_parallel_all_reduce`, ``..._all_gather`` and
+``..._gather`` use the tensor-parallel group's.
+
+Each call runs on the path decided for it (:func:`tp_kernels.dispatch.resolve_collective`):
+
+* on the CPU (gloo): ``torch.distributed``;
+* on CUDA, where they are allowed (the backend, as for the ops): the all-reduce over peer memory
+  (``fused``: one-shot, two-shot or scatter-gather kernels, for the small messages of decode),
+  every collective on the group's own NCCL communicator (``native``, capturable in a CUDA
+  graph), or ``torch.distributed``; ``backend="auto"`` measures them on the first call of each
+  size class, alike on every rank (:mod:`tp_kernels.autotune`).
+
+The fused all-reduce sums every element in rank order in fp32 whichever algorithm runs, so a
+switch of algorithm between sizes never changes a result. The collectives are custom ops
+(``torch.ops.tp_kernels.*``: ``torch.compile`` sees one node each); ``send`` and ``recv`` are
+eager calls. Under a CUDA graph capture, prepare first with :meth:`Communicator.capture`.
+
+Every argument is checked on every rank before anything moves (a ``ValueError`` naming it); with
+fingerprints on (:func:`tp_kernels.settings.set_fingerprints`) ranks that disagree on a call
+(shapes, dtypes, dims, roots) all raise instead of mismatching; every wait is bounded by
+:func:`tp_kernels.get_timeout`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import _collectives as coll
+from . import _library  # noqa: F401  (registers torch.ops.tp_kernels.*)
+from . import backends, dispatch, parallel_state
+from ._agreement import agree, describe
+from ._checks import check_choice
+from .backends.fused import MAX_BYTES
+from .settings import BACKEND_NAMES
+
+__all__ = [
+    "CAPTURE_BYTES",
+    "Communicator",
+    "tensor_parallel_communicator",
+    "tensor_model_parallel_all_gather",
+    "tensor_model_parallel_all_reduce",
+    "tensor_model_parallel_gather",
+]
+
+#: The largest all-reduce :meth:`Communicator.capture` prepares the fused path for by default.
+CAPTURE_BYTES = MAX_BYTES["two_shot"]
+
+
+def _default_device(group) -> torch.device:
+    """This rank's GPU (the current device) for an NCCL group, or a lone process with a GPU; the
+    CPU otherwise."""
+    if group is None:
+        nccl = torch.cuda.is_available()
+    else:
+        nccl = "nccl" in str(dist.get_backend(group)).lower()
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.type != "cuda" or a.index == b.index)
+
+
+class Communicator:
+    """The collectives of a process group for one device, each on its fastest path.
+
+    Args:
+        group: the process group (None: the tensor-parallel group, or the default group when
+            :func:`tp_kernels.initialize_model_parallel` was not called, or this process alone
+            when ``torch.distributed`` is not initialized).
+        device: where this rank's tensors live (default: the current CUDA device for an NCCL
+            group, else the CPU). Every tensor passed must be there.
+        backend: ``"auto"`` (default: measured among the paths allowed, see the module doc),
+            ``"reference"`` (``torch.distributed``), ``"pipelined"`` (the NCCL communicator where
+            the native path runs, else ``torch.distributed``) or ``"fused"`` (the all-reduce over
+            peer memory, the other collectives on the NCCL communicator; an error where those
+            cannot run).
+
+    Ranks are the group's ranks. Every rank of the group makes the same calls in the same order.
+    """
+
+    def __init__(self, group=None, *, device=None, backend: str = "auto"):
+        check_choice("backend", backend, BACKEND_NAMES)
+        self.group = coll.resolve_group(group)
+        try:
+            self.device = _default_device(self.group) if device is None else torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device: expected a torch.device or a device string, got {device!r}") from exc
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.backend = backend
+        self.world_size = coll.group_size(self.group)
+        self.rank_in_group = coll.group_rank(self.group)
+
+    def __repr__(self) -> str:
+        return (f"Communicator(group={coll.group_name(self.group)!r}, rank {self.rank_in_group} of "
+                f"{self.world_size}, device={self.device}, backend={self.backend!r})")
+
+    # --- the checks every method makes, on every rank, before anything moves ----------------------
+
+    def _tensor(self, name: str, x, reduces: bool = False) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if not _same_device(x.device, self.device):
+            raise ValueError(f"{name}: expected a tensor on {self.device} (the communicator's device), got one on "
+                             f"{x.device}")
+        if reduces and (x.dtype == torch.bool or x.is_complex()):
+            raise ValueError(f"{name}: expected a real number dtype to sum, got {x.dtype}")
+        return x
+
+    def _dim(self, x: torch.Tensor, dim) -> int:
+        if x.dim() == 0:
+            raise ValueError(f"x: expected a tensor with a dim to gather or scatter along, got a 0-d {x.dtype} tensor")
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise ValueError(f"dim: expected an int, got {dim!r}")
+        if not -x.dim() <= dim < x.dim():
+            raise ValueError(f"dim: expected a dim of x {list(x.shape)} (in [{-x.dim()}, {x.dim() - 1}]), got {dim}")
+        return dim % x.dim()
+
+    def _rank(self, name: str, rank, other: bool = False) -> int:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"{name}: expected a rank of the group's {self.world_size}, got {rank!r}")
+        if other and rank == self.rank_in_group:
+            raise ValueError(f"{name}: expected another rank than this one ({rank})")
+        return rank
+
+    def _agree(self, call: str, x, check, describe_call):
+        return agree(f"Communicator.{call}", self.group, check, describe_call, hint=x)
+
+    def _impl(self, collective: str, x: torch.Tensor, peer: int = -1) -> str:
+        return dispatch.resolve_collective(collective, self.backend, x, self.group, peer)
+
+    # --- the collectives ------------------------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The sum of ``x`` over the group's ranks, of ``x``'s shape, the same on every rank.
+
+        ``out`` (optional): where to write it (``x``'s shape, dtype and device, contiguous; may be
+        ``x`` itself); returned.
+        """
+        def check():
+            self._tensor("x", x, reduces=True)
+            if out is not None:
+                self._tensor("out", out)
+                if out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
+                    raise ValueError(f"out: expected a contiguous {list(x.shape)} {x.dtype} tensor (the shape of x), "
+                                     f"got {'a strided ' if not out.is_contiguous() else ''}{list(out.shape)} "
+                                     f"{out.dtype}")
+
+        self._agree("all_reduce", x, check, lambda _: f"x {describe(x)} out {describe(out)}")
+        x_ = x.contiguous()
+        impl = self._impl("all_reduce", x_)
+        if out is None:
+            return torch.ops.tp_kernels.all_reduce(x_, coll.group_name(self.group), impl)
+        torch.ops.tp_kernels.all_reduce_out(x_, out, coll.group_name(self.group), impl)
+        return out
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim`` in rank order: ``[..., d, ...]`` ->
+        ``[..., p*d, ...]``, the same on every rank."""
+        d = self._agree("all_gather", x, lambda: self._dim(self._tensor("x", x), dim),
+                        lambda d: f"x {describe(x)} dim {d}")
+        stacked = self._dim0("all_gather", x, d)
+        return self._undo_dim0(stacked, x.shape, d)
+
+    def gather(self, x: torch.Tensor, dst: int = 0, dim: int = -1) -> Optional[torch.Tensor]:
+        """:meth:`all_gather` on rank ``dst`` only; None on the other ranks."""
+        def check():
+            self._rank("dst", dst)
+            return self._dim(self._tensor("x", x), dim)
+
+        d = self._agree("gather", x, check, lambda d: f"x {describe(x)} dim {d} dst {dst}")
+        stacked = self._dim0("gather", x, d, dst)
+        return self._undo_dim0(stacked, x.shape, d) if self.rank_in_group == dst else None
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """This rank's block of dim ``dim`` of the sum of ``x`` over the ranks: ``[..., p*d, ...]``
+        -> ``[..., d, ...]``, rank r keeping elements ``[r*d, (r+1)*d)`` of that dim."""
+        def check():
+            d = self._dim(self._tensor("x", x, reduces=True), dim)
+            if x.shape[d] % self.world_size:
+                raise ValueError(f"x: dim {d} of {list(x.shape)} ({x.shape[d]}) is not divisible by the group's "
+                                 f"{self.world_size} ranks")
+            return d
+
+        d = self._agree("reduce_scatter", x, check, lambda d: f"x {describe(x)} dim {d}")
+        moved = x.movedim(d, 0).contiguous()
+        impl = self._impl("reduce_scatter", moved)
+        out = torch.ops.tp_kernels.reduce_scatter(moved, coll.group_name(self.group), impl)
+        return out.movedim(0, d).contiguous() if d else out
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank ``src``'s ``x`` into ``x`` on every rank (in place); returns ``x``."""
+        def check():
+            self._rank("src", src)
+            self._tensor("x", x)
+
+        self._agree("broadcast", x, check, lambda _: f"x {describe(x)} src {src}")
+        if x.is_contiguous():
+            torch.ops.tp_kernels.broadcast(x, src, coll.group_name(self.group), self._impl("broadcast", x, src))
+            return x
+        buf = x.contiguous()
+        torch.ops.tp_kernels.broadcast(buf, src, coll.group_name(self.group), self._impl("broadcast", buf, src))
+        return x.copy_(buf)
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        """Send ``x`` to rank ``dst``, which calls :meth:`recv` with its shape and dtype. Not
+        agreed with the group (two ranks take part), but bounded by the timeout."""
+        self._rank("dst", dst, other=True)
+        x_ = self._tensor("x", x).contiguous()
+        impl = dispatch.resolve_collective("send", self.backend, x_, self.group, dst)
+        backends.run_collective("send", impl, x_, None, dst, self.group)
+
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
+        """A new tensor of ``shape`` and ``dtype`` on the communicator's device, received from rank
+        ``src`` (which calls :meth:`send`)."""
+        self._rank("src", src, other=True)
+        try:
+            shape = torch.Size(shape)
+        except TypeError as exc:
+            raise ValueError(f"shape: expected a sequence of ints, got {shape!r}") from exc
+        if any(s < 0 for s in shape):
+            raise ValueError(f"shape: expected sizes >= 0, got {list(shape)}")
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype: expected a torch.dtype, got {dtype!r}")
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        impl = dispatch.resolve_collective("recv", self.backend, out, self.group, src)
+        return backends.run_collective("recv", impl, None, out, src, self.group)
+
+    # --- CUDA graphs ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def capture(self, max_bytes: int = CAPTURE_BYTES):
+        """Make, with every rank, what a CUDA graph capture of this communicator's calls needs and
+        cannot make itself: the group's NCCL communicator and its peer-memory workspace, checked
+        and grown to hold a fused all-reduce of up to ``max_bytes`` (where those paths may run).
+        Then capture inside it, as with vLLM's ``capture()``::
+
+            with comm.capture():
+                with torch.cuda.graph(graph):
+                    y = comm.all_reduce(x)
+
+        The fused all-reduce copies its input into the workspace as a node of the graph, so no
+        tensor needs registering. A size class ``"auto"`` has not measured yet runs its first
+        candidate inside a capture (nothing is measured there): call each size once before
+        capturing for the measured choice.
+        """
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ValueError(f"max_bytes: expected a positive int, got {max_bytes!r}")
+        if self.device.type == "cuda":
+            paths = dispatch.capture_paths(self.backend, torch.empty(1, device=self.device), self.group)
+            backends.prepare_capture(paths, self.group, self.device, max_bytes)
+        yield self
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _dim0(self, collective: str, x: torch.Tensor, d: int, peer: int = -1) -> torch.Tensor:
+        """``collective`` over dim 0 of ``x`` with a leading dim of 1: ``[p, ...]``, rank-major."""
+        stacked_in = x.unsqueeze(0).contiguous()
+        impl = self._impl(collective, stacked_in, peer)
+        name = coll.group_name(self.group)
+        if collective == "gather":
+            return torch.ops.tp_kernels.gather(stacked_in, peer, name, impl)
+        return torch.ops.tp_kernels.all_gather(stacked_in, name, impl)
+
+    def _undo_dim0(self, stacked: torch.Tensor, shape, d: int) -> torch.Tensor:
+        """``[p, *shape]`` (rank-major) as ``shape`` with dim ``d`` p times as long."""
+        out_shape = list(shape)
+        out_shape[d] *= self.world_size
+        if d == 0:
+            return stacked.reshape(out_shape)
+        return stacked.movedim(0, d).reshape(out_shape)
+
+
+#: (group key) -> (group, Communicator) for the module functions
+_tp_communicators: dict = {}
+
+
+def tensor_parallel_communicator() -> Communicator:
+    """The communicator of the tensor-parallel group (see :class:`Communicator`'s ``group=None``)
+    on the current device, made on first use."""
+    group = coll.resolve_group(None)
+    device = _default_device(group)
+    key = (id(group), coll.group_name(group), device)
+    entry = _tp_communicators.get(key)
+    if entry is None:
+        entry = _tp_communicators[key] = (group, Communicator(group, device=device))
+    return entry[1]
+
+
+@parallel_state.on_group_destroyed
+def _forget(group=None) -> None:
+    for key in [k for k, (g, _) in _tp_communicators.items() if group is None or g is group]:
+        del _tp_communicators[key]
+
+
+def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """:meth:`Communicator.all_reduce` over the tensor-parallel group."""
+    return tensor_parallel_communicator().all_reduce(x)
+
+
+def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """:meth:`Communicator.all_gather` over the tensor-parallel group."""
+    return tensor_parallel_communicator().all_gather(x, dim)
+
+
+def tensor_model_parallel_gather(x: torch.Tensor, dst: int = 0, dim: int = -1) -> Optional[torch.Tensor]:
+    """:meth:`Communicator.gather` over the tensor-parallel group (None off ``dst``)."""
+    return tensor_parallel_communicator().gather(x, dst, dim)
