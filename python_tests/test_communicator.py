@@ -164,6 +164,7 @@ BAD_CALLS = [
     (lambda c, p: c.all_reduce(torch.ones(3), out=torch.ones(4)), r"out: expected a contiguous \[3\] torch.float32"),
     (lambda c, p: c.all_reduce(torch.ones(3), out=torch.ones(3, dtype=torch.float64)), r"out: expected .*float32 .*got \[3\] torch.float64"),
     (lambda c, p: c.all_reduce(torch.ones(2, 3), out=torch.ones(3, 2).t()), r"out: expected a contiguous .* strided"),
+    (lambda c, p: (lambda t: c.all_reduce(t[:2], out=t[1:]))(torch.ones(3)), r"out: shares memory with x"),
     (lambda c, p: c.all_gather(torch.ones(2, 3), dim=2), r"dim: expected a dim of x \[2, 3\] \(in \[-2, 1\]\), got 2"),
     (lambda c, p: c.all_gather(torch.ones(2, 3), dim=1.0), r"dim: expected an int, got 1.0"),
     (lambda c, p: c.all_gather(torch.tensor(1.0)), r"x: expected a tensor with a dim .* got a 0-d"),
@@ -350,6 +351,7 @@ def check_opcheck_collectives():
     cases = [
         (ops.all_reduce, (x, group, "reference")),
         (ops.all_reduce_out, (x, torch.empty_like(x), group, "reference")),
+        (ops.all_reduce_inplace, (x.clone(), group, "reference")),
         (ops.all_gather, (x, group, "reference")),
         (ops.reduce_scatter, (x, group, "reference")),
         (ops.gather, (x, 0, group, "reference")),
@@ -414,6 +416,7 @@ def check_one_decision_per_call():
     try:
         x = torch.ones(2 * p, 3)
         calls = [lambda: comm.all_reduce(x), lambda: comm.all_reduce(x, out=torch.empty_like(x)),
+                 lambda: comm.all_reduce(x.clone(), out=None), lambda: (lambda y: comm.all_reduce(y, out=y))(x.clone()),
                  lambda: comm.all_gather(x, dim=1), lambda: comm.gather(x, dst=0, dim=0),
                  lambda: comm.reduce_scatter(x, dim=0), lambda: comm.broadcast(x.clone(), src=0)]
         for i, call in enumerate(calls):

@@ -11,8 +11,8 @@ Backward ops return an empty tensor for a gradient that is not needed (a custom 
 return None); the autograd wrappers turn those back into None.
 
 The plain collectives of :class:`tp_kernels.Communicator` are custom ops too (``all_reduce``,
-``all_reduce_out``, ``all_gather``, ``reduce_scatter``, ``gather``, ``broadcast``), over dim 0 of
-contiguous tensors, with the implementation decided before the call
+``all_reduce_out``, ``all_reduce_inplace``, ``all_gather``, ``reduce_scatter``, ``gather``,
+``broadcast``), over dim 0 of contiguous tensors, with the implementation decided before the call
 (:func:`tp_kernels.dispatch.resolve_collective`); they have no autograd formula (serving runs
 without gradients; :mod:`tp_kernels.mappings` has the differentiable ones).
 """
@@ -226,6 +226,16 @@ def all_reduce_out(x: Tensor, out: Tensor, group: str, impl: str) -> None:
 
 @all_reduce_out.register_fake
 def _(x, out, group, impl):
+    return None
+
+
+@torch.library.custom_op("tp_kernels::all_reduce_inplace", mutates_args=("x",))
+def all_reduce_inplace(x: Tensor, group: str, impl: str) -> None:
+    run_collective("all_reduce", impl, x, x, -1, coll.group_from_name(group))
+
+
+@all_reduce_inplace.register_fake
+def _(x, group, impl):
     return None
 
 

@@ -197,11 +197,16 @@ def choose_collective(collective: str, variants: Sequence[str], x: torch.Tensor,
         return variants[0]
     numel, p = x.numel(), coll.group_size(group)
     key = (collective, coll.group_key(group, x.device), x.dtype, size_class(numel), peer, tuple(variants))
-    receives = collective != "gather" or coll.group_rank(group) == peer
-    shape = collective_output_shape(collective, x.shape, p, receives)
-    out = None if shape is None else x.new_empty(shape)  # x is only read (broadcast writes out)
-    return _measured(key, collective, variants, x, group, numel, 0, 0, False,
-                     lambda v: backends.run_collective(collective, v, x, out, peer, group),
+    scratch: dict = {}
+
+    def run(variant: str):
+        if not scratch:  # made when measuring, once: x is only read (broadcast writes out)
+            receives = collective != "gather" or coll.group_rank(group) == peer
+            shape = collective_output_shape(collective, x.shape, p, receives)
+            scratch["out"] = None if shape is None else x.new_empty(shape)
+        return backends.run_collective(collective, variant, x, scratch["out"], peer, group)
+
+    return _measured(key, collective, variants, x, group, numel, 0, 0, False, run,
                      also=f" peer={peer}" if peer >= 0 else "")
 
 

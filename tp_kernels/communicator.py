@@ -145,7 +145,7 @@ class Communicator:
         """The sum of ``x`` over the group's ranks, of ``x``'s shape, the same on every rank.
 
         ``out`` (optional): where to write it (``x``'s shape, dtype and device, contiguous; may be
-        ``x`` itself); returned.
+        ``x`` itself, for an in-place all-reduce, but no other view of its memory); returned.
         """
         def check():
             self._tensor("x", x, reduces=True)
@@ -155,13 +155,20 @@ class Communicator:
                     raise ValueError(f"out: expected a contiguous {list(x.shape)} {x.dtype} tensor (the shape of x), "
                                      f"got {'a strided ' if not out.is_contiguous() else ''}{list(out.shape)} "
                                      f"{out.dtype}")
+                if (out.data_ptr() != x.data_ptr() and out.numel() and x.numel()
+                        and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()):
+                    raise ValueError("out: shares memory with x without being x (pass x itself for an in-place "
+                                     "all-reduce)")
 
         self._agree("all_reduce", x, check, lambda _: f"x {describe(x)} out {describe(out)}")
         x_ = x.contiguous()
-        impl = self._impl("all_reduce", x_)
+        impl, name = self._impl("all_reduce", x_), coll.group_name(self.group)
         if out is None:
-            return torch.ops.tp_kernels.all_reduce(x_, coll.group_name(self.group), impl)
-        torch.ops.tp_kernels.all_reduce_out(x_, out, coll.group_name(self.group), impl)
+            return torch.ops.tp_kernels.all_reduce(x_, name, impl)
+        if out.data_ptr() == x_.data_ptr():  # in place: one tensor, which the op declares it writes
+            torch.ops.tp_kernels.all_reduce_inplace(out, name, impl)
+        else:
+            torch.ops.tp_kernels.all_reduce_out(x_, out, name, impl)
         return out
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
