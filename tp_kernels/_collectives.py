@@ -1,4 +1,4 @@
-"""Raw collectives on dim 0 and the last dim, with bounded waits.
+"""Raw collectives (dim 0 gathered or scattered; broadcast, gather, point to point), with bounded waits.
 
 Everything that talks to ``torch.distributed`` goes through here:
 
@@ -31,7 +31,6 @@ __all__ = [
     "Pending",
     "all_gather_bytes",
     "all_gather_dim0",
-    "all_gather_last_dim",
     "all_reduce",
     "broadcast",
     "check_alive",
@@ -324,15 +323,6 @@ def recv(out: torch.Tensor, src: int, group) -> Pending:
     what = f"recv of {tuple(out.shape)} {out.dtype} from rank {src}"
     work = _issue(what, group, lambda: dist.irecv(out, src=dist.get_global_rank(group, src), group=group))
     return Pending(out, [work], what, group)
-
-
-def all_gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
-    """``[..., d/p] -(AG)-> [..., d]``, rank-major along the last dim (blocking)."""
-    p = group_size(group)
-    if p == 1:
-        return x
-    stacked = all_gather_dim0(x.unsqueeze(0), group).wait()  # (p, ..., d/p)
-    return stacked.movedim(0, -2).reshape(*x.shape[:-1], x.shape[-1] * p)
 
 
 def split(x: torch.Tensor, dim: int, group) -> torch.Tensor:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import _collectives as coll
+from . import _library  # noqa: F401  (registers torch.ops.tp_kernels.*)
 from ._agreement import agree, describe
 from ._checks import check_divisible, check_tensor
 
@@ -39,16 +40,26 @@ __all__ = [
 ]
 
 
+# The collectives run as the custom ops of the plain collectives (torch.ops.tp_kernels.*, on
+# torch.distributed), so that torch.compile and torch.export see each as one node.
+
+
 def _all_reduce(x, group):
-    return coll.all_reduce(x, group).wait()
+    return torch.ops.tp_kernels.all_reduce(x.contiguous(), coll.group_name(group), "reference")
 
 
 def _gather_dim0(x, group):
-    return coll.all_gather_dim0(x, group).wait()
+    return torch.ops.tp_kernels.all_gather(x.contiguous(), coll.group_name(group), "reference")
 
 
 def _reduce_scatter_dim0(x, group):
-    return coll.reduce_scatter_dim0(x, group).wait()
+    return torch.ops.tp_kernels.reduce_scatter(x.contiguous(), coll.group_name(group), "reference")
+
+
+def _gather_last_dim(x, group):
+    """``[..., d/p] -> [..., d]``, rank-major along the last dim."""
+    stacked = _gather_dim0(x.unsqueeze(0), group)  # [p, ..., d/p]
+    return stacked.movedim(0, -2).reshape(*x.shape[:-1], x.shape[-1] * coll.group_size(group))
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -80,14 +91,14 @@ class _ScatterToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        return coll.all_gather_last_dim(dy, ctx.group), None
+        return _gather_last_dim(dy, ctx.group), None
 
 
 class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return coll.all_gather_last_dim(x, group)
+        return _gather_last_dim(x, group)
 
     @staticmethod
     def backward(ctx, dy):
