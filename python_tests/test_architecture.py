@@ -33,7 +33,7 @@ LAYERS = [
     ("decision and custom ops", ["autotune", "dispatch", "_library"]),
     ("ops and mappings", ["ops", "mappings", "communicator"]),
     ("layers", ["layers", "embedding", "cross_entropy", "parallelize"]),
-    ("tools", ["testing", "testing.*", "perf_model", "bench", "bench.*"]),
+    ("tools", ["testing", "testing.*", "perf_model", "bench", "bench.*", "onnx", "onnx.*"]),
     ("package", [""]),
 ]
 

@@ -1,0 +1,201 @@
+"""Tensor-parallel models out to ONNX (tp_kernels.onnx), proved on the CPU: every rank's model, from
+the export route (tp_kernels layers traced by torch.onnx) and from the shard route (a dense ONNX
+model split by a plan), runs in ONNX Runtime in its own gloo process, its collective nodes over
+torch.distributed (tp_kernels.onnx.cpu_session's stand-ins), and matches the dense PyTorch model
+against float64: an MLP, the transformer block of test_parallelize, and an embedding with an LM
+head split over the vocabulary, p in {1, 2, 4}. Also: bad plans, and tp_kernels without onnx.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+pytest.importorskip("onnxruntime_extensions", reason="the onnx extra is not installed (pip install tp_kernels[onnx])")
+
+import onnx  # noqa: E402
+
+import tp_kernels  # noqa: E402
+import tp_kernels.onnx  # noqa: E402
+from helpers import assert_close, block, rank_world  # noqa: E402
+from test_parallelize import PLAN as BLOCK_PLAN  # noqa: E402
+from test_parallelize import Block  # noqa: E402
+
+DEADLINE_S = 300
+
+
+class LanguageModelEnds(nn.Module):
+    """An embedding and an LM head: ids [b, s] -> logits [b, s, V]."""
+
+    def __init__(self, vocab, hidden):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids):
+        return self.lm_head(self.embed(ids))
+
+
+LM_PLAN = {"embed": "vocab", "lm_head": "colwise"}
+MLP_PLAN = {"0": "colwise", "2": "rowwise"}
+
+
+def _dense(case, p):
+    """The dense model of ``case`` (seeded alike on every rank), its input and its plan."""
+    torch.manual_seed(0)
+    if case == "mlp":
+        model, plan = nn.Sequential(nn.Linear(12, 8 * p), nn.GELU(), nn.Linear(8 * p, 12)), MLP_PLAN
+        x = torch.randn(2 * p, 3, 12)
+    elif case == "block":
+        model, plan = Block(23, 3 * p, 17 * p), BLOCK_PLAN
+        x = torch.randn(3 * p, 3, 23)
+    else:
+        model, plan = LanguageModelEnds(16 * p, 12), LM_PLAN
+        x = torch.randint(0, 16 * p, (3, 5))
+    return model.eval(), x, plan
+
+
+def _collectives(model: onnx.ModelProto):
+    return sorted(n.op_type for n in model.graph.node if n.domain == tp_kernels.onnx.DOMAIN)
+
+
+def _run(model: onnx.ModelProto, x: torch.Tensor) -> torch.Tensor:
+    session = tp_kernels.onnx.cpu_session(model)
+    (y,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    return torch.from_numpy(y)
+
+
+def check_export(case, sequence_parallel):
+    """The export route: the tp_kernels model's per-rank ONNX model, with the collectives the
+    layers make as nodes and this rank's shards as initializers, equals the dense model."""
+    r, p = rank_world()
+    dense, x, plan = _dense(case, p)
+    ref = dense.double()(x if x.dtype == torch.int64 else x.double()).detach()
+    model = copy.deepcopy(dense).float()
+    if case == "lm":  # built from the layers directly, the logits gathered (parallelize keeps them split)
+        model.embed = tp_kernels.VocabParallelEmbedding.from_embedding(model.embed)
+        model.lm_head = tp_kernels.ColumnParallelLinear.from_linear(model.lm_head, gather_output=True)
+    else:
+        model = tp_kernels.parallelize(model, plan, sequence_parallel=sequence_parallel)
+    sp = sequence_parallel and case != "lm"
+    x_rank = block(x, 0, r, p) if sp else x
+    proto = tp_kernels.onnx.export(model, (x_rank,))
+    onnx.checker.check_model(proto)
+    want = {"mlp": ["AllReduce"], "block": ["AllReduce", "AllReduce"], "lm": ["AllGather", "AllReduce"]}[case]
+    if sp:
+        # one all-gather per column-parallel input (q, k and v share theirs: the exporter merges the
+        # three identical nodes), one reduce-scatter per row-parallel projection
+        want = ["AllGather", "ReduceScatter"] * (1 if case == "mlp" else 2)
+        want.sort()
+    assert _collectives(proto) == (want if p > 1 else []), _collectives(proto)
+    shapes = {tuple(i.dims) for i in proto.graph.initializer}
+    local = {"mlp": (8, 12), "block": (17, 23), "lm": (16, 12)}[case]  # the first weight's shard [out/p, in]
+    assert local in shapes or local[::-1] in shapes, shapes
+    y = _run(proto, x_rank)
+    assert_close(f"{case} exported, rank {r} of {p}", y, block(ref, 0, r, p) if sp else ref)
+    return _collectives(proto)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("case", ["mlp", "block", "lm"])
+def test_exported_per_rank_models_match_the_dense_model(world, case):
+    world.run(check_export, case, False, deadline_s=DEADLINE_S)
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+@pytest.mark.parametrize("case", ["mlp", "block"])
+def test_exported_sequence_parallel_models_match_the_dense_model(world, case):
+    world.run(check_export, case, True, deadline_s=DEADLINE_S)
+
+
+def _dense_onnx(model, x) -> onnx.ModelProto:
+    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+        return torch.onnx.export(model, (x,), dynamo=True, opset_version=tp_kernels.onnx.OPSET).model_proto
+
+
+def check_shard(case):
+    """The shard route: the dense model's ONNX split by the plan equals the dense model, with the
+    collectives tensor parallelism needs (one all-reduce per row-parallel projection)."""
+    r, p = rank_world()
+    dense, x, plan = _dense(case, p)
+    ref = dense.double()(x if x.dtype == torch.int64 else x.double()).detach()
+    full = _dense_onnx(dense.float(), x)
+    mine = tp_kernels.onnx.shard(full, plan, p, r)
+    collectives = _collectives(mine)
+    if p > 1:
+        reduces = collectives.count("AllReduce")
+        assert reduces == {"mlp": 1, "block": 2, "lm": 1}[case], collectives
+        gathers = collectives.count("AllGather")
+        assert gathers <= {"mlp": 0, "block": 1, "lm": 1}[case], collectives  # block: the keys, merged with the batch
+    else:
+        assert collectives == []
+    sizes = sum(i.ByteSize() for i in mine.graph.initializer)
+    assert p == 1 or sizes < 0.75 * sum(i.ByteSize() for i in full.graph.initializer)  # the weights are split
+    assert_close(f"{case} sharded, rank {r} of {p}", _run(mine, x), ref)
+    return collectives
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("case", ["mlp", "block", "lm"])
+def test_sharded_per_rank_models_match_the_dense_model(world, case):
+    per_rank = world.run(check_shard, case, deadline_s=DEADLINE_S)
+    assert all(c == per_rank[0] for c in per_rank)  # every rank's graph makes the same collectives
+
+
+# --- bad plans and arguments ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dense_block():
+    dense, x, _ = _dense("block", 2)
+    return _dense_onnx(dense, x)
+
+
+@pytest.mark.parametrize("plan,world_size,message", [
+    ({"attn.nope": "colwise"}, 2, r"plan: pattern 'attn.nope' matches no node, initializer or module path"),
+    ({"norm1": "colwise"}, 2, r"plan\['norm1'\]: style 'colwise' applies to MatMul or Gemm nodes, but .* is a "
+                               r"LayerNormalization"),
+    ({"mlp.0": "vocab"}, 2, r"plan\['mlp.0'\]: style 'vocab' applies to Gather nodes"),
+    ({"mlp.0": "diagonal"}, 2, r"plan\['mlp.0'\]: unknown style 'diagonal'; expected one of 'colwise', 'rowwise'"),
+    ({"attn.q_proj": "colwise"}, 4, r"plan\['attn.q_proj'\]: .* \(colwise\) has out_features=30, which the world "
+                                    r"size 4 does not divide"),
+    ({"mlp.2": "rowwise"}, 3, r"plan\['mlp.2'\]: .* \(rowwise\) has in_features=34, which the world size 3"),
+    ({"mlp.2": "rowwise", "mlp.*": "colwise"}, 2, r"plan: .* is matched as 'colwise' by 'mlp.\*' and as 'rowwise' "
+                                                  r"by 'mlp.2'"),
+    ({}, 2, r"plan: expected a non-empty mapping"),
+])
+def test_bad_plans_name_the_pattern(dense_block, plan, world_size, message):
+    with pytest.raises(ValueError, match=message):
+        tp_kernels.onnx.shard(dense_block, plan, world_size, 0)
+
+
+def test_bad_shard_and_export_arguments(dense_block):
+    for world_size, rank, message in ((2, 2, r"rank 2 of 2"), (0, 0, r"rank 0 of 0"), (2, True, r"rank: expected an int")):
+        with pytest.raises(ValueError, match=message):
+            tp_kernels.onnx.shard(dense_block, BLOCK_PLAN, world_size, rank)
+    with pytest.raises(ValueError, match=r"model: expected an onnx.ModelProto, got str"):
+        tp_kernels.onnx.shard("model.onnx", BLOCK_PLAN, 2, 0)
+    with pytest.raises(ValueError, match=r"opset_version: expected an int >= 18, got 16"):
+        tp_kernels.onnx.export(nn.Linear(2, 2), (torch.ones(1, 2),), opset_version=16)
+    assert onnx.checker.check_model(dense_block) is None  # shard left the model it was given unchanged
+    assert not any(n.domain == tp_kernels.onnx.DOMAIN for n in dense_block.graph.node)
+
+
+def test_tp_kernels_imports_without_the_onnx_extra():
+    code = ("import sys\n"
+            "for m in ('onnx', 'onnxruntime', 'onnxscript', 'onnxruntime_extensions'): sys.modules[m] = None\n"
+            "import tp_kernels\n"
+            "try:\n"
+            "    import tp_kernels.onnx\n"
+            "except ImportError as exc:\n"
+            "    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "tp_kernels.onnx needs the onnx extra (pip install 'tp_kernels[onnx]')" in out.stdout
