@@ -7,9 +7,10 @@
 #       the GPU tests (python_tests -m gpu), a per-test timeout so a hang costs seconds, the
 #       tracebacks and the slowest tests in the log: gpu-tests-<commit>.json
 #   ... bash bench/gpu_suite.sh bench
-#       the main job, the extension's costs, the fused path on virtual ranks and the
-#       pytest-benchmark suite, each under its own time limit: gpu-bench-<commit>.json, and the
-#       main job's JSON/CSV/PNG and the other benchmarks' JSON next to it
+#       the main job (on one GPU with the per-rank costs, the fused path on virtual ranks and the
+#       calibrated projection), the fused path's sweeps and the pytest-benchmark suite, each under
+#       its own time limit: gpu-bench-<commit>.json, and the main job's JSON/CSV/PNG and the
+#       other benchmarks' JSON next to it
 #   ... bash bench/gpu_suite.sh sanitize
 #       compute-sanitizer memcheck and racecheck on the fused ops: gpu-sanitize-<commit>.json
 #
@@ -70,12 +71,13 @@ case "$part" in
       -rfE --tb=short --durations=40 --junitxml="$logs/gpu-tests.xml"
     ;;
   bench)
-    step bench 210 "$PY" -m tp_kernels.bench --out-dir "$logs/bench" --tag "$commit"
-    step extension 75 "$PY" -m tp_kernels.bench.extension --out-dir "$logs/extension" --tag "$commit"
+    # On one GPU the main job also measures the extension's costs, the fused path on 8 virtual ranks
+    # and the projection's GEMMs (tp_kernels.bench.one_gpu); the fused benchmark adds the sweeps.
+    step bench 280 "$PY" -m tp_kernels.bench --out-dir "$logs/bench" --tag "$commit"
     step fused 100 "$PY" -m tp_kernels.bench.fused --out-dir "$logs/fused" --tag "$commit"
     step pytest-bench 60 "$PY" -m pytest bench -q -p no:cacheprovider --tp-m 16,8192 --tp-rounds 5 \
       --benchmark-json="$logs/pytest-bench.json"
-    cp "$logs"/bench/* "$logs"/extension/*.json "$logs"/fused/*.json "$results/" 2>/dev/null
+    cp "$logs"/bench/* "$logs"/fused/*.json "$results/" 2>/dev/null
     ;;
   sanitize)
     san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)

@@ -304,7 +304,7 @@ def test_fused_bench_thresholds_from_a_sweep():
 def test_gpu_bench_records_are_saved_by_device_and_tag(tmp_path):
     import json
 
-    from tp_kernels.bench.extension import save_record
+    from tp_kernels.bench.records import save_record
 
     path = save_record({"device": "NVIDIA H100 80GB HBM3", "figure": 1.5}, str(tmp_path), "fused", "abc1234")
     assert os.path.basename(path) == "fused-nvidia-h100-80gb-hbm3-abc1234.json"
@@ -385,3 +385,95 @@ def test_the_gpu_suite_script_names_its_parts():
     script = os.path.join(os.path.dirname(__file__), "..", "bench", "gpu_suite.sh")
     out = subprocess.run(["bash", script, "everything"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "usage: bash bench/gpu_suite.sh {tests|bench|sanitize}" in out.stderr
+
+
+# --- the main job on one GPU: its report's layout, from made-up measurements -------------------------
+
+
+def _fake_one_gpu_measurements(scale=1.0):
+    from tp_kernels.bench import one_gpu
+
+    gpu = pm.GPUS[one_gpu.PROJECTED["gpu"]]
+    roofline = pm.RooflineGemm(gpu)
+    latency = [{"p": 8, "m": m, "k": 3584, "n": 8192, "bytes": m * 8192 * 2, "gemms_ms": 0.010,
+                "nccl_one_rank_all_reduce_ms": 0.02, "reference_one_rank_ms": 0.03,
+                "algorithms_ms": {"one_shot": 0.010 + m * 0.0016, "two_shot": 0.018, "scatter_gather": 0.030}}
+               for m in (1, 4, 16)]
+    return {
+        "projection_gemm_s": [[m, n, k, d, scale * roofline(m, n, k, d)] for m, n, k, d in one_gpu.projection_shapes()],
+        "extension": {
+            "gemm_throughput": {"ratio": 0.995},
+            "host_overhead": {"added_eager_us": {"native_linear": 2.0, "matmul_all_reduce_pipelined": 4.0,
+                                                 "matmul_all_reduce_fused": 7.5, "matmul_all_reduce_auto": 3.0},
+                              "added_graph_us": {"matmul_all_reduce_pipelined": 0.1, "matmul_all_reduce_fused": 0.2,
+                                                 "matmul_all_reduce_auto": 0.0}},
+            "chunking": {"column": {"native_vs_f_linear": 1.0, "4_row_chunks": {"vs_unsplit": 0.98}},
+                         "row": {"native_vs_f_linear": 0.985, "4_row_chunks": {"vs_unsplit": 0.96}}, "target": 0.97},
+        },
+        "fused": {"overlap": {"all_gather_matmul": {"p": 8, "overlap_efficiency": 0.97, "gemm_slowdown": 0.02},
+                              "matmul_reduce_scatter": {"p": 8, "overlap_efficiency": 0.90, "gemm_slowdown": 0.04}},
+                  "all_reduce_latency": latency},
+    }
+
+
+def test_one_gpu_report_reads_every_figure_against_its_target():
+    from tp_kernels.bench import one_gpu
+
+    assert one_gpu.applies("cuda", 1) and not one_gpu.applies("cuda", 2) and not one_gpu.applies("cpu", 1)
+    rows = [{"target": "matmul_all_reduce", "m": 16, "in": 3584, "out": 8192, "dtype": "bfloat16", "p": 1,
+             "backend": b, "resolved": b, "gemm_ms": 0.010, "median_ms": t} for b, t in (("reference", 0.0125),
+                                                                                       ("pipelined", 0.0110))]
+    rows.append(dict(rows[0], target="row", backend="reference"))  # a layer: not an op's per-rank cost
+    rep = one_gpu.report(_fake_one_gpu_measurements(), rows, "FakeGPU")
+    verdicts = {c["what"]: c["meets"] for c in rep["checks"]}
+    assert verdicts["native GEMM / F.linear, 8192^3"] and verdicts["native GEMM / F.linear, 70B TP8 column"]
+    assert not verdicts["native GEMM / F.linear, 70B TP8 row"]  # 0.985 < 0.99
+    assert verdicts["4 row chunks / unsplit, 70B TP8 column"] and not verdicts["4 row chunks / unsplit, 70B TP8 row"]
+    assert verdicts["pipelined: host time added per call, m = 16"]
+    assert not verdicts["fused: host time added per call, m = 16"]  # 7.5 us > 5
+    assert all(verdicts[f"{b}: GPU time added per replayed call"] for b in ("pipelined", "fused", "auto"))
+    assert verdicts["fused all_gather_matmul, 8 virtual ranks"]
+    assert not verdicts["fused matmul_reduce_scatter, 8 virtual ranks"]  # E 0.90 < 0.95
+    assert not verdicts["fused matmul_reduce_scatter, GEMMs beside the copies"]  # 4 % > 3 %
+    (decode,) = [c for c in rep["checks"] if c["target"] == "decode_all_reduce_us"]
+    # the worst row of at most 64 KiB (m = 4), its best algorithm (one_shot 0.0164 ms, two_shot 0.018): 6.4 us
+    assert decode["value"] == pytest.approx(6.4) and decode["meets"] and "one_shot, m = 4)" in decode["what"]
+    costs = rep["per_rank_costs"]
+    assert [(c["backend"], round(c["added_us"], 3)) for c in costs] == [("reference", 2.5), ("pipelined", 1.0)]
+    text = one_gpu.format_report(rep)
+    lines = text.splitlines()
+    assert lines[0] == ("# 1. Per-rank costs, MEASURED on FakeGPU, p = 1 (nothing to communicate: each backend runs "
+                        "its GEMM alone)")
+    assert any(line.startswith("# 2. The fused path on 8 virtual ranks, MEASURED on FakeGPU") for line in lines)
+    assert any(line.startswith("# 3. PROJECTION for 8 GPUs (model output, not a measurement): GEMM times measured "
+                               "on FakeGPU") for line in lines)
+    assert "  fused: host time added per call, m = 16: 7.500 (target <= 5) MISSES" in lines
+    assert "  fused matmul_reduce_scatter, 8 virtual ranks: 0.900 (target >= 0.95) MISSES" in lines
+    assert text.count("(projected)") == 1
+    assert "  decode m =   16 (256 KiB): GEMMs 10.0 us; with the all-reduce: one_shot 35.6, two_shot 18.0, " \
+           "scatter_gather 30.0 us" in lines
+
+
+def test_one_gpu_projection_uses_the_gemm_times_measured():
+    from tp_kernels.bench import one_gpu
+
+    shapes = one_gpu.projection_shapes()
+    assert len(shapes) == len(set(shapes)) > 4 and all(d == "bfloat16" for *_, d in shapes)
+    fast = one_gpu.project({(m, n, k, d): t for m, n, k, d, t in _fake_one_gpu_measurements(1.0)["projection_gemm_s"]},
+                           "FakeGPU")
+    slow = one_gpu.project({(m, n, k, d): t for m, n, k, d, t in _fake_one_gpu_measurements(2.0)["projection_gemm_s"]},
+                           "FakeGPU")
+    assert fast["inputs"]["gemm_times"] == f"measured on FakeGPU ({len(shapes)} shapes)"
+    assert slow["label"].startswith("PROJECTION for 8 GPUs")
+    gemm = lambda proj: sum(r["gemm_ms"] for r in proj["linears"])  # noqa: E731
+    assert gemm(slow) == pytest.approx(2 * gemm(fast))  # every GEMM of the projection is a measured one
+
+
+def test_one_gpu_report_without_the_extension_says_so():
+    from tp_kernels.bench import one_gpu
+
+    measured = {"projection_gemm_s": [], "extension": {"skipped": "no module"}, "fused": {"skipped": "no module"}}
+    text = one_gpu.format_report(one_gpu.report(measured, [], "FakeGPU"))
+    assert "(the native extension's figures: not measured, no module)" in text
+    assert "  (not measured: no module)" in text
+    assert "# 3. PROJECTION: not computed (no GEMM time was measured)" in text

@@ -9,7 +9,9 @@ per GPU otherwise. For every case (an op, or a layer forward+backward, at a mode
 measures the GEMMs alone, the collectives alone, the GEMMs under the collectives, and every
 backend; then prints and saves (``--out-dir``, default :func:`default_out_dir`) a JSON and a CSV
 with device, commit and date, and a PNG plot of speedup and overlap efficiency against m.
-The metrics are defined in :mod:`tp_kernels.bench.report`. The ``communicator`` target times
+The metrics are defined in :mod:`tp_kernels.bench.report`. On one GPU (one rank, nothing to
+communicate) it adds per-rank costs, the fused path on virtual ranks and a calibrated projection
+for 8 GPUs (:mod:`tp_kernels.bench.one_gpu`; in the JSON under ``"one_gpu"``). The ``communicator`` target times
 the communicator's all-reduce on every path against message size, with the crossovers its
 ``"auto"`` chooses (:mod:`tp_kernels.bench.communicator`; in the JSON under ``"communicator"``).
 """
@@ -20,9 +22,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
-import re
-import subprocess
 import sys
 import time
 from typing import List
@@ -33,9 +32,9 @@ import torch.distributed as dist
 from ..perf_model import MODELS
 from ..settings import BACKEND_NAMES
 from ..testing import World, default_backend, launched_by_torchrun
-from . import report
-from . import communicator
+from . import communicator, one_gpu, report
 from .cases import DECODE_M, OPS, SWEEPS, TARGETS, TRAIN_M, custom_cases, model_cases
+from .records import commit, default_out_dir, device_name, slug
 
 QUICK_M = {"cuda": (16, 8192), "cpu": (16, 1024)}
 
@@ -96,37 +95,6 @@ def _parse(argv=None):
     return args, ap
 
 
-def default_out_dir() -> str:
-    """Where the benchmarks write when not told: a folder of this user's (``$XDG_CACHE_HOME`` or
-    ``~/.cache``, then ``tp_kernels/bench``), never the source tree."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "tp_kernels", "bench")
-
-
-def _commit() -> str:
-    """``TP_KERNELS_COMMIT``, else the git commit of this source tree."""
-    if os.environ.get("TP_KERNELS_COMMIT"):
-        return os.environ["TP_KERNELS_COMMIT"]
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
-                              text=True, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def _device_name(backend: str) -> str:
-    if backend == "nccl":
-        return torch.cuda.get_device_name()
-    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-
-
-def _slug(device: str) -> str:
-    if device.startswith("CPU"):
-        return "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
-
-
 def main(argv=None) -> int:
     args, ap = _parse(argv)
     torchrun = launched_by_torchrun()
@@ -157,7 +125,7 @@ def main(argv=None) -> int:
     dtypes = args.dtypes or (["bfloat16"] if where == "cuda" else ["float32"])
     config = {"cases": [c.__dict__ for c in cases], "backends": args.backends, "dtypes": dtypes,
               "iters": args.iters, "warmup": args.warmup, "num_chunks": args.num_chunks,
-              "communicator": sweep, "quick": args.quick}
+              "communicator": sweep, "quick": args.quick, "one_gpu": one_gpu.applies(where, p)}
     from .measure import run_rank
 
     start = time.monotonic()
@@ -174,7 +142,7 @@ def main(argv=None) -> int:
         with World(p, backend=backend, timeout_s=300.0) as world:
             result = world.run(run_rank, config, deadline_s=6 * 3600.0)[0]
     rows = report.compute_rows(result, p, args.backends[0], args.num_chunks)
-    device = _device_name(backend)
+    device = device_name(backend)
     elapsed = time.monotonic() - start
     peaks = ", ".join(f"{d} {v:.2f}" for d, v in result["peak_tflops"].items())
     header = (f"# {device}, {backend}, p={p}, {args.iters} samples per measurement (median, slowest rank)"
@@ -187,20 +155,24 @@ def main(argv=None) -> int:
     for schedule, e in errors.items():
         print(f"# perf model vs measured, {schedule}: median |error| {100 * e['median_abs_err']:.0f}%, "
               f"worst {100 * e['max_abs_err']:.0f}% over {e['cases']} cases")
+    single = one_gpu.report(result["one_gpu"], rows, device) if result.get("one_gpu") else None
+    if single:
+        print(one_gpu.format_report(single))
     if result.get("communicator"):
         print(communicator.format_table(result["communicator"]))
     if args.no_save:
         return 0
-    stem = os.path.join(args.out_dir, f"{_slug(device)}-{backend}-p{p}" + ("-quick" if args.quick else "")
+    stem = os.path.join(args.out_dir, f"{slug(device)}-{backend}-p{p}" + ("-quick" if args.quick else "")
                         + (f"-{args.tag}" if args.tag else ""))
     record = {
-        "device": device, "backend": backend, "p": p, "commit": _commit(),
+        "device": device, "backend": backend, "p": p, "commit": commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "elapsed_s": round(elapsed, 1),
         "config": {k: v for k, v in config.items() if k != "cases"} | {"scale": scale, "quick": args.quick,
                                                                        "ops": [t for t in args.targets if t in OPS]},
         "peak_tflops": result["peak_tflops"], "model_error": errors, "results": rows,
         "communicator": result.get("communicator"),  # the all-reduce latency sweep, when run
+        "one_gpu": single,  # on one GPU: per-rank costs, the fused path on virtual ranks, the projection
         "measurements": result,  # the raw per-case timings (seconds) the rows were computed from
     }
     os.makedirs(args.out_dir, exist_ok=True)

@@ -36,7 +36,8 @@ from .._agreement import agree
 from .._timing import Timer
 from ..testing import World, launched_by_torchrun
 from .cases import Case, TARGETS, model_cases
-from .cli import QUICK_M, _commit, _device_name, _slug, default_out_dir
+from .cli import QUICK_M
+from .records import commit, default_out_dir, device_name, slug
 from .measure import _time_backend, buffer_sets
 
 #: the overhead below which fingerprints may be on by default
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
             detail = world.run(run_rank, {**config, "modes": ["off"]}, deadline_s=3600.0)[0]
             fixed["all_reduce_detail_us"] = world.run(round_trips, config)[0]["all_reduce_us"]
     rows = merge(rows, detail)
-    device = _device_name(backend)
+    device = device_name(backend)
     summary = {**summarize(rows), **fixed}
     print(f"# fingerprints on {device}, {backend}, p={p}: {time.monotonic() - start:.0f} s")
     print(format_table(rows))
@@ -170,11 +171,11 @@ def main(argv=None) -> int:
           f"{fixed['all_reduce_us']:.0f} us"
           + (f", {fixed['all_reduce_detail_us']:.0f} us with TORCH_DISTRIBUTED_DEBUG=DETAIL (every collective)"
              if "all_reduce_detail_us" in fixed else ""))
-    record = {"device": device, "backend": backend, "p": p, "commit": _commit(),
+    record = {"device": device, "backend": backend, "p": p, "commit": commit(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "torch": torch.__version__, "summary": summary, "results": rows}
     os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, f"fingerprints-{_slug(device)}-{backend}-p{p}{'-' + args.tag if args.tag else ''}"
+    path = os.path.join(args.out_dir, f"fingerprints-{slug(device)}-{backend}-p{p}{'-' + args.tag if args.tag else ''}"
                                       ".json")
     with open(path, "w") as f:
         json.dump(record, f, indent=1)

@@ -25,7 +25,7 @@ from .. import autotune, dispatch, ops
 from .._timing import Timer
 from ..layers import ColumnParallelLinear, RowParallelLinear
 from ..perf_model import OP_COLLECTIVE
-from . import communicator
+from . import communicator, one_gpu
 from .cases import Case
 
 __all__ = ["Timer", "buffer_sets", "measure_case", "measure_peak", "run_rank"]
@@ -240,6 +240,11 @@ def run_rank(config: dict) -> Optional[dict]:
             m["gemm"] = [[list(k), v] for k, v in m["gemm"].items()]
             result["cases"].append({"case": dataclasses.asdict(case), "dtype": dtype_name, **m})
             done += 1
+    if config.get("one_gpu"):
+        if rank == 0 and config.get("progress", True):
+            _progress(done, total, start, "one-GPU figures: per-rank costs, the fused path on virtual ranks, "
+                                          "the projection's GEMMs")
+        result["one_gpu"] = one_gpu.measure(config["iters"])
     if config.get("communicator"):
         if rank == 0 and config.get("progress", True):
             _progress(done, total, start, "communicator sweep")
