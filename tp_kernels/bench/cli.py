@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..perf_model import MODELS
 from ..settings import BACKEND_NAMES
-from ..testing import World, default_backend, launched_by_torchrun
+from ..testing import World, default_backend, join_torchrun, launched_by_torchrun
 from . import communicator, one_gpu, report
 from .cases import DECODE_M, OPS, SWEEPS, TARGETS, TRAIN_M, custom_cases, model_cases
 from .records import commit, default_out_dir, device_name, slug
@@ -99,11 +99,7 @@ def main(argv=None) -> int:
     args, ap = _parse(argv)
     torchrun = launched_by_torchrun()
     if torchrun:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
-        p = dist.get_world_size()
+        backend, p = join_torchrun()
     else:
         p = args.world_size or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
         backend = default_backend(p)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from .. import settings
 from .._agreement import agree
 from .._timing import Timer
-from ..testing import World, launched_by_torchrun
+from ..testing import World, join_torchrun, launched_by_torchrun
 from .cases import Case, TARGETS, model_cases
 from .cli import QUICK_M
 from .records import commit, default_out_dir, device_name, slug
@@ -129,11 +129,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torchrun = launched_by_torchrun()
     if torchrun:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
-        p = dist.get_world_size()
+        backend, p = join_torchrun()
     else:
         backend, p = "gloo", 2
     where = "cuda" if backend == "nccl" else "cpu"

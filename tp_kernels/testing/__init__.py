@@ -8,6 +8,7 @@
 """
 
 from .virtual_ranks import VirtualRanks, phase_order
-from .world import World, WorkerError, default_backend, launched_by_torchrun
+from .world import World, WorkerError, default_backend, join_torchrun, launched_by_torchrun
 
-__all__ = ["VirtualRanks", "World", "WorkerError", "default_backend", "launched_by_torchrun", "phase_order"]
+__all__ = ["VirtualRanks", "World", "WorkerError", "default_backend", "join_torchrun", "launched_by_torchrun",
+           "phase_order"]

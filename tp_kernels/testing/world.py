@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 from ..settings import set_timeout
 
-__all__ = ["World", "WorkerError", "default_backend", "launched_by_torchrun"]
+__all__ = ["World", "WorkerError", "default_backend", "join_torchrun", "launched_by_torchrun"]
 
 
 _ERROR_GRACE_S = 3.0
@@ -49,6 +49,16 @@ def default_backend(world_size: int) -> str:
 
 def launched_by_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def join_torchrun() -> Tuple[str, int]:
+    """Under torchrun: initialize the default process group, NCCL on this rank's GPU
+    (``LOCAL_RANK``) where there is one, else gloo; returns ``(backend, world size)``."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+    return backend, dist.get_world_size()
 
 
 def _worker(rank, world_size, store_path, backend, timeout_s, threads, env, cuda_device, tasks, results):
