@@ -1,21 +1,25 @@
 """Build script for tp_kernels: the Python package, plus the native extension ``tp_kernels._C``
-built by CMake (Ninja) when a CUDA compiler is available.
+built by CMake (Ninja) for one CUDA major, like cupy-cuda12x / cupy-cuda13x.
 
 Build switches (environment variables):
 
+* ``TP_KERNELS_CUDA_MAJOR``: ``12`` or ``13``, the CUDA major to build for (default: the major of
+  the machine's nvcc, ``CUDA_HOME``'s, on ``PATH`` or in ``/usr/local/cuda``; without one, the
+  pure-Python package). No CUDA toolkit is needed: the host code is C++ against the CUDA runtime
+  headers of the NVIDIA wheel, and NVRTC compiles the device code.
 * ``TP_KERNELS_SKIP_CUDA_BUILD=1``: install the pure-Python package only.
-* ``TP_KERNELS_CUDA_ARCHS``: CUDA architectures, ``;``-separated (default ``80;90a``: A100, H100/H200).
-* ``CUDA_HOME``: the CUDA toolkit (default: ``nvcc`` on ``PATH``, then ``/usr/local/cuda``). Its
-  major (12 or 13) decides the build: one per CUDA major, like cupy-cuda12x / cupy-cuda13x.
+* ``TP_KERNELS_CUDA_ARCHS``: the device code's architectures, ``;``-separated (default ``80;90``:
+  A100, H100/H200; a PTX of the first is added, which the driver compiles for newer GPUs).
 * ``MAX_JOBS``: parallel compile jobs (default: the number of cores).
 * ``TP_KERNELS_BUILD_TYPE``: CMake build type (default ``Release``).
 
-Without nvcc the pure-Python package is installed, with a message saying so. NCCL and cuBLASLt
-headers and libraries come from the NVIDIA wheels of that CUDA major (``nvidia-nccl-cu12`` and
-``nvidia-cublas-cu12``; ``nvidia-nccl-cu13`` and ``nvidia-cublas``), build requirements that the
-in-tree backend (``_build/tp_kernels_build.py``) adds only when the CUDA build will run. At run
-time the extension uses the ones the CUDA torch of the same major already depends on; the
-package requires none of them. The version says the CUDA major (``0.1.0+cu13``), and
+The headers and libraries come from the NVIDIA wheels of that CUDA major (CUDA 12:
+``nvidia-cuda-runtime-cu12``, ``nvidia-cuda-nvrtc-cu12``, ``nvidia-nccl-cu12``,
+``nvidia-cublas-cu12``; CUDA 13: ``nvidia-cuda-runtime``, ``nvidia-cuda-nvrtc``,
+``nvidia-nccl-cu13``, ``nvidia-cublas``), build requirements that the in-tree backend
+(``_build/tp_kernels_build.py``) adds only when the CUDA build will run. At run time the extension
+uses the CUDA runtime, NCCL and cuBLASLt that the CUDA torch of the same major already depends on;
+the package requires none of them. The version says the CUDA major (``0.1.0+cu13``), and
 ``tp_kernels/_C_build.json``, written next to the extension, what it was built with.
 """
 
@@ -32,26 +36,15 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "_build"))
-from tp_kernels_build import CUDA_WHEELS, cuda_major, find_nvcc, nvcc_version  # noqa: E402  (one finder for both)
+from tp_kernels_build import (  # noqa: E402  (one decision for both)
+    CUDA_WHEELS, HEADER_WHEELS, MAJOR_VARIABLE, cuda_major, runtime_requirements, wheel_root)
 
 VERSION = "0.1.0"
-DEFAULT_ARCHS = "80;90a"
+DEFAULT_ARCHS = "80;90"
 
 
 def _log(msg: str) -> None:
     print(f"tp_kernels setup: {msg}", file=sys.stderr, flush=True)
-
-
-def _wheel_root(package: str, marker: str) -> Path:
-    """The directory of an installed ``nvidia.*`` wheel that holds ``marker``."""
-    import importlib.util
-
-    spec = importlib.util.find_spec(package)
-    roots = list(spec.submodule_search_locations) if spec and spec.submodule_search_locations else []
-    for root in roots:
-        if (Path(root) / marker).is_file():
-            return Path(root)
-    raise RuntimeError(f"{package} (with {marker}) is not installed in the build environment")
 
 
 def _wheel_version(requirement: str) -> str:
@@ -74,38 +67,38 @@ class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
         if not isinstance(ext, CMakeExtension):
             return super().build_extension(ext)
-        nvcc, toolkit = find_nvcc()
-        major, full = nvcc_version(nvcc)
+        major = cuda_major()
         wheels = CUDA_WHEELS[major]
         import cmake  # noqa: F401  (build requirements: cmake, ninja, pybind11, NVIDIA wheels)
         import pybind11
 
-        nccl_root = _wheel_root(wheels["nccl"][1], "include/nccl.h")
-        cublas_root = _wheel_root(wheels["cublas"][1], f"lib/{wheels['cublaslt']}")
+        roots = {key: wheel_root(major, key) for key in wheels}
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
         build_dir = Path(self.build_temp).resolve() / "cmake"
         build_dir.mkdir(parents=True, exist_ok=True)
         cmake_bin = shutil.which("cmake") or str(Path(sys.executable).parent / "cmake")
         archs = os.environ.get("TP_KERNELS_CUDA_ARCHS", DEFAULT_ARCHS)
+        runtime = runtime_requirements(major)
         configure = [
             # --fresh: a cache from an earlier build points into its own (deleted) build environment
             cmake_bin, "--fresh", "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja",
             f"-DCMAKE_BUILD_TYPE={os.environ.get('TP_KERNELS_BUILD_TYPE', 'Release')}",
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
-            f"-DCMAKE_CUDA_COMPILER={nvcc}",
-            f"-DCMAKE_CUDA_ARCHITECTURES={archs}",
+            f"-DTP_KERNELS_CUDA_MAJOR={major}",
+            f"-DTP_KERNELS_CUDA_ARCHS={archs}",
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
-            f"-DTP_KERNELS_NCCL_ROOT={nccl_root}",
-            f"-DTP_KERNELS_CUBLAS_ROOT={cublas_root}",
-            f"-DTP_KERNELS_WHEELS={wheels['nccl'][0].split('==')[0]} and {wheels['cublas'][0].split('==')[0]}",
+            f"-DTP_KERNELS_CUDART_ROOT={roots['cudart']}",
+            f"-DTP_KERNELS_HEADER_ROOTS={';'.join(str(roots[key]) for key in HEADER_WHEELS)}",
+            f"-DTP_KERNELS_NVRTC_ROOT={roots['nvrtc']}",
+            f"-DTP_KERNELS_NCCL_ROOT={roots['nccl']}",
+            f"-DTP_KERNELS_CUBLAS_ROOT={roots['cublas']}",
+            f"-DTP_KERNELS_WHEELS={', '.join(n.split('==')[0] for n in runtime)}",
         ]
-        if toolkit is not None:
-            configure.append(f"-DCUDAToolkit_ROOT={toolkit}")
         jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
-        _log(f"building tp_kernels._C for CUDA {major} with {nvcc} ({full}), archs {archs}, against NCCL "
-             f"{_wheel_version(wheels['nccl'][0])} ({wheels['nccl'][0].split('==')[0]}) and cuBLAS "
-             f"{_wheel_version(wheels['cublas'][0])} ({wheels['cublas'][0].split('==')[0]}); {jobs} jobs")
+        _log(f"building tp_kernels._C for CUDA {major}, device code for archs {archs} by NVRTC "
+             f"{_wheel_version(wheels['nvrtc'][0])}, against "
+             + ", ".join(f"{n.split('==')[0]} {_wheel_version(n)}" for n in runtime) + f"; {jobs} jobs")
         subprocess.run(configure, check=True)
         subprocess.run([cmake_bin, "--build", str(build_dir), "--parallel", jobs], check=True)
 
@@ -128,8 +121,8 @@ def _build_plan():
         if os.environ.get("TP_KERNELS_SKIP_CUDA_BUILD", "0") not in ("", "0"):
             _log("TP_KERNELS_SKIP_CUDA_BUILD is set: installing the pure-Python package only")
         else:
-            _log("no nvcc found (set CUDA_HOME): installing the pure-Python package only; "
-                 "tp_kernels.extension_status() will say so")
+            _log(f"no CUDA major chosen ({MAJOR_VARIABLE}=12 or 13, or an nvcc on the machine): installing the "
+                 "pure-Python package only; tp_kernels.extension_status() will say so")
         return [], VERSION
     return [CMakeExtension("tp_kernels._C")], f"{VERSION}+cu{major}"
 

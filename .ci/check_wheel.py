@@ -1,5 +1,6 @@
 """Check a built wheel in the environment of the Python that runs this (CI makes a fresh one with a
-CPU torch and the NVIDIA NCCL and cuBLAS wheels a CUDA torch of the wheel's major depends on):
+CPU torch and the NVIDIA CUDA runtime, NCCL and cuBLAS wheels a CUDA torch of the wheel's major
+depends on):
 
 1. the wheel says its CUDA major (``0.1.0+cu13``) and holds the extension and its build record;
 2. installing it changes no file another package installed under ``site-packages/nvidia`` (a hash

@@ -1,12 +1,14 @@
 """In-tree PEP 517 backend: setuptools, plus the CUDA build's requirements only when it will run.
 
-The native extension needs pybind11, CMake, Ninja and the NCCL and cuBLAS wheels of the CUDA
-major its nvcc compiles for (:data:`CUDA_WHEELS`) to build. Asking for them unconditionally would
-download about 600 MB of NVIDIA wheels on machines that build the pure-Python package anyway (no
-nvcc, or ``TP_KERNELS_SKIP_CUDA_BUILD=1``). They are *build* requirements only: at run time the
-extension uses the NCCL and cuBLASLt that the user's CUDA torch already depends on, and the
-package never installs or replaces them (the NCCL wheels of the two CUDA majors own the same
-``nvidia/nccl/lib/libnccl.so.2``).
+The native extension is built for one CUDA major (:func:`cuda_major`: ``TP_KERNELS_CUDA_MAJOR``,
+else the major of an nvcc found on the machine). It needs pybind11, CMake, Ninja and the NVIDIA
+wheels of that major (:data:`CUDA_WHEELS`): the CUDA runtime (headers, ``libcudart``), NVRTC (which
+compiles the device code: no CUDA toolkit is needed), NCCL and cuBLAS. Asking for them
+unconditionally would download about 600 MB of NVIDIA wheels on machines that build the
+pure-Python package anyway (no major chosen, or ``TP_KERNELS_SKIP_CUDA_BUILD=1``). They are
+*build* requirements only: at run time the extension uses the CUDA runtime, NCCL and cuBLASLt that
+the user's CUDA torch already depends on, and the package never installs or replaces them (the
+NCCL wheels of the two CUDA majors own the same ``nvidia/nccl/lib/libnccl.so.2``).
 """
 
 from __future__ import annotations
@@ -24,43 +26,91 @@ from setuptools.build_meta import *  # noqa: F401,F403  (every hook not overridd
 #: The tools the CUDA build adds.
 CUDA_BUILD_TOOLS = ["pybind11>=2.12", "cmake>=3.24", "ninja"]
 
-#: Per CUDA major: (the NCCL wheel, its package holding include/ and lib/), (the cuBLAS wheel, its
-#: package), and the cuBLASLt soname. Pinned to the oldest versions we support (those a torch of
-#: that major brings: torch 2.4 for CUDA 12, 2.9 for CUDA 13), so the extension runs with those or
-#: newer.
+#: Per CUDA major, each wheel the build uses: (requirement, the package holding its include/ and
+#: lib/, a file of it that the build needs). Pinned to the oldest versions we support (those a
+#: torch of that major brings: torch 2.4 for CUDA 12, 2.9 for CUDA 13), so the extension runs with
+#: those or newer. Build only: the headers the runtime headers include (``crt/``, in CUDA 12's nvcc
+#: wheel; ``nv/target``, in CCCL's, whose CUDA 12 wheels carry it from 12.9) and NVRTC; the others
+#: are loaded at run time too.
 CUDA_WHEELS = {
-    12: {"nccl": ("nvidia-nccl-cu12==2.20.5", "nvidia.nccl"),
-         "cublas": ("nvidia-cublas-cu12==12.1.3.1", "nvidia.cublas"), "cublaslt": "libcublasLt.so.12"},
-    13: {"nccl": ("nvidia-nccl-cu13==2.28.9", "nvidia.nccl"),
-         "cublas": ("nvidia-cublas==13.1.0.3", "nvidia.cu13"), "cublaslt": "libcublasLt.so.13"},
+    12: {"cudart": ("nvidia-cuda-runtime-cu12==12.1.105", "nvidia.cuda_runtime", "include/cuda_runtime_api.h"),
+         "crt": ("nvidia-cuda-nvcc-cu12==12.1.105", "nvidia.cuda_nvcc", "include/crt/host_defines.h"),
+         "cccl": ("nvidia-cuda-cccl-cu12==12.9.27", "nvidia.cuda_cccl", "include/nv/target"),
+         "nvrtc": ("nvidia-cuda-nvrtc-cu12==12.1.105", "nvidia.cuda_nvrtc", "lib/libnvrtc.so.12"),
+         "nccl": ("nvidia-nccl-cu12==2.20.5", "nvidia.nccl", "include/nccl.h"),
+         "cublas": ("nvidia-cublas-cu12==12.1.3.1", "nvidia.cublas", "lib/libcublasLt.so.12")},
+    13: {"cudart": ("nvidia-cuda-runtime==13.0.96", "nvidia.cu13", "include/cuda_runtime_api.h"),
+         "crt": ("nvidia-cuda-crt==13.0.88", "nvidia.cu13", "include/crt/host_defines.h"),
+         "cccl": ("nvidia-cuda-cccl==13.0.85", "nvidia.cu13", "include/nv/target"),
+         "nvrtc": ("nvidia-cuda-nvrtc==13.0.88", "nvidia.cu13", "lib/libnvrtc.so.13"),
+         "nccl": ("nvidia-nccl-cu13==2.28.9", "nvidia.nccl", "include/nccl.h"),
+         "cublas": ("nvidia-cublas==13.1.0.3", "nvidia.cu13", "lib/libcublasLt.so.13")},
 }
+
+#: The wheels of CUDA_WHEELS whose libraries the extension loads at run time.
+RUNTIME_WHEELS = ("cudart", "nccl", "cublas")
+#: Those that only add include directories (a CUDA toolkit of the same major has them too).
+HEADER_WHEELS = ("crt", "cccl")
+
+#: The environment variable that chooses the CUDA major to build for.
+MAJOR_VARIABLE = "TP_KERNELS_CUDA_MAJOR"
+
+
+def runtime_requirements(major: int) -> list:
+    """The NVIDIA wheels whose libraries the CUDA ``major`` build loads (those a CUDA torch of that
+    major brings), as pinned requirements: what a machine without such a torch installs to load it.
+
+        python _build/tp_kernels_build.py runtime 12
+    """
+    return [CUDA_WHEELS[major][key][0] for key in RUNTIME_WHEELS]
+
+
+def package_dirs(package: str) -> list:
+    """The directories of an installed (namespace) package such as ``nvidia.cu13``; [] if none."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(package)
+    except ModuleNotFoundError:
+        return []
+    return [Path(d) for d in spec.submodule_search_locations] if spec and spec.submodule_search_locations else []
+
+
+def wheel_root(major: int, key: str) -> Path:
+    """Where the build finds ``CUDA_WHEELS[major][key]``: the directory of the installed wheel that
+    holds its file; for headers only (``HEADER_WHEELS``), else a CUDA toolkit of the same major
+    (a torch environment, built in with ``--no-build-isolation``, has all the other wheels)."""
+    requirement, package, marker = CUDA_WHEELS[major][key]
+    for root in package_dirs(package):
+        if (root / marker).is_file():
+            return root
+    nvcc = find_nvcc() if key in HEADER_WHEELS else None
+    if nvcc is not None and nvcc_version(nvcc)[0] == major:
+        toolkit = nvcc.resolve().parent.parent
+        if (toolkit / marker).is_file():
+            return toolkit
+    name = requirement.split("==")[0]
+    raise RuntimeError(f"the CUDA {major} build needs {name} (its {marker}), which is not installed: pip install "
+                       f"'{name}>={requirement.split('==')[1]}', or build with isolation (no --no-build-isolation)"
+                       + (f", or with a CUDA {major} toolkit's nvcc on PATH" if key in HEADER_WHEELS else ""))
 
 
 def skip_requested() -> bool:
     return os.environ.get("TP_KERNELS_SKIP_CUDA_BUILD", "0") not in ("", "0")
 
 
-def toolkit_root(nvcc: Path):
-    """The CUDA toolkit holding ``nvcc``, or None (e.g. a wrapper script elsewhere on PATH)."""
-    root = nvcc.resolve().parent.parent
-    return root if (root / "include" / "cuda_runtime.h").is_file() else None
-
-
-def find_nvcc():
-    """``(nvcc, toolkit root or None)``: ``CUDA_HOME``, then an nvcc on PATH that sits in a
-    toolkit, then ``/usr/local/cuda``, then any nvcc on PATH; ``(None, None)`` if none."""
+def find_nvcc() -> Optional[Path]:
+    """The machine's nvcc, or None: ``CUDA_HOME``'s, then one on PATH, then ``/usr/local/cuda``'s.
+    (Only its version is read: it says which CUDA major a build defaults to.)"""
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     on_path = shutil.which("nvcc")
     candidates = [Path(cuda_home) / "bin" / "nvcc"] if cuda_home else []
-    if on_path and toolkit_root(Path(on_path)):
-        candidates.append(Path(on_path))
+    candidates += [Path(on_path)] if on_path else []
     candidates.append(Path("/usr/local/cuda/bin/nvcc"))
-    if on_path:
-        candidates.append(Path(on_path))
     for nvcc in candidates:
         if nvcc.is_file() and os.access(nvcc, os.X_OK):
-            return nvcc, toolkit_root(nvcc)
-    return None, None
+            return nvcc
+    return None
 
 
 def nvcc_version(nvcc: Path) -> Tuple[int, str]:
@@ -73,16 +123,25 @@ def nvcc_version(nvcc: Path) -> Tuple[int, str]:
 
 
 def cuda_major() -> Optional[int]:
-    """The CUDA major the extension will be built for, or None when it will not be built."""
+    """The CUDA major the extension will be built for, or None when it will not be built:
+    ``TP_KERNELS_CUDA_MAJOR`` (12 or 13), else the major of the nvcc found (:func:`find_nvcc`: a
+    machine's toolkit says which CUDA it runs), else None."""
     if skip_requested():
         return None
-    nvcc, _ = find_nvcc()
+    chosen = os.environ.get(MAJOR_VARIABLE, "").strip()
+    if chosen:
+        if not chosen.isdigit() or int(chosen) not in CUDA_WHEELS:
+            raise RuntimeError(f"{MAJOR_VARIABLE} must be one of {', '.join(map(str, sorted(CUDA_WHEELS)))}, "
+                               f"got '{chosen}'")
+        return int(chosen)
+    nvcc = find_nvcc()
     if nvcc is None:
         return None
     major, full = nvcc_version(nvcc)
     if major not in CUDA_WHEELS:
-        raise RuntimeError(f"tp_kernels builds for CUDA {sorted(CUDA_WHEELS)}; {nvcc} is CUDA {full}. Point CUDA_HOME "
-                           "at a supported toolkit, or set TP_KERNELS_SKIP_CUDA_BUILD=1 for the pure-Python package")
+        raise RuntimeError(f"tp_kernels builds for CUDA {sorted(CUDA_WHEELS)}; {nvcc} is CUDA {full}. Set "
+                           f"{MAJOR_VARIABLE}=12 or 13 (no toolkit is needed), or TP_KERNELS_SKIP_CUDA_BUILD=1 for the "
+                           "pure-Python package")
     return major
 
 
@@ -90,8 +149,7 @@ def _extra():
     major = cuda_major()
     if major is None:
         return []
-    wheels = CUDA_WHEELS[major]
-    return CUDA_BUILD_TOOLS + [wheels["nccl"][0], wheels["cublas"][0]]
+    return CUDA_BUILD_TOOLS + [requirement for requirement, _, _ in CUDA_WHEELS[major].values()]
 
 
 def get_requires_for_build_wheel(config_settings=None):
@@ -100,3 +158,11 @@ def get_requires_for_build_wheel(config_settings=None):
 
 def get_requires_for_build_editable(config_settings=None):
     return _setuptools.get_requires_for_build_editable(config_settings) + _extra()
+
+
+if __name__ == "__main__":  # the runtime requirements of a major, for scripts (.ci/run)
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] != "runtime" or not sys.argv[2].isdigit() or int(sys.argv[2]) not in CUDA_WHEELS:
+        sys.exit(f"usage: {sys.argv[0]} runtime {{{'|'.join(map(str, sorted(CUDA_WHEELS)))}}}")
+    print(" ".join(runtime_requirements(int(sys.argv[2]))))

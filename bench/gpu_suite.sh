@@ -14,8 +14,10 @@
 #   ... bash bench/gpu_suite.sh sanitize
 #       compute-sanitizer memcheck and racecheck on the fused ops: gpu-sanitize-<commit>.json
 #
-# The machine needs what the build needs already installed (no network is assumed): nvcc, CMake,
-# ninja, pybind11, nvidia-nccl-cu13, nvidia-cublas, torch, pytest, pytest-timeout, hypothesis.
+# The machine needs what the build needs already installed (no network is assumed): CMake, ninja,
+# pybind11, a CUDA torch with the NVIDIA wheels it brings (runtime, NVRTC, NCCL, cuBLAS), the
+# runtime headers' crt/ and nv/target (nvidia-cuda-crt and nvidia-cuda-cccl, or a CUDA toolkit of
+# torch's major), pytest, pytest-timeout, hypothesis. The extension is built for torch's CUDA major.
 # TP_KERNELS_COMMIT names the commit when the tree there has no git history. When $OUT is set (a
 # folder whose contents are fetched back), the record and a tarball of the logs go there too.
 # Exit status: 0 when the part is green.
@@ -51,7 +53,9 @@ step() {
 }
 
 echo "== build (commit $commit)"
-if ! timeout 300 "$PY" -m pip install --no-build-isolation --no-deps -e . >"$logs/build.log" 2>&1; then
+major=$("$PY" -c "import torch; print(torch.version.cuda.split('.')[0])")
+if ! TP_KERNELS_CUDA_MAJOR=$major timeout 300 "$PY" -m pip install -v --no-build-isolation --no-deps -e . \
+    >"$logs/build.log" 2>&1; then
   tail -n 60 "$logs/build.log"
   echo "build failed" >&2
   exit 1

@@ -14,6 +14,7 @@
 #include "tp_kernels/collectives.h"
 #include "tp_kernels/comm.h"
 #include "tp_kernels/device_ops.h"
+#include "tp_kernels/driver.h"
 #include "tp_kernels/gemm.h"
 #include "tp_kernels/overlap.h"
 #include "tp_kernels/peer.h"
@@ -252,7 +253,8 @@ PYBIND11_MODULE(_C, m) {
   // Device building blocks of the peer-memory path (device_ops.h); flags are device addresses,
   // possibly a peer's.
   m.def("stream_memory_ops_available", &tp_kernels::stream_memory_ops_available,
-        "Whether the driver provides cuStreamWriteValue32 (the flags of the fused path).");
+        "Whether the driver provides what the fused path's flags and kernels need (cuStreamWriteValue32, "
+        "cuModuleLoadData, cuLaunchKernel, ...).");
   m.def(
       "write_flag",
       [](uintptr_t flag, uint32_t value, uintptr_t stream) {
@@ -285,6 +287,37 @@ PYBIND11_MODULE(_C, m) {
       py::arg("inputs"), py::arg("out"), py::arg("stream"),
       "out = inputs[0] + ... + inputs[p-1] elementwise, in that order with fp32 accumulation "
       "(deterministic); p <= MAX_RANKS; out may be one of the inputs.");
+
+  // The device code's images (driver.h), built by NVRTC: which one a device would load.
+  {
+    std::vector<std::string> kernels(std::begin(tp_kernels::kKernelNames), std::end(tp_kernels::kKernelNames));
+    m.attr("KERNELS") = names(kernels);
+  }
+  m.attr("KERNEL_COMPILER") = tp_kernels::kKernelCompiler;
+  m.def(
+      "kernel_images",
+      [] {
+        py::list images;
+        for (int i = 0; i < tp_kernels::kKernelImageCount; ++i) {
+          const tp_kernels::KernelImage& im = tp_kernels::kKernelImages[i];
+          py::dict d;
+          d["target"] = im.target, d["arch"] = im.arch, d["ptx"] = im.ptx, d["arch_specific"] = im.arch_specific;
+          d["data"] = py::bytes(reinterpret_cast<const char*>(im.data), im.size);
+          images.append(d);
+        }
+        return images;
+      },
+      "The compiled images of the device code: dicts of target ('sm_90', 'compute_80'), arch, ptx, "
+      "arch_specific and data (the cubin or PTX).");
+  m.def(
+      "kernel_image_for",
+      [](int major, int minor) -> std::optional<std::string> {
+        const tp_kernels::KernelImage* im = tp_kernels::kernel_image_for(major, minor);
+        if (im == nullptr) return std::nullopt;
+        return std::string(im->target);
+      },
+      py::arg("major"), py::arg("minor"),
+      "The target of the image a device of compute capability major.minor loads, or None when none fits.");
 
   // The peer-memory (fused) path: workspace buffers, their IPC handles, contexts and ops (peer.h).
   m.def(

@@ -9,6 +9,7 @@
 
 #include "tp_kernels/check.h"
 #include "tp_kernels/detail.h"
+#include "tp_kernels/driver.h"
 
 namespace tp_kernels {
 namespace {
@@ -106,6 +107,7 @@ PeerContext::PeerContext(int rank, int size, int device, const std::vector<uintp
   }
   error_word_ = static_cast<uint32_t*>(host);
   *reinterpret_cast<volatile uint32_t*>(error_word_) = 0;
+  load_kernels();  // here, not at a first launch that a CUDA-graph capture may hold
 }
 
 PeerContext::~PeerContext() {

@@ -58,7 +58,8 @@ def test_a_torch_of_another_cuda_major_keeps_the_pure_pytorch_backends_and_says_
     status = _status_in_subprocess(fake_torch)
     assert status["built"] is False and status["native"] is None and status["torch_cuda"] == f"{other}.8"
     assert f"tp_kernels._C is built for CUDA {major}" in status["reason"], status["reason"]
-    assert f"Install the CUDA {other} build of tp_kernels: reinstall it with a CUDA {other} nvcc" in status["reason"]
+    assert (f"Install the CUDA {other} build of tp_kernels: TP_KERNELS_CUDA_MAJOR={other} pip install"
+            in status["reason"]), status["reason"]
     assert status["build"]["cuda_major"] == major and "fused" not in status["backends"]
     code = fake_torch + "import tp_kernels\nprint(tp_kernels.ColumnParallelLinear(3, 4)(torch.randn(2, 3)).shape)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -127,3 +128,42 @@ def test_public_api_names():
 
     for name in mappings.__all__:
         assert callable(getattr(mappings, name))
+
+
+@native_built
+def test_the_kernel_images_hold_every_kernel_for_every_architecture_of_the_build():
+    from tp_kernels._extension import _C
+
+    build = tp_kernels.extension_status()["build"]
+    archs = sorted(int(a.rstrip("a")) for a in build["cuda_archs"].split(";"))
+    images = {im["target"]: im for im in _C.kernel_images()}
+    assert build["kernel_compiler"] == _C.KERNEL_COMPILER and _C.KERNEL_COMPILER.startswith("NVRTC ")
+    assert sorted(t for t in images if t.startswith("sm_")) == sorted(f"sm_{a}" for a in build["cuda_archs"].split(";"))
+    assert [t for t in images if t.startswith("compute_")] == [f"compute_{archs[0]}"]  # PTX of the oldest
+    for target, im in images.items():
+        if im["ptx"]:
+            text = im["data"].rstrip(b"\0").decode()
+            assert f".target sm_{archs[0]}" in text
+            for name in _C.KERNELS:
+                assert f".entry {name}(" in text, (target, name)
+        else:
+            data = im["data"]
+            assert data[:4] == b"\x7fELF" and int.from_bytes(data[18:20], "little") == 190, target  # EM_CUDA
+            for name in _C.KERNELS:
+                assert name.encode() + b"\0" in data, (target, name)
+
+
+@native_built
+def test_a_device_loads_the_cubin_of_its_family_else_the_ptx_else_none():
+    from tp_kernels._extension import _C
+
+    images = _C.kernel_images()
+    cubins = sorted(im["arch"] for im in images if not im["ptx"] and not im["arch_specific"])
+    ptx = min(im["arch"] for im in images if im["ptx"])
+    for arch in cubins:
+        major, minor = divmod(arch, 10)
+        assert _C.kernel_image_for(major, minor) == f"sm_{arch}"
+        assert _C.kernel_image_for(major, minor + 1) == f"sm_{arch}"  # a newer GPU of the same family
+    newest = max(cubins) // 10 + 1
+    assert _C.kernel_image_for(newest, 0) == f"compute_{ptx}"  # a family with no cubin: the driver compiles the PTX
+    assert _C.kernel_image_for(ptx // 10 - 1, 5) is None  # older than every image

@@ -238,11 +238,17 @@ def test_device_ops_check_arguments_before_touching_the_gpu():
 
 @built
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
-def test_stream_memory_ops_without_a_driver_are_a_clear_error():
+def test_driver_calls_without_a_driver_are_a_clear_error():
     C = _extension._C
     assert C.stream_memory_ops_available() is False
-    with pytest.raises(RuntimeError, match="write_flag: the driver does not provide cuStreamWriteValue32"):
+    with pytest.raises(RuntimeError, match="write_flag: the CUDA driver does not provide cuStreamWriteValue32"):
         C.write_flag(1, 1, 0)
+    # the kernels are launched through the driver too: the same error, before any memory is touched
+    with pytest.raises(RuntimeError, match="the CUDA driver does not provide"):
+        C.wait_flags([8], [5], 1000, 64, 0)
+    ref = [C.TensorRef(f"inputs[{q}]", 64, [10], [1], "float32", 0) for q in range(2)]
+    with pytest.raises(RuntimeError, match="the CUDA driver does not provide"):
+        C.reduce_partials(ref, C.TensorRef("out", 64, [10], [1], "float32", 0), 0)
 
 
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])

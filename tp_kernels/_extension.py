@@ -5,9 +5,10 @@ Importing tp_kernels never fails for lack of it (or of a GPU): the reason it is 
 kept and reported by :func:`extension_status`.
 
 ``_C`` is built for one CUDA major (``_C_build.json``, written next to it by its build, says which,
-and what it was built with). It uses ``libnccl.so.2`` and the cuBLASLt of that major from the
-NVIDIA wheels a CUDA torch of that major depends on (CUDA 13: ``nvidia-nccl-cu13``,
-``nvidia-cublas``; CUDA 12: ``nvidia-nccl-cu12``, ``nvidia-cublas-cu12``); tp_kernels installs
+and what it was built with). It uses the CUDA runtime, ``libnccl.so.2`` and the cuBLASLt of that
+major from the NVIDIA wheels a CUDA torch of that major depends on (CUDA 13:
+``nvidia-cuda-runtime``, ``nvidia-nccl-cu13``, ``nvidia-cublas``; CUDA 12:
+``nvidia-cuda-runtime-cu12``, ``nvidia-nccl-cu12``, ``nvidia-cublas-cu12``); tp_kernels installs
 none of them. Its RPATH finds them next to an installed package (``$ORIGIN/../nvidia/...``); so
 that any layout works (an editable install in a source tree, too), they are first loaded here by
 path from wherever those wheels are installed. When the installed torch is built for another CUDA
@@ -81,15 +82,15 @@ def _load():
         return None, record, (
             f"tp_kernels._C is built for CUDA {major} ({build.get('cuda')}), this torch {torch.__version__} for CUDA "
             f"{torch.version.cuda}: the pure-PyTorch backends are used. Install the CUDA {torch_major} build of "
-            f"tp_kernels: reinstall it with a CUDA {torch_major} nvcc (CUDA_HOME=<a CUDA {torch_major} toolkit> pip "
-            "install --no-build-isolation --force-reinstall --no-deps <tp_kernels>)")
+            f"tp_kernels: TP_KERNELS_CUDA_MAJOR={torch_major} pip install --force-reinstall --no-deps <tp_kernels "
+            "source> (no CUDA toolkit is needed)")
     try:
         _preload(build.get("libraries", ()))
         return importlib.import_module("tp_kernels._C"), record, None
     except (ImportError, OSError) as exc:  # built, but cannot load here (e.g. a missing library)
-        wheels = build.get("wheels") or "the NVIDIA NCCL and cuBLAS wheels"
+        wheels = build.get("wheels") or "the NVIDIA CUDA runtime, NCCL and cuBLAS wheels"
         return None, record, (
-            f"tp_kernels._C (CUDA {major}) failed to load: {exc}. It uses the NCCL and cuBLASLt of {wheels}, which a "
+            f"tp_kernels._C (CUDA {major}) failed to load: {exc}. It uses the libraries of {wheels}, which a "
             f"CUDA {major} torch installs; with a CPU torch, install them yourself to use it")
 
 

@@ -2,8 +2,8 @@
 // separate processes (pointers mapped from CUDA IPC handles) or virtual ranks in one process.
 //
 // * Flags: 32-bit words, 0 (clear) or 1 (set). A rank sets a flag in a peer's memory with a
-//   stream memory operation (cuStreamWriteValue32, reached through
-//   cudaGetDriverEntryPointByVersion: the module never links libcuda), fenced so that the data
+//   stream memory operation (cuStreamWriteValue32, through driver.h: the module never links
+//   libcuda), fenced so that the data
 //   written before it is visible first. The waiter consumes it: waits until it is set, then clears
 //   it. Each flag has one writer and one waiter, and a protocol (peer.h) in which a flag is set
 //   again only after its waiter has consumed it. Consecutive calls and CUDA-graph replays thus
@@ -23,10 +23,9 @@
 #include <cstdint>
 
 #include "tp_kernels/gemm.h"
+#include "tp_kernels/kernel_params.h"  // kMaxRanks
 
 namespace tp_kernels {
-
-constexpr int kMaxRanks = 8;
 
 // Writes `value` to the 32-bit word at device address `flag` (local or a peer's) on `stream`,
 // after all prior work of the stream, with a memory fence so that what was written before it is
@@ -46,7 +45,8 @@ void wait_flags(uint32_t* const* flags, const uint32_t* codes, int count, uint64
 // Any of in[q] may be a peer's pointer; out may alias one of them.
 void reduce_partials(const void* const* in, int p, void* out, int64_t count, DType dtype, cudaStream_t stream);
 
-// True when the driver provides the stream memory operations (CUDA 12+ drivers do).
+// True when the driver provides what these need: stream memory operations, module loading and
+// kernel launch (driver.h; CUDA 12+ drivers do).
 bool stream_memory_ops_available();
 
 }  // namespace tp_kernels

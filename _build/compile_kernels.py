@@ -1,0 +1,145 @@
+"""Compile tp_kernels' device code with NVRTC into the C++ source of its kernel images.
+
+The CMake build runs this (no nvcc is needed): NVRTC, from the ``nvidia-cuda-nvrtc`` wheel of the
+CUDA major being built, compiles ``csrc/kernels/kernels.cu`` once per architecture to a cubin, and
+once for the oldest one to PTX (which the driver compiles for any newer GPU). The output defines
+``tp_kernels::kKernelImages`` (``csrc/include/tp_kernels/driver.h``), which ``driver.cpp`` loads.
+
+    python compile_kernels.py --nvrtc libnvrtc.so.12 --include DIR --archs "80;90" \\
+        --out kernel_images.cpp csrc/kernels/kernels.cu
+    python compile_kernels.py --nvrtc libnvrtc.so.12 --version      # prints e.g. 12.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import re
+import sys
+from typing import List, Tuple
+
+
+class Nvrtc:
+    """The few NVRTC calls a compile needs, through ctypes."""
+
+    def __init__(self, path: str):
+        # NVRTC opens its builtins library by name, which its wheel's directory is not searched for:
+        # load it first, from beside libnvrtc, so that name resolves to it.
+        folder = os.path.dirname(os.path.abspath(path))
+        for name in sorted(os.listdir(folder)):
+            if re.fullmatch(r"libnvrtc-builtins\.so\.[\d.]+", name):
+                ctypes.CDLL(os.path.join(folder, name), mode=ctypes.RTLD_GLOBAL)
+        self.lib = ctypes.CDLL(path)
+        self.lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        self.path = path
+
+    def _check(self, result: int, call: str, log: str = "") -> None:
+        if result != 0:
+            raise RuntimeError(f"{call} failed: {self.lib.nvrtcGetErrorString(result).decode()}"
+                               + (f"\n{log}" if log else ""))
+
+    def version(self) -> Tuple[int, int]:
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self._check(self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+        return major.value, minor.value
+
+    def compile(self, source: str, name: str, options: List[str], ptx: bool) -> bytes:
+        """The cubin (or PTX, NUL-terminated) of ``source`` compiled with ``options``."""
+        prog = ctypes.c_void_p()
+        self._check(self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None),
+                    "nvrtcCreateProgram")
+        try:
+            opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+            result = self.lib.nvrtcCompileProgram(prog, len(options), opts)
+            size = ctypes.c_size_t()
+            self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            self.lib.nvrtcGetProgramLog(prog, log)
+            self._check(result, f"NVRTC compiling {name} ({' '.join(options)})", log.value.decode(errors="replace"))
+            kind = "PTX" if ptx else "CUBIN"
+            self._check(getattr(self.lib, f"nvrtcGet{kind}Size")(prog, ctypes.byref(size)), f"nvrtcGet{kind}Size")
+            image = ctypes.create_string_buffer(size.value)
+            self._check(getattr(self.lib, f"nvrtcGet{kind}")(prog, image), f"nvrtcGet{kind}")
+            return image.raw
+        finally:
+            self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def parse_archs(archs: str) -> List[Tuple[int, bool]]:
+    """``"80;90;90a"`` -> ``[(80, False), (90, False), (90, True)]`` (True: arch-specific, ``a``)."""
+    parsed = []
+    for item in filter(None, (a.strip() for a in re.split(r"[;,\s]+", archs))):
+        found = re.fullmatch(r"(?:sm_)?(\d{2,3})(a?)", item)
+        if not found:
+            raise ValueError(f"TP_KERNELS_CUDA_ARCHS: '{item}' is not an architecture such as 80, 90 or 90a")
+        parsed.append((int(found.group(1)), bool(found.group(2))))
+    if not parsed:
+        raise ValueError("TP_KERNELS_CUDA_ARCHS: no architecture given")
+    return sorted(set(parsed))
+
+
+def images(nvrtc: Nvrtc, source_path: str, includes: List[str], archs: str) -> List[Tuple[str, int, bool, bool, bytes]]:
+    """``(target, arch, is PTX, arch-specific, image)`` for each cubin and the PTX."""
+    with open(source_path) as f:
+        source = f.read()
+    common = ["-std=c++17", "-lineinfo"] + [f"-I{d}" for d in includes]
+    name = os.path.basename(source_path)
+    out = []
+    parsed = parse_archs(archs)
+    for arch, specific in parsed:
+        target = f"sm_{arch}{'a' if specific else ''}"
+        out.append((target, arch, False, specific, nvrtc.compile(source, name, common + [f"--gpu-architecture={target}"],
+                                                                 ptx=False)))
+    oldest = parsed[0][0]
+    out.append((f"compute_{oldest}", oldest, True, False,
+                nvrtc.compile(source, name, common + [f"--gpu-architecture=compute_{oldest}"], ptx=True)))
+    return out
+
+
+def cpp_source(built, compiler: str, source_path: str) -> str:
+    lines = [f"// Generated by _build/compile_kernels.py from {os.path.basename(source_path)} with {compiler}: do not edit.",
+             '#include "tp_kernels/driver.h"', "", "namespace tp_kernels {", "namespace {", ""]
+    for i, (_, _, _, _, data) in enumerate(built):
+        lines.append(f"alignas(64) const unsigned char image_{i}[] = {{")
+        for start in range(0, len(data), 24):
+            lines.append("  " + ",".join(str(b) for b in data[start:start + 24]) + ",")
+        lines.append("};")
+    lines += ["", "}  // namespace", "", "const KernelImage kKernelImages[] = {"]
+    for i, (target, arch, ptx, specific, _) in enumerate(built):
+        lines.append(f'  {{"{target}", {arch}, {str(ptx).lower()}, {str(specific).lower()}, image_{i}, sizeof(image_{i})}},')
+    lines += ["};", f"const int kKernelImageCount = {len(built)};", f'const char* const kKernelCompiler = "{compiler}";',
+              "", "}  // namespace tp_kernels", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nvrtc", required=True, help="path of libnvrtc.so.<major>")
+    parser.add_argument("--version", action="store_true", help="print NVRTC's version and exit")
+    parser.add_argument("--include", action="append", default=[], help="an include directory (repeatable)")
+    parser.add_argument("--archs", default="80;90", help="';'-separated architectures (80, 90, 90a, ...)")
+    parser.add_argument("--out", help="the C++ file to write")
+    parser.add_argument("source", nargs="?")
+    args = parser.parse_args(argv)
+    nvrtc = Nvrtc(args.nvrtc)
+    major, minor = nvrtc.version()
+    if args.version:
+        print(f"{major}.{minor}")
+        return 0
+    if not args.out or not args.source:
+        parser.error("--out and a source file are required")
+    built = images(nvrtc, args.source, args.include, args.archs)
+    compiler = f"NVRTC {major}.{minor}"
+    text = cpp_source(built, compiler, args.source)
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, args.out)
+    print(f"tp_kernels: {compiler} compiled {os.path.basename(args.source)} to "
+          + ", ".join(f"{t} ({len(d) // 1024} KiB)" for t, _, _, _, d in built), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+// The host side of the peer-memory path's device building blocks: flags, bounded waits and the
+// deterministic reduction (device_ops.h), over the driver and the NVRTC-built kernels (driver.h).
+#include "tp_kernels/device_ops.h"
+
+#include <string>
+
+#include "tp_kernels/check.h"
+#include "tp_kernels/driver.h"
+
+namespace tp_kernels {
+
+bool stream_memory_ops_available() { return driver_error().empty(); }
+
+void write_flag(uint32_t* flag, uint32_t value, cudaStream_t stream) {
+  if (!driver_error().empty()) throw Error("write_flag: " + driver_error());
+  stream_write_value32(flag, value, stream);
+}
+
+void wait_flags(uint32_t* const* flags, const uint32_t* codes, int count, uint64_t timeout_ns, uint32_t* error_word,
+                cudaStream_t stream) {
+  if (count < 0 || count > kMaxRanks)
+    throw ArgumentError("flags: wait_flags takes 0 to " + std::to_string(kMaxRanks) + " flags, got " +
+                        std::to_string(count));
+  if (error_word == nullptr) throw ArgumentError("error_word: wait_flags got a null error word");
+  FlagList list{};
+  for (int i = 0; i < count; ++i) {
+    if (flags[i] == nullptr) throw ArgumentError("flags: wait_flags got a null flag " + std::to_string(i));
+    if (codes[i] == 0) throw ArgumentError("codes: wait_flags' error code " + std::to_string(i) + " must be nonzero");
+    list.flag[i] = flags[i];
+    list.code[i] = codes[i];
+  }
+  if (count == 0) return;
+  unsigned long long timeout = timeout_ns;
+  unsigned int* error = error_word;
+  void* args[] = {&list, &count, &timeout, &error};
+  launch(Kernel::kWaitFlags, 1, 32, args, stream);  // one thread per flag: kMaxRanks <= 32
+}
+
+void reduce_partials(const void* const* in, int p, void* out, int64_t count, DType dtype, cudaStream_t stream) {
+  if (count == 0) return;
+  Kernel kernel;
+  switch (dtype) {
+    case DType::kFloat32: kernel = Kernel::kReduceFloat32; break;
+    case DType::kFloat16: kernel = Kernel::kReduceFloat16; break;
+    case DType::kBFloat16: kernel = Kernel::kReduceBFloat16; break;
+    default: throw Error(std::string("reduce_partials: no reduction in ") + dtype_name(dtype));
+  }
+  PartialPtrs ptrs{};
+  for (int q = 0; q < p; ++q) ptrs.in[q] = in[q];
+  const int threads = 256;
+  int64_t blocks = (count + threads - 1) / threads;
+  const int64_t cap = static_cast<int64_t>(multiprocessor_count()) * 8;
+  if (blocks > cap) blocks = cap;
+  long long n = count;
+  void* args[] = {&ptrs, &p, &out, &n};
+  launch(kernel, static_cast<unsigned>(blocks), threads, args, stream);
+}
+
+}  // namespace tp_kernels
