@@ -160,9 +160,20 @@ def get_requires_for_build_editable(config_settings=None):
     return _setuptools.get_requires_for_build_editable(config_settings) + _extra()
 
 
-if __name__ == "__main__":  # the runtime requirements of a major, for scripts (.ci/run)
+def build_requirements(major: int) -> list:
+    """Everything building the CUDA ``major`` extension needs: pyproject.toml's build system, the
+    tools and every wheel of :data:`CUDA_WHEELS` (what ``--no-build-isolation`` expects to find)."""
+    import tomllib  # Python 3.11+, as the scripts that ask for this list run
+
+    with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+        system = tomllib.load(f)["build-system"]["requires"]
+    return system + CUDA_BUILD_TOOLS + [requirement for requirement, _, _ in CUDA_WHEELS[major].values()]
+
+
+if __name__ == "__main__":  # the requirements of a major, for scripts (.ci/run)
     import sys
 
-    if len(sys.argv) != 3 or sys.argv[1] != "runtime" or not sys.argv[2].isdigit() or int(sys.argv[2]) not in CUDA_WHEELS:
-        sys.exit(f"usage: {sys.argv[0]} runtime {{{'|'.join(map(str, sorted(CUDA_WHEELS)))}}}")
-    print(" ".join(runtime_requirements(int(sys.argv[2]))))
+    lists = {"runtime": runtime_requirements, "build": build_requirements}
+    if len(sys.argv) != 3 or sys.argv[1] not in lists or not sys.argv[2].isdigit() or int(sys.argv[2]) not in CUDA_WHEELS:
+        sys.exit(f"usage: {sys.argv[0]} {{runtime|build}} {{{'|'.join(map(str, sorted(CUDA_WHEELS)))}}}")
+    print(" ".join(lists[sys.argv[1]](int(sys.argv[2]))))
