@@ -1,6 +1,7 @@
 """The primitives as ``torch.library`` custom ops (``torch.ops.tp_kernels.*``).
 
-Each op has a fake (meta) implementation, so ``torch.compile`` treats it as one opaque node
+They are defined on a ``torch.library.Library`` (:func:`_define`), the three that write into an
+argument with ``torch.library.custom_op``. Each op has a fake (meta) implementation, so ``torch.compile`` treats it as one opaque node
 (no graph break inside it), and its backward is registered with ``register_autograd`` as
 another custom op. The ops take 2-D tensors, the group by name (``""``: this process alone)
 and an implementation name (``"native:4"``, ``"fused:two_shot"``: :mod:`tp_kernels.backends`),
@@ -17,7 +18,7 @@ The plain collectives of :class:`tp_kernels.Communicator` are custom ops too (``
 without gradients; :mod:`tp_kernels.mappings` has the differentiable ones).
 """
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,45 @@ from ._op_table import collective_output_shape
 from .backends import run, run_collective
 
 __all__: list = []  # the ops are torch.ops.tp_kernels.*
+
+try:
+    from torch.library import infer_schema as _infer_schema
+except ImportError:  # torch 2.4
+    from torch._library.infer_schema import infer_schema as _infer_schema
+
+_LIB = torch.library.Library("tp_kernels", "DEF")
+
+
+class _Op:
+    """A ``torch.ops.tp_kernels`` op defined by :func:`_define`: callable, with ``register_fake``
+    and ``register_autograd`` as on a ``torch.library.custom_op``."""
+
+    def __init__(self, name: str):
+        self.qualname = f"tp_kernels::{name}"
+        self.op = getattr(torch.ops.tp_kernels, name).default
+
+    def __call__(self, *args):
+        return self.op(*args)
+
+    def register_fake(self, fn: Callable) -> Callable:
+        torch.library.register_fake(self.qualname, fn, lib=_LIB)
+        return fn
+
+    def register_autograd(self, backward: Callable, setup_context: Callable) -> None:
+        torch.library.register_autograd(self.qualname, backward, setup_context=setup_context, lib=_LIB)
+
+
+def _define(fn: Callable) -> _Op:
+    """``tp_kernels::<fn's name>``, its schema read from ``fn``'s annotations, with ``fn`` as its
+    implementation on every device: a plain ``torch.library.Library`` registration (as vLLM's
+    ``direct_register_custom_op``), which the dispatcher calls with less host time per call than
+    a ``torch.library.custom_op`` (about 6 µs less, measured on a 2-core VM). Only for ops that
+    mutate none of their inputs; those that do are ``custom_op``s, which bump the version counters
+    of what they write."""
+    name = fn.__name__
+    _LIB.define(name + _infer_schema(fn, mutates_args=()), tags=(torch.Tag.pt2_compliant_tag,))
+    _LIB.impl(name, fn, "CompositeExplicitAutograd")
+    return _Op(name)
 
 
 def _size(name: str) -> int:
@@ -63,7 +103,7 @@ def _register_backward(forward_op, backward_op) -> None:
 # all_gather_matmul: (m/p, k) -(AG)-> (m, k) x (k, n/p) -> (m, n/p)
 
 
-@torch.library.custom_op("tp_kernels::all_gather_matmul", mutates_args=())
+@_define
 def all_gather_matmul(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str, impl: str) -> Tensor:
     out, _ = run("all_gather_matmul", impl, x, weight, bias, coll.group_from_name(group))
     return out
@@ -74,7 +114,7 @@ def _(x, weight, bias, group, impl):
     return x.new_empty((x.shape[0] * _size(group), weight.shape[0]))
 
 
-@torch.library.custom_op("tp_kernels::all_gather_matmul_backward", mutates_args=())
+@_define
 def all_gather_matmul_backward(dy: Tensor, x: Tensor, weight: Tensor, group: str, impl: str, need_dx: bool,
                                need_dw: bool, need_db: bool) -> Tuple[Tensor, Tensor, Tensor]:
     g = coll.group_from_name(group)
@@ -99,7 +139,7 @@ _register_backward(all_gather_matmul, all_gather_matmul_backward)
 # matmul_reduce_scatter: (m, k/p) x (k/p, n) -(RS)-> (m/p, n), bias added once after
 
 
-@torch.library.custom_op("tp_kernels::matmul_reduce_scatter", mutates_args=())
+@_define
 def matmul_reduce_scatter(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str, impl: str) -> Tensor:
     return run("matmul_reduce_scatter", impl, x, weight, bias, coll.group_from_name(group)).wait()
 
@@ -109,7 +149,7 @@ def _(x, weight, bias, group, impl):
     return x.new_empty((x.shape[0] // _size(group), weight.shape[0]))
 
 
-@torch.library.custom_op("tp_kernels::matmul_reduce_scatter_backward", mutates_args=())
+@_define
 def matmul_reduce_scatter_backward(dy: Tensor, x: Tensor, weight: Tensor, group: str, impl: str, need_dx: bool,
                                    need_dw: bool, need_db: bool) -> Tuple[Tensor, Tensor, Tensor]:
     g = coll.group_from_name(group)
@@ -135,7 +175,7 @@ _register_backward(matmul_reduce_scatter, matmul_reduce_scatter_backward)
 # matmul_all_reduce: (m, k/p) x (k/p, n) -(AR)-> (m, n), bias added once after
 
 
-@torch.library.custom_op("tp_kernels::matmul_all_reduce", mutates_args=())
+@_define
 def matmul_all_reduce(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str, impl: str) -> Tensor:
     return run("matmul_all_reduce", impl, x, weight, bias, coll.group_from_name(group)).wait()
 
@@ -162,7 +202,7 @@ matmul_all_reduce.register_autograd(_ar_backward, setup_context=_setup_context)
 # backward dx = matmul_all_reduce(dy, W) with dW computed while dx reduces
 
 
-@torch.library.custom_op("tp_kernels::linear_with_grad_all_reduce", mutates_args=())
+@_define
 def linear_with_grad_all_reduce(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str, impl: str) -> Tensor:
     return torch.nn.functional.linear(x, weight, bias)
 
@@ -172,7 +212,7 @@ def _(x, weight, bias, group, impl):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-@torch.library.custom_op("tp_kernels::linear_with_grad_all_reduce_backward", mutates_args=())
+@_define
 def linear_with_grad_all_reduce_backward(dy: Tensor, x: Tensor, weight: Tensor, group: str, impl: str,
                                          need_dx: bool, need_dw: bool, need_db: bool) -> Tuple[Tensor, Tensor, Tensor]:
     dy = dy.contiguous()
@@ -209,7 +249,7 @@ def _collective(collective: str, x: Tensor, group: str, impl: str, peer: int = -
     return run_collective(collective, impl, x, out, peer, g)
 
 
-@torch.library.custom_op("tp_kernels::all_reduce", mutates_args=())
+@_define
 def all_reduce(x: Tensor, group: str, impl: str) -> Tensor:
     return _collective("all_reduce", x, group, impl)
 
@@ -239,7 +279,7 @@ def _(x, group, impl):
     return None
 
 
-@torch.library.custom_op("tp_kernels::all_gather", mutates_args=())
+@_define
 def all_gather(x: Tensor, group: str, impl: str) -> Tensor:
     return _collective("all_gather", x, group, impl)
 
@@ -249,7 +289,7 @@ def _(x, group, impl):
     return _output("all_gather", x, group)
 
 
-@torch.library.custom_op("tp_kernels::reduce_scatter", mutates_args=())
+@_define
 def reduce_scatter(x: Tensor, group: str, impl: str) -> Tensor:
     return _collective("reduce_scatter", x, group, impl)
 
@@ -259,7 +299,7 @@ def _(x, group, impl):
     return _output("reduce_scatter", x, group)
 
 
-@torch.library.custom_op("tp_kernels::gather", mutates_args=())
+@_define
 def gather(x: Tensor, dst: int, group: str, impl: str) -> Tensor:
     return _collective("gather", x, group, impl, dst)
 
