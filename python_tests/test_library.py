@@ -83,3 +83,46 @@ def check_compiled_mlp(sequence_parallel, backend, device="cpu"):
 @pytest.mark.parametrize("backend", ["record", "inductor"])
 def test_compiled_mlp_matches_eager(world2, sequence_parallel, backend):
     world2.run(check_compiled_mlp, sequence_parallel, backend, deadline_s=600)
+
+
+def check_eager_calls_skip_the_dispatcher(op_name):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from tp_kernels import _library
+
+    r, p = rank_world()
+    group = group_name(dist.group.WORLD)
+    op = _library.op(op_name)
+    dispatched = []
+    real = op.op
+    op.op = lambda *args: dispatched.append(1) or real(*args)
+    try:
+        g = torch.Generator().manual_seed(r)
+        rows = 2 * p if op_name == "matmul_reduce_scatter" else 3
+        x, w, b = (torch.randn(*s, generator=g) for s in ((rows, 5), (4, 5), (4,)))
+        grads = []
+        for call in (op, real):  # directly, then through the dispatcher: the same values and gradients
+            xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+            y = call(xs, ws, bs, group, "reference")
+            (y * torch.arange(y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+            grads.append([y.detach(), xs.grad, ws.grad, bs.grad])
+        assert dispatched == []  # the first call, with its backward, never reached the dispatcher
+        for got, want in zip(*grads):
+            assert torch.equal(got, want)
+        with torch.no_grad():
+            assert torch.equal(op(x, w, b, group, "reference"), grads[0][0]) and dispatched == []
+        # Traced or faked, the call is the one op
+        gm = make_fx(lambda a, c, d: op(a, c, d, group, "reference"))(x, w, b)
+        assert getattr(torch.ops.tp_kernels, op_name).default in [n.target for n in gm.graph.nodes]
+        with FakeTensorMode() as mode:
+            fake = op(mode.from_tensor(x), mode.from_tensor(w), mode.from_tensor(b), group, "reference")
+        assert fake.shape == grads[0][0].shape and len(dispatched) == 2
+    finally:
+        op.op = real
+
+
+@pytest.mark.parametrize("world", [1, 2], indirect=True)
+@pytest.mark.parametrize("op", OPS)
+def test_eager_calls_skip_the_dispatcher_and_traced_ones_do_not(world, op):
+    world.run(check_eager_calls_skip_the_dispatcher, op)

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from . import _collectives as coll
-from . import _library  # noqa: F401  (registers torch.ops.tp_kernels.*)
+from . import _library
 from . import backends, dispatch, parallel_state
 from ._agreement import agree, describe
 from ._checks import check_choice
@@ -164,11 +164,11 @@ class Communicator:
         x_ = x.contiguous()
         impl, name = self._impl("all_reduce", x_), coll.group_name(self.group)
         if out is None:
-            return torch.ops.tp_kernels.all_reduce(x_, name, impl)
+            return _library.op("all_reduce")(x_, name, impl)
         if out.data_ptr() == x_.data_ptr():  # in place: one tensor, which the op declares it writes
-            torch.ops.tp_kernels.all_reduce_inplace(out, name, impl)
+            _library.op("all_reduce_inplace")(out, name, impl)
         else:
-            torch.ops.tp_kernels.all_reduce_out(x_, out, name, impl)
+            _library.op("all_reduce_out")(x_, out, name, impl)
         return out
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -202,7 +202,7 @@ class Communicator:
         d = self._agree("reduce_scatter", x, check, lambda d: f"x {describe(x)} dim {d}")
         moved = x.movedim(d, 0).contiguous()
         impl = self._impl("reduce_scatter", moved)
-        out = torch.ops.tp_kernels.reduce_scatter(moved, coll.group_name(self.group), impl)
+        out = _library.op("reduce_scatter")(moved, coll.group_name(self.group), impl)
         return out.movedim(0, d).contiguous() if d else out
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -213,10 +213,10 @@ class Communicator:
 
         self._agree("broadcast", x, check, lambda _: f"x {describe(x)} src {src}")
         if x.is_contiguous():
-            torch.ops.tp_kernels.broadcast(x, src, coll.group_name(self.group), self._impl("broadcast", x, src))
+            _library.op("broadcast")(x, src, coll.group_name(self.group), self._impl("broadcast", x, src))
             return x
         buf = x.contiguous()
-        torch.ops.tp_kernels.broadcast(buf, src, coll.group_name(self.group), self._impl("broadcast", buf, src))
+        _library.op("broadcast")(buf, src, coll.group_name(self.group), self._impl("broadcast", buf, src))
         return x.copy_(buf)
 
     def send(self, x: torch.Tensor, dst: int) -> None:
@@ -276,8 +276,8 @@ class Communicator:
         impl = self._impl(collective, stacked_in, peer)
         name = coll.group_name(self.group)
         if collective == "gather":
-            return torch.ops.tp_kernels.gather(stacked_in, peer, name, impl)
-        return torch.ops.tp_kernels.all_gather(stacked_in, name, impl)
+            return _library.op("gather")(stacked_in, peer, name, impl)
+        return _library.op("all_gather")(stacked_in, name, impl)
 
     def _undo_dim0(self, stacked: torch.Tensor, shape, d: int) -> torch.Tensor:
         """``[p, *shape]`` (rank-major) as ``shape`` with dim ``d`` p times as long."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import _collectives as coll
-from . import _library  # noqa: F401  (registers torch.ops.tp_kernels.*)
+from . import _library
 from ._agreement import agree, describe
 from ._checks import check_divisible, check_tensor
 
@@ -45,15 +45,15 @@ __all__ = [
 
 
 def _all_reduce(x, group):
-    return torch.ops.tp_kernels.all_reduce(x.contiguous(), coll.group_name(group), "reference")
+    return _library.op("all_reduce")(x.contiguous(), coll.group_name(group), "reference")
 
 
 def _gather_dim0(x, group):
-    return torch.ops.tp_kernels.all_gather(x.contiguous(), coll.group_name(group), "reference")
+    return _library.op("all_gather")(x.contiguous(), coll.group_name(group), "reference")
 
 
 def _reduce_scatter_dim0(x, group):
-    return torch.ops.tp_kernels.reduce_scatter(x.contiguous(), coll.group_name(group), "reference")
+    return _library.op("reduce_scatter")(x.contiguous(), coll.group_name(group), "reference")
 
 
 def _gather_last_dim(x, group):

@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import torch
 
 from . import _collectives as coll
-from . import _library  # noqa: F401  (registers torch.ops.tp_kernels.*)
+from . import _library
 from ._agreement import agree, describe
 from ._checks import check_choice, check_divisible, check_linear_args
 from ._op_table import OPS
@@ -60,8 +60,8 @@ def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int]
         prepare: Optional[Callable] = None) -> torch.Tensor:
     """Check the tensors (errors name the input ``x_name``) and agree on the call with the group
     (:func:`tp_kernels._agreement.agree`) before any communication, decide the implementation once
-    (:func:`tp_kernels.dispatch.resolve`), run ``torch.ops.tp_kernels.<op>`` on the flattened input
-    and restore its leading dims. ``group`` was resolved by the caller; ``prepare(x)``, the
+    (:func:`tp_kernels.dispatch.resolve`), run ``torch.ops.tp_kernels.<op>``
+    (:func:`tp_kernels._library.op`) on the flattened input and restore its leading dims. ``group`` was resolved by the caller; ``prepare(x)``, the
     caller's own checks (of ``backend`` and ``num_chunks`` by the public ops below; the layers
     check theirs once, when they are made) and preparation of ``x``, runs first, in the agreement
     too."""
@@ -84,7 +84,7 @@ def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int]
     x, weight, bias, lead = agree(op, group, check, fingerprint, hint=x)
     x2d = _flatten(x)
     impl = resolve(op, backend, x2d, coll.group_size(group), group, weight, bias, num_chunks)
-    out = getattr(torch.ops.tp_kernels, op)(x2d, weight, bias, coll.group_name(group), impl)
+    out = _library.op(op)(x2d, weight, bias, coll.group_name(group), impl)
     return out if len(lead) == 1 else out.reshape(*lead, weight.shape[0])
 
 
