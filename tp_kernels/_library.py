@@ -1,12 +1,13 @@
 """The primitives as ``torch.library`` custom ops (``torch.ops.tp_kernels.*``).
 
-They are defined on a ``torch.library.Library`` (:func:`_define`), the three that write into an
-argument with ``torch.library.custom_op``. Each op has a fake (meta) implementation, so ``torch.compile`` treats it as one opaque node
-(no graph break inside it), and its backward is registered with ``register_autograd`` as
-another custom op. The ops take 2-D tensors, the group by name (``""``: this process alone)
-and an implementation name (``"native:4"``, ``"fused:two_shot"``: :mod:`tp_kernels.backends`),
-decided before the call by :func:`tp_kernels.dispatch.select_backend`; the backward runs on the
-same implementation. :mod:`tp_kernels.ops` checks the arguments and decides before calling them.
+They are defined on a ``torch.library.Library`` (:func:`_define`; the three that write into an
+argument with ``torch.library.custom_op``) and called through :func:`op`, which runs an eager
+call's body without the dispatcher. Each op has a fake (meta) implementation, so
+``torch.compile`` treats it as one opaque node (no graph break inside it), and its backward is
+registered with ``register_autograd`` as another custom op. The ops take 2-D tensors, the group
+by name (``""``: this process alone) and an implementation name (``"native:4"``,
+``"fused:two_shot"``: :mod:`tp_kernels.backends`), decided before the call by
+:func:`tp_kernels.dispatch.select_backend`; the backward runs on the same implementation. :mod:`tp_kernels.ops` checks the arguments and decides before calling them.
 
 Backward ops return an empty tensor for a gradient that is not needed (a custom op cannot
 return None); the autograd wrappers turn those back into None.
@@ -49,6 +50,10 @@ def op(name: str) -> Callable:
     return _OPS[name]
 
 
+#: the tensor types an op's body may take without the dispatcher (a parameter is a tensor)
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
 def _direct(args) -> bool:
     """Whether a call may skip the dispatcher: no ``torch.compile`` tracing, no dispatch or
     function mode (``make_fx``, export, fake tensors), no functorch transform, and every tensor a
@@ -58,9 +63,6 @@ def _direct(args) -> bool:
             or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active()):
         return False
     return all(type(a) in _PLAIN for a in args if isinstance(a, Tensor))
-
-
-_PLAIN = (Tensor, torch.nn.Parameter)
 
 
 def _needs_grad(args) -> bool:
