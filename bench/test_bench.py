@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -79,3 +80,19 @@ def test_layer(benchmark, world, rounds, case, tp, dtype, backend):
     flops = 3 * 2.0 * case.m * w_shape[0] * w_shape[1]
     _run(benchmark, step, device, rounds, n,
          {**case.as_dict(), "tp": tp, "ranks": p, "backend": backend, "flops": flops})
+
+
+@pytest.mark.parametrize("call", ["f_linear", "reference", "pipelined", "auto"])
+def test_host_time(benchmark, world, call):
+    """Host time of one eager call on tiny host tensors (m = 16, k = n = 64, float32): what
+    tp_kernels' Python adds over ``F.linear`` (``f_linear``, the baseline) before any GEMM or
+    communication cost. Compare the medians; one rank: nothing is communicated."""
+    group, _ = world
+    if dist.get_world_size(group) != 1:
+        pytest.skip("a one-rank group: the figure is the host time of the call, not of a collective")
+    x, w = torch.randn(16, 64), torch.randn(64, 64)
+    fn = ((lambda: torch.nn.functional.linear(x, w)) if call == "f_linear"
+          else (lambda: ops.matmul_all_reduce(x, w, group=group, backend=call)))
+    assert torch.equal(fn(), torch.nn.functional.linear(x, w))
+    benchmark.extra_info.update({"call": call, "shape": [16, 64, 64]})
+    benchmark.pedantic(fn, rounds=200, iterations=100, warmup_rounds=5)
