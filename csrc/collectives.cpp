@@ -13,7 +13,6 @@ namespace {
 // The one list of the collectives' names (Python reads it as _C.COLLECTIVES), in enum order.
 const char* const kCollectiveNames[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast",
                                         "gather",     "send",       "recv"};
-constexpr int kNumCollectives = static_cast<int>(std::size(kCollectiveNames));
 
 using detail::nccl_type;
 
@@ -24,12 +23,7 @@ const char* collective_name(Collective c) { return kCollectiveNames[static_cast<
 std::vector<std::string> collective_names() { return {std::begin(kCollectiveNames), std::end(kCollectiveNames)}; }
 
 Collective parse_collective(const std::string& name, const std::string& arg) {
-  std::string known;
-  for (int i = 0; i < kNumCollectives; ++i) {
-    if (name == kCollectiveNames[i]) return static_cast<Collective>(i);
-    known += std::string(i ? ", " : "") + kCollectiveNames[i];
-  }
-  throw ArgumentError(arg + ": expected one of " + known + ", got '" + name + "'");
+  return static_cast<Collective>(parse_name(kCollectiveNames, name, arg));
 }
 
 bool reduces(Collective c) { return c == Collective::kAllReduce || c == Collective::kReduceScatter; }

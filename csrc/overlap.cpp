@@ -27,12 +27,7 @@ const char* primitive_name(Primitive op) { return kPrimitiveNames[static_cast<in
 std::vector<std::string> primitive_names() { return {std::begin(kPrimitiveNames), std::end(kPrimitiveNames)}; }
 
 Primitive parse_primitive(const std::string& name, const std::string& arg) {
-  std::string known;
-  for (int i = 0; i < 3; ++i) {
-    if (name == kPrimitiveNames[i]) return static_cast<Primitive>(i);
-    known += std::string(i ? ", " : "") + kPrimitiveNames[i];
-  }
-  throw ArgumentError(arg + ": expected one of " + known + ", got '" + name + "'");
+  return static_cast<Primitive>(parse_name(kPrimitiveNames, name, arg));
 }
 
 void all_gather_matmul(Communicator& comm, const OverlapArgs& a) {

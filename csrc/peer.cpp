@@ -53,12 +53,7 @@ const char* algorithm_name(AllReduceAlgo algo) { return kAlgorithmNames[static_c
 std::vector<std::string> algorithm_names() { return {std::begin(kAlgorithmNames), std::end(kAlgorithmNames)}; }
 
 AllReduceAlgo parse_algorithm(const std::string& name, const std::string& arg) {
-  std::string known;
-  for (int i = 0; i < 3; ++i) {
-    if (name == kAlgorithmNames[i]) return static_cast<AllReduceAlgo>(i);
-    known += std::string(i ? ", " : "") + kAlgorithmNames[i];
-  }
-  throw ArgumentError(arg + ": expected one of " + known + ", got '" + name + "'");
+  return static_cast<AllReduceAlgo>(parse_name(kAlgorithmNames, name, arg));
 }
 
 std::vector<uint32_t> initial_control_block() {

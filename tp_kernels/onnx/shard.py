@@ -423,13 +423,15 @@ class _Sharder:
                 return list(range(rank))  # every axis
         return [a % rank for a in axes]
 
-    def _reduce(self, node: onnx.NodeProto) -> None:
+    def _reduce(self, node: onnx.NodeProto, keep: Optional[bool] = None) -> None:
+        """A node that acts on some axes of its first input and keeps them (``keep``, else its
+        ``keepdims``) or drops them: the split follows unless it is one of them."""
         x = node.input[0]
         rank, axis = self._rank(x), self.split[x]
         axes = None if rank is None else self._axes(node, rank)
         if axes is None or axis in axes:
             return self._all_replicated(node)
-        keep = _attr(node, "keepdims", 1)
+        keep = _attr(node, "keepdims", 1) if keep is None else keep
         self._copy(node, list(node.input), axis if keep else axis - sum(a < axis for a in axes))
 
     def _op_Softmax(self, node: onnx.NodeProto) -> None:
@@ -555,12 +557,7 @@ class _Sharder:
         self._copy(node, list(node.input), kept[axis])
 
     def _op_Squeeze(self, node: onnx.NodeProto) -> None:
-        x = node.input[0]
-        rank, axis = self._rank(x), self.split[x]
-        axes = None if rank is None else self._axes(node, rank)
-        if axes is None or axis in axes:
-            return self._all_replicated(node)
-        self._copy(node, list(node.input), axis - sum(a < axis for a in axes))
+        self._reduce(node, keep=False)
 
 
 def _attr(node: onnx.NodeProto, name: str, default):

@@ -11,6 +11,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <cstddef>
 #include <stdexcept>
 #include <string>
 
@@ -26,6 +27,18 @@ class ArgumentError : public Error {
  public:
   using Error::Error;
 };
+
+// The index of `name` in `names` (an enum's name table), or an ArgumentError naming `arg` and
+// listing the names.
+template <size_t N>
+int parse_name(const char* const (&names)[N], const std::string& name, const std::string& arg) {
+  std::string known;
+  for (size_t i = 0; i < N; ++i) {
+    if (name == names[i]) return static_cast<int>(i);
+    known += std::string(i ? ", " : "") + names[i];
+  }
+  throw ArgumentError(arg + ": expected one of " + known + ", got '" + name + "'");
+}
 
 [[noreturn]] inline void fail(const char* call, const char* lib, long code, const char* meaning,
                               const char* file, int line) {
