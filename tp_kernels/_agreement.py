@@ -96,13 +96,14 @@ def agree(call: str, group, check: Callable[[], T], fingerprint: Callable[[T], s
     find this rank's device on an NCCL group.
     """
     coll.check_alive(group)
-    timeout = settings.get_timeout()  # a malformed TP_KERNELS_TIMEOUT_S fails here, before any collective
+    p = coll.group_size(group)
+    # A malformed TP_KERNELS_TIMEOUT_S fails here, before any collective (one rank has none).
+    timeout = settings.get_timeout() if p > 1 else None
     error: Optional[ValueError] = None
     try:
         result = check()
     except ValueError as exc:
         error = exc
-    p = coll.group_size(group)
     if p > 1 and settings.fingerprints_enabled() and not _recording():
         mine = f"{_ERROR}|{error}" if error is not None else f"{_OK}|{call}: {fingerprint(result)}"
         views = _views_if_they_differ(mine, group, _exchange_device(group, hint)) or [mine]  # [mine]: all alike

@@ -61,27 +61,32 @@ def check_linear_args(
         check_tensor("bias", bias, dim=1)
     if not weight.is_floating_point():
         raise ValueError(f"{weight_name}: expected a floating-point tensor, got {weight.dtype}")
-    if x.shape[-1] != weight.shape[1]:
+    n, k = weight.shape
+    if x.shape[-1] != k:
         raise ValueError(
-            f"{x_name}: expected the last dim to be {weight.shape[1]} to match {weight_name} "
-            f"{tuple(weight.shape)}, got {x_name} of shape {tuple(x.shape)}"
+            f"{x_name}: expected the last dim to be {k} to match {weight_name} "
+            f"{(n, k)}, got {x_name} of shape {tuple(x.shape)}"
         )
-    if bias is not None and bias.shape[0] != weight.shape[0]:
+    if bias is not None and bias.shape[0] != n:
         raise ValueError(
-            f"bias: expected {weight.shape[0]} elements to match {weight_name} {tuple(weight.shape)}, "
-            f"got shape {tuple(bias.shape)}"
+            f"bias: expected {n} elements to match {weight_name} {(n, k)}, got shape {tuple(bias.shape)}"
         )
+    device, dtype = weight.device, weight.dtype
     for name, t in ((x_name, x), ("bias", bias)):
-        if t is not None and t.device != weight.device:
-            raise ValueError(f"{name}: device {t.device} does not match {weight_name}'s device {weight.device}")
-    if x.is_floating_point() and _autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
+        if t is not None and t.device != device:
+            raise ValueError(f"{name}: device {t.device} does not match {weight_name}'s device {device}")
+    if _any_autocast() and x.is_floating_point() and _autocast_enabled(device.type):
+        dtype = torch.get_autocast_dtype(device.type)
         x, weight = x.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
     for name, t in ((x_name, x), ("bias", bias)):
-        if t is not None and t.dtype != weight.dtype:
-            raise ValueError(f"{name}: dtype {t.dtype} does not match {weight_name}'s dtype {weight.dtype}")
+        if t is not None and t.dtype != dtype:
+            raise ValueError(f"{name}: dtype {t.dtype} does not match {weight_name}'s dtype {dtype}")
     return x, weight, bias
+
+
+#: whether autocast is on for any device (one C call, where torch has it), before asking for one
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
 def _autocast_enabled(device_type: str) -> bool:

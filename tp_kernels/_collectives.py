@@ -49,6 +49,8 @@ __all__ = [
     "wait",
 ]
 
+# torch's lookup of a group by its name (absent from builds without torch.distributed)
+_resolve_process_group = dist.distributed_c10d._resolve_process_group if dist.is_available() else None
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -56,7 +58,8 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 def resolve_group(group):
     """The process group an API call runs on, or ``None`` for "this process alone"."""
     if group is not None:
-        if dist.get_rank(group) < 0:
+        # A ProcessGroup object exists only in its members (torch gives the others a sentinel).
+        if not isinstance(group, dist.ProcessGroup) and dist.get_rank(group) < 0:
             raise ValueError(
                 f"group: this process (global rank {dist.get_rank()}) is not a member of the group it was given"
             )
@@ -76,11 +79,7 @@ def group_name(group) -> str:
 
 def group_from_name(name: str):
     """The group :func:`group_name` named."""
-    if not name:
-        return None
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._resolve_process_group(name)
+    return _resolve_process_group(name) if name else None
 
 
 #: Groups destroy_model_parallel destroyed (kept, so that their ids are not reused meanwhile).
@@ -109,11 +108,13 @@ def group_key(group, device: torch.device):
 
 
 def group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+    """The number of ranks of ``group`` (one of this process's groups, :func:`resolve_group`)."""
+    return 1 if group is None else group.size()  # not dist.get_world_size: ~0.5 µs less a call
 
 
 def group_rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
+    """This process's rank in ``group`` (one of its groups, :func:`resolve_group`)."""
+    return 0 if group is None else group.rank()
 
 
 class Pending:
@@ -133,6 +134,14 @@ class Pending:
         self.group = group
         self.finish = finish
         self.deps = list(deps)
+
+    def then(self, finish) -> "Pending":
+        """This pending result, with ``finish(tensor)`` applied after its own epilogue (None:
+        nothing more)."""
+        if finish is not None:
+            first = self.finish
+            self.finish = finish if first is None else (lambda t: (first(t), finish(t)))
+        return self
 
     def wait(self) -> torch.Tensor:
         for dep in self.deps:

@@ -52,27 +52,33 @@ def op(name: str) -> Callable:
 
 #: the tensor types an op's body may take without the dispatcher (a parameter is a tensor)
 _PLAIN = (Tensor, torch.nn.Parameter)
+#: what :func:`_route` answers
+_BODY, _FUNCTION, _DISPATCHER = range(3)
 
 
-def _direct(args) -> bool:
-    """Whether a call may skip the dispatcher: no ``torch.compile`` tracing, no dispatch or
-    function mode (``make_fx``, export, fake tensors), no functorch transform, and every tensor a
-    plain tensor or parameter (no subclass that would intercept the op). Otherwise the call goes
-    through ``torch.ops.tp_kernels``, where all of those see one op."""
+def _route(args) -> int:
+    """How a call runs: the op's body as it is (:data:`_BODY`) or through its autograd formula
+    (:data:`_FUNCTION`, a gradient is needed) when it may skip the dispatcher, that is with no
+    ``torch.compile`` tracing, no dispatch or function mode (``make_fx``, export, fake tensors),
+    no functorch transform, and every tensor a plain tensor or parameter (no subclass that would
+    intercept the op); otherwise through ``torch.ops.tp_kernels`` (:data:`_DISPATCHER`), where
+    all of those see one op."""
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
             or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active()):
-        return False
-    return all(type(a) in _PLAIN for a in args if isinstance(a, Tensor))
-
-
-def _needs_grad(args) -> bool:
-    return torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args)
+        return _DISPATCHER
+    grad = False
+    for a in args:
+        if isinstance(a, Tensor):
+            if type(a) not in _PLAIN:
+                return _DISPATCHER
+            grad = grad or a.requires_grad
+    return _FUNCTION if grad and torch.is_grad_enabled() else _BODY
 
 
 class _Op:
     """An op defined by :func:`_define`, with ``register_fake`` and ``register_autograd`` as on a
     ``torch.library.custom_op``. Called, it runs its implementation directly when nothing traces
-    or transforms the call (:func:`_direct`): as it is when no gradient is needed, else through a
+    or transforms the call (:func:`_route`): as it is when no gradient is needed, else through a
     ``torch.autograd.Function`` of the registered formula, the same one the dispatcher's autograd
     kernel runs; otherwise through the dispatcher. The direct call saves the host time of the
     dispatcher and of its Python autograd wrapper (about 6 µs a call)."""
@@ -84,11 +90,11 @@ class _Op:
         self.function: Optional[type] = None  # the autograd.Function, once a formula is registered
 
     def __call__(self, *args):
-        if _direct(args):
-            if not _needs_grad(args):
-                return self.fn(*args)
-            if self.function is not None:
-                return self.function.apply(*args)
+        route = _route(args)
+        if route == _BODY:
+            return self.fn(*args)
+        if route == _FUNCTION and self.function is not None:
+            return self.function.apply(*args)
         return self.op(*args)
 
     def register_fake(self, fn: Callable) -> Callable:

@@ -66,14 +66,16 @@ def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int]
     check theirs once, when they are made) and preparation of ``x``, runs first, in the agreement
     too."""
 
+    p = coll.group_size(group)
+
     def check():
         x_ = prepare(x) if prepare is not None else x
         x_, w, b = check_linear_args(x_, weight, bias, x_name=x_name, min_dim=OPS[op].min_dim)
         lead = list(x_.shape[:-1])
         if op == "all_gather_matmul":
-            lead[0] *= coll.group_size(group)
+            lead[0] *= p
         elif op == "matmul_reduce_scatter":
-            lead[0] = check_divisible(f"{x_name}.shape[0]", x_.shape[0], coll.group_size(group))
+            lead[0] = check_divisible(f"{x_name}.shape[0]", x_.shape[0], p)
         return x_, w, b, lead
 
     def fingerprint(checked) -> str:
@@ -83,7 +85,7 @@ def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int]
 
     x, weight, bias, lead = agree(op, group, check, fingerprint, hint=x)
     x2d = _flatten(x)
-    impl = resolve(op, backend, x2d, coll.group_size(group), group, weight, bias, num_chunks)
+    impl = resolve(op, backend, x2d, p, group, weight, bias, num_chunks)
     out = _library.op(op)(x2d, weight, bias, coll.group_name(group), impl)
     return out if len(lead) == 1 else out.reshape(*lead, weight.shape[0])
 

@@ -23,14 +23,12 @@ def all_gather_matmul(x, weight, bias, group, impl):
 
 def matmul_reduce_scatter(x, weight, bias, group, impl) -> Pending:
     # (m, k/p) x (k/p, n) -> (m, n) partial -(RS)-> (m/p, n)
-    rs = coll.reduce_scatter_dim0(F.linear(x, weight), group, scratch=True)
-    return Pending(rs.tensor, deps=[rs], what=rs.what, group=group, finish=bias_epilogue(bias))
+    return coll.reduce_scatter_dim0(F.linear(x, weight), group, scratch=True).then(bias_epilogue(bias))
 
 
 def matmul_all_reduce(x, weight, bias, group, impl) -> Pending:
     # (m, k/p) x (k/p, n) -> (m, n) partial -(AR)-> (m, n)
-    ar = coll.all_reduce(F.linear(x, weight), group, inplace=True)
-    return Pending(ar.tensor, deps=[ar], what=ar.what, group=group, finish=bias_epilogue(bias))
+    return coll.all_reduce(F.linear(x, weight), group, inplace=True).then(bias_epilogue(bias))
 
 
 # --- the plain collectives (tp_kernels.Communicator): torch.distributed, bounded -------------------
