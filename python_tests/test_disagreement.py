@@ -132,6 +132,56 @@ def test_ranks_that_agree_exchange_one_digest(world2):
     assert world2.run(check_one_round_when_the_ranks_agree, deadline_s=DEADLINE_S) == [(0, 1)] * 2
 
 
+@fingerprints
+def check_host_twins():
+    """A world whose backend carries no host tensors (as NCCL's does not; faked here on gloo):
+    initialize_model_parallel gives each tensor-parallel group a gloo twin of the same ranks, the
+    default group gets one on its first exchange, the fingerprints travel over the twin on the
+    host, a disagreement is still an error on every rank, and destroy_model_parallel destroys the
+    twins."""
+    from tp_kernels import _agreement, parallel_state
+
+    r, p = rank_world()
+    assert parallel_state.host_group(dist.group.WORLD) is dist.group.WORLD  # gloo: no twin needed
+    used = []
+    gather = _collectives.all_gather_bytes
+    carries = parallel_state.carries_host_tensors
+    parallel_state.carries_host_tensors = lambda group=None: False
+    _collectives.all_gather_bytes = lambda payload, group, device: used.append((group, device)) or gather(
+        payload, group, device)
+    try:
+        tp_kernels.initialize_model_parallel(2)
+        tp = parallel_state.get_tensor_model_parallel_group()
+        twin = parallel_state.host_group(tp)
+        assert twin is not None and twin is not tp
+        assert (twin.size(), twin.rank()) == (tp.size(), tp.rank())
+        assert dist.get_process_group_ranks(twin) == dist.get_process_group_ranks(tp)
+        assert parallel_state.host_group(parallel_state.get_data_parallel_group()) is None  # no twin made
+        x, w = torch.ones(4, 6), torch.ones(5, 6)
+        assert torch.equal(ops.matmul_all_reduce(x, w, backend="reference"), torch.full((4, 5), 12.0))
+        assert used == [(twin, torch.device("cpu"))]
+        kind, message = _raises(lambda: ops.matmul_all_reduce(torch.ones(4 if tp.rank() == 0 else 3, 6), w))
+        assert kind == "RuntimeError" and "disagree" in message, message
+        world = parallel_state.host_group(dist.group.WORLD)
+        assert world is not None and world is not dist.group.WORLD and world.size() == p
+        assert parallel_state.host_group(dist.group.WORLD) is world  # made once
+        _agreement.agree("probe", dist.group.WORLD, lambda: None, lambda _: "alike")
+        assert used[-1] == (world, torch.device("cpu"))
+        tp_kernels.destroy_model_parallel()
+        assert id(tp) not in parallel_state._HOST_TWINS
+    finally:
+        parallel_state.carries_host_tensors = carries
+        _collectives.all_gather_bytes = gather
+        parallel_state._HOST_TWINS.pop(id(dist.group.WORLD), None)
+        if parallel_state.model_parallel_is_initialized():
+            tp_kernels.destroy_model_parallel()
+    return True
+
+
+def test_fingerprints_of_a_group_without_a_host_backend_travel_over_its_host_twin(world4):
+    assert world4.run(check_host_twins, deadline_s=DEADLINE_S) == [True] * 4
+
+
 def test_fingerprints_are_off_by_default(monkeypatch):
     monkeypatch.delenv("TP_KERNELS_FINGERPRINTS", raising=False)
     assert settings.fingerprints_enabled() is settings.FINGERPRINTS_DEFAULT is False

@@ -13,7 +13,11 @@ never meets a half-finished one.
 
 The exchange is one all-gather of a :data:`DIGEST_BYTES` digest of the fingerprint per rank;
 only when the digests differ, a second one of the fingerprints themselves (:data:`PAYLOAD_BYTES`,
-to say what differs). Both are bounded like every collective (:func:`tp_kernels.get_timeout`).
+to say what differs). Both are bounded like every collective (:func:`tp_kernels.get_timeout`),
+and run on the host: over the group, or for an NCCL group over its gloo twin
+(:func:`tp_kernels.parallel_state.host_group`: the tensor-parallel groups of
+``initialize_model_parallel`` and the default group have one), so they never wait for the GPU.
+Another NCCL group exchanges on the GPU, and reading the result back waits for its stream.
 That is one more round trip per call, whose cost
 ``python -m tp_kernels.bench.fingerprints`` measures. It is off by default
 (``TP_KERNELS_FINGERPRINTS=1`` or :func:`tp_kernels.settings.set_fingerprints` turn it on), and
@@ -28,10 +32,9 @@ import hashlib
 from typing import Callable, List, Optional, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from . import _collectives as coll
-from . import settings
+from . import parallel_state, settings
 
 __all__ = ["DIGEST_BYTES", "PAYLOAD_BYTES", "agree", "describe", "exchange_views"]
 
@@ -56,13 +59,16 @@ def describe(t) -> str:
     return f"{list(t.shape)} {str(t.dtype).rpartition('.')[2]} {t.device.type}{grad}"
 
 
-def _exchange_device(group, hint) -> torch.device:
-    """Where the fingerprints travel: the host for gloo, this rank's GPU for NCCL."""
+def _exchange_route(group, hint):
+    """Over which group and on which device the fingerprints travel: the host, over the group or
+    its host twin (:func:`tp_kernels.parallel_state.host_group`), so the exchange never waits for
+    the GPU; for another NCCL group, this rank's GPU (the tensor read back waits for its stream)."""
+    host = parallel_state.host_group(group)
+    if host is not None:
+        return host, torch.device("cpu")
     if isinstance(hint, torch.Tensor) and hint.is_cuda:
-        return coll.exchange_device(group, hint.device)
-    if "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+        return group, hint.device
+    return group, torch.device("cuda", torch.cuda.current_device())
 
 
 def exchange_views(view: str, group, device: torch.device, size: int = PAYLOAD_BYTES) -> List[str]:
@@ -106,7 +112,7 @@ def agree(call: str, group, check: Callable[[], T], fingerprint: Callable[[T], s
         error = exc
     if p > 1 and settings.fingerprints_enabled() and not _recording():
         mine = f"{_ERROR}|{error}" if error is not None else f"{_OK}|{call}: {fingerprint(result)}"
-        views = _views_if_they_differ(mine, group, _exchange_device(group, hint)) or [mine]  # [mine]: all alike
+        views = _views_if_they_differ(mine, *_exchange_route(group, hint)) or [mine]  # [mine]: all alike
         failed = [(q, v.partition("|")[2]) for q, v in enumerate(views) if v.partition("|")[0] != _OK]
         if error is None and failed:
             listing = "; ".join(f"rank {q}: {message}" for q, message in failed)

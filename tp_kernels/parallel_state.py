@@ -11,6 +11,11 @@ With ``W`` ranks, tensor-parallel size ``t`` and pipeline size ``q`` (data-paral
 Example, 8 ranks, t=2, q=2: TP [0,1] [2,3] [4,5] [6,7]; PP [0,4] [1,5] [2,6] [3,7];
 DP [0,2] [1,3] [4,6] [5,7].
 
+A group whose backend moves only device tensors (NCCL) gets a *host twin* here, a gloo group of
+the same ranks (:func:`host_group`), for the small host-side exchanges of its calls (their
+fingerprints, :mod:`tp_kernels._agreement`): over the twin they never wait for the GPU, as
+PyTorch's own collective fingerprinting (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) uses a gloo helper.
+
 This module sits at the bottom of tp_kernels and imports none of it but its settings. What the
 layers above make per group (NCCL communicators, peer-memory workspaces, measured choices) they register a
 teardown for with :func:`on_group_destroyed`; :func:`destroy_model_parallel` calls those before
@@ -20,7 +25,7 @@ destroying each group.
 from __future__ import annotations
 
 import datetime
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch.distributed as dist
 
@@ -37,6 +42,7 @@ __all__ = [
     "get_tensor_model_parallel_group",
     "get_tensor_model_parallel_rank",
     "get_tensor_model_parallel_world_size",
+    "host_group",
     "initialize_model_parallel",
     "model_parallel_is_initialized",
     "on_group_destroyed",
@@ -49,6 +55,9 @@ _PIPELINE_MODEL_PARALLEL_GROUP = None
 _DATA_PARALLEL_GROUP = None
 _ALL_GROUPS: List = []
 _TEARDOWNS: List[Callable[[object], None]] = []
+#: id(group) -> (group, its host twin): made by initialize_model_parallel for the tensor-parallel
+#: groups, or by host_group for the default group (the group is kept, so its id is not reused)
+_HOST_TWINS: Dict[int, tuple] = {}
 
 
 def on_group_destroyed(teardown: Callable[[object], None]) -> Callable[[object], None]:
@@ -57,6 +66,38 @@ def on_group_destroyed(teardown: Callable[[object], None]) -> Callable[[object],
     module made for the group and must not raise. Returns ``teardown`` (usable as a decorator)."""
     _TEARDOWNS.append(teardown)
     return teardown
+
+
+def carries_host_tensors(group=None) -> bool:
+    """Whether ``group`` (default: the world) has a backend for host tensors (gloo, or the host
+    side of ``"cpu:gloo,cuda:nccl"``); an NCCL group has not."""
+    if hasattr(dist, "get_backend_config"):
+        return "cpu:" in dist.get_backend_config(group)
+    return dist.get_backend(group) in ("gloo", "mpi", "ucc")
+
+
+def _twin(ranks: List[int]):
+    """A gloo group of ``ranks``, made by every rank of the world (as ``new_group`` requires),
+    bounded by :func:`tp_kernels.get_timeout`."""
+    return dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=get_timeout()))
+
+
+def host_group(group):
+    """The group over which ``group``'s ranks exchange small host tensors without waiting for
+    their GPUs: ``group`` itself when it carries host tensors (:func:`carries_host_tensors`),
+    else its host twin, a gloo group of the same ranks: made by :func:`initialize_model_parallel`
+    for the tensor-parallel groups, or here, on the first call, for the default group (every rank
+    of the world is in that call). None for another group without a host backend: its exchanges
+    run on this rank's GPU."""
+    if carries_host_tensors(group):
+        return group
+    entry = _HOST_TWINS.get(id(group))
+    if entry is not None and entry[0] is group:
+        return entry[1]
+    if group is dist.group.WORLD:
+        _HOST_TWINS[id(group)] = (group, _twin(list(range(dist.get_world_size()))))
+        return _HOST_TWINS[id(group)][1]
+    return None
 
 
 def rank_layout(world_size: int, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1):
@@ -147,14 +188,18 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     _agree_on_layout(world, rank, f"tensor_model_parallel_size={tensor_model_parallel_size}, "
                                   f"pipeline_model_parallel_size={pipeline_model_parallel_size}", error)
     mine = []
+    twins = not carries_host_tensors()  # the same answer on every rank: the world's backend
     # Every rank creates every group, in the same order, as new_group requires.
-    for ranks_lists in layouts:
+    for kind, ranks_lists in enumerate(layouts):
         own = None
         for ranks in ranks_lists:
             g = dist.new_group(ranks)
+            twin = _twin(ranks) if twins and kind == 0 and len(ranks) > 1 else None
             if rank in ranks:
                 own = g
                 _ALL_GROUPS.append(g)
+                if twin is not None:
+                    _HOST_TWINS[id(g)] = (g, twin)
         mine.append(own)
     _TENSOR_MODEL_PARALLEL_GROUP, _PIPELINE_MODEL_PARALLEL_GROUP, _DATA_PARALLEL_GROUP = mine
 
@@ -172,8 +217,9 @@ def destroy_model_parallel() -> None:
     for g in groups:
         for teardown in _TEARDOWNS:
             teardown(g)
+    twins = [_HOST_TWINS.pop(id(g))[1] for g in groups if id(g) in _HOST_TWINS]
     if dist.is_available() and dist.is_initialized():
-        for g in groups:
+        for g in twins + groups:
             dist.destroy_process_group(g)
 
 

@@ -205,8 +205,9 @@ def autotune_enabled() -> bool:
 
 #: Whether calls exchange their fingerprints by default. Off: the exchange is one more small
 #: collective per call, a round trip that cost a median 30 % of a call at the CPU benchmark's
-#: shapes on 2 gloo ranks (``python -m tp_kernels.bench.fingerprints``; the issue's bar for "on"
-#: is 3 %), and on NCCL it would wait for the GPU on every call.
+#: shapes on 2 gloo ranks (``python -m tp_kernels.bench.fingerprints``; the bar for "on"
+#: is 3 %). On NCCL groups the exchange goes over a gloo twin (parallel_state.host_group), not
+#: yet measured on a GPU.
 FINGERPRINTS_DEFAULT = False
 
 
