@@ -179,6 +179,41 @@ def test_missing_peer_times_out(world2, op, backend):
     world2.run(check_missing_peer_times_out, op, backend)
 
 
+#: a Communicator call of rank 0 that rank 1 never makes
+COLLECTIVE_CALLS = {
+    "all_reduce": lambda c, x: c.all_reduce(x),
+    "all_gather": lambda c, x: c.all_gather(x, dim=0),
+    "reduce_scatter": lambda c, x: c.reduce_scatter(x, dim=0),
+    "gather": lambda c, x: c.gather(x, dst=0, dim=0),
+    "broadcast": lambda c, x: c.broadcast(x, src=0),
+    "recv": lambda c, x: c.recv((4, 6), torch.float32, src=1),
+}
+
+
+def check_missing_peer_times_out_in_a_collective(name):
+    """Every host collective of the Communicator is bounded by the timeout too."""
+    r, p = rank_world()
+    group = dist.new_group([0, 1])  # used once, then abandoned
+    if r != 0:
+        return None
+    old = tp_kernels.get_timeout()
+    tp_kernels.set_timeout(2)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="did not complete"):
+            COLLECTIVE_CALLS[name](tp_kernels.Communicator(group), torch.randn(4, 6))
+        elapsed = time.monotonic() - start
+    finally:
+        tp_kernels.set_timeout(old)
+    assert elapsed < 15, f"the timeout of 2 s took {elapsed:.1f} s"
+    return elapsed
+
+
+@pytest.mark.parametrize("name", sorted(COLLECTIVE_CALLS))
+def test_missing_peer_times_out_in_a_collective(world2, name):
+    world2.run(check_missing_peer_times_out_in_a_collective, name)
+
+
 def test_timeout_setting():
     old = tp_kernels.get_timeout()
     try:

@@ -18,7 +18,6 @@ The helpers take and return contiguous tensors and never touch autograd.
 from __future__ import annotations
 
 import datetime
-import threading
 from typing import List, Optional
 
 import torch
@@ -180,31 +179,19 @@ def wait(work, what: str, group=None, *, cuda: bool = False) -> None:
 
     The host never blocks on CUDA work (``cuda=True``): ``work.wait()`` only orders the current
     stream after it, and NCCL's watchdog enforces the group's timeout. Host (gloo) work is
-    bounded by our own timeout, not the group's (``new_group`` defaults to 30 minutes): through
-    the work's future where it has one (all-reduce, all-gather), else through
-    ``wait(timeout)`` (send/recv honor it).
+    bounded by our own timeout, not the group's (``new_group`` defaults to 30 minutes), through
+    ``work.wait(timeout)``: a collective still running then raises. (Every host collective here
+    runs asynchronously, so the bound applies; gloo's reduce-scatter, which would run inside
+    ``wait()`` itself, is not used: :func:`reduce_scatter_dim0`.)
     """
     if cuda:
         work.wait()
         return
     timeout = get_timeout()
     try:
-        future = _future(work)
-        if future is not None:
-            done = threading.Event()
-            future.add_done_callback(lambda _: done.set())
-            if not done.wait(timeout):
-                raise TimeoutError(f"not completed after {timeout:g} s")
         work.wait(timeout=datetime.timedelta(seconds=timeout))  # raises the backend's error, if any
-    except Exception as exc:  # TimeoutError, RuntimeError or DistBackendError from the backend
+    except Exception as exc:  # RuntimeError ("Operation timed out!") or DistBackendError from the backend
         raise _dead_peer_error(what, group, timeout, exc) from exc
-
-
-def _future(work):
-    try:
-        return work.get_future()
-    except RuntimeError:  # "Work::getFuture not implemented" (gloo send/recv)
-        return None
 
 
 def _local(x: torch.Tensor, out: Optional[torch.Tensor], what: str) -> Pending:
