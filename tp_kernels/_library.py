@@ -22,7 +22,6 @@ without gradients; :mod:`tp_kernels.mappings` has the differentiable ones).
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from . import _collectives as coll
@@ -123,7 +122,7 @@ def _define(fn: Callable) -> _Op:
 
 
 def _size(name: str) -> int:
-    return 1 if not name else dist.get_world_size(coll.group_from_name(name))
+    return coll.group_size(coll.group_from_name(name))
 
 
 def _setup_context(ctx, inputs, output):
@@ -285,8 +284,8 @@ _register_backward(linear_with_grad_all_reduce, linear_with_grad_all_reduce_back
 # The plain collectives (tp_kernels.Communicator), over dim 0 of contiguous tensors
 
 
-def _output(collective: str, x: Tensor, group: str, receives: bool = True) -> Optional[Tensor]:
-    shape = collective_output_shape(collective, x.shape, _size(group), receives)
+def _output(collective: str, x: Tensor, group: str, receives: bool = True, p: Optional[int] = None) -> Optional[Tensor]:
+    shape = collective_output_shape(collective, x.shape, _size(group) if p is None else p, receives)
     return None if shape is None else x.new_empty(shape)
 
 
@@ -294,7 +293,7 @@ def _collective(collective: str, x: Tensor, group: str, impl: str, peer: int = -
     """``collective`` of ``x`` into a new tensor (for ``gather`` off the root: an empty one)."""
     g = coll.group_from_name(group)
     receives = collective != "gather" or coll.group_rank(g) == peer
-    out = _output(collective, x, group, receives)
+    out = _output(collective, x, group, receives, coll.group_size(g))
     if out is None:
         run_collective(collective, impl, x, None, peer, g)
         return x.new_empty((0,) + tuple(x.shape[1:]))

@@ -110,7 +110,7 @@ class Communicator:
     def _tensor(self, name: str, x, reduces: bool = False) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-        if not _same_device(x.device, self.device):
+        if x.device != self.device and not _same_device(x.device, self.device):
             raise ValueError(f"{name}: expected a tensor on {self.device} (the communicator's device), got one on "
                              f"{x.device}")
         if reduces and (x.dtype == torch.bool or x.is_complex()):
