@@ -135,7 +135,8 @@ def test_ranks_that_agree_exchange_one_digest(world2):
 @fingerprints
 def check_host_twins():
     """A world whose backend carries no host tensors (as NCCL's does not; faked here on gloo):
-    initialize_model_parallel gives each tensor-parallel group a gloo twin of the same ranks, the
+    with fingerprints on, initialize_model_parallel gives each tensor-parallel group a gloo twin of
+    the same ranks (none with them off), the
     default group gets one on its first exchange, the fingerprints travel over the twin on the
     host, a disagreement is still an error on every rank, and destroy_model_parallel destroys the
     twins."""
@@ -150,6 +151,11 @@ def check_host_twins():
     _collectives.all_gather_bytes = lambda payload, group, device: used.append((group, device)) or gather(
         payload, group, device)
     try:
+        settings.set_fingerprints(False)
+        tp_kernels.initialize_model_parallel(2)  # fingerprints off: no twin is made
+        assert parallel_state.host_group(parallel_state.get_tensor_model_parallel_group()) is None
+        tp_kernels.destroy_model_parallel()
+        settings.set_fingerprints(True)
         tp_kernels.initialize_model_parallel(2)
         tp = parallel_state.get_tensor_model_parallel_group()
         twin = parallel_state.host_group(tp)

@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch.distributed as dist
 
-from .settings import get_timeout
+from .settings import fingerprints_enabled, get_timeout
 
 __all__ = [
     "destroy_model_parallel",
@@ -86,9 +86,9 @@ def host_group(group):
     """The group over which ``group``'s ranks exchange small host tensors without waiting for
     their GPUs: ``group`` itself when it carries host tensors (:func:`carries_host_tensors`),
     else its host twin, a gloo group of the same ranks: made by :func:`initialize_model_parallel`
-    for the tensor-parallel groups, or here, on the first call, for the default group (every rank
-    of the world is in that call). None for another group without a host backend: its exchanges
-    run on this rank's GPU."""
+    for the tensor-parallel groups when fingerprints are on then, or here, on the first call, for
+    the default group (every rank of the world is in that call). None for another group without a
+    host backend: its exchanges run on this rank's GPU."""
     if carries_host_tensors(group):
         return group
     entry = _HOST_TWINS.get(id(group))
@@ -188,7 +188,9 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     _agree_on_layout(world, rank, f"tensor_model_parallel_size={tensor_model_parallel_size}, "
                                   f"pipeline_model_parallel_size={pipeline_model_parallel_size}", error)
     mine = []
-    twins = not carries_host_tensors()  # the same answer on every rank: the world's backend
+    # Twins only where fingerprints will use them (the setting and the world's backend are the
+    # same on every rank): a gloo group costs its connections, and a network gloo cannot use.
+    twins = fingerprints_enabled() and not carries_host_tensors()
     # Every rank creates every group, in the same order, as new_group requires.
     for kind, ranks_lists in enumerate(layouts):
         own = None
