@@ -698,10 +698,11 @@ def test_communicator_1000_mixed_size_calls(shared_gpu_world):
     assert all(d == per_rank[0] for d in per_rank), per_rank  # every rank chose alike
 
 
-def check_fingerprints_over_the_host_twin():
+def check_fingerprints_over_the_host_twin(backend):
     """NCCL ranks with fingerprints on: the tensor-parallel group's fingerprints travel over its
-    gloo twin on the host (never a CUDA tensor), ranks that disagree all raise, and the group works
-    afterwards."""
+    gloo twin on the host (never a CUDA tensor); ranks that disagree all raise before anything
+    moves on ``backend`` (for the fused path: before its workspace or flags are touched), and the
+    group works afterwards."""
     from tp_kernels import parallel_state
 
     r, p = rank_world()
@@ -715,22 +716,24 @@ def check_fingerprints_over_the_host_twin():
         tp = parallel_state.get_tensor_model_parallel_group()
         twin = parallel_state.host_group(tp)
         assert twin is not None and twin is not tp and parallel_state.carries_host_tensors(twin)
-        w = torch.ones(5, 6, device="cuda")
-        y = ops.matmul_all_reduce(torch.ones(4, 6, device="cuda"), w, backend="reference")
-        assert torch.equal(y, torch.full((4, 5), 6.0 * p, device="cuda"))
+        w, x = torch.ones(5, 6, device="cuda"), torch.ones(4, 6, device="cuda")
+        expected = torch.full((4, 5), 6.0 * p, device="cuda")
+        assert torch.equal(ops.matmul_all_reduce(x, w, backend=backend), expected)
         with pytest.raises(RuntimeError, match="disagree"):
-            ops.matmul_all_reduce(torch.ones(4 if r == 0 else 3, 6, device="cuda"), w, backend="pipelined")
-        y = ops.matmul_all_reduce(torch.ones(4, 6, device="cuda"), w, backend="pipelined")
-        assert torch.equal(y, torch.full((4, 5), 6.0 * p, device="cuda"))
+            ops.matmul_all_reduce(torch.ones(4 if r == 0 else 3, 6, device="cuda"), w, backend=backend)
+        assert torch.equal(ops.matmul_all_reduce(x, w, backend=backend), expected)  # the group works on
         assert used and all(d.type == "cpu" for d in used), used
     finally:
         settings.set_fingerprints(None)
         _collectives.all_gather_bytes = gather
+        torch.cuda.synchronize()
         if parallel_state.model_parallel_is_initialized():
             tp_kernels.destroy_model_parallel()
     return True
 
 
-def test_fingerprints_of_nccl_ranks_travel_over_the_host_twin(shared_gpu_world):
-    results = shared_gpu_world.run(check_fingerprints_over_the_host_twin, deadline_s=300)
+@native_built
+@pytest.mark.parametrize("backend", ["reference", "pipelined", "fused"])
+def test_fingerprints_of_nccl_ranks_travel_over_the_host_twin(shared_gpu_world, backend):
+    results = shared_gpu_world.run(check_fingerprints_over_the_host_twin, backend, deadline_s=300)
     assert results == [True] * shared_gpu_world.world_size
