@@ -27,7 +27,7 @@ from . import _collectives as coll
 from . import autotune, settings
 from ._checks import check_choice
 from ._op_table import OPS, communicated_problem
-from .backends import Impl, fused, parse, pipelined_native
+from .backends import fused, impl_name, parse, pipelined_native
 from .schedule import DEFAULT_NUM_CHUNKS, resolve_num_chunks
 
 __all__ = ["candidates", "capture_paths", "collective_candidates", "collective_variants", "fused_all_reduce_algorithm",
@@ -117,8 +117,8 @@ def fused_all_reduce_algorithm(op: str, x: torch.Tensor, weight: torch.Tensor, p
 def _name(impl: str, op: str, x, weight, p: int, num_chunks: int, algorithm: Optional[str] = None) -> str:
     """The implementation name of ``impl`` for this call."""
     if impl == "fused" and OPS[op].primitive == "matmul_all_reduce":
-        return Impl("fused", algorithm=fused_all_reduce_algorithm(op, x, weight, p, algorithm)).name
-    return Impl(impl, num_chunks=num_chunks).name
+        return impl_name("fused", algorithm=fused_all_reduce_algorithm(op, x, weight, p, algorithm))
+    return impl_name(impl, num_chunks)
 
 
 def _variants(impl: str, op: str, x, weight, p: int, num_chunks: int) -> List[str]:
@@ -129,7 +129,7 @@ def _variants(impl: str, op: str, x, weight, p: int, num_chunks: int) -> List[st
     if (impl == "fused" and OPS[op].primitive == "matmul_all_reduce"
             and settings.forced_all_reduce_algorithm(fused.algorithms()) is None):
         m = communicated_problem(op, x.shape[0], weight.shape)[0]
-        others = [Impl("fused", algorithm=a).name for a in fused.algorithms() if a != "scatter_gather" or m >= p]
+        others = [impl_name("fused", algorithm=a) for a in fused.algorithms() if a != "scatter_gather" or m >= p]
         return [first] + [v for v in others if v != first]
     return [first]
 
@@ -213,7 +213,7 @@ def collective_variants(kind: str, collective: str, x: torch.Tensor, p: int) -> 
         first = fused.collective_algorithm(x.numel(), p, x.dtype, autotune.measured_algorithm(x.numel(), 0, p, x.dtype))
         forced = settings.forced_all_reduce_algorithm(fused.algorithms()) is not None
         rest = [] if forced else [a for a in fused.algorithms() if a != first]
-        return [Impl("fused", algorithm=a).name for a in [first] + rest]
+        return [impl_name("fused", algorithm=a) for a in [first] + rest]
     return ["native:1" if kind == "native" else "reference"]
 
 
