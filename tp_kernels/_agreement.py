@@ -16,7 +16,8 @@ only when the digests differ, a second one of the fingerprints themselves (:data
 to say what differs). Both are bounded like every collective (:func:`tp_kernels.get_timeout`),
 and run on the host: over the group, or for an NCCL group over its gloo twin
 (:func:`tp_kernels.parallel_state.host_group`: the tensor-parallel groups of
-``initialize_model_parallel`` and the default group have one), so they never wait for the GPU.
+``initialize_model_parallel``, when fingerprints are on by then, and the default group have one),
+so they never wait for the GPU.
 Another NCCL group exchanges on the GPU, and reading the result back waits for its stream.
 That is one more round trip per call, whose cost
 ``python -m tp_kernels.bench.fingerprints`` measures. It is off by default
