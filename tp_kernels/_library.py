@@ -284,8 +284,8 @@ _register_backward(linear_with_grad_all_reduce, linear_with_grad_all_reduce_back
 # The plain collectives (tp_kernels.Communicator), over dim 0 of contiguous tensors
 
 
-def _output(collective: str, x: Tensor, group: str, receives: bool = True, p: Optional[int] = None) -> Optional[Tensor]:
-    shape = collective_output_shape(collective, x.shape, _size(group) if p is None else p, receives)
+def _output(collective: str, x: Tensor, p: int, receives: bool = True) -> Optional[Tensor]:
+    shape = collective_output_shape(collective, x.shape, p, receives)
     return None if shape is None else x.new_empty(shape)
 
 
@@ -293,7 +293,7 @@ def _collective(collective: str, x: Tensor, group: str, impl: str, peer: int = -
     """``collective`` of ``x`` into a new tensor (for ``gather`` off the root: an empty one)."""
     g = coll.group_from_name(group)
     receives = collective != "gather" or coll.group_rank(g) == peer
-    out = _output(collective, x, group, receives, coll.group_size(g))
+    out = _output(collective, x, coll.group_size(g), receives)
     if out is None:
         run_collective(collective, impl, x, None, peer, g)
         return x.new_empty((0,) + tuple(x.shape[1:]))
@@ -343,7 +343,7 @@ def all_gather(x: Tensor, group: str, impl: str) -> Tensor:
 
 @all_gather.register_fake
 def _(x, group, impl):
-    return _output("all_gather", x, group)
+    return _output("all_gather", x, _size(group))
 
 
 @_define
@@ -353,7 +353,7 @@ def reduce_scatter(x: Tensor, group: str, impl: str) -> Tensor:
 
 @reduce_scatter.register_fake
 def _(x, group, impl):
-    return _output("reduce_scatter", x, group)
+    return _output("reduce_scatter", x, _size(group))
 
 
 @_define
@@ -364,7 +364,7 @@ def gather(x: Tensor, dst: int, group: str, impl: str) -> Tensor:
 @gather.register_fake
 def _(x, dst, group, impl):
     if coll.group_rank(coll.group_from_name(group)) == dst:
-        return _output("gather", x, group)
+        return _output("gather", x, _size(group))
     return x.new_empty((0,) + tuple(x.shape[1:]))
 
 

@@ -171,10 +171,6 @@ def resolve(op: str, backend: str, x: torch.Tensor, p: int, group=None, weight: 
     """
     if backend == "reference":
         return backend
-    if backend == "auto" and p == 1:
-        if _debugging():
-            logger.debug("auto backend for %s: the reference: one rank, nothing to overlap", op)
-        return "reference"
     chunks = DEFAULT_NUM_CHUNKS[OPS[op].primitive] if num_chunks is None else num_chunks
     w = x if weight is None else weight
     if backend == "fused":
