@@ -215,9 +215,10 @@ def all_gather_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] = Non
 
 
 def exchange_device(group, device: torch.device) -> torch.device:
-    """Where small tensors exchanged over ``group`` live: ``device`` when the group's backend
-    is NCCL, the CPU otherwise."""
-    return device if "nccl" in str(dist.get_backend(group)).lower() else torch.device("cpu")
+    """Where small tensors exchanged over ``group`` live: the CPU when the group carries host
+    tensors (:func:`tp_kernels.parallel_state.carries_host_tensors`: gloo, or
+    ``cpu:gloo,cuda:nccl``), else ``device`` (an NCCL group)."""
+    return torch.device("cpu") if parallel_state.carries_host_tensors(group) else device
 
 
 def barrier(group, device: torch.device) -> None:
@@ -231,8 +232,8 @@ def barrier(group, device: torch.device) -> None:
 def all_gather_bytes(payload: bytes, group, device: torch.device) -> List[bytes]:
     """Every rank's ``payload`` (of one length on all ranks, at least 1 byte), in group rank order.
 
-    Bounded like every collective here. The bytes travel in a tensor on ``device`` when the
-    group's backend is NCCL, on the CPU otherwise.
+    Bounded like every collective here. The bytes travel in a tensor on
+    :func:`exchange_device`: the CPU when the group carries host tensors, else ``device``.
     """
     if not payload:
         raise ValueError("payload: expected at least one byte")
