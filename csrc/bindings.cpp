@@ -86,6 +86,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("REGIONS") = names(tp_kernels::region_names());
   m.attr("MAX_RANKS") = tp_kernels::kMaxRanks;
   m.attr("CONTROL_BYTES") = tp_kernels::kControlBytes;
+  m.attr("MISMATCH_BIT") = tp_kernels::kMismatchBit;
   m.attr("REGION_ALIGNMENT") = tp_kernels::kRegionAlignment;
   m.attr("NCCL_UNIQUE_ID_BYTES") = static_cast<int>(NCCL_UNIQUE_ID_BYTES);
 
@@ -265,17 +266,21 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "wait_flags",
       [](std::vector<uintptr_t> flags, std::vector<uint32_t> codes, uint64_t timeout_ns, uintptr_t error_word,
-         uintptr_t stream) {
+         uintptr_t stream, std::vector<uint32_t> expect) {
         if (flags.size() != codes.size()) throw tp_kernels::ArgumentError("codes: one error code per flag");
+        if (!expect.empty() && expect.size() != flags.size())
+          throw tp_kernels::ArgumentError("expect: one expected value per flag, or none");
         std::vector<uint32_t*> f;
         for (uintptr_t a : flags) f.push_back(ptr<uint32_t>(a));
-        tp_kernels::wait_flags(f.data(), codes.data(), static_cast<int>(f.size()), timeout_ns, ptr<uint32_t>(error_word),
-                               stream_ptr(stream));
+        tp_kernels::wait_flags(f.data(), codes.data(), expect.empty() ? nullptr : expect.data(),
+                               static_cast<int>(f.size()), timeout_ns, ptr<uint32_t>(error_word), stream_ptr(stream));
       },
       py::arg("flags"), py::arg("codes"), py::arg("timeout_ns"), py::arg("error_word"), py::arg("stream"),
+      py::arg("expect") = std::vector<uint32_t>{},
       "Make `stream` wait until every flag is nonzero, clearing each (consuming it); a flag still "
       "clear after timeout_ns puts its code in *error_word (host-readable memory) if that is 0, "
-      "and the stream goes on. Waits return at once while *error_word is set.");
+      "and the stream goes on; a flag set to another value than its `expect` entry (if given and "
+      "not 0) puts its code | MISMATCH_BIT there. Waits return at once while *error_word is set.");
   m.def(
       "reduce_partials",
       [](const std::vector<TensorRef>& inputs, const TensorRef& out, uintptr_t stream) {
@@ -333,6 +338,24 @@ PYBIND11_MODULE(_C, m) {
       "Bytes each region (in REGIONS order) needs on every rank for fused `op` (one of OPS) with p ranks, "
       "m rows (the gathered rows for all_gather_matmul), n, k, dtype and all-reduce algorithm, rounded "
       "up to REGION_ALIGNMENT.");
+  m.def(
+      "fused_call_word",
+      [](const std::string& op, const std::optional<std::string>& algorithm, bool gemm, const std::string& dtype,
+         int64_t n, int64_t k, std::vector<int64_t> bounds) {
+        tp_kernels::OverlapArgs a;
+        static const char kSomeWeight = 0;
+        a.w = gemm ? &kSomeWeight : nullptr;  // only whether there is one enters the word
+        a.dtype = tp_kernels::parse_dtype(dtype, "dtype");
+        a.n = n, a.k = k, a.bounds = std::move(bounds);
+        return tp_kernels::call_word(tp_kernels::parse_primitive(op, "op"),
+                                     algorithm ? static_cast<int>(tp_kernels::parse_algorithm(*algorithm, "algorithm"))
+                                               : -1,
+                                     a);
+      },
+      py::arg("op"), py::arg("algorithm"), py::arg("gemm"), py::arg("dtype"), py::arg("n"), py::arg("k"),
+      py::arg("bounds"),
+      "The word a fused call's ready flags carry (peer.h): a hash of the op (one of OPS), the all-reduce "
+      "algorithm (None: none), whether it multiplies, dtype, n, k and the row bounds; never 0 or 1.");
   m.def(
       "fused_all_reduce_needs",
       [](int p, int64_t count, const std::string& dtype, const std::string& algorithm) {

@@ -16,8 +16,8 @@ void write_flag(uint32_t* flag, uint32_t value, cudaStream_t stream) {
   stream_write_value32(flag, value, stream);
 }
 
-void wait_flags(uint32_t* const* flags, const uint32_t* codes, int count, uint64_t timeout_ns, uint32_t* error_word,
-                cudaStream_t stream) {
+void wait_flags(uint32_t* const* flags, const uint32_t* codes, const uint32_t* expect, int count, uint64_t timeout_ns,
+                uint32_t* error_word, cudaStream_t stream) {
   if (count < 0 || count > kMaxRanks)
     throw ArgumentError("flags: wait_flags takes 0 to " + std::to_string(kMaxRanks) + " flags, got " +
                         std::to_string(count));
@@ -25,9 +25,12 @@ void wait_flags(uint32_t* const* flags, const uint32_t* codes, int count, uint64
   FlagList list{};
   for (int i = 0; i < count; ++i) {
     if (flags[i] == nullptr) throw ArgumentError("flags: wait_flags got a null flag " + std::to_string(i));
-    if (codes[i] == 0) throw ArgumentError("codes: wait_flags' error code " + std::to_string(i) + " must be nonzero");
+    if (codes[i] == 0 || (codes[i] & kMismatchBit) != 0)
+      throw ArgumentError("codes: wait_flags' error code " + std::to_string(i) +
+                          " must be nonzero, with MISMATCH_BIT (0x40000000) clear");
     list.flag[i] = flags[i];
     list.code[i] = codes[i];
+    list.expect[i] = expect == nullptr ? 0 : expect[i];
   }
   if (count == 0) return;
   unsigned long long timeout = timeout_ns;

@@ -28,9 +28,12 @@ void need_region(const PeerContext& ctx, Region c, int64_t bytes, const std::str
   }
 }
 
-void start(PeerContext& ctx, const std::string& op) {
+// Every phase of an op starts here, under the context's lock: the device, an earlier error, and
+// the call word its flags carry.
+void start(PeerContext& ctx, const std::string& op, uint32_t word) {
   detail::require_current_device(ctx.device(), op);
   ctx.check();
+  ctx.begin(word);
 }
 
 // Phase k of an op runs when all of them run, or just that one (peer.h).
@@ -102,7 +105,7 @@ int fused_phases(Primitive op, AllReduceAlgo algo) {
 void fused_all_gather_matmul(PeerContext& ctx, const OverlapArgs& a, int phase) {
   const std::string op = "fused all_gather_matmul";
   auto guard = ctx.lock();
-  start(ctx, op);
+  start(ctx, op, call_word(Primitive::kAllGatherMatmul, -1, a));
   const int p = ctx.size(), r = ctx.rank();
   const int64_t mp = a.bounds.back(), es = static_cast<int64_t>(dtype_size(a.dtype));
   const size_t chunks = a.bounds.size() - 1;
@@ -146,7 +149,7 @@ void fused_all_gather_matmul(PeerContext& ctx, const OverlapArgs& a, int phase) 
 void fused_matmul_reduce_scatter(PeerContext& ctx, const OverlapArgs& a, int phase) {
   const std::string op = "fused matmul_reduce_scatter";
   auto guard = ctx.lock();
-  start(ctx, op);
+  start(ctx, op, call_word(Primitive::kMatmulReduceScatter, -1, a));
   const int p = ctx.size();
   const int64_t mp = a.bounds.back(), es = static_cast<int64_t>(dtype_size(a.dtype));
   const int64_t slot = mp * a.n * es;
@@ -167,11 +170,11 @@ namespace {
 // out = AR(partial) by `algo`, the partial being x W^T, or x itself when a.w == nullptr (the
 // all-reduce alone). `op` names the call in messages.
 void all_reduce(PeerContext& ctx, const OverlapArgs& a, AllReduceAlgo algo, int phase, const std::string& op) {
+  const Primitive id = Primitive::kMatmulAllReduce;
   auto guard = ctx.lock();
-  start(ctx, op);
+  start(ctx, op, call_word(id, static_cast<int>(algo), a));
   const int p = ctx.size(), r = ctx.rank();
   const int64_t es = static_cast<int64_t>(dtype_size(a.dtype));
-  const Primitive id = Primitive::kMatmulAllReduce;
   const std::vector<int> peers = ctx.others();
   if (algo == AllReduceAlgo::kOneShot || algo == AllReduceAlgo::kTwoShot) {
     const int64_t m = a.bounds.back(), count = m * a.n;

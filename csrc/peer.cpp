@@ -139,7 +139,7 @@ uint32_t* PeerContext::flag(int q, int index) const {
 }
 
 void PeerContext::signal(int q, Region c, bool release, cudaStream_t stream) {
-  write_flag(flag(q, flag_index(c, release, rank_)), 1, stream);
+  write_flag(flag(q, flag_index(c, release, rank_)), release ? 1u : call_word_, stream);
 }
 
 void PeerContext::signal_all(Region c, bool release, cudaStream_t stream) {
@@ -148,15 +148,16 @@ void PeerContext::signal_all(Region c, bool release, cudaStream_t stream) {
 
 void PeerContext::wait(const std::vector<int>& peers, Region c, bool release, Primitive op, cudaStream_t stream) {
   uint32_t* flags[kMaxRanks];
-  uint32_t codes[kMaxRanks];
+  uint32_t codes[kMaxRanks], expect[kMaxRanks];
   int count = 0;
   for (int q : peers) {
     const int index = flag_index(c, release, q);
     flags[count] = flag(rank_, index);
+    expect[count] = release ? 0u : call_word_;
     codes[count++] = wait_code(op, index);
   }
   const double ns = timeout_s_.load() * 1e9;
-  wait_flags(flags, codes, count, ns > 1.8e19 ? UINT64_MAX : static_cast<uint64_t>(ns), error_word_, stream);
+  wait_flags(flags, codes, expect, count, ns > 1.8e19 ? UINT64_MAX : static_cast<uint64_t>(ns), error_word_, stream);
 }
 
 std::vector<int> PeerContext::others() const {
@@ -169,14 +170,24 @@ uint32_t PeerContext::error_code() const { return *reinterpret_cast<volatile uin
 
 std::string PeerContext::describe(uint32_t code) const {
   if ((code & kCodeTag) == 0) return "";
-  const uint32_t op = (code >> 16) & 0x7fffu;
+  const uint32_t op = (code >> 16) & 0x3fffu;
   const int index = static_cast<int>(code & 0xffffu);
   const int peer = index % kMaxRanks, kind = index / kMaxRanks;
   std::ostringstream msg;
-  msg << "fused " << op_name(op) << ": rank " << rank_ << " waited more than " << timeout_s_.load()
-      << " s for rank " << peer << " (for " << flag_meaning(kind / 2, kind % 2 == 1)
-      << "): the peer is missing, dead or out of step with this rank's sequence of fused ops. "
-         "This group's fused workspace cannot be used again: destroy and re-create the group "
+  msg << "fused " << op_name(op) << ": ";
+  if (code & kMismatchBit) {
+    msg << "rank " << rank_ << " waited for rank " << peer << " (for " << flag_meaning(kind / 2, kind % 2 == 1)
+        << ") and got the signal of another call (another op, algorithm, dtype, shape or chunking): the ranks "
+           "disagree on their arguments, or are out of step in their sequences of fused ops. The result of that call "
+           "and of every fused call on this group after it is not valid. TP_KERNELS_FINGERPRINTS=1 "
+           "(tp_kernels.settings.set_fingerprints) compares every call's arguments across the group before any data "
+           "moves, and says what differs.";
+  } else {
+    msg << "rank " << rank_ << " waited more than " << timeout_s_.load() << " s for rank " << peer << " (for "
+        << flag_meaning(kind / 2, kind % 2 == 1)
+        << "): the peer is missing, dead or out of step with this rank's sequence of fused ops.";
+  }
+  msg << " This group's fused workspace cannot be used again: destroy and re-create the group "
          "(tp_kernels.destroy_model_parallel).";
   return msg.str();
 }
@@ -184,6 +195,25 @@ std::string PeerContext::describe(uint32_t code) const {
 void PeerContext::check() const {
   const uint32_t code = error_code();
   if (code != 0) throw Error(describe(code));
+}
+
+uint32_t call_word(Primitive op, int algo, const OverlapArgs& args) {
+  uint32_t h = 2166136261u;  // FNV-1a over the 64-bit values, byte by byte
+  auto mix = [&h](int64_t v) {
+    for (int b = 0; b < 8; ++b) {
+      h ^= static_cast<uint32_t>((static_cast<uint64_t>(v) >> (8 * b)) & 0xffu);
+      h *= 16777619u;
+    }
+  };
+  mix(static_cast<int64_t>(op));
+  mix(algo);
+  mix(args.w != nullptr);
+  mix(static_cast<int64_t>(args.dtype));
+  mix(args.n);
+  mix(args.k);
+  mix(static_cast<int64_t>(args.bounds.size()));
+  for (int64_t b : args.bounds) mix(b);
+  return h > 1u ? h : h + 2u;  // 0 is a clear flag, 1 a release
 }
 
 std::vector<size_t> fused_region_needs(Primitive op, int p, int64_t m, int64_t n, int64_t k, DType dtype,

@@ -192,6 +192,26 @@ def test_workspace_regions_grow_to_powers_of_two():
     assert peer_memory.grown([4 * mib, 8 * mib, 0], [mib, 0, 1]) == [4 * mib, 8 * mib, mib]
 
 
+@built
+def test_the_call_word_names_the_call():
+    """What a fused call's ready flags carry: the same for the same call, another for any other
+    op, algorithm, multiply or not, dtype, n, k, rows or chunking; never 0 (a clear flag) or 1
+    (a release)."""
+    C = _extension._C
+    base = dict(op="matmul_all_reduce", algorithm="one_shot", gemm=True, dtype="bfloat16", n=64, k=32, bounds=[0, 16])
+    word = C.fused_call_word(**base)
+    assert word == C.fused_call_word(**base) and word > 1
+    others = [dict(op="all_gather_matmul", algorithm=None), dict(op="matmul_reduce_scatter", algorithm=None),
+              dict(algorithm="two_shot"), dict(algorithm="scatter_gather"), dict(gemm=False),
+              dict(dtype="float16"), dict(dtype="float32"), dict(n=65), dict(k=33), dict(bounds=[0, 15]),
+              dict(bounds=[0, 8, 16]), dict(bounds=[0, 16, 16])]
+    words = [C.fused_call_word(**{**base, **o}) for o in others]
+    assert word not in words and len(set(words)) == len(words)
+    assert all(w > 1 for w in words)
+    with pytest.raises(ValueError, match="algorithm: expected one of"):
+        C.fused_call_word(**{**base, "algorithm": "three"})
+
+
 def test_destroy_workspaces_frees_every_workspace_of_the_group(monkeypatch):
     released = []
 

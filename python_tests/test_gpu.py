@@ -323,6 +323,18 @@ def test_flags_and_bounded_waits():
     start = time.monotonic()
     waiter.synchronize()
     assert error.item() == 8 and time.monotonic() - start < 5.0
+    # a flag must hold the value expected of it (0: any): another value is a mismatch, at once
+    error.zero_()
+    C.write_flag(ptr[1], 0x1234, writer.cuda_stream)
+    C.write_flag(ptr[2], 5, writer.cuda_stream)
+    C.wait_flags([ptr[1], ptr[2]], [3, 4], 60_000_000_000, error.data_ptr(), waiter.cuda_stream, [0x1234, 0])
+    waiter.synchronize()
+    assert error.item() == 0 and flag.tolist() == [0, 0, 0, 0]
+    C.write_flag(ptr[1], 0x1235, writer.cuda_stream)
+    C.wait_flags([ptr[1]], [6], 60_000_000_000, error.data_ptr(), waiter.cuda_stream, [0x1234])
+    start = time.monotonic()
+    waiter.synchronize()
+    assert error.item() == 6 | C.MISMATCH_BIT and flag[1].item() == 0 and time.monotonic() - start < 5.0
 
 
 # --- the fused path: virtual ranks on one GPU, and processes sharing it through CUDA IPC ---
@@ -487,6 +499,50 @@ def test_fused_dead_peer_is_a_timeout_error(case):
             vr.check()
         with pytest.raises(RuntimeError, match=message):
             _run_virtual(vr, case, xs, ws)
+
+
+@native_built
+@pytest.mark.parametrize("divergence", ["chunks", "rows", "algorithm", "op"])
+def test_fused_ranks_that_make_different_calls_all_fail_at_once(divergence):
+    """Two virtual ranks whose fused calls differ, in workspaces that hold either call (nothing
+    grows): each rank's first ready flag carries the other's call word, so every rank records the
+    mismatch at once (not a timeout), and check() and the next call raise it."""
+    dtype, k, n = torch.bfloat16, 64, 32
+    g = torch.Generator().manual_seed(3)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to("cuda", dtype)
+
+    w = rand(n, k)
+    shard, rows16, rows8 = rand(8, k), rand(16, k), rand(8, k)
+
+    def ag(chunks):
+        return lambda ctx, s: fused.rank_all_gather_matmul(ctx, shard, w, None, chunks, s)
+
+    def rs(x):
+        return lambda ctx, s: fused.rank_matmul_reduce_scatter(ctx, x, w, s)
+
+    def ar(algorithm):
+        return lambda ctx, s: fused.rank_matmul_all_reduce(ctx, rows16, w, algorithm, s)
+
+    calls = {"chunks": [ag(1), ag(2)], "rows": [rs(rows16), rs(rows8)], "algorithm": [ar("one_shot"), ar("two_shot")],
+             "op": [ag(1), ar("one_shot")]}[divergence]
+    with VirtualRanks(2, timeout_s=60.0) as vr:
+        # both ranks: every region grown for the largest of these calls, and a clean run of each
+        vr.matmul_all_reduce([rows16, rows16], [w, w], algorithm="two_shot")
+        vr.matmul_reduce_scatter([rows16, rows16], [w, w])
+        vr.all_gather_matmul([shard, shard], [w, w], num_chunks=2)
+        torch.cuda.synchronize()
+        vr.check()
+        vr._launch(lambda q, s: calls[q](vr.contexts[q], s), [(shard, rows16, rows8, w)] * 2)
+        torch.cuda.synchronize()
+        for q, ctx in enumerate(vr.contexts):
+            message = (rf"rank {q} waited for rank {1 - q} \(for .*\) and got the signal of another call "
+                       r".*TP_KERNELS_FINGERPRINTS=1.*destroy and re-create")
+            with pytest.raises(RuntimeError, match=message):
+                ctx.check()
+        with pytest.raises(RuntimeError, match="got the signal of another call"):
+            vr.matmul_reduce_scatter([rows16, rows16], [w, w])
 
 
 def check_fused_matches_reference(op):

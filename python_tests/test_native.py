@@ -225,6 +225,11 @@ def test_device_ops_check_arguments_before_touching_the_gpu():
     C.reduce_partials([ref("inputs[0]", 0, 0), ref("inputs[1]", 0, 0)], ref("out", 0, 0), 0)  # nothing to do
     with pytest.raises(ValueError, match="error code 1 must be nonzero"):
         C.wait_flags([8, 16], [3, 0], 1000, 64, 0)
+    with pytest.raises(ValueError, match=r"error code 0 must be nonzero, with MISMATCH_BIT \(0x40000000\) clear"):
+        C.wait_flags([8], [C.MISMATCH_BIT | 5], 1000, 64, 0)
+    assert C.MISMATCH_BIT == 0x40000000
+    with pytest.raises(ValueError, match="expect: one expected value per flag, or none"):
+        C.wait_flags([8, 16], [3, 4], 1000, 64, 0, [7])
     with pytest.raises(ValueError, match="null flag 0"):
         C.wait_flags([0], [5], 1000, 64, 0)
     with pytest.raises(ValueError, match="null error word"):

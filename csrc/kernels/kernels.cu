@@ -43,7 +43,8 @@ __device__ __forceinline__ void reduce_partials(const tp_kernels::PartialPtrs& p
 }  // namespace
 
 // Thread i waits for flag i and clears it; past timeout_ns it records code i in *error_word (if
-// still 0) and returns; once the error word is set, every wait returns at once.
+// still 0) and returns; a flag set to another value than expect[i] (when that is not 0) records
+// code i | kMismatchBit. Once the error word is set, every wait returns at once.
 extern "C" __global__ void tpk_wait_flags(tp_kernels::FlagList list, int count, unsigned long long timeout_ns,
                                           unsigned int* error_word) {
   const int i = threadIdx.x;
@@ -51,7 +52,8 @@ extern "C" __global__ void tpk_wait_flags(tp_kernels::FlagList list, int count, 
   volatile unsigned int* flag = list.flag[i];
   volatile unsigned int* error = error_word;
   const unsigned long long start = global_timer_ns();
-  while (*flag == 0) {
+  unsigned int seen;
+  while ((seen = *flag) == 0) {
     if (*error != 0) return;  // an earlier wait failed: drain the stream
     if (global_timer_ns() - start > timeout_ns) {
       atomicCAS(error_word, 0u, list.code[i]);
@@ -61,7 +63,9 @@ extern "C" __global__ void tpk_wait_flags(tp_kernels::FlagList list, int count, 
     __nanosleep(256);
   }
   *flag = 0;
-  __threadfence_system();  // the clear is visible before anything this stream does next
+  if (list.expect[i] != 0 && seen != list.expect[i])
+    atomicCAS(error_word, 0u, list.code[i] | tp_kernels::kMismatchBit);
+  __threadfence_system();  // the clear (and an error) is visible before anything this stream does next
 }
 
 extern "C" __global__ void tpk_reduce_partials_float32(tp_kernels::PartialPtrs ptrs, int p, void* out, long long count) {

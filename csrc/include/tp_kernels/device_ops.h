@@ -1,7 +1,8 @@
 // Device-side building blocks of the peer-memory (`fused`) path, usable with ranks that are
 // separate processes (pointers mapped from CUDA IPC handles) or virtual ranks in one process.
 //
-// * Flags: 32-bit words, 0 (clear) or 1 (set). A rank sets a flag in a peer's memory with a
+// * Flags: 32-bit words, 0 (clear) or set (nonzero: 1, or the word naming the call that set it,
+//   which the waiter may require: peer.h). A rank sets a flag in a peer's memory with a
 //   stream memory operation (cuStreamWriteValue32, through driver.h: the module never links
 //   libcuda), fenced so that the data
 //   written before it is visible first. The waiter consumes it: waits until it is set, then clears
@@ -35,10 +36,11 @@ void write_flag(uint32_t* flag, uint32_t value, cudaStream_t stream);
 // Makes `stream` wait until each of flags[0..count) (count <= kMaxRanks) is nonzero, and clears
 // each one it saw set. A flag still clear after `timeout_ns`, or the error word already set, ends
 // the wait: codes[i] of the first flag that timed out goes to *error_word (if it is still 0) and
-// the stream goes on. error_word must be device-accessible and host-readable (mapped pinned
-// memory); the codes must be nonzero.
-void wait_flags(uint32_t* const* flags, const uint32_t* codes, int count, uint64_t timeout_ns, uint32_t* error_word,
-                cudaStream_t stream);
+// the stream goes on. A flag set to another value than expect[i] (expect null or expect[i] 0: any
+// value) puts codes[i] | kMismatchBit there the same way. error_word must be device-accessible
+// and host-readable (mapped pinned memory); the codes must be nonzero, with kMismatchBit clear.
+void wait_flags(uint32_t* const* flags, const uint32_t* codes, const uint32_t* expect, int count, uint64_t timeout_ns,
+                uint32_t* error_word, cudaStream_t stream);
 
 // out[i] = sum over q = 0..p-1 of in[q][i], accumulated in fp32 in that order, for `count`
 // elements of `dtype` (1 <= p <= kMaxRanks; the arguments are trusted: boundary.h checks them).

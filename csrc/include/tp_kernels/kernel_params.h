@@ -8,11 +8,16 @@ namespace tp_kernels {
 // The most ranks a peer-memory group has (every per-rank table is this long).
 constexpr int kMaxRanks = 8;
 
-// tpk_wait_flags: flag[i] is waited for (i < count); code[i] is its nonzero error code.
+// tpk_wait_flags: flag[i] is waited for (i < count); code[i] is its nonzero error code (bit
+// kMismatchBit clear); expect[i] the value the flag must be set to (0: any nonzero value).
 struct FlagList {
   unsigned int* flag[kMaxRanks];
   unsigned int code[kMaxRanks];
+  unsigned int expect[kMaxRanks];
 };
+
+// Added to a flag's error code when the flag was set to another value than the one expected.
+constexpr unsigned int kMismatchBit = 0x40000000u;
 
 // tpk_reduce_partials_*: the p partial buffers, summed in this order.
 struct PartialPtrs {

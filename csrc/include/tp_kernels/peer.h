@@ -22,10 +22,17 @@
 // writes into q's inbox only after consuming release(inbox, q). Then no data is overwritten
 // while read, and each flag is set again only after it was consumed.
 //
-// Every wait is bounded by the context's timeout; a wait that times out records which op, flag
-// and peer in the context's error word, every later wait of the context returns at once, and
-// check() (called at the start of every op) raises the error. A context with an error stays
-// failed: the group's workspace must be made again.
+// A ready flag is set and consumed within one op, so it carries the setter's *call word*
+// (call_word: a hash of the op, algorithm, dtype, shapes and chunking), and the waiter expects
+// its own: ranks that make different calls, or are out of step, find out at their first ready
+// flag, with no message beyond the flags the op writes anyway. Release flags are consumed by a
+// later op and carry 1.
+//
+// Every wait is bounded by the context's timeout; a wait that times out, or finds a ready flag
+// with another call word than its own, records which op, flag and peer (and which of the two) in
+// the context's error word, every later wait of the context returns at once, and check() (called
+// at the start of every op) raises the error. A context with an error stays failed: the group's
+// workspace must be made again.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -96,11 +103,16 @@ class PeerContext {
   cudaStream_t copy_stream() const { return copy_stream_; }
   cudaEvent_t event(size_t i);
 
-  // Sets flag (c, release, rank()) in rank q's control block, on `stream` after its prior work.
+  // The call word of the op being enqueued (call_word; set by each op under lock()): what its
+  // ready flags carry and its waits for ready flags expect.
+  void begin(uint32_t call_word) { call_word_ = call_word; }
+  // Sets flag (c, release, rank()) in rank q's control block, on `stream` after its prior work:
+  // a ready flag to the call word, a release flag to 1.
   void signal(int q, Region c, bool release, cudaStream_t stream);
   // Sets it in every other rank's control block.
   void signal_all(Region c, bool release, cudaStream_t stream);
-  // Makes `stream` consume this rank's flags (c, release, q) for each q in `peers` (bounded).
+  // Makes `stream` consume this rank's flags (c, release, q) for each q in `peers` (bounded; a
+  // ready flag must carry the call word).
   void wait(const std::vector<int>& peers, Region c, bool release, Primitive op, cudaStream_t stream);
   // The other ranks, in the order r + 1, r + 2, ... (mod p).
   std::vector<int> others() const;
@@ -123,8 +135,14 @@ class PeerContext {
   cudaStream_t copy_stream_ = nullptr;
   std::vector<cudaEvent_t> events_;
   uint32_t* error_word_ = nullptr;  // mapped pinned host memory
+  uint32_t call_word_ = 1;
   std::mutex op_mutex_;
 };
+
+// The call word of a fused call: a hash of `op`, `algo` (-1: none), whether it multiplies
+// (args.w), the dtype, n, k and the row bounds (which hold m and the chunking). Never 0 or 1,
+// and the same on every rank that makes the same call.
+uint32_t call_word(Primitive op, int algo, const OverlapArgs& args);
 
 // Bytes each region (in Region order) needs on every rank for a fused call of `op` on p ranks,
 // rounded up to kRegionAlignment. `m` is the gathered rows for all_gather_matmul (p shards of
