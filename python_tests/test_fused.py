@@ -190,6 +190,42 @@ def test_workspace_regions_grow_to_powers_of_two():
     assert peer_memory.grown([mib, 0, 0], [mib, 0, 0]) is None
     assert peer_memory.grown([mib, 0, 0], [mib + 256, 3 * mib, 0]) == [2 * mib, 4 * mib, 0]
     assert peer_memory.grown([4 * mib, 8 * mib, 0], [mib, 0, 1]) == [4 * mib, 8 * mib, mib]
+    # no workspace yet: a call that needs no region still gets one, for its flags
+    assert peer_memory.grown(None, [0, 0, 0]) == [0, 0, 0]
+    assert peer_memory.grown(None, [256, 0, mib + 1]) == [mib, 0, 2 * mib]
+
+
+@pytest.mark.parametrize("world", [2, 4], indirect=True)
+def test_ranks_that_grow_the_workspace_for_different_calls_all_raise(world):
+    """The ranks' growth requests are compared before any buffer is freed or made: alike, they go
+    on; a rank that differs makes every rank raise the same error, naming each rank's call."""
+    results = world.run(check_growth_agreement)
+    assert results[0][1] and len(set(results[q][1] for q in range(len(results)))) == 1
+    assert all(ok for ok, _ in results)
+
+
+def check_growth_agreement():
+    r, p = rank_world()
+    group = _collectives.resolve_group(None)
+    mib = peer_memory.MIN_REGION_BYTES
+    peer_memory.agree_on_growth("all_gather_matmul", [mib, 0, 0], "all_gather_matmul of x [4, 8]", group,
+                                torch.device("cpu"))
+    call = "all_gather_matmul of x [4, 8]" if r != p - 1 else "all_gather_matmul of x [3, 8]"
+    with pytest.raises(RuntimeError) as info:
+        peer_memory.agree_on_growth("all_gather_matmul", [mib, 0, 0], call, group, torch.device("cpu"))
+    message = str(info.value)
+    assert message.startswith(f"tp_kernels: fused all_gather_matmul: the ranks of group {group.group_name!r} "
+                              "disagree on this call, so none of it ran and the group keeps its fused workspace")
+    for q in range(p):
+        shape = "[3, 8]" if q == p - 1 else "[4, 8]"
+        assert f"rank {q}: all_gather_matmul of x {shape}, growing the regions to [{mib}, 0, 0]" in message
+    # the same call growing to other sizes differs too (a rank whose workspace grew apart)
+    with pytest.raises(RuntimeError, match=f"rank {p - 1}: x, growing the regions to \\[{2 * mib}, 0, 0\\]"):
+        peer_memory.agree_on_growth("all_reduce", [2 * mib if r == p - 1 else mib, 0, 0], "x", group,
+                                    torch.device("cpu"))
+    # the group still works
+    peer_memory.agree_on_growth("all_reduce", [mib, 0, 0], "x", group, torch.device("cpu"))
+    return True, message
 
 
 @built

@@ -788,6 +788,44 @@ def check_fingerprints_over_the_host_twin(backend):
     return True
 
 
+def check_fused_ranks_that_disagree_without_fingerprints():
+    """Fingerprints off, the last rank's x has other rows. Growing the workspace for different
+    calls: every rank raises at once, and the group goes on. In a workspace that holds either
+    call: the flags' call words, raised by every rank's next fused call. Never a hang or an
+    abort; a fresh workspace works afterwards."""
+    r, p = rank_world()
+    group = _collectives.resolve_group(None)
+    k, n = 16, 8
+    w = torch.ones(n, k, device="cuda")
+    mine = torch.ones(8 if r != p - 1 else 4, k, device="cuda")
+    x = torch.ones(8, k, device="cuda")
+    expected = torch.full((8, n), float(k * p), device="cuda")
+    settings.set_fingerprints(False)
+    try:
+        with pytest.raises(RuntimeError, match="disagree on this call, so none of it ran and the group keeps"):
+            ops.matmul_all_reduce(mine, w, backend="fused")  # the group's first fused call: its workspace grows
+        assert torch.equal(ops.matmul_all_reduce(x, w, backend="fused"), expected)
+        ops.matmul_all_reduce(mine, w, backend="fused")  # nothing grows: the flags see it
+        torch.cuda.synchronize()
+        with pytest.raises(RuntimeError, match=r"fused matmul_all_reduce: rank \d waited for rank \d .*got the "
+                                               "signal of another call"):
+            ops.matmul_all_reduce(x, w, backend="fused")
+    finally:
+        settings.set_fingerprints(None)
+        torch.cuda.synchronize()
+        peer_memory.destroy_workspaces(group)
+    assert torch.equal(ops.matmul_all_reduce(x, w, backend="fused"), expected)
+    torch.cuda.synchronize()
+    peer_memory.destroy_workspaces(group)
+    return True
+
+
+@native_built
+def test_fused_ranks_that_disagree_without_fingerprints_all_raise(shared_gpu_world):
+    results = shared_gpu_world.run(check_fused_ranks_that_disagree_without_fingerprints, deadline_s=300)
+    assert results == [True] * shared_gpu_world.world_size
+
+
 @native_built
 @pytest.mark.parametrize("backend", ["reference", "pipelined", "fused"])
 def test_fingerprints_of_nccl_ranks_travel_over_the_host_twin(shared_gpu_world, backend):

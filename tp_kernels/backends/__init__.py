@@ -120,4 +120,5 @@ def prepare_capture(backends, group, device, all_reduce_bytes: int) -> None:
         need = [max(sizes) for sizes in zip(*(peer_memory.all_reduce_needs(p, numel, torch.float32, a)
                                               for a in fused.algorithms()))]
         with torch.cuda.device(device):
-            peer_memory.context(group, device, "all_reduce", need)
+            peer_memory.context(group, device, "all_reduce", need,
+                                f"the capture of all-reduces of {all_reduce_bytes} bytes")

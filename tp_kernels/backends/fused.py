@@ -20,8 +20,11 @@ copy engine while cuBLASLt multiplies on all SMs:
   rank order in fp32), so switching between them never changes a result.
 
 Readiness is signalled by flags in the workspace (see ``csrc/include/tp_kernels/peer.h``);
-every device-side wait is bounded by :func:`tp_kernels.get_timeout`. A wait that times out
-records the op and the peer, and the group's next fused call raises that error.
+every device-side wait is bounded by :func:`tp_kernels.get_timeout`. A ready flag carries a hash
+of the setter's call, which the waiter compares with its own. A wait that times out, or finds
+another call's hash, records the op and the peer, and the group's next fused call raises that
+error; ranks that grow the workspace for different calls all raise before anything runs
+(:mod:`tp_kernels.backends.peer_memory`).
 
 The ``rank_*`` functions prepare one rank's part of an op on a PeerContext (a :class:`RankCall`,
 enqueued in phases); they serve process groups here and virtual ranks
@@ -208,6 +211,12 @@ def rank_all_reduce(ctx, x, out, algorithm: str, stream) -> RankCall:
 # --- the backend: process groups ---------------------------------------------------------------------
 
 
+def _call(op: str, x, weight, how: Optional[str]) -> str:
+    """A fused call as the ranks compare it when their workspaces grow."""
+    tensors = f"x {list(x.shape)}" + ("" if weight is None else f", weight {list(weight.shape)}")
+    return f"{op} of {tensors} {str(x.dtype).rpartition('.')[2]}" + (f", {how}" if how else "")
+
+
 def all_gather_matmul(x, weight, bias, group, impl):
     p = coll.group_size(group)
     bias = None if bias is None else bias.contiguous()
@@ -217,7 +226,8 @@ def all_gather_matmul(x, weight, bias, group, impl):
     mp, k = x.shape
     need = peer_memory.region_needs("all_gather_matmul", p, p * mp, weight.shape[0], k, x.dtype)
     with torch.cuda.device(x.device):
-        ctx = peer_memory.context(group, x.device, "all_gather_matmul", need)
+        ctx = peer_memory.context(group, x.device, "all_gather_matmul", need,
+                                  _call("all_gather_matmul", x, weight, f"{impl.num_chunks} chunks"))
         call = rank_all_gather_matmul(ctx, x, weight, bias, impl.num_chunks, torch.cuda.current_stream())
         call.enqueue(None)
     return call.result
@@ -234,7 +244,7 @@ def _reduction(op: str, what: str, x, weight, bias, group, algorithm: Optional[s
     n = weight.shape[0]
     need = peer_memory.region_needs(op, p, m, n, k, x.dtype, algorithm)
     with torch.cuda.device(x.device):
-        ctx = peer_memory.context(group, x.device, op, need)
+        ctx = peer_memory.context(group, x.device, op, need, _call(op, x, weight, algorithm))
         stream = torch.cuda.current_stream()
         call = (rank_matmul_all_reduce(ctx, x, weight, algorithm, stream) if algorithm is not None
                 else rank_matmul_reduce_scatter(ctx, x, weight, stream))
@@ -261,7 +271,7 @@ def all_reduce(x, out, peer, group, impl):
         return out if out is x else out.copy_(x)
     need = peer_memory.all_reduce_needs(p, x.numel(), x.dtype, impl.algorithm)
     with torch.cuda.device(x.device):
-        ctx = peer_memory.context(group, x.device, "all_reduce", need)
+        ctx = peer_memory.context(group, x.device, "all_reduce", need, _call("all_reduce", x, None, impl.algorithm))
         call = rank_all_reduce(ctx, x, out, impl.algorithm, torch.cuda.current_stream())
         call.enqueue(None)
     return out

@@ -9,7 +9,11 @@ The handles are exchanged over the torch group and opened in every other rank; a
 * :func:`topology_reason`: whether the group is on one node with peer access, decided once per
   group by two bounded all-gathers, so that every rank reaches the same answer.
 * :func:`context`: the group's PeerContext, its regions grown (to powers of two, at least
-  :data:`MIN_REGION_BYTES`) to what a call needs, all ranks together (their shapes agree).
+  :data:`MIN_REGION_BYTES`) to what a call needs, all ranks together: they first exchange what
+  they are growing for, and unless every rank names the same call and sizes, all raise and keep
+  the workspace they had. So the buffers stay alike on every rank, and a call that ranks disagree
+  on cannot reach past a peer's buffer; the flags' call words (``peer.h``) catch the disagreements
+  that need no growth.
 * :func:`destroy_workspaces`: free a group's workspace (``destroy_model_parallel`` does).
 
 Growth cannot happen inside a CUDA graph capture: the op then raises, asking for an eager call
@@ -26,9 +30,10 @@ import torch
 
 from .. import _collectives as coll
 from .. import _extension, parallel_state, settings
+from .._agreement import exchange_views
 
-__all__ = ["MIN_REGION_BYTES", "all_reduce_needs", "capturing", "context", "destroy_workspaces", "grown", "region_needs",
-           "topology_reason"]
+__all__ = ["MIN_REGION_BYTES", "agree_on_growth", "all_reduce_needs", "capturing", "context", "destroy_workspaces",
+           "grown", "region_needs", "topology_reason"]
 
 #: The smallest size a workspace region grows to (regions grow to powers of two).
 MIN_REGION_BYTES = 2**20
@@ -53,11 +58,13 @@ def all_reduce_needs(p: int, numel: int, dtype: torch.dtype, algorithm: str) -> 
     return list(C.fused_all_reduce_needs(p, numel, _extension.dtype_name(dtype), algorithm))
 
 
-def grown(have: Sequence[int], need: Sequence[int]) -> Optional[List[int]]:
-    """The region sizes to grow to (powers of two, at least MIN_REGION_BYTES), or None if
-    ``have`` already holds ``need``."""
-    if all(n <= h for n, h in zip(need, have)):
+def grown(have: Optional[Sequence[int]], need: Sequence[int]) -> Optional[List[int]]:
+    """The region sizes to grow to (powers of two, at least MIN_REGION_BYTES; a region nothing
+    needs stays empty), or None if ``have`` already holds ``need``. ``have`` None: no workspace
+    yet, which a call needs for its flags even when it needs no region."""
+    if have is not None and all(n <= h for n, h in zip(need, have)):
         return None
+    have = [0] * len(need) if have is None else have
     return [h if n <= h else max(MIN_REGION_BYTES, 1 << (n - 1).bit_length()) for n, h in zip(need, have)]
 
 
@@ -115,6 +122,19 @@ def topology_reason(group, device: torch.device) -> Optional[str]:
     return reason
 
 
+def agree_on_growth(op: str, regions: Sequence[int], call: str, group, device: torch.device) -> None:
+    """Return when every rank of ``group`` grows its workspace to the same ``regions`` for the
+    same ``call``; else raise the same ``RuntimeError`` on every rank, listing each rank's call. One
+    bounded all-gather, so it is also a barrier."""
+    views = exchange_views(f"{call}, growing the regions to {list(regions)}", group, device)
+    if len(set(views)) > 1:
+        listing = "; ".join(f"rank {q}: {v}" for q, v in enumerate(views))
+        raise RuntimeError(
+            f"tp_kernels: fused {op}: the ranks of group {group.group_name!r} disagree on this call, so none of it "
+            f"ran and the group keeps its fused workspace ({listing}). Every rank of a group must make the same "
+            "calls in the same order, with tensors of the same shapes and dtypes")
+
+
 class _GroupWorkspace:
     """This rank's buffer of a group's symmetric workspace, the peers' buffers mapped by CUDA IPC,
     and the PeerContext over them."""
@@ -122,27 +142,29 @@ class _GroupWorkspace:
     def __init__(self, group, device: torch.device):
         self.group, self.device = group, device
         self.p, self.rank = coll.group_size(group), coll.group_rank(group)
-        self.regions = [0] * len(_extension.require().REGIONS)
+        self.regions: Optional[List[int]] = None
         self.base = None
         self.bases: List[int] = []
         self.ctx = None
 
-    def context(self, op: str, need: Sequence[int]):
+    def context(self, op: str, need: Sequence[int], call: str):
         regions = grown(self.regions, need)
         if regions is not None:
             if capturing():
                 raise capture_growth_error(op, regions)
-            self._map(regions)
+            self._map(op, regions, call)
         timeout = settings.get_timeout()
         if self.ctx.timeout_s != timeout:
             self.ctx.timeout_s = timeout
         return self.ctx
 
-    def _map(self, regions: List[int]) -> None:
+    def _map(self, op: str, regions: List[int], call: str) -> None:
         C, dev = _extension.require(), self.device.index
         if self.base is not None:
-            self.ctx.check()  # a failed workspace is not silently replaced
-            self.release(barrier=True)
+            torch.cuda.synchronize(self.device)  # this rank is done with its buffers ...
+            self.ctx.check()  # ... and a failed workspace is not silently replaced
+        agree_on_growth(op, regions, call, self.group, self.device)  # a barrier too: the old buffers are free
+        self.release(barrier=False)
         base = C.workspace_alloc(C.CONTROL_BYTES + sum(regions), dev)
         try:
             C.workspace_init(base, dev)
@@ -168,17 +190,18 @@ class _GroupWorkspace:
             if q != self.rank:
                 C.ipc_close(b, dev)
         C.workspace_free(self.base, dev)
-        self.base, self.bases, self.regions = None, [], [0] * len(self.regions)
+        self.base, self.bases, self.regions = None, [], None
 
 
-def context(group, device: torch.device, op: str, need: Sequence[int]):
+def context(group, device: torch.device, op: str, need: Sequence[int], call: str):
     """The group's PeerContext on ``device``, its workspace grown to ``need`` (made on first use,
-    with every rank of the group)."""
+    with every rank of the group). ``call`` describes the call in the error when the ranks grow
+    for different calls."""
     key = coll.group_key(group, device)
     ws = _workspaces.get(key)
     if ws is None:
         ws = _workspaces[key] = _GroupWorkspace(group, device)
-    return ws.context(op, need)
+    return ws.context(op, need, call)
 
 
 @parallel_state.on_group_destroyed

@@ -42,7 +42,7 @@ class VirtualRanks:
         self.p = p
         self.timeout_s = timeout_s
         self.streams = [torch.cuda.Stream(self.device) for _ in range(p)]
-        self.regions = [0] * len(C.REGIONS)
+        self.regions: Optional[List[int]] = None  # None: no workspace yet
         self.bases: List[int] = []
         self.contexts: list = []
 
@@ -59,7 +59,7 @@ class VirtualRanks:
             self.contexts = []
             for b in self.bases:
                 _extension.require().workspace_free(b, self.device.index)
-            self.bases, self.regions = [], [0] * len(self.regions)
+            self.bases, self.regions = [], None
 
     def check(self) -> None:
         """Raise the error a timed-out device wait of any rank recorded."""
