@@ -19,6 +19,7 @@ constexpr int kNumKernels = static_cast<int>(Kernel::kCount);
 struct Driver {
   CUresult (*write_value32)(CUstream, CUdeviceptr, cuuint32_t, unsigned int) = nullptr;
   CUresult (*ctx_get_current)(CUcontext*) = nullptr;
+  CUresult (*ctx_get_id)(CUcontext, unsigned long long*) = nullptr;
   CUresult (*ctx_get_device)(CUdevice*) = nullptr;
   CUresult (*module_load_data)(CUmodule*, const void*) = nullptr;
   CUresult (*module_get_function)(CUfunction*, CUmodule, const char*) = nullptr;
@@ -52,6 +53,7 @@ const Driver& driver() {
   std::call_once(once, [] {
     lookup("cuStreamWriteValue32", &d.write_value32, &d.error);
     lookup("cuCtxGetCurrent", &d.ctx_get_current, &d.error);
+    lookup("cuCtxGetId", &d.ctx_get_id, &d.error);
     lookup("cuCtxGetDevice", &d.ctx_get_device, &d.error);
     lookup("cuModuleLoadData", &d.module_load_data, &d.error);
     lookup("cuModuleGetFunction", &d.module_get_function, &d.error);
@@ -82,9 +84,11 @@ std::string image_targets() {
 }
 
 // A context's loaded kernels. Never unloaded: they live as long as the process (as the kernels of
-// a module nvcc builds do).
+// a module nvcc builds do), or as their context. Found by the context's id, unique for the
+// process's lifetime: a context made again (after cudaDeviceReset) may get the address of the one
+// destroyed, whose modules went with it.
 struct Loaded {
-  CUcontext context = nullptr;
+  unsigned long long context_id = 0;
   CUfunction fn[kNumKernels] = {};
   int sms = 0;
 };
@@ -104,16 +108,18 @@ const Loaded& current() {
     check_driver(d.ctx_get_current(&ctx), "cuCtxGetCurrent");
     if (ctx == nullptr) throw Error("no CUDA context is current, and cudaSetDevice made none");
   }
+  unsigned long long id = 0;
+  check_driver(d.ctx_get_id(ctx, &id), "cuCtxGetId");
   const Loaded* hit = last_loaded;
-  if (hit != nullptr && hit->context == ctx) return *hit;
+  if (hit != nullptr && hit->context_id == id) return *hit;
   std::lock_guard<std::mutex> lock(loaded_mutex);
   for (const Loaded& l : loaded)
-    if (l.context == ctx) return *(last_loaded = &l);
+    if (l.context_id == id) return *(last_loaded = &l);
   CUdevice device = 0;
   check_driver(d.ctx_get_device(&device), "cuCtxGetDevice");
   int major = 0, minor = 0;
   Loaded l;
-  l.context = ctx;
+  l.context_id = id;
   TPK_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   TPK_CHECK_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   TPK_CHECK_CUDA(cudaDeviceGetAttribute(&l.sms, cudaDevAttrMultiProcessorCount, device));
