@@ -121,4 +121,4 @@ def prepare_capture(backends, group, device, all_reduce_bytes: int) -> None:
                                               for a in fused.algorithms()))]
         with torch.cuda.device(device):
             peer_memory.context(group, device, "all_reduce", need,
-                                f"the capture of all-reduces of {all_reduce_bytes} bytes")
+                                lambda: f"the capture of all-reduces of {all_reduce_bytes} bytes")

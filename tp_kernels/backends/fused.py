@@ -227,7 +227,7 @@ def all_gather_matmul(x, weight, bias, group, impl):
     need = peer_memory.region_needs("all_gather_matmul", p, p * mp, weight.shape[0], k, x.dtype)
     with torch.cuda.device(x.device):
         ctx = peer_memory.context(group, x.device, "all_gather_matmul", need,
-                                  _call("all_gather_matmul", x, weight, f"{impl.num_chunks} chunks"))
+                                  lambda: _call("all_gather_matmul", x, weight, f"{impl.num_chunks} chunks"))
         call = rank_all_gather_matmul(ctx, x, weight, bias, impl.num_chunks, torch.cuda.current_stream())
         call.enqueue(None)
     return call.result
@@ -244,7 +244,7 @@ def _reduction(op: str, what: str, x, weight, bias, group, algorithm: Optional[s
     n = weight.shape[0]
     need = peer_memory.region_needs(op, p, m, n, k, x.dtype, algorithm)
     with torch.cuda.device(x.device):
-        ctx = peer_memory.context(group, x.device, op, need, _call(op, x, weight, algorithm))
+        ctx = peer_memory.context(group, x.device, op, need, lambda: _call(op, x, weight, algorithm))
         stream = torch.cuda.current_stream()
         call = (rank_matmul_all_reduce(ctx, x, weight, algorithm, stream) if algorithm is not None
                 else rank_matmul_reduce_scatter(ctx, x, weight, stream))
@@ -271,7 +271,8 @@ def all_reduce(x, out, peer, group, impl):
         return out if out is x else out.copy_(x)
     need = peer_memory.all_reduce_needs(p, x.numel(), x.dtype, impl.algorithm)
     with torch.cuda.device(x.device):
-        ctx = peer_memory.context(group, x.device, "all_reduce", need, _call("all_reduce", x, None, impl.algorithm))
+        ctx = peer_memory.context(group, x.device, "all_reduce", need,
+                                  lambda: _call("all_reduce", x, None, impl.algorithm))
         call = rank_all_reduce(ctx, x, out, impl.algorithm, torch.cuda.current_stream())
         call.enqueue(None)
     return out

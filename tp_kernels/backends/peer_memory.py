@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import socket
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -147,12 +147,12 @@ class _GroupWorkspace:
         self.bases: List[int] = []
         self.ctx = None
 
-    def context(self, op: str, need: Sequence[int], call: str):
+    def context(self, op: str, need: Sequence[int], call: Callable[[], str]):
         regions = grown(self.regions, need)
         if regions is not None:
             if capturing():
                 raise capture_growth_error(op, regions)
-            self._map(op, regions, call)
+            self._map(op, regions, call())
         timeout = settings.get_timeout()
         if self.ctx.timeout_s != timeout:
             self.ctx.timeout_s = timeout
@@ -193,10 +193,10 @@ class _GroupWorkspace:
         self.base, self.bases, self.regions = None, [], None
 
 
-def context(group, device: torch.device, op: str, need: Sequence[int], call: str):
+def context(group, device: torch.device, op: str, need: Sequence[int], call: Callable[[], str]):
     """The group's PeerContext on ``device``, its workspace grown to ``need`` (made on first use,
-    with every rank of the group). ``call`` describes the call in the error when the ranks grow
-    for different calls."""
+    with every rank of the group). ``call()`` describes the call, for the ranks to compare when
+    they grow (only then: it costs host time)."""
     key = coll.group_key(group, device)
     ws = _workspaces.get(key)
     if ws is None:
