@@ -6,6 +6,7 @@ pipelined schedule (named through set_auto_candidates); the fused and native one
 
 from __future__ import annotations
 
+import os
 import time
 from types import SimpleNamespace
 
@@ -95,6 +96,36 @@ def test_bad_settings_name_the_variable(monkeypatch):
         autotune.set_autotune("yes")
     autotune.set_autotune(False)
     assert autotune.autotune_enabled() is False
+
+
+@pytest.mark.parametrize("store", [True, False], ids=["environ-store", "environ-get"])
+def test_a_setting_follows_its_environment_variable_from_one_read_to_the_next(monkeypatch, store):
+    """Read at every use, parsed once per value: a change, an empty value, a malformed one (raised
+    at every read, not remembered) and a removal each show at the next read, whether the variable
+    is read from os.environ's store or through os.environ.get."""
+    if not store:
+        class Environ:  # os.environ without its store
+            get = staticmethod(os.environ.get)
+
+        variable = settings._Variable("TP_KERNELS_TIMEOUT_S", settings._parse_timeout, settings.DEFAULT_TIMEOUT_S,
+                                      environ=Environ())
+        assert variable._store is None
+        monkeypatch.setattr(settings, "_TIMEOUT", variable)
+    monkeypatch.delenv("TP_KERNELS_TIMEOUT_S", raising=False)
+    assert settings.get_timeout() == settings.DEFAULT_TIMEOUT_S
+    for value in ("12", "13.5", "12"):
+        monkeypatch.setenv("TP_KERNELS_TIMEOUT_S", value)
+        assert settings.get_timeout() == float(value)
+    monkeypatch.setenv("TP_KERNELS_TIMEOUT_S", "")
+    assert settings.get_timeout() == settings.DEFAULT_TIMEOUT_S
+    monkeypatch.setenv("TP_KERNELS_TIMEOUT_S", "soon")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="TP_KERNELS_TIMEOUT_S: expected a positive number"):
+            settings.get_timeout()
+    monkeypatch.setenv("TP_KERNELS_TIMEOUT_S", "7")
+    assert settings.get_timeout() == 7.0
+    monkeypatch.delenv("TP_KERNELS_TIMEOUT_S")
+    assert settings.get_timeout() == settings.DEFAULT_TIMEOUT_S
 
 
 def _variants(op, m, p, impls=("fused", "native", "reference")):

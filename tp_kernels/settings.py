@@ -90,27 +90,49 @@ _autotune: Optional[bool] = None
 _fingerprints: Optional[bool] = None
 
 
-def _env(name: str) -> Optional[str]:
-    value = os.environ.get(name)
-    return None if value in (None, "") else value
+class _Variable:
+    """One environment variable: read at every use, so that a change takes effect at the next
+    call, and parsed once per value it takes (a malformed value raises at every read).
+
+    The read goes to ``os.environ``'s own store of encoded names and values (CPython's
+    ``os._Environ._data``, which ``os.environ[...] = ...`` and ``del`` keep up to date) without
+    the mapping's encoding and decoding of each name and value: ``os.environ.get`` costs about
+    0.7 µs, and a call of an op reads several settings. Where that store is missing, through
+    ``environ.get``."""
+
+    __slots__ = ("name", "_parse", "default", "_environ", "_store", "_key", "_raw", "_value")
+
+    def __init__(self, name: str, parse: Callable[[str], object], default, environ=os.environ):
+        self.name, self._parse, self.default, self._environ = name, parse, default, environ
+        store, encode = getattr(environ, "_data", None), getattr(environ, "encodekey", None)
+        usable = isinstance(store, dict) and encode is not None and hasattr(environ, "decodevalue")
+        self._store, self._key = (store, encode(name)) if usable else (None, name)
+        self._raw = self._value = None  # the last value parsed, and what it parsed to
+
+    def get(self, override=None):
+        """``override`` when it is not None, else the variable's value parsed, else the default
+        (also for an empty value)."""
+        if override is not None:
+            return override
+        store = self._store
+        raw = self._environ.get(self.name) if store is None else store.get(self._key)
+        if not raw:
+            return self.default
+        if raw != self._raw:
+            text = raw if store is None else self._environ.decodevalue(raw)
+            value = self._parse(text)  # raises ValueError naming the variable if malformed
+            self._raw, self._value = raw, value
+        return self._value
 
 
-def _read(override, name: str, parse: Callable[[str], object], default):
-    """A setting: the setter's value, else the environment variable ``name`` parsed, else
-    ``default``."""
-    if override is not None:
-        return override
-    value = _env(name)
-    return default if value is None else parse(value)
-
-
-def _parse_switch(name: str) -> Callable[[str], bool]:
+def _switch(name: str, default: bool) -> _Variable:
+    """A 0/1 environment variable."""
     def parse(value: str) -> bool:
         if value not in ("0", "1"):
             raise ValueError(f"{name}: expected 0 or 1, got {value!r}")
         return value == "1"
 
-    return parse
+    return _Variable(name, parse, default)
 
 
 def _check_timeout(what: str, seconds) -> float:
@@ -129,6 +151,9 @@ def _parse_timeout(value: str) -> float:
     return _check_timeout("TP_KERNELS_TIMEOUT_S", seconds)
 
 
+_TIMEOUT = _Variable("TP_KERNELS_TIMEOUT_S", _parse_timeout, DEFAULT_TIMEOUT_S)
+
+
 def set_timeout(seconds: float) -> None:
     """Set how long any tp_kernels collective may take before it raises (seconds, > 0).
 
@@ -140,7 +165,7 @@ def set_timeout(seconds: float) -> None:
 
 def get_timeout() -> float:
     """The current collective timeout in seconds (see :func:`set_timeout`)."""
-    return _read(_timeout_s, "TP_KERNELS_TIMEOUT_S", _parse_timeout, DEFAULT_TIMEOUT_S)
+    return _TIMEOUT.get(_timeout_s)
 
 
 def set_comm_stream_priority(priority: int) -> None:
@@ -163,9 +188,12 @@ def _parse_priority(value: str) -> int:
         raise ValueError(f"TP_KERNELS_COMM_STREAM_PRIORITY: expected an int, got {value!r}") from None
 
 
+_PRIORITY = _Variable("TP_KERNELS_COMM_STREAM_PRIORITY", _parse_priority, HIGHEST_PRIORITY)
+
+
 def get_comm_stream_priority() -> int:
     """The priority new communication streams ask for (see :func:`set_comm_stream_priority`)."""
-    return _read(_priority, "TP_KERNELS_COMM_STREAM_PRIORITY", _parse_priority, HIGHEST_PRIORITY)
+    return _PRIORITY.get(_priority)
 
 
 def _check_candidates(names, what: str) -> Tuple[str, ...]:
@@ -185,9 +213,11 @@ def set_auto_candidates(names: Optional[Sequence[str]]) -> None:
 
 def get_auto_candidates() -> Optional[Tuple[str, ...]]:
     """The backends named for ``"auto"``, or None for the default."""
-    return _read(_candidates, "TP_KERNELS_AUTO_CANDIDATES",
-                 lambda value: _check_candidates([n.strip() for n in value.split(",")], "TP_KERNELS_AUTO_CANDIDATES"),
-                 None)
+    return _CANDIDATES.get(_candidates)
+
+
+_CANDIDATES = _Variable("TP_KERNELS_AUTO_CANDIDATES", lambda value: _check_candidates(
+    [n.strip() for n in value.split(",")], "TP_KERNELS_AUTO_CANDIDATES"), None)
 
 
 def set_autotune(enabled: Optional[bool]) -> None:
@@ -200,7 +230,10 @@ def set_autotune(enabled: Optional[bool]) -> None:
 
 
 def autotune_enabled() -> bool:
-    return _read(_autotune, "TP_KERNELS_AUTOTUNE", _parse_switch("TP_KERNELS_AUTOTUNE"), True)
+    return _AUTOTUNE.get(_autotune)
+
+
+_AUTOTUNE = _switch("TP_KERNELS_AUTOTUNE", True)
 
 
 #: Whether calls exchange their fingerprints by default. Off: the exchange is one more small
@@ -223,8 +256,10 @@ def set_fingerprints(enabled: Optional[bool]) -> None:
 
 def fingerprints_enabled() -> bool:
     """Whether calls exchange fingerprints (:func:`set_fingerprints`)."""
-    return _read(_fingerprints, "TP_KERNELS_FINGERPRINTS", _parse_switch("TP_KERNELS_FINGERPRINTS"),
-                 FINGERPRINTS_DEFAULT)
+    return _FINGERPRINTS.get(_fingerprints)
+
+
+_FINGERPRINTS = _switch("TP_KERNELS_FINGERPRINTS", FINGERPRINTS_DEFAULT)
 
 
 #: Why the native pipelined path is no default candidate of ``"auto"`` (while it is not).
@@ -235,20 +270,25 @@ AUTO_FUSED_OFF = "not switched on for 'auto' (TP_KERNELS_AUTO_FUSED=1 or set_aut
 
 def auto_native() -> bool:
     """Whether ``"auto"`` may run the native pipelined path unasked (:data:`AUTO_NATIVE_DEFAULT`)."""
-    return _read(None, "TP_KERNELS_AUTO_NATIVE", _parse_switch("TP_KERNELS_AUTO_NATIVE"), AUTO_NATIVE_DEFAULT)
+    return _AUTO_NATIVE.get()
 
 
 def auto_fused() -> bool:
     """Whether ``"auto"`` may run the fused path unasked (:data:`AUTO_FUSED_DEFAULT`)."""
-    return _read(None, "TP_KERNELS_AUTO_FUSED", _parse_switch("TP_KERNELS_AUTO_FUSED"), AUTO_FUSED_DEFAULT)
+    return _AUTO_FUSED.get()
+
+
+_AUTO_NATIVE = _switch("TP_KERNELS_AUTO_NATIVE", AUTO_NATIVE_DEFAULT)
+_AUTO_FUSED = _switch("TP_KERNELS_AUTO_FUSED", AUTO_FUSED_DEFAULT)
 
 
 def forced_all_reduce_algorithm(known: Sequence[str]) -> Optional[str]:
     """The fused all-reduce algorithm ``TP_KERNELS_FUSED_ALL_REDUCE`` forces, one of ``known``
     (the native module's ``ALL_REDUCE_ALGORITHMS``), or None when it is unset."""
-    def parse(value: str) -> str:
-        if value not in known:
-            raise ValueError(f"TP_KERNELS_FUSED_ALL_REDUCE: expected one of {tuple(known)}, got {value!r}")
-        return value
+    value = _FUSED_ALL_REDUCE.get()
+    if value is not None and value not in known:
+        raise ValueError(f"TP_KERNELS_FUSED_ALL_REDUCE: expected one of {tuple(known)}, got {value!r}")
+    return value
 
-    return _read(None, "TP_KERNELS_FUSED_ALL_REDUCE", parse, None)
+
+_FUSED_ALL_REDUCE = _Variable("TP_KERNELS_FUSED_ALL_REDUCE", str, None)
