@@ -18,7 +18,8 @@ The helpers take and return contiguous tensors and never touch autograd.
 from __future__ import annotations
 
 import datetime
-from typing import List, Optional
+import functools
+from typing import Callable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -93,7 +94,7 @@ def _forget_group(group) -> None:
 def check_alive(group) -> None:
     """Raise a ``RuntimeError`` saying what to do when ``group`` was destroyed (a layer kept past
     ``destroy_model_parallel``), instead of torch's "not registered"."""
-    if group is not None and any(g is group for g in _destroyed):
+    if _destroyed and group is not None and any(g is group for g in _destroyed):
         raise RuntimeError(
             f"group: the process group {group.group_name!r} of this call was destroyed by "
             "tp_kernels.destroy_model_parallel(); make the layer again (or pass a live group) after "
@@ -116,6 +117,17 @@ def group_rank(group) -> int:
     return 0 if group is None else group.rank()
 
 
+#: What a collective is, for its error messages: the description, or a callable that makes it only
+#: when an error needs it (formatting a shape and a dtype costs ~0.7 µs of a call's host time).
+What = Union[str, Callable[[], str]]
+
+
+def _about(kind: str, t: torch.Tensor, *tail) -> Callable[[], str]:
+    """The :data:`What` of collective ``kind`` of ``t``, e.g. ``"all-reduce of (16, 64)
+    torch.float32"``, ``tail`` appended (``"from rank", 0``)."""
+    return lambda: " ".join([f"{kind} of {tuple(t.shape)} {t.dtype}", *map(str, tail)])
+
+
 class Pending:
     """Communication in flight: ``wait()`` completes it and returns the output.
 
@@ -126,7 +138,7 @@ class Pending:
 
     __slots__ = ("tensor", "works", "what", "group", "finish", "deps")
 
-    def __init__(self, tensor: torch.Tensor, works=(), what: str = "", group=None, finish=None, deps=()):
+    def __init__(self, tensor: torch.Tensor, works=(), what: What = "", group=None, finish=None, deps=()):
         self.tensor = tensor
         self.works = list(works)
         self.what = what
@@ -156,16 +168,16 @@ class Pending:
         return self.tensor
 
 
-def _dead_peer_error(what: str, group, timeout: float, exc: BaseException) -> RuntimeError:
+def _dead_peer_error(what: What, group, timeout: float, exc: BaseException) -> RuntimeError:
     return RuntimeError(
-        f"tp_kernels: {what} did not complete on global rank {dist.get_rank()} "
+        f"tp_kernels: {what() if callable(what) else what} did not complete on global rank {dist.get_rank()} "
         f"(group of {group_size(group)} ranks, timeout {timeout:g} s): {exc}. A peer rank may have died, "
         "diverged, or called a different collective. The limit is set with "
         "tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S."
     )
 
 
-def _issue(what: str, group, start):
+def _issue(what: What, group, start):
     """``start()``: a collective's start, whose failure (a peer's connection gone, say) is raised
     as :func:`wait` raises a failed wait."""
     try:
@@ -174,7 +186,7 @@ def _issue(what: str, group, start):
         raise _dead_peer_error(what, group, get_timeout(), exc) from exc
 
 
-def wait(work, what: str, group=None, *, cuda: bool = False) -> None:
+def wait(work, what: What, group=None, *, cuda: bool = False) -> None:
     """Wait for ``work`` at most :func:`get_timeout` seconds; raise a readable error otherwise.
 
     The host never blocks on CUDA work (``cuda=True``): ``work.wait()`` only orders the current
@@ -189,12 +201,17 @@ def wait(work, what: str, group=None, *, cuda: bool = False) -> None:
         return
     timeout = get_timeout()
     try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout))  # raises the backend's error, if any
+        work.wait(timeout=_timedelta(timeout))  # raises the backend's error, if any
     except Exception as exc:  # RuntimeError ("Operation timed out!") or DistBackendError from the backend
         raise _dead_peer_error(what, group, timeout, exc) from exc
 
 
-def _local(x: torch.Tensor, out: Optional[torch.Tensor], what: str) -> Pending:
+@functools.lru_cache(maxsize=8)
+def _timedelta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def _local(x: torch.Tensor, out: Optional[torch.Tensor], what: What) -> Pending:
     """A one-rank collective: ``x`` itself, or copied into ``out``."""
     if out is not None:
         x = out.copy_(x)
@@ -209,7 +226,7 @@ def all_gather_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] = Non
         return _local(x, out, "all-gather")
     if out is None:
         out = x.new_empty((x.shape[0] * p,) + tuple(x.shape[1:]))
-    what = f"all-gather of {tuple(x.shape)} {x.dtype}"
+    what = _about("all-gather", x)
     work = _issue(what, group, lambda: _all_gather_single(out, x, group=group, async_op=True))
     return Pending(out, [work], what, group)
 
@@ -258,7 +275,7 @@ def reduce_scatter_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] =
     if x.shape[0] % p:
         raise ValueError(f"reduce-scatter: dim 0 ({x.shape[0]}) is not divisible by the group size {p}")
     mp = x.shape[0] // p
-    what = f"reduce-scatter of {tuple(x.shape)} {x.dtype}"
+    what = _about("reduce-scatter", x)
     if out is None:
         out = x.new_empty((mp,) + tuple(x.shape[1:]))
     if not x.is_cuda:
@@ -280,7 +297,7 @@ def all_reduce(x: torch.Tensor, group, *, op=dist.ReduceOp.SUM, inplace: bool = 
         return _local(x, None, "all-reduce")
     if not (inplace and x.is_contiguous()):
         x = x.contiguous() if inplace else x.clone(memory_format=torch.contiguous_format)
-    what = f"all-reduce of {tuple(x.shape)} {x.dtype}"
+    what = _about("all-reduce", x)
     work = _issue(what, group, lambda: dist.all_reduce(x, op=op, group=group, async_op=True))
     return Pending(x, [work], what, group)
 
@@ -289,7 +306,7 @@ def broadcast(x: torch.Tensor, src: int, group) -> Pending:
     """Start broadcasting contiguous ``x`` from group rank ``src`` into ``x`` on every rank."""
     if group_size(group) == 1:
         return _local(x, None, "broadcast")
-    what = f"broadcast of {tuple(x.shape)} {x.dtype} from rank {src}"
+    what = _about("broadcast", x, "from rank", src)
     root = dist.get_global_rank(group, src)
     work = _issue(what, group, lambda: dist.broadcast(x, src=root, group=group, async_op=True))
     return Pending(x, [work], what, group)
@@ -301,7 +318,7 @@ def gather(x: torch.Tensor, out: Optional[torch.Tensor], dst: int, group) -> Pen
     p = group_size(group)
     if p == 1:
         return _local(x, out, "gather")
-    what = f"gather of {tuple(x.shape)} {x.dtype} to rank {dst}"
+    what = _about("gather", x, "to rank", dst)
     blocks = list(out.chunk(p)) if out is not None else None
     root = dist.get_global_rank(group, dst)
     work = _issue(what, group, lambda: dist.gather(x, blocks, dst=root, group=group, async_op=True))
@@ -310,14 +327,14 @@ def gather(x: torch.Tensor, out: Optional[torch.Tensor], dst: int, group) -> Pen
 
 def send(x: torch.Tensor, dst: int, group) -> Pending:
     """Start sending contiguous ``x`` to group rank ``dst``."""
-    what = f"send of {tuple(x.shape)} {x.dtype} to rank {dst}"
+    what = _about("send", x, "to rank", dst)
     work = _issue(what, group, lambda: dist.isend(x, dst=dist.get_global_rank(group, dst), group=group))
     return Pending(x, [work], what, group)
 
 
 def recv(out: torch.Tensor, src: int, group) -> Pending:
     """Start receiving contiguous ``out`` from group rank ``src``."""
-    what = f"recv of {tuple(out.shape)} {out.dtype} from rank {src}"
+    what = _about("recv", out, "from rank", src)
     work = _issue(what, group, lambda: dist.irecv(out, src=dist.get_global_rank(group, src), group=group))
     return Pending(out, [work], what, group)
 
@@ -331,7 +348,7 @@ def split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return x.narrow(dim, group_rank(group) * size, size).contiguous()
 
 
-def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group, tag: int, what: str):
+def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group, tag: int, what: What):
     """Start sending ``send`` to the next rank of the ring and receiving ``recv`` from the previous.
 
     The ring is :func:`tp_kernels.schedule.ring`'s, in group ranks. Returns
