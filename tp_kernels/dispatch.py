@@ -52,54 +52,72 @@ def candidates(x: torch.Tensor, weight: torch.Tensor, group, p: Optional[int] = 
     slower than the reference on the CPU, docs/benchmarks.md). Only what every rank shares
     goes into this, so all ranks get the same list. ``p`` defaults to the group's size.
     """
-    if (coll.group_size(group) if p is None else p) == 1:
-        return ["reference"], ["one rank, nothing to overlap"]
+    why: List[str] = []
+    return _candidates(x, weight, group, coll.group_size(group) if p is None else p, why), why
+
+
+def _candidates(x: torch.Tensor, weight: torch.Tensor, group, p: int, why: Optional[List[str]]) -> List[str]:
+    """:func:`candidates`, the reasons appended to ``why`` (None: not asked for, not made)."""
+    if p == 1:
+        if why is not None:
+            why.append("one rank, nothing to overlap")
+        return ["reference"]
     return _allowed(pipelined_native.unsupported_reason(x, weight, group),
-                    lambda: fused.unsupported_reason(x, weight, group), portable=True)
+                    lambda: fused.unsupported_reason(x, weight, group), True, why)
 
 
 def collective_candidates(collective: str, x: torch.Tensor, group) -> Tuple[List[str], List[str]]:
     """What ``"auto"`` may run collective ``collective`` (of ``_op_table.COLLECTIVES``) on, like
     :func:`candidates`: ``"fused"`` (the all-reduce only), ``"native"`` (NCCL), ``"reference"``
     (``torch.distributed``), and why the others were left out."""
+    why: List[str] = []
+    return _collective_candidates(collective, x, group, why), why
+
+
+def _collective_candidates(collective: str, x: torch.Tensor, group, why: Optional[List[str]]) -> List[str]:
+    """:func:`collective_candidates`, the reasons appended to ``why`` (None: not made)."""
     if coll.group_size(group) == 1:
-        return ["reference"], ["one rank, nothing to communicate"]
+        if why is not None:
+            why.append("one rank, nothing to communicate")
+        return ["reference"]
     return _allowed(pipelined_native.unsupported_collective_reason(collective, x, group),
-                    lambda: fused.unsupported_collective_reason(collective, x, group), portable=False)
+                    lambda: fused.unsupported_collective_reason(collective, x, group), False, why)
 
 
-def _allowed(native_reason: Optional[str], fused_reason: Callable[[], Optional[str]],
-             portable: bool) -> Tuple[List[str], List[str]]:
+def _allowed(native_reason: Optional[str], fused_reason: Callable[[], Optional[str]], portable: bool,
+             why: Optional[List[str]]) -> List[str]:
     """The candidates of ``"auto"`` given why the native and the fused paths cannot run a call
     (``fused_reason`` is asked only when the fused path is allowed and the native one can run:
     its first call of a group is collective), and whether a portable schedule stands in for the
-    native one where that cannot run and ``"pipelined"`` is named."""
+    native one where that cannot run and ``"pipelined"`` is named; why the others were left out
+    appended to ``why`` (None: the reasons are not made, as on a call's path unless it logs)."""
     named = settings.get_auto_candidates()
     allowed = named if named is not None else settings.AUTO_CHOICES
     out: List[str] = []
-    why: List[str] = []
+    fused_out = pipelined_out = None  # why each was left out
     if "fused" in allowed:
         if native_reason is not None:  # the fused path needs what the native one needs
-            why.append(f"fused: {native_reason}")
+            fused_out = native_reason
         elif named is None and not settings.auto_fused():
-            why.append(f"fused: {settings.AUTO_FUSED_OFF}")
+            fused_out = settings.AUTO_FUSED_OFF
         else:
-            reason = fused_reason()
-            if reason is None:
+            fused_out = fused_reason()
+            if fused_out is None:
                 out.append("fused")
-            else:
-                why.append(f"fused: {reason}")
     if "pipelined" in allowed:
         if native_reason is None and (named is not None or settings.auto_native()):
             out.append("native")
         elif named is not None and portable:
             out.append("pipelined")
-            why.append(f"pipelined: the portable schedule, not the native one: {native_reason}")
+            pipelined_out = "the portable schedule, not the native one: " + native_reason
         else:
-            why.append(f"pipelined: {native_reason or settings.AUTO_NATIVE_OFF}")
+            pipelined_out = native_reason or settings.AUTO_NATIVE_OFF
+    if why is not None:
+        why.extend(f"{name}: {reason}" for name, reason in (("fused", fused_out), ("pipelined", pipelined_out))
+                   if reason is not None)
     if "reference" in allowed or not out:
         out.append("reference")
-    return out, why
+    return out
 
 
 def fused_all_reduce_algorithm(op: str, x: torch.Tensor, weight: torch.Tensor, p: int,
@@ -187,8 +205,9 @@ def resolve(op: str, backend: str, x: torch.Tensor, p: int, group=None, weight: 
             logger.debug("pipelined %s (p=%d, x %s %s): the portable schedule, not the native one: %s", op, p,
                          tuple(x.shape), x.dtype, reason)
         return _name("pipelined", op, x, w, p, chunks)
-    impls, why = candidates(x, w, group, p)
-    if why and _debugging():
+    why: Optional[List[str]] = [] if _debugging() else None
+    impls = _candidates(x, w, group, p, why)
+    if why:
         logger.debug("auto backend for %s (p=%d, x %s %s on %s): candidates %s; left out: %s", op, p,
                      tuple(x.shape), x.dtype, x.device.type, impls, "; ".join(why))
     if len(impls) == 1:
@@ -247,8 +266,9 @@ def resolve_collective(collective: str, backend: str, x: torch.Tensor, group, pe
             raise ValueError(f"backend: 'fused' cannot run {collective} (p={p}, x {tuple(x.shape)} {x.dtype} on "
                              f"{x.device}): {reason}. Use 'pipelined' or 'auto' there.")
         return collective_variants("fused" if collective == "all_reduce" else "native", collective, x, p)[0]
-    kinds, why = collective_candidates(collective, x, group)
-    if why and _debugging():
+    why: Optional[List[str]] = [] if _debugging() else None
+    kinds = _collective_candidates(collective, x, group, why)
+    if why:
         logger.debug("auto backend for %s (p=%d, x %s %s on %s): candidates %s; left out: %s", collective, p,
                       tuple(x.shape), x.dtype, x.device.type, kinds, "; ".join(why))
     variants = [v for kind in kinds for v in collective_variants(kind, collective, x, p)]
