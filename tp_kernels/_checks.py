@@ -72,16 +72,16 @@ def check_linear_args(
             f"bias: expected {n} elements to match {weight_name} {(n, k)}, got shape {tuple(bias.shape)}"
         )
     device, dtype = weight.device, weight.dtype
-    for name, t in ((x_name, x), ("bias", bias)):
-        if t is not None and t.device != device:
-            raise ValueError(f"{name}: device {t.device} does not match {weight_name}'s device {device}")
+    if x.device != device or (bias is not None and bias.device != device):
+        name, t = (x_name, x) if x.device != device else ("bias", bias)
+        raise ValueError(f"{name}: device {t.device} does not match {weight_name}'s device {device}")
     if _any_autocast() and x.is_floating_point() and _autocast_enabled(device.type):
         dtype = torch.get_autocast_dtype(device.type)
         x, weight = x.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
-    for name, t in ((x_name, x), ("bias", bias)):
-        if t is not None and t.dtype != dtype:
-            raise ValueError(f"{name}: dtype {t.dtype} does not match {weight_name}'s dtype {dtype}")
+    if x.dtype != dtype or (bias is not None and bias.dtype != dtype):
+        name, t = (x_name, x) if x.dtype != dtype else ("bias", bias)
+        raise ValueError(f"{name}: dtype {t.dtype} does not match {weight_name}'s dtype {dtype}")
     return x, weight, bias
 
 

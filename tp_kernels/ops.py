@@ -51,9 +51,15 @@ __all__ = [
 ]
 
 
-def _flatten(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as 2-D ``[rows, k]`` (as it is when it is 2-D: a reshape costs ~2 µs of host time)."""
-    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+def _out_lead(op: str, x_shape, p: int) -> list:
+    """The leading dims of ``op``'s output for an input of ``x_shape`` (dim 0 gathered or
+    scattered)."""
+    lead = list(x_shape[:-1])
+    if op == "all_gather_matmul":
+        lead[0] *= p
+    elif op == "matmul_reduce_scatter":
+        lead[0] //= p
+    return lead
 
 
 def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int], x_name: str = "x",
@@ -61,33 +67,31 @@ def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int]
     """Check the tensors (errors name the input ``x_name``) and agree on the call with the group
     (:func:`tp_kernels._agreement.agree`) before any communication, decide the implementation once
     (:func:`tp_kernels.dispatch.resolve`), run ``torch.ops.tp_kernels.<op>``
-    (:func:`tp_kernels._library.op`) on the flattened input and restore its leading dims. ``group`` was resolved by the caller; ``prepare(x)``, the
-    caller's own checks (of ``backend`` and ``num_chunks`` by the public ops below; the layers
-    check theirs once, when they are made) and preparation of ``x``, runs first, in the agreement
-    too."""
+    (:func:`tp_kernels._library.op`) on the input as 2-D ``[rows, k]`` and restore its leading
+    dims. ``group`` was resolved by the caller; ``prepare(x)``, the caller's own checks (of
+    ``backend`` and ``num_chunks`` by the public ops below; the layers check theirs once, when
+    they are made) and preparation of ``x``, runs first, in the agreement too."""
 
     p = coll.group_size(group)
 
     def check():
         x_ = prepare(x) if prepare is not None else x
-        x_, w, b = check_linear_args(x_, weight, bias, x_name=x_name, min_dim=OPS[op].min_dim)
-        lead = list(x_.shape[:-1])
-        if op == "all_gather_matmul":
-            lead[0] *= p
-        elif op == "matmul_reduce_scatter":
-            lead[0] = check_divisible(f"{x_name}.shape[0]", x_.shape[0], p)
-        return x_, w, b, lead
+        checked = check_linear_args(x_, weight, bias, x_name=x_name, min_dim=OPS[op].min_dim)
+        if op == "matmul_reduce_scatter":
+            check_divisible(f"{x_name}.shape[0]", checked[0].shape[0], p)
+        return checked
 
     def fingerprint(checked) -> str:
-        x_, w, b, _ = checked
+        x_, w, b = checked
         return (f"{x_name} {describe(x_)}, weight {describe(w)}, bias {describe(b)}, backend {backend}, "
                 f"num_chunks {num_chunks}")
 
-    x, weight, bias, lead = agree(op, group, check, fingerprint, hint=x)
-    x2d = _flatten(x)
+    x, weight, bias = agree(op, group, check, fingerprint, hint=x)
+    # 2-D as it is: a reshape costs ~2 µs of host time
+    x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     impl = resolve(op, backend, x2d, p, group, weight, bias, num_chunks)
     out = _library.op(op)(x2d, weight, bias, coll.group_name(group), impl)
-    return out if len(lead) == 1 else out.reshape(*lead, weight.shape[0])
+    return out if x2d is x else out.reshape(*_out_lead(op, x.shape, p), weight.shape[0])
 
 
 def _public(op: str, x, weight, bias, group, backend, num_chunks) -> torch.Tensor:
