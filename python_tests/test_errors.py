@@ -4,6 +4,7 @@ exchange that tells every rank about it); nothing hangs."""
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from unittest import mock
 
@@ -188,6 +189,15 @@ COLLECTIVE_CALLS = {
     "broadcast": lambda c, x: c.broadcast(x, src=0),
     "recv": lambda c, x: c.recv((4, 6), torch.float32, src=1),
 }
+#: what the error of each says did not complete
+COLLECTIVE_WHAT = {
+    "all_reduce": "all-reduce of (4, 6) torch.float32",
+    "all_gather": "all-gather of (1, 4, 6) torch.float32",  # dim 0 of the Communicator: a leading block dim
+    "reduce_scatter": "all-reduce of (4, 6) torch.float32",  # on the host, through an all-reduce
+    "gather": "gather of (1, 4, 6) torch.float32 to rank 0",
+    "broadcast": "broadcast of (4, 6) torch.float32 from rank 0",
+    "recv": "recv of (4, 6) torch.float32 from rank 1",
+}
 
 
 def check_missing_peer_times_out_in_a_collective(name):
@@ -200,7 +210,7 @@ def check_missing_peer_times_out_in_a_collective(name):
     tp_kernels.set_timeout(2)
     try:
         start = time.monotonic()
-        with pytest.raises(RuntimeError, match="did not complete"):
+        with pytest.raises(RuntimeError, match=re.escape(f"{COLLECTIVE_WHAT[name]} did not complete")):
             COLLECTIVE_CALLS[name](tp_kernels.Communicator(group), torch.randn(4, 6))
         elapsed = time.monotonic() - start
     finally:
