@@ -8,9 +8,9 @@
 #       tracebacks and the slowest tests in the log: gpu-tests-<commit>.json
 #   ... bash bench/gpu_suite.sh bench
 #       the main job (on one GPU with the per-rank costs, the fused path on virtual ranks and the
-#       calibrated projection), the fused path's sweeps and the pytest-benchmark suite, each under
-#       its own time limit: gpu-bench-<commit>.json, and the main job's JSON/CSV/PNG and the
-#       other benchmarks' JSON next to it
+#       calibrated projection), the fused path's sweeps, the pytest-benchmark suite and the host
+#       time of a call at 1, 2 and 8 ranks, each under its own time limit: gpu-bench-<commit>.json,
+#       and the main job's JSON/CSV/PNG and the other benchmarks' JSON next to it
 #   ... bash bench/gpu_suite.sh sanitize
 #       compute-sanitizer memcheck and racecheck on the fused ops: gpu-sanitize-<commit>.json
 #
@@ -81,7 +81,11 @@ case "$part" in
     step fused 100 "$PY" -m tp_kernels.bench.fused --out-dir "$logs/fused" --tag "$commit"
     step pytest-bench 60 "$PY" -m pytest bench -q -p no:cacheprovider --tp-m 16,8192 --tp-rounds 5 \
       --benchmark-json="$logs/pytest-bench.json"
-    cp "$logs"/bench/* "$logs"/fused/*.json "$results/" 2>/dev/null
+    # The host time of a call at 1, 2 and 8 ranks of a fake group (no communication): the reference
+    # and auto on the reference, which is what a fake group can run (hence AUTO_NATIVE off here).
+    step host 40 env TP_KERNELS_AUTO_NATIVE=0 "$PY" -m tp_kernels.bench.host --samples 30 --out-dir "$logs/host" \
+      --tag "$commit"
+    cp "$logs"/bench/* "$logs"/fused/*.json "$logs"/host/*.json "$results/" 2>/dev/null
     ;;
   sanitize)
     san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)

@@ -2,7 +2,7 @@
 the commit and the date:
 
     python bench/gpu_summary.py tests    LOGS RESULTS COMMIT   # LOGS/gpu-tests.xml (junit)
-    python bench/gpu_summary.py bench    LOGS RESULTS COMMIT   # LOGS/{bench,extension,fused}/*.json, LOGS/status.txt
+    python bench/gpu_summary.py bench    LOGS RESULTS COMMIT   # LOGS/{bench,extension,fused,host}/*.json, LOGS/status.txt
     python bench/gpu_summary.py sanitize LOGS RESULTS COMMIT   # LOGS/status.txt, LOGS/sanitize-*.log
 
 It writes ``RESULTS/gpu-<part>-<COMMIT>.json`` and prints one line saying what it holds. Exit
@@ -72,7 +72,7 @@ def bench(logs: str) -> Dict:
     """Every step's exit status and the records the benchmarks wrote (the main job's without its
     raw measurements, which stay in its own JSON next to this record)."""
     records = {}
-    for part in ("bench", "extension", "fused"):
+    for part in ("bench", "extension", "fused", "host"):
         for path in sorted(glob.glob(os.path.join(logs, part, "*.json"))):
             record = json.load(open(path))
             record.pop("measurements", None)

@@ -271,6 +271,29 @@ def test_extension_bench_flop_count():
     assert tflops(8192, 8192, 8192, 1.0) == pytest.approx(2 * 8192**3 / 1e-3 / 1e12)
 
 
+def test_host_time_bench_at_one_and_two_ranks(tmp_path):
+    """python -m tp_kernels.bench.host on the CPU (its own process: it makes a fake world): every
+    call is timed at each group size, against its plain counterpart, and nothing is skipped
+    there."""
+    out = subprocess.run([sys.executable, "-m", "tp_kernels.bench.host", "--ranks", "1,2", "--samples", "2",
+                          "--device", "cpu", "--out-dir", str(tmp_path), "--tag", "t"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.load(open(tmp_path / "host-cpu-t.json"))
+    assert [run["p"] for run in record["runs"]] == [1, 2] and record["target_us"] == 5.0
+    names = {"plain", "plain_layer", "RowParallelLinear/auto"} | {
+        f"matmul_all_reduce/{b}" for b in ("reference", "pipelined", "auto")}
+    for run in record["runs"]:
+        assert set(run["times"]) == names and run["skipped"] == {}
+        assert all(0 < t["min_us"] <= t["median_us"] for t in run["times"].values())
+        assert set(run["added_us"]) == names - {"plain", "plain_layer"}
+        assert run["added_us"]["RowParallelLinear/auto"] == pytest.approx(
+            run["times"]["RowParallelLinear/auto"]["median_us"] - run["times"]["plain_layer"]["median_us"])
+    with pytest.raises(SystemExit):
+        from tp_kernels.bench import host
+        host.main(["--ranks", "0"])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
 def test_fused_bench_without_a_gpu_says_so(capsys):
     from tp_kernels.bench import fused

@@ -1,0 +1,208 @@
+"""Host time of one eager call: what tp_kernels' Python adds over plain PyTorch doing the same
+work, at p ranks, with the communication itself taken out.
+
+    python -m tp_kernels.bench.host [--ranks 1,2,8] [--device cpu|cuda] [--samples N] [--out-dir DIR] [--tag T]
+
+For each p this process joins a one-process *fake* world of p ranks (torch's ``fake`` backend,
+``torch.testing._internal.distributed.fake_pg``: every collective completes at once and moves
+nothing), so the figure is the host time of the call's path alone (the checks, the decision,
+the custom op, the collective's issue and wait), at the group size a user runs, not only at
+p = 1 where every collective is skipped. It times, at the decode size of
+:mod:`tp_kernels.bench.extension` on a GPU (m = 16, k = 3584, n = 8192, bf16; on the CPU m = 16,
+k = n = 64, float32, one thread):
+
+* ``plain``: what a hand-written row-parallel layer does: ``F.linear``, then (p > 1)
+  ``dist.all_reduce`` of the result, issued asynchronously and waited for;
+* ``matmul_all_reduce/<backend>``: :func:`tp_kernels.matmul_all_reduce` on each backend that can
+  run on a fake group (the reference and the portable pipelined schedule; ``auto`` where it
+  resolves to one of them; the native and fused paths need real peers and are skipped, saying
+  so);
+* ``plain_layer`` and ``RowParallelLinear/auto``: a hand-written row-parallel ``nn.Module`` with a
+  bias (:class:`PlainRowParallel`, Megatron's: ``F.linear`` without the bias, the all-reduce,
+  then the bias added once), and tp_kernels' layer, under ``torch.no_grad()`` (the serving case).
+
+Each figure is the median over ``--samples`` of the mean host time of 200 calls, the calls timed
+in turns (on a GPU the device is synchronised between samples only, so issuing never waits for
+it; 200 calls stay under CUDA's launch queue depth); ``added_us`` is a call's figure minus its
+plain counterpart's. The
+target (``tp_kernels.bench.targets``: ``host_overhead_us``) is read against the GPU host's
+figures. Fingerprints are off here: on a fake group they would compare garbage, and
+``python -m tp_kernels.bench.fingerprints`` measures their cost. Writes ``host-<device>[-<tag>].json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .. import dispatch, ops, settings
+from ..layers import RowParallelLinear
+from .records import commit, default_out_dir, device_name, save_record
+from .targets import TARGETS
+
+CALLS_PER_SAMPLE = 200
+#: (m, k, n) of the timed GEMM: the decode GEMM of tp_kernels.bench.extension on a GPU, a tiny one on the CPU
+SHAPES = {"cuda": (16, 28672 // 8, 8192), "cpu": (16, 64, 64)}
+
+
+def fake_world(p: int) -> None:
+    """Make this process the one member of a fake world of ``p`` ranks (rank 0), in place of any
+    default group it had."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=p)
+
+
+def host_times_us(fns: Dict[str, Callable[[], object]], samples: int, cuda: bool,
+                  calls: int = CALLS_PER_SAMPLE) -> Dict[str, Dict[str, float]]:
+    """For each of ``fns``, the median and the fastest of ``samples`` mean host times of a call
+    (µs). The samples are taken in turns, one of each function per round, so that a machine's
+    drift weighs on all of them alike."""
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    if cuda:
+        torch.cuda.synchronize()
+    times: Dict[str, List[float]] = {name: [] for name in fns}
+    for _ in range(samples):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - t0) / calls * 1e6)
+            if cuda:
+                torch.cuda.synchronize()
+    return {name: {"median_us": statistics.median(t), "min_us": min(t)} for name, t in times.items()}
+
+
+class PlainRowParallel(torch.nn.Module):
+    """A row-parallel layer as written by hand (Megatron's): the GEMM without the bias, the
+    all-reduce (with more than one rank), the bias added once."""
+
+    def __init__(self, in_features: int, out_features: int, group, device, dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(out_features, in_features, device=device, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.randn(out_features, device=device, dtype=dtype))
+        self.group = group
+
+    def forward(self, x):
+        if self.group.size() == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight)
+        dist.all_reduce(y, group=self.group, async_op=True).wait()
+        return y.add_(self.bias)
+
+
+def _calls(p: int, device: torch.device, dtype: torch.dtype):
+    """The timed calls at ``p`` ranks: name -> (function, its plain counterpart's name), and the
+    skipped ones: name -> why."""
+    group = dist.group.WORLD
+    m, k, n = SHAPES[device.type]
+    x, w = torch.randn(m, k, device=device, dtype=dtype), torch.randn(n, k, device=device, dtype=dtype)
+    plain = PlainRowParallel(k, n, group, device, dtype)
+    row = RowParallelLinear(k * p, n, group=group, device=device, dtype=dtype).requires_grad_(False)
+
+    def reduce(y):
+        if p > 1:
+            dist.all_reduce(y, group=group, async_op=True).wait()
+        return y
+
+    calls = {"plain": (lambda: reduce(F.linear(x, w)), None)}
+    skipped = {}
+    for backend in ("reference", "pipelined", "auto"):
+        impl = dispatch.select_backend("matmul_all_reduce", backend, x, p, group, w)
+        if impl != "reference" and not impl.startswith("pipelined:"):
+            skipped[f"matmul_all_reduce/{backend}"] = f"runs {impl}, which needs real peers"
+            continue
+        calls[f"matmul_all_reduce/{backend}"] = (
+            lambda backend=backend: ops.matmul_all_reduce(x, w, group=group, backend=backend), "plain")
+
+    def plain_layer():
+        with torch.no_grad():
+            return plain(x)
+
+    def row_layer():
+        with torch.no_grad():
+            return row(x)
+
+    calls["plain_layer"] = (plain_layer, None)
+    if dispatch.select_backend("matmul_all_reduce", "auto", x, p, group, row.weight) == "reference":
+        calls["RowParallelLinear/auto"] = (row_layer, "plain_layer")
+    else:
+        skipped["RowParallelLinear/auto"] = "auto runs a path that needs real peers"
+    return calls, skipped
+
+
+def measure(p: int, device: torch.device, samples: int) -> Dict:
+    """Every call's host time at ``p`` ranks (a fake world of this process), and what each adds
+    over its plain counterpart."""
+    fake_world(p)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    calls, skipped = _calls(p, device, dtype)
+    times = host_times_us({name: fn for name, (fn, _) in calls.items()}, samples, device.type == "cuda")
+    added = {name: times[name]["median_us"] - times[base]["median_us"]
+             for name, (_, base) in calls.items() if base is not None}
+    return {"p": p, "times": times, "added_us": added, "skipped": skipped}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tp_kernels.bench.host", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", default="1,2,8", help="group sizes, comma-separated (default: %(default)s)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--samples", type=int, default=50, help="timed samples per figure (default: %(default)s)")
+    ap.add_argument("--out-dir", default=default_out_dir(), help="default: %(default)s")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+    try:
+        ranks = [int(v) for v in args.ranks.split(",")]
+    except ValueError:
+        ap.error(f"--ranks: expected comma-separated ints, got {args.ranks!r}")
+    if not ranks or min(ranks) < 1:
+        ap.error(f"--ranks: expected group sizes >= 1, got {args.ranks!r}")
+    if args.samples < 1:
+        ap.error(f"--samples: expected at least 1, got {args.samples}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("python -m tp_kernels.bench.host: --device cuda, but no CUDA device is visible", file=sys.stderr)
+        return 2
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # a tiny GEMM: no thread pool's wake-up in the figure
+    settings.set_fingerprints(False)
+    try:
+        runs = [measure(p, device, args.samples) for p in ranks]
+    finally:
+        settings.set_fingerprints(None)
+        torch.set_num_threads(threads)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    m, k, n = SHAPES[device.type]
+    record = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else device_name("gloo"),
+              "commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "torch": torch.__version__, "python": sys.version.split()[0],
+              "shape": [m, k, n], "dtype": "bfloat16" if device.type == "cuda" else "float32",
+              "calls_per_sample": CALLS_PER_SAMPLE, "samples": args.samples, "runs": runs,
+              "target_us": TARGETS["host_overhead_us"][0]}
+    for run in runs:
+        print(f"p = {run['p']}: " + ", ".join(f"{name} {t['median_us']:.2f} us" for name, t in run["times"].items()))
+        print("  added: " + ", ".join(f"{name} {v:+.2f} us" for name, v in run["added_us"].items()))
+        for name, why in run["skipped"].items():
+            print(f"  skipped {name}: {why}")
+    save_record(record, args.out_dir, "host", args.tag)
+    print(json.dumps({run["p"]: run["added_us"] for run in runs}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
