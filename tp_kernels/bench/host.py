@@ -21,10 +21,12 @@ k = n = 64, float32, one thread):
   bias (:class:`PlainRowParallel`, Megatron's: ``F.linear`` without the bias, the all-reduce,
   then the bias added once), and tp_kernels' layer, under ``torch.no_grad()`` (the serving case).
 
-Each figure is the median over ``--samples`` of the mean host time of 200 calls, the calls timed
-in turns (on a GPU the device is synchronised between samples only, so issuing never waits for
-it; 200 calls stay under CUDA's launch queue depth); ``added_us`` is a call's figure minus its
-plain counterpart's. The
+Each figure is the fastest of ``--samples`` samples, each the mean host time of 200 calls, the
+calls timed in turns (on a GPU the device is synchronised between samples only, so issuing never
+waits for it; 200 calls stay under CUDA's launch queue depth). The fastest, not the median: what
+disturbs a host's timing (other processes, interrupts, a shared VM's neighbours) only adds to it,
+so the fastest sample is the call's own cost (the median is in the record too).
+``added_us`` is a call's figure minus its plain counterpart's. The
 target (``tp_kernels.bench.targets``: ``host_overhead_us``) is read against the GPU host's
 figures. Fingerprints are off here: on a fake group they would compare garbage, and
 ``python -m tp_kernels.bench.fingerprints`` measures their cost. Writes ``host-<device>[-<tag>].json``.
@@ -151,7 +153,7 @@ def measure(p: int, device: torch.device, samples: int) -> Dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     calls, skipped = _calls(p, device, dtype)
     times = host_times_us({name: fn for name, (fn, _) in calls.items()}, samples, device.type == "cuda")
-    added = {name: times[name]["median_us"] - times[base]["median_us"]
+    added = {name: times[name]["min_us"] - times[base]["min_us"]
              for name, (_, base) in calls.items() if base is not None}
     return {"p": p, "times": times, "added_us": added, "skipped": skipped}
 
@@ -195,7 +197,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               "calls_per_sample": CALLS_PER_SAMPLE, "samples": args.samples, "runs": runs,
               "target_us": TARGETS["host_overhead_us"][0]}
     for run in runs:
-        print(f"p = {run['p']}: " + ", ".join(f"{name} {t['median_us']:.2f} us" for name, t in run["times"].items()))
+        print(f"p = {run['p']}: " + ", ".join(f"{name} {t['min_us']:.2f} us" for name, t in run["times"].items()))
         print("  added: " + ", ".join(f"{name} {v:+.2f} us" for name, v in run["added_us"].items()))
         for name, why in run["skipped"].items():
             print(f"  skipped {name}: {why}")
