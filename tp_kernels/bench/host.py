@@ -88,6 +88,14 @@ def host_times_us(fns: Dict[str, Callable[[], object]], samples: int, cuda: bool
     return {name: {"median_us": statistics.median(t), "min_us": min(t)} for name, t in times.items()}
 
 
+def _all_reduced(y: torch.Tensor, group) -> torch.Tensor:
+    """``y`` summed over ``group`` as plain PyTorch sums it: ``dist.all_reduce`` issued
+    asynchronously and waited for (nothing with one rank)."""
+    if group.size() > 1:
+        dist.all_reduce(y, group=group, async_op=True).wait()
+    return y
+
+
 class PlainRowParallel(torch.nn.Module):
     """A row-parallel layer as written by hand (Megatron's): the GEMM without the bias, the
     all-reduce (with more than one rank), the bias added once."""
@@ -101,9 +109,7 @@ class PlainRowParallel(torch.nn.Module):
     def forward(self, x):
         if self.group.size() == 1:
             return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)
-        dist.all_reduce(y, group=self.group, async_op=True).wait()
-        return y.add_(self.bias)
+        return _all_reduced(F.linear(x, self.weight), self.group).add_(self.bias)
 
 
 def _calls(p: int, device: torch.device, dtype: torch.dtype):
@@ -115,12 +121,7 @@ def _calls(p: int, device: torch.device, dtype: torch.dtype):
     plain = PlainRowParallel(k, n, group, device, dtype)
     row = RowParallelLinear(k * p, n, group=group, device=device, dtype=dtype).requires_grad_(False)
 
-    def reduce(y):
-        if p > 1:
-            dist.all_reduce(y, group=group, async_op=True).wait()
-        return y
-
-    calls = {"plain": (lambda: reduce(F.linear(x, w)), None)}
+    calls = {"plain": (lambda: _all_reduced(F.linear(x, w), group), None)}
     skipped = {}
     for backend in ("reference", "pipelined", "auto"):
         impl = dispatch.select_backend("matmul_all_reduce", backend, x, p, group, w)
