@@ -1,5 +1,6 @@
 // Python bindings of tp_kernels._C: glue only. The C++ core is framework-free (csrc/include);
-// every tensor argument arrives as a TensorRef and is checked once, by boundary.h.
+// every tensor argument arrives as a torch.Tensor (or a TensorRef), is read into a TensorRef here
+// (arg) and is checked once, by boundary.h.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -42,6 +43,76 @@ T* ptr(uintptr_t address) {
 cudaStream_t stream_ptr(uintptr_t stream) { return ptr<CUstream_st>(stream); }
 
 const TensorRef* opt(const OptionalRef& t) { return t ? &*t : nullptr; }
+
+// --- tensor arguments: a torch.Tensor (or a TensorRef made by hand) read once, into a TensorRef --------
+
+py::object steal_or_throw(PyObject* o) {
+  if (o == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(o);
+}
+
+std::vector<int64_t> int_tuple(const py::object& t) {  // torch.Size and stride() are tuples
+  if (!PyTuple_Check(t.ptr())) return t.cast<std::vector<int64_t>>();
+  const Py_ssize_t n = PyTuple_GET_SIZE(t.ptr());
+  std::vector<int64_t> v(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    v[static_cast<size_t>(i)] = PyLong_AsLongLong(PyTuple_GET_ITEM(t.ptr(), i));
+    if (v[static_cast<size_t>(i)] == -1 && PyErr_Occurred()) throw py::error_already_set();
+  }
+  return v;
+}
+
+// The tensor argument `name`: a TensorRef as it is (tests make them by hand, with any address),
+// else a torch.Tensor's data_ptr(), shape, stride(), dtype and get_device() (-1: host memory),
+// read here through the C API. That spares making a TensorRef object in Python per tensor
+// (about 1 µs of host time each, four to six a call). The objects kept for it (torch.Tensor,
+// interned names, the dtype names) live as long as the process: never freed, so nothing is
+// released after the interpreter is gone.
+TensorRef arg(py::handle t, const char* name) {
+  if (py::isinstance<TensorRef>(t)) return t.cast<TensorRef>();
+  static PyObject* tensor_type = py::object(py::module_::import("torch").attr("Tensor")).release().ptr();
+  static PyObject* s_data_ptr = PyUnicode_InternFromString("data_ptr");
+  static PyObject* s_shape = PyUnicode_InternFromString("shape");
+  static PyObject* s_stride = PyUnicode_InternFromString("stride");
+  static PyObject* s_dtype = PyUnicode_InternFromString("dtype");
+  static PyObject* s_get_device = PyUnicode_InternFromString("get_device");
+  static PyObject* dtype_names = PyDict_New();  // torch.dtype -> its name without "torch."
+  const int is_tensor = PyObject_IsInstance(t.ptr(), tensor_type);
+  if (is_tensor < 0) throw py::error_already_set();
+  if (is_tensor == 0)
+    throw tp_kernels::ArgumentError(std::string(name) + ": expected a torch.Tensor, got " + Py_TYPE(t.ptr())->tp_name);
+  const py::object data = steal_or_throw(PyObject_CallMethodNoArgs(t.ptr(), s_data_ptr));
+  const auto address = static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(data.ptr()));
+  if (PyErr_Occurred()) throw py::error_already_set();
+  std::vector<int64_t> shape = int_tuple(steal_or_throw(PyObject_GetAttr(t.ptr(), s_shape)));
+  std::vector<int64_t> strides = int_tuple(steal_or_throw(PyObject_CallMethodNoArgs(t.ptr(), s_stride)));
+  const py::object dtype = steal_or_throw(PyObject_GetAttr(t.ptr(), s_dtype));
+  py::object dtype_name = py::reinterpret_borrow<py::object>(PyDict_GetItemWithError(dtype_names, dtype.ptr()));
+  if (!dtype_name) {
+    if (PyErr_Occurred()) throw py::error_already_set();
+    const std::string full = py::str(dtype).cast<std::string>();  // "torch.bfloat16"
+    dtype_name = py::str(full.substr(full.rfind('.') + 1));
+    if (PyDict_SetItem(dtype_names, dtype.ptr(), dtype_name.ptr()) != 0) throw py::error_already_set();
+  }
+  const py::object device = steal_or_throw(PyObject_CallMethodNoArgs(t.ptr(), s_get_device));
+  return tp_kernels::make_tensor_ref(name, address, std::move(shape), std::move(strides),
+                                     dtype_name.cast<std::string>(), device.cast<int>());
+}
+
+OptionalRef optional_arg(py::handle t, const char* name) {
+  if (t.is_none()) return std::nullopt;
+  return arg(t, name);
+}
+
+// A list of tensor arguments, named `name[0]`, `name[1]`, ...
+std::vector<TensorRef> arg_list(py::handle seq, const char* name) {
+  std::vector<TensorRef> refs;
+  size_t i = 0;
+  for (py::handle t : py::reinterpret_borrow<py::sequence>(seq)) {
+    refs.push_back(arg(t, (std::string(name) + "[" + std::to_string(i++) + "]").c_str()));
+  }
+  return refs;
+}
 
 py::tuple names(const std::vector<std::string>& v) { return py::cast(v); }
 
@@ -118,11 +189,21 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("device", &TensorRef::device)
       .def_property_readonly("dtype", [](const TensorRef& t) { return tp_kernels::dtype_name(t.dtype); })
       .def("__repr__", [](const TensorRef& t) { return "TensorRef(" + t.name + ": " + t.describe() + ")"; });
+  m.def(
+      "tensor_ref", [](const std::string& name, py::handle tensor) { return arg(tensor, name.c_str()); },
+      py::arg("name"), py::arg("tensor"),
+      "The TensorRef every native function reads from `tensor` for its argument `name` (a TensorRef is taken as "
+      "it is); ValueError naming `name` for anything else.");
 
   m.def(
       "linear",
-      [](const TensorRef& x, const TensorRef& weight, const OptionalRef& bias, const TensorRef& out,
-         const TensorRef& workspace, uintptr_t stream) {
+      [](py::handle x_, py::handle weight_, py::handle bias_, py::handle out_,
+         py::handle workspace_, uintptr_t stream) {
+        const TensorRef x = arg(x_, "x");
+        const TensorRef weight = arg(weight_, "weight");
+        const OptionalRef bias = optional_arg(bias_, "bias");
+        const TensorRef out = arg(out_, "out");
+        const TensorRef workspace = arg(workspace_, "workspace");
         tp_kernels::LinearArgs a = tp_kernels::linear_args(x, weight, opt(bias), out, workspace, stream_ptr(stream));
         py::gil_scoped_release release;
         tp_kernels::linear(a);
@@ -134,17 +215,28 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "linear_problem",
-      [](const TensorRef& x, const TensorRef& weight, const OptionalRef& bias, const TensorRef& out,
-         const TensorRef& workspace, uintptr_t stream) {
+      [](py::handle x_, py::handle weight_, py::handle bias_, py::handle out_,
+         py::handle workspace_, uintptr_t stream) {
+        const TensorRef x = arg(x_, "x");
+        const TensorRef weight = arg(weight_, "weight");
+        const OptionalRef bias = optional_arg(bias_, "bias");
+        const TensorRef out = arg(out_, "out");
+        const TensorRef workspace = arg(workspace_, "workspace");
         return describe(tp_kernels::linear_args(x, weight, opt(bias), out, workspace, stream_ptr(stream)));
       },
       py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("workspace"), py::arg("stream") = 0,
       "The GEMM `linear` would run for these arguments (checked as it checks them), as a dict; runs nothing.");
   m.def(
       "primitive_problem",
-      [](const std::string& op, int rank, int size, int device, const TensorRef& x, const TensorRef& weight,
-         const OptionalRef& bias, const TensorRef& out, const OptionalRef& scratch, std::vector<int64_t> bounds,
-         std::optional<std::vector<int>> ring, int ring_next, int ring_prev, const TensorRef& workspace) {
+      [](const std::string& op, int rank, int size, int device, py::handle x_, py::handle weight_,
+         py::handle bias_, py::handle out_, py::handle scratch_, std::vector<int64_t> bounds,
+         std::optional<std::vector<int>> ring, int ring_next, int ring_prev, py::handle workspace_) {
+        const TensorRef x = arg(x_, "x");
+        const TensorRef weight = arg(weight_, "weight");
+        const OptionalRef bias = optional_arg(bias_, "bias");
+        const TensorRef out = arg(out_, "out");
+        const OptionalRef scratch = optional_arg(scratch_, "scratch");
+        const TensorRef workspace = arg(workspace_, "workspace");
         OverlapArgs a = tp_kernels::primitive_args(tp_kernels::parse_primitive(op, "op"), size, device, x, weight,
                                                    opt(bias), out, opt(scratch), std::move(bounds), workspace, nullptr);
         if (ring) tp_kernels::set_ring(a, rank, size, std::move(*ring), ring_next, ring_prev);
@@ -158,8 +250,10 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "collective_problem",
-      [](const std::string& collective, int rank, int size, int device, const OptionalRef& x, const OptionalRef& out,
+      [](const std::string& collective, int rank, int size, int device, py::handle x_, py::handle out_,
          int peer) {
+        const OptionalRef x = optional_arg(x_, "x");
+        const OptionalRef out = optional_arg(out_, "out");
         return describe(tp_kernels::collective_args(tp_kernels::parse_collective(collective, "collective"), rank, size,
                                                     device, opt(x), opt(out), peer, nullptr));
       },
@@ -195,9 +289,15 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "all_gather_matmul",
-      [](Communicator& comm, const TensorRef& x, const TensorRef& weight, const OptionalRef& bias,
-         const TensorRef& out, const TensorRef& gathered, std::vector<int64_t> bounds, std::vector<int> ring,
-         int ring_next, int ring_prev, const TensorRef& workspace, uintptr_t stream) {
+      [](Communicator& comm, py::handle x_, py::handle weight_, py::handle bias_,
+         py::handle out_, py::handle gathered_, std::vector<int64_t> bounds, std::vector<int> ring,
+         int ring_next, int ring_prev, py::handle workspace_, uintptr_t stream) {
+        const TensorRef x = arg(x_, "x");
+        const TensorRef weight = arg(weight_, "weight");
+        const OptionalRef bias = optional_arg(bias_, "bias");
+        const TensorRef out = arg(out_, "out");
+        const TensorRef gathered = arg(gathered_, "gathered");
+        const TensorRef workspace = arg(workspace_, "workspace");
         OverlapArgs a = tp_kernels::primitive_args(Primitive::kAllGatherMatmul, comm.size(), comm.device(), x, weight,
                                                    opt(bias), out, &gathered, std::move(bounds), workspace,
                                                    stream_ptr(stream));
@@ -212,8 +312,13 @@ PYBIND11_MODULE(_C, m) {
       "in the order `ring`, overlapped with the GEMM of the shards already there.");
   m.def(
       "matmul_reduce_scatter",
-      [](Communicator& comm, const TensorRef& x, const TensorRef& weight, const TensorRef& out,
-         const TensorRef& partial, std::vector<int64_t> bounds, const TensorRef& workspace, uintptr_t stream) {
+      [](Communicator& comm, py::handle x_, py::handle weight_, py::handle out_,
+         py::handle partial_, std::vector<int64_t> bounds, py::handle workspace_, uintptr_t stream) {
+        const TensorRef x = arg(x_, "x");
+        const TensorRef weight = arg(weight_, "weight");
+        const TensorRef out = arg(out_, "out");
+        const TensorRef partial = arg(partial_, "partial");
+        const TensorRef workspace = arg(workspace_, "workspace");
         OverlapArgs a = tp_kernels::primitive_args(Primitive::kMatmulReduceScatter, comm.size(), comm.device(), x,
                                                    weight, nullptr, out, &partial, std::move(bounds), workspace,
                                                    stream_ptr(stream));
@@ -225,8 +330,12 @@ PYBIND11_MODULE(_C, m) {
       "out [m/p, n] = RS(x[m, k] weight^T), chunk by chunk through `partial` [m, n].");
   m.def(
       "matmul_all_reduce",
-      [](Communicator& comm, const TensorRef& x, const TensorRef& weight, const TensorRef& out,
-         std::vector<int64_t> bounds, const TensorRef& workspace, uintptr_t stream) {
+      [](Communicator& comm, py::handle x_, py::handle weight_, py::handle out_,
+         std::vector<int64_t> bounds, py::handle workspace_, uintptr_t stream) {
+        const TensorRef x = arg(x_, "x");
+        const TensorRef weight = arg(weight_, "weight");
+        const TensorRef out = arg(out_, "out");
+        const TensorRef workspace = arg(workspace_, "workspace");
         OverlapArgs a = tp_kernels::primitive_args(Primitive::kMatmulAllReduce, comm.size(), comm.device(), x, weight,
                                                    nullptr, out, nullptr, std::move(bounds), workspace,
                                                    stream_ptr(stream));
@@ -238,8 +347,10 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "nccl_collective",
-      [](Communicator& comm, const std::string& collective, const OptionalRef& x, const OptionalRef& out, int peer,
+      [](Communicator& comm, const std::string& collective, py::handle x_, py::handle out_, int peer,
          uintptr_t stream) {
+        const OptionalRef x = optional_arg(x_, "x");
+        const OptionalRef out = optional_arg(out_, "out");
         const tp_kernels::Collective c = tp_kernels::parse_collective(collective, "collective");
         CollectiveArgs a = tp_kernels::collective_args(c, comm.rank(), comm.size(), comm.device(), opt(x), opt(out),
                                                        peer, stream_ptr(stream));
@@ -283,7 +394,9 @@ PYBIND11_MODULE(_C, m) {
       "not 0) puts its code | MISMATCH_BIT there. Waits return at once while *error_word is set.");
   m.def(
       "reduce_partials",
-      [](const std::vector<TensorRef>& inputs, const TensorRef& out, uintptr_t stream) {
+      [](py::handle inputs_, py::handle out_, uintptr_t stream) {
+        const std::vector<TensorRef> inputs = arg_list(inputs_, "inputs");
+        const TensorRef out = arg(out_, "out");
         const void* in[tp_kernels::kMaxRanks] = {};
         const int64_t count = tp_kernels::reduce_partials_args(inputs, out, in);
         tp_kernels::reduce_partials(in, static_cast<int>(inputs.size()), out.ptr(), count, out.dtype,
@@ -434,9 +547,15 @@ PYBIND11_MODULE(_C, m) {
       "phase k + 1 of any.");
   m.def(
       "fused_all_gather_matmul",
-      [](PeerContext& ctx, const TensorRef& x, const TensorRef& weight, const OptionalRef& bias, const TensorRef& out,
-         const TensorRef& gathered, std::vector<int64_t> bounds, int phase, const TensorRef& workspace,
+      [](PeerContext& ctx, py::handle x_, py::handle weight_, py::handle bias_, py::handle out_,
+         py::handle gathered_, std::vector<int64_t> bounds, int phase, py::handle workspace_,
          uintptr_t stream) {
+        const TensorRef x = arg(x_, "x");
+        const TensorRef weight = arg(weight_, "weight");
+        const OptionalRef bias = optional_arg(bias_, "bias");
+        const TensorRef out = arg(out_, "out");
+        const TensorRef gathered = arg(gathered_, "gathered");
+        const TensorRef workspace = arg(workspace_, "workspace");
         OverlapArgs a = tp_kernels::primitive_args(Primitive::kAllGatherMatmul, ctx.size(), ctx.device(), x, weight,
                                                    opt(bias), out, &gathered, std::move(bounds), workspace,
                                                    stream_ptr(stream));
@@ -451,8 +570,13 @@ PYBIND11_MODULE(_C, m) {
       "phase, or ALL_PHASES.");
   m.def(
       "fused_matmul_reduce_scatter",
-      [](PeerContext& ctx, const TensorRef& x, const TensorRef& weight, const TensorRef& out, const TensorRef& partial,
-         int phase, const TensorRef& workspace, uintptr_t stream) {
+      [](PeerContext& ctx, py::handle x_, py::handle weight_, py::handle out_, py::handle partial_,
+         int phase, py::handle workspace_, uintptr_t stream) {
+        const TensorRef x = arg(x_, "x");
+        const TensorRef weight = arg(weight_, "weight");
+        const TensorRef out = arg(out_, "out");
+        const TensorRef partial = arg(partial_, "partial");
+        const TensorRef workspace = arg(workspace_, "workspace");
         OverlapArgs a = tp_kernels::primitive_args(Primitive::kMatmulReduceScatter, ctx.size(), ctx.device(), x,
                                                    weight, nullptr, out, &partial, {}, workspace, stream_ptr(stream));
         tp_kernels::check_phase(phase,
@@ -466,9 +590,14 @@ PYBIND11_MODULE(_C, m) {
       "(through `partial` [m, n]), summed in rank order; `phase`: one phase, or ALL_PHASES.");
   m.def(
       "fused_matmul_all_reduce",
-      [](PeerContext& ctx, const TensorRef& x, const TensorRef& weight, const TensorRef& out,
-         const OptionalRef& partial, std::vector<int64_t> bounds, const std::string& algorithm, int phase,
-         const TensorRef& workspace, uintptr_t stream) {
+      [](PeerContext& ctx, py::handle x_, py::handle weight_, py::handle out_,
+         py::handle partial_, std::vector<int64_t> bounds, const std::string& algorithm, int phase,
+         py::handle workspace_, uintptr_t stream) {
+        const TensorRef x = arg(x_, "x");
+        const TensorRef weight = arg(weight_, "weight");
+        const TensorRef out = arg(out_, "out");
+        const OptionalRef partial = optional_arg(partial_, "partial");
+        const TensorRef workspace = arg(workspace_, "workspace");
         const AllReduceAlgo algo = tp_kernels::parse_algorithm(algorithm, "algorithm");
         OverlapArgs a = tp_kernels::primitive_args(Primitive::kMatmulAllReduce, ctx.size(), ctx.device(), x, weight,
                                                    nullptr, out, opt(partial), std::move(bounds), workspace,
@@ -485,8 +614,10 @@ PYBIND11_MODULE(_C, m) {
       "one phase, or ALL_PHASES.");
   m.def(
       "fused_all_reduce",
-      [](PeerContext& ctx, const TensorRef& x, const TensorRef& out, const std::string& algorithm, int phase,
+      [](PeerContext& ctx, py::handle x_, py::handle out_, const std::string& algorithm, int phase,
          uintptr_t stream) {
+        const TensorRef x = arg(x_, "x");
+        const TensorRef out = arg(out_, "out");
         const AllReduceAlgo algo = tp_kernels::parse_algorithm(algorithm, "algorithm");
         CollectiveArgs a = tp_kernels::collective_args(tp_kernels::Collective::kAllReduce, ctx.rank(), ctx.size(),
                                                        ctx.device(), &x, &out, -1, stream_ptr(stream));

@@ -1,6 +1,7 @@
-"""The Python/C++ boundary: every tensor crosses as a TensorRef built in one place
-(tp_kernels._extension) and is checked once, in C++ (csrc/boundary.cpp), with errors that name the
-argument, before any CUDA call. So all of it runs here, without a GPU: the tensors are host memory
+"""The Python/C++ boundary: every tensor crosses as a torch.Tensor read into a TensorRef in one place
+(``arg`` in csrc/bindings.cpp, named after the native function's parameter; tests pass TensorRefs
+made by hand) and is checked once, in C++ (csrc/boundary.cpp), with errors that name the argument,
+before any CUDA call. So all of it runs here, without a GPU: the tensors are host memory
 described as if on cuda:0 (nothing is dereferenced), and `linear_problem` / `primitive_problem`
 return what the core would receive.
 """
@@ -147,20 +148,47 @@ def test_tensor_refs_are_checked_when_made():
     assert (t.name, t.shape, t.strides, t.dtype, t.device) == ("weight", [6, 8], [1, 6], "float32", -1)
 
 
-def test_the_python_side_names_every_argument_after_its_keyword():
+def test_a_tensor_reads_as_its_tensor_ref():
+    """What every native function reads from a tensor argument (``_C.tensor_ref`` shows the one
+    reader): data pointer, shape, strides in elements, dtype and device, for views, empty and 0-dim
+    tensors and parameters alike; a TensorRef is taken as it is."""
+    base = torch.randn(8, 6)
+    for t in (base, base.t(), base[1:, 2:], base[::2], torch.randn(()), torch.empty(0, 5),
+              torch.nn.Parameter(torch.randn(3, 4)), torch.randn(2, 3, 4).to(torch.bfloat16).transpose(0, 2),
+              torch.zeros(5, dtype=torch.float16), torch.zeros(4, dtype=torch.uint8)):
+        r = _extension.tensor_ref("x", t)
+        assert (r.name, r.data, r.shape, r.strides, r.dtype, r.device) == (
+            "x", t.data_ptr(), list(t.shape), list(t.stride()), str(t.dtype).rpartition(".")[2], -1)
+    kept = C.TensorRef("kept", 4096, [2, 3], [3, 1], "bfloat16", 1)
+    r = _extension.tensor_ref("x", kept)
+    assert (r.name, r.data, r.shape, r.strides, r.dtype, r.device) == ("kept", 4096, [2, 3], [3, 1], "bfloat16", 1)
+
+
+def test_the_native_side_names_every_tensor_argument_after_its_parameter():
     seen = {}
 
     def fake(*context, **kwargs):
         seen.update(context=context, **kwargs)
 
-    xs = [torch.randn(3), torch.randn(3)]
-    _extension.call(fake, "ctx", stream=None, x=torch.randn(2, 3), inputs=xs, bias=None, bounds=[0, 2])
-    assert seen["context"] == ("ctx",) and seen["bias"] is None and seen["bounds"] == [0, 2]
-    assert seen["x"].name == "x" and [r.name for r in seen["inputs"]] == ["inputs[0]", "inputs[1]"]
-    assert seen["workspace"].name == "workspace" and seen["workspace"].dtype == "uint8" and seen["stream"] == 0
+    x, xs = torch.randn(2, 3), [torch.randn(3), torch.randn(3)]
+    _extension.call(fake, "ctx", stream=None, x=x, inputs=xs, bias=None, bounds=[0, 2])
+    assert seen["context"] == ("ctx",) and seen["x"] is x and seen["inputs"] is xs and seen["bias"] is None
+    assert seen["bounds"] == [0, 2] and seen["stream"] == 0
+    assert seen["workspace"].dtype == torch.uint8 and seen["workspace"].numel() == 0
     seen.clear()
     _extension.call(fake, stream=None, gemm=False, out=torch.randn(2))
     assert "workspace" not in seen
+    good = dict(x=ref("x", torch.randn(4, 6)), weight=ref("weight", torch.randn(5, 6)), bias=None,
+                out=ref("out", torch.empty(4, 5)), workspace=workspace())
+    C.linear_problem(**good)
+    for name in ("x", "weight", "bias", "out", "workspace"):
+        with pytest.raises(ValueError, match=f"^{name}: expected a torch.Tensor, got str$"):
+            C.linear_problem(**{**good, name: "no"})
+    with pytest.raises(ValueError, match=r"^inputs\[1\]: expected a torch.Tensor, got int$"):
+        C.reduce_partials(inputs=[torch.randn(3), 7], out=torch.randn(3), stream=0)
+    # a host tensor passed as it is: read, then refused by the checks, by its parameter's name
+    with pytest.raises(ValueError, match=r"^x: expected a CUDA tensor, got \[4, 6\] float32 on the host"):
+        C.linear_problem(**{**good, "x": torch.randn(4, 6)})
 
 
 # --- the primitives: what every native and fused op checks, per op -----------------------------

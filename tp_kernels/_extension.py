@@ -15,9 +15,11 @@ path from wherever those wheels are installed. When the installed torch is built
 major, ``_C`` is not loaded: the pure-PyTorch backends run, and the reason says which build of
 tp_kernels to install.
 
-Every tensor crosses into ``_C`` as a ``_C.TensorRef`` (pointer, shape, strides, dtype name,
-device) made by :func:`tensor_ref`, through :func:`call`, and is checked once, in C++
-(``csrc/include/tp_kernels/boundary.h``): a bad one raises ``ValueError`` naming the argument.
+Every tensor crosses into ``_C`` as it is, through :func:`call`, and the native side reads it
+into a ``_C.TensorRef`` (pointer, shape, strides, dtype name, device) named after the function's
+parameter (``arg`` in ``csrc/bindings.cpp``; :func:`tensor_ref` shows what it reads), then checks
+it once (``csrc/include/tp_kernels/boundary.h``): a bad one raises ``ValueError`` naming the
+argument.
 The lists both sides use (dtypes, ops, all-reduce algorithms, workspace regions) and the limits
 (``MAX_RANKS``, ...) are defined in C++ and read from ``_C``.
 """
@@ -181,11 +183,11 @@ def unsupported_collective_reason(reduces: bool, x: torch.Tensor) -> Optional[st
 
 
 def tensor_ref(name: str, t: torch.Tensor):
-    """``t`` as the native module takes a tensor argument called ``name``."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    # get_device(): the CUDA ordinal, -1 for host memory
-    return _C.TensorRef(name, t.data_ptr(), t.shape, t.stride(), dtype_name(t.dtype), t.get_device())
+    """``t`` as the native module reads a tensor argument called ``name`` (``_C.tensor_ref``: its
+    data pointer, shape, strides, dtype and CUDA device, -1 for host memory); ``ValueError``
+    naming ``name`` when ``t`` is no tensor. Native functions take the tensors themselves
+    (:func:`call`); this is for a TensorRef kept across calls."""
+    return _C.tensor_ref(name, t)
 
 
 #: cuBLASLt workspace per (device, stream); cuBLAS recommends 32 MiB on Hopper.
@@ -212,22 +214,15 @@ def _workspace_entry(stream):
 def call(fn, *context, stream: Optional["torch.cuda.Stream"], gemm: bool = True, **args) -> None:
     """``fn(*context, **args)`` for a native function ``fn`` of ``_C``, enqueued on ``stream``.
 
-    Every tensor in ``args`` goes as a TensorRef named after its keyword (a list of tensors as
-    ``name[0]``, ``name[1]``, ...; None stays None), then ``workspace`` (``stream``'s cuBLASLt
-    workspace, for functions that multiply: ``gemm``) and ``stream``. ``stream`` is None for
-    tensors not on a CUDA device: ``fn``'s checks then reject them before anything runs.
+    The tensors in ``args`` go as they are (a list of tensors too; None stays None): the native
+    side reads each into the TensorRef of the argument named by its keyword. Then ``workspace``
+    (``stream``'s cuBLASLt workspace, for functions that multiply: ``gemm``) and ``stream``.
+    ``stream`` is None for tensors not on a CUDA device: ``fn``'s checks then reject them before
+    anything runs.
     """
-    refs = {}
-    for name, value in args.items():
-        if isinstance(value, torch.Tensor):
-            value = tensor_ref(name, value)
-        elif isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
-            value = [tensor_ref(f"{name}[{i}]", t) for i, t in enumerate(value)]
-        refs[name] = value
     if gemm:
-        refs["workspace"] = (tensor_ref("workspace", torch.empty(0, dtype=torch.uint8)) if stream is None
-                             else _workspace_entry(stream)[1])
-    fn(*context, **refs, stream=0 if stream is None else stream.cuda_stream)
+        args["workspace"] = torch.empty(0, dtype=torch.uint8) if stream is None else _workspace_entry(stream)[1]
+    fn(*context, **args, stream=0 if stream is None else stream.cuda_stream)
 
 
 def gemm_weight(weight: torch.Tensor) -> torch.Tensor:
