@@ -34,6 +34,7 @@ fused path is tested and measured on a single GPU) alike.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -148,7 +149,8 @@ class RankCall(NamedTuple):
     order. A phase's waits need only what peers signal in earlier phases (or earlier ops), so a
     process driving several ranks enqueues phase k of every rank before phase k + 1 of any
     (:class:`tp_kernels.testing.VirtualRanks`); a rank that is a process of its own enqueues them
-    all at once.
+    all at once. The ``rank_*`` functions below make one on a stream they are given, or, for None,
+    on the current stream (what a rank that is a process of its own uses, without a stream switch).
     """
 
     result: object
@@ -156,7 +158,16 @@ class RankCall(NamedTuple):
     enqueue: Callable[[Optional[int]], None]
 
 
+def _on(stream):
+    """Where a rank's buffers are allocated: under ``stream`` (the caching allocator ties a block
+    to the stream it is made on), or, for None (the current stream), without switching streams
+    (a switch and back costs a few µs of host time)."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
 def _rank_call(result, fn, ctx, phases: int, stream, gemm: bool = True, **args) -> RankCall:
+    stream = torch.cuda.current_stream() if stream is None else stream
+
     def enqueue(phase: Optional[int] = None) -> None:
         _extension.call(fn, ctx, phase=_extension.require().ALL_PHASES if phase is None else phase, stream=stream,
                         gemm=gemm, **args)
@@ -168,7 +179,7 @@ def rank_all_gather_matmul(ctx, x, weight, bias, num_chunks: int, stream) -> Ran
     """This rank's ``(AG(x) Wᵀ + b, AG(x))``: x ``[m/p, k]`` contiguous, on ``stream``."""
     C = _extension.require()
     mp, k = x.shape
-    with torch.cuda.stream(stream):
+    with _on(stream):
         gathered = x.new_empty((ctx.size * mp, k))
         out = x.new_empty((ctx.size * mp, weight.shape[0]))
     return _rank_call((out, gathered), C.fused_all_gather_matmul, ctx, C.fused_phases("all_gather_matmul"), stream,
@@ -180,7 +191,7 @@ def rank_matmul_reduce_scatter(ctx, x, weight, stream) -> RankCall:
     """This rank's block of ``RS(x Wᵀ)``: x ``[m, k]`` contiguous, on ``stream``."""
     C = _extension.require()
     m = x.shape[0]
-    with torch.cuda.stream(stream):
+    with _on(stream):
         out = x.new_empty((m // ctx.size, weight.shape[0]))
         partial = x.new_empty((m, weight.shape[0]))
     return _rank_call(out, C.fused_matmul_reduce_scatter, ctx, C.fused_phases("matmul_reduce_scatter"), stream,
@@ -192,7 +203,7 @@ def rank_matmul_all_reduce(ctx, x, weight, algorithm: str, stream) -> RankCall:
     C = _extension.require()
     m = x.shape[0]
     scatter_gather = algorithm == "scatter_gather"
-    with torch.cuda.stream(stream):
+    with _on(stream):
         out = x.new_empty((m, weight.shape[0]))
         partial = x.new_empty((m, weight.shape[0])) if scatter_gather else None
     return _rank_call(out, C.fused_matmul_all_reduce, ctx, C.fused_phases("matmul_all_reduce", algorithm), stream,
@@ -228,7 +239,7 @@ def all_gather_matmul(x, weight, bias, group, impl):
     with torch.cuda.device(x.device):
         ctx = peer_memory.context(group, x.device, "all_gather_matmul", need,
                                   lambda: _call("all_gather_matmul", x, weight, f"{impl.num_chunks} chunks"))
-        call = rank_all_gather_matmul(ctx, x, weight, bias, impl.num_chunks, torch.cuda.current_stream())
+        call = rank_all_gather_matmul(ctx, x, weight, bias, impl.num_chunks, None)
         call.enqueue(None)
     return call.result
 
@@ -245,9 +256,8 @@ def _reduction(op: str, what: str, x, weight, bias, group, algorithm: Optional[s
     need = peer_memory.region_needs(op, p, m, n, k, x.dtype, algorithm)
     with torch.cuda.device(x.device):
         ctx = peer_memory.context(group, x.device, op, need, lambda: _call(op, x, weight, algorithm))
-        stream = torch.cuda.current_stream()
-        call = (rank_matmul_all_reduce(ctx, x, weight, algorithm, stream) if algorithm is not None
-                else rank_matmul_reduce_scatter(ctx, x, weight, stream))
+        call = (rank_matmul_all_reduce(ctx, x, weight, algorithm, None) if algorithm is not None
+                else rank_matmul_reduce_scatter(ctx, x, weight, None))
         call.enqueue(None)
     return Pending(call.result, what=what, group=group, finish=bias_epilogue(bias))
 
@@ -273,6 +283,6 @@ def all_reduce(x, out, peer, group, impl):
     with torch.cuda.device(x.device):
         ctx = peer_memory.context(group, x.device, "all_reduce", need,
                                   lambda: _call("all_reduce", x, None, impl.algorithm))
-        call = rank_all_reduce(ctx, x, out, impl.algorithm, torch.cuda.current_stream())
+        call = rank_all_reduce(ctx, x, out, impl.algorithm, None)
         call.enqueue(None)
     return out
