@@ -106,6 +106,9 @@ OptionalRef optional_arg(py::handle t, const char* name) {
 
 // A list of tensor arguments, named `name[0]`, `name[1]`, ...
 std::vector<TensorRef> arg_list(py::handle seq, const char* name) {
+  if (!PyList_Check(seq.ptr()) && !PyTuple_Check(seq.ptr()))
+    throw tp_kernels::ArgumentError(std::string(name) + ": expected a list of torch.Tensor, got " +
+                                    Py_TYPE(seq.ptr())->tp_name);
   std::vector<TensorRef> refs;
   size_t i = 0;
   for (py::handle t : py::reinterpret_borrow<py::sequence>(seq)) {

@@ -186,6 +186,8 @@ def test_the_native_side_names_every_tensor_argument_after_its_parameter():
             C.linear_problem(**{**good, name: "no"})
     with pytest.raises(ValueError, match=r"^inputs\[1\]: expected a torch.Tensor, got int$"):
         C.reduce_partials(inputs=[torch.randn(3), 7], out=torch.randn(3), stream=0)
+    with pytest.raises(ValueError, match=r"^inputs: expected a list of torch.Tensor, got NoneType$"):
+        C.reduce_partials(inputs=None, out=torch.randn(3), stream=0)
     # a host tensor passed as it is: read, then refused by the checks, by its parameter's name
     with pytest.raises(ValueError, match=r"^x: expected a CUDA tensor, got \[4, 6\] float32 on the host"):
         C.linear_problem(**{**good, "x": torch.randn(4, 6)})
