@@ -119,6 +119,15 @@ std::vector<TensorRef> arg_list(py::handle seq, const char* name) {
 
 py::tuple names(const std::vector<std::string>& v) { return py::cast(v); }
 
+// The arguments of `linear` (and `linear_problem`), read and checked.
+tp_kernels::LinearArgs linear_call(py::handle x, py::handle weight, py::handle bias, py::handle out,
+                                   py::handle workspace, uintptr_t stream) {
+  const TensorRef x_ref = arg(x, "x"), w_ref = arg(weight, "weight");  // read in order: the first bad one is named
+  const OptionalRef b_ref = optional_arg(bias, "bias");
+  const TensorRef out_ref = arg(out, "out"), ws_ref = arg(workspace, "workspace");
+  return tp_kernels::linear_args(x_ref, w_ref, opt(b_ref), out_ref, ws_ref, stream_ptr(stream));
+}
+
 // What the core receives for a call (boundary.h), for tests and diagnostics: no CUDA call.
 py::dict describe(const tp_kernels::LinearArgs& a) {
   py::dict d;
@@ -200,14 +209,8 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "linear",
-      [](py::handle x_, py::handle weight_, py::handle bias_, py::handle out_,
-         py::handle workspace_, uintptr_t stream) {
-        const TensorRef x = arg(x_, "x");
-        const TensorRef weight = arg(weight_, "weight");
-        const OptionalRef bias = optional_arg(bias_, "bias");
-        const TensorRef out = arg(out_, "out");
-        const TensorRef workspace = arg(workspace_, "workspace");
-        tp_kernels::LinearArgs a = tp_kernels::linear_args(x, weight, opt(bias), out, workspace, stream_ptr(stream));
+      [](py::handle x, py::handle weight, py::handle bias, py::handle out, py::handle workspace, uintptr_t stream) {
+        tp_kernels::LinearArgs a = linear_call(x, weight, bias, out, workspace, stream);
         py::gil_scoped_release release;
         tp_kernels::linear(a);
       },
@@ -218,14 +221,8 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "linear_problem",
-      [](py::handle x_, py::handle weight_, py::handle bias_, py::handle out_,
-         py::handle workspace_, uintptr_t stream) {
-        const TensorRef x = arg(x_, "x");
-        const TensorRef weight = arg(weight_, "weight");
-        const OptionalRef bias = optional_arg(bias_, "bias");
-        const TensorRef out = arg(out_, "out");
-        const TensorRef workspace = arg(workspace_, "workspace");
-        return describe(tp_kernels::linear_args(x, weight, opt(bias), out, workspace, stream_ptr(stream)));
+      [](py::handle x, py::handle weight, py::handle bias, py::handle out, py::handle workspace, uintptr_t stream) {
+        return describe(linear_call(x, weight, bias, out, workspace, stream));
       },
       py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("workspace"), py::arg("stream") = 0,
       "The GEMM `linear` would run for these arguments (checked as it checks them), as a dict; runs nothing.");
