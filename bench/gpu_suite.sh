@@ -83,7 +83,7 @@ case "$part" in
       --benchmark-json="$logs/pytest-bench.json"
     # The host time of a call at 1, 2 and 8 ranks of a fake group (no communication): the reference
     # and auto on the reference, which is what a fake group can run (hence AUTO_NATIVE off here).
-    step host 40 env TP_KERNELS_AUTO_NATIVE=0 "$PY" -m tp_kernels.bench.host --samples 30 --out-dir "$logs/host" \
+    step host 20 env TP_KERNELS_AUTO_NATIVE=0 "$PY" -m tp_kernels.bench.host --samples 20 --out-dir "$logs/host" \
       --tag "$commit"
     cp "$logs"/bench/* "$logs"/fused/*.json "$logs"/host/*.json "$results/" 2>/dev/null
     ;;
