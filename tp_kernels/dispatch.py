@@ -62,8 +62,7 @@ def _candidates(x: torch.Tensor, weight: torch.Tensor, group, p: int, why: Optio
         if why is not None:
             why.append("one rank, nothing to overlap")
         return ["reference"]
-    return _allowed(pipelined_native.unsupported_reason(x, weight, group),
-                    lambda: fused.unsupported_reason(x, weight, group), True, why)
+    return _allowed(pipelined_native.unsupported_reason, fused.unsupported_reason, (x, weight, group), True, why)
 
 
 def collective_candidates(collective: str, x: torch.Tensor, group) -> Tuple[List[str], List[str]]:
@@ -80,38 +79,45 @@ def _collective_candidates(collective: str, x: torch.Tensor, group, why: Optiona
         if why is not None:
             why.append("one rank, nothing to communicate")
         return ["reference"]
-    return _allowed(pipelined_native.unsupported_collective_reason(collective, x, group),
-                    lambda: fused.unsupported_collective_reason(collective, x, group), False, why)
+    return _allowed(pipelined_native.unsupported_collective_reason, fused.unsupported_collective_reason,
+                    (collective, x, group), False, why)
 
 
-def _allowed(native_reason: Optional[str], fused_reason: Callable[[], Optional[str]], portable: bool,
-             why: Optional[List[str]]) -> List[str]:
+def _allowed(native_reason: Callable[..., Optional[str]], fused_reason: Callable[..., Optional[str]], args: tuple,
+             portable: bool, why: Optional[List[str]]) -> List[str]:
     """The candidates of ``"auto"`` given why the native and the fused paths cannot run a call
-    (``fused_reason`` is asked only when the fused path is allowed and the native one can run:
-    its first call of a group is collective), and whether a portable schedule stands in for the
-    native one where that cannot run and ``"pipelined"`` is named; why the others were left out
-    appended to ``why`` (None: the reasons are not made, as on a call's path unless it logs)."""
+    (``native_reason(*args)``, ``fused_reason(*args)``: the native one asked only when the
+    settings allow a fast path or the reasons are made; the fused one only when the fused path
+    is allowed and the native one can run, as its first call of a group is collective), and
+    whether a portable schedule stands in for the native one where that cannot run and
+    ``"pipelined"`` is named; why the others were left out appended to ``why`` (None: the
+    reasons are not made, as on a call's path unless it logs)."""
     named = settings.get_auto_candidates()
     allowed = named if named is not None else settings.AUTO_CHOICES
+    fused_on = "fused" in allowed and (named is not None or settings.auto_fused())
+    native_on = "pipelined" in allowed and (named is not None or settings.auto_native())
+    native = native_reason(*args) if fused_on or native_on or why is not None else None
     out: List[str] = []
     fused_out = pipelined_out = None  # why each was left out
     if "fused" in allowed:
-        if native_reason is not None:  # the fused path needs what the native one needs
-            fused_out = native_reason
-        elif named is None and not settings.auto_fused():
-            fused_out = settings.AUTO_FUSED_OFF
+        if not fused_on:  # the fused path needs what the native one needs: that reason first
+            fused_out = native or settings.AUTO_FUSED_OFF
+        elif native is not None:
+            fused_out = native
         else:
-            fused_out = fused_reason()
+            fused_out = fused_reason(*args)
             if fused_out is None:
                 out.append("fused")
     if "pipelined" in allowed:
-        if native_reason is None and (named is not None or settings.auto_native()):
+        if not native_on:
+            pipelined_out = native or settings.AUTO_NATIVE_OFF
+        elif native is None:
             out.append("native")
         elif named is not None and portable:
             out.append("pipelined")
-            pipelined_out = "the portable schedule, not the native one: " + native_reason
+            pipelined_out = "the portable schedule, not the native one: " + native
         else:
-            pipelined_out = native_reason or settings.AUTO_NATIVE_OFF
+            pipelined_out = native
     if why is not None:
         why.extend(f"{name}: {reason}" for name, reason in (("fused", fused_out), ("pipelined", pipelined_out))
                    if reason is not None)
