@@ -128,6 +128,20 @@ tp_kernels::LinearArgs linear_call(py::handle x, py::handle weight, py::handle b
   return tp_kernels::linear_args(x_ref, w_ref, opt(b_ref), out_ref, ws_ref, stream_ptr(stream));
 }
 
+// The arguments of primitive `op` (native or fused), read in order and checked by primitive_args:
+// `bias` and `scratch` may be None; `scratch` is named `scratch_name` ("gathered", "partial").
+OverlapArgs primitive_call(Primitive op, int size, int device, py::handle x, py::handle weight, py::handle bias,
+                           py::handle out, py::handle scratch, const char* scratch_name, std::vector<int64_t> bounds,
+                           py::handle workspace, cudaStream_t stream) {
+  const TensorRef x_ref = arg(x, "x"), w_ref = arg(weight, "weight");
+  const OptionalRef b_ref = optional_arg(bias, "bias");
+  const TensorRef out_ref = arg(out, "out");
+  const OptionalRef s_ref = optional_arg(scratch, scratch_name);
+  const TensorRef ws_ref = arg(workspace, "workspace");
+  return tp_kernels::primitive_args(op, size, device, x_ref, w_ref, opt(b_ref), out_ref, opt(s_ref), std::move(bounds),
+                                    ws_ref, stream);
+}
+
 // What the core receives for a call (boundary.h), for tests and diagnostics: no CUDA call.
 py::dict describe(const tp_kernels::LinearArgs& a) {
   py::dict d;
@@ -228,17 +242,11 @@ PYBIND11_MODULE(_C, m) {
       "The GEMM `linear` would run for these arguments (checked as it checks them), as a dict; runs nothing.");
   m.def(
       "primitive_problem",
-      [](const std::string& op, int rank, int size, int device, py::handle x_, py::handle weight_,
-         py::handle bias_, py::handle out_, py::handle scratch_, std::vector<int64_t> bounds,
-         std::optional<std::vector<int>> ring, int ring_next, int ring_prev, py::handle workspace_) {
-        const TensorRef x = arg(x_, "x");
-        const TensorRef weight = arg(weight_, "weight");
-        const OptionalRef bias = optional_arg(bias_, "bias");
-        const TensorRef out = arg(out_, "out");
-        const OptionalRef scratch = optional_arg(scratch_, "scratch");
-        const TensorRef workspace = arg(workspace_, "workspace");
-        OverlapArgs a = tp_kernels::primitive_args(tp_kernels::parse_primitive(op, "op"), size, device, x, weight,
-                                                   opt(bias), out, opt(scratch), std::move(bounds), workspace, nullptr);
+      [](const std::string& op, int rank, int size, int device, py::handle x, py::handle weight, py::handle bias,
+         py::handle out, py::handle scratch, std::vector<int64_t> bounds, std::optional<std::vector<int>> ring,
+         int ring_next, int ring_prev, py::handle workspace) {
+        OverlapArgs a = primitive_call(tp_kernels::parse_primitive(op, "op"), size, device, x, weight, bias, out, scratch,
+                                       "scratch", std::move(bounds), workspace, nullptr);
         if (ring) tp_kernels::set_ring(a, rank, size, std::move(*ring), ring_next, ring_prev);
         return describe(a);
       },
@@ -289,18 +297,11 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "all_gather_matmul",
-      [](Communicator& comm, py::handle x_, py::handle weight_, py::handle bias_,
-         py::handle out_, py::handle gathered_, std::vector<int64_t> bounds, std::vector<int> ring,
-         int ring_next, int ring_prev, py::handle workspace_, uintptr_t stream) {
-        const TensorRef x = arg(x_, "x");
-        const TensorRef weight = arg(weight_, "weight");
-        const OptionalRef bias = optional_arg(bias_, "bias");
-        const TensorRef out = arg(out_, "out");
-        const TensorRef gathered = arg(gathered_, "gathered");
-        const TensorRef workspace = arg(workspace_, "workspace");
-        OverlapArgs a = tp_kernels::primitive_args(Primitive::kAllGatherMatmul, comm.size(), comm.device(), x, weight,
-                                                   opt(bias), out, &gathered, std::move(bounds), workspace,
-                                                   stream_ptr(stream));
+      [](Communicator& comm, py::handle x, py::handle weight, py::handle bias, py::handle out, py::handle gathered,
+         std::vector<int64_t> bounds, std::vector<int> ring, int ring_next, int ring_prev, py::handle workspace,
+         uintptr_t stream) {
+        OverlapArgs a = primitive_call(Primitive::kAllGatherMatmul, comm.size(), comm.device(), x, weight, bias, out,
+                                       gathered, "gathered", std::move(bounds), workspace, stream_ptr(stream));
         tp_kernels::set_ring(a, comm.rank(), comm.size(), std::move(ring), ring_next, ring_prev);
         py::gil_scoped_release release;
         tp_kernels::all_gather_matmul(comm, a);
@@ -312,16 +313,11 @@ PYBIND11_MODULE(_C, m) {
       "in the order `ring`, overlapped with the GEMM of the shards already there.");
   m.def(
       "matmul_reduce_scatter",
-      [](Communicator& comm, py::handle x_, py::handle weight_, py::handle out_,
-         py::handle partial_, std::vector<int64_t> bounds, py::handle workspace_, uintptr_t stream) {
-        const TensorRef x = arg(x_, "x");
-        const TensorRef weight = arg(weight_, "weight");
-        const TensorRef out = arg(out_, "out");
-        const TensorRef partial = arg(partial_, "partial");
-        const TensorRef workspace = arg(workspace_, "workspace");
-        OverlapArgs a = tp_kernels::primitive_args(Primitive::kMatmulReduceScatter, comm.size(), comm.device(), x,
-                                                   weight, nullptr, out, &partial, std::move(bounds), workspace,
-                                                   stream_ptr(stream));
+      [](Communicator& comm, py::handle x, py::handle weight, py::handle out, py::handle partial,
+         std::vector<int64_t> bounds, py::handle workspace, uintptr_t stream) {
+        OverlapArgs a = primitive_call(Primitive::kMatmulReduceScatter, comm.size(), comm.device(), x, weight,
+                                       py::none(), out, partial, "partial", std::move(bounds), workspace,
+                                       stream_ptr(stream));
         py::gil_scoped_release release;
         tp_kernels::matmul_reduce_scatter(comm, a);
       },
@@ -330,15 +326,10 @@ PYBIND11_MODULE(_C, m) {
       "out [m/p, n] = RS(x[m, k] weight^T), chunk by chunk through `partial` [m, n].");
   m.def(
       "matmul_all_reduce",
-      [](Communicator& comm, py::handle x_, py::handle weight_, py::handle out_,
-         std::vector<int64_t> bounds, py::handle workspace_, uintptr_t stream) {
-        const TensorRef x = arg(x_, "x");
-        const TensorRef weight = arg(weight_, "weight");
-        const TensorRef out = arg(out_, "out");
-        const TensorRef workspace = arg(workspace_, "workspace");
-        OverlapArgs a = tp_kernels::primitive_args(Primitive::kMatmulAllReduce, comm.size(), comm.device(), x, weight,
-                                                   nullptr, out, nullptr, std::move(bounds), workspace,
-                                                   stream_ptr(stream));
+      [](Communicator& comm, py::handle x, py::handle weight, py::handle out, std::vector<int64_t> bounds,
+         py::handle workspace, uintptr_t stream) {
+        OverlapArgs a = primitive_call(Primitive::kMatmulAllReduce, comm.size(), comm.device(), x, weight, py::none(),
+                                       out, py::none(), "partial", std::move(bounds), workspace, stream_ptr(stream));
         py::gil_scoped_release release;
         tp_kernels::matmul_all_reduce(comm, a);
       },
@@ -547,18 +538,10 @@ PYBIND11_MODULE(_C, m) {
       "phase k + 1 of any.");
   m.def(
       "fused_all_gather_matmul",
-      [](PeerContext& ctx, py::handle x_, py::handle weight_, py::handle bias_, py::handle out_,
-         py::handle gathered_, std::vector<int64_t> bounds, int phase, py::handle workspace_,
-         uintptr_t stream) {
-        const TensorRef x = arg(x_, "x");
-        const TensorRef weight = arg(weight_, "weight");
-        const OptionalRef bias = optional_arg(bias_, "bias");
-        const TensorRef out = arg(out_, "out");
-        const TensorRef gathered = arg(gathered_, "gathered");
-        const TensorRef workspace = arg(workspace_, "workspace");
-        OverlapArgs a = tp_kernels::primitive_args(Primitive::kAllGatherMatmul, ctx.size(), ctx.device(), x, weight,
-                                                   opt(bias), out, &gathered, std::move(bounds), workspace,
-                                                   stream_ptr(stream));
+      [](PeerContext& ctx, py::handle x, py::handle weight, py::handle bias, py::handle out, py::handle gathered,
+         std::vector<int64_t> bounds, int phase, py::handle workspace, uintptr_t stream) {
+        OverlapArgs a = primitive_call(Primitive::kAllGatherMatmul, ctx.size(), ctx.device(), x, weight, bias, out,
+                                       gathered, "gathered", std::move(bounds), workspace, stream_ptr(stream));
         tp_kernels::check_phase(phase, tp_kernels::fused_phases(Primitive::kAllGatherMatmul, AllReduceAlgo::kOneShot));
         py::gil_scoped_release release;
         tp_kernels::fused_all_gather_matmul(ctx, a, phase);
@@ -570,15 +553,10 @@ PYBIND11_MODULE(_C, m) {
       "phase, or ALL_PHASES.");
   m.def(
       "fused_matmul_reduce_scatter",
-      [](PeerContext& ctx, py::handle x_, py::handle weight_, py::handle out_, py::handle partial_,
-         int phase, py::handle workspace_, uintptr_t stream) {
-        const TensorRef x = arg(x_, "x");
-        const TensorRef weight = arg(weight_, "weight");
-        const TensorRef out = arg(out_, "out");
-        const TensorRef partial = arg(partial_, "partial");
-        const TensorRef workspace = arg(workspace_, "workspace");
-        OverlapArgs a = tp_kernels::primitive_args(Primitive::kMatmulReduceScatter, ctx.size(), ctx.device(), x,
-                                                   weight, nullptr, out, &partial, {}, workspace, stream_ptr(stream));
+      [](PeerContext& ctx, py::handle x, py::handle weight, py::handle out, py::handle partial, int phase,
+         py::handle workspace, uintptr_t stream) {
+        OverlapArgs a = primitive_call(Primitive::kMatmulReduceScatter, ctx.size(), ctx.device(), x, weight, py::none(),
+                                       out, partial, "partial", {}, workspace, stream_ptr(stream));
         tp_kernels::check_phase(phase,
                                 tp_kernels::fused_phases(Primitive::kMatmulReduceScatter, AllReduceAlgo::kOneShot));
         py::gil_scoped_release release;
@@ -590,19 +568,13 @@ PYBIND11_MODULE(_C, m) {
       "(through `partial` [m, n]), summed in rank order; `phase`: one phase, or ALL_PHASES.");
   m.def(
       "fused_matmul_all_reduce",
-      [](PeerContext& ctx, py::handle x_, py::handle weight_, py::handle out_,
-         py::handle partial_, std::vector<int64_t> bounds, const std::string& algorithm, int phase,
-         py::handle workspace_, uintptr_t stream) {
-        const TensorRef x = arg(x_, "x");
-        const TensorRef weight = arg(weight_, "weight");
-        const TensorRef out = arg(out_, "out");
-        const OptionalRef partial = optional_arg(partial_, "partial");
-        const TensorRef workspace = arg(workspace_, "workspace");
+      [](PeerContext& ctx, py::handle x, py::handle weight, py::handle out, py::handle partial,
+         std::vector<int64_t> bounds, const std::string& algorithm, int phase, py::handle workspace,
+         uintptr_t stream) {
         const AllReduceAlgo algo = tp_kernels::parse_algorithm(algorithm, "algorithm");
-        OverlapArgs a = tp_kernels::primitive_args(Primitive::kMatmulAllReduce, ctx.size(), ctx.device(), x, weight,
-                                                   nullptr, out, opt(partial), std::move(bounds), workspace,
-                                                   stream_ptr(stream));
-        tp_kernels::check_all_reduce_algorithm(a, algo, ctx.size(), opt(partial) != nullptr);
+        OverlapArgs a = primitive_call(Primitive::kMatmulAllReduce, ctx.size(), ctx.device(), x, weight, py::none(),
+                                       out, partial, "partial", std::move(bounds), workspace, stream_ptr(stream));
+        tp_kernels::check_all_reduce_algorithm(a, algo, ctx.size(), !partial.is_none());
         tp_kernels::check_phase(phase, tp_kernels::fused_phases(Primitive::kMatmulAllReduce, algo));
         py::gil_scoped_release release;
         tp_kernels::fused_matmul_all_reduce(ctx, a, algo, phase);
