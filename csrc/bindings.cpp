@@ -148,7 +148,7 @@ py::dict describe(const tp_kernels::LinearArgs& a) {
   d["m"] = a.m, d["n"] = a.n, d["k"] = a.k, d["ldx"] = a.ldx, d["ldw"] = a.ldw, d["ldy"] = a.ldy;
   d["w_col_major"] = a.w_col_major, d["batch"] = a.batch, d["stride_x"] = a.stride_x, d["stride_y"] = a.stride_y;
   d["dtype"] = tp_kernels::dtype_name(a.dtype), d["has_bias"] = a.bias != nullptr;
-  d["workspace_bytes"] = a.workspace_bytes;
+  d["workspace_bytes"] = a.workspace_bytes, d["device"] = a.device;
   return d;
 }
 

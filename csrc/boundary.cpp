@@ -153,6 +153,7 @@ LinearArgs linear_args(const TensorRef& x, const TensorRef& weight, const Tensor
   a.workspace = workspace.ptr();
   a.workspace_bytes = static_cast<size_t>(workspace.numel());
   a.stream = stream;
+  a.device = x.device;
   return a;
 }
 

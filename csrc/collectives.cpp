@@ -30,7 +30,7 @@ bool reduces(Collective c) { return c == Collective::kAllReduce || c == Collecti
 
 void nccl_collective(Communicator& comm, Collective c, const CollectiveArgs& a) {
   const std::string name = collective_name(c);
-  detail::require_current_device(comm.device(), name);
+  const DeviceGuard device(comm.device());
   if (a.count == 0) return;
   const std::string what = name + " of " + std::to_string(a.count) + " " + dtype_name(a.dtype) + " elements";
   const ncclDataType_t type = nccl_type(a.dtype);

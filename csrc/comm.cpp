@@ -19,7 +19,6 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-using detail::DeviceGuard;
 
 std::string format_seconds(double s) {
   std::ostringstream out;

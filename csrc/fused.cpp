@@ -28,10 +28,9 @@ void need_region(const PeerContext& ctx, Region c, int64_t bytes, const std::str
   }
 }
 
-// Every phase of an op starts here, under the context's lock: the device, an earlier error, and
-// the call word its flags carry.
-void start(PeerContext& ctx, const std::string& op, uint32_t word) {
-  detail::require_current_device(ctx.device(), op);
+// Every phase of an op starts here, on the context's device and under its lock: an earlier
+// error, and the call word its flags carry.
+void start(PeerContext& ctx, uint32_t word) {
   ctx.check();
   ctx.begin(word);
 }
@@ -104,8 +103,9 @@ int fused_phases(Primitive op, AllReduceAlgo algo) {
 
 void fused_all_gather_matmul(PeerContext& ctx, const OverlapArgs& a, int phase) {
   const std::string op = "fused all_gather_matmul";
+  const DeviceGuard device(ctx.device());
   auto guard = ctx.lock();
-  start(ctx, op, call_word(Primitive::kAllGatherMatmul, -1, a));
+  start(ctx, call_word(Primitive::kAllGatherMatmul, -1, a));
   const int p = ctx.size(), r = ctx.rank();
   const int64_t mp = a.bounds.back(), es = static_cast<int64_t>(dtype_size(a.dtype));
   const size_t chunks = a.bounds.size() - 1;
@@ -148,8 +148,9 @@ void fused_all_gather_matmul(PeerContext& ctx, const OverlapArgs& a, int phase) 
 
 void fused_matmul_reduce_scatter(PeerContext& ctx, const OverlapArgs& a, int phase) {
   const std::string op = "fused matmul_reduce_scatter";
+  const DeviceGuard device(ctx.device());
   auto guard = ctx.lock();
-  start(ctx, op, call_word(Primitive::kMatmulReduceScatter, -1, a));
+  start(ctx, call_word(Primitive::kMatmulReduceScatter, -1, a));
   const int p = ctx.size();
   const int64_t mp = a.bounds.back(), es = static_cast<int64_t>(dtype_size(a.dtype));
   const int64_t slot = mp * a.n * es;
@@ -171,8 +172,9 @@ namespace {
 // all-reduce alone). `op` names the call in messages.
 void all_reduce(PeerContext& ctx, const OverlapArgs& a, AllReduceAlgo algo, int phase, const std::string& op) {
   const Primitive id = Primitive::kMatmulAllReduce;
+  const DeviceGuard device(ctx.device());
   auto guard = ctx.lock();
-  start(ctx, op, call_word(id, static_cast<int>(algo), a));
+  start(ctx, call_word(id, static_cast<int>(algo), a));
   const int p = ctx.size(), r = ctx.rank();
   const int64_t es = static_cast<int64_t>(dtype_size(a.dtype));
   const std::vector<int> peers = ctx.others();

@@ -7,10 +7,12 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 
 #include "tp_kernels/check.h"
+#include "tp_kernels/device_guard.h"
 
 namespace tp_kernels {
 namespace {
@@ -133,6 +135,8 @@ Plan make_plan(cublasLtHandle_t h, const LinearArgs& p) {
 
 void linear(const LinearArgs& p) {
   if (p.m == 0 || p.n == 0 || p.k == 0 || p.batch == 0) return;  // no work, or an empty sum (see gemm.h)
+  std::optional<DeviceGuard> on;
+  if (p.device >= 0) on.emplace(p.device);
   int device = 0;
   TPK_CHECK_CUDA(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(g_mutex);

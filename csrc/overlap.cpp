@@ -31,7 +31,7 @@ Primitive parse_primitive(const std::string& name, const std::string& arg) {
 }
 
 void all_gather_matmul(Communicator& comm, const OverlapArgs& a) {
-  detail::require_current_device(comm.device(), "all_gather_matmul");
+  const DeviceGuard device(comm.device());
   const int p = comm.size(), r = comm.rank();
   const int64_t mp = a.bounds.back();
   const size_t chunks = a.bounds.size() - 1;
@@ -81,7 +81,7 @@ void all_gather_matmul(Communicator& comm, const OverlapArgs& a) {
 }
 
 void matmul_reduce_scatter(Communicator& comm, const OverlapArgs& a) {
-  detail::require_current_device(comm.device(), "matmul_reduce_scatter");
+  const DeviceGuard device(comm.device());
   const int p = comm.size();
   const int64_t mp = a.bounds.back();
   const size_t chunks = a.bounds.size() - 1;
@@ -105,7 +105,7 @@ void matmul_reduce_scatter(Communicator& comm, const OverlapArgs& a) {
 }
 
 void matmul_all_reduce(Communicator& comm, const OverlapArgs& a) {
-  detail::require_current_device(comm.device(), "matmul_all_reduce");
+  const DeviceGuard device(comm.device());
   const int64_t m = a.bounds.back();
   const size_t chunks = a.bounds.size() - 1;
   const std::string what = "matmul_all_reduce (all-reduce of " + shape(m, a.n) + ")";

@@ -14,7 +14,6 @@
 namespace tp_kernels {
 namespace {
 
-using detail::DeviceGuard;
 
 constexpr uint32_t kCodeTag = 0x80000000u;
 

@@ -53,6 +53,21 @@ def test_the_gemm_of_contiguous_operands():
     assert got["workspace_bytes"] == 64
 
 
+def test_the_gemm_runs_on_its_inputs_device():
+    """``linear`` makes x's device current for the call (csrc device_guard.h), whichever one the
+    caller made current; the other tensors must be on it."""
+    x, w = torch.randn(6, 40), torch.randn(24, 40)
+    out = torch.empty(6, 24)
+    for device in (0, 3):
+        got = C.linear_problem(x=ref("x", x, device), weight=ref("weight", w, device), bias=None,
+                               out=ref("out", out, device), workspace=ref("workspace", torch.empty(64, dtype=torch.uint8),
+                                                                          device))
+        assert got["device"] == device
+    with pytest.raises(ValueError, match="weight: expected .*cuda:3"):
+        C.linear_problem(x=ref("x", x, 3), weight=ref("weight", w, 0), bias=None, out=ref("out", out, 3),
+                         workspace=ref("workspace", torch.empty(64, dtype=torch.uint8), 3))
+
+
 def test_strided_rows_and_a_transposed_weight():
     wide = torch.randn(6, 45)
     x = wide[:, :40]  # rows 45 apart

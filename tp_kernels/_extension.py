@@ -26,13 +26,12 @@ The lists both sides use (dtypes, ops, all-reduce algorithms, workspace regions)
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import importlib
 import importlib.util
 import json
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -190,39 +189,59 @@ def tensor_ref(name: str, t: torch.Tensor):
     return _C.tensor_ref(name, t)
 
 
-#: cuBLASLt workspace per (device, stream); cuBLAS recommends 32 MiB on Hopper.
+#: A CUDA stream as the native functions take it: (device index, its ``cudaStream_t`` as an int).
+StreamRef = Tuple[int, int]
+
+# torch's raw handle of a device's current stream: about 0.2 µs, where torch.cuda.current_stream
+# makes a Stream object (several µs). Not in a torch without CUDA, where no CUDA tensor arrives.
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream(device: int) -> StreamRef:
+    """The current stream of CUDA device ``device`` (an index)."""
+    if _current_raw_stream is None:
+        return device, torch.cuda.current_stream(device).cuda_stream
+    return device, _current_raw_stream(device)
+
+
+def stream_ref(stream: "torch.cuda.Stream") -> StreamRef:
+    """``stream`` as the native functions take it."""
+    return stream.device_index, stream.cuda_stream
+
+
+#: cuBLASLt workspace per stream; cuBLAS recommends 32 MiB on Hopper.
 WORKSPACE_BYTES = 32 * 2**20
-#: (device, stream) -> (workspace, its TensorRef): made once, as the workspace never moves
+#: StreamRef -> (workspace, its TensorRef): made once, as the workspace never moves
 _workspaces: dict = {}
 
 
-def gemm_workspace(stream: "torch.cuda.Stream") -> torch.Tensor:
-    """The cuBLASLt workspace of ``stream`` (made on first use, owned by that stream)."""
-    return _workspace_entry(stream)[0]
-
-
-def _workspace_entry(stream):
-    key = (stream.device_index, stream.cuda_stream)
-    entry = _workspaces.get(key)
+def _workspace_ref(stream: StreamRef):
+    """The TensorRef of ``stream``'s cuBLASLt workspace, made on its first use under that stream
+    (the caching allocator ties a block to the stream it is made on)."""
+    entry = _workspaces.get(stream)
     if entry is None:
-        with torch.cuda.stream(stream):  # owned by this stream, as the caching allocator needs
-            ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=stream.device)
-        entry = _workspaces[key] = (ws, tensor_ref("workspace", ws))
-    return entry
+        device, handle = stream
+        current = torch.cuda.current_stream(device)
+        owner = current if current.cuda_stream == handle else torch.cuda.ExternalStream(handle, device=device)
+        with torch.cuda.stream(owner):
+            ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=torch.device("cuda", device))
+        entry = _workspaces[stream] = (ws, tensor_ref("workspace", ws))
+    return entry[1]
 
 
-def call(fn, *context, stream: Optional["torch.cuda.Stream"], gemm: bool = True, **args) -> None:
+def call(fn, *context, stream: Optional[StreamRef], gemm: bool = True, **args) -> None:
     """``fn(*context, **args)`` for a native function ``fn`` of ``_C``, enqueued on ``stream``.
 
     The tensors in ``args`` go as they are (a list of tensors too; None stays None): the native
-    side reads each into the TensorRef of the argument named by its keyword. Then ``workspace``
-    (``stream``'s cuBLASLt workspace, for functions that multiply: ``gemm``) and ``stream``.
-    ``stream`` is None for tensors not on a CUDA device: ``fn``'s checks then reject them before
-    anything runs.
+    side reads each into the TensorRef of the argument named by its keyword, and makes the device
+    of the group or the input current for the call (``csrc/include/tp_kernels/device_guard.h``),
+    so the caller need not. Then ``workspace`` (``stream``'s cuBLASLt workspace, for functions
+    that multiply: ``gemm``) and ``stream``. ``stream`` is None for tensors not on a CUDA device:
+    ``fn``'s checks then reject them before anything runs.
     """
     if gemm:
-        args["workspace"] = torch.empty(0, dtype=torch.uint8) if stream is None else _workspace_entry(stream)[1]
-    fn(*context, **args, stream=0 if stream is None else stream.cuda_stream)
+        args["workspace"] = torch.empty(0, dtype=torch.uint8) if stream is None else _workspace_ref(stream)
+    fn(*context, **args, stream=0 if stream is None else stream[1])
 
 
 def gemm_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -246,13 +265,14 @@ def _gemm_input(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _stream(t: torch.Tensor) -> Optional["torch.cuda.Stream"]:
-    return torch.cuda.current_stream(t.device) if isinstance(t, torch.Tensor) and t.is_cuda else None
+def _stream(t: torch.Tensor) -> Optional[StreamRef]:
+    return current_stream(t.get_device()) if isinstance(t, torch.Tensor) and t.is_cuda else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
            out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``Y = X Wᵀ + b`` through the native cuBLASLt GEMM, on the current stream (no autograd).
+    """``Y = X Wᵀ + b`` through the native cuBLASLt GEMM, on the current stream of x's device (no
+    autograd).
 
     Args:
         x: ``[m, k]`` CUDA tensor, float32/float16/bfloat16 (rows need not be adjacent, but the
@@ -271,8 +291,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     x, weight = _gemm_input(x), gemm_weight(weight)
     bias = bias.contiguous() if isinstance(bias, torch.Tensor) else bias
     y = out if out is not None else x.new_empty(tuple(x.shape[:-1]) + (weight.shape[0],))
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # the native side uses the current device
-        call(C.linear, x=x, weight=weight, bias=bias, out=y, stream=_stream(x))  # host tensors: rejected there
+    call(C.linear, x=x, weight=weight, bias=bias, out=y, stream=_stream(x))  # host tensors: rejected there
     if x.shape[-1] == 0:  # an empty sum: the bias alone (the GEMM wrote nothing)
         return y.copy_(bias.expand_as(y)) if bias is not None else y.zero_()
     return y

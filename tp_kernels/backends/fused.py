@@ -150,7 +150,8 @@ class RankCall(NamedTuple):
     process driving several ranks enqueues phase k of every rank before phase k + 1 of any
     (:class:`tp_kernels.testing.VirtualRanks`); a rank that is a process of its own enqueues them
     all at once. The ``rank_*`` functions below make one on a stream they are given, or, for None,
-    on the current stream (what a rank that is a process of its own uses, without a stream switch).
+    on the current stream of the context's device (what a rank that is a process of its own uses,
+    without a stream switch). The native side makes that device current for the call.
     """
 
     result: object
@@ -166,7 +167,7 @@ def _on(stream):
 
 
 def _rank_call(result, fn, ctx, phases: int, stream, gemm: bool = True, **args) -> RankCall:
-    stream = torch.cuda.current_stream() if stream is None else stream
+    stream = _extension.current_stream(ctx.device) if stream is None else _extension.stream_ref(stream)
 
     def enqueue(phase: Optional[int] = None) -> None:
         _extension.call(fn, ctx, phase=_extension.require().ALL_PHASES if phase is None else phase, stream=stream,
@@ -236,11 +237,10 @@ def all_gather_matmul(x, weight, bias, group, impl):
     x = x.contiguous()
     mp, k = x.shape
     need = peer_memory.region_needs("all_gather_matmul", p, p * mp, weight.shape[0], k, x.dtype)
-    with torch.cuda.device(x.device):
-        ctx = peer_memory.context(group, x.device, "all_gather_matmul", need,
-                                  lambda: _call("all_gather_matmul", x, weight, f"{impl.num_chunks} chunks"))
-        call = rank_all_gather_matmul(ctx, x, weight, bias, impl.num_chunks, None)
-        call.enqueue(None)
+    ctx = peer_memory.context(group, x.device, "all_gather_matmul", need,
+                              lambda: _call("all_gather_matmul", x, weight, f"{impl.num_chunks} chunks"))
+    call = rank_all_gather_matmul(ctx, x, weight, bias, impl.num_chunks, None)
+    call.enqueue(None)
     return call.result
 
 
@@ -254,11 +254,10 @@ def _reduction(op: str, what: str, x, weight, bias, group, algorithm: Optional[s
     m, k = x.shape
     n = weight.shape[0]
     need = peer_memory.region_needs(op, p, m, n, k, x.dtype, algorithm)
-    with torch.cuda.device(x.device):
-        ctx = peer_memory.context(group, x.device, op, need, lambda: _call(op, x, weight, algorithm))
-        call = (rank_matmul_all_reduce(ctx, x, weight, algorithm, None) if algorithm is not None
-                else rank_matmul_reduce_scatter(ctx, x, weight, None))
-        call.enqueue(None)
+    ctx = peer_memory.context(group, x.device, op, need, lambda: _call(op, x, weight, algorithm))
+    call = (rank_matmul_all_reduce(ctx, x, weight, algorithm, None) if algorithm is not None
+            else rank_matmul_reduce_scatter(ctx, x, weight, None))
+    call.enqueue(None)
     return Pending(call.result, what=what, group=group, finish=bias_epilogue(bias))
 
 
@@ -280,9 +279,6 @@ def all_reduce(x, out, peer, group, impl):
     if p == 1:
         return out if out is x else out.copy_(x)
     need = peer_memory.all_reduce_needs(p, x.numel(), x.dtype, impl.algorithm)
-    with torch.cuda.device(x.device):
-        ctx = peer_memory.context(group, x.device, "all_reduce", need,
-                                  lambda: _call("all_reduce", x, None, impl.algorithm))
-        call = rank_all_reduce(ctx, x, out, impl.algorithm, None)
-        call.enqueue(None)
+    ctx = peer_memory.context(group, x.device, "all_reduce", need, lambda: _call("all_reduce", x, None, impl.algorithm))
+    rank_all_reduce(ctx, x, out, impl.algorithm, None).enqueue(None)
     return out

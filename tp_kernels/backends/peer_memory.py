@@ -152,7 +152,8 @@ class _GroupWorkspace:
         if regions is not None:
             if capturing():
                 raise capture_growth_error(op, regions)
-            self._map(op, regions, call())
+            with torch.cuda.device(self.device):
+                self._map(op, regions, call())
         timeout = settings.get_timeout()
         if self.ctx.timeout_s != timeout:
             self.ctx.timeout_s = timeout

@@ -85,10 +85,11 @@ def communicator(group, device: torch.device):
     C = _extension.require()
     if entry is None:
         p, r = coll.group_size(group), coll.group_rank(group)
-        # Rank 0's id reaches the others through a bounded all-gather over the torch group.
-        uid = C.nccl_unique_id() if r == 0 else bytes(C.NCCL_UNIQUE_ID_BYTES)
-        uid = coll.all_gather_bytes(uid, group, device)[0]
-        comm = C.Communicator(uid, r, p, device.index, settings.get_comm_stream_priority(), settings.get_timeout())
+        with torch.cuda.device(device):
+            # Rank 0's id reaches the others through a bounded all-gather over the torch group.
+            uid = C.nccl_unique_id() if r == 0 else bytes(C.NCCL_UNIQUE_ID_BYTES)
+            uid = coll.all_gather_bytes(uid, group, device)[0]
+            comm = C.Communicator(uid, r, p, device.index, settings.get_comm_stream_priority(), settings.get_timeout())
         entry = _communicators[key] = (group, comm)
     comm = entry[1]
     timeout = settings.get_timeout()
@@ -119,11 +120,9 @@ def all_gather_matmul(x, weight, bias, group, impl):
     gathered = x.new_empty((p * mp, k))
     out = x.new_empty((p * mp, weight.shape[0]))
     order = ring(coll.group_rank(group), p)
-    with torch.cuda.device(x.device):
-        _extension.call(C.all_gather_matmul, communicator(group, x.device), x=x,
-                        weight=_extension.gemm_weight(weight), bias=bias, out=out, gathered=gathered,
-                        bounds=boundaries(mp, impl.num_chunks), ring=order.sources, ring_next=order.next,
-                        ring_prev=order.prev, stream=torch.cuda.current_stream(x.device))
+    _extension.call(C.all_gather_matmul, communicator(group, x.device), x=x, weight=_extension.gemm_weight(weight),
+                    bias=bias, out=out, gathered=gathered, bounds=boundaries(mp, impl.num_chunks), ring=order.sources,
+                    ring_next=order.next, ring_prev=order.prev, stream=_extension.current_stream(x.get_device()))
     return out, gathered
 
 
@@ -138,10 +137,9 @@ def _reduction(op: str, what: str, scatter: bool, x, weight, bias, group, impl) 
     rows = m // p if scatter else m  # the rows chunked, and the output's
     out = x.new_empty((rows, n))
     scratch = {"partial": x.new_empty((m, n))} if scatter else {}  # destination-major chunks of x Wᵀ
-    with torch.cuda.device(x.device):
-        _extension.call(getattr(C, op), communicator(group, x.device), x=x, weight=_extension.gemm_weight(weight),
-                        out=out, bounds=boundaries(rows, impl.num_chunks), stream=torch.cuda.current_stream(x.device),
-                        **scratch)
+    _extension.call(getattr(C, op), communicator(group, x.device), x=x, weight=_extension.gemm_weight(weight),
+                    out=out, bounds=boundaries(rows, impl.num_chunks), stream=_extension.current_stream(x.get_device()),
+                    **scratch)
     return Pending(out, what=what, group=group, finish=bias_epilogue(bias))
 
 
@@ -168,11 +166,9 @@ def _nccl(collective: str):
     def run(x, out, peer, group, impl):
         t = x if x is not None else out
         C = _extension.require()
-        with torch.cuda.device(t.device):
-            comm = communicator(group, t.device)
-            _extension.call(C.nccl_collective, comm, collective, x=_as_bytes(x) if moves_bytes else x,
-                            out=_as_bytes(out) if moves_bytes else out, peer=peer,
-                            stream=torch.cuda.current_stream(t.device), gemm=False)
+        _extension.call(C.nccl_collective, communicator(group, t.device), collective,
+                        x=_as_bytes(x) if moves_bytes else x, out=_as_bytes(out) if moves_bytes else out, peer=peer,
+                        stream=_extension.current_stream(t.get_device()), gemm=False)
         return out
 
     run.__name__ = run.__qualname__ = collective

@@ -9,26 +9,12 @@
 #include <type_traits>
 
 #include "tp_kernels/check.h"
+#include "tp_kernels/device_guard.h"
 #include "tp_kernels/gemm.h"
 #include "tp_kernels/overlap.h"
 
 namespace tp_kernels {
 namespace detail {
-
-// Makes `device` current for a scope and restores the previous device.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    TPK_CHECK_CUDA(cudaGetDevice(&previous_));
-    if (previous_ != device) TPK_CHECK_CUDA(cudaSetDevice(device));
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 // Element `row * width` of a row-major buffer of `dtype`.
 template <typename T>
@@ -75,16 +61,6 @@ inline ncclDataType_t nccl_type(DType t) {
 
 inline std::string shape(int64_t rows, int64_t cols) {
   return "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
-}
-
-// The primitives run on the device of their group's context, which the caller makes current
-// (the Python side does, with torch.cuda.device); anything else is a bug, not a bad argument.
-inline void require_current_device(int device, const std::string& op) {
-  int current = -1;
-  TPK_CHECK_CUDA(cudaGetDevice(&current));
-  if (current != device)
-    throw Error(op + ": the current device is " + std::to_string(current) + ", the group's is " +
-                std::to_string(device));
 }
 
 }  // namespace detail

@@ -38,6 +38,7 @@ struct LinearArgs {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   cudaStream_t stream = nullptr;
+  int device = -1;  // made current for the call (the inputs' device); -1: the current one
 };
 
 // Throws tp_kernels::Error when a CUDA or cuBLASLt call fails.
