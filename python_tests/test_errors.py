@@ -34,8 +34,8 @@ def no_collectives():
     with contextlib.ExitStack() as stack:
         for name in names:
             stack.enter_context(mock.patch.object(dist, name, boom))
-        stack.enter_context(mock.patch.object(_collectives, "_all_gather_single", boom))
-        stack.enter_context(mock.patch.object(_collectives, "_reduce_scatter_single", boom))
+        for name in ("_pg_all_reduce", "_pg_all_gather", "_pg_reduce_scatter"):
+            stack.enter_context(mock.patch.object(_collectives, name, boom))
         stack.enter_context(mock.patch.object(_agreement, "_views_if_they_differ", same_call_everywhere))
         yield
 

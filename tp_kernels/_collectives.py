@@ -6,8 +6,9 @@ Everything that talks to ``torch.distributed`` goes through here:
   :func:`tp_kernels.initialize_model_parallel` was never called, or "this process alone" when
   ``torch.distributed`` is not initialized at all), and groups by name (the custom ops carry
   the name);
-* one compatibility shim for the collectives renamed in torch 2.13
-  (``all_gather_single``/``reduce_scatter_single``, formerly ``*_into_tensor``/``*_tensor``);
+* the all-reduce, all-gather and reduce-scatter issued by the group's own methods
+  (``_pg_*``), with one compatibility shim for the methods renamed in torch 2.13
+  (``all_gather_single``/``reduce_scatter_single``, formerly ``_allgather_base``/``_reduce_scatter_base``);
 * every collective is issued asynchronously and waited with :func:`wait`, which applies the
   library-wide timeout (:func:`tp_kernels.settings.get_timeout`) and turns a stuck collective
   into an error naming the operation.
@@ -51,8 +52,48 @@ __all__ = [
 
 # torch's lookup of a group by its name (absent from builds without torch.distributed)
 _resolve_process_group = dist.distributed_c10d._resolve_process_group if dist.is_available() else None
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# The hot collectives go to the group's own methods, as torch.distributed's functions do after
+# their Python layer (measured on a fake group, 2-core VM: an all-reduce issued and waited 2.9 µs
+# against 6.4 µs, an all-gather 3.6 µs against 5.4 µs). What that layer adds cannot apply here:
+# the groups are this process's own (resolve_group), the tensors plain, contiguous and, for the
+# reductions, real (a complex one is viewed as real for the all-gather, as torch does), and a
+# collective waited for at once cannot be deferred by a coalescing manager. The options are made
+# once: the group copies what it needs from them.
+if dist.is_available():
+    _PG = dist.ProcessGroup
+    _PG_ALL_GATHER = getattr(_PG, "all_gather_single", None) or _PG._allgather_base
+    _PG_REDUCE_SCATTER = getattr(_PG, "reduce_scatter_single", None) or _PG._reduce_scatter_base
+    _ALL_GATHER_OPTIONS = dist.distributed_c10d.AllgatherOptions()
+#: (options type, ReduceOp) -> the options, made once
+_reduce_options: dict = {}
+
+
+def _options(kind, op):
+    """The options of a reduction by ``op``; ``kind``: ``AllreduceOptions`` or
+    ``ReduceScatterOptions``."""
+    opts = _reduce_options.get((kind, op))
+    if opts is None:
+        opts = _reduce_options[(kind, op)] = kind()
+        opts.reduceOp = op
+    return opts
+
+
+def _pg_all_reduce(x: torch.Tensor, group, op):
+    """Start ``dist.all_reduce(x, op, group, async_op=True)``, on the group itself."""
+    return group.allreduce([x], _options(dist.AllreduceOptions, op))
+
+
+def _pg_all_gather(out: torch.Tensor, x: torch.Tensor, group):
+    """Start ``dist.all_gather_into_tensor(out, x, group, async_op=True)``, on the group itself."""
+    real = torch.view_as_real
+    return _PG_ALL_GATHER(group, real(out) if out.is_complex() else out, real(x) if x.is_complex() else x,
+                          _ALL_GATHER_OPTIONS)
+
+
+def _pg_reduce_scatter(out: torch.Tensor, x: torch.Tensor, group):
+    """Start ``dist.reduce_scatter_tensor(out, x, SUM, group, async_op=True)``, on the group itself."""
+    return _PG_REDUCE_SCATTER(group, out, x, _options(dist.distributed_c10d.ReduceScatterOptions, dist.ReduceOp.SUM))
 
 
 def resolve_group(group):
@@ -227,7 +268,7 @@ def all_gather_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] = Non
     if out is None:
         out = x.new_empty((x.shape[0] * p,) + tuple(x.shape[1:]))
     what = _about("all-gather", x)
-    work = _issue(what, group, lambda: _all_gather_single(out, x, group=group, async_op=True))
+    work = _issue(what, group, lambda: _pg_all_gather(out, x, group))
     return Pending(out, [work], what, group)
 
 
@@ -283,8 +324,7 @@ def reduce_scatter_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] =
         r = group_rank(group)
         return Pending(out, deps=[summed], what=what, group=group,
                        finish=lambda o: o.copy_(summed.tensor[r * mp : (r + 1) * mp]))
-    work = _issue(what, group,
-                  lambda: _reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group, async_op=True))
+    work = _issue(what, group, lambda: _pg_reduce_scatter(out, x, group))
     return Pending(out, [work], what, group)
 
 
@@ -298,7 +338,7 @@ def all_reduce(x: torch.Tensor, group, *, op=dist.ReduceOp.SUM, inplace: bool = 
     if not (inplace and x.is_contiguous()):
         x = x.contiguous() if inplace else x.clone(memory_format=torch.contiguous_format)
     what = _about("all-reduce", x)
-    work = _issue(what, group, lambda: dist.all_reduce(x, op=op, group=group, async_op=True))
+    work = _issue(what, group, lambda: _pg_all_reduce(x, group, op))
     return Pending(x, [work], what, group)
 
 
