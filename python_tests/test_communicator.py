@@ -20,13 +20,14 @@ from tp_kernels import Communicator, autotune, dispatch, settings
 from tp_kernels._collectives import group_name, resolve_group
 
 SHAPE = (3, 5, 7)  # odd: nothing divisible by anything
-DTYPES = [torch.float32, torch.float64, torch.int64]
+DTYPES = [torch.float32, torch.float64, torch.int64, torch.complex64]  # complex: moved, not summed
 
 
 def _data(shape, dtype, device, seed):
     g = torch.Generator().manual_seed(seed)
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=g, dtype=torch.float64).to(device, dtype)
+    if dtype.is_floating_point or dtype.is_complex:
+        wide = torch.complex128 if dtype.is_complex else torch.float64
+        return torch.randn(shape, generator=g, dtype=wide).to(device, dtype)
     return torch.randint(-1000, 1000, shape, generator=g).to(device, dtype)
 
 
@@ -73,8 +74,9 @@ def check_against_torch_distributed(backend="auto", device="cpu", dtypes=DTYPES)
     for dtype in dtypes:
         x = _data(SHAPE, dtype, device, seed=10 * r + 1)
         name = f"{dtype} p={p}"
-        # the fused path sums the dtypes of _C.DTYPES only (backend="fused" raises for the others)
-        sums = backend != "fused" or dtype in (torch.float32, torch.float16, torch.bfloat16)
+        # the fused path sums the dtypes of _C.DTYPES only (backend="fused" raises for the others);
+        # a complex tensor is moved, never summed (the sums reject it: test_bad_inputs_are_named_on_every_rank)
+        sums = not dtype.is_complex and (backend != "fused" or dtype in (torch.float32, torch.float16, torch.bfloat16))
         if sums:
             _sum_matches(f"all_reduce {name}", comm.all_reduce(x), x, _torch_sum(x), exact)
             out = torch.empty_like(x)

@@ -84,11 +84,14 @@ def _pg_all_reduce(x: torch.Tensor, group, op):
     return group.allreduce([x], _options(dist.AllreduceOptions, op))
 
 
+def _as_real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor viewed as real (``[..., 2]``), as the backends move it; others as they are."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 def _pg_all_gather(out: torch.Tensor, x: torch.Tensor, group):
     """Start ``dist.all_gather_into_tensor(out, x, group, async_op=True)``, on the group itself."""
-    real = torch.view_as_real
-    return _PG_ALL_GATHER(group, real(out) if out.is_complex() else out, real(x) if x.is_complex() else x,
-                          _ALL_GATHER_OPTIONS)
+    return _PG_ALL_GATHER(group, _as_real(out), _as_real(x), _ALL_GATHER_OPTIONS)
 
 
 def _pg_reduce_scatter(out: torch.Tensor, x: torch.Tensor, group):
@@ -359,9 +362,10 @@ def gather(x: torch.Tensor, out: Optional[torch.Tensor], dst: int, group) -> Pen
     if p == 1:
         return _local(x, out, "gather")
     what = _about("gather", x, "to rank", dst)
-    blocks = list(out.chunk(p)) if out is not None else None
+    # complex tensors viewed as real: torch's gather, unlike its other collectives, does not
+    blocks = [_as_real(b) for b in out.chunk(p)] if out is not None else None
     root = dist.get_global_rank(group, dst)
-    work = _issue(what, group, lambda: dist.gather(x, blocks, dst=root, group=group, async_op=True))
+    work = _issue(what, group, lambda: dist.gather(_as_real(x), blocks, dst=root, group=group, async_op=True))
     return Pending(x if out is None else out, [work], what, group)
 
 
