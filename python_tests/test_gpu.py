@@ -601,7 +601,7 @@ def test_auto_measures_fused_native_and_reference_on_one_gpu(shared_gpu_world):
 # --- tp_kernels.Communicator: its paths on processes sharing the GPU, and the fused all-reduce alone
 # on virtual ranks ----------------------------------------------------------------------------------
 
-COMM_DTYPES = (torch.float32, torch.bfloat16, torch.int64)
+COMM_DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.complex64)  # complex: moved, not summed
 
 
 @native_built
