@@ -9,7 +9,8 @@
 #   ... bash bench/gpu_suite.sh bench
 #       the main job (on one GPU with the per-rank costs, the fused path on virtual ranks and the
 #       calibrated projection), the fused path's sweeps, the pytest-benchmark suite and the host
-#       time of a call at 1, 2 and 8 ranks, each under its own time limit: gpu-bench-<commit>.json,
+#       time of a call at 1, 2 and 8 ranks of a fake group and on 2 NCCL ranks sharing the GPU,
+#       each under its own time limit: gpu-bench-<commit>.json,
 #       and the main job's JSON/CSV/PNG and the other benchmarks' JSON next to it
 #   ... bash bench/gpu_suite.sh sanitize
 #       compute-sanitizer memcheck and racecheck on the fused ops: gpu-sanitize-<commit>.json
@@ -85,6 +86,10 @@ case "$part" in
     # and auto on the reference, which is what a fake group can run (hence AUTO_NATIVE off here).
     step host 20 env TP_KERNELS_AUTO_NATIVE=0 "$PY" -m tp_kernels.bench.host --samples 20 --out-dir "$logs/host" \
       --tag "$commit"
+    # The same on two NCCL ranks sharing the GPU, where the native and fused paths run (and auto
+    # may choose them): the host time of issuing a call with real peers.
+    step host-peers 30 env TP_KERNELS_AUTO_NATIVE=1 TP_KERNELS_AUTO_FUSED=1 "$PY" -m tp_kernels.bench.host --peers \
+      --ranks 2 --samples 20 --out-dir "$logs/host" --tag "$commit"
     cp "$logs"/bench/* "$logs"/fused/*.json "$logs"/host/*.json "$results/" 2>/dev/null
     ;;
   sanitize)

@@ -294,6 +294,28 @@ def test_host_time_bench_at_one_and_two_ranks(tmp_path):
         host.main(["--ranks", "0"])
 
 
+def test_host_time_bench_with_peers(tmp_path):
+    """--peers: the same calls on the processes of a real group (gloo ranks here; NCCL ranks
+    sharing the GPU on one), rank 0's figures and every rank's added time in the record; p = 1
+    has no peers and is left out."""
+    out = subprocess.run([sys.executable, "-m", "tp_kernels.bench.host", "--peers", "--ranks", "1,2", "--samples", "2",
+                          "--device", "cpu", "--out-dir", str(tmp_path), "--tag", "t"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.load(open(tmp_path / "host-peers-cpu-t.json"))
+    assert [run["p"] for run in record["runs"]] == [2] and "gloo" in record["world"]
+    run = record["runs"][0]
+    names = {"plain", "plain_layer", "RowParallelLinear/auto"} | {
+        f"matmul_all_reduce/{b}" for b in ("reference", "pipelined", "auto")}
+    assert set(run["times"]) == names and run["skipped"] == {}
+    assert all(0 < t["min_us"] <= t["median_us"] for t in run["times"].values())
+    assert len(run["per_rank_added_us"]) == 2 and run["per_rank_added_us"][0] == run["added_us"]
+    assert all(set(added) == names - {"plain", "plain_layer"} for added in run["per_rank_added_us"])
+    from tp_kernels.bench import host
+    with pytest.raises(SystemExit):
+        host.main(["--peers", "--ranks", "1"])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
 def test_fused_bench_without_a_gpu_says_so(capsys):
     from tp_kernels.bench import fused

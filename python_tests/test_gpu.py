@@ -22,7 +22,7 @@ from helpers import assert_close, rank_world
 from tp_kernels import _collectives, _extension, dispatch, ops, settings
 from tp_kernels.backends import fused, parse, peer_memory, pipelined_native
 from tp_kernels.schedule import DEFAULT_NUM_CHUNKS
-from tp_kernels.testing import VirtualRanks, World
+from tp_kernels.testing import ONE_GPU_RANKS_ENV, VirtualRanks, World
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,17 +38,6 @@ OPS = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"]
 def nccl_world():
     with World(1, backend="nccl", timeout_s=120.0) as world:
         yield world
-
-
-#: Several NCCL ranks on one GPU: NCCL refuses two ranks on one device of one host, so each rank
-#: claims its own host (NCCL_HOSTID) and they talk over sockets on loopback.
-ONE_GPU_RANKS_ENV = {
-    "NCCL_HOSTID": "tp-kernels-rank-{rank}",
-    "NCCL_P2P_DISABLE": "1",
-    "NCCL_SHM_DISABLE": "1",
-    "NCCL_IB_DISABLE": "1",
-    "NCCL_SOCKET_IFNAME": "lo",
-}
 
 
 @pytest.fixture(scope="module", params=[2, 4])

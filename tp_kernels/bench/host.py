@@ -1,7 +1,8 @@
 """Host time of one eager call: what tp_kernels' Python adds over plain PyTorch doing the same
 work, at p ranks, with the communication itself taken out.
 
-    python -m tp_kernels.bench.host [--ranks 1,2,8] [--device cpu|cuda] [--samples N] [--out-dir DIR] [--tag T]
+    python -m tp_kernels.bench.host [--ranks 1,2,8] [--device cpu|cuda] [--peers] [--samples N] [--out-dir DIR]
+                                    [--tag T]
 
 For each p this process joins a one-process *fake* world of p ranks (torch's ``fake`` backend,
 ``torch.testing._internal.distributed.fake_pg``: every collective completes at once and moves
@@ -20,6 +21,14 @@ k = n = 64, float32, one thread):
 * ``plain_layer`` and ``RowParallelLinear/auto``: a hand-written row-parallel ``nn.Module`` with a
   bias (:class:`PlainRowParallel`, Megatron's: ``F.linear`` without the bias, the all-reduce,
   then the bias added once), and tp_kernels' layer, under ``torch.no_grad()`` (the serving case).
+
+With ``--peers`` the calls run instead on p processes of a real group (each p >= 2 of
+``--ranks``), on a GPU p NCCL ranks sharing it (:data:`tp_kernels.testing.ONE_GPU_RANKS_ENV`), so
+that the native and fused paths run too, with ``fused`` among the backends: there, the host never
+waits for the communication, and a figure is still the host time of issuing a call (rank 0's; every
+rank's ``added_us`` is in the record). A sample is then 20 calls, which stay under the launch
+queue's depth with their chunks' kernels and events. On the CPU the ranks are gloo processes
+whose waits include the transfer itself: a check of the tool, not a figure.
 
 Each figure is the fastest of ``--samples`` samples, each the mean host time of 200 calls, the
 calls timed in turns (on a GPU the device is synchronised between samples only, so issuing never
@@ -52,6 +61,9 @@ from .records import commit, default_out_dir, device_name, save_record
 from .targets import TARGETS
 
 CALLS_PER_SAMPLE = 200
+#: calls per sample with real peers (--peers): with their kernels, events and NCCL launches, they
+#: stay under CUDA's launch queue depth
+PEER_CALLS_PER_SAMPLE = 20
 #: (m, k, n) of the timed GEMM: the decode GEMM of tp_kernels.bench.extension on a GPU, a tiny one on the CPU
 SHAPES = {"cuda": (16, 28672 // 8, 8192), "cpu": (16, 64, 64)}
 
@@ -112,9 +124,18 @@ class PlainRowParallel(torch.nn.Module):
         return _all_reduced(F.linear(x, self.weight), self.group).add_(self.bias)
 
 
-def _calls(p: int, device: torch.device, dtype: torch.dtype):
+def _runs_on_a_fake_group(impl: str) -> Optional[str]:
+    """Why implementation ``impl`` cannot run on a fake group (None: it can)."""
+    if impl == "reference" or impl.startswith("pipelined:"):
+        return None
+    return f"runs {impl}, which needs real peers"
+
+
+def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("reference", "pipelined", "auto"),
+           why_not: Optional[Callable[[str], Optional[str]]] = _runs_on_a_fake_group):
     """The timed calls at ``p`` ranks: name -> (function, its plain counterpart's name), and the
-    skipped ones: name -> why."""
+    skipped ones: name -> why (``why_not(impl)``, None where every implementation can run, or why
+    ``backend`` cannot run here at all)."""
     group = dist.group.WORLD
     m, k, n = SHAPES[device.type]
     x, w = torch.randn(m, k, device=device, dtype=dtype), torch.randn(n, k, device=device, dtype=dtype)
@@ -123,10 +144,15 @@ def _calls(p: int, device: torch.device, dtype: torch.dtype):
 
     calls = {"plain": (lambda: _all_reduced(F.linear(x, w), group), None)}
     skipped = {}
-    for backend in ("reference", "pipelined", "auto"):
-        impl = dispatch.select_backend("matmul_all_reduce", backend, x, p, group, w)
-        if impl != "reference" and not impl.startswith("pipelined:"):
-            skipped[f"matmul_all_reduce/{backend}"] = f"runs {impl}, which needs real peers"
+    for backend in backends:
+        try:
+            impl = dispatch.select_backend("matmul_all_reduce", backend, x, p, group, w)
+        except ValueError as exc:  # "fused" where it cannot run
+            skipped[f"matmul_all_reduce/{backend}"] = str(exc)
+            continue
+        why = why_not(impl) if why_not is not None else None
+        if why is not None:
+            skipped[f"matmul_all_reduce/{backend}"] = why
             continue
         calls[f"matmul_all_reduce/{backend}"] = (
             lambda backend=backend: ops.matmul_all_reduce(x, w, group=group, backend=backend), "plain")
@@ -140,29 +166,66 @@ def _calls(p: int, device: torch.device, dtype: torch.dtype):
             return row(x)
 
     calls["plain_layer"] = (plain_layer, None)
-    if dispatch.select_backend("matmul_all_reduce", "auto", x, p, group, row.weight) == "reference":
+    impl = dispatch.select_backend("matmul_all_reduce", "auto", x, p, group, row.weight)
+    why = why_not(impl) if why_not is not None else None
+    if why is None:
         calls["RowParallelLinear/auto"] = (row_layer, "plain_layer")
     else:
-        skipped["RowParallelLinear/auto"] = "auto runs a path that needs real peers"
+        skipped["RowParallelLinear/auto"] = f"auto {why}"
     return calls, skipped
+
+
+def _timed(p: int, device: torch.device, samples: int, calls_per_sample: int, **which) -> Dict:
+    """Every call of :func:`_calls` (``which``: its backends and ``why_not``) timed on this
+    process's group, and what each adds over its plain counterpart."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    calls, skipped = _calls(p, device, dtype, **which)
+    times = host_times_us({name: fn for name, (fn, _) in calls.items()}, samples, device.type == "cuda",
+                          calls_per_sample)
+    added = {name: times[name]["min_us"] - times[base]["min_us"]
+             for name, (_, base) in calls.items() if base is not None}
+    return {"p": p, "times": times, "added_us": added, "skipped": skipped}
 
 
 def measure(p: int, device: torch.device, samples: int) -> Dict:
     """Every call's host time at ``p`` ranks (a fake world of this process), and what each adds
     over its plain counterpart."""
     fake_world(p)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    calls, skipped = _calls(p, device, dtype)
-    times = host_times_us({name: fn for name, (fn, _) in calls.items()}, samples, device.type == "cuda")
-    added = {name: times[name]["min_us"] - times[base]["min_us"]
-             for name, (_, base) in calls.items() if base is not None}
-    return {"p": p, "times": times, "added_us": added, "skipped": skipped}
+    return _timed(p, device, samples, CALLS_PER_SAMPLE)
+
+
+def _peer_rank(p: int, device_type: str, samples: int) -> Dict:
+    """:func:`_timed` on one rank of a :class:`~tp_kernels.testing.World` (every rank the same
+    calls in the same order), with the fused path among the backends."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cpu":
+        torch.set_num_threads(1)
+    settings.set_fingerprints(False)
+    return _timed(p, device, samples, PEER_CALLS_PER_SAMPLE, why_not=None,
+                  backends=("reference", "pipelined", "fused", "auto") if device_type == "cuda" else
+                  ("reference", "pipelined", "auto"))
+
+
+def measure_with_peers(p: int, device: torch.device, samples: int) -> Dict:
+    """Every call's host time on rank 0 of ``p`` processes of a real group (NCCL ranks sharing
+    ``device``, or gloo ranks on the CPU), and what each adds over its plain counterpart on every
+    rank (``per_rank_added_us``)."""
+    from ..testing import ONE_GPU_RANKS_ENV, World
+
+    cuda = device.type == "cuda"
+    with World(p, backend="nccl" if cuda else "gloo", timeout_s=120.0, threads=1,
+               env=ONE_GPU_RANKS_ENV if cuda else None, cuda_device=device.index if cuda else None) as world:
+        runs = world.run(_peer_rank, p, device.type, samples, deadline_s=300.0)
+    return {**runs[0], "per_rank_added_us": [run["added_us"] for run in runs]}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tp_kernels.bench.host", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", default="1,2,8", help="group sizes, comma-separated (default: %(default)s)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--peers", action="store_true",
+                    help="time the calls on p processes of a real group (each p >= 2 of --ranks; on a GPU, NCCL "
+                         "ranks sharing it), where the native and fused paths run too")
     ap.add_argument("--samples", type=int, default=50, help="timed samples per figure (default: %(default)s)")
     ap.add_argument("--out-dir", default=default_out_dir(), help="default: %(default)s")
     ap.add_argument("--tag", default="")
@@ -182,9 +245,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)  # a tiny GEMM: no thread pool's wake-up in the figure
+    if args.peers:
+        ranks = [p for p in ranks if p >= 2]
+        if not ranks:
+            ap.error(f"--peers: expected a group size >= 2 in --ranks, got {args.ranks!r}")
     settings.set_fingerprints(False)
     try:
-        runs = [measure(p, device, args.samples) for p in ranks]
+        runs = [measure_with_peers(p, device, args.samples) if args.peers else measure(p, device, args.samples)
+                for p in ranks]
     finally:
         settings.set_fingerprints(None)
         torch.set_num_threads(threads)
@@ -195,14 +263,18 @@ def main(argv: Optional[List[str]] = None) -> int:
               "commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "torch": torch.__version__, "python": sys.version.split()[0],
               "shape": [m, k, n], "dtype": "bfloat16" if device.type == "cuda" else "float32",
-              "calls_per_sample": CALLS_PER_SAMPLE, "samples": args.samples, "runs": runs,
+              "world": ("processes of a real group" + (", NCCL ranks sharing the GPU" if device.type == "cuda" else
+                                                         ", gloo (waits include the transfer)")
+                        if args.peers else "one process of a fake group"),
+              "calls_per_sample": PEER_CALLS_PER_SAMPLE if args.peers else CALLS_PER_SAMPLE,
+              "samples": args.samples, "runs": runs,
               "target_us": TARGETS["host_overhead_us"][0]}
     for run in runs:
         print(f"p = {run['p']}: " + ", ".join(f"{name} {t['min_us']:.2f} us" for name, t in run["times"].items()))
         print("  added: " + ", ".join(f"{name} {v:+.2f} us" for name, v in run["added_us"].items()))
         for name, why in run["skipped"].items():
             print(f"  skipped {name}: {why}")
-    save_record(record, args.out_dir, "host", args.tag)
+    save_record(record, args.out_dir, "host-peers" if args.peers else "host", args.tag)
     print(json.dumps({run["p"]: run["added_us"] for run in runs}))
     return 0
 

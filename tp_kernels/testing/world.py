@@ -30,10 +30,22 @@ import torch.multiprocessing as mp
 
 from ..settings import set_timeout
 
-__all__ = ["World", "WorkerError", "default_backend", "join_torchrun", "launched_by_torchrun"]
+__all__ = ["ONE_GPU_RANKS_ENV", "World", "WorkerError", "default_backend", "join_torchrun", "launched_by_torchrun"]
 
 
 _ERROR_GRACE_S = 3.0
+
+
+#: The environment of several NCCL ranks on one GPU (``World(..., backend="nccl", env=ONE_GPU_RANKS_ENV,
+#: cuda_device=0)``): NCCL refuses two ranks on one device of one host, so each rank claims its own
+#: host (NCCL_HOSTID) and they talk over sockets on loopback.
+ONE_GPU_RANKS_ENV = {
+    "NCCL_HOSTID": "tp-kernels-rank-{rank}",
+    "NCCL_P2P_DISABLE": "1",
+    "NCCL_SHM_DISABLE": "1",
+    "NCCL_IB_DISABLE": "1",
+    "NCCL_SOCKET_IFNAME": "lo",
+}
 
 
 class WorkerError(RuntimeError):
