@@ -199,8 +199,6 @@ _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 def current_stream(device: int) -> StreamRef:
     """The current stream of CUDA device ``device`` (an index)."""
-    if _current_raw_stream is None:
-        return device, torch.cuda.current_stream(device).cuda_stream
     return device, _current_raw_stream(device)
 
 

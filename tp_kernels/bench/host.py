@@ -132,10 +132,9 @@ def _runs_on_a_fake_group(impl: str) -> Optional[str]:
 
 
 def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("reference", "pipelined", "auto"),
-           why_not: Optional[Callable[[str], Optional[str]]] = _runs_on_a_fake_group):
+           why_not: Callable[[str], Optional[str]] = _runs_on_a_fake_group):
     """The timed calls at ``p`` ranks: name -> (function, its plain counterpart's name), and the
-    skipped ones: name -> why (``why_not(impl)``, None where every implementation can run, or why
-    ``backend`` cannot run here at all)."""
+    skipped ones: name -> why (``why_not(impl)``, or why ``backend`` cannot run here at all)."""
     group = dist.group.WORLD
     m, k, n = SHAPES[device.type]
     x, w = torch.randn(m, k, device=device, dtype=dtype), torch.randn(n, k, device=device, dtype=dtype)
@@ -150,7 +149,7 @@ def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("referenc
         except ValueError as exc:  # "fused" where it cannot run
             skipped[f"matmul_all_reduce/{backend}"] = str(exc)
             continue
-        why = why_not(impl) if why_not is not None else None
+        why = why_not(impl)
         if why is not None:
             skipped[f"matmul_all_reduce/{backend}"] = why
             continue
@@ -167,7 +166,7 @@ def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("referenc
 
     calls["plain_layer"] = (plain_layer, None)
     impl = dispatch.select_backend("matmul_all_reduce", "auto", x, p, group, row.weight)
-    why = why_not(impl) if why_not is not None else None
+    why = why_not(impl)
     if why is None:
         calls["RowParallelLinear/auto"] = (row_layer, "plain_layer")
     else:
@@ -201,7 +200,7 @@ def _peer_rank(p: int, device_type: str, samples: int) -> Dict:
     if device_type == "cpu":
         torch.set_num_threads(1)
     settings.set_fingerprints(False)
-    return _timed(p, device, samples, PEER_CALLS_PER_SAMPLE, why_not=None,
+    return _timed(p, device, samples, PEER_CALLS_PER_SAMPLE, why_not=lambda impl: None,
                   backends=("reference", "pipelined", "fused", "auto") if device_type == "cuda" else
                   ("reference", "pipelined", "auto"))
 
