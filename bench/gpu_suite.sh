@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU suite, in three parts that each finish in under 8 minutes on one H100 (so each fits a
 # 10-minute call on a lent GPU machine), each building the extension first and writing its own
-# record (device, commit, date; bench/gpu_summary.py) under bench/results/:
+# record (device, commit, date; bench/gpu_summary.py) under bench/results/. Every step runs under
+# its own time limit and under the part's budget (TP_KERNELS_SUITE_BUDGET_S, 540 s by default,
+# build included; bench/gpu_steps.sh), so a part always ends with its record, naming what did not
+# run:
 #
 #   TP_KERNELS_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_suite.sh tests
 #       the GPU tests (python_tests -m gpu), a per-test timeout so a hang costs seconds, the
@@ -20,7 +23,8 @@
 # runtime headers' crt/ and nv/target (nvidia-cuda-crt and nvidia-cuda-cccl, or a CUDA toolkit of
 # torch's major), pytest, pytest-timeout, hypothesis. The extension is built for torch's CUDA major.
 # TP_KERNELS_COMMIT names the commit when the tree there has no git history. When $OUT is set (a
-# folder whose contents are fetched back), the record and a tarball of the logs go there too.
+# folder whose contents are fetched back), the record and a tarball of the logs go there too (the
+# logs after every step).
 # Exit status: 0 when the part is green.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,41 +42,43 @@ commit=${TP_KERNELS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unk
 export TP_KERNELS_COMMIT=$commit
 # Let backend="auto" pick the native path too, so that the suite checks and measures it.
 export TP_KERNELS_AUTO_NATIVE=1
-started=$SECONDS
+SECONDS=0
+budget_s=${TP_KERNELS_SUITE_BUDGET_S:-540}
+reserve_s=20
+LOGS_TARBALL=gpu-$part-$commit-logs.tar.gz
+# shellcheck source=bench/gpu_steps.sh
+. bench/gpu_steps.sh
 
-# step NAME LIMIT_S COMMAND...: run COMMAND under a time limit, its output to LOGS/NAME.log (and
-# the terminal), its exit status to LOGS/status.txt
-step() {
-  local name=$1 limit=$2
-  shift 2
-  echo "== $name (at most ${limit} s; $((SECONDS - started)) s so far)"
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$logs/$name.log"
-  local status=${PIPESTATUS[0]}
-  echo "$name $status" >>"$logs/status.txt"
-  [ "$status" -eq 124 ] && echo "$name: stopped after ${limit} s" >&2
-  return 0
-}
-
-echo "== build (commit $commit)"
+echo "== build (commit $commit; the part's budget ${budget_s} s)"
 major=$("$PY" -c "import torch; print(torch.version.cuda.split('.')[0])")
-if ! TP_KERNELS_CUDA_MAJOR=$major timeout 300 "$PY" -m pip install -v --no-build-isolation --no-deps -e . \
+build_limit=$(seconds_left)
+[ "$build_limit" -gt 300 ] && build_limit=300
+if ! TP_KERNELS_CUDA_MAJOR=$major timeout "$build_limit" "$PY" -m pip install -v --no-build-isolation --no-deps -e . \
     >"$logs/build.log" 2>&1; then
   tail -n 60 "$logs/build.log"
   echo "build failed" >&2
+  save_logs
   exit 1
 fi
 "$PY" -c "import tp_kernels, json; print(json.dumps(tp_kernels.extension_status()))" | tee "$logs/extension-status.json"
 
 case "$part" in
   tests)
+    # pytest-timeout: a per-test timeout (a hang costs 120 s, not the part), and (2.3 and later) a
+    # session timeout that stops between tests before the step's limit, so pytest ends as usual
     timeout_flag=()
     if "$PY" -c "import pytest_timeout" 2>/dev/null; then
       timeout_flag=(--timeout 120)
+      if "$PY" -m pytest --help 2>/dev/null | grep -q -- --session-timeout; then
+        timeout_flag+=(--session-timeout $(($(seconds_left) - 30)))
+      fi
     else
       echo "pytest-timeout is not installed: no per-test timeout" >&2
     fi
+    # The tests selected, so that the record names those never reached (python_tests/conftest.py)
+    export TP_KERNELS_COLLECTED_FILE=$logs/gpu-tests-collected.txt
     # -rfE: every failure's and error's summary; --tb=short: their tracebacks, kept in the log
-    step gpu-tests 450 "$PY" -m pytest python_tests -m gpu -q -p no:cacheprovider "${timeout_flag[@]}" \
+    step gpu-tests 480 "$PY" -m pytest python_tests -m gpu -q -p no:cacheprovider "${timeout_flag[@]}" \
       -rfE --tb=short --durations=40 --junitxml="$logs/gpu-tests.xml"
     ;;
   bench)
@@ -104,9 +110,9 @@ esac
 
 "$PY" bench/gpu_summary.py "$part" "$logs" "$results" "$commit"
 status=$?
-echo "== $part done in $((SECONDS - started)) s"
+echo "== $part done in $SECONDS s"
 if [ -n "${OUT:-}" ]; then
   cp "$results/gpu-$part-$commit.json" "$OUT/"
-  tar -czf "$OUT/gpu-$part-$commit-logs.tar.gz" -C "$logs" .
+  save_logs
 fi
 exit $status

@@ -1,13 +1,13 @@
 """The record of one part of the GPU suite (bench/gpu_suite.sh), written as JSON with the device,
 the commit and the date:
 
-    python bench/gpu_summary.py tests    LOGS RESULTS COMMIT   # LOGS/gpu-tests.xml (junit)
+    python bench/gpu_summary.py tests    LOGS RESULTS COMMIT   # LOGS/gpu-tests.xml (junit), LOGS/gpu-tests-collected.txt
     python bench/gpu_summary.py bench    LOGS RESULTS COMMIT   # LOGS/{bench,extension,fused,host}/*.json, LOGS/status.txt
     python bench/gpu_summary.py sanitize LOGS RESULTS COMMIT   # LOGS/status.txt, LOGS/sanitize-*.log
 
 It writes ``RESULTS/gpu-<part>-<COMMIT>.json`` and prints one line saying what it holds. Exit
-status: 0 when the part is green (every test passed and none was skipped for lack of something
-this machine has; every step finished; the sanitizers found nothing), 1 otherwise.
+status: 0 when the part is green (every test selected ran and passed, and none was skipped for
+lack of something this machine has; every step finished; the sanitizers found nothing), 1 otherwise.
 """
 
 from __future__ import annotations
@@ -44,12 +44,26 @@ def _steps(logs: str) -> Dict[str, int]:
     return {line.split()[0]: int(line.split()[1]) for line in open(path) if line.strip()}
 
 
+def _junit_name(nodeid: str) -> str:
+    """A pytest node id as this record names the test (junit's ``classname::name``, as pytest's
+    junitxml makes them): ``python_tests/test_gpu.py::test_a[x]`` -> ``python_tests.test_gpu::test_a[x]``."""
+    path, bracket, params = nodeid.partition("[")
+    names = path.split("::")
+    names[0] = re.sub(r"\.py$", "", names[0].replace("/", "."))
+    return ".".join(names[:-1]) + "::" + names[-1] + bracket + params
+
+
 def tests(logs: str) -> Dict:
-    """Counts, the failed and skipped tests with their first line of message, and every test's
-    duration, from pytest's junit XML."""
-    root = ET.parse(os.path.join(logs, "gpu-tests.xml")).getroot()
-    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
-    cases = [c for s in suites for c in s.iter("testcase")]
+    """Counts, the failed and skipped tests with their first line of message, every test's
+    duration, from pytest's junit XML; the tests selected that never ran (a run stopped by its
+    time limit), from ``LOGS/gpu-tests-collected.txt`` (python_tests/conftest.py writes it); and the
+    pytest step's exit status. Without the XML (pytest was killed), nothing counts as run."""
+    xml = os.path.join(logs, "gpu-tests.xml")
+    cases = []
+    if os.path.exists(xml):
+        root = ET.parse(xml).getroot()
+        suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+        cases = [c for s in suites for c in s.iter("testcase")]
     failed, errors, skipped, durations = [], [], [], {}
     for c in cases:
         name = f"{c.get('classname')}::{c.get('name')}"
@@ -59,18 +73,27 @@ def tests(logs: str) -> Dict:
             if node is not None:
                 message = (node.get("message") or node.text or "").strip().splitlines()
                 sink.append({"test": name, "message": message[0][:300] if message else ""})
+    collected_path = os.path.join(logs, "gpu-tests-collected.txt")
+    not_reached = None  # unknown without the list of the tests selected
+    if os.path.exists(collected_path):
+        collected = [_junit_name(line.strip()) for line in open(collected_path) if line.strip()]
+        not_reached = [name for name in collected if name not in durations]
     counts = {"tests": len(cases), "failed": len(failed), "errors": len(errors), "skipped": len(skipped)}
     counts["passed"] = counts["tests"] - counts["failed"] - counts["errors"] - counts["skipped"]
+    counts["not_reached"] = None if not_reached is None else len(not_reached)
+    exit_status = _steps(logs).get("gpu-tests")
     slowest = dict(sorted(durations.items(), key=lambda kv: -kv[1])[:30])
-    green = (counts["tests"] > 0 and not failed and not errors
+    green = (counts["tests"] > 0 and not failed and not errors and not not_reached and exit_status in (None, 0)
              and all(s["test"] in ALLOWED_SKIPS for s in skipped))
-    return {"counts": counts, "failed": failed, "errors": errors, "skipped": skipped,
+    return {"counts": counts, "exit_status": exit_status, "junit_xml": os.path.exists(xml), "failed": failed,
+            "errors": errors, "skipped": skipped, "not_reached": (not_reached or [])[:200],
             "seconds": round(sum(durations.values()), 1), "slowest": slowest, "durations": durations, "green": green}
 
 
 def bench(logs: str) -> Dict:
-    """Every step's exit status and the records the benchmarks wrote (the main job's without its
-    raw measurements, which stay in its own JSON next to this record)."""
+    """Every step's exit status (124: stopped at its limit; 125: not started, the part's budget
+    spent) and the records the benchmarks wrote (the main job's without its raw measurements,
+    which stay in its own JSON next to this record)."""
     records = {}
     for part in ("bench", "extension", "fused", "host"):
         for path in sorted(glob.glob(os.path.join(logs, part, "*.json"))):
@@ -87,7 +110,8 @@ _SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
 
 def sanitize(logs: str) -> Dict:
     """Per tool: the exit status (0 clean, 9 errors found, 3 a device wait timed out, 1 a wrong
-    result, 124 out of time) and the error count of its summary line."""
+    result, 124 out of time, 125 not started: bench/gpu_steps.sh) and the error count of its
+    summary line."""
     steps = _steps(logs)
     tools = {}
     for tool, status in steps.items():

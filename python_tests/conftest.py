@@ -8,6 +8,8 @@ A world that failed is closed and replaced by the next test that needs one.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tp_kernels.testing import World
@@ -40,6 +42,15 @@ def world4():
 @pytest.fixture
 def world8():
     return get_world(8)
+
+
+def pytest_collection_finish(session):
+    """With ``TP_KERNELS_COLLECTED_FILE`` set (bench/gpu_suite.sh sets it), the ids of the tests
+    selected, one a line: the suite's record names those a stopped run never reached."""
+    path = os.environ.get("TP_KERNELS_COLLECTED_FILE")
+    if path:
+        with open(path, "w") as f:
+            f.writelines(item.nodeid + "\n" for item in session.items)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -389,7 +389,7 @@ def test_the_gpu_tests_record_counts_failures_skips_and_durations(tmp_path):
         c='<skipped message="needs a CUDA device"/>'))
     assert summary.main(["tests", str(logs), str(results), "abc1234"]) == 1  # a failure: not green
     record = json.load(open(results / "gpu-tests-abc1234.json"))
-    assert record["counts"] == {"tests": 4, "failed": 1, "errors": 0, "skipped": 1, "passed": 2}
+    assert record["counts"] == {"tests": 4, "failed": 1, "errors": 0, "skipped": 1, "passed": 2, "not_reached": None}
     assert record["failed"] == [{"test": "python_tests.test_gpu::test_b[x]",
                                  "message": "AssertionError: max error 3e-2 > 1e-2"}]
     assert record["skipped"][0]["message"] == "needs a CUDA device"
@@ -400,6 +400,66 @@ def test_the_gpu_tests_record_counts_failures_skips_and_durations(tmp_path):
     assert summary.main(["tests", str(logs), str(results), "abc1234"]) == 0  # all passed: green
     (logs / "gpu-tests.xml").write_text(JUNIT.format(b="", c='<skipped message="the native module is not built"/>'))
     assert summary.main(["tests", str(logs), str(results), "abc1234"]) == 1  # a skip on a GPU machine: not green
+
+
+def test_the_gpu_tests_record_names_the_tests_a_stopped_run_never_reached(tmp_path):
+    """A real pytest run stopped early (-x here, as --session-timeout or SIGINT stop it) with the
+    suite's conftest hook: the record lists the selected tests that never ran, in junit's names
+    (a class, a parametrized test), and is not green; without the junit XML nothing counts as run."""
+    import json
+    import subprocess
+    import sys
+
+    summary = _gpu_summary()
+    tests, logs, results = tmp_path / "tests", tmp_path / "logs", tmp_path / "results"
+    tests.mkdir()
+    logs.mkdir()
+    conftest = os.path.join(os.path.dirname(__file__), "conftest.py")
+    (tests / "conftest.py").write_text(
+        f"import runpy\npytest_collection_finish = runpy.run_path({conftest!r})['pytest_collection_finish']\n")
+    (tests / "test_x.py").write_text(
+        "import pytest\n"
+        "def test_passes():\n    pass\n"
+        "def test_fails():\n    assert False\n"
+        "class TestLater:\n    def test_never(self):\n        pass\n"
+        "@pytest.mark.parametrize('v', [1, 2])\ndef test_param(v):\n    pass\n")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", str(tests / "test_x.py"),
+                          f"--junitxml={logs / 'gpu-tests.xml'}", f"--rootdir={tests}"], cwd=tests, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "TP_KERNELS_COLLECTED_FILE": str(logs / "gpu-tests-collected.txt")})
+    assert out.returncode == 1, out.stdout + out.stderr
+    (logs / "status.txt").write_text("gpu-tests 1\n")
+    assert summary.main(["tests", str(logs), str(results), "abc1234"]) == 1
+    record = json.load(open(results / "gpu-tests-abc1234.json"))
+    assert record["counts"] == {"tests": 2, "failed": 1, "errors": 0, "skipped": 0, "passed": 1, "not_reached": 3}
+    assert record["not_reached"] == ["test_x.TestLater::test_never", "test_x::test_param[1]", "test_x::test_param[2]"]
+    assert record["exit_status"] == 1 and record["junit_xml"]
+    os.remove(logs / "gpu-tests.xml")  # pytest killed: no XML
+    assert summary.main(["tests", str(logs), str(results), "abc1234"]) == 1
+    record = json.load(open(results / "gpu-tests-abc1234.json"))
+    assert record["counts"]["tests"] == 0 and record["counts"]["not_reached"] == 5 and not record["junit_xml"]
+
+
+def test_the_gpu_suite_steps_keep_to_the_parts_budget(tmp_path):
+    """bench/gpu_steps.sh: a step is cut to what the part's budget leaves (and stopped there with
+    SIGINT, status 124), a step with no time left is not started (125), and the logs so far are in
+    OUT after every step."""
+    import subprocess
+    import tarfile
+    import time
+
+    steps = os.path.join(os.path.dirname(__file__), "..", "bench", "gpu_steps.sh")
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    logs.mkdir()
+    out.mkdir()
+    script = (f"budget_s=8; reserve_s=0; logs={logs}; OUT={out}; LOGS_TARBALL=logs.tar.gz\n. {steps}\n"
+              "step slow 60 sleep 30\nstep late 60 true\n")
+    start = time.monotonic()
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - start < 25, "the step ran past the part's budget"
+    assert (logs / "status.txt").read_text() == "slow 124\nlate 125\n", done.stdout + done.stderr
+    assert "late: not started, the part's budget of 8 s is spent" in done.stderr
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert {"./status.txt", "./slow.log"} <= set(tar.getnames())
 
 
 def test_the_gpu_sanitize_and_bench_records(tmp_path):
