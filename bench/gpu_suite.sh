@@ -69,8 +69,9 @@ case "$part" in
     timeout_flag=()
     if "$PY" -c "import pytest_timeout" 2>/dev/null; then
       timeout_flag=(--timeout 120)
-      if "$PY" -m pytest --help 2>/dev/null | grep -q -- --session-timeout; then
-        timeout_flag+=(--session-timeout $(($(seconds_left) - 30)))
+      if "$PY" -m pytest --help 2>/dev/null | grep -c -- --session-timeout >/dev/null; then  # -c: reads it all (pipefail)
+        left=$(seconds_left)  # 30 s before the step's limit (half of it when it is short)
+        timeout_flag+=(--session-timeout $((left > 60 ? left - 30 : (left > 1 ? left / 2 : 1))))
       fi
     else
       echo "pytest-timeout is not installed: no per-test timeout" >&2
