@@ -6,9 +6,10 @@
 # build included; bench/gpu_steps.sh), so a part always ends with its record, naming what did not
 # run:
 #
-#   TP_KERNELS_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_suite.sh tests
+#   TP_KERNELS_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_suite.sh tests [PYTEST_ARGS...]
 #       the GPU tests (python_tests -m gpu), a per-test timeout so a hang costs seconds, the
-#       tracebacks and the slowest tests in the log: gpu-tests-<commit>.json
+#       tracebacks and the slowest tests in the log: gpu-tests-<commit>.json. PYTEST_ARGS select
+#       some of them (e.g. -k native_linear); the record then says which ("selection")
 #   ... bash bench/gpu_suite.sh bench
 #       the main job (on one GPU with the per-rank costs, the fused path on virtual ranks and the
 #       calibrated projection), the fused path's sweeps, the pytest-benchmark suite and the host
@@ -29,9 +30,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}
+shift || true
 case "$part" in
-  tests|bench|sanitize) ;;
-  *) echo "usage: bash bench/gpu_suite.sh {tests|bench|sanitize}" >&2; exit 2 ;;
+  tests) ;;
+  bench|sanitize) [ $# -eq 0 ] || { echo "bench/gpu_suite.sh $part takes no arguments" >&2; exit 2; } ;;
+  *) echo "usage: bash bench/gpu_suite.sh {tests [PYTEST_ARGS...]|bench|sanitize}" >&2; exit 2 ;;
 esac
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -76,11 +79,13 @@ case "$part" in
     else
       echo "pytest-timeout is not installed: no per-test timeout" >&2
     fi
-    # The tests selected, so that the record names those never reached (python_tests/conftest.py)
+    # The tests selected, so that the record names those never reached (python_tests/conftest.py),
+    # and the arguments that selected some of them
     export TP_KERNELS_COLLECTED_FILE=$logs/gpu-tests-collected.txt
+    [ $# -gt 0 ] && printf '%s\n' "$@" >"$logs/gpu-tests-selection.txt"
     # -rfE: every failure's and error's summary; --tb=short: their tracebacks, kept in the log
     step gpu-tests 480 "$PY" -m pytest python_tests -m gpu -q -p no:cacheprovider "${timeout_flag[@]}" \
-      -rfE --tb=short --durations=40 --junitxml="$logs/gpu-tests.xml"
+      -rfE --tb=short --durations=40 --junitxml="$logs/gpu-tests.xml" "$@"
     ;;
   bench)
     # On one GPU the main job also measures the extension's costs, the fused path on 8 virtual ranks

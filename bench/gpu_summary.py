@@ -1,7 +1,7 @@
 """The record of one part of the GPU suite (bench/gpu_suite.sh), written as JSON with the device,
 the commit and the date:
 
-    python bench/gpu_summary.py tests    LOGS RESULTS COMMIT   # LOGS/gpu-tests.xml (junit), LOGS/gpu-tests-collected.txt
+    python bench/gpu_summary.py tests    LOGS RESULTS COMMIT   # LOGS/gpu-tests.xml (junit), LOGS/gpu-tests-{collected,selection}.txt
     python bench/gpu_summary.py bench    LOGS RESULTS COMMIT   # LOGS/{bench,extension,fused,host}/*.json, LOGS/status.txt
     python bench/gpu_summary.py sanitize LOGS RESULTS COMMIT   # LOGS/status.txt, LOGS/sanitize-*.log
 
@@ -56,8 +56,10 @@ def _junit_name(nodeid: str) -> str:
 def tests(logs: str) -> Dict:
     """Counts, the failed and skipped tests with their first line of message, every test's
     duration, from pytest's junit XML; the tests selected that never ran (a run stopped by its
-    time limit), from ``LOGS/gpu-tests-collected.txt`` (python_tests/conftest.py writes it); and the
-    pytest step's exit status. Without the XML (pytest was killed), nothing counts as run."""
+    time limit), from ``LOGS/gpu-tests-collected.txt`` (python_tests/conftest.py writes it); the
+    pytest step's exit status; and the arguments that selected some of the GPU tests
+    (``LOGS/gpu-tests-selection.txt``, one a line; None: all of them). Without the XML (pytest was
+    killed), nothing counts as run."""
     xml = os.path.join(logs, "gpu-tests.xml")
     cases = []
     if os.path.exists(xml):
@@ -85,7 +87,10 @@ def tests(logs: str) -> Dict:
     slowest = dict(sorted(durations.items(), key=lambda kv: -kv[1])[:30])
     green = (counts["tests"] > 0 and not failed and not errors and not not_reached and exit_status in (None, 0)
              and all(s["test"] in ALLOWED_SKIPS for s in skipped))
-    return {"counts": counts, "exit_status": exit_status, "junit_xml": os.path.exists(xml), "failed": failed,
+    selection_path = os.path.join(logs, "gpu-tests-selection.txt")
+    selection = open(selection_path).read().splitlines() if os.path.exists(selection_path) else None
+    return {"counts": counts, "selection": selection, "exit_status": exit_status, "junit_xml": os.path.exists(xml),
+            "failed": failed,
             "errors": errors, "skipped": skipped, "not_reached": (not_reached or [])[:200],
             "seconds": round(sum(durations.values()), 1), "slowest": slowest, "durations": durations, "green": green}
 
@@ -138,7 +143,8 @@ def main(argv=None) -> int:
     path = os.path.join(results, f"gpu-{part}-{commit}.json")
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
-    summary = {"tests": lambda r: f"{r['counts']}", "bench": lambda r: f"steps {r['steps']}",
+    summary = {"tests": lambda r: f"{r['counts']}" + (f", selected by {r['selection']}" if r["selection"] else ""),
+               "bench": lambda r: f"steps {r['steps']}",
                "sanitize": lambda r: f"{r['tools']}"}[part](record)
     print(f"wrote {path}: {'green' if record['green'] else 'NOT green'}; {summary}")
     return 0 if record["green"] else 1

@@ -432,7 +432,10 @@ def test_the_gpu_tests_record_names_the_tests_a_stopped_run_never_reached(tmp_pa
     record = json.load(open(results / "gpu-tests-abc1234.json"))
     assert record["counts"] == {"tests": 2, "failed": 1, "errors": 0, "skipped": 0, "passed": 1, "not_reached": 3}
     assert record["not_reached"] == ["test_x.TestLater::test_never", "test_x::test_param[1]", "test_x::test_param[2]"]
-    assert record["exit_status"] == 1 and record["junit_xml"]
+    assert record["exit_status"] == 1 and record["junit_xml"] and record["selection"] is None
+    (logs / "gpu-tests-selection.txt").write_text("-k\nnative_linear\n")
+    summary.main(["tests", str(logs), str(results), "abc1234"])
+    assert json.load(open(results / "gpu-tests-abc1234.json"))["selection"] == ["-k", "native_linear"]
     os.remove(logs / "gpu-tests.xml")  # pytest killed: no XML
     assert summary.main(["tests", str(logs), str(results), "abc1234"]) == 1
     record = json.load(open(results / "gpu-tests-abc1234.json"))
@@ -489,7 +492,9 @@ def test_the_gpu_suite_script_names_its_parts():
 
     script = os.path.join(os.path.dirname(__file__), "..", "bench", "gpu_suite.sh")
     out = subprocess.run(["bash", script, "everything"], capture_output=True, text=True, timeout=30)
-    assert out.returncode == 2 and "usage: bash bench/gpu_suite.sh {tests|bench|sanitize}" in out.stderr
+    assert out.returncode == 2 and "usage: bash bench/gpu_suite.sh {tests [PYTEST_ARGS...]|bench|sanitize}" in out.stderr
+    out = subprocess.run(["bash", script, "bench", "-k", "x"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "bench/gpu_suite.sh bench takes no arguments" in out.stderr
 
 
 # --- the main job on one GPU: its report's layout, from made-up measurements -------------------------
