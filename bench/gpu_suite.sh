@@ -116,7 +116,7 @@ esac
 
 "$PY" bench/gpu_summary.py "$part" "$logs" "$results" "$commit"
 status=$?
-echo "== $part done in $SECONDS s"
+echo "== $part done in $SECONDS s; its logs are in $logs"
 if [ -n "${OUT:-}" ]; then
   cp "$results/gpu-$part-$commit.json" "$OUT/"
   save_logs
