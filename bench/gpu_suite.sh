@@ -109,7 +109,7 @@ case "$part" in
     for tool in memcheck racecheck; do
       # exit status: 0 clean, 9 errors found, 3 a device wait timed out, 1 a wrong result
       step "$tool" 180 "$san" --tool "$tool" --error-exitcode 9 "$PY" bench/fused_sanitize.py
-      mv "$logs/$tool.log" "$logs/sanitize-$tool.log"
+      [ -f "$logs/$tool.log" ] && mv "$logs/$tool.log" "$logs/sanitize-$tool.log"  # none when not started
     done
     ;;
 esac
