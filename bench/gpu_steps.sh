@@ -16,6 +16,13 @@ seconds_left() {
   echo $((budget_s - reserve_s - SECONDS))
 }
 
+# step_limit LIMIT_S: LIMIT_S, or what the budget leaves for steps when that is less
+step_limit() {
+  local left
+  left=$(seconds_left)
+  echo $(($1 < left ? $1 : left))
+}
+
 # step NAME LIMIT_S COMMAND...: run COMMAND for at most LIMIT_S seconds (fewer when the budget has
 # fewer left), its output to LOGS/NAME.log and the terminal, its exit status to LOGS/status.txt.
 # At the limit the command gets SIGINT, so that pytest and the benchmarks stop as on Ctrl-C and
@@ -31,7 +38,7 @@ step() {
     save_logs
     return 0
   fi
-  [ "$limit" -gt "$left" ] && limit=$left
+  limit=$(step_limit "$limit")
   echo "== $name (at most ${limit} s; ${SECONDS} s so far)"
   timeout -s INT --kill-after=15 "$limit" "$@" 2>&1 | tee "$logs/$name.log"
   local status=${PIPESTATUS[0]}

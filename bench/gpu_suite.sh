@@ -54,8 +54,7 @@ LOGS_TARBALL=gpu-$part-$commit-logs.tar.gz
 
 echo "== build (commit $commit; the part's budget ${budget_s} s)"
 major=$("$PY" -c "import torch; print(torch.version.cuda.split('.')[0])")
-build_limit=$(seconds_left)
-[ "$build_limit" -gt 300 ] && build_limit=300
+build_limit=$(step_limit 300)
 if ! TP_KERNELS_CUDA_MAJOR=$major timeout "$build_limit" "$PY" -m pip install -v --no-build-isolation --no-deps -e . \
     >"$logs/build.log" 2>&1; then
   tail -n 60 "$logs/build.log"
@@ -69,12 +68,13 @@ case "$part" in
   tests)
     # pytest-timeout: a per-test timeout (a hang costs 120 s, not the part), and (2.3 and later) a
     # session timeout that stops between tests before the step's limit, so pytest ends as usual
+    tests_limit=$(step_limit 480)
     timeout_flag=()
     if "$PY" -c "import pytest_timeout" 2>/dev/null; then
       timeout_flag=(--timeout 120)
       if "$PY" -m pytest --help 2>/dev/null | grep -c -- --session-timeout >/dev/null; then  # -c: reads it all (pipefail)
-        left=$(seconds_left)  # 30 s before the step's limit (half of it when it is short)
-        timeout_flag+=(--session-timeout $((left > 60 ? left - 30 : (left > 1 ? left / 2 : 1))))
+        # 30 s before the step's limit (half of it when that is short)
+        timeout_flag+=(--session-timeout $((tests_limit > 60 ? tests_limit - 30 : (tests_limit > 1 ? tests_limit / 2 : 1))))
       fi
     else
       echo "pytest-timeout is not installed: no per-test timeout" >&2
@@ -84,7 +84,7 @@ case "$part" in
     export TP_KERNELS_COLLECTED_FILE=$logs/gpu-tests-collected.txt
     [ $# -gt 0 ] && printf '%s\n' "$@" >"$logs/gpu-tests-selection.txt"
     # -rfE: every failure's and error's summary; --tb=short: their tracebacks, kept in the log
-    step gpu-tests 480 "$PY" -m pytest python_tests -m gpu -q -p no:cacheprovider "${timeout_flag[@]}" \
+    step gpu-tests "$tests_limit" "$PY" -m pytest python_tests -m gpu -q -p no:cacheprovider "${timeout_flag[@]}" \
       -rfE --tb=short --durations=40 --junitxml="$logs/gpu-tests.xml" "$@"
     ;;
   bench)

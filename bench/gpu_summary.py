@@ -90,8 +90,7 @@ def tests(logs: str) -> Dict:
     selection_path = os.path.join(logs, "gpu-tests-selection.txt")
     selection = open(selection_path).read().splitlines() if os.path.exists(selection_path) else None
     return {"counts": counts, "selection": selection, "exit_status": exit_status, "junit_xml": os.path.exists(xml),
-            "failed": failed,
-            "errors": errors, "skipped": skipped, "not_reached": (not_reached or [])[:200],
+            "failed": failed, "errors": errors, "skipped": skipped, "not_reached": (not_reached or [])[:200],
             "seconds": round(sum(durations.values()), 1), "slowest": slowest, "durations": durations, "green": green}
 
 
