@@ -69,6 +69,12 @@ def bad_calls(p):
         ("x", lambda: ops.matmul_all_reduce(torch.randn(4, 7), w, b)),
         ("bias", lambda: ops.matmul_all_reduce(x, w, torch.randn(4))),
         ("weight", lambda: ops.matmul_all_reduce(x, torch.randn(5, 6, 1), b)),
+        # not tensors, or tensors of the wrong number of dims: each named, whichever is wrong
+        ("x: expected a torch.Tensor", lambda: ops.matmul_all_reduce(x.tolist(), w, b)),
+        ("weight: expected a torch.Tensor", lambda: ops.matmul_all_reduce(x, "w", b)),
+        ("bias: expected a torch.Tensor", lambda: ops.matmul_all_reduce(x, w, b.tolist())),
+        ("bias: expected a 1-D tensor", lambda: ops.matmul_all_reduce(x, w, b[None])),
+        ("x: expected at least 2 dims", lambda: ops.all_gather_matmul(x[0], w, b)),
         # dtype / device mismatch between input and weight
         ("input:", lambda: col(torch.randn(3, 6, dtype=torch.float64))),
         ("input:", lambda: row(torch.randn(3, 6, dtype=torch.bfloat16))),

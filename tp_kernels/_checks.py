@@ -55,10 +55,14 @@ def check_linear_args(
     Returns ``(x, weight, bias)``, cast to the autocast dtype when autocast is enabled on the
     input's device (the casts are differentiable, as in ``F.linear`` under autocast).
     """
-    check_tensor(x_name, x, min_dim=min_dim)
-    check_tensor(weight_name, weight, dim=2)
-    if bias is not None:
-        check_tensor("bias", bias, dim=1)
+    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.dim() >= min_dim
+            and weight.dim() == 2 and (bias is None or (isinstance(bias, torch.Tensor) and bias.dim() == 1))):
+        # one test on the path of a good call (each check_tensor call costs host time); which
+        # argument is wrong, and how, is said by check_tensor
+        check_tensor(x_name, x, min_dim=min_dim)
+        check_tensor(weight_name, weight, dim=2)
+        if bias is not None:
+            check_tensor("bias", bias, dim=1)
     if not weight.is_floating_point():
         raise ValueError(f"{weight_name}: expected a floating-point tensor, got {weight.dtype}")
     n, k = weight.shape

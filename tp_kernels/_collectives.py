@@ -184,11 +184,11 @@ class Pending:
 
     def __init__(self, tensor: torch.Tensor, works=(), what: What = "", group=None, finish=None, deps=()):
         self.tensor = tensor
-        self.works = list(works)
+        self.works = works  # sequences the caller hands over (not copied: ~0.1 µs a call each)
         self.what = what
         self.group = group
         self.finish = finish
-        self.deps = list(deps)
+        self.deps = deps
 
     def then(self, finish) -> "Pending":
         """This pending result, with ``finish(tensor)`` applied after its own epilogue (None:
@@ -199,13 +199,15 @@ class Pending:
         return self
 
     def wait(self) -> torch.Tensor:
-        for dep in self.deps:
-            dep.wait()
-        self.deps = []
-        cuda = self.tensor.is_cuda
-        for work in self.works:
-            wait(work, self.what, self.group, cuda=cuda)
-        self.works = []
+        if self.deps:
+            for dep in self.deps:
+                dep.wait()
+            self.deps = ()
+        if self.works:
+            cuda = self.tensor.is_cuda
+            for work in self.works:
+                wait(work, self.what, self.group, cuda=cuda)
+            self.works = ()
         if self.finish is not None:
             self.finish(self.tensor)
             self.finish = None
@@ -221,11 +223,11 @@ def _dead_peer_error(what: What, group, timeout: float, exc: BaseException) -> R
     )
 
 
-def _issue(what: What, group, start):
-    """``start()``: a collective's start, whose failure (a peer's connection gone, say) is raised
-    as :func:`wait` raises a failed wait."""
+def _issue(what: What, group, start, *args):
+    """``start(*args)``: a collective's start, whose failure (a peer's connection gone, say) is
+    raised as :func:`wait` raises a failed wait."""
     try:
-        return start()
+        return start(*args)
     except RuntimeError as exc:  # RuntimeError or DistBackendError from the backend
         raise _dead_peer_error(what, group, get_timeout(), exc) from exc
 
@@ -271,8 +273,8 @@ def all_gather_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] = Non
     if out is None:
         out = x.new_empty((x.shape[0] * p,) + tuple(x.shape[1:]))
     what = _about("all-gather", x)
-    work = _issue(what, group, lambda: _pg_all_gather(out, x, group))
-    return Pending(out, [work], what, group)
+    work = _issue(what, group, _pg_all_gather, out, x, group)
+    return Pending(out, (work,), what, group)
 
 
 def exchange_device(group, device: torch.device) -> torch.device:
@@ -325,10 +327,10 @@ def reduce_scatter_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] =
     if not x.is_cuda:
         summed = all_reduce(x, group, inplace=scratch)
         r = group_rank(group)
-        return Pending(out, deps=[summed], what=what, group=group,
+        return Pending(out, deps=(summed,), what=what, group=group,
                        finish=lambda o: o.copy_(summed.tensor[r * mp : (r + 1) * mp]))
-    work = _issue(what, group, lambda: _pg_reduce_scatter(out, x, group))
-    return Pending(out, [work], what, group)
+    work = _issue(what, group, _pg_reduce_scatter, out, x, group)
+    return Pending(out, (work,), what, group)
 
 
 def all_reduce(x: torch.Tensor, group, *, op=dist.ReduceOp.SUM, inplace: bool = False) -> Pending:
@@ -341,8 +343,8 @@ def all_reduce(x: torch.Tensor, group, *, op=dist.ReduceOp.SUM, inplace: bool = 
     if not (inplace and x.is_contiguous()):
         x = x.contiguous() if inplace else x.clone(memory_format=torch.contiguous_format)
     what = _about("all-reduce", x)
-    work = _issue(what, group, lambda: _pg_all_reduce(x, group, op))
-    return Pending(x, [work], what, group)
+    work = _issue(what, group, _pg_all_reduce, x, group, op)
+    return Pending(x, (work,), what, group)
 
 
 def broadcast(x: torch.Tensor, src: int, group) -> Pending:
@@ -352,7 +354,7 @@ def broadcast(x: torch.Tensor, src: int, group) -> Pending:
     what = _about("broadcast", x, "from rank", src)
     root = dist.get_global_rank(group, src)
     work = _issue(what, group, lambda: dist.broadcast(x, src=root, group=group, async_op=True))
-    return Pending(x, [work], what, group)
+    return Pending(x, (work,), what, group)
 
 
 def gather(x: torch.Tensor, out: Optional[torch.Tensor], dst: int, group) -> Pending:
@@ -366,21 +368,21 @@ def gather(x: torch.Tensor, out: Optional[torch.Tensor], dst: int, group) -> Pen
     blocks = [_as_real(b) for b in out.chunk(p)] if out is not None else None
     root = dist.get_global_rank(group, dst)
     work = _issue(what, group, lambda: dist.gather(_as_real(x), blocks, dst=root, group=group, async_op=True))
-    return Pending(x if out is None else out, [work], what, group)
+    return Pending(x if out is None else out, (work,), what, group)
 
 
 def send(x: torch.Tensor, dst: int, group) -> Pending:
     """Start sending contiguous ``x`` to group rank ``dst``."""
     what = _about("send", x, "to rank", dst)
     work = _issue(what, group, lambda: dist.isend(x, dst=dist.get_global_rank(group, dst), group=group))
-    return Pending(x, [work], what, group)
+    return Pending(x, (work,), what, group)
 
 
 def recv(out: torch.Tensor, src: int, group) -> Pending:
     """Start receiving contiguous ``out`` from group rank ``src``."""
     what = _about("recv", out, "from rank", src)
     work = _issue(what, group, lambda: dist.irecv(out, src=dist.get_global_rank(group, src), group=group))
-    return Pending(out, [work], what, group)
+    return Pending(out, (work,), what, group)
 
 
 def split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -407,6 +409,6 @@ def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group, tag: int, what:
         dist.P2POp(dist.irecv, recv, prv, group=group, tag=tag),
     ]))
     if len(works) == 2:
-        return works[0], Pending(recv, [works[1]], what, group)
+        return works[0], Pending(recv, (works[1],), what, group)
     # NCCL coalesces the batch into one work: it completes both
     return None, Pending(recv, works, what, group)

@@ -62,8 +62,7 @@ def _route(args) -> int:
     no functorch transform, and every tensor a plain tensor or parameter (no subclass that would
     intercept the op); otherwise through ``torch.ops.tp_kernels`` (:data:`_DISPATCHER`), where
     all of those see one op."""
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active()):
+    if _is_compiling() or _dispatch_modes() or _function_modes() or _functorch_transforms():
         return _DISPATCHER
     grad = False
     for a in args:
@@ -71,7 +70,13 @@ def _route(args) -> int:
             if type(a) not in _PLAIN:
                 return _DISPATCHER
             grad = grad or a.requires_grad
-    return _FUNCTION if grad and torch.is_grad_enabled() else _BODY
+    return _FUNCTION if grad and _grad_enabled() else _BODY
+
+
+# what _route asks, bound once (each attribute lookup on ``torch`` costs host time on every call)
+_is_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
+_dispatch_modes, _function_modes = torch._C._len_torch_dispatch_stack, torch._C._is_torch_function_mode_enabled
+_functorch_transforms = torch._C._are_functorch_transforms_active
 
 
 class _Op:
