@@ -65,16 +65,19 @@ if dist.is_available():
     _PG_ALL_GATHER = getattr(_PG, "all_gather_single", None) or _PG._allgather_base
     _PG_REDUCE_SCATTER = getattr(_PG, "reduce_scatter_single", None) or _PG._reduce_scatter_base
     _ALL_GATHER_OPTIONS = dist.distributed_c10d.AllgatherOptions()
-#: (options type, ReduceOp) -> the options, made once
+    _SUM = dist.ReduceOp.SUM
+#: options type (for a sum), or (options type, ReduceOp) -> the options, made once
 _reduce_options: dict = {}
 
 
 def _options(kind, op):
     """The options of a reduction by ``op``; ``kind``: ``AllreduceOptions`` or
-    ``ReduceScatterOptions``."""
-    opts = _reduce_options.get((kind, op))
+    ``ReduceScatterOptions``. A sum's are found by ``kind`` alone: hashing a ``ReduceOp`` costs
+    about 0.2 µs."""
+    key = kind if op is _SUM else (kind, op)
+    opts = _reduce_options.get(key)
     if opts is None:
-        opts = _reduce_options[(kind, op)] = kind()
+        opts = _reduce_options[key] = kind()
         opts.reduceOp = op
     return opts
 
@@ -247,7 +250,7 @@ def wait(work, what: What, group=None, *, cuda: bool = False) -> None:
         return
     timeout = get_timeout()
     try:
-        work.wait(timeout=_timedelta(timeout))  # raises the backend's error, if any
+        work.wait(_timedelta(timeout))  # raises the backend's error, if any (positional: ~0.2 µs less)
     except Exception as exc:  # RuntimeError ("Operation timed out!") or DistBackendError from the backend
         raise _dead_peer_error(what, group, timeout, exc) from exc
 
