@@ -140,6 +140,8 @@ def fused_all_reduce_algorithm(op: str, x: torch.Tensor, weight: torch.Tensor, p
 
 def _name(impl: str, op: str, x, weight, p: int, num_chunks: int, algorithm: Optional[str] = None) -> str:
     """The implementation name of ``impl`` for this call."""
+    if impl == "reference":
+        return impl
     if impl == "fused" and OPS[op].primitive == "matmul_all_reduce":
         return impl_name("fused", algorithm=fused_all_reduce_algorithm(op, x, weight, p, algorithm))
     return impl_name(impl, num_chunks)
