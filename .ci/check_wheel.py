@@ -3,6 +3,8 @@ CPU torch and the NVIDIA CUDA runtime, NCCL and cuBLAS wheels a CUDA torch of th
 depends on):
 
 1. the wheel says its CUDA major (``0.1.0+cu13``) and holds the extension and its build record;
+   the extension names its sources relative to the project (``csrc/comm.cpp``), not by the folder
+   it was built in;
 2. installing it changes no file another package installed under ``site-packages/nvidia`` (a hash
    of every file before and after), and ``pip check`` is content;
 3. it imports, from outside the source tree, with the extension loaded;
@@ -50,8 +52,11 @@ def main(wheel: str) -> int:
     assert found, f"{name}: the wheel's version does not say its CUDA major (0.1.0+cu13)"
     major = int(found.group(1))
     listing = zipfile.ZipFile(wheel).namelist()
-    assert any(re.match(r"tp_kernels/_C\..*\.so$", f) for f in listing), f"{name} has no tp_kernels._C"
+    extension = [f for f in listing if re.match(r"tp_kernels/_C\..*\.so$", f)]
+    assert extension, f"{name} has no tp_kernels._C"
     assert "tp_kernels/_C_build.json" in listing, f"{name} has no build record"
+    built_in = re.search(rb"/[^\0\s]*/csrc/[\w/]+\.(cpp|h)", zipfile.ZipFile(wheel).read(extension[0]))
+    assert not built_in, f"{name}: the extension names a source by the folder it was built in: {built_in.group()}"
 
     before = nvidia_tree()
     assert before, "no NVIDIA wheels in this environment: install those a CUDA torch of the wheel's major brings"
