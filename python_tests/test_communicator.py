@@ -397,6 +397,36 @@ def test_compiled_communicator_matches_eager(world):
     world.run(check_compiled_communicator, deadline_s=600)
 
 
+def check_writes_are_seen_by_autograd():
+    """A Communicator call that writes into a tensor (``out``, in place, ``broadcast``) bumps its
+    version counter, as torch's in-place ops do, whether it runs through the dispatcher or not:
+    autograd then refuses a backward that would read the overwritten values."""
+    r, p = rank_world()
+    comm = Communicator()
+    x, out = torch.ones(2, 3), torch.empty(2, 3)
+    for name, call, written in [("out", lambda: comm.all_reduce(x, out=out), out),
+                                ("in place", lambda: comm.all_reduce(x, out=x), x),
+                                ("broadcast", lambda: comm.broadcast(x, src=0), x)]:
+        version = written._version
+        call()
+        assert written._version > version, name
+    w = torch.ones(3, requires_grad=True)
+    saved = torch.full((3,), 2.0)
+    loss = (w * saved).sum()  # saves `saved` for w's gradient
+    comm.all_reduce(saved, out=saved)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    with torch.inference_mode():  # inference tensors have no version counter
+        t = torch.ones(2)
+        comm.all_reduce(t, out=t)
+    assert torch.equal(t, torch.full((2,), float(p)))
+
+
+@pytest.mark.parametrize("world", [1, 2], indirect=True)
+def test_writes_are_seen_by_autograd(world):
+    world.run(check_writes_are_seen_by_autograd, deadline_s=DEADLINE_S)
+
+
 def check_one_decision_per_call():
     """Each call resolves its implementation once, and its custom op runs that one."""
     from tp_kernels import _library

@@ -19,10 +19,12 @@ The plain collectives of :class:`tp_kernels.Communicator` are custom ops too (``
 without gradients; :mod:`tp_kernels.mappings` has the differentiable ones).
 """
 
+import inspect
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import increment_version
 
 from . import _collectives as coll
 from ._op_table import collective_output_shape
@@ -38,9 +40,8 @@ except ImportError:  # torch 2.4
 _LIB = torch.library.Library("tp_kernels", "DEF")
 
 
-#: every op of this module by name: an :class:`_Op`, or the ``custom_op`` of one that writes into
-#: an argument (the dispatcher calls it)
-_OPS: Dict[str, Callable] = {}
+#: every op of this module by name, as an :class:`_Op`
+_OPS: Dict[str, "_Op"] = {}
 
 
 def op(name: str) -> Callable:
@@ -80,28 +81,38 @@ _functorch_transforms = torch._C._are_functorch_transforms_active
 
 
 class _Op:
-    """An op defined by :func:`_define`, with ``register_fake`` and ``register_autograd`` as on a
-    ``torch.library.custom_op``. Called, it runs its implementation directly when nothing traces
-    or transforms the call (:func:`_route`): as it is when no gradient is needed, else through a
-    ``torch.autograd.Function`` of the registered formula, the same one the dispatcher's autograd
-    kernel runs; otherwise through the dispatcher. The direct call saves the host time of the
-    dispatcher and of its Python autograd wrapper (about 6 µs a call)."""
+    """An op defined by :func:`_define` or :func:`_define_mutating`, with ``register_fake`` and
+    ``register_autograd`` as on a ``torch.library.custom_op``. Called, it runs its implementation
+    directly when nothing traces or transforms the call (:func:`_route`): as it is when no gradient
+    is needed (then bumping the version counter of each tensor it writes, as the dispatcher's
+    ADInplaceOrView kernel does), else through a ``torch.autograd.Function`` of the registered
+    formula, the same one the dispatcher's autograd kernel runs; otherwise through the dispatcher
+    (an op that writes has no formula: with a gradient needed, the dispatcher runs it). The direct
+    call saves the host time of the dispatcher and of its Python wrappers (about 6 µs a call, 14 µs
+    for a ``custom_op`` that writes)."""
 
-    def __init__(self, name: str, fn: Callable):
+    def __init__(self, name: str, fn: Callable, custom=None, written: Tuple[int, ...] = ()):
         self.qualname = f"tp_kernels::{name}"
-        self.op = getattr(torch.ops.tp_kernels, name)
+        self.custom = custom  # the torch.library.custom_op of an op that writes, else None
+        self.op = custom if custom is not None else getattr(torch.ops.tp_kernels, name)
         self.fn = fn
+        self.written = written  # positions of the arguments it writes
         self.function: Optional[type] = None  # the autograd.Function, once a formula is registered
 
     def __call__(self, *args):
         route = _route(args)
         if route == _BODY:
-            return self.fn(*args)
+            out = self.fn(*args)
+            for i in self.written:
+                increment_version(args[i])
+            return out
         if route == _FUNCTION and self.function is not None:
             return self.function.apply(*args)
         return self.op(*args)
 
     def register_fake(self, fn: Callable) -> Callable:
+        if self.custom is not None:
+            return self.custom.register_fake(fn)
         torch.library.register_fake(self.qualname, fn, lib=_LIB)
         return fn
 
@@ -124,6 +135,21 @@ def _define(fn: Callable) -> _Op:
     _LIB.impl(name, fn, "CompositeExplicitAutograd")
     _OPS[name] = _Op(name, fn)
     return _OPS[name]
+
+
+def _define_mutating(*written: str) -> Callable[[Callable], _Op]:
+    """``tp_kernels::<fn's name>`` as a ``torch.library.custom_op`` that writes into the arguments
+    named ``written`` (it bumps their version counters, and torch.compile functionalizes it), called
+    as an :class:`_Op`."""
+
+    def define(fn: Callable) -> _Op:
+        name = fn.__name__
+        custom = torch.library.custom_op(f"tp_kernels::{name}", mutates_args=written)(fn)
+        names = list(inspect.signature(fn).parameters)
+        _OPS[name] = _Op(name, fn, custom, tuple(names.index(w) for w in written))
+        return _OPS[name]
+
+    return define
 
 
 def _size(name: str) -> int:
@@ -315,12 +341,10 @@ def _(x, group, impl):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("tp_kernels::all_reduce_out", mutates_args=("out",))
+@_define_mutating("out")
 def all_reduce_out(x: Tensor, out: Tensor, group: str, impl: str) -> None:
     run_collective("all_reduce", impl, x, out, -1, coll.group_from_name(group))
 
-
-_OPS["all_reduce_out"] = all_reduce_out
 
 
 @all_reduce_out.register_fake
@@ -328,12 +352,10 @@ def _(x, out, group, impl):
     return None
 
 
-@torch.library.custom_op("tp_kernels::all_reduce_inplace", mutates_args=("x",))
+@_define_mutating("x")
 def all_reduce_inplace(x: Tensor, group: str, impl: str) -> None:
     run_collective("all_reduce", impl, x, x, -1, coll.group_from_name(group))
 
-
-_OPS["all_reduce_inplace"] = all_reduce_inplace
 
 
 @all_reduce_inplace.register_fake
@@ -373,12 +395,10 @@ def _(x, dst, group, impl):
     return x.new_empty((0,) + tuple(x.shape[1:]))
 
 
-@torch.library.custom_op("tp_kernels::broadcast", mutates_args=("x",))
+@_define_mutating("x")
 def broadcast(x: Tensor, src: int, group: str, impl: str) -> None:
     run_collective("broadcast", impl, x, x, src, coll.group_from_name(group))
 
-
-_OPS["broadcast"] = broadcast
 
 
 @broadcast.register_fake
