@@ -1,7 +1,8 @@
 """tp_kernels.Communicator on gloo ranks, p in {1, 2, 4}: every method against torch.distributed
 itself on odd shapes, every dim and several dtypes; bad inputs named on every rank before anything
 moves; ranks that disagree raise together (fingerprints on); the custom ops under opcheck and
-torch.compile; the module functions on the tensor-parallel group. The GPU paths are test_gpu.py's.
+torch.compile (the calls that write into a tensor too); the module functions on the
+tensor-parallel group. The GPU paths are test_gpu.py's.
 
 The ``check_*`` functions run on every rank and take the device, so that the GPU suite runs them
 on CUDA tensors too.
@@ -374,7 +375,10 @@ def check_compiled_communicator(device="cpu"):
 
     def step(x):
         y = comm.all_reduce(x * 2)
-        z = comm.all_gather(y, dim=-1)
+        comm.all_reduce(y, out=y)  # in place: an op that writes into its argument
+        out = torch.empty_like(y)
+        comm.all_reduce(y - 1, out=out)  # into another tensor
+        z = comm.all_gather(y + out, dim=-1)
         return comm.reduce_scatter(z.relu(), dim=-1) + 1
 
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(r)).to(device)
@@ -390,6 +394,7 @@ def check_compiled_communicator(device="cpu"):
     assert torch.equal(compiled, eager)
     ops = torch.ops.tp_kernels
     assert {ops.all_reduce, ops.all_gather, ops.reduce_scatter} <= set(targets), targets  # one node each
+    assert all(any(name in str(t) for t in targets) for name in ("all_reduce_inplace", "all_reduce_out")), targets
 
 
 @pytest.mark.parametrize("world", [1, 2], indirect=True)
