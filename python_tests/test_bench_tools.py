@@ -271,6 +271,12 @@ def test_extension_bench_flop_count():
     assert tflops(8192, 8192, 8192, 1.0) == pytest.approx(2 * 8192**3 / 1e-3 / 1e12)
 
 
+#: what python -m tp_kernels.bench.host times on the CPU, and which of those are plain PyTorch
+HOST_PLAIN = {"plain", "plain_layer", "plain_all_reduce", "plain_all_reduce_inplace"}
+HOST_CALLS = HOST_PLAIN | {"RowParallelLinear/auto", "Communicator.all_reduce", "Communicator.all_reduce/in_place"} | {
+    f"matmul_all_reduce/{b}" for b in ("reference", "pipelined", "auto")}
+
+
 def test_host_time_bench_at_one_and_two_ranks(tmp_path):
     """python -m tp_kernels.bench.host on the CPU (its own process: it makes a fake world): every
     call is timed at each group size, against its plain counterpart, and nothing is skipped
@@ -281,14 +287,15 @@ def test_host_time_bench_at_one_and_two_ranks(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     record = json.load(open(tmp_path / "host-cpu-t.json"))
     assert [run["p"] for run in record["runs"]] == [1, 2] and record["target_us"] == 5.0
-    names = {"plain", "plain_layer", "RowParallelLinear/auto"} | {
-        f"matmul_all_reduce/{b}" for b in ("reference", "pipelined", "auto")}
     for run in record["runs"]:
-        assert set(run["times"]) == names and run["skipped"] == {}
+        assert set(run["times"]) == HOST_CALLS and run["skipped"] == {}
         assert all(0 < t["min_us"] <= t["median_us"] for t in run["times"].values())
-        assert set(run["added_us"]) == names - {"plain", "plain_layer"}
+        assert set(run["added_us"]) == HOST_CALLS - HOST_PLAIN
         assert run["added_us"]["RowParallelLinear/auto"] == pytest.approx(
             run["times"]["RowParallelLinear/auto"]["min_us"] - run["times"]["plain_layer"]["min_us"])
+        assert run["added_us"]["Communicator.all_reduce/in_place"] == pytest.approx(
+            run["times"]["Communicator.all_reduce/in_place"]["min_us"]
+            - run["times"]["plain_all_reduce_inplace"]["min_us"])
     with pytest.raises(SystemExit):
         from tp_kernels.bench import host
         host.main(["--ranks", "0"])
@@ -305,12 +312,10 @@ def test_host_time_bench_with_peers(tmp_path):
     record = json.load(open(tmp_path / "host-peers-cpu-t.json"))
     assert [run["p"] for run in record["runs"]] == [2] and "gloo" in record["world"]
     run = record["runs"][0]
-    names = {"plain", "plain_layer", "RowParallelLinear/auto"} | {
-        f"matmul_all_reduce/{b}" for b in ("reference", "pipelined", "auto")}
-    assert set(run["times"]) == names and run["skipped"] == {}
+    assert set(run["times"]) == HOST_CALLS and run["skipped"] == {}
     assert all(0 < t["min_us"] <= t["median_us"] for t in run["times"].values())
     assert len(run["per_rank_added_us"]) == 2 and run["per_rank_added_us"][0] == run["added_us"]
-    assert all(set(added) == names - {"plain", "plain_layer"} for added in run["per_rank_added_us"])
+    assert all(set(added) == HOST_CALLS - HOST_PLAIN for added in run["per_rank_added_us"])
     from tp_kernels.bench import host
     with pytest.raises(SystemExit):
         host.main(["--peers", "--ranks", "1"])

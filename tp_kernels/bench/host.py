@@ -20,7 +20,10 @@ k = n = 64, float32, one thread):
   so);
 * ``plain_layer`` and ``RowParallelLinear/auto``: a hand-written row-parallel ``nn.Module`` with a
   bias (:class:`PlainRowParallel`, Megatron's: ``F.linear`` without the bias, the all-reduce,
-  then the bias added once), and tp_kernels' layer, under ``torch.no_grad()`` (the serving case).
+  then the bias added once), and tp_kernels' layer, under ``torch.no_grad()`` (the serving case);
+* ``plain_all_reduce`` and ``Communicator.all_reduce``: a serving engine's all-reduce of the
+  ``[m, n]`` output, into a new tensor (``dist.all_reduce`` of a clone, issued and waited for),
+  and ``plain_all_reduce_inplace`` and ``Communicator.all_reduce/in_place`` (``out=`` the input).
 
 With ``--peers`` the calls run instead on p processes of a real group (each p >= 2 of
 ``--ranks``), on a GPU p NCCL ranks sharing it (:data:`tp_kernels.testing.ONE_GPU_RANKS_ENV`), so
@@ -56,6 +59,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import dispatch, ops, settings
+from ..communicator import Communicator
 from ..layers import RowParallelLinear
 from .records import commit, default_out_dir, device_name, save_record
 from .targets import TARGETS
@@ -171,6 +175,17 @@ def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("referenc
         calls["RowParallelLinear/auto"] = (row_layer, "plain_layer")
     else:
         skipped["RowParallelLinear/auto"] = f"auto {why}"
+
+    # a serving engine's all-reduce of a row-parallel output [m, n]: into a new tensor, and in place
+    y, comm = torch.randn(m, n, device=device, dtype=dtype), Communicator(group, device=device)
+    calls["plain_all_reduce"] = (lambda: _all_reduced(y.clone(), group), None)
+    calls["plain_all_reduce_inplace"] = (lambda: _all_reduced(y, group), None)
+    why = why_not(dispatch.resolve_collective("all_reduce", comm.backend, y, group))
+    if why is None:
+        calls["Communicator.all_reduce"] = (lambda: comm.all_reduce(y), "plain_all_reduce")
+        calls["Communicator.all_reduce/in_place"] = (lambda: comm.all_reduce(y, out=y), "plain_all_reduce_inplace")
+    else:
+        skipped["Communicator.all_reduce"] = skipped["Communicator.all_reduce/in_place"] = f"auto {why}"
     return calls, skipped
 
 
