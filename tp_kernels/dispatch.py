@@ -96,7 +96,9 @@ def _allowed(native_reason: Callable[..., Optional[str]], fused_reason: Callable
     allowed = named if named is not None else settings.AUTO_CHOICES
     fused_on = "fused" in allowed and (named is not None or settings.auto_fused())
     native_on = "pipelined" in allowed and (named is not None or settings.auto_native())
-    native = native_reason(*args) if fused_on or native_on or why is not None else None
+    if not (fused_on or native_on or why is not None):  # no fast path allowed, no reasons asked for
+        return ["reference"]
+    native = native_reason(*args)
     out: List[str] = []
     fused_out = pipelined_out = None  # why each was left out
     if "fused" in allowed:
@@ -279,6 +281,8 @@ def resolve_collective(collective: str, backend: str, x: torch.Tensor, group, pe
     if why:
         logger.debug("auto backend for %s (p=%d, x %s %s on %s): candidates %s; left out: %s", collective, p,
                       tuple(x.shape), x.dtype, x.device.type, kinds, "; ".join(why))
+    if kinds == ["reference"]:  # nothing to choose among
+        return "reference"
     variants = [v for kind in kinds for v in collective_variants(kind, collective, x, p)]
     return autotune.choose_collective(collective, variants, x, group, peer)
 
