@@ -111,3 +111,38 @@ def check_cross_entropy_errors():
 
 def test_cross_entropy_errors(world2):
     world2.run(check_cross_entropy_errors)
+
+
+def check_compiled_language_model_loss():
+    """Embedding, a column -> row pair, a vocabulary-parallel head and the cross-entropy (with
+    smoothing and an ignored token), compiled whole (``fullgraph=True``): the same loss and
+    gradients as eager."""
+    r, p = rank_world()
+    torch.manual_seed(0)
+    emb = tp_kernels.VocabParallelEmbedding(8 * p, 6)
+    fc1, fc2 = tp_kernels.ColumnParallelLinear(6, 4 * p), tp_kernels.RowParallelLinear(4 * p, 6)
+    head = tp_kernels.ColumnParallelLinear(6, 8 * p, bias=False)
+    model = nn.ModuleList([emb, fc1, fc2, head])
+    g = torch.Generator().manual_seed(1)
+    ids, target = (torch.randint(0, 8 * p, (3, 5), generator=g) for _ in range(2))
+    target[0, 0] = -100
+
+    def loss_fn(ids, target):
+        logits = head(fc2(fc1(emb(ids)).relu()))
+        return tp_kernels.vocab_parallel_cross_entropy(logits, target, label_smoothing=0.1).mean()
+
+    def run(fn):
+        model.zero_grad(set_to_none=True)
+        loss = fn(ids, target)
+        loss.backward()
+        return [loss.detach()] + [q.grad.clone() for q in model.parameters()]
+
+    eager = run(loss_fn)
+    torch._dynamo.reset()
+    compiled = run(torch.compile(loss_fn, backend="aot_eager", fullgraph=True))
+    for i, (got, want) in enumerate(zip(compiled, eager)):
+        torch.testing.assert_close(got, want, msg=lambda m: f"output {i}: {m}")
+
+
+def test_compiled_language_model_loss(world2):
+    world2.run(check_compiled_language_model_loss, deadline_s=600)

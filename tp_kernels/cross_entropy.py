@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from . import _collectives as coll
+from . import _library
 from ._agreement import agree, describe
 from ._checks import check_tensor
 from .embedding import check_index_range
@@ -21,8 +21,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         vocab = v_local * p
         start = r * v_local
         z = logits.float()  # [N, V/p]
-        # Stabilize with the global max: [N] -(AR max)-> [N]
-        zmax = coll.all_reduce(z.amax(dim=-1), group, op=dist.ReduceOp.MAX, inplace=True).wait()
+        # The communication is the custom ops' (torch.compile sees one node each, where it could
+        # not trace the group's own methods). Stabilize with the global max: every rank's row
+        # maxima, [1, N] -(AG)-> [p, N], then their max (exact).
+        name = coll.group_name(group)
+        zmax = _library.op("all_gather")(z.amax(dim=-1).unsqueeze(0), name, "reference").amax(dim=0)
         z = z - zmax.unsqueeze(-1)
         in_range = (target >= start) & (target < start + v_local)
         local_target = (target - start).masked_fill(~in_range, 0)
@@ -31,7 +34,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # One sum all-reduce: the target's logit (held by one rank), Σ exp(z) and, for
         # smoothing, Σ z over the whole vocabulary. [k, N] -(AR)-> [k, N]
         parts = [target_logit, exp.sum(dim=-1)] + ([z.sum(dim=-1)] if label_smoothing > 0 else [])
-        stats = coll.all_reduce(torch.stack(parts), group, inplace=True).wait()
+        stats = _library.op("all_reduce")(torch.stack(parts), name, "reference")
         log_z = stats[1].log()
         loss = log_z - stats[0]  # -log softmax(z)[target]
         if label_smoothing > 0:
@@ -69,8 +72,9 @@ def vocab_parallel_cross_entropy(
     Equals ``F.cross_entropy(full_logits.reshape(-1, V), target.reshape(-1), reduction="none",
     label_smoothing=label_smoothing, ignore_index=ignore_index)`` reshaped to ``target``'s shape,
     where ``full_logits`` concatenates every rank's block. Smoothing spreads over the global
-    vocabulary ``V``. Computed in float32; the logits are never gathered (two small
-    all-reduces of ``[N]``-sized statistics: a max, then one stacked sum).
+    vocabulary ``V``. Computed in float32; the logits are never gathered (two small collectives
+    of ``[N]``-sized statistics: an all-gather of each rank's row maxima, then one stacked sum).
+    ``torch.compile`` traces it (the collectives are custom ops).
 
     Args:
         logits: ``[..., V/p]``, this rank's block of the vocabulary; any floating dtype.
