@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tp_kernels
+from tp_kernels import mappings
 from helpers import assert_close, block, rank_world
 
 
@@ -114,9 +115,9 @@ def test_cross_entropy_errors(world2):
 
 
 def check_compiled_language_model_loss():
-    """Embedding, a column -> row pair, a vocabulary-parallel head and the cross-entropy (with
-    smoothing and an ignored token), compiled whole (``fullgraph=True``): the same loss and
-    gradients as eager."""
+    """Embedding, a column -> row pair (with mappings between), a vocabulary-parallel head and the
+    cross-entropy (with smoothing and an ignored token), compiled whole (``fullgraph=True``): the
+    same loss and gradients as eager."""
     r, p = rank_world()
     torch.manual_seed(0)
     emb = tp_kernels.VocabParallelEmbedding(8 * p, 6)
@@ -128,7 +129,10 @@ def check_compiled_language_model_loss():
     target[0, 0] = -100
 
     def loss_fn(ids, target):
-        logits = head(fc2(fc1(emb(ids)).relu()))
+        hidden = fc1(mappings.copy_to_tensor_model_parallel_region(emb(ids))).relu()
+        # gathered and split again by the mappings: the same block, through two more collectives
+        hidden = mappings.scatter_to_tensor_model_parallel_region(mappings.gather_from_tensor_model_parallel_region(hidden))
+        logits = head(fc2(hidden))
         return tp_kernels.vocab_parallel_cross_entropy(logits, target, label_smoothing=0.1).mean()
 
     def run(fn):
