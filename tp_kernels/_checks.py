@@ -6,7 +6,8 @@ argument, so a bad call fails on the rank that made it instead of hanging its pe
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import functools
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -98,3 +99,24 @@ def _autocast_enabled(device_type: str) -> bool:
         return torch.is_autocast_enabled(device_type)
     except RuntimeError:  # a device type without autocast (e.g. meta)
         return False
+
+
+def differentiable_once(what: str) -> Callable[[Callable], Callable]:
+    """Decorate ``backward(ctx, *grads)``, the autograd formula of ``what``, so that a backward that
+    records a graph of the gradient (``create_graph=True``: to differentiate it again) raises a
+    ``RuntimeError`` naming ``what`` before it runs: the second derivative would need collectives
+    that no formula here has, and would be silently wrong. (In a backward, grad mode is on exactly
+    when a graph is recorded.) Every rank runs the same backward, so every rank raises."""
+
+    def decorate(backward: Callable) -> Callable:
+        @functools.wraps(backward)
+        def first_order(ctx, *grads):
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    f"tp_kernels: {what}: its gradient cannot be differentiated again (backward with "
+                    "create_graph=True, double backward): the tensor-parallel formulas are first order")
+            return backward(ctx, *grads)
+
+        return first_order
+
+    return decorate

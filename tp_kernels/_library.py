@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.autograd.graph import increment_version
 
 from . import _collectives as coll
+from ._checks import differentiable_once
 from ._op_table import collective_output_shape
 from .backends import run, run_collective
 
@@ -117,6 +118,8 @@ class _Op:
         return fn
 
     def register_autograd(self, backward: Callable, setup_context: Callable) -> None:
+        """Make ``backward`` the op's formula, first order (:func:`tp_kernels._checks.differentiable_once`)."""
+        backward = differentiable_once(self.qualname.partition("::")[2])(backward)
         torch.library.register_autograd(self.qualname, backward, setup_context=setup_context, lib=_LIB)
         self.function = type(f"{self.qualname.partition('::')[2]}_autograd", (torch.autograd.Function,), {
             "forward": staticmethod(self.fn), "setup_context": staticmethod(setup_context),

@@ -7,7 +7,7 @@ import torch
 from . import _collectives as coll
 from . import _library
 from ._agreement import agree, describe
-from ._checks import check_tensor
+from ._checks import check_tensor, differentiable_once
 from .embedding import check_index_range
 
 __all__ = ["vocab_parallel_cross_entropy"]
@@ -48,6 +48,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @differentiable_once("vocab_parallel_cross_entropy")
     def backward(ctx, dloss):
         softmax, local_target, in_range, ignored = ctx.saved_tensors
         eps = ctx.label_smoothing

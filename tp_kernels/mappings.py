@@ -27,7 +27,7 @@ import torch
 from . import _collectives as coll
 from . import _library
 from ._agreement import agree, describe
-from ._checks import check_divisible, check_tensor
+from ._checks import check_divisible, check_tensor, differentiable_once
 
 __all__ = [
     "copy_to_tensor_model_parallel_region",
@@ -69,6 +69,7 @@ class _CopyToRegion(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
+    @differentiable_once("copy_to_tensor_model_parallel_region")
     def backward(ctx, dy):
         return _all_reduce(dy, ctx.group), None
 
@@ -79,6 +80,7 @@ class _ReduceFromRegion(torch.autograd.Function):
         return _all_reduce(x, group)
 
     @staticmethod
+    @differentiable_once("reduce_from_tensor_model_parallel_region")
     def backward(ctx, dy):
         return dy, None
 
@@ -90,6 +92,7 @@ class _ScatterToRegion(torch.autograd.Function):
         return coll.split(x, -1, group)
 
     @staticmethod
+    @differentiable_once("scatter_to_tensor_model_parallel_region")
     def backward(ctx, dy):
         return _gather_last_dim(dy, ctx.group), None
 
@@ -101,6 +104,7 @@ class _GatherFromRegion(torch.autograd.Function):
         return _gather_last_dim(x, group)
 
     @staticmethod
+    @differentiable_once("gather_from_tensor_model_parallel_region")
     def backward(ctx, dy):
         return coll.split(dy, -1, ctx.group), None
 
@@ -112,6 +116,7 @@ class _ScatterToSequenceRegion(torch.autograd.Function):
         return coll.split(x, 0, group)
 
     @staticmethod
+    @differentiable_once("scatter_to_sequence_parallel_region")
     def backward(ctx, dy):
         return _gather_dim0(dy, ctx.group), None
 
@@ -123,6 +128,7 @@ class _GatherFromSequenceRegion(torch.autograd.Function):
         return _gather_dim0(x, group)
 
     @staticmethod
+    @differentiable_once("gather_from_sequence_parallel_region")
     def backward(ctx, dy):
         if ctx.reduce:
             return _reduce_scatter_dim0(dy, ctx.group), None, None
@@ -136,6 +142,7 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
         return _reduce_scatter_dim0(x, group)
 
     @staticmethod
+    @differentiable_once("reduce_scatter_to_sequence_parallel_region")
     def backward(ctx, dy):
         return _gather_dim0(dy, ctx.group), None
 
