@@ -349,7 +349,6 @@ def all_reduce_out(x: Tensor, out: Tensor, group: str, impl: str) -> None:
     run_collective("all_reduce", impl, x, out, -1, coll.group_from_name(group))
 
 
-
 @all_reduce_out.register_fake
 def _(x, out, group, impl):
     return None
@@ -358,7 +357,6 @@ def _(x, out, group, impl):
 @_define_mutating("x")
 def all_reduce_inplace(x: Tensor, group: str, impl: str) -> None:
     run_collective("all_reduce", impl, x, x, -1, coll.group_from_name(group))
-
 
 
 @all_reduce_inplace.register_fake
@@ -401,7 +399,6 @@ def _(x, dst, group, impl):
 @_define_mutating("x")
 def broadcast(x: Tensor, src: int, group: str, impl: str) -> None:
     run_collective("broadcast", impl, x, x, src, coll.group_from_name(group))
-
 
 
 @broadcast.register_fake
