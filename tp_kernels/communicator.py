@@ -164,9 +164,10 @@ class Communicator:
                     raise ValueError(f"out: expected a contiguous {list(x.shape)} {x.dtype} tensor (the shape of x), "
                                      f"got {'a strided ' if not out.is_contiguous() else ''}{list(out.shape)} "
                                      f"{out.dtype}")
-                if (not _same_memory(out, x) and out.numel() and x.numel() and not torch.compiler.is_compiling()
+                # (eagerly: while torch.compile traces, pointers are unknown; docs/api.md)
+                if (out is not x and not torch.compiler.is_compiling() and out.numel() and x.numel()
+                        and out.data_ptr() != x.data_ptr()
                         and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()):
-                    # (not while torch.compile traces: pointers are unknown there; docs/api.md)
                     raise ValueError("out: shares memory with x without being x (pass x itself for an in-place "
                                      "all-reduce)")
 

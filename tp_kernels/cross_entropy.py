@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from . import _collectives as coll
-from . import _library
 from ._agreement import agree, describe
 from ._checks import check_tensor, differentiable_once
 from .embedding import check_index_range
+from .mappings import all_gather_op, all_reduce_op
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -24,8 +24,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # The communication is the custom ops' (torch.compile sees one node each, where it could
         # not trace the group's own methods). Stabilize with the global max: every rank's row
         # maxima, [1, N] -(AG)-> [p, N], then their max (exact).
-        name = coll.group_name(group)
-        zmax = _library.op("all_gather")(z.amax(dim=-1).unsqueeze(0), name, "reference").amax(dim=0)
+        zmax = all_gather_op(z.amax(dim=-1).unsqueeze(0), group).amax(dim=0)
         z = z - zmax.unsqueeze(-1)
         in_range = (target >= start) & (target < start + v_local)
         local_target = (target - start).masked_fill(~in_range, 0)
@@ -34,7 +33,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # One sum all-reduce: the target's logit (held by one rank), Σ exp(z) and, for
         # smoothing, Σ z over the whole vocabulary. [k, N] -(AR)-> [k, N]
         parts = [target_logit, exp.sum(dim=-1)] + ([z.sum(dim=-1)] if label_smoothing > 0 else [])
-        stats = _library.op("all_reduce")(torch.stack(parts), name, "reference")
+        stats = all_reduce_op(torch.stack(parts), group)
         log_z = stats[1].log()
         loss = log_z - stats[0]  # -log softmax(z)[target]
         if label_smoothing > 0:

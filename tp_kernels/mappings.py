@@ -41,24 +41,26 @@ __all__ = [
 
 
 # The collectives run as the custom ops of the plain collectives (torch.ops.tp_kernels.*, on
-# torch.distributed), so that torch.compile and torch.export see each as one node.
+# torch.distributed), so that torch.compile and torch.export see each as one node (the
+# cross-entropy's too).
 
 
-def _all_reduce(x, group):
+def all_reduce_op(x, group):
     return _library.op("all_reduce")(x.contiguous(), coll.group_name(group), "reference")
 
 
-def _gather_dim0(x, group):
+def all_gather_op(x, group):
+    """``[m, ...] -(AG)-> [p*m, ...]``, rank-major along dim 0."""
     return _library.op("all_gather")(x.contiguous(), coll.group_name(group), "reference")
 
 
-def _reduce_scatter_dim0(x, group):
+def reduce_scatter_op(x, group):
     return _library.op("reduce_scatter")(x.contiguous(), coll.group_name(group), "reference")
 
 
 def _gather_last_dim(x, group):
     """``[..., d/p] -> [..., d]``, rank-major along the last dim."""
-    stacked = _gather_dim0(x.unsqueeze(0), group)  # [p, ..., d/p]
+    stacked = all_gather_op(x.unsqueeze(0), group)  # [p, ..., d/p]
     return stacked.movedim(0, -2).reshape(*x.shape[:-1], x.shape[-1] * coll.group_size(group))
 
 
@@ -71,13 +73,13 @@ class _CopyToRegion(torch.autograd.Function):
     @staticmethod
     @differentiable_once("copy_to_tensor_model_parallel_region")
     def backward(ctx, dy):
-        return _all_reduce(dy, ctx.group), None
+        return all_reduce_op(dy, ctx.group), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group)
+        return all_reduce_op(x, group)
 
     @staticmethod
     @differentiable_once("reduce_from_tensor_model_parallel_region")
@@ -118,20 +120,20 @@ class _ScatterToSequenceRegion(torch.autograd.Function):
     @staticmethod
     @differentiable_once("scatter_to_sequence_parallel_region")
     def backward(ctx, dy):
-        return _gather_dim0(dy, ctx.group), None
+        return all_gather_op(dy, ctx.group), None
 
 
 class _GatherFromSequenceRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, tensor_parallel_output_grad):
         ctx.group, ctx.reduce = group, tensor_parallel_output_grad
-        return _gather_dim0(x, group)
+        return all_gather_op(x, group)
 
     @staticmethod
     @differentiable_once("gather_from_sequence_parallel_region")
     def backward(ctx, dy):
         if ctx.reduce:
-            return _reduce_scatter_dim0(dy, ctx.group), None, None
+            return reduce_scatter_op(dy, ctx.group), None, None
         return coll.split(dy, 0, ctx.group), None, None
 
 
@@ -139,12 +141,12 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_dim0(x, group)
+        return reduce_scatter_op(x, group)
 
     @staticmethod
     @differentiable_once("reduce_scatter_to_sequence_parallel_region")
     def backward(ctx, dy):
-        return _gather_dim0(dy, ctx.group), None
+        return all_gather_op(dy, ctx.group), None
 
 
 # --- what the layers call (their arguments already checked and agreed with the group) ---------------
