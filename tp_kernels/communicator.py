@@ -165,8 +165,7 @@ class Communicator:
                                      f"got {'a strided ' if not out.is_contiguous() else ''}{list(out.shape)} "
                                      f"{out.dtype}")
                 # (eagerly: while torch.compile traces, pointers are unknown; docs/api.md)
-                if (out is not x and not torch.compiler.is_compiling() and out.numel() and x.numel()
-                        and out.data_ptr() != x.data_ptr()
+                if (not torch.compiler.is_compiling() and out.numel() and x.numel() and not _same_memory(out, x)
                         and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()):
                     raise ValueError("out: shares memory with x without being x (pass x itself for an in-place "
                                      "all-reduce)")
