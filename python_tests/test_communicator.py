@@ -402,6 +402,36 @@ def test_compiled_communicator_matches_eager(world):
     world.run(check_compiled_communicator, deadline_s=600)
 
 
+def check_compiled_collectives_run_on_every_rank(requires_grad: bool):
+    """A compiled collective whose result one rank does not use still runs there (its peers wait
+    for it): Communicator.gather off the root, and results kept on one rank only, were dropped from
+    the compiled graph as dead code, and the root waited until the timeout."""
+    r, p = rank_world()
+    comm = Communicator()
+    x = torch.randn(2 * p, 3, generator=torch.Generator().manual_seed(r)).requires_grad_(requires_grad)
+
+    def kept_on_rank_0(result, t):  # every rank called the collective; rank 0 alone uses its result
+        return result if r == 0 else t + 1
+
+    calls = [
+        lambda t: comm.gather(t, dst=p - 1, dim=0),
+        lambda t: kept_on_rank_0(comm.all_reduce(t), t),
+        lambda t: kept_on_rank_0(comm.all_gather(t, dim=0)[:1], t),
+        lambda t: kept_on_rank_0(comm.reduce_scatter(t, dim=0), t),
+        lambda t: (lambda u: (comm.all_reduce(u, out=u), t)[1])(t * 2),  # writes into a temporary
+    ]
+    for i, call in enumerate(calls):
+        torch._dynamo.reset()
+        want, got = call(x), torch.compile(call, fullgraph=True)(x)
+        assert (got is None and want is None) or torch.equal(got, want), i
+    assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(p)))  # in step
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_compiled_collectives_run_on_every_rank(world2, requires_grad):
+    world2.run(check_compiled_collectives_run_on_every_rank, requires_grad, deadline_s=600)
+
+
 def check_writes_are_seen_by_autograd():
     """A Communicator call that writes into a tensor (``out``, in place, ``broadcast``) bumps its
     version counter, as torch's in-place ops do, whether it runs through the dispatcher or not:
@@ -430,6 +460,48 @@ def check_writes_are_seen_by_autograd():
 @pytest.mark.parametrize("world", [1, 2], indirect=True)
 def test_writes_are_seen_by_autograd(world):
     world.run(check_writes_are_seen_by_autograd, deadline_s=DEADLINE_S)
+
+
+def check_collectives_refuse_gradients(compiled: bool):
+    """Every Communicator call on a tensor that wants a gradient (inference without
+    ``torch.no_grad()``) returns what it returns without one, eagerly and compiled; a backward
+    through it raises on every rank, naming the call, where one that wrote (``out``, in place,
+    ``broadcast``) was silently the identity and ``all_gather``'s failed inside the collective."""
+    r, p = rank_world()
+    comm = Communicator()
+    calls = {
+        "all_reduce": lambda t: comm.all_reduce(t),
+        "all_reduce into out": lambda t: comm.all_reduce(t, out=torch.empty_like(t)),
+        "all_reduce in place": lambda t: (lambda u: comm.all_reduce(u, out=u))(t * 1),
+        "all_gather": lambda t: comm.all_gather(t, dim=-1),
+        "gather": lambda t: comm.gather(t, dst=p - 1, dim=0),
+        "reduce_scatter": lambda t: comm.reduce_scatter(t, dim=0),
+        "broadcast": lambda t: comm.broadcast(t * 1, src=0),
+        "tensor_model_parallel_all_reduce": lambda t: tp_kernels.tensor_model_parallel_all_reduce(t),
+    }
+    for name, call in calls.items():
+        leaf = torch.randn(2 * p, 3, generator=torch.Generator().manual_seed(r)).requires_grad_()
+        with torch.no_grad():
+            want = call(leaf * 2)
+        if compiled:
+            torch._dynamo.reset()
+            call = torch.compile(call, fullgraph=True)
+        got = call(leaf * 2)
+        if got is None:  # gather off the root
+            assert want is None, name
+            continue
+        assert torch.equal(got.detach(), want), name
+        assert got.requires_grad, name  # not detached: a loss over it would lose its gradient silently
+        called = name.split(" ")[0].replace("tensor_model_parallel_all_reduce", "all_reduce")
+        with pytest.raises(RuntimeError, match=f"Communicator.{called} has no gradient"):
+            got.sum().backward()
+        assert leaf.grad is None, name
+    assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(p)))  # the group goes on
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_collectives_refuse_gradients(world2, compiled):
+    world2.run(check_collectives_refuse_gradients, compiled, deadline_s=600)
 
 
 def check_one_decision_per_call():

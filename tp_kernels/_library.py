@@ -15,16 +15,22 @@ return None); the autograd wrappers turn those back into None.
 The plain collectives of :class:`tp_kernels.Communicator` are custom ops too (``all_reduce``,
 ``all_reduce_out``, ``all_reduce_inplace``, ``all_gather``, ``reduce_scatter``, ``gather``,
 ``broadcast``), over dim 0 of contiguous tensors, with the implementation decided before the call
-(:func:`tp_kernels.dispatch.resolve_collective`); they have no autograd formula (serving runs
-without gradients; :mod:`tp_kernels.mappings` has the differentiable ones).
+(:func:`tp_kernels.dispatch.resolve_collective`); their formula is a backward that raises
+(:func:`_no_gradient`: serving runs without gradients; :mod:`tp_kernels.mappings` has the
+differentiable ones).
+
+Every op takes part in a collective (but :func:`refuse_gradient`, which raises), so every op is
+marked as having side effects (``torch.fx.node.has_side_effect``): a compiled graph keeps it where
+this rank does not use its result, since the peers wait for it.
 """
 
 import inspect
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 from torch.autograd.graph import increment_version
+from torch.fx.node import has_side_effect
 
 from . import _collectives as coll
 from ._checks import differentiable_once
@@ -75,6 +81,11 @@ def _route(args) -> int:
     return _FUNCTION if grad and _grad_enabled() else _BODY
 
 
+def _wants_grad(args) -> bool:
+    """Whether a call of these arguments records a gradient."""
+    return _grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args)
+
+
 # what _route asks, bound once (each attribute lookup on ``torch`` costs host time on every call)
 _is_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
 _dispatch_modes, _function_modes = torch._C._len_torch_dispatch_stack, torch._C._is_torch_function_mode_enabled
@@ -99,6 +110,10 @@ class _Op:
         self.fn = fn
         self.written = written  # positions of the arguments it writes
         self.function: Optional[type] = None  # the autograd.Function, once a formula is registered
+        # Every op here takes part in a collective with its peers, so none may be dropped from a
+        # compiled graph because its result goes unused on this rank (Communicator.gather off the
+        # root, a result kept on one rank only): the peers would wait for it.
+        has_side_effect(getattr(torch.ops.tp_kernels, name).default)
 
     def __call__(self, *args):
         route = _route(args)
@@ -107,7 +122,7 @@ class _Op:
             for i in self.written:
                 increment_version(args[i])
             return out
-        if route == _FUNCTION and self.function is not None:
+        if self.function is not None and (route == _FUNCTION or (self.custom is not None and _wants_grad(args))):
             return self.function.apply(*args)
         return self.op(*args)
 
@@ -116,6 +131,29 @@ class _Op:
             return self.custom.register_fake(fn)
         torch.library.register_fake(self.qualname, fn, lib=_LIB)
         return fn
+
+    def register_no_gradient(self, call: str) -> None:
+        """Make the op's formula a backward that raises, naming ``Communicator.<call>``
+        (:func:`_no_gradient`): what it returns, or writes, may flow into a loss, but the backward
+        is refused."""
+        backward = _no_gradient(call)
+        if self.custom is None:
+            self.register_autograd(backward, setup_context=_input_shapes)
+            return
+        # An op that writes cannot have a formula of its own (torch.library refuses one): with a
+        # gradient needed, it runs inside this function, which marks what it wrote as its output
+        # (on every route: torch.compile traces the function around the op).
+        written, op = self.written, self.op
+
+        def forward(ctx, *args):
+            op(*args)
+            _input_shapes(ctx, args, None)
+            outs = tuple(args[i] for i in written)
+            ctx.mark_dirty(*outs)
+            return outs[0] if len(outs) == 1 else outs
+
+        self.function = type(f"{self.qualname.partition('::')[2]}_autograd", (torch.autograd.Function,), {
+            "forward": staticmethod(forward), "backward": staticmethod(backward)})
 
     def register_autograd(self, backward: Callable, setup_context: Callable) -> None:
         """Make ``backward`` the op's formula, first order (:func:`tp_kernels._checks.differentiable_once`)."""
@@ -153,6 +191,40 @@ def _define_mutating(*written: str) -> Callable[[Callable], _Op]:
         return _OPS[name]
 
     return define
+
+
+def _no_gradient(call: str) -> Callable:
+    """The formula of a plain collective, ``Communicator.<call>``: a backward whose gradients are
+    :func:`refuse_gradient`'s, so that running it raises a ``RuntimeError`` naming the call. The
+    collectives of :class:`tp_kernels.Communicator` serve inference, and a gradient for them has no
+    one meaning (a sum over the ranks, or Megatron's identity where the loss is the same on every
+    rank): :mod:`tp_kernels.mappings` says which, per function. A forward with gradients enabled
+    (inference without ``torch.no_grad()``) still runs, compiled or not: only the backward raises,
+    on every rank, as every rank runs it."""
+
+    def backward(ctx, *grads):
+        return tuple(None if shape is None else refuse_gradient(grads[0], shape, call) for shape in ctx.shapes)
+
+    return backward
+
+
+def _input_shapes(ctx, inputs, output) -> None:
+    ctx.shapes = [list(a.shape) if isinstance(a, Tensor) else None for a in inputs]
+
+
+@_define
+def refuse_gradient(grad: Tensor, shape: List[int], call: str) -> Tensor:
+    """The gradient of a collective that has none: raises, naming ``Communicator.<call>`` (an op,
+    so that torch.compile traces a backward that raises only when it runs)."""
+    raise RuntimeError(
+        f"tp_kernels: Communicator.{call} has no gradient: for training, use the layers or "
+        "tp_kernels.mappings (their collectives say what the gradient is), or run inference under "
+        "torch.no_grad() or torch.inference_mode()")
+
+
+@refuse_gradient.register_fake
+def _(grad, shape, call):
+    return grad.new_empty(shape)
 
 
 def _size(name: str) -> int:
@@ -344,6 +416,9 @@ def _(x, group, impl):
     return torch.empty_like(x)
 
 
+all_reduce.register_no_gradient("all_reduce")
+
+
 @_define_mutating("out")
 def all_reduce_out(x: Tensor, out: Tensor, group: str, impl: str) -> None:
     run_collective("all_reduce", impl, x, out, -1, coll.group_from_name(group))
@@ -352,6 +427,9 @@ def all_reduce_out(x: Tensor, out: Tensor, group: str, impl: str) -> None:
 @all_reduce_out.register_fake
 def _(x, out, group, impl):
     return None
+
+
+all_reduce_out.register_no_gradient("all_reduce")
 
 
 @_define_mutating("x")
@@ -364,6 +442,9 @@ def _(x, group, impl):
     return None
 
 
+all_reduce_inplace.register_no_gradient("all_reduce")
+
+
 @_define
 def all_gather(x: Tensor, group: str, impl: str) -> Tensor:
     return _collective("all_gather", x, group, impl)
@@ -374,6 +455,9 @@ def _(x, group, impl):
     return _output("all_gather", x, _size(group))
 
 
+all_gather.register_no_gradient("all_gather")
+
+
 @_define
 def reduce_scatter(x: Tensor, group: str, impl: str) -> Tensor:
     return _collective("reduce_scatter", x, group, impl)
@@ -382,6 +466,9 @@ def reduce_scatter(x: Tensor, group: str, impl: str) -> Tensor:
 @reduce_scatter.register_fake
 def _(x, group, impl):
     return _output("reduce_scatter", x, _size(group))
+
+
+reduce_scatter.register_no_gradient("reduce_scatter")
 
 
 @_define
@@ -396,6 +483,9 @@ def _(x, dst, group, impl):
     return x.new_empty((0,) + tuple(x.shape[1:]))
 
 
+gather.register_no_gradient("gather")
+
+
 @_define_mutating("x")
 def broadcast(x: Tensor, src: int, group: str, impl: str) -> None:
     run_collective("broadcast", impl, x, x, src, coll.group_from_name(group))
@@ -404,3 +494,6 @@ def broadcast(x: Tensor, src: int, group: str, impl: str) -> None:
 @broadcast.register_fake
 def _(x, src, group, impl):
     return None
+
+
+broadcast.register_no_gradient("broadcast")
