@@ -20,7 +20,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         v_local = logits.shape[-1]
         vocab = v_local * p
         start = r * v_local
-        z = logits.float()  # [N, V/p]
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [N, V/p], float32 or float64
         # The communication is the custom ops' (torch.compile sees one node each, where it could
         # not trace the group's own methods). Stabilize with the global max: every rank's row
         # maxima, [1, N] -(AG)-> [p, N], then their max (exact).
@@ -72,8 +72,9 @@ def vocab_parallel_cross_entropy(
     Equals ``F.cross_entropy(full_logits.reshape(-1, V), target.reshape(-1), reduction="none",
     label_smoothing=label_smoothing, ignore_index=ignore_index)`` reshaped to ``target``'s shape,
     where ``full_logits`` concatenates every rank's block. Smoothing spreads over the global
-    vocabulary ``V``. Computed in float32; the logits are never gathered (two small collectives
-    of ``[N]``-sized statistics: an all-gather of each rank's row maxima, then one stacked sum).
+    vocabulary ``V``. Computed in float32 (float64 logits: in float64); the logits are never
+    gathered (two small collectives of ``[N]``-sized statistics: an all-gather of each rank's row
+    maxima, then one stacked sum).
     ``torch.compile`` traces it (the collectives are custom ops).
 
     Args:
@@ -82,7 +83,7 @@ def vocab_parallel_cross_entropy(
         label_smoothing: in ``[0, 1]``.
         group: process group (default: the tensor-parallel group).
     Returns:
-        ``[...]`` float32 loss per token.
+        ``[...]`` loss per token, float32 (float64 for float64 logits).
     """
     group = coll.resolve_group(group)
 
