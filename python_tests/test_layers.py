@@ -180,6 +180,43 @@ def test_default_init_same_full_matrix(world):
     world.run(check_default_init, world.world_size)
 
 
+def check_meta_then_reset_parameters():
+    """A layer made on the meta device, moved with ``to_empty`` and initialized by
+    ``reset_parameters()`` holds what one made directly holds under the same seed (``nn.Linear``'s
+    and ``nn.Embedding``'s full matrices, or ``init_method``'s), as with the dense modules."""
+    r, p = rank_world()
+
+    def orthogonal(w):
+        return nn.init.orthogonal_(w)
+
+    makers = {
+        "column": lambda **kw: tp_kernels.ColumnParallelLinear(6, 4 * p, **kw),
+        "row": lambda **kw: tp_kernels.RowParallelLinear(4 * p, 6, **kw),
+        "row, no bias": lambda **kw: tp_kernels.RowParallelLinear(4 * p, 6, bias=False, **kw),
+        "column, init_method": lambda **kw: tp_kernels.ColumnParallelLinear(6, 4 * p, init_method=orthogonal, **kw),
+        "embedding": lambda **kw: tp_kernels.VocabParallelEmbedding(4 * p, 6, padding_idx=1, **kw),
+        "embedding, init_method": lambda **kw: tp_kernels.VocabParallelEmbedding(4 * p, 6, init_method=orthogonal, **kw),
+    }
+    for name, make in makers.items():
+        torch.manual_seed(11)
+        direct = make()
+        late = make(device="meta").to_empty(device="cpu")
+        torch.manual_seed(11)
+        late.reset_parameters()
+        for (pname, got), want in zip(late.named_parameters(), direct.parameters()):
+            assert torch.equal(got, want), (name, pname)
+    torch.manual_seed(11)
+    dense = nn.Linear(6, 4 * p)
+    torch.manual_seed(11)
+    col = makers["column"](device="meta").to_empty(device="cpu")
+    col.reset_parameters()
+    assert torch.equal(col.weight, block(dense.weight, 0, r, p)) and torch.equal(col.bias, block(dense.bias, 0, r, p))
+
+
+@pytest.mark.parametrize("world", [1, 2], indirect=True)
+def test_meta_then_reset_parameters(world):
+    world.run(check_meta_then_reset_parameters)
+
 def check_load_full_weight():
     r, p = rank_world()
     torch.manual_seed(5)

@@ -79,19 +79,28 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
         self.num_embeddings_per_partition = check_divisible("num_embeddings", num_embeddings, self.tp_size)
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        self._init_method = init_method
         self.weight = nn.Parameter(
             torch.empty(self.num_embeddings_per_partition, embedding_dim, device=device, dtype=dtype)
         )
         if self.weight.device.type != "meta":
-            master = torch.empty(num_embeddings, embedding_dim, device=self.weight.device, dtype=self.weight.dtype)
-            if init_method is None:
-                nn.init.normal_(master)
-            else:
-                init_method(master)
-            if padding_idx is not None:
-                with torch.no_grad():
-                    master[padding_idx].fill_(0)
-            self.load_full_weight(master)
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialize the table as the constructor does: this rank's rows of a full table drawn as
+        ``nn.Embedding`` draws it (or by ``init_method``), the padding row zero, so ranks seeded
+        alike hold rows of one table. For an embedding made on the meta device, after
+        ``to_empty()``."""
+        master = torch.empty(self.num_embeddings, self.embedding_dim, device=self.weight.device,
+                             dtype=self.weight.dtype)
+        if self._init_method is None:
+            nn.init.normal_(master)
+        else:
+            self._init_method(master)
+        if self.padding_idx is not None:
+            with torch.no_grad():
+                master[self.padding_idx].fill_(0)
+        self.load_full_weight(master)
 
     @property
     def _local_padding_idx(self) -> Optional[int]:

@@ -87,6 +87,7 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
         self.sequence_parallel = bool(sequence_parallel)
         self.skip_bias_add = bool(skip_bias_add)
         self.backend, self.num_chunks = backend, num_chunks
+        self._init_method = init_method
         self._shard_dim = shard_dim  # 0: rows of [out, in] (column-parallel), 1: columns (row-parallel)
         if shard_dim == 0:
             self.out_features_per_partition = check_divisible("out_features", out_features, self.tp_size)
@@ -105,11 +106,17 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
         else:
             self.register_parameter("bias", None)
         if self.weight.device.type != "meta":
-            master_w, master_b = _init_master(
-                (out_features, in_features), out_features if bias else None, in_features, init_method,
-                device=self.weight.device, dtype=self.weight.dtype,
-            )
-            self._load(master_w, master_b)
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialize the weight and bias as the constructor does: this rank's shard of a full
+        matrix drawn as ``nn.Linear`` draws it (or by ``init_method``), so ranks seeded alike hold
+        shards of one matrix. For a layer made on the meta device, after ``to_empty()``."""
+        master_w, master_b = _init_master(
+            (self.out_features, self.in_features), self.out_features if self.bias is not None else None,
+            self.in_features, self._init_method, device=self.weight.device, dtype=self.weight.dtype,
+        )
+        self._load(master_w, master_b)
 
     # -- sharding -------------------------------------------------------------------------
 
