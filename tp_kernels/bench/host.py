@@ -23,7 +23,10 @@ k = n = 64, float32, one thread):
   then the bias added once), and tp_kernels' layer, under ``torch.no_grad()`` (the serving case);
 * ``plain_all_reduce`` and ``Communicator.all_reduce``: a serving engine's all-reduce of the
   ``[m, n]`` output, into a new tensor (``dist.all_reduce`` of a clone, issued and waited for),
-  and ``plain_all_reduce_inplace`` and ``Communicator.all_reduce/in_place`` (``out=`` the input).
+  and ``plain_all_reduce_inplace`` and ``Communicator.all_reduce/in_place`` (``out=`` the input);
+* ``plain_all_gather`` and ``Communicator.all_gather``: its all-gather of ``[m, n]`` blocks along
+  the last dim (the logits' vocabulary), as vLLM's ``all_gather`` does it (into ``[p, m, n]``,
+  issued and waited for, then moved to ``[m, p*n]``).
 
 With ``--peers`` the calls run instead on p processes of a real group (each p >= 2 of
 ``--ranks``), on a GPU p NCCL ranks sharing it (:data:`tp_kernels.testing.ONE_GPU_RANKS_ENV`), so
@@ -112,6 +115,22 @@ def _all_reduced(y: torch.Tensor, group) -> torch.Tensor:
     return y
 
 
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _all_gathered(y: torch.Tensor, group) -> torch.Tensor:
+    """``[m, n]`` blocks of ``group``'s ranks joined along the last dim as a serving engine joins
+    them (vLLM's ``all_gather``): gathered rank-major into ``[p, m, n]``, issued asynchronously and
+    waited for, then moved to ``[m, p*n]`` (``y`` itself with one rank)."""
+    p = group.size()
+    if p == 1:
+        return y
+    m, n = y.shape
+    out = torch.empty((p * m, n), device=y.device, dtype=y.dtype)  # [p, m, n] flat along dim 0, as gloo wants it
+    _all_gather_single(out, y, group=group, async_op=True).wait()
+    return out.view(p, m, n).movedim(0, -2).reshape(m, p * n)
+
+
 class PlainRowParallel(torch.nn.Module):
     """A row-parallel layer as written by hand (Megatron's): the GEMM without the bias, the
     all-reduce (with more than one rank), the bias added once."""
@@ -186,6 +205,13 @@ def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("referenc
         calls["Communicator.all_reduce/in_place"] = (lambda: comm.all_reduce(y, out=y), "plain_all_reduce_inplace")
     else:
         skipped["Communicator.all_reduce"] = skipped["Communicator.all_reduce/in_place"] = f"auto {why}"
+    # and its all-gather of the [m, n/p] blocks of the logits along the last dim
+    calls["plain_all_gather"] = (lambda: _all_gathered(y, group), None)
+    why = why_not(dispatch.resolve_collective("all_gather", comm.backend, y.unsqueeze(0), group))
+    if why is None:
+        calls["Communicator.all_gather"] = (lambda: comm.all_gather(y, dim=-1), "plain_all_gather")
+    else:
+        skipped["Communicator.all_gather"] = f"auto {why}"
     return calls, skipped
 
 
