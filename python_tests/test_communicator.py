@@ -259,6 +259,53 @@ def test_ranks_that_disagree_all_raise(world, what):
         assert len(set(messages)) == 1, messages  # the same message on every rank
 
 
+#: what ranks 0 (sends) and 1 (receives) do, disagreeing: (rank 0's call, rank 1's call)
+P2P_DISAGREEMENTS = {
+    "more sent": (lambda c: c.send(torch.ones(5), dst=1), lambda c: c.recv((4,), torch.float32, src=0)),
+    "less sent": (lambda c: c.send(torch.ones(4), dst=1), lambda c: c.recv((5,), torch.float32, src=0)),
+    "dtype": (lambda c: c.send(torch.ones(4), dst=1), lambda c: c.recv((4,), torch.int32, src=0)),
+    "shape": (lambda c: c.send(torch.ones(2, 3), dst=1), lambda c: c.recv((3, 2), torch.float32, src=0)),
+    "both send": (lambda c: c.send(torch.ones(4), dst=1), lambda c: c.send(torch.ones(4), dst=0)),
+    "bad at one end": (lambda c: c.send(torch.ones(4), dst=1), lambda c: c.recv((-4,), torch.float32, src=0)),
+}
+
+
+@fingerprints
+def check_p2p_disagreement(what):
+    """A send and a recv that disagree (gloo killed the receiver of the larger message; a larger
+    or otherwise typed receive read garbage): both ends raise before the payload moves, the
+    same message where they disagree, and the group goes on. Other ranks take no part."""
+    r, p = rank_world()
+    comm = Communicator()
+    message = None
+    if r < 2:
+        try:
+            P2P_DISAGREEMENTS[what][r](comm)
+        except (ValueError, RuntimeError) as exc:
+            kind, message = type(exc).__name__, str(exc)
+        else:
+            raise AssertionError(f"rank {r}: no error, though the ends disagreed ({what})")
+        if what == "bad at one end":
+            want = ("RuntimeError", "rank 1, its peer, rejected its arguments") if r == 0 else ("ValueError", "shape")
+            assert kind == want[0] and want[1] in message, message
+            message = None
+        else:
+            assert kind == "RuntimeError" and "disagree on a message, so nothing moved" in message, message
+    y = comm.all_reduce(torch.ones(2))  # the group still works, and right
+    assert torch.equal(y, torch.full((2,), float(p)))
+    if r < 2:  # and a good pair goes through
+        got = comm.send(torch.arange(6.0), dst=1) if r == 0 else comm.recv((6,), torch.float32, src=0)
+        assert r == 0 or torch.equal(got, torch.arange(6.0))
+    return message
+
+
+@pytest.mark.parametrize("what", sorted(P2P_DISAGREEMENTS))
+@pytest.mark.parametrize("world", [2, 4], indirect=True)
+def test_send_and_recv_that_disagree_both_raise(world, what):
+    messages = world.run(check_p2p_disagreement, what, deadline_s=DEADLINE_S)
+    if what != "bad at one end":
+        assert messages[0] == messages[1] and all(m is None for m in messages[2:]), messages
+
 # --- the module functions, on the tensor-parallel group -------------------------------------------
 
 

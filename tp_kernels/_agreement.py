@@ -9,7 +9,8 @@ rank raises, before any other collective: the rank whose arguments were wrong it
 ``ValueError``, the others a ``RuntimeError`` naming that rank and its message; or, when the
 ranks disagree, every rank the same ``RuntimeError`` listing each rank's view. So a mismatch is
 never an abort, a hang or a silently wrong result, and a rank that moves on to its next call
-never meets a half-finished one.
+never meets a half-finished one. A point-to-point call (``Communicator.send``/``recv``) agrees
+with its peer alone (:func:`agree_pair`).
 
 The exchange is one all-gather of a :data:`DIGEST_BYTES` digest of the fingerprint per rank;
 only when the digests differ, a second one of the fingerprints themselves (:data:`PAYLOAD_BYTES`,
@@ -37,7 +38,7 @@ import torch
 from . import _collectives as coll
 from . import parallel_state, settings
 
-__all__ = ["DIGEST_BYTES", "PAYLOAD_BYTES", "agree", "describe", "exchange_views"]
+__all__ = ["DIGEST_BYTES", "PAYLOAD_BYTES", "agree", "agree_pair", "describe", "exchange_views"]
 
 #: Bytes of one rank's fingerprint: a description, or an error message, cut to fit.
 PAYLOAD_BYTES = 512
@@ -63,12 +64,14 @@ def describe(t) -> str:
 def _exchange_route(group, hint):
     """Over which group and on which device the fingerprints travel: the host, over the group or
     its host twin (:func:`tp_kernels.parallel_state.host_group`), so the exchange never waits for
-    the GPU; for another NCCL group, this rank's GPU (the tensor read back waits for its stream)."""
+    the GPU; for another NCCL group, this rank's GPU (the tensor read back waits for its stream):
+    ``hint``'s (a tensor of the call, or a device), else the current one."""
     host = parallel_state.host_group(group)
     if host is not None:
         return host, torch.device("cpu")
-    if isinstance(hint, torch.Tensor) and hint.is_cuda:
-        return group, hint.device
+    device = hint.device if isinstance(hint, torch.Tensor) else hint
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return group, device
     return group, torch.device("cuda", torch.cuda.current_device())
 
 
@@ -125,6 +128,45 @@ def agree(call: str, group, check: Callable[[], T], fingerprint: Callable[[T], s
                 f"tp_kernels: the ranks of group {group.group_name!r} disagree on this call, so none of it ran "
                 f"({listing}). Every rank of a group must make the same calls, with tensors of the same shapes "
                 f"and dtypes (only their data may differ), within {timeout:g} s of each other")
+    if error is not None:
+        raise error
+    return result
+
+
+def agree_pair(call: str, group, peer: int, role: str, check: Callable[[], T], message: Callable[[T], str],
+               hint=None) -> T:
+    """``check()`` agreed with group rank ``peer``, the other end of a point-to-point call.
+
+    ``role`` is ``"send"`` or ``"recv"``, ``message(check())`` the message as this end sees it
+    (shape and dtype). When fingerprints are on, the two ends swap their views (one bounded
+    exchange, :func:`tp_kernels._collectives.swap_bytes`) and both raise, before the payload moves,
+    unless one sends and the other receives the same message: a receiver expecting fewer bytes
+    than were sent would be killed by gloo, one expecting more would read memory never written, one
+    expecting another dtype would reinterpret the bytes. An end whose check failed raises its own
+    ``ValueError``, and the other a ``RuntimeError`` carrying it. ``peer`` was checked by the
+    caller; ``hint`` as for :func:`agree`."""
+    coll.check_alive(group)
+    error: Optional[ValueError] = None
+    try:
+        result = check()
+    except ValueError as exc:
+        error = exc
+    if settings.fingerprints_enabled() and not _recording():
+        me = coll.group_rank(group)
+        mine = f"{_ERROR}|{error}" if error is not None else f"{_OK}|{role} {message(result)}"
+        host, device = _exchange_route(group, hint)
+        payload = mine.encode()[:PAYLOAD_BYTES].ljust(PAYLOAD_BYTES, b"\0")
+        theirs = coll.swap_bytes(payload, peer, host, device).rstrip(b"\0").decode(errors="replace")
+        status, _, view = theirs.partition("|")
+        if error is None and status != _OK:
+            raise RuntimeError(f"tp_kernels: {call}: rank {peer}, its peer, rejected its arguments, so nothing "
+                               f"moved ({view})")
+        if error is None and (view.partition(" ")[0] == role or view.partition(" ")[2] != message(result)):
+            ends = sorted([(me, f"{role} {message(result)}"), (peer, view)])
+            raise RuntimeError(
+                f"tp_kernels: ranks {ends[0][0]} and {ends[1][0]} of group {group.group_name!r} disagree on a "
+                f"message, so nothing moved (rank {ends[0][0]}: {ends[0][1]}; rank {ends[1][0]}: {ends[1][1]}). "
+                "A send and the recv that takes it must agree on its shape and dtype")
     if error is not None:
         raise error
     return result

@@ -309,6 +309,24 @@ def all_gather_bytes(payload: bytes, group, device: torch.device) -> List[bytes]
     return [bytes(gathered[q * n:(q + 1) * n]) for q in range(group_size(group))]
 
 
+def swap_bytes(payload: bytes, peer: int, group, device: torch.device) -> bytes:
+    """``payload`` sent to group rank ``peer``, and what ``peer`` sent this rank (of the same
+    length: ``peer`` calls this with this rank as its ``peer``). One send and one receive, issued
+    as one batch (see :func:`ring_exchange`), bounded like every collective here, on
+    :func:`exchange_device`."""
+    mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(exchange_device(group, device))
+    theirs = torch.empty_like(mine)
+    other = dist.get_global_rank(group, peer)
+    what = _about("exchange", mine, "with rank", peer)
+    works = _issue(what, group, lambda: dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, mine, other, group=group),
+        dist.P2POp(dist.irecv, theirs, other, group=group),
+    ]))
+    for work in works:
+        wait(work, what, group, cuda=theirs.is_cuda)
+    return bytes(theirs.cpu().tolist())
+
+
 def reduce_scatter_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] = None,
                         scratch: bool = False) -> Pending:
     """Start ``[m, ...] -(RS, sum)-> [m/p, ...]``; rank r keeps rows ``[r*m/p, (r+1)*m/p)``.

@@ -23,8 +23,8 @@ eager calls. Under a CUDA graph capture, prepare first with :meth:`Communicator.
 
 Every argument is checked on every rank before anything moves (a ``ValueError`` naming it); with
 fingerprints on (:func:`tp_kernels.settings.set_fingerprints`) ranks that disagree on a call
-(shapes, dtypes, dims, roots) all raise instead of mismatching; every wait is bounded by
-:func:`tp_kernels.get_timeout`.
+(shapes, dtypes, dims, roots) all raise instead of mismatching, and so do the two ends of a
+``send`` and its ``recv``; every wait is bounded by :func:`tp_kernels.get_timeout`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from . import _collectives as coll
 from . import _library
 from . import backends, dispatch, parallel_state
-from ._agreement import agree, describe
+from ._agreement import agree, agree_pair, describe
 from ._checks import check_choice
 from .backends.fused import MAX_BYTES
 from .settings import BACKEND_NAMES
@@ -68,6 +68,11 @@ def _default_device(group) -> torch.device:
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.type != "cuda" or a.index == b.index)
+
+
+def _message(t: torch.Tensor) -> str:
+    """A point-to-point message as both ends must see it: its shape and dtype."""
+    return f"{list(t.shape)} {str(t.dtype).rpartition('.')[2]}"
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -230,26 +235,31 @@ class Communicator:
         return x.copy_(buf)
 
     def send(self, x: torch.Tensor, dst: int) -> None:
-        """Send ``x`` to rank ``dst``, which calls :meth:`recv` with its shape and dtype. Not
-        agreed with the group (two ranks take part), but bounded by the timeout."""
+        """Send ``x`` to rank ``dst``, which calls :meth:`recv` with its shape and dtype. Bounded
+        by the timeout; with fingerprints on, agreed with ``dst`` alone (two ranks take part)."""
         self._rank("dst", dst, other=True)
-        x_ = self._tensor("x", x).contiguous()
+        x_ = agree_pair("Communicator.send", self.group, dst, "send", lambda: self._tensor("x", x), _message,
+                        hint=x).contiguous()
         impl = dispatch.resolve_collective("send", self.backend, x_, self.group, dst)
         backends.run_collective("send", impl, x_, None, dst, self.group)
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
         """A new tensor of ``shape`` and ``dtype`` on the communicator's device, received from rank
-        ``src`` (which calls :meth:`send`)."""
+        ``src`` (which calls :meth:`send`). With fingerprints on, agreed with ``src`` first."""
         self._rank("src", src, other=True)
-        try:
-            shape = torch.Size(shape)
-        except TypeError as exc:
-            raise ValueError(f"shape: expected a sequence of ints, got {shape!r}") from exc
-        if any(s < 0 for s in shape):
-            raise ValueError(f"shape: expected sizes >= 0, got {list(shape)}")
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"dtype: expected a torch.dtype, got {dtype!r}")
-        out = torch.empty(shape, dtype=dtype, device=self.device)
+
+        def check() -> torch.Tensor:
+            try:
+                size = torch.Size(shape)
+            except TypeError as exc:
+                raise ValueError(f"shape: expected a sequence of ints, got {shape!r}") from exc
+            if any(s < 0 for s in size):
+                raise ValueError(f"shape: expected sizes >= 0, got {list(size)}")
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"dtype: expected a torch.dtype, got {dtype!r}")
+            return torch.empty(size, dtype=dtype, device=self.device)
+
+        out = agree_pair("Communicator.recv", self.group, src, "recv", check, _message, hint=self.device)
         impl = dispatch.resolve_collective("recv", self.backend, out, self.group, src)
         return backends.run_collective("recv", impl, None, out, src, self.group)
 
