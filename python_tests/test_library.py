@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -161,3 +163,31 @@ def check_gradients_are_first_order():
 
 def test_gradients_are_first_order(world2):
     world2.run(check_gradients_are_first_order)
+
+
+def check_one_rank_is_a_linear_layer():
+    """With one rank, a layer on the reference path is ``F.linear`` itself, as ``nn.Linear`` is:
+    a gradient penalty (a second derivative) through a column -> row pair equals the dense
+    model's in float64, on every layout."""
+    torch.manual_seed(0)
+    dense1, dense2 = torch.nn.Linear(4, 6).double(), torch.nn.Linear(6, 3).double()
+    x = torch.randn(5, 2, 4, dtype=torch.float64)
+
+    def penalty(f1, f2, params):
+        xx = x.clone().requires_grad_()
+        (dx,) = torch.autograd.grad(f2(f1(xx).tanh()).tanh().sum(), xx, create_graph=True)
+        return torch.autograd.grad(dx.square().sum(), params)
+
+    want = penalty(dense1, dense2, [*dense1.parameters(), *dense2.parameters()])
+    for backend, sp, gather in itertools.product(["auto", "reference"], [False, True], [False, True]):
+        fc1 = tp_kernels.ColumnParallelLinear.from_linear(dense1, backend=backend, sequence_parallel=sp,
+                                                          gather_output=gather)
+        fc2 = tp_kernels.RowParallelLinear.from_linear(dense2, backend=backend, sequence_parallel=sp)
+        got = penalty(fc1, fc2, [*fc1.parameters(), *fc2.parameters()])
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=lambda m: f"{backend} sp={sp}: {m}")
+
+
+@pytest.mark.parametrize("world", [1], indirect=True)
+def test_one_rank_is_a_linear_layer(world):
+    world.run(check_one_rank_is_a_linear_layer)

@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 from . import _collectives as coll
 from . import _library
@@ -90,6 +91,10 @@ def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int]
     # 2-D as it is: a reshape costs ~2 µs of host time
     x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     impl = resolve(op, backend, x2d, p, group, weight, bias, num_chunks)
+    if p == 1 and impl == "reference":
+        # one rank and nothing to overlap: the op is the linear layer itself, as nn.Linear is
+        # (differentiable to any order; to torch.compile, an aten node it may fuse)
+        return F.linear(x, weight, bias)
     out = _library.op(op)(x2d, weight, bias, coll.group_name(group), impl)
     return out if x2d is x else out.reshape(*_out_lead(op, x.shape, p), weight.shape[0])
 
