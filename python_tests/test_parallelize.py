@@ -4,6 +4,7 @@ forward, backward and two SGD steps."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -137,3 +138,87 @@ def check_vocab_plan_and_shared_modules():
 
 def test_vocab_plan_and_shared_modules(world2):
     world2.run(check_vocab_plan_and_shared_modules)
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, vocab, hidden, heads, ffn):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.block = Block(hidden, heads, ffn)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids):  # [s, b] -> [s, b, vocab]
+        return self.head(self.block(self.emb(ids)))
+
+
+LM_PLAN = {"emb": "vocab", "head": "colwise", **{f"block.{k}": v for k, v in PLAN.items()}}
+
+
+def check_clip_grad_norm(sequence_parallel):
+    """tp_kernels.clip_grad_norm_ on a parallelized language model (vocabulary-parallel embedding,
+    column and row layers, layer norms and row biases whole on every rank) gives the dense model's
+    total norm, the same on every rank, and the dense model's clipped gradients, for norms of order
+    1, 2, 3 and inf, in float64."""
+    r, p = rank_world()
+    vocab, hidden, heads, ffn, s, b = 7 * p, 10, 2 * p, 6 * p, 2 * p, 3
+    torch.manual_seed(0)
+    dense = LanguageModel(vocab, hidden, heads, ffn).double()
+    par = tp_kernels.parallelize(copy.deepcopy(dense), LM_PLAN, sequence_parallel=sequence_parallel)
+    ids = torch.randint(0, vocab, (s, b), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, vocab, (s, b), generator=torch.Generator().manual_seed(2))
+
+    def grads():
+        for model in (dense, par):
+            model.zero_grad()
+        F.cross_entropy(dense(ids).reshape(-1, vocab), tokens.reshape(-1), reduction="sum").backward()
+        h = par.emb(ids)
+        h = tp_kernels.mappings.scatter_to_sequence_parallel_region(h) if sequence_parallel else h
+        logits = par.head(par.block(h))  # [s, b, vocab/p] (under sequence parallelism the head gathers)
+        tp_kernels.vocab_parallel_cross_entropy(logits, tokens).sum().backward()
+        if sequence_parallel:
+            tp_kernels.allreduce_sequence_parallel_grads([q for n, q in par.named_parameters() if "norm" in n])
+
+    def shard(name, full):  # what this rank holds of a dense gradient
+        module = par.get_submodule(name.rpartition(".")[0])
+        names = getattr(type(module), "sharded_parameters", ())
+        if name.rpartition(".")[2] not in names or p == 1:
+            return full
+        return block(full, 1 if isinstance(module, tp_kernels.RowParallelLinear) else 0, r, p)
+
+    totals = []
+    for norm_type in (2.0, 1, 3.0, math.inf):
+        grads()
+        want = torch.nn.utils.clip_grad_norm_(dense.parameters(), 1e-3, norm_type)
+        got = tp_kernels.clip_grad_norm_(par, 1e-3, norm_type)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0, msg=f"total norm of order {norm_type}")
+        dense_grads = dict((n, q.grad) for n, q in dense.named_parameters())
+        for name, q in par.named_parameters():
+            torch.testing.assert_close(q.grad, shard(name, dense_grads[name]), rtol=1e-10, atol=1e-14,
+                                       msg=lambda m: f"order {norm_type}, {name}: {m}")
+        totals.append(got.item())
+    # a rank without gradients still takes part, and scales nothing
+    grads()
+    if r == p - 1:
+        par.zero_grad()
+    mine = tp_kernels.clip_grad_norm_(par, 1e9)
+    assert torch.isfinite(mine)
+    # non-finite: every rank raises when asked to
+    grads()
+    if r == 0:
+        par.head.weight.grad[0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="total norm of order 2.0 of the gradients is nan"):
+        tp_kernels.clip_grad_norm_(par, 1.0, error_if_nonfinite=True)
+    for bad, match in [(dict(max_norm=-1.0), "max_norm"), (dict(max_norm=1.0, norm_type=0), "norm_type"),
+                       (dict(max_norm=True), "max_norm")]:
+        with pytest.raises(ValueError, match=match):
+            tp_kernels.clip_grad_norm_(par, **bad)
+    with pytest.raises(ValueError, match="module"):
+        tp_kernels.clip_grad_norm_(list(par.parameters()), 1.0)
+    return totals + [mine.item()]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_clip_grad_norm_is_the_dense_models(world, sequence_parallel):
+    per_rank = world.run(check_clip_grad_norm, sequence_parallel)
+    assert all(t == per_rank[0] for t in per_rank), per_rank  # bit for bit the same total on every rank

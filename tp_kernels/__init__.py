@@ -13,7 +13,8 @@ Public API (see docs/api.md):
 * :class:`Communicator` (:mod:`tp_kernels.communicator`): the plain collectives serving engines
   call, each on its fastest path, and :func:`tensor_model_parallel_all_reduce` & co.;
 * layers: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
-  :class:`VocabParallelEmbedding`, :func:`vocab_parallel_cross_entropy`, :func:`parallelize`;
+  :class:`VocabParallelEmbedding`, :func:`vocab_parallel_cross_entropy`, :func:`parallelize`,
+  and for training :func:`allreduce_sequence_parallel_grads` and :func:`clip_grad_norm_`;
 * :mod:`tp_kernels.testing`: the harnesses that test and measure it on one machine.
 
 docs/architecture.md draws the layers of the package and follows a call through them.
@@ -46,7 +47,7 @@ from .parallel_state import (
     initialize_model_parallel,
     model_parallel_is_initialized,
 )
-from .parallelize import allreduce_sequence_parallel_grads, parallelize
+from .parallelize import allreduce_sequence_parallel_grads, clip_grad_norm_, parallelize
 
 __version__ = "0.1.0"
 
@@ -58,6 +59,7 @@ __all__ = [
     "all_gather_matmul",
     "allreduce_sequence_parallel_grads",
     "autotune",
+    "clip_grad_norm_",
     "communicator",
     "destroy_model_parallel",
     "extension_status",

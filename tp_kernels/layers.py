@@ -209,6 +209,9 @@ class ColumnParallelLinear(_ParallelLinear):
     ``gather_output``).
     """
 
+    #: the parameters of which each rank holds a block (the others are whole on every rank)
+    sharded_parameters = ("weight", "bias")
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, gather_output: bool = False,
                  sequence_parallel: bool = False, skip_bias_add: bool = False, group=None,
                  init_method: Optional[InitMethod] = None, device=None, dtype=None, backend: str = "auto",
@@ -258,6 +261,9 @@ class RowParallelLinear(_ParallelLinear):
     Shapes: input ``[..., in/p]``; ``weight`` ``[out, in/p]``; output ``[..., out]``
     (``[s/p, ..., out]`` with sequence parallelism), the same on every rank without it.
     """
+
+    #: the parameters of which each rank holds a block (the bias is whole on every rank)
+    sharded_parameters = ("weight",)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, input_is_parallel: bool = True,
                  sequence_parallel: bool = False, skip_bias_add: bool = False, group=None,

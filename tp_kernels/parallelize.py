@@ -1,11 +1,14 @@
-"""Shard an existing dense model in place, by a plan of name patterns."""
+"""Shard an existing dense model in place, by a plan of name patterns; and what a training loop
+over a tensor-parallel model needs of its gradients (sequence-parallel sums, the global norm)."""
 
 from __future__ import annotations
 
 import fnmatch
+import math
 from typing import Dict, Iterable, Mapping
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from . import _collectives as coll
@@ -13,7 +16,7 @@ from ._agreement import agree, describe
 from .embedding import VocabParallelEmbedding
 from .layers import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["STYLES", "allreduce_sequence_parallel_grads", "parallelize"]
+__all__ = ["STYLES", "allreduce_sequence_parallel_grads", "clip_grad_norm_", "parallelize"]
 
 #: plan style -> (module type it applies to, what replaces it)
 STYLES = {
@@ -139,3 +142,101 @@ def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], group=None
     for grad in grads:
         grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
         offset += grad.numel()
+
+
+def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, *,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a tensor-parallel model: the norm of the whole
+    model's gradient, the same on every rank of the tensor-parallel group, and every gradient
+    scaled by the same factor.
+
+    Plain ``clip_grad_norm_`` on each rank sees only that rank's shards, so the ranks clip by
+    different factors and the parameters every rank holds whole (a row-parallel bias, the norms)
+    drift apart. Here the shards of the parallel layers' parameters (their
+    ``sharded_parameters``) count on every rank and are summed over the group, and a parameter
+    every rank holds whole counts once (rank 0's: under sequence parallelism, sum such gradients
+    first with :func:`allreduce_sequence_parallel_grads`). One all-reduce of one number, on every
+    rank whether or not it has gradients. Each gradient's norm is taken in float32 (float64 for
+    float64 gradients) and the total in float64; the scale is ``min(1, max_norm / (total + 1e-6))``,
+    as torch's.
+
+    Args:
+        module: the model (its parameters with a gradient take part, each once).
+        max_norm: the largest norm the gradient keeps, >= 0.
+        norm_type: the norm's order p: a positive number, or ``math.inf``.
+        error_if_nonfinite: raise ``RuntimeError`` (on every rank) when the total is NaN or
+            infinite, instead of scaling by it.
+    Returns:
+        The total norm before clipping, a float64 scalar (on the gradients' device), the same on
+        every rank.
+    """
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
+    sharded, groups = set(), {}
+    for m in module.modules():
+        names = getattr(type(m), "sharded_parameters", ())
+        if names and m.tp_size > 1:
+            groups[id(m.group)] = m.group
+            sharded.update(id(getattr(m, n)) for n in names if getattr(m, n) is not None)
+    group = next(iter(groups.values())) if len(groups) == 1 else coll.resolve_group(None)
+
+    def check():
+        if len(groups) > 1:
+            raise ValueError(f"module: its parallel layers use {len(groups)} different groups; the norm is taken "
+                             "over one tensor-parallel group")
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
+            raise ValueError(f"max_norm: expected a number >= 0, got {max_norm!r}")
+        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
+            raise ValueError(f"norm_type: expected a positive number or math.inf, got {norm_type!r}")
+        params = [q for q in module.parameters() if q.grad is not None]
+        for q in params[1:]:
+            if q.grad.device != params[0].grad.device:
+                raise ValueError(f"module: its gradients are on several devices ({params[0].grad.device}, "
+                                 f"{q.grad.device})")
+        return params
+
+    # (a rank may hold no gradient: it still takes part in the all-reduce, and scales nothing)
+    params = agree("clip_grad_norm_", group, check,
+                   lambda params: f"max_norm {max_norm}, norm_type {norm_type}, error_if_nonfinite {error_if_nonfinite}",
+                   hint=next((q.grad for q in module.parameters() if q.grad is not None), None))
+    if params:
+        device = params[0].grad.device
+    else:  # nothing to clip here, but the group's all-reduce still needs this rank
+        cuda = torch.cuda.is_available()
+        device = coll.exchange_device(group, torch.device("cuda", torch.cuda.current_device()) if cuda else
+                                      torch.device("cpu"))
+    rank0 = coll.group_rank(group) == 0
+    # what this rank adds to the total: its shards, and (rank 0) what every rank holds whole
+    counted = [q.grad for q in params if id(q) in sharded or rank0]
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.promote_types(g.dtype, torch.float32)).double()
+             for g in counted]
+    inf = math.isinf(norm_type)
+    if not norms:
+        part = torch.zeros((), device=device, dtype=torch.float64)
+    elif inf:
+        part = torch.stack(norms).amax()
+    else:
+        part = torch.stack(norms).pow(norm_type).sum()
+    part = part.reshape(1)  # the float64 number every rank adds (or, for inf, maxes) over the group
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    total = coll.all_reduce(part, group, op=op, inplace=True).wait()[0]
+    if not inf:
+        total = total.pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"tp_kernels: clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
+                           f"{total.item()}, so they cannot be clipped (error_if_nonfinite=True)")
+    if params:
+        _scale_grads(params, max_norm, total)
+    return total
+
+
+def _scale_grads(params, max_norm: float, total: torch.Tensor) -> None:
+    """Scale the gradients of ``params`` by ``min(1, max_norm / (total + 1e-6))``: torch's own
+    ``clip_grads_with_norm_`` where it has one (torch >= 2.6), else the same product per gradient."""
+    clip = getattr(torch.nn.utils, "clip_grads_with_norm_", None)
+    if clip is not None:
+        clip(params, max_norm, total)
+        return
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for q in params:
+        q.grad.mul_(scale.to(q.grad.dtype))
