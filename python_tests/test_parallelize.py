@@ -222,3 +222,48 @@ def check_clip_grad_norm(sequence_parallel):
 def test_clip_grad_norm_is_the_dense_models(world, sequence_parallel):
     per_rank = world.run(check_clip_grad_norm, sequence_parallel)
     assert all(t == per_rank[0] for t in per_rank), per_rank  # bit for bit the same total on every rank
+
+
+def check_full_state_dict_across_sizes():
+    """The full state dict of a model parallelized over all the ranks is the dense model's, bit for
+    bit, on every rank; the dense model loads it, and so does the same model parallelized over half
+    the ranks (load_full_state_dict), which then computes what the dense model computes."""
+    r, p = rank_world()
+    vocab, hidden, heads, ffn = 4 * p, 10, 2 * p, 4 * p
+    torch.manual_seed(0)
+    dense = LanguageModel(vocab, hidden, heads, ffn).double()
+    wide = tp_kernels.parallelize(copy.deepcopy(dense), LM_PLAN)
+    full = tp_kernels.full_state_dict(wide)
+    want = dense.state_dict()
+    assert list(full) == list(want)
+    for key, value in want.items():
+        assert torch.equal(full[key], value), key
+    torch.manual_seed(1)  # other weights, replaced by the loads
+    other = LanguageModel(vocab, hidden, heads, ffn).double()
+    other.load_state_dict(full)
+    ids = torch.randint(0, vocab, (4, 3), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(other(ids), dense(ids))
+    tp_kernels.initialize_model_parallel(max(p // 2, 1))
+    try:
+        torch.manual_seed(1)
+        narrow = tp_kernels.parallelize(LanguageModel(vocab, hidden, heads, ffn).double(), LM_PLAN)
+        result = tp_kernels.load_full_state_dict(narrow, full)
+        assert not result.missing_keys and not result.unexpected_keys
+        q, n = tp_kernels.get_tensor_model_parallel_rank(), tp_kernels.get_tensor_model_parallel_world_size()
+        assert torch.equal(narrow.block.mlp[2].weight, block(dense.block.mlp[2].weight, 1, q, n))
+        logits = tp_kernels.mappings.gather_from_tensor_model_parallel_region(narrow(ids))
+        torch.testing.assert_close(logits, dense(ids), rtol=1e-12, atol=1e-12)
+        bad = dict(full, **{"head.weight": full["head.weight"][:-1]})
+        with pytest.raises(ValueError, match=r"state_dict\['head.weight'\]: expected the full shape"):
+            tp_kernels.load_full_state_dict(narrow, bad)
+        with pytest.raises(RuntimeError, match="Missing key"):
+            tp_kernels.load_full_state_dict(narrow, {k: v for k, v in full.items() if k != "emb.weight"})
+        with pytest.raises(ValueError, match="state_dict"):
+            tp_kernels.load_full_state_dict(narrow, list(full.values()))
+    finally:
+        tp_kernels.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_full_state_dict_across_sizes(world):
+    world.run(check_full_state_dict_across_sizes)

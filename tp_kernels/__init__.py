@@ -14,7 +14,8 @@ Public API (see docs/api.md):
   call, each on its fastest path, and :func:`tensor_model_parallel_all_reduce` & co.;
 * layers: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
   :class:`VocabParallelEmbedding`, :func:`vocab_parallel_cross_entropy`, :func:`parallelize`,
-  and for training :func:`allreduce_sequence_parallel_grads` and :func:`clip_grad_norm_`;
+  and for training :func:`allreduce_sequence_parallel_grads`, :func:`clip_grad_norm_`,
+  :func:`full_state_dict` and :func:`load_full_state_dict`;
 * :mod:`tp_kernels.testing`: the harnesses that test and measure it on one machine.
 
 docs/architecture.md draws the layers of the package and follows a call through them.
@@ -47,7 +48,13 @@ from .parallel_state import (
     initialize_model_parallel,
     model_parallel_is_initialized,
 )
-from .parallelize import allreduce_sequence_parallel_grads, clip_grad_norm_, parallelize
+from .parallelize import (
+    allreduce_sequence_parallel_grads,
+    clip_grad_norm_,
+    full_state_dict,
+    load_full_state_dict,
+    parallelize,
+)
 
 __version__ = "0.1.0"
 
@@ -63,6 +70,7 @@ __all__ = [
     "communicator",
     "destroy_model_parallel",
     "extension_status",
+    "full_state_dict",
     "get_data_parallel_group",
     "get_data_parallel_rank",
     "get_data_parallel_world_size",
@@ -74,6 +82,7 @@ __all__ = [
     "get_tensor_model_parallel_world_size",
     "get_timeout",
     "initialize_model_parallel",
+    "load_full_state_dict",
     "mappings",
     "matmul_all_reduce",
     "matmul_reduce_scatter",

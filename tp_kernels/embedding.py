@@ -60,8 +60,8 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
     Shapes: input ``[...]`` integer ids in ``[0, V)``; ``weight`` ``[V/p, D]``; output ``[..., D]``.
     """
 
-    #: the parameters of which each rank holds a block
-    sharded_parameters = ("weight",)
+    #: the parameters of which each rank holds a block, and the dim they are split along
+    sharded_parameters = {"weight": 0}
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, padding_idx: Optional[int] = None,
                  group=None, init_method: Optional[Callable[[torch.Tensor], object]] = None,

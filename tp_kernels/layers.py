@@ -209,8 +209,9 @@ class ColumnParallelLinear(_ParallelLinear):
     ``gather_output``).
     """
 
-    #: the parameters of which each rank holds a block (the others are whole on every rank)
-    sharded_parameters = ("weight", "bias")
+    #: the parameters of which each rank holds a block, and the dim they are split along (the
+    #: others are whole on every rank)
+    sharded_parameters = {"weight": 0, "bias": 0}
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, gather_output: bool = False,
                  sequence_parallel: bool = False, skip_bias_add: bool = False, group=None,
@@ -262,8 +263,9 @@ class RowParallelLinear(_ParallelLinear):
     (``[s/p, ..., out]`` with sequence parallelism), the same on every rank without it.
     """
 
-    #: the parameters of which each rank holds a block (the bias is whole on every rank)
-    sharded_parameters = ("weight",)
+    #: the parameters of which each rank holds a block, and the dim they are split along (the bias
+    #: is whole on every rank)
+    sharded_parameters = {"weight": 1}
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, input_is_parallel: bool = True,
                  sequence_parallel: bool = False, skip_bias_add: bool = False, group=None,

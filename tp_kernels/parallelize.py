@@ -1,11 +1,12 @@
 """Shard an existing dense model in place, by a plan of name patterns; and what a training loop
-over a tensor-parallel model needs of its gradients (sequence-parallel sums, the global norm)."""
+over a tensor-parallel model needs of its gradients (sequence-parallel sums, the global norm) and
+of its checkpoints (the full state dict, saved and loaded whatever the tensor-parallel size)."""
 
 from __future__ import annotations
 
 import fnmatch
 import math
-from typing import Dict, Iterable, Mapping
+from typing import Dict, Iterable, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,8 @@ from ._agreement import agree, describe
 from .embedding import VocabParallelEmbedding
 from .layers import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["STYLES", "allreduce_sequence_parallel_grads", "clip_grad_norm_", "parallelize"]
+__all__ = ["STYLES", "allreduce_sequence_parallel_grads", "clip_grad_norm_", "full_state_dict",
+           "load_full_state_dict", "parallelize"]
 
 #: plan style -> (module type it applies to, what replaces it)
 STYLES = {
@@ -144,6 +146,82 @@ def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], group=None
         offset += grad.numel()
 
 
+def _blocks(module) -> Tuple[Dict[str, tuple], object, Optional[str]]:
+    """The parameters of ``module`` of which each rank holds a block, by state-dict name (a module
+    reachable under several names under each): ``(parameter, the dim it is split along, its
+    layer)``, from each parallel layer's ``sharded_parameters``; the group of those layers (the
+    tensor-parallel group where there are none); and why not, when they use several groups."""
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
+    blocks, groups = {}, {}
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        dims = getattr(type(m), "sharded_parameters", None)
+        if dims:
+            groups[id(m.group)] = m.group
+            for name, dim in dims.items():
+                if getattr(m, name) is not None:
+                    blocks[f"{prefix}.{name}" if prefix else name] = (getattr(m, name), dim, m)
+    if len(groups) > 1:
+        return blocks, coll.resolve_group(None), (f"module: its parallel layers use {len(groups)} different groups; "
+                                                  "this takes one tensor-parallel group")
+    return blocks, next(iter(groups.values())) if groups else coll.resolve_group(None), None
+
+
+def full_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
+    """``module.state_dict()`` with every parallel layer's blocks joined into the full tensors:
+    the dense model's state dict, under the same names (:func:`parallelize` keeps them), on every
+    rank. One all-gather per sharded parameter, in the state dict's order, on every rank of the
+    group; the other entries are this rank's, detached. Each rank then holds the whole model, one
+    more time: for checkpoints that any tensor-parallel size (or the dense model) can load with
+    :func:`load_full_state_dict`."""
+    blocks, group, groups_error = _blocks(module)
+    state = module.state_dict()
+
+    def check():
+        if groups_error:
+            raise ValueError(groups_error)
+        return state
+
+    agree("full_state_dict", group, check, lambda state: f"{len(state)} entries, {len(blocks)} sharded",
+          hint=next(iter(state.values()), None))
+    full = {}
+    for key, value in state.items():
+        if key not in blocks:
+            full[key] = value
+            continue
+        _, dim, _ = blocks[key]
+        stacked = coll.all_gather_dim0(value.movedim(dim, 0).contiguous(), group).wait()  # [p*d, ...] along dim
+        full[key] = stacked.movedim(0, dim).contiguous()
+    return full
+
+
+def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True):
+    """Load a full (dense) state dict into ``module``: each parallel layer takes its block of each
+    of its ``sharded_parameters`` (checked against the full shape first), everything else is
+    loaded as it is, by ``module.load_state_dict(..., strict=strict)``, whose result it returns.
+    No communication: every rank reads the same full state dict (``torch.load`` of one file, or
+    :func:`full_state_dict` of a model of another tensor-parallel size)."""
+    blocks, _, groups_error = _blocks(module)
+    if groups_error:
+        raise ValueError(groups_error)
+    if not isinstance(state_dict, Mapping):
+        raise ValueError(f"state_dict: expected a mapping of names to tensors, got {type(state_dict).__name__}")
+    local = dict(state_dict)
+    for key, (param, dim, layer) in blocks.items():
+        if key not in local:
+            continue  # load_state_dict names it, when strict
+        full = local[key]
+        want = list(param.shape)
+        want[dim] *= layer.tp_size
+        if not isinstance(full, torch.Tensor) or list(full.shape) != want:
+            raise ValueError(f"state_dict[{key!r}]: expected the full shape {want} (this rank holds "
+                             f"{list(param.shape)} of it, split along dim {dim}), got "
+                             f"{list(full.shape) if isinstance(full, torch.Tensor) else type(full).__name__}")
+        size = param.shape[dim]
+        local[key] = full.narrow(dim, layer.tp_rank * size, size)
+    return module.load_state_dict(local, strict=strict)
+
+
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, *,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for a tensor-parallel model: the norm of the whole
@@ -170,20 +248,12 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
         The total norm before clipping, a float64 scalar (on the gradients' device), the same on
         every rank.
     """
-    if not isinstance(module, nn.Module):
-        raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
-    sharded, groups = set(), {}
-    for m in module.modules():
-        names = getattr(type(m), "sharded_parameters", ())
-        if names and m.tp_size > 1:
-            groups[id(m.group)] = m.group
-            sharded.update(id(getattr(m, n)) for n in names if getattr(m, n) is not None)
-    group = next(iter(groups.values())) if len(groups) == 1 else coll.resolve_group(None)
+    blocks, group, groups_error = _blocks(module)
+    sharded = {id(param) for param, _, _ in blocks.values()}
 
     def check():
-        if len(groups) > 1:
-            raise ValueError(f"module: its parallel layers use {len(groups)} different groups; the norm is taken "
-                             "over one tensor-parallel group")
+        if groups_error:
+            raise ValueError(groups_error)
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
             raise ValueError(f"max_norm: expected a number >= 0, got {max_norm!r}")
         if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
