@@ -267,3 +267,46 @@ def check_full_state_dict_across_sizes():
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
 def test_full_state_dict_across_sizes(world):
     world.run(check_full_state_dict_across_sizes)
+
+
+def check_tied_embedding_stays_tied():
+    """An embedding tied to the output layer (one parameter) stays one parameter when the plan
+    splits both alike, and two SGD steps match the dense tied model in float64; a plan that would
+    split the tie apart (one of them left dense, or split along another dim) is refused before
+    anything is replaced. (The replacements held two copies before: after one step, silently two
+    different tables.)"""
+    r, p = rank_world()
+    vocab, hidden, heads, ffn = 4 * p, 6 * p, 2 * p, 4 * p
+
+    def tied_model():
+        torch.manual_seed(0)
+        model = LanguageModel(vocab, hidden, heads, ffn).double()
+        model.head.weight = model.emb.weight
+        return model
+
+    dense, par = tied_model(), tp_kernels.parallelize(tied_model(), LM_PLAN)
+    assert par.head.weight is par.emb.weight and len(list(par.parameters())) == len(list(dense.parameters()))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (dense, par)]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        ids, tokens = torch.randint(0, vocab, (4, 3), generator=g), torch.randint(0, vocab, (4, 3), generator=g)
+        F.cross_entropy(dense(ids).reshape(-1, vocab), tokens.reshape(-1), reduction="sum").backward()
+        tp_kernels.vocab_parallel_cross_entropy(par(ids), tokens).sum().backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    torch.testing.assert_close(par.emb.weight, block(dense.emb.weight, 0, r, p), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(par.block.mlp[0].weight, block(dense.block.mlp[0].weight, 0, r, p), rtol=1e-12,
+                               atol=1e-12)
+    for plan, what in [({"emb": "vocab"}, "'head.weight' (left dense)"),
+                       ({"emb": "vocab", "head": "rowwise"}, "'head.weight' (rowwise, split along dim 1)")]:
+        model = tied_model()
+        with pytest.raises(ValueError, match="are one parameter \\(tied\\)") as info:
+            tp_kernels.parallelize(model, plan)
+        assert what in str(info.value), str(info.value)
+        assert isinstance(model.emb, nn.Embedding) and model.head.weight is model.emb.weight  # untouched
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_tied_embedding_stays_tied(world):
+    world.run(check_tied_embedding_stays_tied)

@@ -50,10 +50,14 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], *, group=None, seque
     With ``sequence_parallel=True`` the linear layers are built with sequence parallelism: the
     activations between a row layer and the next column layer are split along dim 0.
 
+    A parameter that several modules hold (an embedding tied to the output layer) stays one
+    parameter: the plan must replace every module holding it and split it alike (``"vocab"`` and
+    ``"colwise"`` both split dim 0 of ``[V, D]``), and the replacements then hold one block.
+
     Everything is checked before anything is replaced: an unknown style, a pattern that matches
     nothing, a style applied to the wrong module type, a split size the group's size does not
-    divide, or one module given two styles raise ``ValueError`` naming the pattern and the
-    module's path. Returns ``module``.
+    divide, one module given two styles, or a tied parameter the plan would split apart raise
+    ``ValueError`` naming the pattern and the module's path. Returns ``module``.
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
@@ -87,6 +91,8 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], *, group=None, seque
                 )
             chosen[name] = style
 
+    ties = _ties(module, named, style_of)
+
     # Build each replacement once, then swap every name under which the module is reachable
     # (a module shared under two names must not stay dense under the one the plan missed).
     replaced: Dict[int, nn.Module] = {}
@@ -107,7 +113,38 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], *, group=None, seque
         if id(m) in replaced:
             parent_name, _, attr = name.rpartition(".")
             setattr(module.get_submodule(parent_name), attr, replaced[id(m)])
+    for (first, first_attr), *others in ties:  # tied again: one parameter, as in the dense model
+        for holder, attr in others:
+            setattr(replaced[holder], attr, getattr(replaced[first], first_attr))
     return module
+
+
+def _ties(module: nn.Module, named, style_of: Dict[int, tuple]) -> list:
+    """The parameters that several modules of ``module`` hold (tied weights: an embedding and the
+    output layer), where the plan replaces one of them: each as ``[(id(module), attribute), ...]``,
+    for the replacements to hold one parameter again. A ``ValueError`` unless the plan replaces
+    every module holding it and splits it alike (each replacement then holds the same block)."""
+    holders: Dict[int, Dict[tuple, str]] = {}  # id(parameter) -> {(id(module), attribute): its name}
+    for name, m in [("", module)] + named:
+        for attr, param in m.named_parameters(recurse=False):
+            holders.setdefault(id(param), {}).setdefault((id(m), attr), f"{name}.{attr}" if name else attr)
+    ties = []
+    for held in holders.values():
+        if len(held) < 2 or not any(key[0] in style_of for key in held):
+            continue
+        splits = {}  # how each holder's replacement holds it: (style, the dim it splits, or None: whole)
+        for (mid, attr), name in held.items():
+            style = style_of.get(mid, (None,))[0]
+            splits[name] = (style, STYLES[style][1].sharded_parameters.get(attr) if style else None)
+        if any(style is None for style, _ in splits.values()) or len({d for _, d in splits.values()}) > 1:
+            def how(style, d):
+                return "left dense" if style is None else f"{style}, " + ("whole" if d is None else f"split along dim {d}")
+
+            listing = ", ".join(f"{name!r} ({how(*split)})" for name, split in splits.items())
+            raise ValueError(f"plan: {listing} are one parameter (tied); replace every module that holds it, "
+                             "splitting it alike (an embedding 'vocab' and its output layer 'colwise'), or untie them")
+        ties.append(list(held))
+    return ties
 
 
 def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], group=None) -> None:
