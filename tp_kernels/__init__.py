@@ -15,7 +15,7 @@ Public API (see docs/api.md):
 * layers: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
   :class:`VocabParallelEmbedding`, :func:`vocab_parallel_cross_entropy`, :func:`parallelize`,
   and for training :func:`allreduce_sequence_parallel_grads`, :func:`clip_grad_norm_`,
-  :func:`full_state_dict` and :func:`load_full_state_dict`;
+  :func:`full_state_dict`, :func:`load_full_state_dict` and :func:`sharded_state_dict`;
 * :mod:`tp_kernels.testing`: the harnesses that test and measure it on one machine.
 
 docs/architecture.md draws the layers of the package and follows a call through them.
@@ -54,6 +54,7 @@ from .parallelize import (
     full_state_dict,
     load_full_state_dict,
     parallelize,
+    sharded_state_dict,
 )
 
 __version__ = "0.1.0"
@@ -93,6 +94,7 @@ __all__ = [
     "set_comm_stream_priority",
     "set_timeout",
     "settings",
+    "sharded_state_dict",
     "tensor_model_parallel_all_gather",
     "tensor_model_parallel_all_reduce",
     "tensor_model_parallel_gather",

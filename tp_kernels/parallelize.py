@@ -18,7 +18,7 @@ from .embedding import VocabParallelEmbedding
 from .layers import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["STYLES", "allreduce_sequence_parallel_grads", "clip_grad_norm_", "full_state_dict",
-           "load_full_state_dict", "parallelize"]
+           "load_full_state_dict", "parallelize", "sharded_state_dict"]
 
 #: plan style -> (module type it applies to, what replaces it)
 STYLES = {
@@ -230,6 +230,42 @@ def full_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
         stacked = coll.all_gather_dim0(value.movedim(dim, 0).contiguous(), group).wait()  # [p*d, ...] along dim
         full[key] = stacked.movedim(0, dim).contiguous()
     return full
+
+
+def sharded_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
+    """``module.state_dict()`` for ``torch.distributed.checkpoint``: each parallel layer's
+    ``sharded_parameters`` as a ``DTensor`` over its group (``Shard(dim)``: this rank's block of
+    the full tensor, sharing the parameter's memory), every other entry as it is (the same on
+    every rank of the group), all detached from autograd. With one rank, the plain state dict.
+
+    ``dcp.save(sharded_state_dict(model), checkpoint_id=path)`` writes each block once, with its
+    place in the full tensor; ``dcp.load(sharded_state_dict(model), checkpoint_id=path)`` reads
+    into the model's own parameters in place, whatever tensor-parallel size saved it. The plain
+    ``state_dict()`` must not go to ``dcp``: it names every rank's block as one tensor, which
+    ``dcp`` takes for a replicated one and saves from one rank only."""
+    blocks, group, groups_error = _blocks(module)
+    if groups_error:
+        raise ValueError(groups_error)
+    state = {key: value.detach() for key, value in module.state_dict(keep_vars=True).items()}
+    if coll.group_size(group) == 1 or not blocks:
+        return state
+    from torch.distributed.device_mesh import DeviceMesh
+    try:
+        from torch.distributed.tensor import DTensor, Shard
+    except ImportError:  # torch < 2.5
+        from torch.distributed._tensor import DTensor, Shard
+
+    meshes: Dict[str, object] = {}  # device type -> the group's mesh
+    for key, (_, dim, layer) in blocks.items():
+        local = state[key]
+        if local.device.type not in meshes:
+            meshes[local.device.type] = DeviceMesh.from_group(group, local.device.type)
+        shape = list(local.shape)
+        shape[dim] *= layer.tp_size
+        stride = torch.empty(shape, device="meta").stride()
+        state[key] = DTensor.from_local(local, meshes[local.device.type], [Shard(dim)], run_check=False,
+                                        shape=torch.Size(shape), stride=stride)
+    return state
 
 
 def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True):
