@@ -48,14 +48,9 @@ from .parallel_state import (
     initialize_model_parallel,
     model_parallel_is_initialized,
 )
-from .parallelize import (
-    allreduce_sequence_parallel_grads,
-    clip_grad_norm_,
-    full_state_dict,
-    load_full_state_dict,
-    parallelize,
-    sharded_state_dict,
-)
+from .checkpoints import full_state_dict, load_full_state_dict, sharded_state_dict
+from .grads import allreduce_sequence_parallel_grads, clip_grad_norm_
+from .parallelize import parallelize
 
 __version__ = "0.1.0"
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -320,3 +320,24 @@ class RowParallelLinear(_ParallelLinear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", input_is_parallel={self.input_is_parallel}"
+
+
+def sharded_blocks(module: nn.Module) -> Tuple[Dict[str, tuple], object, Optional[str]]:
+    """The parameters of ``module`` of which each rank holds a block, by state-dict name (a module
+    reachable under several names under each): ``(parameter, the dim it is split along, its
+    layer)``, from each parallel layer's ``sharded_parameters``; the group of those layers (the
+    tensor-parallel group where there are none); and why not, when they use several groups."""
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
+    blocks, groups = {}, {}
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        dims = getattr(type(m), "sharded_parameters", None)
+        if dims:
+            groups[id(m.group)] = m.group
+            for name, dim in dims.items():
+                if getattr(m, name) is not None:
+                    blocks[f"{prefix}.{name}" if prefix else name] = (getattr(m, name), dim, m)
+    if len(groups) > 1:
+        return blocks, coll.resolve_group(None), (f"module: its parallel layers use {len(groups)} different groups; "
+                                                  "this takes one tensor-parallel group")
+    return blocks, next(iter(groups.values())) if groups else coll.resolve_group(None), None

@@ -1,0 +1,143 @@
+"""What a training loop over a tensor-parallel model does with its gradients: the
+sequence-parallel sums of the parameters every rank holds whole, and the whole model's norm."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import _collectives as coll
+from ._agreement import agree, describe
+from .layers import sharded_blocks
+
+__all__ = ["allreduce_sequence_parallel_grads", "clip_grad_norm_"]
+
+
+def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], group=None) -> None:
+    """Sum the gradients of ``params`` over the tensor-parallel group, in place.
+
+    Under sequence parallelism, a replicated parameter applied to this rank's sequence block
+    (a layer norm between the parallel layers) gets only this block's share of its gradient.
+    Call this after backward, before the optimizer step, with exactly those parameters; the
+    parallel layers' own parameters (including a row-parallel bias) are already complete.
+    Parameters without a gradient are skipped. One all-reduce for all of them.
+    """
+    params = list(params)
+    group = coll.resolve_group(group)
+
+    def check():
+        for i, param in enumerate(params):
+            if not isinstance(param, torch.Tensor):
+                raise ValueError(f"params[{i}]: expected a tensor, got {type(param).__name__}")
+        grads = [param.grad for param in params if param.grad is not None]
+        for grad in grads[1:]:
+            if grad.dtype != grads[0].dtype or grad.device != grads[0].device:
+                raise ValueError("params: every gradient must share one dtype and device")
+        return grads
+
+    # a rank whose parameters have no gradients (or others) would skip the all-reduce: agreed first
+    grads = agree("allreduce_sequence_parallel_grads", group, check,
+                  lambda grads: f"{len(grads)} gradients of {sum(g.numel() for g in grads)} elements, "
+                                f"{describe(grads[0]) if grads else 'none'}",
+                  hint=next((p_.grad for p_ in params if isinstance(p_, torch.Tensor) and p_.grad is not None), None))
+    if not grads or coll.group_size(group) == 1:
+        return
+    flat = coll.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group, inplace=True).wait()
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
+def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, *,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a tensor-parallel model: the norm of the whole
+    model's gradient, the same on every rank of the tensor-parallel group, and every gradient
+    scaled by the same factor.
+
+    Plain ``clip_grad_norm_`` on each rank sees only that rank's shards, so the ranks clip by
+    different factors and the parameters every rank holds whole (a row-parallel bias, the norms)
+    drift apart. Here the shards of the parallel layers' parameters (their
+    ``sharded_parameters``) count on every rank and are summed over the group, and a parameter
+    every rank holds whole counts once (rank 0's: under sequence parallelism, sum such gradients
+    first with :func:`allreduce_sequence_parallel_grads`). One all-reduce of one number, on every
+    rank whether or not it has gradients. Each gradient's norm is taken in float32 (float64 for
+    float64 gradients) and the total in float64; the scale is ``min(1, max_norm / (total + 1e-6))``,
+    as torch's.
+
+    Args:
+        module: the model (its parameters with a gradient take part, each once).
+        max_norm: the largest norm the gradient keeps, >= 0.
+        norm_type: the norm's order p: a positive number, or ``math.inf``.
+        error_if_nonfinite: raise ``RuntimeError`` (on every rank) when the total is NaN or
+            infinite, instead of scaling by it.
+    Returns:
+        The total norm before clipping, a float64 scalar (on the gradients' device), the same on
+        every rank.
+    """
+    blocks, group, groups_error = sharded_blocks(module)
+    sharded = {id(param) for param, _, _ in blocks.values()}
+
+    def check():
+        if groups_error:
+            raise ValueError(groups_error)
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
+            raise ValueError(f"max_norm: expected a number >= 0, got {max_norm!r}")
+        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
+            raise ValueError(f"norm_type: expected a positive number or math.inf, got {norm_type!r}")
+        params = [q for q in module.parameters() if q.grad is not None]
+        for q in params[1:]:
+            if q.grad.device != params[0].grad.device:
+                raise ValueError(f"module: its gradients are on several devices ({params[0].grad.device}, "
+                                 f"{q.grad.device})")
+        return params
+
+    # (a rank may hold no gradient: it still takes part in the all-reduce, and scales nothing)
+    params = agree("clip_grad_norm_", group, check,
+                   lambda params: f"max_norm {max_norm}, norm_type {norm_type}, error_if_nonfinite {error_if_nonfinite}",
+                   hint=next((q.grad for q in module.parameters() if q.grad is not None), None))
+    if params:
+        device = params[0].grad.device
+    else:  # nothing to clip here, but the group's all-reduce still needs this rank
+        cuda = torch.cuda.is_available()
+        device = coll.exchange_device(group, torch.device("cuda", torch.cuda.current_device()) if cuda else
+                                      torch.device("cpu"))
+    rank0 = coll.group_rank(group) == 0
+    # what this rank adds to the total: its shards, and (rank 0) what every rank holds whole
+    counted = [q.grad for q in params if id(q) in sharded or rank0]
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.promote_types(g.dtype, torch.float32)).double()
+             for g in counted]
+    inf = math.isinf(norm_type)
+    if not norms:
+        part = torch.zeros((), device=device, dtype=torch.float64)
+    elif inf:
+        part = torch.stack(norms).amax()
+    else:
+        part = torch.stack(norms).pow(norm_type).sum()
+    part = part.reshape(1)  # the float64 number every rank adds (or, for inf, maxes) over the group
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    total = coll.all_reduce(part, group, op=op, inplace=True).wait()[0]
+    if not inf:
+        total = total.pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"tp_kernels: clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
+                           f"{total.item()}, so they cannot be clipped (error_if_nonfinite=True)")
+    if params:
+        _scale_grads(params, max_norm, total)
+    return total
+
+
+def _scale_grads(params, max_norm: float, total: torch.Tensor) -> None:
+    """Scale the gradients of ``params`` by ``min(1, max_norm / (total + 1e-6))``: torch's own
+    ``clip_grads_with_norm_`` where it has one (torch >= 2.6), else the same product per gradient."""
+    clip = getattr(torch.nn.utils, "clip_grads_with_norm_", None)
+    if clip is not None:
+        clip(params, max_norm, total)
+        return
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for q in params:
+        q.grad.mul_(scale.to(q.grad.dtype))
