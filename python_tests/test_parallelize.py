@@ -349,3 +349,38 @@ def check_distributed_checkpoint_across_sizes(path):
 def test_distributed_checkpoint_across_sizes(world, tmp_path):
     lost = world.run(check_distributed_checkpoint_across_sizes, str(tmp_path))
     assert world.world_size == 1 or any(lost), lost
+
+
+def check_data_parallel_over_tensor_parallel():
+    """Tensor parallelism 2 x data parallelism 2 on 4 ranks: DistributedDataParallel over the
+    data-parallel group wraps the parallelized model, each data-parallel rank takes half the batch,
+    and two SGD steps match the dense model's on the whole batch in float64."""
+    r, p = rank_world()
+    tp_kernels.initialize_model_parallel(2)
+    try:
+        q, dp = tp_kernels.get_tensor_model_parallel_rank(), tp_kernels.get_data_parallel_rank()
+        vocab, hidden, heads, ffn = 8, 6, 2, 8
+        torch.manual_seed(0)
+        dense = LanguageModel(vocab, hidden, heads, ffn).double()
+        par = tp_kernels.parallelize(copy.deepcopy(dense), LM_PLAN)
+        ddp = nn.parallel.DistributedDataParallel(par, process_group=tp_kernels.get_data_parallel_group())
+        opts = [torch.optim.SGD(dense.parameters(), lr=0.5), torch.optim.SGD(ddp.parameters(), lr=0.5)]
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            ids, tokens = torch.randint(0, vocab, (4, 6), generator=g), torch.randint(0, vocab, (4, 6), generator=g)
+            F.cross_entropy(dense(ids).reshape(-1, vocab), tokens.reshape(-1)).backward()
+            mine = slice(3 * dp, 3 * dp + 3)  # this data-parallel rank's half of the batch (dim 1)
+            tp_kernels.vocab_parallel_cross_entropy(ddp(ids[:, mine]), tokens[:, mine]).mean().backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        for name, want in (("emb.weight", 0), ("block.mlp.2.weight", 1), ("head.weight", 0)):
+            got = par.get_parameter(name)
+            torch.testing.assert_close(got, block(dense.get_parameter(name), want, q, 2), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(par.block.norm1.weight, dense.block.norm1.weight, rtol=1e-12, atol=1e-12)
+    finally:
+        tp_kernels.destroy_model_parallel()
+
+
+def test_data_parallel_over_tensor_parallel(world4):
+    world4.run(check_data_parallel_over_tensor_parallel)
