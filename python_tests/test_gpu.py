@@ -17,6 +17,7 @@ import test_communicator
 import test_layers
 import test_library
 import test_ops
+import test_parallelize
 import tp_kernels
 from helpers import assert_close, rank_world
 from tp_kernels import _collectives, _extension, dispatch, ops, settings
@@ -820,3 +821,19 @@ def test_fused_ranks_that_disagree_without_fingerprints_all_raise(shared_gpu_wor
 def test_fingerprints_of_nccl_ranks_travel_over_the_host_twin(shared_gpu_world, backend):
     results = shared_gpu_world.run(check_fingerprints_over_the_host_twin, backend, deadline_s=300)
     assert results == [True] * shared_gpu_world.world_size
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_clip_grad_norm_with_several_nccl_ranks(shared_gpu_world, sequence_parallel):
+    per_rank = shared_gpu_world.run(test_parallelize.check_clip_grad_norm, sequence_parallel, device="cuda")
+    assert all(t == per_rank[0] for t in per_rank), per_rank
+
+
+def test_full_state_dict_with_several_nccl_ranks(shared_gpu_world):
+    shared_gpu_world.run(test_parallelize.check_full_state_dict_across_sizes, device="cuda")
+
+
+def test_distributed_checkpoint_with_several_nccl_ranks(shared_gpu_world, tmp_path):
+    lost = shared_gpu_world.run(test_parallelize.check_distributed_checkpoint_across_sizes, str(tmp_path),
+                                device="cuda")
+    assert any(lost), lost

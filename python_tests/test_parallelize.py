@@ -154,7 +154,7 @@ class LanguageModel(nn.Module):
 LM_PLAN = {"emb": "vocab", "head": "colwise", **{f"block.{k}": v for k, v in PLAN.items()}}
 
 
-def check_clip_grad_norm(sequence_parallel):
+def check_clip_grad_norm(sequence_parallel, device="cpu"):
     """tp_kernels.clip_grad_norm_ on a parallelized language model (vocabulary-parallel embedding,
     column and row layers, layer norms and row biases whole on every rank) gives the dense model's
     total norm, the same on every rank, and the dense model's clipped gradients, for norms of order
@@ -162,10 +162,10 @@ def check_clip_grad_norm(sequence_parallel):
     r, p = rank_world()
     vocab, hidden, heads, ffn, s, b = 7 * p, 10, 2 * p, 6 * p, 2 * p, 3
     torch.manual_seed(0)
-    dense = LanguageModel(vocab, hidden, heads, ffn).double()
+    dense = LanguageModel(vocab, hidden, heads, ffn).double().to(device)
     par = tp_kernels.parallelize(copy.deepcopy(dense), LM_PLAN, sequence_parallel=sequence_parallel)
-    ids = torch.randint(0, vocab, (s, b), generator=torch.Generator().manual_seed(1))
-    tokens = torch.randint(0, vocab, (s, b), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, vocab, (s, b), generator=torch.Generator().manual_seed(1)).to(device)
+    tokens = torch.randint(0, vocab, (s, b), generator=torch.Generator().manual_seed(2)).to(device)
 
     def grads():
         for model in (dense, par):
@@ -224,14 +224,14 @@ def test_clip_grad_norm_is_the_dense_models(world, sequence_parallel):
     assert all(t == per_rank[0] for t in per_rank), per_rank  # bit for bit the same total on every rank
 
 
-def check_full_state_dict_across_sizes():
+def check_full_state_dict_across_sizes(device="cpu"):
     """The full state dict of a model parallelized over all the ranks is the dense model's, bit for
     bit, on every rank; the dense model loads it, and so does the same model parallelized over half
     the ranks (load_full_state_dict), which then computes what the dense model computes."""
     r, p = rank_world()
     vocab, hidden, heads, ffn = 4 * p, 10, 2 * p, 4 * p
     torch.manual_seed(0)
-    dense = LanguageModel(vocab, hidden, heads, ffn).double()
+    dense = LanguageModel(vocab, hidden, heads, ffn).double().to(device)
     wide = tp_kernels.parallelize(copy.deepcopy(dense), LM_PLAN)
     full = tp_kernels.full_state_dict(wide)
     want = dense.state_dict()
@@ -239,14 +239,14 @@ def check_full_state_dict_across_sizes():
     for key, value in want.items():
         assert torch.equal(full[key], value), key
     torch.manual_seed(1)  # other weights, replaced by the loads
-    other = LanguageModel(vocab, hidden, heads, ffn).double()
+    other = LanguageModel(vocab, hidden, heads, ffn).double().to(device)
     other.load_state_dict(full)
-    ids = torch.randint(0, vocab, (4, 3), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, vocab, (4, 3), generator=torch.Generator().manual_seed(2)).to(device)
     assert torch.equal(other(ids), dense(ids))
     tp_kernels.initialize_model_parallel(max(p // 2, 1))
     try:
         torch.manual_seed(1)
-        narrow = tp_kernels.parallelize(LanguageModel(vocab, hidden, heads, ffn).double(), LM_PLAN)
+        narrow = tp_kernels.parallelize(LanguageModel(vocab, hidden, heads, ffn).double().to(device), LM_PLAN)
         result = tp_kernels.load_full_state_dict(narrow, full)
         assert not result.missing_keys and not result.unexpected_keys
         q, n = tp_kernels.get_tensor_model_parallel_rank(), tp_kernels.get_tensor_model_parallel_world_size()
@@ -312,7 +312,7 @@ def test_tied_embedding_stays_tied(world):
     world.run(check_tied_embedding_stays_tied)
 
 
-def check_distributed_checkpoint_across_sizes(path):
+def check_distributed_checkpoint_across_sizes(path, device="cpu"):
     """torch.distributed.checkpoint with sharded_state_dict: a model parallelized over all the
     ranks saves, and the same model parallelized over half of them loads in place, holding the
     dense model's weights bit for bit. The plain state_dict names every rank's block as one tensor,
@@ -322,13 +322,13 @@ def check_distributed_checkpoint_across_sizes(path):
     r, p = rank_world()
     vocab, hidden, heads, ffn = 4 * p, 6, 2 * p, 4 * p
     torch.manual_seed(0)
-    dense = LanguageModel(vocab, hidden, heads, ffn)
+    dense = LanguageModel(vocab, hidden, heads, ffn).to(device)
     wide = tp_kernels.parallelize(copy.deepcopy(dense), LM_PLAN)
     dcp.save(tp_kernels.sharded_state_dict(wide), checkpoint_id=f"{path}/sharded")
     tp_kernels.initialize_model_parallel(max(p // 2, 1))
     try:
         torch.manual_seed(1)  # other weights, replaced by the load
-        narrow = tp_kernels.parallelize(LanguageModel(vocab, hidden, heads, ffn), LM_PLAN)
+        narrow = tp_kernels.parallelize(LanguageModel(vocab, hidden, heads, ffn).to(device), LM_PLAN)
         dcp.load(tp_kernels.sharded_state_dict(narrow), checkpoint_id=f"{path}/sharded")  # in place
         full = tp_kernels.full_state_dict(narrow)
         for key, value in dense.state_dict().items():
