@@ -75,11 +75,20 @@ def _exchange_route(group, hint):
     return group, torch.device("cuda", torch.cuda.current_device())
 
 
+def _payload(view: str, size: int = PAYLOAD_BYTES) -> bytes:
+    """``view`` as the bytes that travel: UTF-8, cut to ``size`` bytes, padded with zeros to it."""
+    return view.encode()[:size].ljust(size, b"\0")
+
+
+def _view(payload: bytes) -> str:
+    """The view a :func:`_payload` carries."""
+    return payload.rstrip(b"\0").decode(errors="replace")
+
+
 def exchange_views(view: str, group, device: torch.device, size: int = PAYLOAD_BYTES) -> List[str]:
     """Every rank's ``view`` (UTF-8, cut to ``size`` bytes), in group rank order: one bounded
     all-gather."""
-    payload = view.encode()[:size].ljust(size, b"\0")
-    return [v.rstrip(b"\0").decode(errors="replace") for v in coll.all_gather_bytes(payload, group, device)]
+    return [_view(v) for v in coll.all_gather_bytes(_payload(view, size), group, device)]
 
 
 def _views_if_they_differ(mine: str, group, device: torch.device) -> Optional[List[str]]:
@@ -155,8 +164,7 @@ def agree_pair(call: str, group, peer: int, role: str, check: Callable[[], T], m
         me = coll.group_rank(group)
         mine = f"{_ERROR}|{error}" if error is not None else f"{_OK}|{role} {message(result)}"
         host, device = _exchange_route(group, hint)
-        payload = mine.encode()[:PAYLOAD_BYTES].ljust(PAYLOAD_BYTES, b"\0")
-        theirs = coll.swap_bytes(payload, peer, host, device).rstrip(b"\0").decode(errors="replace")
+        theirs = _view(coll.swap_bytes(_payload(mine), peer, host, device))
         status, _, view = theirs.partition("|")
         if error is None and status != _OK:
             raise RuntimeError(f"tp_kernels: {call}: rank {peer}, its peer, rejected its arguments, so nothing "
