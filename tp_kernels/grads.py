@@ -98,7 +98,8 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
 
     # (a rank may hold no gradient: it still takes part in the all-reduce, and scales nothing)
     params = agree("clip_grad_norm_", group, check,
-                   lambda params: f"max_norm {max_norm}, norm_type {norm_type}, error_if_nonfinite {error_if_nonfinite}",
+                   lambda params: f"max_norm {max_norm}, norm_type {norm_type}, "
+                                  f"error_if_nonfinite {error_if_nonfinite}",
                    hint=next((q.grad for q in module.parameters() if q.grad is not None), None))
     if params:
         device = params[0].grad.device
