@@ -131,7 +131,9 @@ def _ties(module: nn.Module, named, style_of: Dict[int, tuple]) -> list:
             splits[name] = (style, STYLES[style][1].sharded_parameters.get(attr) if style else None)
         if any(style is None for style, _ in splits.values()) or len({d for _, d in splits.values()}) > 1:
             def how(style, d):
-                return "left dense" if style is None else f"{style}, " + ("whole" if d is None else f"split along dim {d}")
+                if style is None:
+                    return "left dense"
+                return f"{style}, " + ("whole" if d is None else f"split along dim {d}")
 
             listing = ", ".join(f"{name!r} ({how(*split)})" for name, split in splits.items())
             raise ValueError(f"plan: {listing} are one parameter (tied); replace every module that holds it, "
