@@ -837,3 +837,7 @@ def test_distributed_checkpoint_with_several_nccl_ranks(shared_gpu_world, tmp_pa
     lost = shared_gpu_world.run(test_parallelize.check_distributed_checkpoint_across_sizes, str(tmp_path),
                                 device="cuda")
     assert any(lost), lost
+
+
+def test_distributed_checkpoint_with_optimizer_with_several_nccl_ranks(shared_gpu_world, tmp_path):
+    shared_gpu_world.run(test_parallelize.check_distributed_checkpoint_with_optimizer, str(tmp_path), device="cuda")

@@ -384,3 +384,51 @@ def check_data_parallel_over_tensor_parallel():
 
 def test_data_parallel_over_tensor_parallel(world4):
     world4.run(check_data_parallel_over_tensor_parallel)
+
+
+def check_distributed_checkpoint_with_optimizer(path, device="cpu"):
+    """An Adam step, then the model and the optimizer saved with dcp from all the ranks
+    (sharded_state_dict, sharded_optimizer_state_dict), and loaded into the model parallelized
+    over half of them and a fresh Adam (load_sharded_optimizer_state_dict): every moment of every
+    parameter is the dense optimizer's (to float64 rounding), split as the parameter is."""
+    import torch.distributed.checkpoint as dcp
+
+    r, p = rank_world()
+    vocab, hidden, heads, ffn = 4 * p, 6, 2 * p, 4 * p
+    torch.manual_seed(0)
+    dense = LanguageModel(vocab, hidden, heads, ffn).double().to(device)
+    wide = tp_kernels.parallelize(copy.deepcopy(dense), LM_PLAN)
+    dense_opt, wide_opt = torch.optim.Adam(dense.parameters(), lr=0.1), torch.optim.Adam(wide.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    ids, tokens = (torch.randint(0, vocab, (4, 3), generator=g).to(device) for _ in range(2))
+    F.cross_entropy(dense(ids).reshape(-1, vocab), tokens.reshape(-1), reduction="sum").backward()
+    tp_kernels.vocab_parallel_cross_entropy(wide(ids), tokens).sum().backward()
+    dense_opt.step(), wide_opt.step()
+    dcp.save({"model": tp_kernels.sharded_state_dict(wide),
+              "optim": tp_kernels.sharded_optimizer_state_dict(wide, wide_opt)}, checkpoint_id=path)
+    tp_kernels.initialize_model_parallel(max(p // 2, 1))
+    try:
+        q, n = tp_kernels.get_tensor_model_parallel_rank(), tp_kernels.get_tensor_model_parallel_world_size()
+        torch.manual_seed(1)
+        narrow = tp_kernels.parallelize(LanguageModel(vocab, hidden, heads, ffn).double().to(device), LM_PLAN)
+        narrow_opt = torch.optim.Adam(narrow.parameters(), lr=0.1)
+        state = {"model": tp_kernels.sharded_state_dict(narrow),
+                 "optim": tp_kernels.sharded_optimizer_state_dict(narrow, narrow_opt)}
+        dcp.load(state, checkpoint_id=path)
+        tp_kernels.load_sharded_optimizer_state_dict(narrow, narrow_opt, state["optim"])
+        dense_params = dict(dense.named_parameters())
+        blocks, _, _ = tp_kernels.layers.sharded_blocks(narrow)
+        for name, param in narrow.named_parameters():
+            want_state, got_state = dense_opt.state[dense_params[name]], narrow_opt.state[param]
+            for k in ("exp_avg", "exp_avg_sq"):
+                want = want_state[k] if name not in blocks else block(want_state[k], blocks[name][1], q, n)
+                # the parallel model's gradients round otherwise than the dense one's: float64 closeness
+                torch.testing.assert_close(got_state[k], want, rtol=1e-10, atol=1e-16, msg=lambda m: f"{name} {k}: {m}")
+            assert float(got_state["step"]) == float(want_state["step"]) == 1.0, name
+    finally:
+        tp_kernels.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_distributed_checkpoint_with_optimizer(world, tmp_path):
+    world.run(check_distributed_checkpoint_with_optimizer, str(tmp_path))

@@ -15,7 +15,8 @@ Public API (see docs/api.md):
 * layers: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
   :class:`VocabParallelEmbedding`, :func:`vocab_parallel_cross_entropy`, :func:`parallelize`,
   and for training :func:`allreduce_sequence_parallel_grads`, :func:`clip_grad_norm_`,
-  :func:`full_state_dict`, :func:`load_full_state_dict` and :func:`sharded_state_dict`;
+  :func:`full_state_dict`, :func:`load_full_state_dict`, :func:`sharded_state_dict` and the
+  optimizer's (:func:`sharded_optimizer_state_dict`, :func:`load_sharded_optimizer_state_dict`);
 * :mod:`tp_kernels.testing`: the harnesses that test and measure it on one machine.
 
 docs/architecture.md draws the layers of the package and follows a call through them.
@@ -48,7 +49,13 @@ from .parallel_state import (
     initialize_model_parallel,
     model_parallel_is_initialized,
 )
-from .checkpoints import full_state_dict, load_full_state_dict, sharded_state_dict
+from .checkpoints import (
+    full_state_dict,
+    load_full_state_dict,
+    load_sharded_optimizer_state_dict,
+    sharded_optimizer_state_dict,
+    sharded_state_dict,
+)
 from .grads import allreduce_sequence_parallel_grads, clip_grad_norm_
 from .parallelize import parallelize
 
@@ -79,6 +86,7 @@ __all__ = [
     "get_timeout",
     "initialize_model_parallel",
     "load_full_state_dict",
+    "load_sharded_optimizer_state_dict",
     "mappings",
     "matmul_all_reduce",
     "matmul_reduce_scatter",
@@ -89,6 +97,7 @@ __all__ = [
     "set_comm_stream_priority",
     "set_timeout",
     "settings",
+    "sharded_optimizer_state_dict",
     "sharded_state_dict",
     "tensor_model_parallel_all_gather",
     "tensor_model_parallel_all_reduce",

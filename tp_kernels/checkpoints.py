@@ -1,5 +1,6 @@
 """Checkpoints of a tensor-parallel model that any tensor-parallel size (or the dense model)
-loads: the full state dict, and the sharded one for ``torch.distributed.checkpoint``."""
+loads: the full state dict, and the sharded ones (the model's, the optimizer's) for
+``torch.distributed.checkpoint``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from . import _collectives as coll
 from ._agreement import agree
 from .layers import sharded_blocks
 
-__all__ = ["full_state_dict", "load_full_state_dict", "sharded_state_dict"]
+__all__ = ["full_state_dict", "load_full_state_dict", "load_sharded_optimizer_state_dict",
+           "sharded_optimizer_state_dict", "sharded_state_dict"]
 
 
 def full_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
@@ -54,12 +56,50 @@ def sharded_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
     into the model's own parameters in place, whatever tensor-parallel size saved it. The plain
     ``state_dict()`` must not go to ``dcp``: it names every rank's block as one tensor, which
     ``dcp`` takes for a replicated one and saves from one rank only."""
+    state = {key: value.detach() for key, value in module.state_dict(keep_vars=True).items()}
+    as_dtensor = _dtensors(module)
+    return {key: as_dtensor(key, value) for key, value in state.items()}
+
+
+def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, object]:
+    """``optimizer``'s state for ``torch.distributed.checkpoint``, as :func:`sharded_state_dict`
+    gives the model's: torch's ``get_optimizer_state_dict(module, optimizer)`` (the state keyed by
+    parameter name, made first where the optimizer has taken no step, so that ``dcp.load`` has
+    tensors to read into), with each state tensor of a sharded parameter (Adam's moments, a
+    momentum) a ``DTensor`` split as its parameter is. Save it with ``dcp.save``; to resume,
+    ``dcp.load`` into a fresh one, then :func:`load_sharded_optimizer_state_dict`."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(module, optimizer)
+    as_dtensor = _dtensors(module)
+    for name, per_param in state["state"].items():
+        state["state"][name] = {k: as_dtensor(name, v) for k, v in per_param.items()}
+    return state
+
+
+def load_sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer,
+                                      state: Dict[str, object]) -> None:
+    """Give ``optimizer`` the state that ``dcp.load`` read into ``state`` (a
+    :func:`sharded_optimizer_state_dict`): torch's ``set_optimizer_state_dict``, with this rank's
+    blocks of the ``DTensor`` s."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    local = dict(state)
+    local["state"] = {name: {k: v.to_local() if hasattr(v, "to_local") else v for k, v in per_param.items()}
+                      for name, per_param in state["state"].items()}
+    set_optimizer_state_dict(module, optimizer, local)
+
+
+def _dtensors(module: nn.Module):
+    """``as_dtensor(key, tensor)``: ``tensor`` as a ``DTensor`` over the group when ``key`` names a
+    parameter of which this rank holds a block and ``tensor`` has that block's shape (the parameter,
+    or its optimizer state), split as the parameter is; else ``tensor`` itself. With one rank,
+    always ``tensor`` itself."""
     blocks, group, groups_error = sharded_blocks(module)
     if groups_error:
         raise ValueError(groups_error)
-    state = {key: value.detach() for key, value in module.state_dict(keep_vars=True).items()}
     if coll.group_size(group) == 1 or not blocks:
-        return state
+        return lambda key, tensor: tensor
     from torch.distributed.device_mesh import DeviceMesh
     try:
         from torch.distributed.tensor import DTensor, Shard
@@ -67,16 +107,19 @@ def sharded_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
         from torch.distributed._tensor import DTensor, Shard
 
     meshes: Dict[str, object] = {}  # device type -> the group's mesh
-    for key, (_, dim, layer) in blocks.items():
-        local = state[key]
-        if local.device.type not in meshes:
-            meshes[local.device.type] = DeviceMesh.from_group(group, local.device.type)
-        shape = list(local.shape)
+
+    def as_dtensor(key: str, tensor):
+        if key not in blocks or not isinstance(tensor, torch.Tensor) or tensor.shape != blocks[key][0].shape:
+            return tensor
+        _, dim, layer = blocks[key]
+        if tensor.device.type not in meshes:
+            meshes[tensor.device.type] = DeviceMesh.from_group(group, tensor.device.type)
+        shape = list(tensor.shape)
         shape[dim] *= layer.tp_size
-        stride = torch.empty(shape, device="meta").stride()
-        state[key] = DTensor.from_local(local, meshes[local.device.type], [Shard(dim)], run_check=False,
-                                        shape=torch.Size(shape), stride=stride)
-    return state
+        return DTensor.from_local(tensor, meshes[tensor.device.type], [Shard(dim)], run_check=False,
+                                  shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+
+    return as_dtensor
 
 
 def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True):
