@@ -261,13 +261,17 @@ def test_ranks_that_disagree_all_raise(world, what):
 
 #: what ranks 0 (sends) and 1 (receives) do, disagreeing: (rank 0's call, rank 1's call)
 P2P_DISAGREEMENTS = {
-    "more sent": (lambda c: c.send(torch.ones(5), dst=1), lambda c: c.recv((4,), torch.float32, src=0)),
-    "less sent": (lambda c: c.send(torch.ones(4), dst=1), lambda c: c.recv((5,), torch.float32, src=0)),
-    "dtype": (lambda c: c.send(torch.ones(4), dst=1), lambda c: c.recv((4,), torch.int32, src=0)),
-    "shape": (lambda c: c.send(torch.ones(2, 3), dst=1), lambda c: c.recv((3, 2), torch.float32, src=0)),
-    "both send": (lambda c: c.send(torch.ones(4), dst=1), lambda c: c.send(torch.ones(4), dst=0)),
-    "bad at one end": (lambda c: c.send(torch.ones(4), dst=1), lambda c: c.recv((-4,), torch.float32, src=0)),
+    "more sent": (lambda c: c.send(_ones(c, 5), dst=1), lambda c: c.recv((4,), torch.float32, src=0)),
+    "less sent": (lambda c: c.send(_ones(c, 4), dst=1), lambda c: c.recv((5,), torch.float32, src=0)),
+    "dtype": (lambda c: c.send(_ones(c, 4), dst=1), lambda c: c.recv((4,), torch.int32, src=0)),
+    "shape": (lambda c: c.send(_ones(c, 2, 3), dst=1), lambda c: c.recv((3, 2), torch.float32, src=0)),
+    "both send": (lambda c: c.send(_ones(c, 4), dst=1), lambda c: c.send(_ones(c, 4), dst=0)),
+    "bad at one end": (lambda c: c.send(_ones(c, 4), dst=1), lambda c: c.recv((-4,), torch.float32, src=0)),
 }
+
+
+def _ones(comm, *shape):
+    return torch.ones(shape, device=comm.device)
 
 
 @fingerprints
@@ -291,11 +295,12 @@ def check_p2p_disagreement(what):
             message = None
         else:
             assert kind == "RuntimeError" and "disagree on a message, so nothing moved" in message, message
-    y = comm.all_reduce(torch.ones(2))  # the group still works, and right
-    assert torch.equal(y, torch.full((2,), float(p)))
+    y = comm.all_reduce(_ones(comm, 2))  # the group still works, and right
+    assert torch.equal(y, torch.full((2,), float(p), device=comm.device))
     if r < 2:  # and a good pair goes through
-        got = comm.send(torch.arange(6.0), dst=1) if r == 0 else comm.recv((6,), torch.float32, src=0)
-        assert r == 0 or torch.equal(got, torch.arange(6.0))
+        sent = torch.arange(6.0, device=comm.device)
+        got = comm.send(sent, dst=1) if r == 0 else comm.recv((6,), torch.float32, src=0)
+        assert r == 0 or torch.equal(got, sent)
     return message
 
 

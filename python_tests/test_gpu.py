@@ -841,3 +841,11 @@ def test_distributed_checkpoint_with_several_nccl_ranks(shared_gpu_world, tmp_pa
 
 def test_distributed_checkpoint_with_optimizer_with_several_nccl_ranks(shared_gpu_world, tmp_path):
     shared_gpu_world.run(test_parallelize.check_distributed_checkpoint_with_optimizer, str(tmp_path), device="cuda")
+
+
+@pytest.mark.parametrize("what", sorted(test_communicator.P2P_DISAGREEMENTS))
+def test_send_and_recv_that_disagree_on_nccl_ranks(shared_gpu_world, what):
+    """The send/recv agreement of NCCL ranks, whose views travel over the default group's host twin."""
+    messages = shared_gpu_world.run(test_communicator.check_p2p_disagreement, what)
+    if what != "bad at one end":
+        assert messages[0] == messages[1] and all(m is None for m in messages[2:]), messages
