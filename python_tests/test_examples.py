@@ -33,3 +33,11 @@ def test_the_decode_example_runs_on_two_cpu_processes():
     for r in range(2):
         for b in (1, 8, 32):
             assert f"rank {r}/2 (cpu, torch.float32, eager): batch {b}, relative error" in out.stdout, out.stdout
+
+
+@pytest.mark.skipif(not os.path.exists(EXAMPLES), reason="examples/ is not in this checkout")
+def test_the_training_example_resumes_from_its_checkpoint():
+    out = _torchrun_on_two_cpu_processes(os.path.join(EXAMPLES, "train.py"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    for r in range(2):
+        assert f"rank {r}/2 (cpu): losses after the checkpoint" in out.stdout, out.stdout
