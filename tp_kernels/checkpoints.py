@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from . import _collectives as coll
 from ._agreement import agree
-from .layers import sharded_blocks
+from .layers import block_of, sharded_blocks
 
 __all__ = ["full_state_dict", "load_full_state_dict", "load_sharded_optimizer_state_dict",
            "sharded_optimizer_state_dict", "sharded_state_dict"]
@@ -144,6 +144,5 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
             raise ValueError(f"state_dict[{key!r}]: expected the full shape {want} (this rank holds "
                              f"{list(param.shape)} of it, split along dim {dim}), got "
                              f"{list(full.shape) if isinstance(full, torch.Tensor) else type(full).__name__}")
-        size = param.shape[dim]
-        local[key] = full.narrow(dim, layer.tp_rank * size, size)
+        local[key] = block_of(full, dim, layer)
     return module.load_state_dict(local, strict=strict)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from . import _collectives as coll
 from ._agreement import agree, describe
 from ._checks import check_divisible, check_float_dtype, check_int, check_tensor
-from .layers import ShareGroupOnCopy
+from .layers import ShareGroupOnCopy, block_of
 from .mappings import reduce_from
 
 __all__ = ["ID_DTYPES", "VocabParallelEmbedding", "check_index_range"]
@@ -120,7 +120,7 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
             raise ValueError(
                 f"weight: expected the full shape {(self.num_embeddings, self.embedding_dim)}, got {tuple(weight.shape)}"
             )
-        self.weight.copy_(weight[self.vocab_start_index : self.vocab_end_index])
+        self.weight.copy_(block_of(weight, self.sharded_parameters["weight"], self))
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, **kwargs) -> "VocabParallelEmbedding":

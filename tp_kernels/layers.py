@@ -71,7 +71,7 @@ class ShareGroupOnCopy:
 class _ParallelLinear(ShareGroupOnCopy, nn.Module):
     """What both layers share: group, sharded parameters, initialization and loading."""
 
-    def __init__(self, in_features, out_features, bias, *, shard_dim, sequence_parallel, skip_bias_add,
+    def __init__(self, in_features, out_features, bias, *, sequence_parallel, skip_bias_add,
                  group, init_method, device, dtype, backend, num_chunks):
         super().__init__()
         check_int("in_features", in_features)
@@ -88,8 +88,8 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
         self.skip_bias_add = bool(skip_bias_add)
         self.backend, self.num_chunks = backend, num_chunks
         self._init_method = init_method
-        self._shard_dim = shard_dim  # 0: rows of [out, in] (column-parallel), 1: columns (row-parallel)
-        if shard_dim == 0:
+        # each layer's sharded_parameters: rows of [out, in] (column-parallel), or columns
+        if self.sharded_parameters["weight"] == 0:
             self.out_features_per_partition = check_divisible("out_features", out_features, self.tp_size)
             self.in_features_per_partition = in_features
             shape = (self.out_features_per_partition, in_features)
@@ -120,21 +120,11 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
 
     # -- sharding -------------------------------------------------------------------------
 
-    def _weight_shard(self, full: torch.Tensor) -> torch.Tensor:
-        size = self.weight.shape[self._shard_dim]
-        return full.narrow(self._shard_dim, self.tp_rank * size, size)
-
-    def _bias_shard(self, full: torch.Tensor) -> torch.Tensor:
-        if self._shard_dim == 1:
-            return full  # row-parallel bias is full
-        size = self.out_features_per_partition
-        return full.narrow(0, self.tp_rank * size, size)
-
     @torch.no_grad()
     def _load(self, weight, bias):
-        self.weight.copy_(self._weight_shard(weight))
+        self.weight.copy_(block_of(weight, self.sharded_parameters["weight"], self))
         if bias is not None:
-            self.bias.copy_(self._bias_shard(bias))
+            self.bias.copy_(block_of(bias, self.sharded_parameters.get("bias"), self))
 
     def load_full_weight(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
         """Copy this rank's shard of a full ``[out, in]`` weight (and ``[out]`` bias) in place.
@@ -218,7 +208,7 @@ class ColumnParallelLinear(_ParallelLinear):
                  init_method: Optional[InitMethod] = None, device=None, dtype=None, backend: str = "auto",
                  num_chunks: Optional[int] = None):
         self.gather_output = bool(gather_output)
-        super().__init__(in_features, out_features, bias, shard_dim=0, sequence_parallel=sequence_parallel,
+        super().__init__(in_features, out_features, bias, sequence_parallel=sequence_parallel,
                          skip_bias_add=skip_bias_add, group=group, init_method=init_method, device=device,
                          dtype=dtype, backend=backend, num_chunks=num_chunks)
 
@@ -277,7 +267,7 @@ class RowParallelLinear(_ParallelLinear):
                 "split along its last dim)"
             )
         self.input_is_parallel = bool(input_is_parallel)
-        super().__init__(in_features, out_features, bias, shard_dim=1, sequence_parallel=sequence_parallel,
+        super().__init__(in_features, out_features, bias, sequence_parallel=sequence_parallel,
                          skip_bias_add=skip_bias_add, group=group, init_method=init_method, device=device,
                          dtype=dtype, backend=backend, num_chunks=num_chunks)
 
@@ -320,6 +310,15 @@ class RowParallelLinear(_ParallelLinear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", input_is_parallel={self.input_is_parallel}"
+
+
+def block_of(full: torch.Tensor, dim: Optional[int], layer: nn.Module) -> torch.Tensor:
+    """This rank's block of ``full`` split along ``dim`` into ``layer.tp_size`` equal blocks (its
+    ``tp_rank``-th), a view; ``full`` itself where ``dim`` is None (a parameter held whole)."""
+    if dim is None:
+        return full
+    size = full.shape[dim] // layer.tp_size
+    return full.narrow(dim, layer.tp_rank * size, size)
 
 
 def sharded_blocks(module: nn.Module) -> Tuple[Dict[str, tuple], object, Optional[str]]:
