@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tp_kernels
+from tp_kernels import settings
 from helpers import assert_close, block, rank_world
 
 HEAD_DIM = 5
@@ -267,6 +268,44 @@ def check_full_state_dict_across_sizes(device="cpu"):
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
 def test_full_state_dict_across_sizes(world):
     world.run(check_full_state_dict_across_sizes)
+
+
+def check_full_state_dict_options(device="cpu"):
+    """cpu_offload gives the dense state dict on the CPU; rank0_only gives it on the group's rank 0
+    and {} on the others; both are checked on every rank, and agreed: a rank that asks for another
+    option than its peers gets the same error as they do, and the group works afterwards."""
+    r, p = rank_world()
+    torch.manual_seed(0)
+    dense = LanguageModel(4 * p, 10, 2 * p, 4 * p).double().to(device)
+    wide = tp_kernels.parallelize(copy.deepcopy(dense), LM_PLAN)
+    want = dense.state_dict()
+    for cpu_offload in (False, True):
+        for rank0_only in (False, True):
+            full = tp_kernels.full_state_dict(wide, cpu_offload=cpu_offload, rank0_only=rank0_only)
+            if rank0_only and r != 0:
+                assert full == {}, (cpu_offload, list(full))
+                continue
+            assert list(full) == list(want)
+            for key, value in want.items():
+                assert full[key].device.type == ("cpu" if cpu_offload else value.device.type), key
+                assert torch.equal(full[key].to(value.device), value), (key, cpu_offload, rank0_only)
+    for bad in ("cpu_offload", "rank0_only"):
+        with pytest.raises(ValueError, match=f"{bad}: expected a bool, got 1"):
+            tp_kernels.full_state_dict(wide, **{bad: 1})
+    if p > 1:
+        settings.set_fingerprints(True)
+        try:
+            with pytest.raises(RuntimeError, match="disagree on this call.*rank 1: full_state_dict: .* rank0_only True"):
+                tp_kernels.full_state_dict(wide, rank0_only=r == 1)
+        finally:
+            settings.set_fingerprints(None)
+    full = tp_kernels.full_state_dict(wide)  # the group still works
+    assert torch.equal(full["head.weight"], want["head.weight"])
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_full_state_dict_options(world):
+    world.run(check_full_state_dict_options)
 
 
 def check_tied_embedding_stays_tied():

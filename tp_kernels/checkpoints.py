@@ -17,31 +17,56 @@ __all__ = ["full_state_dict", "load_full_state_dict", "load_sharded_optimizer_st
            "sharded_optimizer_state_dict", "sharded_state_dict"]
 
 
-def full_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
+def full_state_dict(module: nn.Module, *, cpu_offload: bool = False,
+                    rank0_only: bool = False) -> Dict[str, torch.Tensor]:
     """``module.state_dict()`` with every parallel layer's blocks joined into the full tensors:
-    the dense model's state dict, under the same names (:func:`parallelize` keeps them), on every
-    rank. One all-gather per sharded parameter, in the state dict's order, on every rank of the
-    group; the other entries are this rank's, detached. Each rank then holds the whole model, one
-    more time: for checkpoints that any tensor-parallel size (or the dense model) can load with
-    :func:`load_full_state_dict`."""
+    the dense model's state dict, under the same names (:func:`parallelize` keeps them). One
+    collective per sharded parameter, in the state dict's order, on every rank of the group; the
+    other entries are this rank's, detached. For checkpoints that any tensor-parallel size (or the
+    dense model) can load with :func:`load_full_state_dict`.
+
+    Args:
+        module: the model (its layers' groups must be one group).
+        cpu_offload: move each full tensor to the CPU as soon as it is joined (the other entries
+            too), so that the device holds at most one full tensor more than the model at a time;
+            else every tensor stays on its device.
+        rank0_only: join the blocks on the group's rank 0 only (a gather rather than an
+            all-gather), which returns the whole dict; the other ranks return ``{}``. Else every
+            rank returns it, and holds the whole model once more while it lives.
+    Both options must be the same on every rank (agreed, with the rest of the call).
+    """
     blocks, group, groups_error = sharded_blocks(module)
     state = module.state_dict()
 
     def check():
         if groups_error:
             raise ValueError(groups_error)
+        for name, flag in (("cpu_offload", cpu_offload), ("rank0_only", rank0_only)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name}: expected a bool, got {flag!r}")
         return state
 
-    agree("full_state_dict", group, check, lambda state: f"{len(state)} entries, {len(blocks)} sharded",
+    agree("full_state_dict", group, check,
+          lambda state: f"{len(state)} entries, {len(blocks)} sharded, cpu_offload {cpu_offload}, "
+                        f"rank0_only {rank0_only}",
           hint=next(iter(state.values()), None))
+    keep = not rank0_only or coll.group_rank(group) == 0
     full = {}
     for key, value in state.items():
-        if key not in blocks:
-            full[key] = value
-            continue
-        _, dim, _ = blocks[key]
-        stacked = coll.all_gather_dim0(value.movedim(dim, 0).contiguous(), group).wait()  # [p*d, ...] along dim
-        full[key] = stacked.movedim(0, dim).contiguous()
+        if key in blocks:
+            _, dim, _ = blocks[key]
+            block = value.movedim(dim, 0).contiguous()  # the rank's block along dim, as dim 0
+            if rank0_only:
+                out = torch.empty((coll.group_size(group) * block.shape[0], *block.shape[1:]), dtype=block.dtype,
+                                  device=block.device) if keep else None
+                stacked = coll.gather(block, out, 0, group).wait()
+                if not keep:
+                    continue
+            else:
+                stacked = coll.all_gather_dim0(block, group).wait()  # [p*d, ...] along dim
+            value = stacked.movedim(0, dim).contiguous()
+        if keep:
+            full[key] = value.cpu() if cpu_offload else value
     return full
 
 
