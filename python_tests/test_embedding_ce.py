@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tp_kernels
-from tp_kernels import mappings
+from tp_kernels import mappings, settings
 from helpers import assert_close, block, rank_world
 
 
@@ -48,6 +48,51 @@ def check_embedding(padding_idx):
 @pytest.mark.parametrize("padding_idx", [None, 3])
 def test_embedding_matches_dense(world, padding_idx):
     world.run(check_embedding, padding_idx)
+
+
+def check_sequence_parallel_embedding():
+    """With sequence_parallel=True each rank returns its block of dim 0 of the dense embedding
+    (reduce-scattered), and the gradient of its rows is the dense one; ids whose dim 0 p does not
+    divide are refused on every rank before anything moves."""
+    r, p = rank_world()
+    vocab, dim, s = 5 * p, 4, 3 * p
+    torch.manual_seed(0)
+    dense = nn.Embedding(vocab, dim, padding_idx=2).double()
+    par = tp_kernels.VocabParallelEmbedding.from_embedding(dense, sequence_parallel=True)
+    assert par.sequence_parallel and "sequence_parallel=True" in repr(par)
+    g = torch.Generator().manual_seed(1)
+    for shape in [(s,), (s, 2)]:
+        ids = torch.randint(0, vocab, shape, generator=g)
+        dy = torch.randn(*shape, dim, generator=g, dtype=torch.float64)
+        dense.zero_grad()
+        par.zero_grad()
+        ref = dense(ids)
+        ref.backward(dy)
+        y = par(ids)
+        assert y.shape == (s // p, *shape[1:], dim), y.shape
+        assert torch.equal(y, block(ref, 0, r, p))  # one nonzero term per output: exact
+        y.backward(block(dy, 0, r, p))
+        assert_close("sequence-parallel embedding dW", par.weight.grad, block(dense.weight.grad, 0, r, p))
+    if p > 1:
+        with pytest.raises(ValueError, match=r"input.shape\[0\] \(" + str(s + 1) + r"\) is not divisible"):
+            par(torch.zeros(s + 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="input: expected at least 1 dims"):
+        par(torch.tensor(0))
+    assert torch.equal(par(torch.zeros(p, dtype=torch.long)), block(dense(torch.zeros(p, dtype=torch.long)), 0, r, p))
+    if p > 1:  # a rank whose embedding is built otherwise: an error on every rank, not a mismatched collective
+        odd = tp_kernels.VocabParallelEmbedding.from_embedding(dense, sequence_parallel=r != 1)
+        settings.set_fingerprints(True)
+        try:
+            with pytest.raises(RuntimeError, match="disagree on this call.*sequence_parallel False"):
+                odd(torch.zeros(s, dtype=torch.long))
+        finally:
+            settings.set_fingerprints(None)
+        assert par(torch.zeros(s, dtype=torch.long)).shape == (s // p, dim)  # the group still works
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_sequence_parallel_embedding(world):
+    world.run(check_sequence_parallel_embedding)
 
 
 def check_cross_entropy(dtype_name, label_smoothing, scale):
@@ -116,22 +161,26 @@ def test_cross_entropy_errors(world2):
     world2.run(check_cross_entropy_errors)
 
 
-def check_compiled_language_model_loss():
+def check_compiled_language_model_loss(sequence_parallel):
     """Embedding, a column -> row pair (with mappings between), a vocabulary-parallel head and the
     cross-entropy (with smoothing and an ignored token), compiled whole (``fullgraph=True``): the
-    same loss and gradients as eager."""
+    same loss and gradients as eager. With sequence parallelism, the embedding's reduce-scatter and
+    the layers' sequence-parallel collectives too."""
     r, p = rank_world()
     torch.manual_seed(0)
-    emb = tp_kernels.VocabParallelEmbedding(8 * p, 6)
-    fc1, fc2 = tp_kernels.ColumnParallelLinear(6, 4 * p), tp_kernels.RowParallelLinear(4 * p, 6)
-    head = tp_kernels.ColumnParallelLinear(6, 8 * p, bias=False)
+    sp = dict(sequence_parallel=sequence_parallel)
+    emb = tp_kernels.VocabParallelEmbedding(8 * p, 6, **sp)
+    fc1, fc2 = tp_kernels.ColumnParallelLinear(6, 4 * p, **sp), tp_kernels.RowParallelLinear(4 * p, 6, **sp)
+    head = tp_kernels.ColumnParallelLinear(6, 8 * p, bias=False, **sp)
     model = nn.ModuleList([emb, fc1, fc2, head])
     g = torch.Generator().manual_seed(1)
-    ids, target = (torch.randint(0, 8 * p, (3, 5), generator=g) for _ in range(2))
+    ids, target = (torch.randint(0, 8 * p, (3 * p, 5), generator=g) for _ in range(2))
     target[0, 0] = -100
 
     def loss_fn(ids, target):
-        hidden = fc1(mappings.copy_to_tensor_model_parallel_region(emb(ids))).relu()
+        # (with sequence parallelism fc1's backward reduce-scatters d(input) itself)
+        embedded = emb(ids) if sequence_parallel else mappings.copy_to_tensor_model_parallel_region(emb(ids))
+        hidden = fc1(embedded).relu()
         # gathered and split again by the mappings: the same block, through two more collectives
         hidden = mappings.scatter_to_tensor_model_parallel_region(mappings.gather_from_tensor_model_parallel_region(hidden))
         logits = head(fc2(hidden))
@@ -150,5 +199,6 @@ def check_compiled_language_model_loss():
         torch.testing.assert_close(got, want, msg=lambda m: f"output {i}: {m}")
 
 
-def test_compiled_language_model_loss(world2):
-    world2.run(check_compiled_language_model_loss, deadline_s=600)
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_compiled_language_model_loss(world2, sequence_parallel):
+    world2.run(check_compiled_language_model_loss, sequence_parallel, deadline_s=600)

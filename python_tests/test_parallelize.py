@@ -172,9 +172,9 @@ def check_clip_grad_norm(sequence_parallel, device="cpu"):
         for model in (dense, par):
             model.zero_grad()
         F.cross_entropy(dense(ids).reshape(-1, vocab), tokens.reshape(-1), reduction="sum").backward()
-        h = par.emb(ids)
-        h = tp_kernels.mappings.scatter_to_sequence_parallel_region(h) if sequence_parallel else h
-        logits = par.head(par.block(h))  # [s, b, vocab/p] (under sequence parallelism the head gathers)
+        # the dense model's own forward; under sequence parallelism the embedding returns [s/p, b, h]
+        # and the head gathers it: [s, b, vocab/p] either way
+        logits = par(ids)
         tp_kernels.vocab_parallel_cross_entropy(logits, tokens).sum().backward()
         if sequence_parallel:
             tp_kernels.allreduce_sequence_parallel_grads([q for n, q in par.named_parameters() if "norm" in n])

@@ -12,7 +12,7 @@ from . import _collectives as coll
 from ._agreement import agree, describe
 from ._checks import check_divisible, check_float_dtype, check_int, check_tensor
 from .layers import ShareGroupOnCopy, block_of
-from .mappings import reduce_from
+from .mappings import reduce_from, reduce_scatter_dim0
 
 __all__ = ["ID_DTYPES", "VocabParallelEmbedding", "check_index_range"]
 
@@ -46,25 +46,31 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
     """``nn.Embedding`` whose ``[num_embeddings, embedding_dim]`` table is split by rows.
 
     Rank r holds rows ``[r*V/p, (r+1)*V/p)``. Each rank looks up the ids in its range, zeroes
-    the others, and the results are all-reduced, so every rank returns the full embedding.
+    the others, and the results are all-reduced, so every rank returns the full embedding; with
+    ``sequence_parallel=True`` they are reduce-scattered along dim 0 instead (Megatron's
+    sequence-parallel embedding, half the bytes of the all-reduce), so each rank returns its block
+    of the sequence, as the sequence-parallel layers take it.
 
     Args:
         num_embeddings: vocabulary size ``V``, divisible by p.
         embedding_dim: ``D``.
         padding_idx: as in ``nn.Embedding`` (that row gets no gradient and starts at zero).
+        sequence_parallel: return this rank's block of dim 0 (the sequence, ``[s, b]`` ids first)
+            of the embedding, ``[s/p, ..., D]``; dim 0 of the ids must be divisible by p.
         group: process group (default: the tensor-parallel group).
         init_method: ``f(full_weight)`` initializing the full ``[V, D]`` table in place;
             default: ``nn.Embedding``'s (standard normal). Seed every rank alike.
         device, dtype: of the weight.
 
-    Shapes: input ``[...]`` integer ids in ``[0, V)``; ``weight`` ``[V/p, D]``; output ``[..., D]``.
+    Shapes: input ``[...]`` integer ids in ``[0, V)``; ``weight`` ``[V/p, D]``; output ``[..., D]``
+    (``[s/p, ..., D]`` for ids ``[s, ...]`` with sequence parallelism).
     """
 
     #: the parameters of which each rank holds a block, and the dim they are split along
     sharded_parameters = {"weight": 0}
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, padding_idx: Optional[int] = None,
-                 group=None, init_method: Optional[Callable[[torch.Tensor], object]] = None,
+                 sequence_parallel: bool = False, group=None, init_method: Optional[Callable[[torch.Tensor], object]] = None,
                  device=None, dtype=None):
         super().__init__()
         check_int("num_embeddings", num_embeddings)
@@ -79,6 +85,7 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
         self.tp_size = coll.group_size(self.group)
         self.tp_rank = coll.group_rank(self.group)
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        self.sequence_parallel = bool(sequence_parallel)
         self.num_embeddings_per_partition = check_divisible("num_embeddings", num_embeddings, self.tp_size)
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
@@ -139,7 +146,9 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
         return layer
 
     def _check(self, input_) -> None:
-        check_tensor("input", input_)
+        check_tensor("input", input_, min_dim=1 if self.sequence_parallel else 0)
+        if self.sequence_parallel:
+            check_divisible("input.shape[0]", input_.shape[0], self.tp_size)
         if input_.dtype not in ID_DTYPES:
             raise ValueError(f"input: expected ids of dtype torch.int64 or torch.int32, got {input_.dtype}")
         if input_.device != self.weight.device:
@@ -148,7 +157,8 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         agree("VocabParallelEmbedding", self.group, lambda: self._check(input_),
-              lambda _: f"input {describe(input_)}, weight {describe(self.weight)}, vocabulary {self.num_embeddings}",
+              lambda _: f"input {describe(input_)}, weight {describe(self.weight)}, vocabulary {self.num_embeddings}, "
+                        f"sequence_parallel {self.sequence_parallel}",
               hint=self.weight)
         if self.tp_size == 1:
             return F.embedding(input_, self.weight, self.padding_idx)
@@ -156,8 +166,11 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
         local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight, self._local_padding_idx)  # [..., D], this rank's rows
         out = out.masked_fill(outside.unsqueeze(-1), 0)
+        if self.sequence_parallel:
+            return reduce_scatter_dim0(out, self.group)  # sum over ranks, this rank's block: [s/p, ..., D]
         return reduce_from(out, self.group)  # sum over ranks: [..., D]
 
     def extra_repr(self) -> str:
         s = f"{self.num_embeddings}, {self.embedding_dim}, tp_size={self.tp_size}"
-        return s + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else "")
+        s += f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        return s + (", sequence_parallel=True" if self.sequence_parallel else "")

@@ -172,6 +172,10 @@ def gather_last_dim(x, group):
     return _on(_GatherFromRegion, x, group)
 
 
+def reduce_scatter_dim0(x, group):
+    return _on(_ReduceScatterToSequenceRegion, x, group)
+
+
 # --- the public mappings: checked, and agreed with the group, before any collective -----------------
 
 
@@ -234,5 +238,4 @@ def gather_from_sequence_parallel_region(
 
 def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """Reduce-scatter of dim 0 forward, all-gather backward. ``[s, ...] -> [s/p, ...]``."""
-    group = _agreed("reduce_scatter_to_sequence_parallel_region", input_, group, dim0=True)
-    return _on(_ReduceScatterToSequenceRegion, input_, group)
+    return reduce_scatter_dim0(input_, _agreed("reduce_scatter_to_sequence_parallel_region", input_, group, dim0=True))

@@ -40,8 +40,11 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], *, group=None, seque
     shard of the existing weights, so a dense model computes the same function afterwards
     (the code around the layers must use the local sizes, e.g. heads per rank).
 
-    With ``sequence_parallel=True`` the linear layers are built with sequence parallelism: the
-    activations between a row layer and the next column layer are split along dim 0.
+    With ``sequence_parallel=True`` the layers are built with sequence parallelism: the
+    activations outside the column-row pairs (an embedding's output, a row layer's output, up to the
+    next column layer) are this rank's block of dim 0, ``[s/p, ...]``, so the dense model's own code
+    runs on them unchanged (its ids ``[s, ...]``, sequence first); the parameters every rank holds
+    whole and applies to its block (the norms) then need :func:`tp_kernels.allreduce_sequence_parallel_grads`.
 
     A parameter that several modules hold (an embedding tied to the output layer) stays one
     parameter: the plan must replace every module holding it and split it alike (``"vocab"`` and
@@ -95,7 +98,7 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], *, group=None, seque
             continue
         build = STYLES[style][1]
         if style == "vocab":
-            replaced[id(old)] = build.from_embedding(old, group=group)
+            replaced[id(old)] = build.from_embedding(old, group=group, sequence_parallel=sequence_parallel)
         elif style == "colwise":
             replaced[id(old)] = build.from_linear(old, group=group, sequence_parallel=sequence_parallel)
         else:
