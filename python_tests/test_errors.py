@@ -55,6 +55,10 @@ def bad_calls(p):
         ("num_embeddings", lambda: tp_kernels.VocabParallelEmbedding(3 * p + 1, 4)),
         ("plan['fc*']: 'fc1' (colwise) has out_features=", lambda: tp_kernels.parallelize(_Odd(p), {"fc*": "colwise"})),
         ("plan['emb']: 'emb' (vocab) has num_embeddings=", lambda: tp_kernels.parallelize(_Odd(p), {"emb": "vocab"})),
+        (f"output_sizes[0] ({4 * p - 3}) is not divisible", lambda: tp_kernels.ColumnParallelLinear(
+            6, 4 * p, output_sizes=[4 * p - 3, 3])),
+        ("plan['fc1']: 'fc1': output_sizes[0] (5) is not divisible",
+         lambda: tp_kernels.parallelize(_Tiny(p), {"fc1": ("colwise", [5, 4 * p - 5])})),
         ("pass input_is_parallel=False", lambda: row(torch.randn(3, 6 * p))),
         ("x.shape[0]", lambda: ops.matmul_reduce_scatter(torch.randn(2 * p + 1, 6), w, b)),
         ("input.shape[0]", lambda: tp_kernels.mappings.scatter_to_sequence_parallel_region(torch.randn(2 * p + 1, 3))),
@@ -91,6 +95,13 @@ def bad_calls(p):
         ("num_chunks", lambda: ops.matmul_all_reduce(x, w, b, num_chunks=0)),
         ("num_chunks", lambda: ops.all_gather_matmul(x, w, b, num_chunks=2.5)),
         ("in_features", lambda: tp_kernels.ColumnParallelLinear(0, 4 * p)),
+        (f"output_sizes: [{p}, {p}] sum to {2 * p}, not to out_features={4 * p}",
+         lambda: tp_kernels.ColumnParallelLinear(6, 4 * p, output_sizes=[p, p])),
+        ("output_sizes: expected a non-empty sequence", lambda: tp_kernels.ColumnParallelLinear(6, 4 * p, output_sizes=4 * p)),
+        ("output_sizes[0]: expected an int >= 1", lambda: tp_kernels.ColumnParallelLinear(6, 4 * p, output_sizes=[0, 4 * p])),
+        ("plan['fc1']: expected a style", lambda: tp_kernels.parallelize(_Tiny(p), {"fc1": ("rowwise", [4 * p])})),
+        ("plan: 'fc1' is matched as 'colwise', but the same module ('fc1') as ('colwise', [", lambda: tp_kernels.parallelize(
+            _Tiny(p), {"fc1": ("colwise", [2 * p, 2 * p]), "fc*1": "colwise"})),
         ("linear", lambda: tp_kernels.ColumnParallelLinear.from_linear(nn.Conv1d(2, 2, 1))),
         ("embedding", lambda: tp_kernels.VocabParallelEmbedding.from_embedding(nn.Embedding(3 * p, 2, max_norm=1.0))),
         # parallelize plans

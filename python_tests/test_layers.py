@@ -259,6 +259,59 @@ def test_load_full_weight(world):
     world.run(check_load_full_weight)
 
 
+def check_column_of_several_outputs(gather_output, skip_bias_add, sequence_parallel):
+    """A column layer of fused outputs ([q, k, v] of sizes 4p, 2p, 2p) holds block r of each
+    (not rows [r*out/p, (r+1)*out/p) of the fused matrix), so that each rank's output is the
+    dense layer's outputs' blocks side by side, and a gathered output is the dense output in its
+    own order; gradients are the dense ones' blocks; nn.Linear's full matrix under one seed."""
+    r, p = rank_world()
+    sizes, k, s = [4 * p, 2 * p, 2 * p], 3 * p, 2 * p
+    out_f = sum(sizes)
+    torch.manual_seed(0)
+    dense = nn.Linear(k, out_f, dtype=torch.float64)
+    torch.manual_seed(0)
+    made = tp_kernels.ColumnParallelLinear(k, out_f, output_sizes=sizes, dtype=torch.float64)
+
+    def ours(t, dim):  # this rank's blocks of each output along dim, side by side
+        return torch.cat([block(part, dim, r, p) for part in t.split(sizes, dim)], dim)
+
+    assert torch.equal(made.weight, ours(dense.weight, 0)) and torch.equal(made.bias, ours(dense.bias, 0))
+    assert f"output_sizes={sizes}" in repr(made)
+    layer = tp_kernels.ColumnParallelLinear.from_linear(dense, output_sizes=sizes, gather_output=gather_output,
+                                                        skip_bias_add=skip_bias_add, sequence_parallel=sequence_parallel)
+    assert torch.equal(layer.weight, made.weight)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(s, 3, k, generator=g, dtype=torch.float64)
+    dy = torch.randn(s, 3, out_f, generator=g, dtype=torch.float64)
+    xd = x.clone().requires_grad_()
+    dense.zero_grad()
+    want = dense(xd)
+    want.backward(dy)
+    xin = (block(x, 0, r, p) if sequence_parallel else x).clone().requires_grad_()
+    got = layer(xin)
+    if skip_bias_add:
+        got, bias = got
+        assert torch.equal(bias, dense.bias if gather_output else ours(dense.bias, 0))
+        got = got + bias
+    view = (lambda t: t) if gather_output else (lambda t: ours(t, -1))
+    torch.testing.assert_close(got, view(want), rtol=1e-12, atol=1e-12)
+    got.backward(view(dy))
+    torch.testing.assert_close(xin.grad, block(xd.grad, 0, r, p) if sequence_parallel else xd.grad,
+                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer.weight.grad, ours(dense.weight.grad, 0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer.bias.grad, ours(dense.bias.grad, 0), rtol=1e-12, atol=1e-12)
+    other = tp_kernels.ColumnParallelLinear(k, out_f, output_sizes=sizes, dtype=torch.float64)
+    other.load_full_weight(dense.weight, dense.bias)
+    assert torch.equal(other.weight, layer.weight) and torch.equal(other.bias, layer.bias)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("gather_output,skip_bias_add,sequence_parallel",
+                         [(False, False, False), (True, False, False), (True, True, False), (False, True, True)])
+def test_column_of_several_outputs(world, gather_output, skip_bias_add, sequence_parallel):
+    world.run(check_column_of_several_outputs, gather_output, skip_bias_add, sequence_parallel)
+
+
 def check_rank_env():
     import os
 

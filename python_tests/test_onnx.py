@@ -164,6 +164,8 @@ def dense_block():
                                r"LayerNormalization"),
     ({"mlp.0": "vocab"}, 2, r"plan\['mlp.0'\]: style 'vocab' applies to Gather nodes"),
     ({"mlp.0": "diagonal"}, 2, r"plan\['mlp.0'\]: unknown style 'diagonal'; expected one of 'colwise', 'rowwise'"),
+    ({"mlp.0": ("colwise", [4, 4])}, 2, r"plan\['mlp.0'\]: unknown style \('colwise', \[4, 4\]\); .* by "
+                                         r"tp_kernels.parallelize only"),
     ({"attn.q_proj": "colwise"}, 4, r"plan\['attn.q_proj'\]: .* \(colwise\) has out_features=30, which the world "
                                     r"size 4 does not divide"),
     ({"mlp.2": "rowwise"}, 3, r"plan\['mlp.2'\]: .* \(rowwise\) has in_features=34, which the world size 3"),

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from . import _collectives as coll
 from ._agreement import agree
-from .layers import block_of, sharded_blocks
+from .layers import block_of, full_of, sharded_blocks
 
 __all__ = ["full_state_dict", "load_full_state_dict", "load_sharded_optimizer_state_dict",
            "sharded_optimizer_state_dict", "sharded_state_dict"]
@@ -54,7 +54,7 @@ def full_state_dict(module: nn.Module, *, cpu_offload: bool = False,
     full = {}
     for key, value in state.items():
         if key in blocks:
-            _, dim, _ = blocks[key]
+            _, dim, layer = blocks[key]
             block = value.movedim(dim, 0).contiguous()  # the rank's block along dim, as dim 0
             if rank0_only:
                 out = torch.empty((coll.group_size(group) * block.shape[0], *block.shape[1:]), dtype=block.dtype,
@@ -64,7 +64,7 @@ def full_state_dict(module: nn.Module, *, cpu_offload: bool = False,
                     continue
             else:
                 stacked = coll.all_gather_dim0(block, group).wait()  # [p*d, ...] along dim
-            value = stacked.movedim(0, dim).contiguous()
+            value = full_of(stacked.movedim(0, dim), dim, layer).contiguous()
         if keep:
             full[key] = value.cpu() if cpu_offload else value
     return full
@@ -123,6 +123,11 @@ def _dtensors(module: nn.Module):
     blocks, group, groups_error = sharded_blocks(module)
     if groups_error:
         raise ValueError(groups_error)
+    for key, (_, _, layer) in blocks.items():
+        if len(layer.split_parts) > 1:
+            raise ValueError(f"module: {key!r} belongs to a layer of {len(layer.split_parts)} outputs side by side "
+                             f"(output_sizes={list(layer.split_parts)}), whose blocks no one DTensor split describes: "
+                             "checkpoint it with full_state_dict and load_full_state_dict")
     if coll.group_size(group) == 1 or not blocks:
         return lambda key, tensor: tensor
     from torch.distributed.device_mesh import DeviceMesh

@@ -86,6 +86,7 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
         self.tp_rank = coll.group_rank(self.group)
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         self.sequence_parallel = bool(sequence_parallel)
+        self.split_parts = (num_embeddings,)  # the rows: one part (layers.block_of)
         self.num_embeddings_per_partition = check_divisible("num_embeddings", num_embeddings, self.tp_size)
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition

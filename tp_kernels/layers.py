@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -72,7 +72,7 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
     """What both layers share: group, sharded parameters, initialization and loading."""
 
     def __init__(self, in_features, out_features, bias, *, sequence_parallel, skip_bias_add,
-                 group, init_method, device, dtype, backend, num_chunks):
+                 group, init_method, device, dtype, backend, num_chunks, output_sizes=None):
         super().__init__()
         check_int("in_features", in_features)
         check_int("out_features", out_features)
@@ -91,12 +91,15 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
         # each layer's sharded_parameters: rows of [out, in] (column-parallel), or columns
         if self.sharded_parameters["weight"] == 0:
             self.out_features_per_partition = check_divisible("out_features", out_features, self.tp_size)
+            #: the parts the split dim is made of (full sizes), each split into tp_size blocks
+            self.split_parts = check_output_sizes(output_sizes, out_features, self.tp_size)
             self.in_features_per_partition = in_features
             shape = (self.out_features_per_partition, in_features)
             bias_len = self.out_features_per_partition
         else:
             self.in_features_per_partition = check_divisible("in_features", in_features, self.tp_size)
             self.out_features_per_partition = out_features
+            self.split_parts = (in_features,)
             shape = (out_features, self.in_features_per_partition)
             bias_len = out_features
         factory = {"device": device, "dtype": dtype}
@@ -183,6 +186,11 @@ class ColumnParallelLinear(_ParallelLinear):
         bias: whether to learn a bias (this rank holds its ``[out/p]`` block).
         gather_output: all-gather the output's last dim, returning ``[..., out]`` on every rank
             instead of this rank's ``[..., out/p]``.
+        output_sizes: the output as several outputs side by side (a fused projection: the
+            ``[q, k, v]`` of attention, the ``[gate, up]`` of a gated MLP), their sizes summing to
+            ``out_features``, each divisible by p: each is split across the ranks, so that rank r
+            holds block r of each, ``[q_r, k_r, v_r]`` (vLLM's ``MergedColumnParallelLinear`` /
+            ``QKVParallelLinear``). Default: one output.
         sequence_parallel: the input is this rank's block of dim 0, ``[s/p, ..., in]``; it is
             all-gathered (overlapped with the GEMM) to give ``[s, ..., out/p]``.
         skip_bias_add: return ``(Y without bias, bias)`` for a later fused add. With
@@ -206,11 +214,11 @@ class ColumnParallelLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, gather_output: bool = False,
                  sequence_parallel: bool = False, skip_bias_add: bool = False, group=None,
                  init_method: Optional[InitMethod] = None, device=None, dtype=None, backend: str = "auto",
-                 num_chunks: Optional[int] = None):
+                 num_chunks: Optional[int] = None, output_sizes: Optional[Sequence[int]] = None):
         self.gather_output = bool(gather_output)
         super().__init__(in_features, out_features, bias, sequence_parallel=sequence_parallel,
                          skip_bias_add=skip_bias_add, group=group, init_method=init_method, device=device,
-                         dtype=dtype, backend=backend, num_chunks=num_chunks)
+                         dtype=dtype, backend=backend, num_chunks=num_chunks, output_sizes=output_sizes)
 
     def forward(self, input_: torch.Tensor):
         bias = None if self.skip_bias_add else self.bias
@@ -221,16 +229,17 @@ class ColumnParallelLinear(_ParallelLinear):
             # [..., in] x [in, out/p] -> [..., out/p]; backward all-reduces d(input)
             out = self._op("linear_with_grad_all_reduce", input_, bias)
         if self.gather_output:
-            out = gather_last_dim(out, self.group)  # [..., out]
+            out = full_of(gather_last_dim(out, self.group), -1, self)  # [..., out]
         if not self.skip_bias_add:
             return out
         out_bias = self.bias
         if out_bias is not None and self.gather_output:
-            out_bias = gather_last_dim(out_bias, self.group)
+            out_bias = full_of(gather_last_dim(out_bias, self.group), -1, self)
         return out, out_bias
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", gather_output={self.gather_output}"
+        parts = f", output_sizes={list(self.split_parts)}" if len(self.split_parts) > 1 else ""
+        return super().extra_repr() + f", gather_output={self.gather_output}" + parts
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -312,13 +321,46 @@ class RowParallelLinear(_ParallelLinear):
         return super().extra_repr() + f", input_is_parallel={self.input_is_parallel}"
 
 
+def check_output_sizes(output_sizes, out_features: int, p: int) -> Tuple[int, ...]:
+    """``output_sizes`` as a tuple, checked: positive ints summing to ``out_features``, each
+    divisible by ``p`` (``(out_features,)`` for None)."""
+    if output_sizes is None:
+        return (out_features,)
+    if isinstance(output_sizes, (str, bytes)) or not isinstance(output_sizes, Sequence) or not output_sizes:
+        raise ValueError(f"output_sizes: expected a non-empty sequence of ints, got {output_sizes!r}")
+    for j, size in enumerate(output_sizes):
+        check_int(f"output_sizes[{j}]", size)
+        check_divisible(f"output_sizes[{j}]", size, p)
+    if sum(output_sizes) != out_features:
+        raise ValueError(f"output_sizes: {list(output_sizes)} sum to {sum(output_sizes)}, not to "
+                         f"out_features={out_features}")
+    return tuple(output_sizes)
+
+
 def block_of(full: torch.Tensor, dim: Optional[int], layer: nn.Module) -> torch.Tensor:
-    """This rank's block of ``full`` split along ``dim`` into ``layer.tp_size`` equal blocks (its
-    ``tp_rank``-th), a view; ``full`` itself where ``dim`` is None (a parameter held whole)."""
+    """This rank's block of ``full`` split along ``dim``: of each of ``layer.split_parts`` (the
+    parts that dim is made of, one for most layers), the ``tp_rank``-th of ``tp_size`` equal blocks,
+    side by side (a view where there is one part); ``full`` itself where ``dim`` is None (a
+    parameter held whole)."""
     if dim is None:
         return full
-    size = full.shape[dim] // layer.tp_size
-    return full.narrow(dim, layer.tp_rank * size, size)
+    r, p = layer.tp_rank, layer.tp_size
+    if len(layer.split_parts) == 1:
+        size = full.shape[dim] // p
+        return full.narrow(dim, r * size, size)
+    return torch.cat([part.narrow(dim, r * (part.shape[dim] // p), part.shape[dim] // p)
+                      for part in full.split(layer.split_parts, dim)], dim)
+
+
+def full_of(blocks: torch.Tensor, dim: int, layer: nn.Module) -> torch.Tensor:
+    """The full tensor whose blocks (:func:`block_of`) every rank's are: ``blocks`` is them side
+    by side along ``dim``, rank-major (as an all-gather joins them). ``blocks`` itself where the dim
+    is made of one part."""
+    if len(layer.split_parts) == 1:
+        return blocks
+    p = layer.tp_size
+    pieces = [rank_block.split([size // p for size in layer.split_parts], dim) for rank_block in blocks.chunk(p, dim)]
+    return torch.cat([pieces[r][j] for j in range(len(layer.split_parts)) for r in range(p)], dim)
 
 
 def sharded_blocks(module: nn.Module) -> Tuple[Dict[str, tuple], object, Optional[str]]:

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from . import _collectives as coll
 from .embedding import VocabParallelEmbedding
-from .layers import ColumnParallelLinear, RowParallelLinear
+from .layers import ColumnParallelLinear, RowParallelLinear, check_output_sizes
 
 __all__ = ["STYLES", "parallelize"]
 
@@ -19,6 +19,20 @@ STYLES = {
     "rowwise": (nn.Linear, RowParallelLinear),
     "vocab": (nn.Embedding, VocabParallelEmbedding),
 }
+
+
+def _style(pattern: str, value) -> tuple:
+    """A plan's value as ``(style, output_sizes or None)``: a style, or ``("colwise", sizes)``."""
+    if isinstance(value, str):
+        style, sizes = value, None
+    elif isinstance(value, (tuple, list)) and len(value) == 2 and value[0] == "colwise":
+        style, sizes = value
+    else:
+        raise ValueError(f"plan[{pattern!r}]: expected a style ({', '.join(map(repr, STYLES))}) or "
+                         f"('colwise', output_sizes), got {value!r}")
+    if style not in STYLES:
+        raise ValueError(f"plan[{pattern!r}]: unknown style {style!r}; expected one of {', '.join(map(repr, STYLES))}")
+    return style, sizes
 
 
 def _split_size(style: str, module) -> tuple:
@@ -36,8 +50,11 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], *, group=None, seque
     ``plan`` maps ``fnmatch`` patterns over qualified submodule names (``"layers.*.mlp.fc1"``)
     to a style: ``"colwise"`` (``nn.Linear`` → :class:`ColumnParallelLinear`), ``"rowwise"``
     (``nn.Linear`` → :class:`RowParallelLinear`, input already parallel) or ``"vocab"``
-    (``nn.Embedding`` → :class:`VocabParallelEmbedding`). Each replacement holds this rank's
-    shard of the existing weights, so a dense model computes the same function afterwards
+    (``nn.Embedding`` → :class:`VocabParallelEmbedding`). A fused projection, several outputs side
+    by side in one ``nn.Linear`` (``[q, k, v]``, ``[gate, up]``), takes ``("colwise",
+    output_sizes)``: each output is split across the ranks (the layer's ``output_sizes``), where
+    a plain ``"colwise"`` would give rank 0 the first outputs whole. Each replacement holds this
+    rank's shard of the existing weights, so a dense model computes the same function afterwards
     (the code around the layers must use the local sizes, e.g. heads per rank).
 
     With ``sequence_parallel=True`` the layers are built with sequence parallelism: the
@@ -62,11 +79,10 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], *, group=None, seque
     group = coll.resolve_group(group)
     p = coll.group_size(group)
     named = [(name, m) for name, m in module.named_modules(remove_duplicate=False) if name]
-    chosen: Dict[str, str] = {}
-    style_of: Dict[int, tuple] = {}  # id(module) -> (style, name): one style per module object
-    for pattern, style in plan.items():
-        if style not in STYLES:
-            raise ValueError(f"plan[{pattern!r}]: unknown style {style!r}; expected one of {', '.join(map(repr, STYLES))}")
+    chosen: Dict[str, tuple] = {}  # name -> (style, output_sizes or None)
+    style_of: Dict[int, tuple] = {}  # id(module) -> (style, name, output_sizes): one style per module object
+    for pattern, entry in plan.items():
+        style, sizes = _style(pattern, entry)
         expected = STYLES[style][0]
         hits = [(name, m) for name, m in named if fnmatch.fnmatchcase(name, pattern)]
         if not hits:
@@ -80,19 +96,25 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], *, group=None, seque
             if value % p:
                 raise ValueError(f"plan[{pattern!r}]: {name!r} ({style}) has {size}={value}, which the tensor-parallel "
                                  f"size {p} does not divide")
-            first_style, first_name = style_of.setdefault(id(m), (style, name))
-            if first_style != style:
+            if sizes is not None:
+                try:
+                    sizes = check_output_sizes(sizes, m.out_features, p)
+                except ValueError as exc:
+                    raise ValueError(f"plan[{pattern!r}]: {name!r}: {exc}") from None
+            first_style, first_name, first_sizes = style_of.setdefault(id(m), (style, name, sizes))
+            if (first_style, first_sizes) != (style, sizes):
                 raise ValueError(
-                    f"plan: {name!r} is matched as {style!r}, but the same module ({first_name!r}) as {first_style!r}"
+                    f"plan: {name!r} is matched as {_describe(style, sizes)}, but the same module ({first_name!r}) "
+                    f"as {_describe(first_style, first_sizes)}"
                 )
-            chosen[name] = style
+            chosen[name] = (style, sizes)
 
     ties = _ties(module, named, style_of)
 
     # Build each replacement once, then swap every name under which the module is reachable
     # (a module shared under two names must not stay dense under the one the plan missed).
     replaced: Dict[int, nn.Module] = {}
-    for name, style in chosen.items():
+    for name, (style, sizes) in chosen.items():
         old = module.get_submodule(name)
         if id(old) in replaced:
             continue
@@ -100,7 +122,8 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], *, group=None, seque
         if style == "vocab":
             replaced[id(old)] = build.from_embedding(old, group=group, sequence_parallel=sequence_parallel)
         elif style == "colwise":
-            replaced[id(old)] = build.from_linear(old, group=group, sequence_parallel=sequence_parallel)
+            replaced[id(old)] = build.from_linear(old, group=group, sequence_parallel=sequence_parallel,
+                                                  output_sizes=sizes)
         else:
             replaced[id(old)] = build.from_linear(
                 old, group=group, sequence_parallel=sequence_parallel, input_is_parallel=True
@@ -113,6 +136,10 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], *, group=None, seque
         for holder, attr in others:
             setattr(replaced[holder], attr, getattr(replaced[first], first_attr))
     return module
+
+
+def _describe(style: str, sizes) -> str:
+    return repr(style) if sizes is None else repr((style, list(sizes)))
 
 
 def _ties(module: nn.Module, named, style_of: Dict[int, tuple]) -> list:
@@ -128,15 +155,17 @@ def _ties(module: nn.Module, named, style_of: Dict[int, tuple]) -> list:
     for held in holders.values():
         if len(held) < 2 or not any(key[0] in style_of for key in held):
             continue
-        splits = {}  # how each holder's replacement holds it: (style, the dim it splits, or None: whole)
+        # how each holder's replacement holds it: (style, the dim it splits, or None: whole, output_sizes)
+        splits = {}
         for (mid, attr), name in held.items():
-            style = style_of.get(mid, (None,))[0]
-            splits[name] = (style, STYLES[style][1].sharded_parameters.get(attr) if style else None)
-        if any(style is None for style, _ in splits.values()) or len({d for _, d in splits.values()}) > 1:
-            def how(style, d):
+            style, _, sizes = style_of.get(mid, (None, None, None))
+            splits[name] = (style, STYLES[style][1].sharded_parameters.get(attr) if style else None, sizes)
+        if (any(style is None for style, _, _ in splits.values())
+                or len({(d, sizes) for _, d, sizes in splits.values()}) > 1):
+            def how(style, d, sizes):
                 if style is None:
                     return "left dense"
-                return f"{style}, " + ("whole" if d is None else f"split along dim {d}")
+                return f"{_describe(style, sizes)}, " + ("whole" if d is None else f"split along dim {d}")
 
             listing = ", ".join(f"{name!r} ({how(*split)})" for name, split in splits.items())
             raise ValueError(f"plan: {listing} are one parameter (tied); replace every module that holds it, "

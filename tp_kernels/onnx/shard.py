@@ -139,9 +139,11 @@ class _Sharder:
         nodes = list(self.model.graph.node)
         styles: Dict[int, Tuple[str, str]] = {}
         for pattern, style in plan.items():
-            if style not in STYLES:
+            if not isinstance(style, str) or style not in STYLES:
+                fused = " (a fused projection, ('colwise', output_sizes), is split by tp_kernels.parallelize only)" \
+                    if isinstance(style, (tuple, list)) else ""
                 raise ValueError(f"plan[{pattern!r}]: unknown style {style!r}; expected one of "
-                                 f"{', '.join(map(repr, STYLES))}")
+                                 f"{', '.join(map(repr, STYLES))}{fused}")
             hits = [(i, n) for i, n in enumerate(nodes)
                     if any(fnmatch.fnmatchcase(c, pattern) for c in [n.name, self._weight(n) or ""] + _scopes(n)
                            if c)]
