@@ -838,8 +838,8 @@ def test_full_state_dict_options_with_several_nccl_ranks(shared_gpu_world):
     shared_gpu_world.run(test_parallelize.check_full_state_dict_options, device="cuda")
 
 
-def test_fused_projections_with_several_nccl_ranks(shared_gpu_world):
-    shared_gpu_world.run(test_parallelize.check_fused_projections, device="cuda")
+def test_fused_projections_with_several_nccl_ranks(shared_gpu_world, tmp_path):
+    shared_gpu_world.run(test_parallelize.check_fused_projections, str(tmp_path), device="cuda")
 
 
 def test_distributed_checkpoint_with_several_nccl_ranks(shared_gpu_world, tmp_path):

@@ -333,11 +333,19 @@ class FusedBlock(nn.Module):
         return x + self.down(F.silu(gate) * up)
 
 
-def check_fused_projections(device="cpu"):
+def _blocks_of_outputs(full, sizes, dim, r, p):
+    """Rank r's blocks of each of the outputs of ``sizes`` along ``dim`` of ``full``, side by side."""
+    return torch.cat([block(part, dim, r, p) for part in full.split(sizes, dim)], dim)
+
+
+def check_fused_projections(path, device="cpu"):
     """("colwise", output_sizes) shards fused projections so that the dense block's own code
     computes the dense result (a plain "colwise" does not), gradients included; full_state_dict
-    gives the dense state dict back, which a model over half the ranks loads; the sharded state
-    dict for dcp refuses such a layer rather than describe its blocks wrongly."""
+    gives the dense state dict back, which a model over half the ranks loads; and dcp, through
+    the sharded state dicts (an entry per output), moves the model and its Adam state from all the
+    ranks to half of them: the dense model's weights and moments."""
+    import torch.distributed.checkpoint as dcp
+
     r, p = rank_world()
     hidden, heads, ffn, s, b = 7, 2 * p, 3 * p, 4, 2
     torch.manual_seed(0)
@@ -353,32 +361,58 @@ def check_fused_projections(device="cpu"):
     want.square().sum().backward()
     got.square().sum().backward()
     torch.testing.assert_close(xp.grad, xd.grad, rtol=1e-12, atol=1e-12)
-    full_grads = {"qkv": dense.qkv.weight.grad, "gate_up": dense.gate_up.weight.grad}
-    for name, sizes in (("qkv", dense.sizes), ("gate_up", [ffn, ffn])):
-        mine = torch.cat([block(part, 0, r, p) for part in full_grads[name].split(sizes)])
-        torch.testing.assert_close(par.get_submodule(name).weight.grad, mine, rtol=1e-12, atol=1e-12)
+    fused = {"qkv.weight": dense.sizes, "qkv.bias": dense.sizes, "gate_up.weight": [ffn, ffn]}
+    for name, sizes in fused.items():
+        torch.testing.assert_close(par.get_parameter(name).grad,
+                                   _blocks_of_outputs(dense.get_parameter(name).grad, sizes, 0, r, p),
+                                   rtol=1e-12, atol=1e-12)
     if p > 1:  # the hazard: a plain split of the fused rows gives some ranks whole outputs
         plain = tp_kernels.parallelize(copy.deepcopy(dense), dict(plan, qkv="colwise", gate_up="colwise"))
         assert not torch.allclose(plain(x), dense(x))
-    full = tp_kernels.full_state_dict(par)
+    full = {k: v.clone() for k, v in tp_kernels.full_state_dict(par).items()}  # (it shares memory, as state_dict())
+    dense_before = copy.deepcopy(dense)
     assert list(full) == list(dense.state_dict())
     for key, value in dense.state_dict().items():
         assert torch.equal(full[key], value), key
-    with pytest.raises(ValueError, match=r"'qkv.weight' belongs to a layer of 3 outputs side by side .*full_state_dict"):
-        tp_kernels.sharded_state_dict(par)
+    assert {"qkv.weight[0]", "qkv.weight[2]", "gate_up.weight[1]"} <= set(tp_kernels.sharded_state_dict(par))
+    dense_opt, par_opt = torch.optim.Adam(dense.parameters(), lr=0.1), torch.optim.Adam(par.parameters(), lr=0.1)
+    dense_opt.step(), par_opt.step()
+    saved = {k: v.clone() for k, v in tp_kernels.full_state_dict(par).items()}  # what a load must give back
+    dcp.save({"model": tp_kernels.sharded_state_dict(par),
+              "optim": tp_kernels.sharded_optimizer_state_dict(par, par_opt)}, checkpoint_id=path)
     tp_kernels.initialize_model_parallel(max(p // 2, 1))
     try:
+        q, n = tp_kernels.get_tensor_model_parallel_rank(), tp_kernels.get_tensor_model_parallel_world_size()
         torch.manual_seed(1)
         narrow = tp_kernels.parallelize(FusedBlock(hidden, heads, ffn).double().to(device), plan)
         tp_kernels.load_full_state_dict(narrow, full)
-        torch.testing.assert_close(narrow(x), dense(x), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(narrow(x), dense_before(x), rtol=1e-12, atol=1e-12)
+        narrow_opt = torch.optim.Adam(narrow.parameters(), lr=0.1)
+        state = {"model": tp_kernels.sharded_state_dict(narrow),
+                 "optim": tp_kernels.sharded_optimizer_state_dict(narrow, narrow_opt)}
+        dcp.load(state, checkpoint_id=path)  # the model in place
+        tp_kernels.load_sharded_optimizer_state_dict(narrow, narrow_opt, state["optim"])
+        after = tp_kernels.full_state_dict(narrow)
+        for key, value in saved.items():
+            assert torch.equal(after[key], value), key
+        dense_params = dict(dense.named_parameters())
+        for name, param in narrow.named_parameters():
+            want_state, got_state = dense_opt.state[dense_params[name]], narrow_opt.state[param]
+            for k in ("exp_avg", "exp_avg_sq"):
+                want = want_state[k]
+                if name in fused:
+                    want = _blocks_of_outputs(want, fused[name], 0, q, n)
+                elif name.endswith("weight") and name.partition(".")[0] in ("o_proj", "down"):
+                    want = block(want, 1, q, n)
+                torch.testing.assert_close(got_state[k], want, rtol=1e-10, atol=1e-16, msg=lambda m: f"{name} {k}: {m}")
+            assert float(got_state["step"]) == 1.0, name
     finally:
         tp_kernels.destroy_model_parallel()
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
-def test_fused_projections(world):
-    world.run(check_fused_projections)
+def test_fused_projections(world, tmp_path):
+    world.run(check_fused_projections, str(tmp_path))
 
 
 def check_tied_embedding_stays_tied():

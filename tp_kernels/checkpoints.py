@@ -74,7 +74,12 @@ def sharded_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
     """``module.state_dict()`` for ``torch.distributed.checkpoint``: each parallel layer's
     ``sharded_parameters`` as a ``DTensor`` over its group (``Shard(dim)``: this rank's block of
     the full tensor, sharing the parameter's memory), every other entry as it is (the same on
-    every rank of the group), all detached from autograd. With one rank, the plain state dict.
+    every rank of the group), all detached from autograd. With one rank, plain tensors.
+
+    A column layer of several outputs (``output_sizes``) holds a block of each output, which no
+    one ``Shard`` of the fused tensor describes: its sharded parameters are entries
+    ``"<name>[j]"``, one per output ``j``, each a ``DTensor`` of that output (with one rank too, as
+    plain tensors, so that checkpoints move between sizes).
 
     ``dcp.save(sharded_state_dict(model), checkpoint_id=path)`` writes each block once, with its
     place in the full tensor; ``dcp.load(sharded_state_dict(model), checkpoint_id=path)`` reads
@@ -82,8 +87,11 @@ def sharded_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
     ``state_dict()`` must not go to ``dcp``: it names every rank's block as one tensor, which
     ``dcp`` takes for a replicated one and saves from one rank only."""
     state = {key: value.detach() for key, value in module.state_dict(keep_vars=True).items()}
-    as_dtensor = _dtensors(module)
-    return {key: as_dtensor(key, value) for key, value in state.items()}
+    entries, _ = _entries(module)
+    out: Dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        out.update(entries(key, value))
+    return out
 
 
 def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, object]:
@@ -91,14 +99,19 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
     gives the model's: torch's ``get_optimizer_state_dict(module, optimizer)`` (the state keyed by
     parameter name, made first where the optimizer has taken no step, so that ``dcp.load`` has
     tensors to read into), with each state tensor of a sharded parameter (Adam's moments, a
-    momentum) a ``DTensor`` split as its parameter is. Save it with ``dcp.save``; to resume,
-    ``dcp.load`` into a fresh one, then :func:`load_sharded_optimizer_state_dict`."""
+    momentum) a ``DTensor`` split as its parameter is (for a layer of several outputs, under
+    ``"<name>[j]"`` as there). Save it with ``dcp.save``; to resume, ``dcp.load`` into a fresh one,
+    then :func:`load_sharded_optimizer_state_dict`."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     state = get_optimizer_state_dict(module, optimizer)
-    as_dtensor = _dtensors(module)
+    entries, _ = _entries(module)
+    split: Dict[str, Dict[str, object]] = {}
     for name, per_param in state["state"].items():
-        state["state"][name] = {k: as_dtensor(name, v) for k, v in per_param.items()}
+        for k, v in per_param.items():
+            for entry, value in entries(name, v).items():
+                split.setdefault(entry, {})[k] = value
+    state["state"] = split
     return state
 
 
@@ -106,50 +119,70 @@ def load_sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.
                                       state: Dict[str, object]) -> None:
     """Give ``optimizer`` the state that ``dcp.load`` read into ``state`` (a
     :func:`sharded_optimizer_state_dict`): torch's ``set_optimizer_state_dict``, with this rank's
-    blocks of the ``DTensor`` s."""
+    blocks of the ``DTensor`` s (a layer's outputs' blocks joined again)."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+    _, join = _entries(module)
     local = dict(state)
-    local["state"] = {name: {k: v.to_local() if hasattr(v, "to_local") else v for k, v in per_param.items()}
-                      for name, per_param in state["state"].items()}
+    local["state"] = join({name: {k: v.to_local() if hasattr(v, "to_local") else v for k, v in per_param.items()}
+                           for name, per_param in state["state"].items()})
     set_optimizer_state_dict(module, optimizer, local)
 
 
-def _dtensors(module: nn.Module):
-    """``as_dtensor(key, tensor)``: ``tensor`` as a ``DTensor`` over the group when ``key`` names a
-    parameter of which this rank holds a block and ``tensor`` has that block's shape (the parameter,
-    or its optimizer state), split as the parameter is; else ``tensor`` itself. With one rank,
-    always ``tensor`` itself."""
+def _entries(module: nn.Module):
+    """``(entries, join)`` for the sharded state dicts of ``module``.
+
+    ``entries(key, tensor)``: the entries under which ``tensor`` is saved, ``{key: tensor}`` unless
+    ``key`` names a parameter of which this rank holds a block and ``tensor`` has that block's shape
+    (the parameter, or its optimizer state): then ``{key: DTensor}``, split as the parameter is, or,
+    for a layer of several outputs, ``{"key[j]": DTensor of output j}`` (views of ``tensor``). With
+    one rank, plain tensors. ``join(per_name)``: the optimizer's state by name again, each
+    ``"key[j]"`` joined into ``key`` (this rank's blocks side by side, as the parameter holds them)."""
     blocks, group, groups_error = sharded_blocks(module)
     if groups_error:
         raise ValueError(groups_error)
-    for key, (_, _, layer) in blocks.items():
-        if len(layer.split_parts) > 1:
-            raise ValueError(f"module: {key!r} belongs to a layer of {len(layer.split_parts)} outputs side by side "
-                             f"(output_sizes={list(layer.split_parts)}), whose blocks no one DTensor split describes: "
-                             "checkpoint it with full_state_dict and load_full_state_dict")
-    if coll.group_size(group) == 1 or not blocks:
-        return lambda key, tensor: tensor
-    from torch.distributed.device_mesh import DeviceMesh
-    try:
-        from torch.distributed.tensor import DTensor, Shard
-    except ImportError:  # torch < 2.5
-        from torch.distributed._tensor import DTensor, Shard
-
+    p = coll.group_size(group)
     meshes: Dict[str, object] = {}  # device type -> the group's mesh
 
-    def as_dtensor(key: str, tensor):
-        if key not in blocks or not isinstance(tensor, torch.Tensor) or tensor.shape != blocks[key][0].shape:
+    def sharded(tensor, dim: int, full: int):
+        if p == 1:
             return tensor
-        _, dim, layer = blocks[key]
+        from torch.distributed.device_mesh import DeviceMesh
+        try:
+            from torch.distributed.tensor import DTensor, Shard
+        except ImportError:  # torch < 2.5
+            from torch.distributed._tensor import DTensor, Shard
         if tensor.device.type not in meshes:
             meshes[tensor.device.type] = DeviceMesh.from_group(group, tensor.device.type)
         shape = list(tensor.shape)
-        shape[dim] *= layer.tp_size
+        shape[dim] = full
         return DTensor.from_local(tensor, meshes[tensor.device.type], [Shard(dim)], run_check=False,
                                   shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
 
-    return as_dtensor
+    def entries(key: str, tensor) -> Dict[str, object]:
+        if key not in blocks or not isinstance(tensor, torch.Tensor) or tensor.shape != blocks[key][0].shape:
+            return {key: tensor}
+        _, dim, layer = blocks[key]
+        parts = layer.split_parts
+        if len(parts) == 1:
+            return {key: sharded(tensor, dim, tensor.shape[dim] * layer.tp_size)}
+        pieces = tensor.split([size // layer.tp_size for size in parts], dim)
+        return {f"{key}[{j}]": sharded(piece, dim, size) for j, (piece, size) in enumerate(zip(pieces, parts))}
+
+    def join(per_name: Dict[str, Dict[str, object]]) -> Dict[str, Dict[str, object]]:
+        joined = dict(per_name)
+        for key, (_, dim, layer) in blocks.items():
+            names = [f"{key}[{j}]" for j in range(len(layer.split_parts))]
+            if len(names) == 1 or names[0] not in joined:
+                continue
+            per_part = [joined.pop(name) for name in names]
+            whole = dict(joined.get(key, {}))
+            for k in per_part[0]:
+                whole[k] = torch.cat([part[k] for part in per_part], dim)
+            joined[key] = whole
+        return joined
+
+    return entries, join
 
 
 def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True):
