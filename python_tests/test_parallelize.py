@@ -445,7 +445,9 @@ def check_tied_embedding_stays_tied():
     torch.testing.assert_close(par.block.mlp[0].weight, block(dense.block.mlp[0].weight, 0, r, p), rtol=1e-12,
                                atol=1e-12)
     for plan, what in [({"emb": "vocab"}, "'head.weight' (left dense)"),
-                       ({"emb": "vocab", "head": "rowwise"}, "'head.weight' (rowwise, split along dim 1)")]:
+                       ({"emb": "vocab", "head": "rowwise"}, "'head.weight' (rowwise, split along dim 1)"),
+                       ({"emb": "vocab", "head": ("colwise", [2 * p, 2 * p])},
+                        f"'head.weight' (colwise of outputs [{2 * p}, {2 * p}], split along dim 0)")]:
         model = tied_model()
         with pytest.raises(ValueError, match="are one parameter \\(tied\\)") as info:
             tp_kernels.parallelize(model, plan)

@@ -165,7 +165,8 @@ def _ties(module: nn.Module, named, style_of: Dict[int, tuple]) -> list:
             def how(style, d, sizes):
                 if style is None:
                     return "left dense"
-                return f"{_describe(style, sizes)}, " + ("whole" if d is None else f"split along dim {d}")
+                parts = "" if sizes is None else f" of outputs {list(sizes)}"
+                return f"{style}{parts}, " + ("whole" if d is None else f"split along dim {d}")
 
             listing = ", ".join(f"{name!r} ({how(*split)})" for name, split in splits.items())
             raise ValueError(f"plan: {listing} are one parameter (tied); replace every module that holds it, "
