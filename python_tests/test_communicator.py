@@ -206,6 +206,36 @@ def test_bad_inputs_are_named_on_every_rank(world, with_fingerprints):
     world.run(check_bad_calls, with_fingerprints, deadline_s=DEADLINE_S)
 
 
+def check_dtypes_gloo_does_not_carry():
+    """A host tensor of a dtype gloo does not move (int16, the unsigned ints, float8), which gloo
+    takes and fails only when the work runs, as a dead peer would, is a ValueError on every rank
+    before anything is sent, for every collective, a mapping and send/recv; the group works after."""
+    r, p = rank_world()
+    comm = Communicator()
+    calls = {
+        "all_reduce": lambda t: comm.all_reduce(t),
+        "all_gather": lambda t: comm.all_gather(t),
+        "gather": lambda t: comm.gather(t),
+        "reduce_scatter": lambda t: comm.reduce_scatter(t),
+        "broadcast": lambda t: comm.broadcast(t),
+        "mapping": lambda t: tp_kernels.mappings.gather_from_tensor_model_parallel_region(t),
+        "send/recv": lambda t: comm.send(t, 1) if r == 0 else comm.recv(t.shape, t.dtype, 0) if r == 1 else None,
+    }
+    for dtype in (torch.int16, torch.uint16, torch.float8_e4m3fn):
+        for name, call in calls.items():
+            if name == "send/recv" and r > 1:
+                continue
+            with pytest.raises(ValueError, match=f"gloo, the group's backend for host tensors, does not carry {dtype}"):
+                call(torch.zeros(2 * p, 3).to(dtype))
+                pytest.fail(f"{name} of {dtype} did not raise")
+    assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(p)))
+
+
+@pytest.mark.parametrize("world", [2, 4], indirect=True)
+def test_dtypes_gloo_does_not_carry_are_refused_before_anything_moves(world):
+    world.run(check_dtypes_gloo_does_not_carry)
+
+
 def test_bad_constructor_arguments():
     with pytest.raises(ValueError, match=r"backend: expected one of .*'auto'.*got 'nccl'"):
         Communicator(backend="nccl")

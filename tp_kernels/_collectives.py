@@ -226,9 +226,40 @@ def _dead_peer_error(what: What, group, timeout: float, exc: BaseException) -> R
     )
 
 
-def _issue(what: What, group, start, *args):
-    """``start(*args)``: a collective's start, whose failure (a peer's connection gone, say) is
-    raised as :func:`wait` raises a failed wait."""
+#: The dtypes gloo moves (its ``GENERATE_ALL_TYPES``): it takes a host tensor of another one (int16,
+#: the unsigned ints, float8) and fails only when the work runs ("Invalid scalar type"), as a dead
+#: peer would. Complex tensors travel as their real views.
+GLOO_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+                         torch.int32, torch.int64, torch.bool})
+
+
+def _host_backend(group) -> str:
+    """The backend ``group`` moves host tensors with (``"gloo"`` for ``"cpu:gloo,cuda:nccl"``)."""
+    if hasattr(dist, "get_backend_config"):
+        for entry in dist.get_backend_config(group).split(","):
+            device, _, backend = entry.partition(":")
+            if device == "cpu":
+                return backend
+        return ""
+    return str(dist.get_backend(group))
+
+
+def _check_carried(what: What, x: torch.Tensor, group) -> None:
+    """A ``ValueError`` where ``x`` is a host tensor of a dtype gloo, ``group``'s host backend, does
+    not move (:data:`GLOO_DTYPES`): raised on every rank alike, before anything is sent."""
+    if x.dtype in GLOO_DTYPES or x.is_cuda or x.is_complex() or _host_backend(group) != "gloo":
+        return
+    carried = ", ".join(sorted(str(d).rpartition(".")[2] for d in GLOO_DTYPES))
+    raise ValueError(f"tp_kernels: {what() if callable(what) else what}: gloo, the group's backend for host "
+                     f"tensors, does not carry {x.dtype} (it carries {carried}, and complex): convert the tensor "
+                     "first")
+
+
+def _issue(what: What, group, x: torch.Tensor, start, *args):
+    """``start(*args)``: a collective's start, moving ``x`` (its dtype checked first,
+    :func:`_check_carried`), whose failure (a peer's connection gone, say) is raised as :func:`wait`
+    raises a failed wait."""
+    _check_carried(what, x, group)
     try:
         return start(*args)
     except RuntimeError as exc:  # RuntimeError or DistBackendError from the backend
@@ -276,7 +307,7 @@ def all_gather_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] = Non
     if out is None:
         out = x.new_empty((x.shape[0] * p,) + tuple(x.shape[1:]))
     what = _about("all-gather", x)
-    work = _issue(what, group, _pg_all_gather, out, x, group)
+    work = _issue(what, group, x, _pg_all_gather, out, x, group)
     return Pending(out, (work,), what, group)
 
 
@@ -318,7 +349,7 @@ def swap_bytes(payload: bytes, peer: int, group, device: torch.device) -> bytes:
     theirs = torch.empty_like(mine)
     other = dist.get_global_rank(group, peer)
     what = _about("exchange", mine, "with rank", peer)
-    works = _issue(what, group, lambda: dist.batch_isend_irecv([
+    works = _issue(what, group, mine, lambda: dist.batch_isend_irecv([
         dist.P2POp(dist.isend, mine, other, group=group),
         dist.P2POp(dist.irecv, theirs, other, group=group),
     ]))
@@ -350,7 +381,7 @@ def reduce_scatter_dim0(x: torch.Tensor, group, *, out: Optional[torch.Tensor] =
         r = group_rank(group)
         return Pending(out, deps=(summed,), what=what, group=group,
                        finish=lambda o: o.copy_(summed.tensor[r * mp : (r + 1) * mp]))
-    work = _issue(what, group, _pg_reduce_scatter, out, x, group)
+    work = _issue(what, group, x, _pg_reduce_scatter, out, x, group)
     return Pending(out, (work,), what, group)
 
 
@@ -364,7 +395,7 @@ def all_reduce(x: torch.Tensor, group, *, op=dist.ReduceOp.SUM, inplace: bool = 
     if not (inplace and x.is_contiguous()):
         x = x.contiguous() if inplace else x.clone(memory_format=torch.contiguous_format)
     what = _about("all-reduce", x)
-    work = _issue(what, group, _pg_all_reduce, x, group, op)
+    work = _issue(what, group, x, _pg_all_reduce, x, group, op)
     return Pending(x, (work,), what, group)
 
 
@@ -374,7 +405,7 @@ def broadcast(x: torch.Tensor, src: int, group) -> Pending:
         return _local(x, None, "broadcast")
     what = _about("broadcast", x, "from rank", src)
     root = dist.get_global_rank(group, src)
-    work = _issue(what, group, lambda: dist.broadcast(x, src=root, group=group, async_op=True))
+    work = _issue(what, group, x, lambda: dist.broadcast(x, src=root, group=group, async_op=True))
     return Pending(x, (work,), what, group)
 
 
@@ -388,21 +419,21 @@ def gather(x: torch.Tensor, out: Optional[torch.Tensor], dst: int, group) -> Pen
     # complex tensors viewed as real: torch's gather, unlike its other collectives, does not
     blocks = [_as_real(b) for b in out.chunk(p)] if out is not None else None
     root = dist.get_global_rank(group, dst)
-    work = _issue(what, group, lambda: dist.gather(_as_real(x), blocks, dst=root, group=group, async_op=True))
+    work = _issue(what, group, x, lambda: dist.gather(_as_real(x), blocks, dst=root, group=group, async_op=True))
     return Pending(x if out is None else out, (work,), what, group)
 
 
 def send(x: torch.Tensor, dst: int, group) -> Pending:
     """Start sending contiguous ``x`` to group rank ``dst``."""
     what = _about("send", x, "to rank", dst)
-    work = _issue(what, group, lambda: dist.isend(x, dst=dist.get_global_rank(group, dst), group=group))
+    work = _issue(what, group, x, lambda: dist.isend(x, dst=dist.get_global_rank(group, dst), group=group))
     return Pending(x, (work,), what, group)
 
 
 def recv(out: torch.Tensor, src: int, group) -> Pending:
     """Start receiving contiguous ``out`` from group rank ``src``."""
     what = _about("recv", out, "from rank", src)
-    work = _issue(what, group, lambda: dist.irecv(out, src=dist.get_global_rank(group, src), group=group))
+    work = _issue(what, group, out, lambda: dist.irecv(out, src=dist.get_global_rank(group, src), group=group))
     return Pending(out, (work,), what, group)
 
 
@@ -425,7 +456,7 @@ def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group, tag: int, what:
     order = schedule.ring(group_rank(group), group_size(group))
     nxt = dist.get_global_rank(group, order.next)
     prv = dist.get_global_rank(group, order.prev)
-    works = _issue(what, group, lambda: dist.batch_isend_irecv([
+    works = _issue(what, group, send, lambda: dist.batch_isend_irecv([
         dist.P2POp(dist.isend, send, nxt, group=group, tag=tag),
         dist.P2POp(dist.irecv, recv, prv, group=group, tag=tag),
     ]))
