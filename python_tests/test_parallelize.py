@@ -338,14 +338,47 @@ def _blocks_of_outputs(full, sizes, dim, r, p):
     return torch.cat([block(part, dim, r, p) for part in full.split(sizes, dim)], dim)
 
 
+def _save_with_dcp(model, opt, path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": tp_kernels.sharded_state_dict(model),
+              "optim": tp_kernels.sharded_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+
+
+def _load_with_dcp(model, path):
+    """A fresh Adam for ``model``, both loaded in place from the dcp checkpoint at ``path``."""
+    import torch.distributed.checkpoint as dcp
+
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    state = {"model": tp_kernels.sharded_state_dict(model), "optim": tp_kernels.sharded_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    tp_kernels.load_sharded_optimizer_state_dict(model, opt, state["optim"])
+    return opt
+
+
+def _assert_dense_moments(model, opt, dense, dense_opt):
+    """Every Adam moment of ``model`` is the dense optimizer's after one step, this rank's block of it
+    as the parameter holds it (float64 closeness: the parallel gradients round otherwise)."""
+    q, n = tp_kernels.get_tensor_model_parallel_rank(), tp_kernels.get_tensor_model_parallel_world_size()
+    dense_params = dict(dense.named_parameters())
+    blocks, _, _ = tp_kernels.layers.sharded_blocks(model)
+    for name, param in model.named_parameters():
+        want_state, got_state = dense_opt.state[dense_params[name]], opt.state[param]
+        for k in ("exp_avg", "exp_avg_sq"):
+            want = want_state[k]
+            if name in blocks:
+                _, dim, layer = blocks[name]
+                want = _blocks_of_outputs(want, layer.split_parts, dim, q, n)
+            torch.testing.assert_close(got_state[k], want, rtol=1e-10, atol=1e-16, msg=lambda m: f"{name} {k}: {m}")
+        assert float(got_state["step"]) == float(want_state["step"]) == 1.0, name
+
+
 def check_fused_projections(path, device="cpu"):
     """("colwise", output_sizes) shards fused projections so that the dense block's own code
     computes the dense result (a plain "colwise" does not), gradients included; full_state_dict
     gives the dense state dict back, which a model over half the ranks loads; and dcp, through
     the sharded state dicts (an entry per output), moves the model and its Adam state from all the
     ranks to half of them: the dense model's weights and moments."""
-    import torch.distributed.checkpoint as dcp
-
     r, p = rank_world()
     hidden, heads, ffn, s, b = 7, 2 * p, 3 * p, 4, 2
     torch.manual_seed(0)
@@ -378,34 +411,18 @@ def check_fused_projections(path, device="cpu"):
     dense_opt, par_opt = torch.optim.Adam(dense.parameters(), lr=0.1), torch.optim.Adam(par.parameters(), lr=0.1)
     dense_opt.step(), par_opt.step()
     saved = {k: v.clone() for k, v in tp_kernels.full_state_dict(par).items()}  # what a load must give back
-    dcp.save({"model": tp_kernels.sharded_state_dict(par),
-              "optim": tp_kernels.sharded_optimizer_state_dict(par, par_opt)}, checkpoint_id=path)
+    _save_with_dcp(par, par_opt, path)
     tp_kernels.initialize_model_parallel(max(p // 2, 1))
     try:
-        q, n = tp_kernels.get_tensor_model_parallel_rank(), tp_kernels.get_tensor_model_parallel_world_size()
         torch.manual_seed(1)
         narrow = tp_kernels.parallelize(FusedBlock(hidden, heads, ffn).double().to(device), plan)
         tp_kernels.load_full_state_dict(narrow, full)
         torch.testing.assert_close(narrow(x), dense_before(x), rtol=1e-12, atol=1e-12)
-        narrow_opt = torch.optim.Adam(narrow.parameters(), lr=0.1)
-        state = {"model": tp_kernels.sharded_state_dict(narrow),
-                 "optim": tp_kernels.sharded_optimizer_state_dict(narrow, narrow_opt)}
-        dcp.load(state, checkpoint_id=path)  # the model in place
-        tp_kernels.load_sharded_optimizer_state_dict(narrow, narrow_opt, state["optim"])
+        narrow_opt = _load_with_dcp(narrow, path)  # the model in place
         after = tp_kernels.full_state_dict(narrow)
         for key, value in saved.items():
             assert torch.equal(after[key], value), key
-        dense_params = dict(dense.named_parameters())
-        for name, param in narrow.named_parameters():
-            want_state, got_state = dense_opt.state[dense_params[name]], narrow_opt.state[param]
-            for k in ("exp_avg", "exp_avg_sq"):
-                want = want_state[k]
-                if name in fused:
-                    want = _blocks_of_outputs(want, fused[name], 0, q, n)
-                elif name.endswith("weight") and name.partition(".")[0] in ("o_proj", "down"):
-                    want = block(want, 1, q, n)
-                torch.testing.assert_close(got_state[k], want, rtol=1e-10, atol=1e-16, msg=lambda m: f"{name} {k}: {m}")
-            assert float(got_state["step"]) == 1.0, name
+        _assert_dense_moments(narrow, narrow_opt, dense, dense_opt)
     finally:
         tp_kernels.destroy_model_parallel()
 
@@ -539,8 +556,6 @@ def check_distributed_checkpoint_with_optimizer(path, device="cpu"):
     (sharded_state_dict, sharded_optimizer_state_dict), and loaded into the model parallelized
     over half of them and a fresh Adam (load_sharded_optimizer_state_dict): every moment of every
     parameter is the dense optimizer's (to float64 rounding), split as the parameter is."""
-    import torch.distributed.checkpoint as dcp
-
     r, p = rank_world()
     vocab, hidden, heads, ffn = 4 * p, 6, 2 * p, 4 * p
     torch.manual_seed(0)
@@ -552,27 +567,12 @@ def check_distributed_checkpoint_with_optimizer(path, device="cpu"):
     F.cross_entropy(dense(ids).reshape(-1, vocab), tokens.reshape(-1), reduction="sum").backward()
     tp_kernels.vocab_parallel_cross_entropy(wide(ids), tokens).sum().backward()
     dense_opt.step(), wide_opt.step()
-    dcp.save({"model": tp_kernels.sharded_state_dict(wide),
-              "optim": tp_kernels.sharded_optimizer_state_dict(wide, wide_opt)}, checkpoint_id=path)
+    _save_with_dcp(wide, wide_opt, path)
     tp_kernels.initialize_model_parallel(max(p // 2, 1))
     try:
-        q, n = tp_kernels.get_tensor_model_parallel_rank(), tp_kernels.get_tensor_model_parallel_world_size()
         torch.manual_seed(1)
         narrow = tp_kernels.parallelize(LanguageModel(vocab, hidden, heads, ffn).double().to(device), LM_PLAN)
-        narrow_opt = torch.optim.Adam(narrow.parameters(), lr=0.1)
-        state = {"model": tp_kernels.sharded_state_dict(narrow),
-                 "optim": tp_kernels.sharded_optimizer_state_dict(narrow, narrow_opt)}
-        dcp.load(state, checkpoint_id=path)
-        tp_kernels.load_sharded_optimizer_state_dict(narrow, narrow_opt, state["optim"])
-        dense_params = dict(dense.named_parameters())
-        blocks, _, _ = tp_kernels.layers.sharded_blocks(narrow)
-        for name, param in narrow.named_parameters():
-            want_state, got_state = dense_opt.state[dense_params[name]], narrow_opt.state[param]
-            for k in ("exp_avg", "exp_avg_sq"):
-                want = want_state[k] if name not in blocks else block(want_state[k], blocks[name][1], q, n)
-                # the parallel model's gradients round otherwise than the dense one's: float64 closeness
-                torch.testing.assert_close(got_state[k], want, rtol=1e-10, atol=1e-16, msg=lambda m: f"{name} {k}: {m}")
-            assert float(got_state["step"]) == float(want_state["step"]) == 1.0, name
+        _assert_dense_moments(narrow, _load_with_dcp(narrow, path), dense, dense_opt)
     finally:
         tp_kernels.destroy_model_parallel()
 
