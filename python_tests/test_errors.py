@@ -103,6 +103,13 @@ def bad_calls(p):
         ("plan: 'fc1' is matched as 'colwise', but the same module ('fc1') as ('colwise', [", lambda: tp_kernels.parallelize(
             _Tiny(p), {"fc1": ("colwise", [2 * p, 2 * p]), "fc*1": "colwise"})),
         ("linear", lambda: tp_kernels.ColumnParallelLinear.from_linear(nn.Conv1d(2, 2, 1))),
+        # a subclass whose replacement would lose its own parameters or forward
+        ("linear: _Adapted is an nn.Linear that also holds 'lora_a'",
+         lambda: tp_kernels.ColumnParallelLinear.from_linear(_Adapted(6, 4 * p))),
+        ("embedding: _Scaled is an nn.Embedding with a forward of its own",
+         lambda: tp_kernels.VocabParallelEmbedding.from_embedding(_Scaled(3 * p, 2))),
+        ("plan['fc1']: 'fc1': _Adapted is an nn.Linear that also holds 'lora_a'",
+         lambda: tp_kernels.parallelize(_Tiny(p, _Adapted), {"fc1": "colwise"})),
         ("embedding", lambda: tp_kernels.VocabParallelEmbedding.from_embedding(nn.Embedding(3 * p, 2, max_norm=1.0))),
         # parallelize plans
         ("plan", lambda: tp_kernels.parallelize(_Tiny(p), {"fc1": "diagonal"})),
@@ -125,11 +132,28 @@ class _Odd(nn.Module):
 
 
 class _Tiny(nn.Module):
-    def __init__(self, p):
+    def __init__(self, p, linear=nn.Linear):
         super().__init__()
         self.emb = nn.Embedding(3 * p, 6)
-        self.fc1 = nn.Linear(6, 4 * p)
+        self.fc1 = linear(6, 4 * p)
         self.fc2 = nn.Linear(4 * p, 6)
+
+
+class _Adapted(nn.Linear):
+    """A linear layer with an adapter of its own (as LoRA's)."""
+
+    def __init__(self, in_features, out_features):
+        super().__init__(in_features, out_features)
+        self.lora_a = nn.Parameter(torch.zeros(2, in_features))
+
+
+class _Renamed(nn.Linear):
+    """A subclass that adds nothing (as torch's NonDynamicallyQuantizableLinear): replaceable."""
+
+
+class _Scaled(nn.Embedding):
+    def forward(self, ids):
+        return super().forward(ids) * 2
 
 
 def check_bad_input():
@@ -145,6 +169,8 @@ def check_bad_input():
     with pytest.raises(ValueError):
         tp_kernels.parallelize(tiny, {"fc1": "colwise", "fc9": "rowwise"})
     assert isinstance(tiny.fc1, nn.Linear)
+    renamed = tp_kernels.parallelize(_Tiny(p, _Renamed), {"fc1": "colwise"})
+    assert isinstance(renamed.fc1, tp_kernels.ColumnParallelLinear)
 
 
 @pytest.mark.parametrize("world", [1, 2], indirect=True)

@@ -38,6 +38,27 @@ def check_divisible(name: str, value: int, p: int) -> int:
     return value // p
 
 
+def check_replaceable(name: str, module, base: type) -> None:
+    """A ``ValueError`` naming ``name`` unless ``module`` is a ``base`` (``nn.Linear``,
+    ``nn.Embedding``) that a parallel layer can stand for: ``base`` itself, or a subclass with
+    ``base``'s forward and nothing but its parameters (``weight``, ``bias``). A subclass with a
+    forward of its own, or parameters, buffers or submodules of its own (a LoRA adapter, a
+    quantized layer), would lose them, and the model its function, silently."""
+    if not isinstance(module, base):
+        raise ValueError(f"{name}: expected an nn.{base.__name__}, got {type(module).__name__}")
+    if type(module) is base:
+        return
+    kind = type(module).__name__
+    if type(module).forward is not base.forward:
+        raise ValueError(f"{name}: {kind} is an nn.{base.__name__} with a forward of its own, which a parallel layer "
+                         "would not run")
+    extra = ([n for n, _ in module.named_parameters(recurse=False) if n not in ("weight", "bias")]
+             + [n for n, _ in module.named_buffers(recurse=False)] + [n for n, _ in module.named_children()])
+    if extra:
+        raise ValueError(f"{name}: {kind} is an nn.{base.__name__} that also holds {', '.join(map(repr, extra))}, which "
+                         "a parallel layer would drop")
+
+
 def check_tensor(name: str, t, *, min_dim: int = 0, dim: Optional[int] = None) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")

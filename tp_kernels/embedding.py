@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from . import _collectives as coll
 from ._agreement import agree, describe
-from ._checks import check_divisible, check_float_dtype, check_int, check_tensor
+from ._checks import check_divisible, check_float_dtype, check_int, check_replaceable, check_tensor
 from .layers import ShareGroupOnCopy, block_of
 from .mappings import reduce_from, reduce_scatter_dim0
 
@@ -133,8 +133,7 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, **kwargs) -> "VocabParallelEmbedding":
         """A parallel embedding holding this rank's rows of ``embedding``'s table."""
-        if not isinstance(embedding, nn.Embedding):
-            raise ValueError(f"embedding: expected an nn.Embedding, got {type(embedding).__name__}")
+        check_replaceable("embedding", embedding, nn.Embedding)
         for option in ("max_norm", "sparse", "scale_grad_by_freq"):
             if getattr(embedding, option):
                 raise ValueError(f"embedding: {option}={getattr(embedding, option)!r} is not supported")

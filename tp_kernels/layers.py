@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from . import _collectives as coll
 from . import ops
-from ._checks import check_choice, check_divisible, check_float_dtype, check_int, check_tensor
+from ._checks import check_choice, check_divisible, check_float_dtype, check_int, check_replaceable, check_tensor
 from .mappings import copy_to, gather_last_dim, scatter_last_dim
 from .settings import BACKEND_NAMES
 
@@ -155,8 +155,7 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
         ``kwargs`` are the constructor's keyword arguments; device and dtype default to
         ``linear``'s.
         """
-        if not isinstance(linear, nn.Linear):
-            raise ValueError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
+        check_replaceable("linear", linear, nn.Linear)
         device = kwargs.pop("device", None) or linear.weight.device
         dtype = kwargs.pop("dtype", None) or linear.weight.dtype
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None,

@@ -8,6 +8,7 @@ from typing import Dict, Mapping
 import torch.nn as nn
 
 from . import _collectives as coll
+from ._checks import check_replaceable
 from .embedding import VocabParallelEmbedding
 from .layers import ColumnParallelLinear, RowParallelLinear, check_output_sizes
 
@@ -92,6 +93,10 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], *, group=None, seque
                 raise ValueError(
                     f"plan[{pattern!r}]: style {style!r} applies to {expected.__name__}, but {name!r} is a {type(m).__name__}"
                 )
+            try:
+                check_replaceable(repr(name), m, expected)  # a subclass whose replacement would lose something
+            except ValueError as exc:
+                raise ValueError(f"plan[{pattern!r}]: {exc}") from None
             size, value = _split_size(style, m)
             if value % p:
                 raise ValueError(f"plan[{pattern!r}]: {name!r} ({style}) has {size}={value}, which the tensor-parallel "
