@@ -110,6 +110,8 @@ def bad_calls(p):
          lambda: tp_kernels.VocabParallelEmbedding.from_embedding(_Scaled(3 * p, 2))),
         ("plan['fc1']: 'fc1': _Adapted is an nn.Linear that also holds 'lora_a'",
          lambda: tp_kernels.parallelize(_Tiny(p, _Adapted), {"fc1": "colwise"})),
+        ("linear: this Linear has hooks registered on it (_forward_hooks)", lambda: tp_kernels.ColumnParallelLinear
+         .from_linear(_hooked(nn.Linear(6, 4 * p)))),
         ("embedding", lambda: tp_kernels.VocabParallelEmbedding.from_embedding(nn.Embedding(3 * p, 2, max_norm=1.0))),
         # parallelize plans
         ("plan", lambda: tp_kernels.parallelize(_Tiny(p), {"fc1": "diagonal"})),
@@ -145,6 +147,11 @@ class _Adapted(nn.Linear):
     def __init__(self, in_features, out_features):
         super().__init__(in_features, out_features)
         self.lora_a = nn.Parameter(torch.zeros(2, in_features))
+
+
+def _hooked(module):
+    module.register_forward_hook(lambda m, args, out: out * 2)
+    return module
 
 
 class _Renamed(nn.Linear):

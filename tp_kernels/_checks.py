@@ -41,14 +41,20 @@ def check_divisible(name: str, value: int, p: int) -> int:
 def check_replaceable(name: str, module, base: type) -> None:
     """A ``ValueError`` naming ``name`` unless ``module`` is a ``base`` (``nn.Linear``,
     ``nn.Embedding``) that a parallel layer can stand for: ``base`` itself, or a subclass with
-    ``base``'s forward and nothing but its parameters (``weight``, ``bias``). A subclass with a
-    forward of its own, or parameters, buffers or submodules of its own (a LoRA adapter, a
-    quantized layer), would lose them, and the model its function, silently."""
+    ``base``'s forward and nothing but its parameters (``weight``, ``bias``), with no hooks
+    registered. A subclass with a forward of its own, or parameters, buffers or submodules of its
+    own (a LoRA adapter, a quantized layer), or a hook, would lose them, and the model its
+    function, silently."""
     if not isinstance(module, base):
         raise ValueError(f"{name}: expected an nn.{base.__name__}, got {type(module).__name__}")
+    kind = type(module).__name__
+    hooks = [h for h in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+             if getattr(module, h, None)]
+    if hooks:
+        raise ValueError(f"{name}: this {kind} has hooks registered on it ({', '.join(hooks)}), which a parallel "
+                         "layer would not run: replace it first, then register them on the replacement")
     if type(module) is base:
         return
-    kind = type(module).__name__
     if type(module).forward is not base.forward:
         raise ValueError(f"{name}: {kind} is an nn.{base.__name__} with a forward of its own, which a parallel layer "
                          "would not run")
