@@ -303,6 +303,20 @@ def check_column_of_several_outputs(gather_output, skip_bias_add, sequence_paral
     other = tp_kernels.ColumnParallelLinear(k, out_f, output_sizes=sizes, dtype=torch.float64)
     other.load_full_weight(dense.weight, dense.bias)
     assert torch.equal(other.weight, layer.weight) and torch.equal(other.bias, layer.bias)
+    # each output loaded alone, as a checkpoint stores q_proj, k_proj and v_proj
+    apart = tp_kernels.ColumnParallelLinear(k, out_f, output_sizes=sizes, dtype=torch.float64)
+    for j, (w, b) in reversed(list(enumerate(zip(dense.weight.split(sizes), dense.bias.split(sizes))))):
+        apart.load_full_weight(w, b, output=j)
+    assert torch.equal(apart.weight, layer.weight) and torch.equal(apart.bias, layer.bias)
+    for bad, match in [(dict(output=3), r"output: expected the index of one of the layer's 3 outputs"),
+                       (dict(output=True), "output: expected the index"),
+                       (dict(output=1, bias=dense.bias), rf"bias: expected shape \({2 * p},\)")]:
+        with pytest.raises(ValueError, match=match):
+            apart.load_full_weight(dense.weight[: 2 * p], **bad)
+    with pytest.raises(ValueError, match=r"weight: expected the full shape \(" + str(4 * p)):
+        apart.load_full_weight(dense.weight, output=0)
+    with pytest.raises(ValueError, match="output: only a column-parallel layer"):
+        tp_kernels.RowParallelLinear(out_f, k).load_full_weight(dense.weight.t(), output=0)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)

@@ -129,24 +129,43 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
         if bias is not None:
             self.bias.copy_(block_of(bias, self.sharded_parameters.get("bias"), self))
 
-    def load_full_weight(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+    def load_full_weight(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                         output: Optional[int] = None) -> None:
         """Copy this rank's shard of a full ``[out, in]`` weight (and ``[out]`` bias) in place.
 
         ``bias=None`` leaves the bias as it is. Dtype and device are converted as by ``copy_``.
+        ``output=j``, for a column layer of several outputs (``output_sizes``): ``weight`` (and
+        ``bias``) are output ``j``'s alone, ``[output_sizes[j], in]`` (a checkpoint's ``q_proj``,
+        ``k_proj`` or ``v_proj``, fused here), and only this rank's block of that output is written.
         """
+        rows, into_w, into_b = self.out_features, self.weight, self.bias
+        if output is not None:
+            if self.sharded_parameters["weight"] != 0:
+                raise ValueError("output: only a column-parallel layer has outputs to load one by one")
+            parts = self.split_parts
+            if isinstance(output, bool) or not isinstance(output, int) or not 0 <= output < len(parts):
+                raise ValueError(f"output: expected the index of one of the layer's {len(parts)} outputs "
+                                 f"(output_sizes={list(parts)}), got {output!r}")
+            rows = parts[output]
+            start, size = sum(parts[:output]) // self.tp_size, rows // self.tp_size  # where it lies in this rank's rows
+            into_w = self.weight.narrow(0, start, size)
+            into_b = None if self.bias is None else self.bias.narrow(0, start, size)
         check_tensor("weight", weight, dim=2)
-        if tuple(weight.shape) != (self.out_features, self.in_features):
-            raise ValueError(
-                f"weight: expected the full shape {(self.out_features, self.in_features)}, "
-                f"got {tuple(weight.shape)}"
-            )
+        if tuple(weight.shape) != (rows, self.in_features):
+            raise ValueError(f"weight: expected the full shape {(rows, self.in_features)}, got {tuple(weight.shape)}")
         if bias is not None:
             if self.bias is None:
                 raise ValueError("bias: this layer was built with bias=False")
             check_tensor("bias", bias, dim=1)
-            if bias.shape[0] != self.out_features:
-                raise ValueError(f"bias: expected shape ({self.out_features},), got {tuple(bias.shape)}")
-        self._load(weight, bias)
+            if bias.shape[0] != rows:
+                raise ValueError(f"bias: expected shape ({rows},), got {tuple(bias.shape)}")
+        if output is None:
+            self._load(weight, bias)
+            return
+        with torch.no_grad():
+            into_w.copy_(weight.narrow(0, self.tp_rank * into_w.shape[0], into_w.shape[0]))
+            if bias is not None:
+                into_b.copy_(bias.narrow(0, self.tp_rank * into_b.shape[0], into_b.shape[0]))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs):
