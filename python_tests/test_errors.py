@@ -97,11 +97,13 @@ def bad_calls(p):
         ("in_features", lambda: tp_kernels.ColumnParallelLinear(0, 4 * p)),
         (f"output_sizes: [{p}, {p}] sum to {2 * p}, not to out_features={4 * p}",
          lambda: tp_kernels.ColumnParallelLinear(6, 4 * p, output_sizes=[p, p])),
-        ("output_sizes: expected a non-empty sequence", lambda: tp_kernels.ColumnParallelLinear(6, 4 * p, output_sizes=4 * p)),
-        ("output_sizes[0]: expected an int >= 1", lambda: tp_kernels.ColumnParallelLinear(6, 4 * p, output_sizes=[0, 4 * p])),
+        ("output_sizes: expected a non-empty sequence",
+         lambda: tp_kernels.ColumnParallelLinear(6, 4 * p, output_sizes=4 * p)),
+        ("output_sizes[0]: expected an int >= 1",
+         lambda: tp_kernels.ColumnParallelLinear(6, 4 * p, output_sizes=[0, 4 * p])),
         ("plan['fc1']: expected a style", lambda: tp_kernels.parallelize(_Tiny(p), {"fc1": ("rowwise", [4 * p])})),
-        ("plan: 'fc1' is matched as 'colwise', but the same module ('fc1') as ('colwise', [", lambda: tp_kernels.parallelize(
-            _Tiny(p), {"fc1": ("colwise", [2 * p, 2 * p]), "fc*1": "colwise"})),
+        ("plan: 'fc1' is matched as 'colwise', but the same module ('fc1') as ('colwise', [",
+         lambda: tp_kernels.parallelize(_Tiny(p), {"fc1": ("colwise", [2 * p, 2 * p]), "fc*1": "colwise"})),
         ("linear", lambda: tp_kernels.ColumnParallelLinear.from_linear(nn.Conv1d(2, 2, 1))),
         # a subclass whose replacement would lose its own parameters or forward
         ("linear: _Adapted is an nn.Linear that also holds 'lora_a'",

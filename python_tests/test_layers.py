@@ -278,7 +278,8 @@ def check_column_of_several_outputs(gather_output, skip_bias_add, sequence_paral
     assert torch.equal(made.weight, ours(dense.weight, 0)) and torch.equal(made.bias, ours(dense.bias, 0))
     assert f"output_sizes={sizes}" in repr(made)
     layer = tp_kernels.ColumnParallelLinear.from_linear(dense, output_sizes=sizes, gather_output=gather_output,
-                                                        skip_bias_add=skip_bias_add, sequence_parallel=sequence_parallel)
+                                                        skip_bias_add=skip_bias_add,
+                                                        sequence_parallel=sequence_parallel)
     assert torch.equal(layer.weight, made.weight)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(s, 3, k, generator=g, dtype=torch.float64)

@@ -294,8 +294,9 @@ def check_full_state_dict_options(device="cpu"):
             tp_kernels.full_state_dict(wide, **{bad: 1})
     if p > 1:
         settings.set_fingerprints(True)
+        odd_one = "disagree on this call.*rank 1: full_state_dict: .* rank0_only True"
         try:
-            with pytest.raises(RuntimeError, match="disagree on this call.*rank 1: full_state_dict: .* rank0_only True"):
+            with pytest.raises(RuntimeError, match=odd_one):
                 tp_kernels.full_state_dict(wide, rank0_only=r == 1)
         finally:
             settings.set_fingerprints(None)
@@ -350,7 +351,8 @@ def _load_with_dcp(model, path):
     import torch.distributed.checkpoint as dcp
 
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    state = {"model": tp_kernels.sharded_state_dict(model), "optim": tp_kernels.sharded_optimizer_state_dict(model, opt)}
+    state = {"model": tp_kernels.sharded_state_dict(model),
+             "optim": tp_kernels.sharded_optimizer_state_dict(model, opt)}
     dcp.load(state, checkpoint_id=path)
     tp_kernels.load_sharded_optimizer_state_dict(model, opt, state["optim"])
     return opt

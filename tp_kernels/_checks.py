@@ -61,8 +61,8 @@ def check_replaceable(name: str, module, base: type) -> None:
     extra = ([n for n, _ in module.named_parameters(recurse=False) if n not in ("weight", "bias")]
              + [n for n, _ in module.named_buffers(recurse=False)] + [n for n, _ in module.named_children()])
     if extra:
-        raise ValueError(f"{name}: {kind} is an nn.{base.__name__} that also holds {', '.join(map(repr, extra))}, which "
-                         "a parallel layer would drop")
+        raise ValueError(f"{name}: {kind} is an nn.{base.__name__} that also holds {', '.join(map(repr, extra))}, "
+                         "which a parallel layer would drop")
 
 
 def check_tensor(name: str, t, *, min_dim: int = 0, dim: Optional[int] = None) -> torch.Tensor:

@@ -70,8 +70,8 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
     sharded_parameters = {"weight": 0}
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, padding_idx: Optional[int] = None,
-                 sequence_parallel: bool = False, group=None, init_method: Optional[Callable[[torch.Tensor], object]] = None,
-                 device=None, dtype=None):
+                 sequence_parallel: bool = False, group=None,
+                 init_method: Optional[Callable[[torch.Tensor], object]] = None, device=None, dtype=None):
         super().__init__()
         check_int("num_embeddings", num_embeddings)
         check_int("embedding_dim", embedding_dim)

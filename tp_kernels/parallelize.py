@@ -45,7 +45,8 @@ def _split_size(style: str, module) -> tuple:
     return "num_embeddings", module.num_embeddings
 
 
-def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None, sequence_parallel: bool = False) -> nn.Module:
+def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
+                sequence_parallel: bool = False) -> nn.Module:
     """Replace, in place, the submodules of ``module`` that ``plan`` names by parallel layers.
 
     ``plan`` maps ``fnmatch`` patterns over qualified submodule names (``"layers.*.mlp.fc1"``)
