@@ -320,6 +320,46 @@ def check_column_of_several_outputs(gather_output, skip_bias_add, sequence_paral
         tp_kernels.RowParallelLinear(out_f, k).load_full_weight(dense.weight.t(), output=0)
 
 
+def check_row_unreduced(input_is_parallel, skip_bias_add):
+    """reduce_results=False: each rank returns its term of the sum, which summed over the group
+    (as a caller does later) is the dense output, the bias in it once; every gradient is the dense
+    one's block, the bias's complete on every rank."""
+    r, p = rank_world()
+    torch.manual_seed(0)
+    dense = nn.Linear(3 * p, 5, dtype=torch.float64)
+    layer = tp_kernels.RowParallelLinear.from_linear(dense, reduce_results=False, input_is_parallel=input_is_parallel,
+                                                     skip_bias_add=skip_bias_add)
+    assert "reduce_results=False" in repr(layer)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, 3 * p, generator=g, dtype=torch.float64)
+    dy = torch.randn(2, 4, 5, generator=g, dtype=torch.float64)
+    xd = x.clone().requires_grad_()
+    want = dense(xd)
+    want.backward(dy)
+    xin = (block(x, -1, r, p) if input_is_parallel else x).clone().requires_grad_()
+    term = layer(xin)
+    if skip_bias_add:
+        term, bias = term
+        assert bias is layer.bias
+    total = tp_kernels.mappings.reduce_from_tensor_model_parallel_region(term)  # the caller's sum
+    if skip_bias_add:
+        total = total + bias
+    torch.testing.assert_close(total, want, rtol=1e-12, atol=1e-12)
+    total.backward(dy)
+    torch.testing.assert_close(xin.grad, block(xd.grad, -1, r, p) if input_is_parallel else xd.grad,
+                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer.weight.grad, block(dense.weight.grad, 1, r, p), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer.bias.grad, dense.bias.grad, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="reduce_results: False cannot go with sequence_parallel=True"):
+        tp_kernels.RowParallelLinear(3 * p, 5, sequence_parallel=True, reduce_results=False)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("input_is_parallel,skip_bias_add", [(True, False), (False, False), (True, True)])
+def test_row_unreduced(world, input_is_parallel, skip_bias_add):
+    world.run(check_row_unreduced, input_is_parallel, skip_bias_add)
+
+
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
 @pytest.mark.parametrize("gather_output,skip_bias_add,sequence_parallel",
                          [(False, False, False), (True, False, False), (True, True, False), (False, True, True)])

@@ -21,10 +21,12 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from . import _collectives as coll
 from . import ops
-from ._checks import check_choice, check_divisible, check_float_dtype, check_int, check_replaceable, check_tensor
+from ._checks import (check_choice, check_divisible, check_float_dtype, check_int, check_linear_args, check_replaceable,
+                      check_tensor)
 from .mappings import copy_to, gather_last_dim, scatter_last_dim
 from .settings import BACKEND_NAMES
 
@@ -274,10 +276,17 @@ class RowParallelLinear(_ParallelLinear):
         skip_bias_add: return ``(Y without bias, bias)``. Under sequence parallelism the returned
             bias carries an all-reduce in backward, so its gradient is still complete when added
             to this rank's sequence block.
+        reduce_results: False returns this rank's partial product, unreduced, for the caller to
+            sum over the group later (vLLM's ``reduce_results=False``: one all-reduce for several
+            partial outputs, or one fused with what follows). The bias is in the partial sum of
+            group rank 0 only, so that the sum holds it once; its gradient is still complete on
+            every rank (``Σ dY``: the sum's backward gives every rank the same ``dY``). Not with
+            ``sequence_parallel`` (its reduce-scatter is the reduction).
         group, init_method, device, dtype, backend, num_chunks: as for :class:`ColumnParallelLinear`.
 
     Shapes: input ``[..., in/p]``; ``weight`` ``[out, in/p]``; output ``[..., out]``
-    (``[s/p, ..., out]`` with sequence parallelism), the same on every rank without it.
+    (``[s/p, ..., out]`` with sequence parallelism), the same on every rank without it (with
+    ``reduce_results=False``, this rank's term of the sum).
     """
 
     #: the parameters of which each rank holds a block, and the dim they are split along (the bias
@@ -287,13 +296,17 @@ class RowParallelLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, input_is_parallel: bool = True,
                  sequence_parallel: bool = False, skip_bias_add: bool = False, group=None,
                  init_method: Optional[InitMethod] = None, device=None, dtype=None, backend: str = "auto",
-                 num_chunks: Optional[int] = None):
+                 num_chunks: Optional[int] = None, reduce_results: bool = True):
         if sequence_parallel and not input_is_parallel:
             raise ValueError(
                 "sequence_parallel: requires input_is_parallel=True (the input must already be "
                 "split along its last dim)"
             )
+        if sequence_parallel and not reduce_results:
+            raise ValueError("reduce_results: False cannot go with sequence_parallel=True, whose reduce-scatter is "
+                             "the reduction")
         self.input_is_parallel = bool(input_is_parallel)
+        self.reduce_results = bool(reduce_results)
         super().__init__(in_features, out_features, bias, sequence_parallel=sequence_parallel,
                          skip_bias_add=skip_bias_add, group=group, init_method=init_method, device=device,
                          dtype=dtype, backend=backend, num_chunks=num_chunks)
@@ -322,7 +335,13 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, input_: torch.Tensor):
         prepare = self._check_block if self.input_is_parallel else self._split_input
         bias = None if self.skip_bias_add else self.bias
-        if self.sequence_parallel:
+        if not self.reduce_results:
+            # [..., in/p] x [in/p, out] -> [..., out], this rank's term of the sum (nothing communicated)
+            x, weight, bias = check_linear_args(prepare(input_), self.weight, bias, x_name="input")
+            out = F.linear(x, weight)
+            if bias is not None:  # its value in rank 0's term, its gradient on every rank
+                out = out + (bias if self.tp_rank == 0 else bias - bias.detach())
+        elif self.sequence_parallel:
             # [s, ..., in/p] x [in/p, out] -(RS)-> [s/p, ..., out]
             out = self._op("matmul_reduce_scatter", input_, bias, prepare)
         else:
@@ -336,7 +355,8 @@ class RowParallelLinear(_ParallelLinear):
         return out, out_bias
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", input_is_parallel={self.input_is_parallel}"
+        unreduced = "" if self.reduce_results else ", reduce_results=False"
+        return super().extra_repr() + f", input_is_parallel={self.input_is_parallel}" + unreduced
 
 
 def check_output_sizes(output_sizes, out_features: int, p: int) -> Tuple[int, ...]:
