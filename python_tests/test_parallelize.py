@@ -322,10 +322,11 @@ class FusedBlock(nn.Module):
         self.gate_up = nn.Linear(hidden, 2 * ffn, bias=False)
         self.down = nn.Linear(ffn, hidden)
 
-    def forward(self, x):  # [s, b, h]
-        s, b, _ = x.shape
+    def forward(self, x):  # [s, b, h] ([s/p, b, h] under sequence parallelism)
         shrink = sum(self.sizes) // self.qkv.weight.shape[0]  # p once sharded, else 1
-        q, k, v = self.qkv(x).split([n // shrink for n in self.sizes], -1)
+        qkv = self.qkv(x)
+        s, b, _ = qkv.shape  # the whole sequence, gathered under sequence parallelism
+        q, k, v = qkv.split([n // shrink for n in self.sizes], -1)
         q, k, v = (t.reshape(s, b, -1, HEAD_DIM).permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -401,6 +402,8 @@ def check_fused_projections(path, device="cpu"):
         torch.testing.assert_close(par.get_parameter(name).grad,
                                    _blocks_of_outputs(dense.get_parameter(name).grad, sizes, 0, r, p),
                                    rtol=1e-12, atol=1e-12)
+    sp = tp_kernels.parallelize(copy.deepcopy(dense), plan, sequence_parallel=True)
+    torch.testing.assert_close(sp(block(x, 0, r, p)), block(want, 0, r, p), rtol=1e-12, atol=1e-12)
     if p > 1:  # the hazard: a plain split of the fused rows gives some ranks whole outputs
         plain = tp_kernels.parallelize(copy.deepcopy(dense), dict(plan, qkv="colwise", gate_up="colwise"))
         assert not torch.allclose(plain(x), dense(x))

@@ -61,9 +61,11 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
 
     With ``sequence_parallel=True`` the layers are built with sequence parallelism: the
     activations outside the column-row pairs (an embedding's output, a row layer's output, up to the
-    next column layer) are this rank's block of dim 0, ``[s/p, ...]``, so the dense model's own code
-    runs on them unchanged (its ids ``[s, ...]``, sequence first); the parameters every rank holds
-    whole and applies to its block (the norms) then need :func:`tp_kernels.allreduce_sequence_parallel_grads`.
+    next column layer) are this rank's block of dim 0, ``[s/p, ...]`` (ids ``[s, ...]``, sequence
+    first), and the column layers gather it back, so the dense model's own code runs unchanged
+    where it takes the sequence length inside a pair from a column layer's output (not from the
+    block's input); the parameters every rank holds whole and applies to its block (the norms)
+    then need :func:`tp_kernels.allreduce_sequence_parallel_grads`.
 
     A parameter that several modules hold (an embedding tied to the output layer) stays one
     parameter: the plan must replace every module holding it and split it alike (``"vocab"`` and
