@@ -52,9 +52,11 @@ def bad_calls(p):
     divisibility = [
         ("out_features", lambda: tp_kernels.ColumnParallelLinear(6, 4 * p + 1)),
         ("in_features", lambda: tp_kernels.RowParallelLinear(6 * p + 1, 5)),
-        ("num_embeddings", lambda: tp_kernels.VocabParallelEmbedding(3 * p + 1, 4)),
+        (f"num_embeddings ({3 * p + 1}) is not divisible by the tensor-parallel size {p}: pad the vocabulary to a "
+         f"multiple of {p} first", lambda: tp_kernels.VocabParallelEmbedding(3 * p + 1, 4)),
         ("plan['fc*']: 'fc1' (colwise) has out_features=", lambda: tp_kernels.parallelize(_Odd(p), {"fc*": "colwise"})),
-        ("plan['emb']: 'emb' (vocab) has num_embeddings=", lambda: tp_kernels.parallelize(_Odd(p), {"emb": "vocab"})),
+        (f"plan['emb']: 'emb' (vocab) has num_embeddings={3 * p + 1}, which the tensor-parallel size {p} does not "
+         f"divide: pad the vocabulary", lambda: tp_kernels.parallelize(_Odd(p), {"emb": "vocab"})),
         (f"output_sizes[0] ({4 * p - 3}) is not divisible", lambda: tp_kernels.ColumnParallelLinear(
             6, 4 * p, output_sizes=[4 * p - 3, 3])),
         ("plan['fc1']: 'fc1': output_sizes[0] (5) is not divisible",

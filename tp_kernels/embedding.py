@@ -20,6 +20,12 @@ __all__ = ["ID_DTYPES", "VocabParallelEmbedding", "check_index_range"]
 ID_DTYPES = (torch.int64, torch.int32)
 
 
+def pad_vocabulary(p: int) -> str:
+    """What to do with a vocabulary ``p`` does not divide."""
+    return (f"pad the vocabulary to a multiple of {p} first (a Hugging Face model: "
+            f"model.resize_token_embeddings(n, pad_to_multiple_of={p}); Megatron-LM and vLLM pad theirs)")
+
+
 def _can_sync(t: torch.Tensor) -> bool:
     """Whether a host-side look at ``t`` is allowed (not while compiling or capturing a graph)."""
     if torch.compiler.is_compiling():
@@ -87,7 +93,10 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         self.sequence_parallel = bool(sequence_parallel)
         self.split_parts = (num_embeddings,)  # the rows: one part (layers.block_of)
-        self.num_embeddings_per_partition = check_divisible("num_embeddings", num_embeddings, self.tp_size)
+        try:
+            self.num_embeddings_per_partition = check_divisible("num_embeddings", num_embeddings, self.tp_size)
+        except ValueError as exc:
+            raise ValueError(f"{exc}: {pad_vocabulary(self.tp_size)}") from None
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
         self._init_method = init_method

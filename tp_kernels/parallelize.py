@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from . import _collectives as coll
 from ._checks import check_replaceable
-from .embedding import VocabParallelEmbedding
+from .embedding import VocabParallelEmbedding, pad_vocabulary
 from .layers import ColumnParallelLinear, RowParallelLinear, check_output_sizes
 
 __all__ = ["STYLES", "parallelize"]
@@ -102,8 +102,9 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
                 raise ValueError(f"plan[{pattern!r}]: {exc}") from None
             size, value = _split_size(style, m)
             if value % p:
+                hint = f": {pad_vocabulary(p)}" if style == "vocab" else ""
                 raise ValueError(f"plan[{pattern!r}]: {name!r} ({style}) has {size}={value}, which the tensor-parallel "
-                                 f"size {p} does not divide")
+                                 f"size {p} does not divide{hint}")
             if sizes is not None:
                 try:
                     sizes = check_output_sizes(sizes, m.out_features, p)
