@@ -141,23 +141,7 @@ def _entries(module: nn.Module):
     blocks, group, groups_error = sharded_blocks(module)
     if groups_error:
         raise ValueError(groups_error)
-    p = coll.group_size(group)
-    meshes: Dict[str, object] = {}  # device type -> the group's mesh
-
-    def sharded(tensor, dim: int, full: int):
-        if p == 1:
-            return tensor
-        from torch.distributed.device_mesh import DeviceMesh
-        try:
-            from torch.distributed.tensor import DTensor, Shard
-        except ImportError:  # torch < 2.5
-            from torch.distributed._tensor import DTensor, Shard
-        if tensor.device.type not in meshes:
-            meshes[tensor.device.type] = DeviceMesh.from_group(group, tensor.device.type)
-        shape = list(tensor.shape)
-        shape[dim] = full
-        return DTensor.from_local(tensor, meshes[tensor.device.type], [Shard(dim)], run_check=False,
-                                  shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+    sharded = _as_dtensor(group) if coll.group_size(group) > 1 else lambda tensor, dim, full: tensor
 
     def entries(key: str, tensor) -> Dict[str, object]:
         if key not in blocks or not isinstance(tensor, torch.Tensor) or tensor.shape != blocks[key][0].shape:
@@ -183,6 +167,29 @@ def _entries(module: nn.Module):
         return joined
 
     return entries, join
+
+
+def _as_dtensor(group):
+    """``sharded(block, dim, full)``: ``block`` as a ``DTensor`` over ``group``, ``Shard(dim)`` of a
+    tensor ``full`` long along ``dim``, sharing ``block``'s memory (the group's mesh made once per
+    device type)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    try:
+        from torch.distributed.tensor import DTensor, Shard
+    except ImportError:  # torch < 2.5
+        from torch.distributed._tensor import DTensor, Shard
+
+    meshes: Dict[str, object] = {}  # device type -> the group's mesh
+
+    def sharded(block: torch.Tensor, dim: int, full: int):
+        if block.device.type not in meshes:
+            meshes[block.device.type] = DeviceMesh.from_group(group, block.device.type)
+        shape = list(block.shape)
+        shape[dim] = full
+        return DTensor.from_local(block, meshes[block.device.type], [Shard(dim)], run_check=False,
+                                  shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+
+    return sharded
 
 
 def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True):
