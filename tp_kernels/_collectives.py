@@ -233,21 +233,10 @@ GLOO_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bflo
                          torch.int32, torch.int64, torch.bool})
 
 
-def _host_backend(group) -> str:
-    """The backend ``group`` moves host tensors with (``"gloo"`` for ``"cpu:gloo,cuda:nccl"``)."""
-    if hasattr(dist, "get_backend_config"):
-        for entry in dist.get_backend_config(group).split(","):
-            device, _, backend = entry.partition(":")
-            if device == "cpu":
-                return backend
-        return ""
-    return str(dist.get_backend(group))
-
-
 def _check_carried(what: What, x: torch.Tensor, group) -> None:
     """A ``ValueError`` where ``x`` is a host tensor of a dtype gloo, ``group``'s host backend, does
     not move (:data:`GLOO_DTYPES`): raised on every rank alike, before anything is sent."""
-    if x.dtype in GLOO_DTYPES or x.is_cuda or x.is_complex() or _host_backend(group) != "gloo":
+    if x.dtype in GLOO_DTYPES or x.is_cuda or x.is_complex() or parallel_state.host_backend(group) != "gloo":
         return
     carried = ", ".join(sorted(str(d).rpartition(".")[2] for d in GLOO_DTYPES))
     raise ValueError(f"tp_kernels: {what() if callable(what) else what}: gloo, the group's backend for host "

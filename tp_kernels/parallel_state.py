@@ -68,12 +68,23 @@ def on_group_destroyed(teardown: Callable[[object], None]) -> Callable[[object],
     return teardown
 
 
-def carries_host_tensors(group=None) -> bool:
-    """Whether ``group`` (default: the world) has a backend for host tensors (gloo, or the host
-    side of ``"cpu:gloo,cuda:nccl"``); an NCCL group has not."""
+def host_backend(group=None) -> str:
+    """The backend ``group`` (default: the world) moves host tensors with: ``"gloo"`` for gloo or
+    the host side of ``"cpu:gloo,cuda:nccl"``; ``""`` where it has none (NCCL)."""
     if hasattr(dist, "get_backend_config"):
-        return "cpu:" in dist.get_backend_config(group)
-    return dist.get_backend(group) in ("gloo", "mpi", "ucc")
+        for entry in dist.get_backend_config(group).split(","):
+            device, _, backend = entry.partition(":")
+            if device == "cpu":
+                return backend
+        return ""
+    backend = str(dist.get_backend(group))
+    return backend if backend in ("gloo", "mpi", "ucc") else ""
+
+
+def carries_host_tensors(group=None) -> bool:
+    """Whether ``group`` (default: the world) has a backend for host tensors (:func:`host_backend`);
+    an NCCL group has not."""
+    return host_backend(group) != ""
 
 
 def _twin(ranks: List[int]):
