@@ -30,6 +30,16 @@ def block(t: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
     return t.narrow(dim, rank * size, size)
 
 
+def padded_block(t: torch.Tensor, dim: int, rank: int, parts: int, fill: float = 0.0) -> torch.Tensor:
+    """Rank ``rank``'s block of ``t`` along ``dim`` padded at its end with ``fill`` to a multiple of
+    ``parts``: ``ceil(n/parts)`` rows each, the last blocks ending in (or made of) the padding."""
+    n = t.shape[dim]
+    rows = -(-n // parts)
+    shape = list(t.shape)
+    shape[dim] = rows * parts - n
+    return block(torch.cat([t, t.new_full(shape, fill)], dim), dim, rank, parts)
+
+
 def max_err(actual: torch.Tensor, ref64: torch.Tensor) -> float:
     return (actual.detach().double() - ref64.detach()).abs().max().item() if ref64.numel() else 0.0
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -9,7 +11,7 @@ import torch.nn.functional as F
 
 import tp_kernels
 from tp_kernels import mappings, settings
-from helpers import assert_close, block, rank_world
+from helpers import assert_close, block, padded_block, rank_world
 
 
 def check_embedding(padding_idx):
@@ -161,20 +163,97 @@ def test_cross_entropy_errors(world2):
     world2.run(check_cross_entropy_errors)
 
 
-def check_compiled_language_model_loss(sequence_parallel):
+#: vocabularies p does not divide (beyond p = 1): some ranks hold padding; with p + 1 at p = 4,
+#: blocks of 2, 2, 1 and 0 classes (the last rank holds only padding)
+PADDED_VOCABULARIES = {"one_over": lambda p: p + 1, "odd": lambda p: 4 * p + 1}
+
+
+def check_padded_vocabulary(vocab_of_p):
+    """A vocabulary p does not divide is padded to ceil(V/p) rows per rank, and nothing a user sees
+    changes: the embedding (with a padding index, and sequence-parallel) equals nn.Embedding; an
+    output layer's logits are the dense ones with -inf in the padding, its gathered output is the
+    dense output; the cross-entropy over them (with vocab_size=V, with or without smoothing, or
+    without vocab_size and without smoothing) is F.cross_entropy's, gradients included; the padding
+    rows hold zeros and get no gradient; a target in the padding is refused."""
+    r, p = rank_world()
+    vocab, dim, s = PADDED_VOCABULARIES[vocab_of_p](p), 6, 2 * p
+    rows = -(-vocab // p)
+    held = min(rows, max(0, vocab - r * rows))  # this rank's classes
+    torch.manual_seed(0)
+    dense_emb = nn.Embedding(vocab, dim, padding_idx=vocab - 1).double()
+    dense_head = nn.Linear(dim, vocab).double()
+    emb = tp_kernels.VocabParallelEmbedding.from_embedding(dense_emb)
+    emb_sp = tp_kernels.VocabParallelEmbedding.from_embedding(dense_emb, sequence_parallel=True)
+    head = tp_kernels.ColumnParallelLinear.from_linear(dense_head)
+    gathered = tp_kernels.ColumnParallelLinear.from_linear(dense_head, gather_output=True)
+    head_sp = tp_kernels.ColumnParallelLinear.from_linear(dense_head, sequence_parallel=True, skip_bias_add=True)
+    assert emb.weight.shape == (rows, dim) and head.weight.shape == (rows, dim) and head.bias.shape == (rows,)
+    assert emb.pad_rows == head.pad_rows == rows - held
+    for got, full in [(emb.weight, dense_emb.weight), (head.weight, dense_head.weight), (head.bias, dense_head.bias)]:
+        assert torch.equal(got, padded_block(full, 0, r, p))  # the padding: zero rows
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (s, 3), generator=g)
+    ids[0, :2] = torch.tensor([0, vocab - 1])
+    target = torch.randint(0, vocab, (s, 3), generator=g)
+    target[0, 0], target[0, 1] = -100, vocab - 1
+    dloss = torch.rand(s, 3, generator=g, dtype=torch.float64)
+    for label_smoothing, vocab_size in [(0.0, vocab), (0.1, vocab), (0.0, None)]:
+        for m in (dense_emb, dense_head, emb, head):
+            m.zero_grad()
+        hidden = dense_emb(ids)
+        logits = dense_head(hidden)
+        loss = F.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1), reduction="none",
+                               label_smoothing=label_smoothing).reshape(s, 3)
+        loss.backward(dloss)
+        got_hidden = emb(ids)
+        assert torch.equal(got_hidden, hidden)
+        assert torch.equal(emb_sp(ids), block(hidden, 0, r, p))
+        got_logits = head(got_hidden)
+        torch.testing.assert_close(got_logits, padded_block(logits, -1, r, p, float("-inf")), rtol=1e-12, atol=1e-12)
+        full = gathered(got_hidden)
+        assert full.is_contiguous()  # (as nn.Linear's: .view() works)
+        torch.testing.assert_close(full, logits, rtol=1e-12, atol=1e-12)
+        unbiased, bias = head_sp(emb_sp(ids))  # the padding -inf without the bias too
+        torch.testing.assert_close(unbiased + bias, got_logits, rtol=1e-12, atol=1e-12)
+        got = tp_kernels.vocab_parallel_cross_entropy(got_logits, target, label_smoothing, vocab_size=vocab_size)
+        torch.testing.assert_close(got, loss, rtol=1e-12, atol=1e-12)
+        got.backward(dloss)
+        for name, q, full in [("embedding", emb.weight, dense_emb.weight), ("head", head.weight, dense_head.weight),
+                              ("head bias", head.bias, dense_head.bias)]:
+            torch.testing.assert_close(q.grad, padded_block(full.grad, 0, r, p), rtol=1e-12, atol=1e-12,
+                                       msg=lambda m: f"{name} gradient, smoothing {label_smoothing}: {m}")
+    with pytest.raises(ValueError, match=f"target: index {vocab} is out of range for a vocabulary of {vocab}"):
+        tp_kernels.vocab_parallel_cross_entropy(head(emb(ids)), torch.full((s, 3), vocab), vocab_size=vocab)
+    with pytest.raises(ValueError, match=f"input: index {vocab} is out of range"):
+        emb(torch.tensor([vocab]))
+    if p > 1:
+        with pytest.raises(ValueError, match=re.escape(f"vocab_size: {rows * p + 1} classes make blocks {rows + 1} "
+                                                       f"wide on {p} ranks (ceil(V/p)), but logits' blocks are {rows} "
+                                                       "wide")):
+            tp_kernels.vocab_parallel_cross_entropy(head(emb(ids)), target, vocab_size=rows * p + 1)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("vocab_of_p", sorted(PADDED_VOCABULARIES))
+def test_padded_vocabulary(world, vocab_of_p):
+    world.run(check_padded_vocabulary, vocab_of_p)
+
+
+def check_compiled_language_model_loss(sequence_parallel, vocab):
     """Embedding, a column -> row pair (with mappings between), a vocabulary-parallel head and the
     cross-entropy (with smoothing and an ignored token), compiled whole (``fullgraph=True``): the
     same loss and gradients as eager. With sequence parallelism, the embedding's reduce-scatter and
-    the layers' sequence-parallel collectives too."""
+    the layers' sequence-parallel collectives too; with a vocabulary p does not divide, its padding."""
     r, p = rank_world()
     torch.manual_seed(0)
     sp = dict(sequence_parallel=sequence_parallel)
-    emb = tp_kernels.VocabParallelEmbedding(8 * p, 6, **sp)
+    vocab = 8 * p + (vocab == "padded")
+    emb = tp_kernels.VocabParallelEmbedding(vocab, 6, **sp)
     fc1, fc2 = tp_kernels.ColumnParallelLinear(6, 4 * p, **sp), tp_kernels.RowParallelLinear(4 * p, 6, **sp)
-    head = tp_kernels.ColumnParallelLinear(6, 8 * p, bias=False, **sp)
+    head = tp_kernels.ColumnParallelLinear(6, vocab, bias=False, **sp)
     model = nn.ModuleList([emb, fc1, fc2, head])
     g = torch.Generator().manual_seed(1)
-    ids, target = (torch.randint(0, 8 * p, (3 * p, 5), generator=g) for _ in range(2))
+    ids, target = (torch.randint(0, vocab, (3 * p, 5), generator=g) for _ in range(2))
     target[0, 0] = -100
 
     def loss_fn(ids, target):
@@ -184,7 +263,7 @@ def check_compiled_language_model_loss(sequence_parallel):
         # gathered and split again by the mappings: the same block, through two more collectives
         hidden = mappings.scatter_to_tensor_model_parallel_region(mappings.gather_from_tensor_model_parallel_region(hidden))
         logits = head(fc2(hidden))
-        return tp_kernels.vocab_parallel_cross_entropy(logits, target, label_smoothing=0.1).mean()
+        return tp_kernels.vocab_parallel_cross_entropy(logits, target, label_smoothing=0.1, vocab_size=vocab).mean()
 
     def run(fn):
         model.zero_grad(set_to_none=True)
@@ -200,5 +279,6 @@ def check_compiled_language_model_loss(sequence_parallel):
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_compiled_language_model_loss(world2, sequence_parallel):
-    world2.run(check_compiled_language_model_loss, sequence_parallel, deadline_s=600)
+@pytest.mark.parametrize("vocab", ["divisible", "padded"])
+def test_compiled_language_model_loss(world2, sequence_parallel, vocab):
+    world2.run(check_compiled_language_model_loss, sequence_parallel, vocab, deadline_s=600)

@@ -50,13 +50,10 @@ def bad_calls(p):
     row_full = tp_kernels.RowParallelLinear(6 * p, 5, input_is_parallel=False)
     emb = tp_kernels.VocabParallelEmbedding(3 * p, 4)
     divisibility = [
-        ("out_features", lambda: tp_kernels.ColumnParallelLinear(6, 4 * p + 1)),
+        # (a column's output and a vocabulary p does not divide are padded: test_embedding_ce)
         ("in_features", lambda: tp_kernels.RowParallelLinear(6 * p + 1, 5)),
-        (f"num_embeddings ({3 * p + 1}) is not divisible by the tensor-parallel size {p}: pad the vocabulary to a "
-         f"multiple of {p} first", lambda: tp_kernels.VocabParallelEmbedding(3 * p + 1, 4)),
-        ("plan['fc*']: 'fc1' (colwise) has out_features=", lambda: tp_kernels.parallelize(_Odd(p), {"fc*": "colwise"})),
-        (f"plan['emb']: 'emb' (vocab) has num_embeddings={3 * p + 1}, which the tensor-parallel size {p} does not "
-         f"divide: pad the vocabulary", lambda: tp_kernels.parallelize(_Odd(p), {"emb": "vocab"})),
+        (f"plan['fc*']: 'fc1' (rowwise) has in_features={4 * p + 1}, which the tensor-parallel size {p} does not "
+         "divide", lambda: tp_kernels.parallelize(_Odd(p), {"fc*": "rowwise"})),
         (f"output_sizes[0] ({4 * p - 3}) is not divisible", lambda: tp_kernels.ColumnParallelLinear(
             6, 4 * p, output_sizes=[4 * p - 3, 3])),
         ("plan['fc1']: 'fc1': output_sizes[0] (5) is not divisible",
@@ -133,8 +130,7 @@ class _Odd(nn.Module):
 
     def __init__(self, p):
         super().__init__()
-        self.emb = nn.Embedding(3 * p + 1, 6)
-        self.fc1 = nn.Linear(6, 4 * p + 1)
+        self.fc1 = nn.Linear(4 * p + 1, 6)
 
 
 class _Tiny(nn.Module):

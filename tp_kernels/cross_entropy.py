@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import _collectives as coll
 from ._agreement import agree, describe
-from ._checks import check_tensor, differentiable_once
+from ._checks import check_int, check_tensor, differentiable_once
 from .embedding import check_index_range
+from .layers import split_block
 from .mappings import all_gather_op, all_reduce_op
 
 __all__ = ["vocab_parallel_cross_entropy"]
@@ -15,20 +18,22 @@ __all__ = ["vocab_parallel_cross_entropy"]
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, label_smoothing, ignore_index, group):
-        p, r = coll.group_size(group), coll.group_rank(group)
+    def forward(ctx, logits, target, label_smoothing, ignore_index, group, start, vocab):
+        # logits: [N, v] this rank's classes [start, start + v) of the vocab (v may be 0: all padding)
         v_local = logits.shape[-1]
-        vocab = v_local * p
-        start = r * v_local
-        z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [N, V/p], float32 or float64
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [N, v], float32 or float64
         # The communication is the custom ops' (torch.compile sees one node each, where it could
         # not trace the group's own methods). Stabilize with the global max: every rank's row
         # maxima, [1, N] -(AG)-> [p, N], then their max (exact).
-        zmax = all_gather_op(z.amax(dim=-1).unsqueeze(0), group).amax(dim=0)
+        local_max = z.amax(dim=-1) if v_local else z.new_full(z.shape[:1], float("-inf"))
+        zmax = all_gather_op(local_max.unsqueeze(0), group).amax(dim=0)
         z = z - zmax.unsqueeze(-1)
         in_range = (target >= start) & (target < start + v_local)
         local_target = (target - start).masked_fill(~in_range, 0)
-        target_logit = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
+        if v_local:
+            target_logit = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
+        else:  # no class here (a block of padding alone): no target either
+            target_logit = z.new_zeros(z.shape[:1])
         exp = z.exp()
         # One sum all-reduce: the target's logit (held by one rank), Σ exp(z) and, for
         # smoothing, Σ z over the whole vocabulary. [k, N] -(AR)-> [k, N]
@@ -53,10 +58,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         eps = ctx.label_smoothing
         # d loss / d z_j = softmax_j - (1 - eps) [j == target] - eps / V
         grad = softmax - eps / ctx.vocab if eps > 0 else softmax.clone()
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, local_target] -= (1.0 - eps) * in_range.to(grad.dtype)
+        if grad.shape[-1]:
+            rows = torch.arange(grad.shape[0], device=grad.device)
+            grad[rows, local_target] -= (1.0 - eps) * in_range.to(grad.dtype)
         grad *= dloss.masked_fill(ignored, 0.0).unsqueeze(-1)
-        return grad.to(ctx.dtype), None, None, None, None
+        return grad.to(ctx.dtype), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -66,6 +72,7 @@ def vocab_parallel_cross_entropy(
     group=None,
     *,
     ignore_index: int = -100,
+    vocab_size: Optional[int] = None,
 ) -> torch.Tensor:
     """Per-token cross-entropy of logits split along the vocabulary (last dim).
 
@@ -82,6 +89,12 @@ def vocab_parallel_cross_entropy(
         target: ``[...]`` integer class ids in ``[0, V)`` or ``ignore_index`` (loss 0, no gradient).
         label_smoothing: in ``[0, 1]``.
         group: process group (default: the tensor-parallel group).
+        ignore_index: the target that stands for no class.
+        vocab_size: ``V``, where the blocks are padded (the logits of an output layer whose
+            ``out_features`` p does not divide: pass it): each rank's block is ``ceil(V/p)`` wide
+            and the columns at or past ``V`` are no class (the loss equals ``F.cross_entropy``'s
+            over the ``V`` real columns, whatever the padding holds). Default: the blocks'
+            width times p.
     Returns:
         ``[...]`` loss per token, float32 (float64 for float64 logits).
     """
@@ -105,15 +118,24 @@ def vocab_parallel_cross_entropy(
             raise ValueError(f"label_smoothing: expected a float in [0, 1], got {label_smoothing!r}")
         if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
             raise ValueError(f"ignore_index: expected an int, got {ignore_index!r}")
-        vocab = logits.shape[-1] * coll.group_size(group)
+        p = coll.group_size(group)
+        vocab = logits.shape[-1] * p
+        if vocab_size is not None:
+            check_int("vocab_size", vocab_size)
+            width = split_block(vocab_size, p, 0)[0]
+            if width != logits.shape[-1]:
+                raise ValueError(f"vocab_size: {vocab_size} classes make blocks {width} wide on {p} ranks "
+                                 f"(ceil(V/p)), but logits' blocks are {logits.shape[-1]} wide")
+            vocab = vocab_size
         check_index_range("target", target, vocab, allowed=ignore_index)
         return vocab
 
     # ranks whose blocks of the vocabulary differ in width would compute a wrong loss: agreed first
-    agree("vocab_parallel_cross_entropy", group, check,
-          lambda vocab: f"logits {describe(logits)}, target {describe(target)}, vocabulary {vocab}, "
-                        f"label_smoothing {label_smoothing}, ignore_index {ignore_index}", hint=logits)
-    loss = _VocabParallelCrossEntropy.apply(
-        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), float(label_smoothing), int(ignore_index), group
-    )
+    vocab = agree("vocab_parallel_cross_entropy", group, check,
+                  lambda vocab: f"logits {describe(logits)}, target {describe(target)}, vocabulary {vocab}, "
+                                f"label_smoothing {label_smoothing}, ignore_index {ignore_index}", hint=logits)
+    width, padding = split_block(vocab, coll.group_size(group), coll.group_rank(group))
+    classes = logits.reshape(-1, width).narrow(-1, 0, width - padding)  # [N, v]: without the padding
+    loss = _VocabParallelCrossEntropy.apply(classes, target.reshape(-1), float(label_smoothing), int(ignore_index),
+                                            group, coll.group_rank(group) * width, vocab)
     return loss.reshape(target.shape)

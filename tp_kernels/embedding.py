@@ -11,19 +11,13 @@ import torch.nn.functional as F
 from . import _collectives as coll
 from ._agreement import agree, describe
 from ._checks import check_divisible, check_float_dtype, check_int, check_replaceable, check_tensor
-from .layers import ShareGroupOnCopy, block_of
+from .layers import ShareGroupOnCopy, block_of, split_block
 from .mappings import reduce_from, reduce_scatter_dim0
 
 __all__ = ["ID_DTYPES", "VocabParallelEmbedding", "check_index_range"]
 
 #: The dtypes of ids the embedding (``F.embedding``) takes.
 ID_DTYPES = (torch.int64, torch.int32)
-
-
-def pad_vocabulary(p: int) -> str:
-    """What to do with a vocabulary ``p`` does not divide."""
-    return (f"pad the vocabulary to a multiple of {p} first (a Hugging Face model: "
-            f"model.resize_token_embeddings(n, pad_to_multiple_of={p}); Megatron-LM and vLLM pad theirs)")
 
 
 def _can_sync(t: torch.Tensor) -> bool:
@@ -51,14 +45,16 @@ def check_index_range(name: str, ids: torch.Tensor, size: int, allowed: Optional
 class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
     """``nn.Embedding`` whose ``[num_embeddings, embedding_dim]`` table is split by rows.
 
-    Rank r holds rows ``[r*V/p, (r+1)*V/p)``. Each rank looks up the ids in its range, zeroes
-    the others, and the results are all-reduced, so every rank returns the full embedding; with
-    ``sequence_parallel=True`` they are reduce-scattered along dim 0 instead (Megatron's
-    sequence-parallel embedding, half the bytes of the all-reduce), so each rank returns its block
-    of the sequence, as the sequence-parallel layers take it.
+    Rank r holds rows ``[r*V/p, (r+1)*V/p)``; where p does not divide V, ``c = ceil(V/p)`` rows
+    each, rows ``[r*c, (r+1)*c)`` of the table padded at its end with zero rows that no id looks
+    up (Megatron-LM's and vLLM's padded vocabulary; the embedding is unchanged). Each rank looks
+    up the ids in its range, zeroes the others, and the results are all-reduced, so every rank
+    returns the full embedding; with ``sequence_parallel=True`` they are reduce-scattered along
+    dim 0 instead (Megatron's sequence-parallel embedding, half the bytes of the all-reduce), so
+    each rank returns its block of the sequence, as the sequence-parallel layers take it.
 
     Args:
-        num_embeddings: vocabulary size ``V``, divisible by p.
+        num_embeddings: vocabulary size ``V``.
         embedding_dim: ``D``.
         padding_idx: as in ``nn.Embedding`` (that row gets no gradient and starts at zero).
         sequence_parallel: return this rank's block of dim 0 (the sequence, ``[s, b]`` ids first)
@@ -68,7 +64,7 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
             default: ``nn.Embedding``'s (standard normal). Seed every rank alike.
         device, dtype: of the weight.
 
-    Shapes: input ``[...]`` integer ids in ``[0, V)``; ``weight`` ``[V/p, D]``; output ``[..., D]``
+    Shapes: input ``[...]`` integer ids in ``[0, V)``; ``weight`` ``[ceil(V/p), D]``; output ``[..., D]``
     (``[s/p, ..., D]`` for ids ``[s, ...]`` with sequence parallelism).
     """
 
@@ -93,12 +89,10 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         self.sequence_parallel = bool(sequence_parallel)
         self.split_parts = (num_embeddings,)  # the rows: one part (layers.block_of)
-        try:
-            self.num_embeddings_per_partition = check_divisible("num_embeddings", num_embeddings, self.tp_size)
-        except ValueError as exc:
-            raise ValueError(f"{exc}: {pad_vocabulary(self.tp_size)}") from None
+        # ceil(V/p) rows each, the last blocks ending in padding where p does not divide V
+        self.num_embeddings_per_partition, self.pad_rows = split_block(num_embeddings, self.tp_size, self.tp_rank)
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
-        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition - self.pad_rows
         self._init_method = init_method
         self.weight = nn.Parameter(
             torch.empty(self.num_embeddings_per_partition, embedding_dim, device=device, dtype=dtype)

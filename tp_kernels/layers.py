@@ -91,10 +91,12 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
         self.backend, self.num_chunks = backend, num_chunks
         self._init_method = init_method
         # each layer's sharded_parameters: rows of [out, in] (column-parallel), or columns
+        #: rows of padding at the end of this rank's block of the split dim (a size p does not divide)
+        self.pad_rows = 0
         if self.sharded_parameters["weight"] == 0:
-            self.out_features_per_partition = check_divisible("out_features", out_features, self.tp_size)
             #: the parts the split dim is made of (full sizes), each split into tp_size blocks
             self.split_parts = check_output_sizes(output_sizes, out_features, self.tp_size)
+            self.out_features_per_partition, self.pad_rows = split_block(out_features, self.tp_size, self.tp_rank)
             self.in_features_per_partition = in_features
             shape = (self.out_features_per_partition, in_features)
             bias_len = self.out_features_per_partition
@@ -148,6 +150,9 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
             if isinstance(output, bool) or not isinstance(output, int) or not 0 <= output < len(parts):
                 raise ValueError(f"output: expected the index of one of the layer's {len(parts)} outputs "
                                  f"(output_sizes={list(parts)}), got {output!r}")
+            if len(parts) == 1:
+                output = None  # the one output: the whole weight
+        if output is not None:
             rows = parts[output]
             start, size = sum(parts[:output]) // self.tp_size, rows // self.tp_size  # where it lies in this rank's rows
             into_w = self.weight.narrow(0, start, size)
@@ -202,7 +207,12 @@ class ColumnParallelLinear(_ParallelLinear):
     """``Y = X Aᵀ + b`` with ``A = [A_1; …; A_p]`` split along the output dim.
 
     Args:
-        in_features, out_features: sizes of the full layer; ``out_features`` divisible by p.
+        in_features, out_features: sizes of the full layer. Where p does not divide
+            ``out_features`` (an output layer over a vocabulary such as GPT-2's 50257), each rank
+            holds ``ceil(out/p)`` rows and the last blocks end in padding (zero rows, see
+            :func:`split_block`), whose outputs are ``-inf``: no class to a softmax or
+            :func:`~tp_kernels.vocab_parallel_cross_entropy` (which takes ``vocab_size=out`` for
+            label smoothing), never the argmax, no gradient; ``gather_output`` drops them.
         bias: whether to learn a bias (this rank holds its ``[out/p]`` block).
         gather_output: all-gather the output's last dim, returning ``[..., out]`` on every rank
             instead of this rank's ``[..., out/p]``.
@@ -250,6 +260,9 @@ class ColumnParallelLinear(_ParallelLinear):
             out = self._op("linear_with_grad_all_reduce", input_, bias)
         if self.gather_output:
             out = full_of(gather_last_dim(out, self.group), -1, self)  # [..., out]
+        elif self.pad_rows:  # the columns past out_features: no output, -inf (softmax 0, never the argmax)
+            held = self.out_features_per_partition - self.pad_rows
+            out = F.pad(out.narrow(-1, 0, held), (0, self.pad_rows), value=float("-inf"))
         if not self.skip_bias_add:
             return out
         out_bias = self.bias
@@ -375,27 +388,48 @@ def check_output_sizes(output_sizes, out_features: int, p: int) -> Tuple[int, ..
     return tuple(output_sizes)
 
 
+def split_block(size: int, p: int, r: int) -> Tuple[int, int]:
+    """``(rows, padding)``: how many rows of a dim of ``size`` rank ``r`` of ``p`` holds, and how
+    many of them, at the end, are padding. Each rank holds ``ceil(size / p)``: rank r rows ``[r*c,
+    (r+1)*c)`` of the full dim padded at its end to ``p*c`` (where p does not divide it, the last
+    blocks end in padding, the layout of ``torch.chunk`` and of a ``DTensor``'s ``Shard``, and
+    Megatron-LM's and vLLM's of a padded vocabulary)."""
+    rows = -(-size // p)
+    return rows, rows - min(rows, max(0, size - r * rows))
+
+
 def block_of(full: torch.Tensor, dim: Optional[int], layer: nn.Module) -> torch.Tensor:
     """This rank's block of ``full`` split along ``dim``: of each of ``layer.split_parts`` (the
     parts that dim is made of, one for most layers), the ``tp_rank``-th of ``tp_size`` equal blocks,
-    side by side (a view where there is one part); ``full`` itself where ``dim`` is None (a
-    parameter held whole)."""
+    side by side (a view where there is one part, unless the block ends in padding, zeros: see
+    :func:`split_block`); ``full`` itself where ``dim`` is None (a parameter held whole)."""
     if dim is None:
         return full
     r, p = layer.tp_rank, layer.tp_size
     if len(layer.split_parts) == 1:
-        size = full.shape[dim] // p
-        return full.narrow(dim, r * size, size)
+        rows, padding = split_block(full.shape[dim], p, r)
+        return with_padding(full.narrow(dim, min(r * rows, full.shape[dim]), rows - padding), dim, padding)
     return torch.cat([part.narrow(dim, r * (part.shape[dim] // p), part.shape[dim] // p)
                       for part in full.split(layer.split_parts, dim)], dim)
 
 
+def with_padding(rows: torch.Tensor, dim: int, padding: int) -> torch.Tensor:
+    """``rows`` followed along ``dim`` by ``padding`` zero rows (a rank's block of a dim that p does
+    not divide, from its rows of the full tensor); ``rows`` itself where ``padding`` is 0."""
+    if not padding:
+        return rows
+    shape = list(rows.shape)
+    shape[dim] = padding
+    return torch.cat([rows, rows.new_zeros(shape)], dim)
+
+
 def full_of(blocks: torch.Tensor, dim: int, layer: nn.Module) -> torch.Tensor:
     """The full tensor whose blocks (:func:`block_of`) every rank's are: ``blocks`` is them side
-    by side along ``dim``, rank-major (as an all-gather joins them). ``blocks`` itself where the dim
-    is made of one part."""
+    by side along ``dim``, rank-major (as an all-gather joins them). Where the dim is made of one
+    part, ``blocks`` itself, or, where the blocks end in padding, a contiguous copy without it."""
     if len(layer.split_parts) == 1:
-        return blocks
+        size = layer.split_parts[0]
+        return blocks if blocks.shape[dim] == size else blocks.narrow(dim, 0, size).contiguous()
     p = layer.tp_size
     pieces = [rank_block.split([size // p for size in layer.split_parts], dim) for rank_block in blocks.chunk(p, dim)]
     return torch.cat([pieces[r][j] for j in range(len(layer.split_parts)) for r in range(p)], dim)

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from . import _collectives as coll
 from ._checks import check_replaceable
-from .embedding import VocabParallelEmbedding, pad_vocabulary
+from .embedding import VocabParallelEmbedding
 from .layers import ColumnParallelLinear, RowParallelLinear, check_output_sizes
 
 __all__ = ["STYLES", "parallelize"]
@@ -34,15 +34,6 @@ def _style(pattern: str, value) -> tuple:
     if style not in STYLES:
         raise ValueError(f"plan[{pattern!r}]: unknown style {style!r}; expected one of {', '.join(map(repr, STYLES))}")
     return style, sizes
-
-
-def _split_size(style: str, module) -> tuple:
-    """(the name, the size) of the dimension that ``style`` splits ``module`` along."""
-    if style == "colwise":
-        return "out_features", module.out_features
-    if style == "rowwise":
-        return "in_features", module.in_features
-    return "num_embeddings", module.num_embeddings
 
 
 def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
@@ -71,10 +62,15 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     parameter: the plan must replace every module holding it and split it alike (``"vocab"`` and
     ``"colwise"`` both split dim 0 of ``[V, D]``), and the replacements then hold one block.
 
+    A vocabulary (or a column layer's output) that p does not divide is padded, each rank holding
+    ``ceil(V/p)`` rows: the embedding is unchanged, and an output layer's padded logits are
+    ``-inf`` (see :class:`ColumnParallelLinear`).
+
     Everything is checked before anything is replaced: an unknown style, a pattern that matches
-    nothing, a style applied to the wrong module type, a split size the group's size does not
-    divide, one module given two styles, or a tied parameter the plan would split apart raise
-    ``ValueError`` naming the pattern and the module's path. Returns ``module``.
+    nothing, a style applied to the wrong module type, a row layer's ``in_features`` or an output
+    size the group's size does not divide, one module given two styles, or a tied parameter the
+    plan would split apart raise ``ValueError`` naming the pattern and the module's path. Returns
+    ``module``.
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
@@ -100,11 +96,9 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
                 check_replaceable(repr(name), m, expected)  # a subclass whose replacement would lose something
             except ValueError as exc:
                 raise ValueError(f"plan[{pattern!r}]: {exc}") from None
-            size, value = _split_size(style, m)
-            if value % p:
-                hint = f": {pad_vocabulary(p)}" if style == "vocab" else ""
-                raise ValueError(f"plan[{pattern!r}]: {name!r} ({style}) has {size}={value}, which the tensor-parallel "
-                                 f"size {p} does not divide{hint}")
+            if style == "rowwise" and m.in_features % p:  # (a column's or a vocabulary's rows are padded)
+                raise ValueError(f"plan[{pattern!r}]: {name!r} (rowwise) has in_features={m.in_features}, which the "
+                                 f"tensor-parallel size {p} does not divide")
             if sizes is not None:
                 try:
                     sizes = check_output_sizes(sizes, m.out_features, p)
