@@ -842,6 +842,11 @@ def test_fused_projections_with_several_nccl_ranks(shared_gpu_world, tmp_path):
     shared_gpu_world.run(test_parallelize.check_fused_projections, str(tmp_path), device="cuda")
 
 
+@pytest.mark.parametrize("vocab_of_p", ["one_over", "odd"])
+def test_padded_vocabulary_with_several_nccl_ranks(shared_gpu_world, tmp_path, vocab_of_p):
+    shared_gpu_world.run(test_parallelize.check_padded_vocabulary_model, str(tmp_path), vocab_of_p, device="cuda")
+
+
 def test_distributed_checkpoint_with_several_nccl_ranks(shared_gpu_world, tmp_path):
     lost = shared_gpu_world.run(test_parallelize.check_distributed_checkpoint_across_sizes, str(tmp_path),
                                 device="cuda")

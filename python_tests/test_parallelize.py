@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import tp_kernels
 from tp_kernels import settings
-from helpers import assert_close, block, rank_world
+from helpers import assert_close, block, padded_block, rank_world
 
 HEAD_DIM = 5
 
@@ -336,7 +336,10 @@ class FusedBlock(nn.Module):
 
 
 def _blocks_of_outputs(full, sizes, dim, r, p):
-    """Rank r's blocks of each of the outputs of ``sizes`` along ``dim`` of ``full``, side by side."""
+    """Rank r's blocks of each of the outputs of ``sizes`` along ``dim`` of ``full``, side by side
+    (of one output p does not divide, its block padded with zeros)."""
+    if len(sizes) == 1:
+        return padded_block(full, dim, r, p)
     return torch.cat([block(part, dim, r, p) for part in full.split(sizes, dim)], dim)
 
 
@@ -359,8 +362,8 @@ def _load_with_dcp(model, path):
     return opt
 
 
-def _assert_dense_moments(model, opt, dense, dense_opt):
-    """Every Adam moment of ``model`` is the dense optimizer's after one step, this rank's block of it
+def _assert_dense_moments(model, opt, dense, dense_opt, steps=1):
+    """Every Adam moment of ``model`` is the dense optimizer's after ``steps`` steps, this rank's block of it
     as the parameter holds it (float64 closeness: the parallel gradients round otherwise)."""
     q, n = tp_kernels.get_tensor_model_parallel_rank(), tp_kernels.get_tensor_model_parallel_world_size()
     dense_params = dict(dense.named_parameters())
@@ -373,7 +376,7 @@ def _assert_dense_moments(model, opt, dense, dense_opt):
                 _, dim, layer = blocks[name]
                 want = _blocks_of_outputs(want, layer.split_parts, dim, q, n)
             torch.testing.assert_close(got_state[k], want, rtol=1e-10, atol=1e-16, msg=lambda m: f"{name} {k}: {m}")
-        assert float(got_state["step"]) == float(want_state["step"]) == 1.0, name
+        assert float(got_state["step"]) == float(want_state["step"]) == steps, name
 
 
 def check_fused_projections(path, device="cpu"):
@@ -480,6 +483,79 @@ def check_tied_embedding_stays_tied():
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
 def test_tied_embedding_stays_tied(world):
     world.run(check_tied_embedding_stays_tied)
+
+
+def check_padded_vocabulary_model(path, vocab_of_p, device="cpu"):
+    """A language model whose vocabulary p does not divide, its embedding tied to its output
+    layer, parallelized: two Adam steps on the vocabulary-parallel loss (with smoothing) match the
+    dense model's, the padding rows staying zero; full_state_dict gives the dense state dict; and
+    dcp moves the model and its Adam state to half the ranks (another padding), into a model made
+    on the meta device whose memory held NaN, which then takes the dense model's next step."""
+    r, p = rank_world()
+    vocab, hidden, heads, ffn = {"one_over": p + 1, "odd": 4 * p + 1}[vocab_of_p], 6, 2 * p, 4 * p
+
+    def tied_model(device):
+        torch.manual_seed(0)
+        model = LanguageModel(vocab, hidden, heads, ffn).double().to(device)
+        model.head.weight = model.emb.weight
+        return model
+
+    dense = tied_model(device)
+    par = tp_kernels.parallelize(tied_model(device), LM_PLAN)
+    assert par.head.weight is par.emb.weight and par.emb.weight.shape == (-(-vocab // p), hidden)
+    opts = [torch.optim.Adam(m.parameters(), lr=0.1) for m in (dense, par)]
+    g = torch.Generator().manual_seed(1)
+    batches = [[torch.randint(0, vocab, (4, 3), generator=g).to(device) for _ in range(2)] for _ in range(3)]
+
+    def step(model, opt, ids, tokens):
+        opt.zero_grad()
+        if model is dense:
+            loss = F.cross_entropy(model(ids).reshape(-1, vocab), tokens.reshape(-1), reduction="sum",
+                                   label_smoothing=0.1)
+        else:
+            loss = tp_kernels.vocab_parallel_cross_entropy(model(ids), tokens, 0.1, vocab_size=vocab).sum()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    for ids, tokens in batches[:2]:
+        torch.testing.assert_close(step(par, opts[1], ids, tokens), step(dense, opts[0], ids, tokens),
+                                   rtol=1e-10, atol=1e-10)
+    # (Adam scales a gradient that is zero but for rounding, as a key bias's, to lr * 1e-17 / eps: atol)
+    for name in ("emb.weight", "block.mlp.0.weight", "head.weight"):
+        torch.testing.assert_close(par.get_parameter(name), padded_block(dense.get_parameter(name), 0, r, p),
+                                   rtol=1e-10, atol=1e-8, msg=lambda m: f"{name}: {m}")
+    pad = par.emb.pad_rows
+    assert torch.all(par.emb.weight[par.emb.weight.shape[0] - pad:] == 0)  # exactly: never a gradient
+    full = tp_kernels.full_state_dict(par)
+    assert list(full) == list(dense.state_dict())
+    for key, value in dense.state_dict().items():
+        torch.testing.assert_close(full[key], value, rtol=1e-10, atol=1e-8, msg=lambda m: f"{key}: {m}")
+    saved = {k: v.clone() for k, v in full.items()}
+    _save_with_dcp(par, opts[1], path)
+    tp_kernels.initialize_model_parallel(max(p // 2, 1))
+    try:
+        narrow = tp_kernels.parallelize(tied_model("meta"), LM_PLAN).to_empty(device=device)
+        narrow.head.weight = narrow.emb.weight  # tied again: to_empty() unties
+        with torch.no_grad():
+            for q in narrow.parameters():
+                q.fill_(float("nan"))
+        narrow_opt = _load_with_dcp(narrow, path)
+        after = tp_kernels.full_state_dict(narrow)
+        for key, value in saved.items():
+            assert torch.equal(after[key], value), key
+        assert torch.all(narrow.emb.weight[narrow.emb.weight.shape[0] - narrow.emb.pad_rows:] == 0)
+        _assert_dense_moments(narrow, narrow_opt, dense, opts[0], steps=2)
+        torch.testing.assert_close(step(narrow, narrow_opt, *batches[2]), step(dense, opts[0], *batches[2]),
+                                   rtol=1e-10, atol=1e-10)
+    finally:
+        tp_kernels.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("vocab_of_p", ["one_over", "odd"])
+def test_padded_vocabulary_model(world, vocab_of_p, tmp_path):
+    world.run(check_padded_vocabulary_model, str(tmp_path), vocab_of_p)
 
 
 def check_distributed_checkpoint_across_sizes(path, device="cpu"):

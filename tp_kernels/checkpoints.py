@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from . import _collectives as coll
 from ._agreement import agree
-from .layers import block_of, full_of, sharded_blocks
+from .layers import block_of, full_of, sharded_blocks, with_padding
 
 __all__ = ["full_state_dict", "load_full_state_dict", "load_sharded_optimizer_state_dict",
            "sharded_optimizer_state_dict", "sharded_state_dict"]
@@ -85,9 +85,19 @@ def sharded_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
     place in the full tensor; ``dcp.load(sharded_state_dict(model), checkpoint_id=path)`` reads
     into the model's own parameters in place, whatever tensor-parallel size saved it. The plain
     ``state_dict()`` must not go to ``dcp``: it names every rank's block as one tensor, which
-    ``dcp`` takes for a replicated one and saves from one rank only."""
+    ``dcp`` takes for a replicated one and saves from one rank only.
+
+    A layer whose split dim p does not divide (a padded vocabulary) saves its rows of the full
+    tensor, without its padding (a ``DTensor`` sharded unevenly, as ``torch.chunk`` splits); the
+    padding rows of its parameters are set to zero here, so that a model made on the meta device
+    and loaded through this dict holds no uninitialized memory there."""
     state = {key: value.detach() for key, value in module.state_dict(keep_vars=True).items()}
     entries, _ = _entries(module)
+    blocks, _, _ = sharded_blocks(module)
+    with torch.no_grad():
+        for param, dim, layer in blocks.values():
+            if layer.pad_rows:  # no checkpoint holds it: zero, not what to_empty() left there
+                param.narrow(dim, param.shape[dim] - layer.pad_rows, layer.pad_rows).zero_()
     out: Dict[str, torch.Tensor] = {}
     for key, value in state.items():
         out.update(entries(key, value))
@@ -148,15 +158,19 @@ def _entries(module: nn.Module):
             return {key: tensor}
         _, dim, layer = blocks[key]
         parts = layer.split_parts
-        if len(parts) == 1:
-            return {key: sharded(tensor, dim, tensor.shape[dim] * layer.tp_size)}
+        if len(parts) == 1:  # its rows of the full tensor, without the padding at the end
+            return {key: sharded(tensor.narrow(dim, 0, tensor.shape[dim] - layer.pad_rows), dim, parts[0])}
         pieces = tensor.split([size // layer.tp_size for size in parts], dim)
         return {f"{key}[{j}]": sharded(piece, dim, size) for j, (piece, size) in enumerate(zip(pieces, parts))}
 
     def join(per_name: Dict[str, Dict[str, object]]) -> Dict[str, Dict[str, object]]:
         joined = dict(per_name)
-        for key, (_, dim, layer) in blocks.items():
+        for key, (param, dim, layer) in blocks.items():
             names = [f"{key}[{j}]" for j in range(len(layer.split_parts))]
+            if layer.pad_rows and key in joined:  # the padding again (zero: it never has a gradient)
+                held = (*param.shape[:dim], param.shape[dim] - layer.pad_rows, *param.shape[dim + 1:])
+                joined[key] = {k: with_padding(v, dim, layer.pad_rows) if tuple(getattr(v, "shape", ())) == held else v
+                               for k, v in joined[key].items()}
             if len(names) == 1 or names[0] not in joined:
                 continue
             per_part = [joined.pop(name) for name in names]
@@ -209,7 +223,7 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
             continue  # load_state_dict names it, when strict
         full = local[key]
         want = list(param.shape)
-        want[dim] *= layer.tp_size
+        want[dim] = sum(layer.split_parts)
         if not isinstance(full, torch.Tensor) or list(full.shape) != want:
             raise ValueError(f"state_dict[{key!r}]: expected the full shape {want} (this rank holds "
                              f"{list(param.shape)} of it, split along dim {dim}), got "
