@@ -24,7 +24,7 @@ import onnx  # noqa: E402
 
 import tp_kernels  # noqa: E402
 import tp_kernels.onnx  # noqa: E402
-from helpers import assert_close, block, rank_world  # noqa: E402
+from helpers import assert_close, block, padded_block, rank_world  # noqa: E402
 from test_parallelize import PLAN as BLOCK_PLAN  # noqa: E402
 from test_parallelize import Block  # noqa: E402
 
@@ -70,6 +70,38 @@ def _run(model: onnx.ModelProto, x: torch.Tensor) -> torch.Tensor:
     session = tp_kernels.onnx.cpu_session(model)
     (y,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
     return torch.from_numpy(y)
+
+
+def check_export_padded_vocabulary():
+    """A vocabulary p does not divide, exported: the embedding equals the dense one, the head's
+    logits are the dense ones (gathered: the padding dropped) or this rank's block of them with
+    -inf in the padding."""
+    r, p = rank_world()
+    vocab = 4 * p + 1
+    torch.manual_seed(0)
+    dense = LanguageModelEnds(vocab, 12).eval()
+    ids = torch.randint(0, vocab, (3, 5), generator=torch.Generator().manual_seed(1))
+    ref = dense.double()(ids).detach()
+    for gather in (True, False):
+        model = copy.deepcopy(dense).float()
+        model.embed = tp_kernels.VocabParallelEmbedding.from_embedding(model.embed)
+        model.lm_head = tp_kernels.ColumnParallelLinear.from_linear(model.lm_head, gather_output=gather)
+        proto = tp_kernels.onnx.export(model, (ids,))
+        onnx.checker.check_model(proto)
+        y = _run(proto, ids)
+        if gather:
+            assert_close(f"padded lm exported, rank {r} of {p}", y, ref)
+        else:
+            rows = -(-vocab // p)
+            held = min(rows, max(0, vocab - r * rows))  # this rank's classes, the rest padding
+            assert y.shape[-1] == rows and torch.all(y[..., held:] == float("-inf"))
+            assert_close(f"padded lm exported, rank {r} of {p}", y[..., :held],
+                         padded_block(ref, -1, r, p)[..., :held])
+
+
+@pytest.mark.parametrize("world", [2, 4], indirect=True)
+def test_exported_padded_vocabulary(world):
+    world.run(check_export_padded_vocabulary, deadline_s=DEADLINE_S)
 
 
 def check_export(case, sequence_parallel):
