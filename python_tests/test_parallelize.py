@@ -548,6 +548,9 @@ def check_padded_vocabulary_model(path, vocab_of_p, device="cpu"):
         _assert_dense_moments(narrow, narrow_opt, dense, opts[0], steps=2)
         torch.testing.assert_close(step(narrow, narrow_opt, *batches[2]), step(dense, opts[0], *batches[2]),
                                    rtol=1e-10, atol=1e-10)
+        after = tp_kernels.full_state_dict(narrow)  # the step's update too (a NaN gradient would show here)
+        for key, value in dense.state_dict().items():
+            torch.testing.assert_close(after[key], value, rtol=1e-10, atol=1e-8, msg=lambda m: f"{key}: {m}")
     finally:
         tp_kernels.destroy_model_parallel()
 
