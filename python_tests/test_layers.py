@@ -259,26 +259,34 @@ def test_load_full_weight(world):
     world.run(check_load_full_weight)
 
 
-def check_column_of_several_outputs(gather_output, skip_bias_add, sequence_parallel):
+def check_column_of_several_outputs(gather_output, skip_bias_add, sequence_parallel, heads):
     """A column layer of fused outputs ([q, k, v] of sizes 4p, 2p, 2p) holds block r of each
     (not rows [r*out/p, (r+1)*out/p) of the fused matrix), so that each rank's output is the
     dense layer's outputs' blocks side by side, and a gathered output is the dense output in its
-    own order; gradients are the dense ones' blocks; nn.Linear's full matrix under one seed."""
+    own order; gradients are the dense ones' blocks; nn.Linear's full matrix under one seed.
+    heads="replicated": k and v are one head of 2 each (head_size=2), held whole by every rank;
+    each rank's output gradient of them is its share (a gathered output takes them from rank 0),
+    and their gradients, summed over the ranks, are the dense ones."""
     r, p = rank_world()
-    sizes, k, s = [4 * p, 2 * p, 2 * p], 3 * p, 2 * p
+    hd = 2 if heads == "replicated" else None
+    sizes, k, s = [4 * p, hd or 2 * p, hd or 2 * p], 3 * p, 2 * p
     out_f = sum(sizes)
     torch.manual_seed(0)
     dense = nn.Linear(k, out_f, dtype=torch.float64)
     torch.manual_seed(0)
-    made = tp_kernels.ColumnParallelLinear(k, out_f, output_sizes=sizes, dtype=torch.float64)
+    made = tp_kernels.ColumnParallelLinear(k, out_f, output_sizes=sizes, head_size=hd, dtype=torch.float64)
 
-    def ours(t, dim):  # this rank's blocks of each output along dim, side by side
-        return torch.cat([block(part, dim, r, p) for part in t.split(sizes, dim)], dim)
+    def ours(t, dim, share=False):  # this rank's blocks of each output along dim, side by side
+        def mine(part, j):
+            if j == 0 or hd is None or p == 1:
+                return block(part, dim, r, p)
+            return part / p if share else part  # one head, on every rank: this rank's share of its gradient
+        return torch.cat([mine(part, j) for j, part in enumerate(t.split(sizes, dim))], dim)
 
     assert torch.equal(made.weight, ours(dense.weight, 0)) and torch.equal(made.bias, ours(dense.bias, 0))
     assert f"output_sizes={sizes}" in repr(made)
     layer = tp_kernels.ColumnParallelLinear.from_linear(dense, output_sizes=sizes, gather_output=gather_output,
-                                                        skip_bias_add=skip_bias_add,
+                                                        skip_bias_add=skip_bias_add, head_size=hd,
                                                         sequence_parallel=sequence_parallel)
     assert torch.equal(layer.weight, made.weight)
     g = torch.Generator().manual_seed(1)
@@ -294,21 +302,23 @@ def check_column_of_several_outputs(gather_output, skip_bias_add, sequence_paral
         got, bias = got
         assert torch.equal(bias, dense.bias if gather_output else ours(dense.bias, 0))
         got = got + bias
-    view = (lambda t: t) if gather_output else (lambda t: ours(t, -1))
+    view = (lambda t, share=False: t) if gather_output else (lambda t, share=False: ours(t, -1, share))
     torch.testing.assert_close(got, view(want), rtol=1e-12, atol=1e-12)
-    got.backward(view(dy))
+    got.backward(view(dy, share=True))
     torch.testing.assert_close(xin.grad, block(xd.grad, 0, r, p) if sequence_parallel else xd.grad,
                                rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(layer.weight.grad, ours(dense.weight.grad, 0), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(layer.bias.grad, ours(dense.bias.grad, 0), rtol=1e-12, atol=1e-12)
-    other = tp_kernels.ColumnParallelLinear(k, out_f, output_sizes=sizes, dtype=torch.float64)
+    other = tp_kernels.ColumnParallelLinear(k, out_f, output_sizes=sizes, head_size=hd, dtype=torch.float64)
     other.load_full_weight(dense.weight, dense.bias)
-    assert torch.equal(other.weight, layer.weight) and torch.equal(other.bias, layer.bias)
+    assert torch.equal(other.weight, made.weight) and torch.equal(other.bias, made.bias)
     # each output loaded alone, as a checkpoint stores q_proj, k_proj and v_proj
-    apart = tp_kernels.ColumnParallelLinear(k, out_f, output_sizes=sizes, dtype=torch.float64)
+    apart = tp_kernels.ColumnParallelLinear(k, out_f, output_sizes=sizes, head_size=hd, dtype=torch.float64)
     for j, (w, b) in reversed(list(enumerate(zip(dense.weight.split(sizes), dense.bias.split(sizes))))):
         apart.load_full_weight(w, b, output=j)
-    assert torch.equal(apart.weight, layer.weight) and torch.equal(apart.bias, layer.bias)
+    assert torch.equal(apart.weight, made.weight) and torch.equal(apart.bias, made.bias)
+    if hd is not None:
+        return
     for bad, match in [(dict(output=3), r"output: expected the index of one of the layer's 3 outputs"),
                        (dict(output=True), "output: expected the index"),
                        (dict(output=1, bias=dense.bias), rf"bias: expected shape \({2 * p},\)")]:
@@ -363,8 +373,9 @@ def test_row_unreduced(world, input_is_parallel, skip_bias_add):
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
 @pytest.mark.parametrize("gather_output,skip_bias_add,sequence_parallel",
                          [(False, False, False), (True, False, False), (True, True, False), (False, True, True)])
-def test_column_of_several_outputs(world, gather_output, skip_bias_add, sequence_parallel):
-    world.run(check_column_of_several_outputs, gather_output, skip_bias_add, sequence_parallel)
+@pytest.mark.parametrize("heads", ["split", "replicated"])
+def test_column_of_several_outputs(world, gather_output, skip_bias_add, sequence_parallel, heads):
+    world.run(check_column_of_several_outputs, gather_output, skip_bias_add, sequence_parallel, heads)
 
 
 def check_rank_env():

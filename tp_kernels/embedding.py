@@ -88,7 +88,7 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
         self.tp_rank = coll.group_rank(self.group)
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         self.sequence_parallel = bool(sequence_parallel)
-        self.split_parts = (num_embeddings,)  # the rows: one part (layers.block_of)
+        self.split_parts, self.split_blocks = (num_embeddings,), (self.tp_size,)  # the rows: one part (layers.block_of)
         # ceil(V/p) rows each, the last blocks ending in padding where p does not divide V
         self.num_embeddings_per_partition, self.pad_rows = split_block(num_embeddings, self.tp_size, self.tp_rank)
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from . import _collectives as coll
 from . import ops
 from ._checks import (check_choice, check_divisible, check_float_dtype, check_int, check_linear_args, check_replaceable,
-                      check_tensor)
-from .mappings import copy_to, gather_last_dim, scatter_last_dim
+                      check_tensor, differentiable_once)
+from .mappings import all_reduce_op, copy_to, gather_last_dim, scatter_last_dim
 from .settings import BACKEND_NAMES
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
@@ -74,7 +74,7 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
     """What both layers share: group, sharded parameters, initialization and loading."""
 
     def __init__(self, in_features, out_features, bias, *, sequence_parallel, skip_bias_add,
-                 group, init_method, device, dtype, backend, num_chunks, output_sizes=None):
+                 group, init_method, device, dtype, backend, num_chunks, output_sizes=None, head_size=None):
         super().__init__()
         check_int("in_features", in_features)
         check_int("out_features", out_features)
@@ -93,10 +93,17 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
         # each layer's sharded_parameters: rows of [out, in] (column-parallel), or columns
         #: rows of padding at the end of this rank's block of the split dim (a size p does not divide)
         self.pad_rows = 0
+        #: the blocks each part of the split dim is split into: tp_size, or fewer for a part that is
+        #: replicated (rank r holds block r * blocks // tp_size)
+        self.split_blocks = (self.tp_size,)
         if self.sharded_parameters["weight"] == 0:
-            #: the parts the split dim is made of (full sizes), each split into tp_size blocks
-            self.split_parts = check_output_sizes(output_sizes, out_features, self.tp_size)
-            self.out_features_per_partition, self.pad_rows = split_block(out_features, self.tp_size, self.tp_rank)
+            #: the parts the split dim is made of (full sizes)
+            self.split_parts, self.split_blocks = check_output_sizes(output_sizes, out_features, self.tp_size, head_size)
+            self.head_size = head_size
+            if len(self.split_parts) == 1:
+                self.out_features_per_partition, self.pad_rows = split_block(out_features, self.tp_size, self.tp_rank)
+            else:
+                self.out_features_per_partition = sum(local_sizes(self))
             self.in_features_per_partition = in_features
             shape = (self.out_features_per_partition, in_features)
             bias_len = self.out_features_per_partition
@@ -153,8 +160,8 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
             if len(parts) == 1:
                 output = None  # the one output: the whole weight
         if output is not None:
-            rows = parts[output]
-            start, size = sum(parts[:output]) // self.tp_size, rows // self.tp_size  # where it lies in this rank's rows
+            rows, sizes = parts[output], local_sizes(self)
+            start, size = sum(sizes[:output]), sizes[output]  # where it lies in this rank's rows
             into_w = self.weight.narrow(0, start, size)
             into_b = None if self.bias is None else self.bias.narrow(0, start, size)
         check_tensor("weight", weight, dim=2)
@@ -169,10 +176,11 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
         if output is None:
             self._load(weight, bias)
             return
+        index = block_index(self, output)
         with torch.no_grad():
-            into_w.copy_(weight.narrow(0, self.tp_rank * into_w.shape[0], into_w.shape[0]))
+            into_w.copy_(weight.narrow(0, index * into_w.shape[0], into_w.shape[0]))
             if bias is not None:
-                into_b.copy_(bias.narrow(0, self.tp_rank * into_b.shape[0], into_b.shape[0]))
+                into_b.copy_(bias.narrow(0, index * into_b.shape[0], into_b.shape[0]))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs):
@@ -196,10 +204,10 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
             f"tp_size={self.tp_size}, sequence_parallel={self.sequence_parallel}, backend={self.backend!r}"
         )
 
-    def _op(self, op: str, input_, bias, prepare=None):
+    def _op(self, op: str, input_, weight, bias, prepare=None):
         """Run ``op`` on this rank's weight; argument errors name ``input_``; ``prepare(input_)``
         checks and prepares the input first (agreed with the group as the op's own checks are)."""
-        return ops.run(op, input_, self.weight, bias, self.group, self.backend, self.num_chunks, x_name="input",
+        return ops.run(op, input_, weight, bias, self.group, self.backend, self.num_chunks, x_name="input",
                        prepare=prepare)
 
 
@@ -221,6 +229,12 @@ class ColumnParallelLinear(_ParallelLinear):
             ``out_features``, each divisible by p: each is split across the ranks, so that rank r
             holds block r of each, ``[q_r, k_r, v_r]`` (vLLM's ``MergedColumnParallelLinear`` /
             ``QKVParallelLinear``). Default: one output.
+        head_size: with ``output_sizes``, the size of an attention head, each output a whole
+            number ``n`` of heads: an output whose heads p divides is split as above, one of fewer
+            heads than ranks (the keys and values of grouped-query or multi-query attention, p a
+            multiple of n) is replicated: each head is held whole by p/n consecutive ranks, rank r
+            holding head ``r*n//p``, the head its query heads attend with (vLLM's replicated KV
+            heads). Its gradient is summed over those ranks in backward, so they stay alike.
         sequence_parallel: the input is this rank's block of dim 0, ``[s/p, ..., in]``; it is
             all-gathered (overlapped with the GEMM) to give ``[s, ..., out/p]``.
         skip_bias_add: return ``(Y without bias, bias)`` for a later fused add. With
@@ -244,20 +258,27 @@ class ColumnParallelLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, gather_output: bool = False,
                  sequence_parallel: bool = False, skip_bias_add: bool = False, group=None,
                  init_method: Optional[InitMethod] = None, device=None, dtype=None, backend: str = "auto",
-                 num_chunks: Optional[int] = None, output_sizes: Optional[Sequence[int]] = None):
+                 num_chunks: Optional[int] = None, output_sizes: Optional[Sequence[int]] = None,
+                 head_size: Optional[int] = None):
         self.gather_output = bool(gather_output)
         super().__init__(in_features, out_features, bias, sequence_parallel=sequence_parallel,
                          skip_bias_add=skip_bias_add, group=group, init_method=init_method, device=device,
-                         dtype=dtype, backend=backend, num_chunks=num_chunks, output_sizes=output_sizes)
+                         dtype=dtype, backend=backend, num_chunks=num_chunks, output_sizes=output_sizes,
+                         head_size=head_size)
 
     def forward(self, input_: torch.Tensor):
-        bias = None if self.skip_bias_add else self.bias
+        weight, full_bias = self.weight, self.bias
+        if min(self.split_blocks) < self.tp_size and torch.is_grad_enabled():
+            # replicated outputs: each rank's gradient of them is its heads' share, summed in backward
+            weight, full_bias = _SumOverReplicas.apply(self.group, local_sizes(self), self.split_blocks,
+                                                       weight, full_bias)
+        bias = None if self.skip_bias_add else full_bias
         if self.sequence_parallel:
             # [s/p, ..., in] -(AG)-> [s, ..., in] x [in, out/p] -> [s, ..., out/p]
-            out = self._op("all_gather_matmul", input_, bias)
+            out = self._op("all_gather_matmul", input_, weight, bias)
         else:
             # [..., in] x [in, out/p] -> [..., out/p]; backward all-reduces d(input)
-            out = self._op("linear_with_grad_all_reduce", input_, bias)
+            out = self._op("linear_with_grad_all_reduce", input_, weight, bias)
         if self.gather_output:
             out = full_of(gather_last_dim(out, self.group), -1, self)  # [..., out]
         elif self.pad_rows:  # the columns past out_features: no output, -inf (softmax 0, never the argmax)
@@ -265,14 +286,56 @@ class ColumnParallelLinear(_ParallelLinear):
             out = F.pad(out.narrow(-1, 0, held), (0, self.pad_rows), value=float("-inf"))
         if not self.skip_bias_add:
             return out
-        out_bias = self.bias
+        out_bias = full_bias
         if out_bias is not None and self.gather_output:
             out_bias = full_of(gather_last_dim(out_bias, self.group), -1, self)
         return out, out_bias
 
     def extra_repr(self) -> str:
         parts = f", output_sizes={list(self.split_parts)}" if len(self.split_parts) > 1 else ""
+        parts += f", head_size={self.head_size}" if self.head_size is not None else ""
         return super().extra_repr() + f", gather_output={self.gather_output}" + parts
+
+
+class _SumOverReplicas(torch.autograd.Function):
+    """A column layer's weight and bias as they are (views); in backward, the gradient rows of each
+    replicated output (blocks < p: block ``r*blocks//p`` on rank r) summed over the ranks holding
+    the same block, in one all-reduce over the group: each slot of a ``[blocks, ...]`` buffer holds
+    its ranks' gradients, zeros elsewhere. The other rows' gradients are this rank's alone."""
+
+    @staticmethod
+    def forward(ctx, group, sizes, blocks, weight, bias):
+        ctx.group, ctx.sizes, ctx.blocks = group, sizes, blocks
+        return weight.view_as(weight), None if bias is None else bias.view_as(bias)
+
+    @staticmethod
+    @differentiable_once("ColumnParallelLinear (replicated outputs)")
+    def backward(ctx, d_weight, d_bias):
+        p, r = coll.group_size(ctx.group), coll.group_rank(ctx.group)
+        replicated = [j for j, b in enumerate(ctx.blocks) if b < p]
+        grads = [d_weight, d_bias]
+        slots = []  # for each gradient and replicated output: a [blocks, rows, ...] buffer, flattened
+        for g in grads:
+            if g is None:
+                continue
+            pieces = g.split(ctx.sizes, 0)
+            for j in replicated:
+                buf = pieces[j].new_zeros((ctx.blocks[j], *pieces[j].shape))
+                buf[r * ctx.blocks[j] // p] = pieces[j]
+                slots.append(buf.reshape(-1))
+        summed = all_reduce_op(torch.cat(slots), ctx.group)
+        out, offset = [], 0
+        for g in grads:
+            if g is None:
+                out.append(None)
+                continue
+            pieces = list(g.split(ctx.sizes, 0))
+            for j in replicated:
+                n = ctx.blocks[j] * pieces[j].numel()
+                pieces[j] = summed[offset:offset + n].view(ctx.blocks[j], *pieces[j].shape)[r * ctx.blocks[j] // p]
+                offset += n
+            out.append(torch.cat(pieces, 0))
+        return None, None, None, out[0], out[1]
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -356,10 +419,10 @@ class RowParallelLinear(_ParallelLinear):
                 out = out + (bias if self.tp_rank == 0 else bias - bias.detach())
         elif self.sequence_parallel:
             # [s, ..., in/p] x [in/p, out] -(RS)-> [s/p, ..., out]
-            out = self._op("matmul_reduce_scatter", input_, bias, prepare)
+            out = self._op("matmul_reduce_scatter", input_, self.weight, bias, prepare)
         else:
             # [..., in/p] x [in/p, out] -(AR)-> [..., out]
-            out = self._op("matmul_all_reduce", input_, bias, prepare)
+            out = self._op("matmul_all_reduce", input_, self.weight, bias, prepare)
         if not self.skip_bias_add:
             return out
         out_bias = self.bias
@@ -372,20 +435,61 @@ class RowParallelLinear(_ParallelLinear):
         return super().extra_repr() + f", input_is_parallel={self.input_is_parallel}" + unreduced
 
 
-def check_output_sizes(output_sizes, out_features: int, p: int) -> Tuple[int, ...]:
-    """``output_sizes`` as a tuple, checked: positive ints summing to ``out_features``, each
-    divisible by ``p`` (``(out_features,)`` for None)."""
+def check_output_sizes(output_sizes, out_features: int, p: int,
+                       head_size: Optional[int] = None) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """``(sizes, blocks)``: ``output_sizes`` as a tuple, checked (positive ints summing to
+    ``out_features``, each divisible by ``p``, or, with ``head_size``, each a whole number n of heads
+    that p divides or that divides p), and the blocks each is split into: ``p``, or n for an output
+    of fewer heads than ranks (replicated). ``((out_features,), (p,))`` for None."""
     if output_sizes is None:
-        return (out_features,)
+        if head_size is not None:
+            raise ValueError("head_size: goes with output_sizes (the outputs made of heads)")
+        return (out_features,), (p,)
     if isinstance(output_sizes, (str, bytes)) or not isinstance(output_sizes, Sequence) or not output_sizes:
         raise ValueError(f"output_sizes: expected a non-empty sequence of ints, got {output_sizes!r}")
+    if head_size is not None:
+        check_int("head_size", head_size)
+    blocks = []
     for j, size in enumerate(output_sizes):
         check_int(f"output_sizes[{j}]", size)
-        check_divisible(f"output_sizes[{j}]", size, p)
+        if head_size is None:
+            check_divisible(f"output_sizes[{j}]", size, p)
+            blocks.append(p)
+            continue
+        heads, rest = divmod(size, head_size)
+        if rest:
+            raise ValueError(f"output_sizes[{j}] ({size}) is not a whole number of heads of head_size={head_size}")
+        if heads % p and p % heads:
+            raise ValueError(f"output_sizes[{j}]: its {heads} heads can neither be split over the tensor-parallel "
+                             f"size {p} nor replicated on it ({p} is not a multiple of {heads})")
+        blocks.append(p if heads % p == 0 else heads)
     if sum(output_sizes) != out_features:
         raise ValueError(f"output_sizes: {list(output_sizes)} sum to {sum(output_sizes)}, not to "
                          f"out_features={out_features}")
-    return tuple(output_sizes)
+    return tuple(output_sizes), tuple(blocks)
+
+
+def local_sizes(layer: nn.Module) -> Tuple[int, ...]:
+    """The rows of each part of ``layer``'s split dim that a rank holds (its block of each)."""
+    return tuple(size // blocks for size, blocks in zip(layer.split_parts, layer.split_blocks))
+
+
+def block_index(layer: nn.Module, j: int, rank: Optional[int] = None) -> int:
+    """Which block of part ``j`` of ``layer``'s split dim rank ``rank`` (default: this rank) holds:
+    its own, or, for a replicated part, the one it shares with its neighbours."""
+    rank = layer.tp_rank if rank is None else rank
+    return rank * layer.split_blocks[j] // layer.tp_size
+
+
+def own_pieces(t: torch.Tensor, dim: int, layer: nn.Module) -> List[torch.Tensor]:
+    """The pieces of ``t`` (a block as ``layer`` holds it along ``dim``, or its gradient) that no
+    other rank holds too: all of it, but a replicated part only on the first rank holding its
+    block. What a sum over the group (a norm) counts once."""
+    p, r = layer.tp_size, layer.tp_rank
+    if min(layer.split_blocks) == p:
+        return [t]
+    return [piece for piece, b in zip(t.split(local_sizes(layer), dim), layer.split_blocks)
+            if b == p or r % (p // b) == 0]
 
 
 def split_block(size: int, p: int, r: int) -> Tuple[int, int]:
@@ -409,8 +513,9 @@ def block_of(full: torch.Tensor, dim: Optional[int], layer: nn.Module) -> torch.
     if len(layer.split_parts) == 1:
         rows, padding = split_block(full.shape[dim], p, r)
         return with_padding(full.narrow(dim, min(r * rows, full.shape[dim]), rows - padding), dim, padding)
-    return torch.cat([part.narrow(dim, r * (part.shape[dim] // p), part.shape[dim] // p)
-                      for part in full.split(layer.split_parts, dim)], dim)
+    return torch.cat([part.narrow(dim, block_index(layer, j) * size, size)
+                      for j, (part, size) in enumerate(zip(full.split(layer.split_parts, dim), local_sizes(layer)))],
+                     dim)
 
 
 def with_padding(rows: torch.Tensor, dim: int, padding: int) -> torch.Tensor:
@@ -431,8 +536,9 @@ def full_of(blocks: torch.Tensor, dim: int, layer: nn.Module) -> torch.Tensor:
         size = layer.split_parts[0]
         return blocks if blocks.shape[dim] == size else blocks.narrow(dim, 0, size).contiguous()
     p = layer.tp_size
-    pieces = [rank_block.split([size // p for size in layer.split_parts], dim) for rank_block in blocks.chunk(p, dim)]
-    return torch.cat([pieces[r][j] for j in range(len(layer.split_parts)) for r in range(p)], dim)
+    pieces = [rank_block.split(local_sizes(layer), dim) for rank_block in blocks.chunk(p, dim)]
+    # each block of each part once: from the first rank holding it (a replicated part's block is on p/blocks ranks)
+    return torch.cat([pieces[r][j] for j, b in enumerate(layer.split_blocks) for r in range(0, p, p // b)], dim)
 
 
 def sharded_blocks(module: nn.Module) -> Tuple[Dict[str, tuple], object, Optional[str]]:
