@@ -58,6 +58,12 @@ def bad_calls(p):
             6, 4 * p, output_sizes=[4 * p - 3, 3])),
         ("plan['fc1']: 'fc1': output_sizes[0] (5) is not divisible",
          lambda: tp_kernels.parallelize(_Tiny(p), {"fc1": ("colwise", [5, 4 * p - 5])})),
+        # three key/value heads: neither split over 2 or 4 ranks nor replicated on them
+        (f"output_sizes[1]: its 3 heads can neither be split over the tensor-parallel size {p} nor replicated on it "
+         f"({p} is not a multiple of 3)", lambda: tp_kernels.ColumnParallelLinear(
+             6, 4 * p + 12, output_sizes=[4 * p, 6, 6], head_size=2)),
+        ("plan['fc1']: 'fc1': output_sizes[1]: its 3 heads can neither",
+         lambda: tp_kernels.parallelize(_Tiny(p, out=4 * p + 6), {"fc1": ("colwise", [4 * p, 3, 3], 1)})),
         ("pass input_is_parallel=False", lambda: row(torch.randn(3, 6 * p))),
         ("x.shape[0]", lambda: ops.matmul_reduce_scatter(torch.randn(2 * p + 1, 6), w, b)),
         ("input.shape[0]", lambda: tp_kernels.mappings.scatter_to_sequence_parallel_region(torch.randn(2 * p + 1, 3))),
@@ -101,6 +107,13 @@ def bad_calls(p):
         ("output_sizes[0]: expected an int >= 1",
          lambda: tp_kernels.ColumnParallelLinear(6, 4 * p, output_sizes=[0, 4 * p])),
         ("plan['fc1']: expected a style", lambda: tp_kernels.parallelize(_Tiny(p), {"fc1": ("rowwise", [4 * p])})),
+        ("head_size: goes with output_sizes", lambda: tp_kernels.ColumnParallelLinear(6, 4 * p, head_size=2)),
+        ("head_size: expected an int >= 1", lambda: tp_kernels.ColumnParallelLinear(
+            6, 4 * p, output_sizes=[2 * p, 2 * p], head_size=0)),
+        ("output_sizes[1] (3) is not a whole number of heads of head_size=2", lambda: tp_kernels.ColumnParallelLinear(
+            6, 4 * p + 6, output_sizes=[4 * p, 3, 3], head_size=2)),
+        ("plan['fc1']: 'fc1': head_size: expected an int >= 1",
+         lambda: tp_kernels.parallelize(_Tiny(p), {"fc1": ("colwise", [2 * p, 2 * p], "2")})),
         ("plan: 'fc1' is matched as 'colwise', but the same module ('fc1') as ('colwise', [",
          lambda: tp_kernels.parallelize(_Tiny(p), {"fc1": ("colwise", [2 * p, 2 * p]), "fc*1": "colwise"})),
         ("linear", lambda: tp_kernels.ColumnParallelLinear.from_linear(nn.Conv1d(2, 2, 1))),
@@ -134,10 +147,10 @@ class _Odd(nn.Module):
 
 
 class _Tiny(nn.Module):
-    def __init__(self, p, linear=nn.Linear):
+    def __init__(self, p, linear=nn.Linear, out=None):
         super().__init__()
         self.emb = nn.Embedding(3 * p, 6)
-        self.fc1 = linear(6, 4 * p)
+        self.fc1 = linear(6, out or 4 * p)
         self.fc2 = nn.Linear(4 * p, 6)
 
 

@@ -847,6 +847,11 @@ def test_padded_vocabulary_with_several_nccl_ranks(shared_gpu_world, tmp_path, v
     shared_gpu_world.run(test_parallelize.check_padded_vocabulary_model, str(tmp_path), vocab_of_p, device="cuda")
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_replicated_kv_heads_with_several_nccl_ranks(shared_gpu_world, tmp_path, kv_heads):
+    shared_gpu_world.run(test_parallelize.check_replicated_kv_heads, str(tmp_path), kv_heads, device="cuda")
+
+
 def test_distributed_checkpoint_with_several_nccl_ranks(shared_gpu_world, tmp_path):
     lost = shared_gpu_world.run(test_parallelize.check_distributed_checkpoint_across_sizes, str(tmp_path),
                                 device="cuda")

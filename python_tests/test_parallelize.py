@@ -335,12 +335,32 @@ class FusedBlock(nn.Module):
         return x + self.down(F.silu(gate) * up)
 
 
-def _blocks_of_outputs(full, sizes, dim, r, p):
+def _blocks_of_outputs(full, sizes, dim, r, p, head_size=None):
     """Rank r's blocks of each of the outputs of ``sizes`` along ``dim`` of ``full``, side by side
-    (of one output p does not divide, its block padded with zeros)."""
+    (of one output p does not divide, its block padded with zeros; of an output of fewer heads of
+    ``head_size`` than ranks, the head rank r shares with its neighbours, r * heads // p)."""
     if len(sizes) == 1:
         return padded_block(full, dim, r, p)
-    return torch.cat([block(part, dim, r, p) for part in full.split(sizes, dim)], dim)
+
+    def rows(part):
+        heads = part.shape[dim] // head_size if head_size else p
+        if heads >= p:
+            return block(part, dim, r, p)
+        return part.narrow(dim, r * heads // p * head_size, head_size)
+
+    return torch.cat([rows(part) for part in full.split(sizes, dim)], dim)
+
+
+def _assert_same_backward(dense, par, x):
+    """``par(x)`` is ``dense(x)``, and so is the input's gradient of the output's sum of squares
+    (float64 closeness); both models' parameters get their gradients. Returns the dense output."""
+    xd, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want, got = dense(xd), par(xp)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    torch.testing.assert_close(xp.grad, xd.grad, rtol=1e-12, atol=1e-12)
+    return want.detach()
 
 
 def _save_with_dcp(model, opt, path):
@@ -374,8 +394,9 @@ def _assert_dense_moments(model, opt, dense, dense_opt, steps=1):
             want = want_state[k]
             if name in blocks:
                 _, dim, layer = blocks[name]
-                want = _blocks_of_outputs(want, layer.split_parts, dim, q, n)
-            torch.testing.assert_close(got_state[k], want, rtol=1e-10, atol=1e-16, msg=lambda m: f"{name} {k}: {m}")
+                want = _blocks_of_outputs(want, layer.split_parts, dim, q, n, getattr(layer, "head_size", None))
+            # (atol: a gradient that is zero but for rounding, as a key bias's, rounds otherwise)
+            torch.testing.assert_close(got_state[k], want, rtol=1e-10, atol=1e-14, msg=lambda m: f"{name} {k}: {m}")
         assert float(got_state["step"]) == float(want_state["step"]) == steps, name
 
 
@@ -394,12 +415,7 @@ def check_fused_projections(path, device="cpu"):
     par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
     assert par.qkv.split_parts == tuple(dense.sizes)
     x = torch.randn(s, b, hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(device)
-    xd, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
-    want, got = dense(xd), par(xp)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    want.square().sum().backward()
-    got.square().sum().backward()
-    torch.testing.assert_close(xp.grad, xd.grad, rtol=1e-12, atol=1e-12)
+    want = _assert_same_backward(dense, par, x)
     fused = {"qkv.weight": dense.sizes, "qkv.bias": dense.sizes, "gate_up.weight": [ffn, ffn]}
     for name, sizes in fused.items():
         torch.testing.assert_close(par.get_parameter(name).grad,
@@ -438,6 +454,105 @@ def check_fused_projections(path, device="cpu"):
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
 def test_fused_projections(world, tmp_path):
     world.run(check_fused_projections, str(tmp_path))
+
+
+class GroupedQueryBlock(nn.Module):
+    """Attention of ``heads`` query heads over ``kv_heads`` key/value heads, through one fused
+    [q, k, v] projection, and a gated MLP through one fused [gate, up], written as vLLM writes a
+    model for ``tp`` ranks: the local numbers of heads from ``tp``, at least one key/value head
+    (replicated where there are fewer of them than ranks)."""
+
+    def __init__(self, hidden, heads, kv_heads, ffn, tp=1):
+        super().__init__()
+        self.heads, self.kv_heads, self.ffn, self.tp = heads, kv_heads, ffn, tp
+        self.sizes = [heads * HEAD_DIM, kv_heads * HEAD_DIM, kv_heads * HEAD_DIM]
+        self.qkv = nn.Linear(hidden, sum(self.sizes))
+        self.o_proj = nn.Linear(heads * HEAD_DIM, hidden)
+        self.gate_up = nn.Linear(hidden, 2 * ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden)
+
+    def forward(self, x):  # [s, b, h] ([s/p, b, h] under sequence parallelism)
+        q_local, kv_local = self.heads // self.tp, max(self.kv_heads // self.tp, 1)
+        qkv = self.qkv(x)
+        s, b, _ = qkv.shape
+        q, k, v = qkv.split([q_local * HEAD_DIM, kv_local * HEAD_DIM, kv_local * HEAD_DIM], -1)
+        q, k, v = (t.reshape(s, b, -1, HEAD_DIM).permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+        k, v = (t.repeat_interleave(q_local // kv_local, 1) for t in (k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o_proj(att.permute(2, 0, 1, 3).reshape(s, b, -1))
+        gate, up = self.gate_up(x).split(self.ffn // self.tp, -1)
+        return x + self.down(F.silu(gate) * up)
+
+
+def check_replicated_kv_heads(path, kv_heads, device="cpu"):
+    """Grouped-query and multi-query attention with fewer key/value heads than ranks, parallelized
+    with ("colwise", [q, k, v], head_size): each key/value head is replicated on the ranks whose
+    query heads attend with it, and the block matches the dense one in float64: output, gradients
+    (a replicated head's summed over its ranks), clip_grad_norm_'s total, two Adam steps (the
+    replicas stay alike), sequence parallelism, full_state_dict; dcp moves the model and its Adam
+    state to half the ranks (another replication, or none)."""
+    r, p = rank_world()
+    hidden, heads, ffn, s, b = 7, 2 * p, 3 * p, 4, 2
+
+    def model(tp, device=device):
+        torch.manual_seed(0)
+        return GroupedQueryBlock(hidden, heads, kv_heads, ffn, tp).double().to(device)
+
+    def plan(dense):
+        return {"qkv": ("colwise", dense.sizes, HEAD_DIM), "o_proj": "rowwise", "gate_up": ("colwise", [ffn, ffn]),
+                "down": "rowwise"}
+
+    dense = model(1)
+    par = tp_kernels.parallelize(model(p), plan(dense))
+    replicas = p // kv_heads if kv_heads < p else 1
+    assert par.qkv.split_blocks == (p, p // replicas, p // replicas)
+    assert par.qkv.weight.shape[0] == (heads // p + 2 * max(kv_heads // p, 1)) * HEAD_DIM
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(s, b, hidden, dtype=torch.float64, generator=g).to(device) for _ in range(3)]
+    opts = [torch.optim.Adam(m.parameters(), lr=0.1) for m in (dense, par)]
+    for step, x in enumerate(xs[:2]):
+        _assert_same_backward(dense, par, x)
+        if step == 0:
+            for name, sizes, head_size in [("qkv.weight", dense.sizes, HEAD_DIM), ("qkv.bias", dense.sizes, HEAD_DIM),
+                                           ("gate_up.weight", [ffn, ffn], None)]:
+                torch.testing.assert_close(
+                    par.get_parameter(name).grad,
+                    _blocks_of_outputs(dense.get_parameter(name).grad, sizes, 0, r, p, head_size),
+                    rtol=1e-12, atol=1e-12, msg=lambda m: f"{name} gradient: {m}")
+            want_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), 1.0)
+            torch.testing.assert_close(tp_kernels.clip_grad_norm_(par, 1.0), want_norm, rtol=1e-12, atol=0)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    full = tp_kernels.full_state_dict(par)
+    for key, value in dense.state_dict().items():  # (Adam turns rounding into lr * 1e-17 / eps: atol)
+        torch.testing.assert_close(full[key], value, rtol=1e-10, atol=1e-8, msg=lambda m: f"{key}: {m}")
+    sp = tp_kernels.parallelize(model(p), plan(dense), sequence_parallel=True)
+    tp_kernels.load_full_state_dict(sp, full)
+    torch.testing.assert_close(sp(block(xs[2], 0, r, p)), block(dense(xs[2]), 0, r, p), rtol=1e-10, atol=1e-10)
+    saved = {k: v.clone() for k, v in full.items()}
+    _save_with_dcp(par, opts[1], path)
+    tp_kernels.initialize_model_parallel(max(p // 2, 1))
+    try:
+        half = max(p // 2, 1)
+        narrow = tp_kernels.parallelize(model(half), plan(dense))
+        narrow_opt = _load_with_dcp(narrow, path)
+        after = tp_kernels.full_state_dict(narrow)
+        for key, value in saved.items():
+            assert torch.equal(after[key], value), key
+        q = tp_kernels.get_tensor_model_parallel_rank()
+        for name in ("qkv.weight", "qkv.bias"):  # every rank's copy of a replicated head (the full dict has one)
+            assert torch.equal(narrow.get_parameter(name), _blocks_of_outputs(saved[name], dense.sizes, 0, q, half,
+                                                                              HEAD_DIM)), name
+        _assert_dense_moments(narrow, narrow_opt, dense, opts[0], steps=2)
+    finally:
+        tp_kernels.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_replicated_kv_heads(world, kv_heads, tmp_path):
+    world.run(check_replicated_kv_heads, str(tmp_path), kv_heads)
 
 
 def check_tied_embedding_stays_tied():

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from . import _collectives as coll
 from ._agreement import agree
-from .layers import block_of, full_of, sharded_blocks, with_padding
+from .layers import block_index, block_of, full_of, local_sizes, sharded_blocks, with_padding
 
 __all__ = ["full_state_dict", "load_full_state_dict", "load_sharded_optimizer_state_dict",
            "sharded_optimizer_state_dict", "sharded_state_dict"]
@@ -79,7 +79,10 @@ def sharded_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
     A column layer of several outputs (``output_sizes``) holds a block of each output, which no
     one ``Shard`` of the fused tensor describes: its sharded parameters are entries
     ``"<name>[j]"``, one per output ``j``, each a ``DTensor`` of that output (with one rank too, as
-    plain tensors, so that checkpoints move between sizes).
+    plain tensors, so that checkpoints move between sizes). A layer whose outputs are heads
+    (``head_size``), some of which several ranks may hold (replicated key/value heads), saves one
+    plain entry per head, ``"<name>[j][h]"``, on each rank holding it: ``dcp`` saves a head once
+    and loads it into every rank holding it, whatever the tensor-parallel size.
 
     ``dcp.save(sharded_state_dict(model), checkpoint_id=path)`` writes each block once, with its
     place in the full tensor; ``dcp.load(sharded_state_dict(model), checkpoint_id=path)`` reads
@@ -145,13 +148,28 @@ def _entries(module: nn.Module):
     ``entries(key, tensor)``: the entries under which ``tensor`` is saved, ``{key: tensor}`` unless
     ``key`` names a parameter of which this rank holds a block and ``tensor`` has that block's shape
     (the parameter, or its optimizer state): then ``{key: DTensor}``, split as the parameter is, or,
-    for a layer of several outputs, ``{"key[j]": DTensor of output j}`` (views of ``tensor``). With
-    one rank, plain tensors. ``join(per_name)``: the optimizer's state by name again, each
-    ``"key[j]"`` joined into ``key`` (this rank's blocks side by side, as the parameter holds them)."""
+    for a layer of several outputs, ``{"key[j]": DTensor of output j}``, or, for a layer of outputs
+    made of heads (``head_size``), ``{"key[j][h]": head h of output j}`` for each head this rank
+    holds, a plain tensor (held by several ranks where it is replicated, saved once by ``dcp``). All
+    views of ``tensor``; with one rank, plain tensors. ``join(per_name)``: the optimizer's state by
+    name again, the entries of each key joined into its block (as the parameter holds it)."""
     blocks, group, groups_error = sharded_blocks(module)
     if groups_error:
         raise ValueError(groups_error)
     sharded = _as_dtensor(group) if coll.group_size(group) > 1 else lambda tensor, dim, full: tensor
+
+    def pieces(key: str, tensor: torch.Tensor, dim: int, layer) -> Dict[str, torch.Tensor]:
+        """``tensor`` (a block of ``key``) by entry name: its outputs, or their heads."""
+        head = getattr(layer, "head_size", None)
+        out = {}
+        for j, piece in enumerate(tensor.split(local_sizes(layer), dim)):
+            if head is None:
+                out[f"{key}[{j}]"] = piece
+                continue
+            first = block_index(layer, j) * (piece.shape[dim] // head)  # the first head it holds
+            for i, one in enumerate(piece.split(head, dim)):
+                out[f"{key}[{j}][{first + i}]"] = one
+        return out
 
     def entries(key: str, tensor) -> Dict[str, object]:
         if key not in blocks or not isinstance(tensor, torch.Tensor) or tensor.shape != blocks[key][0].shape:
@@ -160,23 +178,25 @@ def _entries(module: nn.Module):
         parts = layer.split_parts
         if len(parts) == 1:  # its rows of the full tensor, without the padding at the end
             return {key: sharded(tensor.narrow(dim, 0, tensor.shape[dim] - layer.pad_rows), dim, parts[0])}
-        pieces = tensor.split([size // layer.tp_size for size in parts], dim)
-        return {f"{key}[{j}]": sharded(piece, dim, size) for j, (piece, size) in enumerate(zip(pieces, parts))}
+        if getattr(layer, "head_size", None) is not None:
+            return pieces(key, tensor, dim, layer)
+        return {name: sharded(piece, dim, size)
+                for (name, piece), size in zip(pieces(key, tensor, dim, layer).items(), parts)}
 
     def join(per_name: Dict[str, Dict[str, object]]) -> Dict[str, Dict[str, object]]:
         joined = dict(per_name)
         for key, (param, dim, layer) in blocks.items():
-            names = [f"{key}[{j}]" for j in range(len(layer.split_parts))]
             if layer.pad_rows and key in joined:  # the padding again (zero: it never has a gradient)
                 held = (*param.shape[:dim], param.shape[dim] - layer.pad_rows, *param.shape[dim + 1:])
                 joined[key] = {k: with_padding(v, dim, layer.pad_rows) if tuple(getattr(v, "shape", ())) == held else v
                                for k, v in joined[key].items()}
-            if len(names) == 1 or names[0] not in joined:
+            names = list(pieces(key, param.detach(), dim, layer)) if len(layer.split_parts) > 1 else []
+            if not names or names[0] not in joined:
                 continue
-            per_part = [joined.pop(name) for name in names]
+            per_piece = [joined.pop(name) for name in names]
             whole = dict(joined.get(key, {}))
-            for k in per_part[0]:
-                whole[k] = torch.cat([part[k] for part in per_part], dim)
+            for k in per_piece[0]:
+                whole[k] = torch.cat([piece[k] for piece in per_piece], dim)
             joined[key] = whole
         return joined
 

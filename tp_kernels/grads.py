@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from . import _collectives as coll
 from ._agreement import agree, describe
-from .layers import sharded_blocks
+from .layers import own_pieces, sharded_blocks
 
 __all__ = ["allreduce_sequence_parallel_grads", "clip_grad_norm_"]
 
@@ -62,9 +62,10 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
     Plain ``clip_grad_norm_`` on each rank sees only that rank's shards, so the ranks clip by
     different factors and the parameters every rank holds whole (a row-parallel bias, the norms)
     drift apart. Here the shards of the parallel layers' parameters (their
-    ``sharded_parameters``) count on every rank and are summed over the group, and a parameter
-    every rank holds whole counts once (rank 0's: under sequence parallelism, sum such gradients
-    first with :func:`allreduce_sequence_parallel_grads`). One all-reduce of one number, on every
+    ``sharded_parameters``) count on every rank and are summed over the group (a replicated
+    output's block once, on the first rank holding it), and a parameter every rank holds whole
+    counts once (rank 0's: under sequence parallelism, sum such gradients first with
+    :func:`allreduce_sequence_parallel_grads`). One all-reduce of one number, on every
     rank whether or not it has gradients. Each gradient's norm is taken in float32 (float64 for
     float64 gradients) and the total in float64; the scale is ``min(1, max_norm / (total + 1e-6))``,
     as torch's.
@@ -80,7 +81,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
         every rank.
     """
     blocks, group, groups_error = sharded_blocks(module)
-    sharded = {id(param) for param, _, _ in blocks.values()}
+    sharded = {id(param): (dim, layer) for param, dim, layer in blocks.values()}
 
     def check():
         if groups_error:
@@ -108,8 +109,10 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
         device = coll.exchange_device(group, torch.device("cuda", torch.cuda.current_device()) if cuda else
                                       torch.device("cpu"))
     rank0 = coll.group_rank(group) == 0
-    # what this rank adds to the total: its shards, and (rank 0) what every rank holds whole
-    counted = [q.grad for q in params if id(q) in sharded or rank0]
+    # what this rank adds to the total: its shards (of a replicated output's block, the first rank
+    # holding it), and (rank 0) what every rank holds whole
+    counted = [piece for q in params for piece in (own_pieces(q.grad, *sharded[id(q)]) if id(q) in sharded else
+                                                   [q.grad] if rank0 else [])]
     norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.promote_types(g.dtype, torch.float32)).double()
              for g in counted]
     inf = math.isinf(norm_type)

@@ -23,17 +23,22 @@ STYLES = {
 
 
 def _style(pattern: str, value) -> tuple:
-    """A plan's value as ``(style, output_sizes or None)``: a style, or ``("colwise", sizes)``."""
+    """A plan's value as ``(style, outputs)``: a style (outputs None), or ``("colwise",
+    output_sizes)`` or ``("colwise", output_sizes, head_size)`` (outputs ``(output_sizes,
+    head_size or None)``, the column layer's arguments)."""
     if isinstance(value, str):
-        style, sizes = value, None
-    elif isinstance(value, (tuple, list)) and len(value) == 2 and value[0] == "colwise":
-        style, sizes = value
-    else:
-        raise ValueError(f"plan[{pattern!r}]: expected a style ({', '.join(map(repr, STYLES))}) or "
-                         f"('colwise', output_sizes), got {value!r}")
+        return _known(pattern, value), None
+    if isinstance(value, (tuple, list)) and len(value) in (2, 3) and value[0] == "colwise":
+        sizes = tuple(value[1]) if isinstance(value[1], (tuple, list)) else value[1]
+        return "colwise", (sizes, value[2] if len(value) == 3 else None)
+    raise ValueError(f"plan[{pattern!r}]: expected a style ({', '.join(map(repr, STYLES))}), ('colwise', "
+                     f"output_sizes) or ('colwise', output_sizes, head_size), got {value!r}")
+
+
+def _known(pattern: str, style: str) -> str:
     if style not in STYLES:
         raise ValueError(f"plan[{pattern!r}]: unknown style {style!r}; expected one of {', '.join(map(repr, STYLES))}")
-    return style, sizes
+    return style
 
 
 def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
@@ -46,7 +51,10 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     (``nn.Embedding`` → :class:`VocabParallelEmbedding`). A fused projection, several outputs side
     by side in one ``nn.Linear`` (``[q, k, v]``, ``[gate, up]``), takes ``("colwise",
     output_sizes)``: each output is split across the ranks (the layer's ``output_sizes``), where
-    a plain ``"colwise"`` would give rank 0 the first outputs whole. Each replacement holds this
+    a plain ``"colwise"`` would give rank 0 the first outputs whole; ``("colwise", output_sizes,
+    head_size)`` for attention whose keys and values have fewer heads than there are ranks
+    (grouped-query or multi-query attention: those heads are replicated, see
+    :class:`ColumnParallelLinear`'s ``head_size``). Each replacement holds this
     rank's shard of the existing weights, so a dense model computes the same function afterwards
     (the code around the layers must use the local sizes, e.g. heads per rank).
 
@@ -79,10 +87,10 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     group = coll.resolve_group(group)
     p = coll.group_size(group)
     named = [(name, m) for name, m in module.named_modules(remove_duplicate=False) if name]
-    chosen: Dict[str, tuple] = {}  # name -> (style, output_sizes or None)
-    style_of: Dict[int, tuple] = {}  # id(module) -> (style, name, output_sizes): one style per module object
+    chosen: Dict[str, tuple] = {}  # name -> (style, outputs: (output_sizes, head_size) or None)
+    style_of: Dict[int, tuple] = {}  # id(module) -> (style, name, outputs): one style per module object
     for pattern, entry in plan.items():
-        style, sizes = _style(pattern, entry)
+        style, outputs = _style(pattern, entry)
         expected = STYLES[style][0]
         hits = [(name, m) for name, m in named if fnmatch.fnmatchcase(name, pattern)]
         if not hits:
@@ -99,25 +107,25 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
             if style == "rowwise" and m.in_features % p:  # (a column's or a vocabulary's rows are padded)
                 raise ValueError(f"plan[{pattern!r}]: {name!r} (rowwise) has in_features={m.in_features}, which the "
                                  f"tensor-parallel size {p} does not divide")
-            if sizes is not None:
+            if outputs is not None:
                 try:
-                    sizes = check_output_sizes(sizes, m.out_features, p)
+                    check_output_sizes(outputs[0], m.out_features, p, outputs[1])
                 except ValueError as exc:
                     raise ValueError(f"plan[{pattern!r}]: {name!r}: {exc}") from None
-            first_style, first_name, first_sizes = style_of.setdefault(id(m), (style, name, sizes))
-            if (first_style, first_sizes) != (style, sizes):
+            first_style, first_name, first_outputs = style_of.setdefault(id(m), (style, name, outputs))
+            if (first_style, first_outputs) != (style, outputs):
                 raise ValueError(
-                    f"plan: {name!r} is matched as {_describe(style, sizes)}, but the same module ({first_name!r}) "
-                    f"as {_describe(first_style, first_sizes)}"
+                    f"plan: {name!r} is matched as {_describe(style, outputs)}, but the same module ({first_name!r}) "
+                    f"as {_describe(first_style, first_outputs)}"
                 )
-            chosen[name] = (style, sizes)
+            chosen[name] = (style, outputs)
 
     ties = _ties(module, named, style_of)
 
     # Build each replacement once, then swap every name under which the module is reachable
     # (a module shared under two names must not stay dense under the one the plan missed).
     replaced: Dict[int, nn.Module] = {}
-    for name, (style, sizes) in chosen.items():
+    for name, (style, outputs) in chosen.items():
         old = module.get_submodule(name)
         if id(old) in replaced:
             continue
@@ -125,8 +133,9 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
         if style == "vocab":
             replaced[id(old)] = build.from_embedding(old, group=group, sequence_parallel=sequence_parallel)
         elif style == "colwise":
+            sizes, head_size = outputs or (None, None)
             replaced[id(old)] = build.from_linear(old, group=group, sequence_parallel=sequence_parallel,
-                                                  output_sizes=sizes)
+                                                  output_sizes=sizes, head_size=head_size)
         else:
             replaced[id(old)] = build.from_linear(
                 old, group=group, sequence_parallel=sequence_parallel, input_is_parallel=True
@@ -141,8 +150,13 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     return module
 
 
-def _describe(style: str, sizes) -> str:
-    return repr(style) if sizes is None else repr((style, list(sizes)))
+def _describe(style: str, outputs) -> str:
+    """A plan's value as it was written (lists for the sizes)."""
+    if outputs is None:
+        return repr(style)
+    sizes, head_size = outputs
+    sizes = list(sizes) if isinstance(sizes, tuple) else sizes
+    return repr((style, sizes) if head_size is None else (style, sizes, head_size))
 
 
 def _ties(module: nn.Module, named, style_of: Dict[int, tuple]) -> list:
@@ -158,17 +172,18 @@ def _ties(module: nn.Module, named, style_of: Dict[int, tuple]) -> list:
     for held in holders.values():
         if len(held) < 2 or not any(key[0] in style_of for key in held):
             continue
-        # how each holder's replacement holds it: (style, the dim it splits, or None: whole, output_sizes)
+        # how each holder's replacement holds it: (style, the dim it splits, or None: whole, outputs)
         splits = {}
         for (mid, attr), name in held.items():
-            style, _, sizes = style_of.get(mid, (None, None, None))
-            splits[name] = (style, STYLES[style][1].sharded_parameters.get(attr) if style else None, sizes)
+            style, _, outputs = style_of.get(mid, (None, None, None))
+            splits[name] = (style, STYLES[style][1].sharded_parameters.get(attr) if style else None, outputs)
         if (any(style is None for style, _, _ in splits.values())
-                or len({(d, sizes) for _, d, sizes in splits.values()}) > 1):
-            def how(style, d, sizes):
+                or len({(d, outputs) for _, d, outputs in splits.values()}) > 1):
+            def how(style, d, outputs):
                 if style is None:
                     return "left dense"
-                parts = "" if sizes is None else f" of outputs {list(sizes)}"
+                parts = "" if outputs is None else f" of outputs {list(outputs[0])}"
+                parts += "" if outputs is None or outputs[1] is None else f" of heads of {outputs[1]}"
                 return f"{style}{parts}, " + ("whole" if d is None else f"split along dim {d}")
 
             listing = ", ".join(f"{name!r} ({how(*split)})" for name, split in splits.items())
