@@ -776,6 +776,29 @@ def check_distributed_checkpoint_with_optimizer(path, device="cpu"):
         tp_kernels.destroy_model_parallel()
 
 
+def check_factored_optimizer_state_is_refused():
+    """An optimizer whose state of a sharded parameter is not shaped as the parameter (Adafactor's
+    row and column statistics) cannot be saved sharded: every rank raises, naming the parameter,
+    where the state would have been saved as one tensor and loaded as rank 0's everywhere."""
+    r, p = rank_world()
+    torch.manual_seed(0)
+    par = tp_kernels.parallelize(LanguageModel(4 * p, 6, 2 * p, 4 * p), LM_PLAN)
+    opt = torch.optim.Adafactor(par.parameters())
+    par(torch.randint(0, 4 * p, (4, 3))).square().sum().backward()
+    opt.step()
+    if p == 1:  # nothing sharded: the state is the dense optimizer's, saved as it is
+        assert "emb.weight" in tp_kernels.sharded_optimizer_state_dict(par, opt)["state"]
+        return
+    with pytest.raises(ValueError, match=r"optimizer: a state tensor of 'emb.weight' has shape \[4, 1\], not its "
+                                         r"block's \[4, 6\] \(a factored optimizer"):
+        tp_kernels.sharded_optimizer_state_dict(par, opt)
+
+
+@pytest.mark.parametrize("world", [1, 2], indirect=True)
+def test_factored_optimizer_state_is_refused(world):
+    world.run(check_factored_optimizer_state_is_refused)
+
+
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
 def test_distributed_checkpoint_with_optimizer(world, tmp_path):
     world.run(check_distributed_checkpoint_with_optimizer, str(tmp_path))

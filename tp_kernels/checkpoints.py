@@ -173,6 +173,12 @@ def _entries(module: nn.Module):
 
     def entries(key: str, tensor) -> Dict[str, object]:
         if key not in blocks or not isinstance(tensor, torch.Tensor) or tensor.shape != blocks[key][0].shape:
+            if key in blocks and isinstance(tensor, torch.Tensor) and tensor.dim() and blocks[key][2].tp_size > 1:
+                # (a factored state: saved as one tensor, dcp would keep one rank's and give it to all)
+                raise ValueError(f"optimizer: a state tensor of {key!r} has shape {list(tensor.shape)}, not its "
+                                 f"block's {list(blocks[key][0].shape)} (a factored optimizer, as Adafactor's row "
+                                 "and column statistics): where it lies in the full tensor is unknown, so it cannot "
+                                 "be saved sharded; use an optimizer whose state has the parameter's shape")
             return {key: tensor}
         _, dim, layer = blocks[key]
         parts = layer.split_parts
