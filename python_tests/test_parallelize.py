@@ -370,6 +370,23 @@ def _save_with_dcp(model, opt, path):
               "optim": tp_kernels.sharded_optimizer_state_dict(model, opt)}, checkpoint_id=path)
 
 
+def _assert_dense_checkpoint(path, dense, dense_opt):
+    """The dcp checkpoint at ``path`` (of :func:`_save_with_dcp`), converted offline to one file by
+    torch and read with tp_kernels.dense_state_dict, is the dense model's state dict and its
+    optimizer's moments (float64 closeness: the parallel gradients round otherwise)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(path, f"{path}.pt")
+    state = tp_kernels.dense_state_dict(torch.load(f"{path}.pt"))
+    assert sorted(state["model"]) == sorted(dense.state_dict())  # (in the order the ranks wrote them)
+    for key, value in dense.state_dict().items():
+        torch.testing.assert_close(state["model"][key], value.cpu(), rtol=1e-10, atol=1e-8, msg=lambda m: f"{key}: {m}")
+    for name, param in dense.named_parameters():
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state["optim"]["state"][name][k], dense_opt.state[param][k].cpu(), rtol=1e-10,
+                                       atol=1e-14, msg=lambda m: f"{name} {k}: {m}")
+
+
 def _load_with_dcp(model, path):
     """A fresh Adam for ``model``, both loaded in place from the dcp checkpoint at ``path``."""
     import torch.distributed.checkpoint as dcp
@@ -532,6 +549,8 @@ def check_replicated_kv_heads(path, kv_heads, device="cpu"):
     torch.testing.assert_close(sp(block(xs[2], 0, r, p)), block(dense(xs[2]), 0, r, p), rtol=1e-10, atol=1e-10)
     saved = {k: v.clone() for k, v in full.items()}
     _save_with_dcp(par, opts[1], path)
+    if r == 0:  # (dcp.save has returned on rank 0, which writes the metadata last)
+        _assert_dense_checkpoint(path, dense, opts[0])
     tp_kernels.initialize_model_parallel(max(p // 2, 1))
     try:
         half = max(p // 2, 1)
@@ -648,6 +667,8 @@ def check_padded_vocabulary_model(path, vocab_of_p, device="cpu"):
         torch.testing.assert_close(full[key], value, rtol=1e-10, atol=1e-8, msg=lambda m: f"{key}: {m}")
     saved = {k: v.clone() for k, v in full.items()}
     _save_with_dcp(par, opts[1], path)
+    if r == 0:
+        _assert_dense_checkpoint(path, dense, opts[0])
     tp_kernels.initialize_model_parallel(max(p // 2, 1))
     try:
         narrow = tp_kernels.parallelize(tied_model("meta"), LM_PLAN).to_empty(device=device)
@@ -802,3 +823,23 @@ def test_factored_optimizer_state_is_refused(world):
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
 def test_distributed_checkpoint_with_optimizer(world, tmp_path):
     world.run(check_distributed_checkpoint_with_optimizer, str(tmp_path))
+
+
+def test_dense_state_dict_joins_and_refuses_incomplete_entries():
+    """dense_state_dict joins outputs and heads in order (whatever order the entries come in),
+    leaves other entries alone, and names an entry whose outputs or heads are not all there, or
+    whose unsplit values differ."""
+    t = [torch.full((1, 2), float(i)) for i in range(4)]
+    got = tp_kernels.dense_state_dict({"a.w[1][1]": t[3], "b": t[0], "a.w[0]": t[0], "a.w[1][0]": t[2],
+                                       "opt": {"state": {"a.w[1]": {"m": t[1], "step": 3}, "a.w[0]": {"m": t[0],
+                                                                                                 "step": 3}}}})
+    assert list(got) == ["a.w", "b", "opt"] and got["b"] is t[0]
+    assert torch.equal(got["a.w"], torch.cat([t[0], t[2], t[3]]))
+    assert torch.equal(got["opt"]["state"]["a.w"]["m"], torch.cat([t[0], t[1]])) and got["opt"]["state"]["a.w"]["step"] == 3
+    for bad, match in [({"a.w[1]": t[0]}, r"the entries of 'a.w' are not every output \(and head\) of it: \['a.w\[1\]'\]"),
+                       ({"a.w[0][1]": t[0]}, "the entries of 'a.w' are not every output"),
+                       ({"a.w[0]": {"m": t[0], "step": 1}, "a.w[1]": {"m": t[1], "step": 2}},
+                        r"the pieces of 'a.w.step' hold different values"),
+                       ([t[0]], "state_dict: expected a mapping, got list")]:
+        with pytest.raises(ValueError, match=match):
+            tp_kernels.dense_state_dict(bad)

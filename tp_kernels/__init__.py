@@ -16,7 +16,8 @@ Public API (see docs/api.md):
   :class:`VocabParallelEmbedding`, :func:`vocab_parallel_cross_entropy`, :func:`parallelize`,
   and for training :func:`allreduce_sequence_parallel_grads`, :func:`clip_grad_norm_`,
   :func:`full_state_dict`, :func:`load_full_state_dict`, :func:`sharded_state_dict` and the
-  optimizer's (:func:`sharded_optimizer_state_dict`, :func:`load_sharded_optimizer_state_dict`);
+  optimizer's (:func:`sharded_optimizer_state_dict`, :func:`load_sharded_optimizer_state_dict`),
+  and :func:`dense_state_dict` to read such a checkpoint as the dense model's;
 * :mod:`tp_kernels.testing`: the harnesses that test and measure it on one machine.
 
 docs/architecture.md draws the layers of the package and follows a call through them.
@@ -50,6 +51,7 @@ from .parallel_state import (
     model_parallel_is_initialized,
 )
 from .checkpoints import (
+    dense_state_dict,
     full_state_dict,
     load_full_state_dict,
     load_sharded_optimizer_state_dict,
@@ -71,6 +73,7 @@ __all__ = [
     "autotune",
     "clip_grad_norm_",
     "communicator",
+    "dense_state_dict",
     "destroy_model_parallel",
     "extension_status",
     "full_state_dict",

@@ -4,6 +4,7 @@ loads: the full state dict, and the sharded ones (the model's, the optimizer's) 
 
 from __future__ import annotations
 
+import re
 from typing import Dict, Mapping
 
 import torch
@@ -13,7 +14,7 @@ from . import _collectives as coll
 from ._agreement import agree
 from .layers import block_index, block_of, full_of, local_sizes, sharded_blocks, with_padding
 
-__all__ = ["full_state_dict", "load_full_state_dict", "load_sharded_optimizer_state_dict",
+__all__ = ["dense_state_dict", "full_state_dict", "load_full_state_dict", "load_sharded_optimizer_state_dict",
            "sharded_optimizer_state_dict", "sharded_state_dict"]
 
 
@@ -230,6 +231,59 @@ def _as_dtensor(group):
                                   shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
 
     return sharded
+
+
+#: an entry of a sharded state dict that holds one output (``"qkv.weight[1]"``) or one head of it
+#: (``"qkv.weight[1][0]"``) of a fused layer, and what follows it in a flattened key (``".exp_avg"``)
+_ENTRY = re.compile(r"(.+?)\[(\d+)\](?:\[(\d+)\])?(\..+)?")
+
+
+def dense_state_dict(state_dict: Mapping[str, object]) -> Dict[str, object]:
+    """A state dict read whole from a checkpoint of :func:`sharded_state_dict` (and of
+    :func:`sharded_optimizer_state_dict`) as the dense model names it: the entries of each output
+    of a fused layer, ``"qkv.weight[1]"``, and of each head, ``"qkv.weight[1][0]"``, joined along
+    dim 0 into ``"qkv.weight"``, in nested dicts too (an optimizer's ``state``); everything else as
+    it is. For converting a checkpoint offline, with no process group: torch's
+    ``dcp_to_torch_save(path, file)``, ``torch.load(file)``, then this. A ``ValueError`` names an
+    entry whose outputs or heads are not all there."""
+    if not isinstance(state_dict, Mapping):
+        raise ValueError(f"state_dict: expected a mapping, got {type(state_dict).__name__}")
+    out: Dict[str, object] = {}
+    pieces: Dict[str, list] = {}  # the joined key -> [((output, head), key, value)]
+    for key, value in state_dict.items():
+        match = _ENTRY.fullmatch(key) if isinstance(key, str) else None
+        if match is None:
+            out[key] = dense_state_dict(value) if isinstance(value, Mapping) else value
+            continue
+        base, output, head, rest = match.groups()
+        joined = base + (rest or "")
+        out.setdefault(joined, None)  # (keeps the entries' place in the order)
+        pieces.setdefault(joined, []).append(((int(output), -1 if head is None else int(head)), key, value))
+    for joined, found in pieces.items():
+        found.sort(key=lambda item: item[0])
+        outputs: Dict[int, list] = {}
+        for (output, head), _, _ in found:
+            outputs.setdefault(output, []).append(head)
+        heads_whole = all(heads == [-1] or heads == list(range(len(heads))) for heads in outputs.values())
+        if sorted(outputs) != list(range(len(outputs))) or not heads_whole:
+            raise ValueError(f"state_dict: the entries of {joined!r} are not every output (and head) of it: "
+                             f"{[key for _, key, _ in found]}")
+        out[joined] = _join([dense_state_dict(v) if isinstance(v, Mapping) else v for _, _, v in found], joined)
+    return out
+
+
+def _join(values: list, name: str):
+    """The pieces of one tensor (or of one optimizer state: dicts of them) joined along dim 0; a
+    value that is not split (a step count) must be the same in every piece."""
+    first = values[0]
+    if isinstance(first, Mapping):
+        return {k: _join([v[k] for v in values], f"{name}.{k}") for k in first}
+    if isinstance(first, torch.Tensor) and first.dim():
+        return torch.cat(values, 0)
+    if any(not (v is first or (torch.equal(v, first) if isinstance(first, torch.Tensor) else v == first))
+           for v in values[1:]):
+        raise ValueError(f"state_dict: the pieces of {name!r} hold different values: {values}")
+    return first
 
 
 def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True):
