@@ -96,8 +96,7 @@ def sharded_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
     padding rows of its parameters are set to zero here, so that a model made on the meta device
     and loaded through this dict holds no uninitialized memory there."""
     state = {key: value.detach() for key, value in module.state_dict(keep_vars=True).items()}
-    entries, _ = _entries(module)
-    blocks, _, _ = sharded_blocks(module)
+    entries, _, blocks = _entries(module)
     with torch.no_grad():
         for param, dim, layer in blocks.values():
             if layer.pad_rows:  # no checkpoint holds it: zero, not what to_empty() left there
@@ -119,7 +118,7 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     state = get_optimizer_state_dict(module, optimizer)
-    entries, _ = _entries(module)
+    entries, _, _ = _entries(module)
     split: Dict[str, Dict[str, object]] = {}
     for name, per_param in state["state"].items():
         for k, v in per_param.items():
@@ -136,7 +135,7 @@ def load_sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.
     blocks of the ``DTensor`` s (a layer's outputs' blocks joined again)."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    _, join = _entries(module)
+    _, join, _ = _entries(module)
     local = dict(state)
     local["state"] = join({name: {k: v.to_local() if hasattr(v, "to_local") else v for k, v in per_param.items()}
                            for name, per_param in state["state"].items()})
@@ -144,7 +143,8 @@ def load_sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.
 
 
 def _entries(module: nn.Module):
-    """``(entries, join)`` for the sharded state dicts of ``module``.
+    """``(entries, join, blocks)`` for the sharded state dicts of ``module`` (``blocks``: its
+    sharded parameters, as :func:`tp_kernels.layers.sharded_blocks` gives them).
 
     ``entries(key, tensor)``: the entries under which ``tensor`` is saved, ``{key: tensor}`` unless
     ``key`` names a parameter of which this rank holds a block and ``tensor`` has that block's shape
@@ -207,7 +207,7 @@ def _entries(module: nn.Module):
             joined[key] = whole
         return joined
 
-    return entries, join
+    return entries, join, blocks
 
 
 def _as_dtensor(group):
