@@ -271,6 +271,7 @@ class ColumnParallelLinear(_ParallelLinear):
         if min(self.split_blocks) < self.tp_size and torch.is_grad_enabled():
             # replicated outputs: each rank's gradient of them is its heads' share, summed in backward
             weight, full_bias = _SumOverReplicas.apply(self.group, local_sizes(self), self.split_blocks,
+                                                       [block_index(self, j) for j in range(len(self.split_parts))],
                                                        weight, full_bias)
         bias = None if self.skip_bias_add else full_bias
         if self.sequence_parallel:
@@ -299,20 +300,20 @@ class ColumnParallelLinear(_ParallelLinear):
 
 class _SumOverReplicas(torch.autograd.Function):
     """A column layer's weight and bias as they are (views); in backward, the gradient rows of each
-    replicated output (blocks < p: block ``r*blocks//p`` on rank r) summed over the ranks holding
-    the same block, in one all-reduce over the group: each slot of a ``[blocks, ...]`` buffer holds
-    its ranks' gradients, zeros elsewhere. The other rows' gradients are this rank's alone."""
+    replicated output (``blocks[j] < p``: this rank holds block ``index[j]``) summed over the ranks
+    holding the same block, in one all-reduce over the group: each slot of a ``[blocks, ...]``
+    buffer holds its ranks' gradients, zeros elsewhere. The other rows' gradients are this rank's
+    alone."""
 
     @staticmethod
-    def forward(ctx, group, sizes, blocks, weight, bias):
-        ctx.group, ctx.sizes, ctx.blocks = group, sizes, blocks
+    def forward(ctx, group, sizes, blocks, index, weight, bias):
+        ctx.group, ctx.sizes, ctx.blocks, ctx.index = group, sizes, blocks, index
         return weight.view_as(weight), None if bias is None else bias.view_as(bias)
 
     @staticmethod
     @differentiable_once("ColumnParallelLinear (replicated outputs)")
     def backward(ctx, d_weight, d_bias):
-        p, r = coll.group_size(ctx.group), coll.group_rank(ctx.group)
-        replicated = [j for j, b in enumerate(ctx.blocks) if b < p]
+        replicated = [j for j, b in enumerate(ctx.blocks) if b < coll.group_size(ctx.group)]
         grads = [d_weight, d_bias]
         slots = []  # for each gradient and replicated output: a [blocks, rows, ...] buffer, flattened
         for g in grads:
@@ -321,7 +322,7 @@ class _SumOverReplicas(torch.autograd.Function):
             pieces = g.split(ctx.sizes, 0)
             for j in replicated:
                 buf = pieces[j].new_zeros((ctx.blocks[j], *pieces[j].shape))
-                buf[r * ctx.blocks[j] // p] = pieces[j]
+                buf[ctx.index[j]] = pieces[j]
                 slots.append(buf.reshape(-1))
         summed = all_reduce_op(torch.cat(slots), ctx.group)
         out, offset = [], 0
@@ -332,10 +333,10 @@ class _SumOverReplicas(torch.autograd.Function):
             pieces = list(g.split(ctx.sizes, 0))
             for j in replicated:
                 n = ctx.blocks[j] * pieces[j].numel()
-                pieces[j] = summed[offset:offset + n].view(ctx.blocks[j], *pieces[j].shape)[r * ctx.blocks[j] // p]
+                pieces[j] = summed[offset:offset + n].view(ctx.blocks[j], *pieces[j].shape)[ctx.index[j]]
                 offset += n
             out.append(torch.cat(pieces, 0))
-        return None, None, None, out[0], out[1]
+        return None, None, None, None, out[0], out[1]
 
 
 class RowParallelLinear(_ParallelLinear):
