@@ -404,3 +404,28 @@ def test_single_process_without_torch_distributed():
     torch.testing.assert_close(row(x), dense(x), rtol=1e-6, atol=1e-6)
     # 1-D input, as nn.Linear accepts
     torch.testing.assert_close(row(x[0]), dense(x[0]), rtol=1e-6, atol=1e-6)
+
+
+def check_compiled_replicated_heads():
+    """A column layer with a replicated key/value head compiles whole (fullgraph): the same output
+    and gradients (the replicas' gradient sum included) as eager."""
+    r, p = rank_world()
+    torch.manual_seed(0)
+    layer = tp_kernels.ColumnParallelLinear(6, 4 * p + 4, output_sizes=[4 * p, 2, 2], head_size=2)
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
+
+    def run(fn):
+        layer.zero_grad(set_to_none=True)
+        out = fn(x)
+        out.square().sum().backward()
+        return [out.detach(), layer.weight.grad.clone(), layer.bias.grad.clone()]
+
+    eager = run(layer)
+    torch._dynamo.reset()
+    compiled = run(torch.compile(layer, backend="aot_eager", fullgraph=True))
+    for i, (got, want) in enumerate(zip(compiled, eager)):
+        torch.testing.assert_close(got, want, msg=lambda m: f"output {i}: {m}")
+
+
+def test_compiled_replicated_heads(world2):
+    world2.run(check_compiled_replicated_heads, deadline_s=600)
