@@ -222,6 +222,10 @@ def check_padded_vocabulary(vocab_of_p):
                               ("head bias", head.bias, dense_head.bias)]:
             torch.testing.assert_close(q.grad, padded_block(full.grad, 0, r, p), rtol=1e-12, atol=1e-12,
                                        msg=lambda m: f"{name} gradient, smoothing {label_smoothing}: {m}")
+    head.zero_grad()  # a gradient given to the padding goes nowhere: the padding rows get none
+    head(emb(ids)).backward(torch.ones(s, 3, rows, dtype=torch.float64))
+    assert torch.all(head.weight.grad[held:] == 0) and torch.all(head.bias.grad[held:] == 0)
+    assert torch.all(head.bias.grad[:held] == s * 3)
     with pytest.raises(ValueError, match=f"target: index {vocab} is out of range for a vocabulary of {vocab}"):
         tp_kernels.vocab_parallel_cross_entropy(head(emb(ids)), torch.full((s, 3), vocab), vocab_size=vocab)
     with pytest.raises(ValueError, match=f"input: index {vocab} is out of range"):

@@ -283,8 +283,8 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.gather_output:
             out = full_of(gather_last_dim(out, self.group), -1, self)  # [..., out]
         elif self.pad_rows:  # the columns past out_features: no output, -inf (softmax 0, never the argmax)
-            held = self.out_features_per_partition - self.pad_rows
-            out = F.pad(out.narrow(-1, 0, held), (0, self.pad_rows), value=float("-inf"))
+            # (in place, on the op's new output: no copy of the logits; autograd zeroes their gradient)
+            out.narrow(-1, self.out_features_per_partition - self.pad_rows, self.pad_rows).fill_(float("-inf"))
         if not self.skip_bias_add:
             return out
         out_bias = full_bias
