@@ -144,6 +144,59 @@ def test_cross_entropy_matches_dense(world, dtype, label_smoothing, scale):
     world.run(check_cross_entropy, dtype, label_smoothing, scale)
 
 
+def check_entropy(dtype_name, vocab_of_p):
+    """vocab_parallel_entropy equals the dense softmax's entropy (float64 reference, at most twice
+    plain PyTorch's error in the working precision), its gradient the dense one's block; a padded
+    vocabulary (-inf in the padding, as a padded output layer gives) the same with vocab_size or
+    without; logits masked to -inf inside the vocabulary count as torch's Categorical counts them."""
+    r, p = rank_world()
+    dtype = getattr(torch, dtype_name)
+    vocab = {"divisible": 13 * p, "padded": 4 * p + 1}[vocab_of_p]
+    g = torch.Generator().manual_seed(3)
+    full = (torch.randn(3, 7, vocab, generator=g) * 4).to(dtype)  # [s, b, V]
+    dent = torch.rand(3, 7, generator=g)
+
+    def dense(d):
+        logits = full.to(d, copy=True).requires_grad_()
+        ent = torch.special.entr(logits.softmax(-1)).sum(-1)
+        ent.backward(dent.to(d))
+        return ent.detach(), logits.grad
+
+    ref, ref_grad = dense(torch.float64)
+    work = torch.promote_types(dtype, torch.float32)
+    plain, plain_grad = dense(work)
+    slack = 8 * torch.finfo(work).eps
+    for vocab_size in ([vocab, None] if vocab_of_p == "padded" else [None]):
+        logits = padded_block(full, -1, r, p, float("-inf")).clone().requires_grad_()
+        ent = tp_kernels.vocab_parallel_entropy(logits, vocab_size=vocab_size)
+        assert ent.dtype == work and ent.shape == (3, 7)
+        err, plain_err = (ent.double() - ref).abs().max(), (plain.double() - ref).abs().max()
+        assert err <= 2 * plain_err + slack * ref.abs().max(), f"entropy error {err:.3e} vs plain {plain_err:.3e}"
+        ent.backward(dent)
+        assert logits.grad.dtype == dtype
+        held = min(logits.shape[-1], max(0, vocab - r * logits.shape[-1]))
+        assert torch.all(logits.grad[..., held:] == 0)  # the padding: no gradient
+        got, want = logits.grad[..., :held], padded_block(ref_grad, -1, r, p)[..., :held]
+        plain_block = padded_block(plain_grad, -1, r, p)[..., :held]
+        if dtype == work:
+            err, plain_err = (got.double() - want).abs().max(), (plain_block.double() - want).abs().max()
+            assert err <= 2 * plain_err + slack * want.abs().max(), f"grad error {err:.3e} vs plain {plain_err:.3e}"
+        else:  # the gradient is rounded once to the logits' dtype
+            assert_close("dlogits", got, want, plain_block.to(dtype))
+    masked = full.double().clone()
+    masked[..., ::3] = float("-inf")  # a third of the vocabulary masked out
+    want = torch.distributions.Categorical(logits=masked).entropy()
+    torch.testing.assert_close(tp_kernels.vocab_parallel_entropy(padded_block(masked, -1, r, p, float("-inf"))),
+                               want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("vocab_of_p", ["divisible", "padded"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+def test_entropy_matches_dense(world, dtype, vocab_of_p):
+    world.run(check_entropy, dtype, vocab_of_p)
+
+
 def check_cross_entropy_errors():
     r, p = rank_world()
     logits = torch.randn(4, 5)
@@ -157,6 +210,12 @@ def check_cross_entropy_errors():
         tp_kernels.vocab_parallel_cross_entropy(logits, torch.zeros(4, dtype=torch.long), 1.5)
     with pytest.raises(ValueError, match="logits"):
         tp_kernels.vocab_parallel_cross_entropy(logits.long(), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="logits: expected a floating-point tensor"):
+        tp_kernels.vocab_parallel_entropy(logits.long())
+    with pytest.raises(ValueError, match="logits: expected at least 1 dims"):
+        tp_kernels.vocab_parallel_entropy(torch.tensor(1.0))
+    with pytest.raises(ValueError, match=f"vocab_size: {5 * p + p} classes make blocks 6 wide"):
+        tp_kernels.vocab_parallel_entropy(logits, vocab_size=5 * p + p)
 
 
 def test_cross_entropy_errors(world2):
@@ -245,9 +304,10 @@ def test_padded_vocabulary(world, vocab_of_p):
 
 def check_compiled_language_model_loss(sequence_parallel, vocab):
     """Embedding, a column -> row pair (with mappings between), a vocabulary-parallel head and the
-    cross-entropy (with smoothing and an ignored token), compiled whole (``fullgraph=True``): the
-    same loss and gradients as eager. With sequence parallelism, the embedding's reduce-scatter and
-    the layers' sequence-parallel collectives too; with a vocabulary p does not divide, its padding."""
+    cross-entropy (with smoothing and an ignored token) less an entropy bonus, compiled whole
+    (``fullgraph=True``): the same loss and gradients as eager. With sequence parallelism, the
+    embedding's reduce-scatter and the layers' sequence-parallel collectives too; with a
+    vocabulary p does not divide, its padding."""
     r, p = rank_world()
     torch.manual_seed(0)
     sp = dict(sequence_parallel=sequence_parallel)
@@ -267,7 +327,8 @@ def check_compiled_language_model_loss(sequence_parallel, vocab):
         # gathered and split again by the mappings: the same block, through two more collectives
         hidden = mappings.scatter_to_tensor_model_parallel_region(mappings.gather_from_tensor_model_parallel_region(hidden))
         logits = head(fc2(hidden))
-        return tp_kernels.vocab_parallel_cross_entropy(logits, target, label_smoothing=0.1, vocab_size=vocab).mean()
+        loss = tp_kernels.vocab_parallel_cross_entropy(logits, target, label_smoothing=0.1, vocab_size=vocab)
+        return loss.mean() - 0.01 * tp_kernels.vocab_parallel_entropy(logits, vocab_size=vocab).mean()
 
     def run(fn):
         model.zero_grad(set_to_none=True)

@@ -1,4 +1,4 @@
-"""Cross-entropy over vocabulary-parallel logits, without gathering them."""
+"""Cross-entropy and entropy over vocabulary-parallel logits, without gathering them."""
 
 from __future__ import annotations
 
@@ -13,7 +13,18 @@ from .embedding import check_index_range
 from .layers import split_block
 from .mappings import all_gather_op, all_reduce_op
 
-__all__ = ["vocab_parallel_cross_entropy"]
+__all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_entropy"]
+
+
+def _shifted(logits: torch.Tensor, group) -> torch.Tensor:
+    """``logits`` ``[N, v]`` (this rank's classes; v may be 0, a block of padding alone) in float32
+    (float64's own), less each row's maximum over the whole vocabulary, so that their exponentials
+    do not overflow. The communication is the custom ops' (torch.compile sees one node each, where
+    it could not trace the group's own methods): every rank's row maxima, ``[1, N] -(AG)-> [p, N]``,
+    then their max (exact)."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    local_max = z.amax(dim=-1) if z.shape[-1] else z.new_full(z.shape[:1], float("-inf"))
+    return z - all_gather_op(local_max.unsqueeze(0), group).amax(dim=0).unsqueeze(-1)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -21,13 +32,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, label_smoothing, ignore_index, group, start, vocab):
         # logits: [N, v] this rank's classes [start, start + v) of the vocab (v may be 0: all padding)
         v_local = logits.shape[-1]
-        z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [N, v], float32 or float64
-        # The communication is the custom ops' (torch.compile sees one node each, where it could
-        # not trace the group's own methods). Stabilize with the global max: every rank's row
-        # maxima, [1, N] -(AG)-> [p, N], then their max (exact).
-        local_max = z.amax(dim=-1) if v_local else z.new_full(z.shape[:1], float("-inf"))
-        zmax = all_gather_op(local_max.unsqueeze(0), group).amax(dim=0)
-        z = z - zmax.unsqueeze(-1)
+        z = _shifted(logits, group)  # [N, v]
         in_range = (target >= start) & (target < start + v_local)
         local_target = (target - start).masked_fill(~in_range, 0)
         if v_local:
@@ -101,10 +106,8 @@ def vocab_parallel_cross_entropy(
     group = coll.resolve_group(group)
 
     def check() -> int:
-        check_tensor("logits", logits, min_dim=1)
+        vocab = _check_logits(logits, vocab_size, group)
         check_tensor("target", target)
-        if not logits.is_floating_point():
-            raise ValueError(f"logits: expected a floating-point tensor, got {logits.dtype}")
         if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
             raise ValueError(f"target: expected an integer tensor of class ids, got {target.dtype}")
         if tuple(target.shape) != tuple(logits.shape[:-1]):
@@ -118,15 +121,6 @@ def vocab_parallel_cross_entropy(
             raise ValueError(f"label_smoothing: expected a float in [0, 1], got {label_smoothing!r}")
         if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
             raise ValueError(f"ignore_index: expected an int, got {ignore_index!r}")
-        p = coll.group_size(group)
-        vocab = logits.shape[-1] * p
-        if vocab_size is not None:
-            check_int("vocab_size", vocab_size)
-            width = split_block(vocab_size, p, 0)[0]
-            if width != logits.shape[-1]:
-                raise ValueError(f"vocab_size: {vocab_size} classes make blocks {width} wide on {p} ranks "
-                                 f"(ceil(V/p)), but logits' blocks are {logits.shape[-1]} wide")
-            vocab = vocab_size
         check_index_range("target", target, vocab, allowed=ignore_index)
         return vocab
 
@@ -134,8 +128,77 @@ def vocab_parallel_cross_entropy(
     vocab = agree("vocab_parallel_cross_entropy", group, check,
                   lambda vocab: f"logits {describe(logits)}, target {describe(target)}, vocabulary {vocab}, "
                                 f"label_smoothing {label_smoothing}, ignore_index {ignore_index}", hint=logits)
-    width, padding = split_block(vocab, coll.group_size(group), coll.group_rank(group))
-    classes = logits.reshape(-1, width).narrow(-1, 0, width - padding)  # [N, v]: without the padding
+    classes, start = _classes(logits, vocab, group)
     loss = _VocabParallelCrossEntropy.apply(classes, target.reshape(-1), float(label_smoothing), int(ignore_index),
-                                            group, coll.group_rank(group) * width, vocab)
+                                            group, start, vocab)
     return loss.reshape(target.shape)
+
+
+class _VocabParallelEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, group):
+        z = _shifted(logits, group)  # [N, v]
+        exp = z.exp()
+        exp_z = torch.where(exp == 0, 0.0, exp * z)  # a -inf logit (masked, padding) adds 0, not NaN
+        # One sum all-reduce of Σ exp(z) and Σ exp(z) z over the whole vocabulary: [2, N] -(AR)-> [2, N]
+        stats = all_reduce_op(torch.stack([exp.sum(dim=-1), exp_z.sum(dim=-1)]), group)
+        entropy = stats[0].log() - stats[1] / stats[0]  # log Z - E[z]
+        softmax = exp.div_(stats[0].unsqueeze(-1))
+        ctx.save_for_backward(softmax, entropy)
+        ctx.dtype = logits.dtype
+        return entropy
+
+    @staticmethod
+    @differentiable_once("vocab_parallel_entropy")
+    def backward(ctx, dentropy):
+        softmax, entropy = ctx.saved_tensors
+        # d H / d z_j = p_j (E[z] - z_j) = -p_j (H + log p_j): local, no communication
+        grad = -(softmax * entropy.unsqueeze(-1) + torch.xlogy(softmax, softmax))
+        return (grad * dentropy.unsqueeze(-1)).to(ctx.dtype), None
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, group=None, *, vocab_size: Optional[int] = None) -> torch.Tensor:
+    """Per-token entropy of the softmax of logits split along the vocabulary (last dim):
+    ``-Σ_j softmax(full_logits)_j log softmax(full_logits)_j``, where ``full_logits`` concatenates
+    every rank's block, as reinforcement-learning losses regularize a policy with, computed without
+    gathering the logits (an all-gather of the row maxima, then one stacked sum of ``[2, N]``);
+    differentiable, its backward local. Computed in float32 (float64 logits: in float64). (The
+    log-probability of a token is ``-vocab_parallel_cross_entropy`` without smoothing.)
+
+    Args:
+        logits: ``[..., V/p]``, this rank's block of the vocabulary; any floating dtype.
+        group: process group (default: the tensor-parallel group).
+        vocab_size: ``V``, where the blocks are padded, as for :func:`vocab_parallel_cross_entropy`:
+            the columns at or past it are left out.
+    Returns:
+        ``[...]`` entropy per token, float32 (float64 for float64 logits).
+    """
+    group = coll.resolve_group(group)
+    vocab = agree("vocab_parallel_entropy", group, lambda: _check_logits(logits, vocab_size, group),
+                  lambda vocab: f"logits {describe(logits)}, vocabulary {vocab}", hint=logits)
+    classes, _ = _classes(logits, vocab, group)
+    return _VocabParallelEntropy.apply(classes, group).reshape(logits.shape[:-1])
+
+
+def _check_logits(logits, vocab_size, group) -> int:
+    """The vocabulary ``V`` of ``logits`` ``[..., V/p]`` (``vocab_size`` where given, checked against
+    the blocks' width), raising ``ValueError`` naming the argument."""
+    check_tensor("logits", logits, min_dim=1)
+    if not logits.is_floating_point():
+        raise ValueError(f"logits: expected a floating-point tensor, got {logits.dtype}")
+    p = coll.group_size(group)
+    if vocab_size is None:
+        return logits.shape[-1] * p
+    check_int("vocab_size", vocab_size)
+    width = split_block(vocab_size, p, 0)[0]
+    if width != logits.shape[-1]:
+        raise ValueError(f"vocab_size: {vocab_size} classes make blocks {width} wide on {p} ranks "
+                         f"(ceil(V/p)), but logits' blocks are {logits.shape[-1]} wide")
+    return vocab_size
+
+
+def _classes(logits: torch.Tensor, vocab: int, group):
+    """``(classes, start)``: this rank's logits as ``[N, v]``, its classes ``[start, start + v)``
+    of the vocabulary, without the padding of its block."""
+    width, padding = split_block(vocab, coll.group_size(group), coll.group_rank(group))
+    return logits.reshape(-1, width).narrow(-1, 0, width - padding), coll.group_rank(group) * width
