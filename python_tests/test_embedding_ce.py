@@ -197,6 +197,37 @@ def test_entropy_matches_dense(world, dtype, vocab_of_p):
     world.run(check_entropy, dtype, vocab_of_p)
 
 
+def check_argmax(dtype_name, vocab_of_p):
+    """vocab_parallel_argmax is torch.argmax over the full logits, on every rank: ties (small
+    integer logits, equal maxima on several ranks) go to the first, a row with NaN to its first NaN,
+    a row of -inf to 0; a padded vocabulary's -inf padding is never chosen, with vocab_size or
+    without."""
+    r, p = rank_world()
+    dtype = getattr(torch, dtype_name)
+    vocab = {"divisible": 5 * p, "padded": 4 * p + 1}[vocab_of_p]
+    g = torch.Generator().manual_seed(4)
+    full = torch.randint(-3, 3, (6, 5, vocab), generator=g).to(dtype)  # many ties
+    full[0, 0] = float("-inf")
+    full[0, 1, vocab - 1] = float("nan")
+    full[0, 2, [1, vocab - 1]] = float("nan")
+    full[1] = torch.randn(5, vocab, generator=g).to(dtype)  # rows without ties
+    want = torch.argmax(full, -1)
+    for vocab_size in ([vocab, None] if vocab_of_p == "padded" else [None]):
+        got = tp_kernels.vocab_parallel_argmax(padded_block(full, -1, r, p, float("-inf")), vocab_size=vocab_size)
+        assert got.dtype == torch.int64 and torch.equal(got, want), (got, want)
+    if dtype_name == "float32":  # compiled whole, as a decoding step is
+        torch._dynamo.reset()
+        greedy = torch.compile(tp_kernels.vocab_parallel_argmax, backend="aot_eager", fullgraph=True)
+        assert torch.equal(greedy(padded_block(full, -1, r, p, float("-inf")), vocab_size=vocab), want)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("vocab_of_p", ["divisible", "padded"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_argmax_matches_dense(world, dtype, vocab_of_p):
+    world.run(check_argmax, dtype, vocab_of_p)
+
+
 def check_cross_entropy_errors():
     r, p = rank_world()
     logits = torch.randn(4, 5)
@@ -216,6 +247,10 @@ def check_cross_entropy_errors():
         tp_kernels.vocab_parallel_entropy(torch.tensor(1.0))
     with pytest.raises(ValueError, match=f"vocab_size: {5 * p + p} classes make blocks 6 wide"):
         tp_kernels.vocab_parallel_entropy(logits, vocab_size=5 * p + p)
+    with pytest.raises(ValueError, match="logits: expected a floating-point tensor"):
+        tp_kernels.vocab_parallel_argmax(logits.long())
+    with pytest.raises(ValueError, match=f"vocab_size: {5 * p + p} classes make blocks 6 wide"):
+        tp_kernels.vocab_parallel_argmax(logits, vocab_size=5 * p + p)
 
 
 def test_cross_entropy_errors(world2):

@@ -1,4 +1,4 @@
-"""Cross-entropy and entropy over vocabulary-parallel logits, without gathering them."""
+"""Cross-entropy, entropy and argmax over vocabulary-parallel logits, without gathering them."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from .embedding import check_index_range
 from .layers import split_block
 from .mappings import all_gather_op, all_reduce_op
 
-__all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_entropy"]
+__all__ = ["vocab_parallel_argmax", "vocab_parallel_cross_entropy", "vocab_parallel_entropy"]
 
 
 def _shifted(logits: torch.Tensor, group) -> torch.Tensor:
@@ -178,6 +178,37 @@ def vocab_parallel_entropy(logits: torch.Tensor, group=None, *, vocab_size: Opti
                   lambda vocab: f"logits {describe(logits)}, vocabulary {vocab}", hint=logits)
     classes, _ = _classes(logits, vocab, group)
     return _VocabParallelEntropy.apply(classes, group).reshape(logits.shape[:-1])
+
+
+def vocab_parallel_argmax(logits: torch.Tensor, group=None, *, vocab_size: Optional[int] = None) -> torch.Tensor:
+    """The index of the largest logit over the full vocabulary, per token, on every rank: the
+    greedy choice of a decoder, without gathering the logits (``[..., V/p]`` -> ``[...]``, int64).
+    Equals ``torch.argmax(full_logits, -1)``: the first of equal maxima, the first NaN of a row that
+    has one. One all-gather of each rank's ``[2, N]`` candidates (value, index), where gathering the
+    logits to pick from them moves ``[N, V/p]`` per rank. Not differentiable.
+
+    Args:
+        logits: ``[..., V/p]``, this rank's block of the vocabulary; any floating dtype.
+        group: process group (default: the tensor-parallel group).
+        vocab_size: ``V``, where the blocks are padded, as for :func:`vocab_parallel_cross_entropy`.
+    """
+    group = coll.resolve_group(group)
+    vocab = agree("vocab_parallel_argmax", group, lambda: _check_logits(logits, vocab_size, group),
+                  lambda vocab: f"logits {describe(logits)}, vocabulary {vocab}", hint=logits)
+    classes, start = _classes(logits.detach(), vocab, group)  # [N, v]
+    if classes.shape[-1]:
+        value, index = classes.max(dim=-1)  # (the first of equal maxima, or the first NaN)
+        index = index + start
+    else:  # a block of padding alone: no candidate
+        value = classes.new_full(classes.shape[:1], float("-inf"))
+        index = torch.full_like(value, vocab, dtype=torch.int64)
+    # [1, 2, N] -(AG)-> [p, 2, N], exact in float64: the values of any dtype, indices below 2^53
+    both = all_gather_op(torch.stack([value.double(), index.double()]).unsqueeze(0), group)
+    values, indices = both[:, 0], both[:, 1]
+    nan = values.isnan()
+    best = values.masked_fill(nan, float("-inf")).amax(dim=0)
+    candidates = torch.where(nan.any(dim=0), nan, values == best)  # the ranks holding the row's answer
+    return indices.masked_fill(~candidates, float(vocab)).amin(dim=0).to(torch.int64).reshape(logits.shape[:-1])
 
 
 def _check_logits(logits, vocab_size, group) -> int:
