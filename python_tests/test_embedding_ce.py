@@ -144,7 +144,7 @@ def test_cross_entropy_matches_dense(world, dtype, label_smoothing, scale):
     world.run(check_cross_entropy, dtype, label_smoothing, scale)
 
 
-def check_entropy(dtype_name, vocab_of_p):
+def check_entropy(dtype_name, vocab_of_p, device="cpu"):
     """vocab_parallel_entropy equals the dense softmax's entropy (float64 reference, at most twice
     plain PyTorch's error in the working precision), its gradient the dense one's block; a padded
     vocabulary (-inf in the padding, as a padded output layer gives) the same with vocab_size or
@@ -167,16 +167,17 @@ def check_entropy(dtype_name, vocab_of_p):
     plain, plain_grad = dense(work)
     slack = 8 * torch.finfo(work).eps
     for vocab_size in ([vocab, None] if vocab_of_p == "padded" else [None]):
-        logits = padded_block(full, -1, r, p, float("-inf")).clone().requires_grad_()
+        logits = padded_block(full, -1, r, p, float("-inf")).to(device).requires_grad_()
         ent = tp_kernels.vocab_parallel_entropy(logits, vocab_size=vocab_size)
         assert ent.dtype == work and ent.shape == (3, 7)
+        ent.backward(dent.to(device))
+        ent = ent.detach().cpu()
         err, plain_err = (ent.double() - ref).abs().max(), (plain.double() - ref).abs().max()
         assert err <= 2 * plain_err + slack * ref.abs().max(), f"entropy error {err:.3e} vs plain {plain_err:.3e}"
-        ent.backward(dent)
         assert logits.grad.dtype == dtype
         held = min(logits.shape[-1], max(0, vocab - r * logits.shape[-1]))
         assert torch.all(logits.grad[..., held:] == 0)  # the padding: no gradient
-        got, want = logits.grad[..., :held], padded_block(ref_grad, -1, r, p)[..., :held]
+        got, want = logits.grad[..., :held].cpu(), padded_block(ref_grad, -1, r, p)[..., :held]
         plain_block = padded_block(plain_grad, -1, r, p)[..., :held]
         if dtype == work:
             err, plain_err = (got.double() - want).abs().max(), (plain_block.double() - want).abs().max()
@@ -186,8 +187,8 @@ def check_entropy(dtype_name, vocab_of_p):
     masked = full.double().clone()
     masked[..., ::3] = float("-inf")  # a third of the vocabulary masked out
     want = torch.distributions.Categorical(logits=masked).entropy()
-    torch.testing.assert_close(tp_kernels.vocab_parallel_entropy(padded_block(masked, -1, r, p, float("-inf"))),
-                               want, rtol=1e-12, atol=1e-12)
+    got = tp_kernels.vocab_parallel_entropy(padded_block(masked, -1, r, p, float("-inf")).to(device))
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
@@ -197,7 +198,7 @@ def test_entropy_matches_dense(world, dtype, vocab_of_p):
     world.run(check_entropy, dtype, vocab_of_p)
 
 
-def check_argmax(dtype_name, vocab_of_p):
+def check_argmax(dtype_name, vocab_of_p, device="cpu"):
     """vocab_parallel_argmax is torch.argmax over the full logits, on every rank: ties (small
     integer logits, equal maxima on several ranks) go to the first, a row with NaN to its first NaN,
     a row of -inf to 0; a padded vocabulary's -inf padding is never chosen, with vocab_size or
@@ -213,12 +214,14 @@ def check_argmax(dtype_name, vocab_of_p):
     full[1] = torch.randn(5, vocab, generator=g).to(dtype)  # rows without ties
     want = torch.argmax(full, -1)
     for vocab_size in ([vocab, None] if vocab_of_p == "padded" else [None]):
-        got = tp_kernels.vocab_parallel_argmax(padded_block(full, -1, r, p, float("-inf")), vocab_size=vocab_size)
+        got = tp_kernels.vocab_parallel_argmax(padded_block(full, -1, r, p, float("-inf")).to(device),
+                                               vocab_size=vocab_size).cpu()
         assert got.dtype == torch.int64 and torch.equal(got, want), (got, want)
     if dtype_name == "float32":  # compiled whole, as a decoding step is
         torch._dynamo.reset()
         greedy = torch.compile(tp_kernels.vocab_parallel_argmax, backend="aot_eager", fullgraph=True)
-        assert torch.equal(greedy(padded_block(full, -1, r, p, float("-inf")), vocab_size=vocab), want)
+        assert torch.equal(greedy(padded_block(full, -1, r, p, float("-inf")).to(device), vocab_size=vocab).cpu(),
+                           want)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
@@ -262,7 +265,7 @@ def test_cross_entropy_errors(world2):
 PADDED_VOCABULARIES = {"one_over": lambda p: p + 1, "odd": lambda p: 4 * p + 1}
 
 
-def check_padded_vocabulary(vocab_of_p):
+def check_padded_vocabulary(vocab_of_p, device="cpu"):
     """A vocabulary p does not divide is padded to ceil(V/p) rows per rank, and nothing a user sees
     changes: the embedding (with a padding index, and sequence-parallel) equals nn.Embedding; an
     output layer's logits are the dense ones with -inf in the padding, its gathered output is the
@@ -274,8 +277,8 @@ def check_padded_vocabulary(vocab_of_p):
     rows = -(-vocab // p)
     held = min(rows, max(0, vocab - r * rows))  # this rank's classes
     torch.manual_seed(0)
-    dense_emb = nn.Embedding(vocab, dim, padding_idx=vocab - 1).double()
-    dense_head = nn.Linear(dim, vocab).double()
+    dense_emb = nn.Embedding(vocab, dim, padding_idx=vocab - 1).double().to(device)
+    dense_head = nn.Linear(dim, vocab).double().to(device)
     emb = tp_kernels.VocabParallelEmbedding.from_embedding(dense_emb)
     emb_sp = tp_kernels.VocabParallelEmbedding.from_embedding(dense_emb, sequence_parallel=True)
     head = tp_kernels.ColumnParallelLinear.from_linear(dense_head)
@@ -291,6 +294,7 @@ def check_padded_vocabulary(vocab_of_p):
     target = torch.randint(0, vocab, (s, 3), generator=g)
     target[0, 0], target[0, 1] = -100, vocab - 1
     dloss = torch.rand(s, 3, generator=g, dtype=torch.float64)
+    ids, target, dloss = ids.to(device), target.to(device), dloss.to(device)
     for label_smoothing, vocab_size in [(0.0, vocab), (0.1, vocab), (0.0, None)]:
         for m in (dense_emb, dense_head, emb, head):
             m.zero_grad()
@@ -317,13 +321,14 @@ def check_padded_vocabulary(vocab_of_p):
             torch.testing.assert_close(q.grad, padded_block(full.grad, 0, r, p), rtol=1e-12, atol=1e-12,
                                        msg=lambda m: f"{name} gradient, smoothing {label_smoothing}: {m}")
     head.zero_grad()  # a gradient given to the padding goes nowhere: the padding rows get none
-    head(emb(ids)).backward(torch.ones(s, 3, rows, dtype=torch.float64))
+    head(emb(ids)).backward(torch.ones(s, 3, rows, dtype=torch.float64, device=device))
     assert torch.all(head.weight.grad[held:] == 0) and torch.all(head.bias.grad[held:] == 0)
     assert torch.all(head.bias.grad[:held] == s * 3)
     with pytest.raises(ValueError, match=f"target: index {vocab} is out of range for a vocabulary of {vocab}"):
-        tp_kernels.vocab_parallel_cross_entropy(head(emb(ids)), torch.full((s, 3), vocab), vocab_size=vocab)
+        tp_kernels.vocab_parallel_cross_entropy(head(emb(ids)), torch.full((s, 3), vocab, device=device),
+                                                vocab_size=vocab)
     with pytest.raises(ValueError, match=f"input: index {vocab} is out of range"):
-        emb(torch.tensor([vocab]))
+        emb(torch.tensor([vocab], device=device))
     if p > 1:
         with pytest.raises(ValueError, match=re.escape(f"vocab_size: {rows * p + 1} classes make blocks {rows + 1} "
                                                        f"wide on {p} ranks (ceil(V/p)), but logits' blocks are {rows} "

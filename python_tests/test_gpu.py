@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import test_autotune
 import test_communicator
+import test_embedding_ce
 import test_layers
 import test_library
 import test_ops
@@ -845,6 +846,17 @@ def test_fused_projections_with_several_nccl_ranks(shared_gpu_world, tmp_path):
 @pytest.mark.parametrize("vocab_of_p", ["one_over", "odd"])
 def test_padded_vocabulary_with_several_nccl_ranks(shared_gpu_world, tmp_path, vocab_of_p):
     shared_gpu_world.run(test_parallelize.check_padded_vocabulary_model, str(tmp_path), vocab_of_p, device="cuda")
+
+
+@pytest.mark.parametrize("vocab_of_p", ["one_over", "odd"])
+def test_padded_vocabulary_layers_with_several_nccl_ranks(shared_gpu_world, vocab_of_p):
+    shared_gpu_world.run(test_embedding_ce.check_padded_vocabulary, vocab_of_p, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_entropy_and_argmax_with_several_nccl_ranks(shared_gpu_world, dtype):
+    shared_gpu_world.run(test_embedding_ce.check_entropy, dtype, "padded", device="cuda")
+    shared_gpu_world.run(test_embedding_ce.check_argmax, dtype, "padded", device="cuda")
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2])
