@@ -134,6 +134,19 @@ def check_cross_entropy(dtype_name, label_smoothing, scale):
     else:
         # the gradient is rounded once to the logits' dtype
         assert_close("dlogits", logits.grad, grad_ref, block(plain_grad, -1, r, p).to(dtype))
+    for reduction in ("sum", "mean"):  # as F.cross_entropy reduces (a mean over the tokens not ignored)
+        full64 = full.to(torch.float64, copy=True).requires_grad_()
+        want = F.cross_entropy(full64.reshape(-1, vocab), target.reshape(-1), label_smoothing=label_smoothing,
+                               reduction=reduction)
+        want.backward()
+        logits = block(full, -1, r, p).clone().requires_grad_()
+        got = tp_kernels.vocab_parallel_cross_entropy(logits, target, label_smoothing, reduction=reduction)
+        assert got.shape == () and got.dtype == work
+        torch.testing.assert_close(got.double(), want.detach(), rtol=64 * torch.finfo(work).eps, atol=0)
+        got.backward()
+        bound = 2 * torch.finfo(dtype).eps + 64 * torch.finfo(work).eps  # one rounding to the logits' dtype
+        torch.testing.assert_close(logits.grad.double(), block(full64.grad, -1, r, p),
+                                   rtol=0, atol=bound * full64.grad.abs().max().item())
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
@@ -244,6 +257,11 @@ def check_cross_entropy_errors():
         tp_kernels.vocab_parallel_cross_entropy(logits, torch.zeros(4, dtype=torch.long), 1.5)
     with pytest.raises(ValueError, match="logits"):
         tp_kernels.vocab_parallel_cross_entropy(logits.long(), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="reduction: expected one of 'none', 'sum', 'mean', got 'avg'"):
+        tp_kernels.vocab_parallel_cross_entropy(logits, torch.zeros(4, dtype=torch.long), reduction="avg")
+    ignored = tp_kernels.vocab_parallel_cross_entropy(logits, torch.full((4,), -100), reduction="mean")
+    assert ignored.isnan() and tp_kernels.vocab_parallel_cross_entropy(  # F.cross_entropy's: NaN, and a sum of 0
+        logits, torch.full((4,), -100), reduction="sum") == 0
     with pytest.raises(ValueError, match="logits: expected a floating-point tensor"):
         tp_kernels.vocab_parallel_entropy(logits.long())
     with pytest.raises(ValueError, match="logits: expected at least 1 dims"):

@@ -8,12 +8,15 @@ import torch
 
 from . import _collectives as coll
 from ._agreement import agree, describe
-from ._checks import check_int, check_tensor, differentiable_once
+from ._checks import check_choice, check_int, check_tensor, differentiable_once
 from .embedding import check_index_range
 from .layers import split_block
 from .mappings import all_gather_op, all_reduce_op
 
-__all__ = ["vocab_parallel_argmax", "vocab_parallel_cross_entropy", "vocab_parallel_entropy"]
+__all__ = ["REDUCTIONS", "vocab_parallel_argmax", "vocab_parallel_cross_entropy", "vocab_parallel_entropy"]
+
+#: what ``vocab_parallel_cross_entropy`` may return: the loss per token, or as ``F.cross_entropy`` reduces it
+REDUCTIONS = ("none", "sum", "mean")
 
 
 def _shifted(logits: torch.Tensor, group) -> torch.Tensor:
@@ -78,6 +81,7 @@ def vocab_parallel_cross_entropy(
     *,
     ignore_index: int = -100,
     vocab_size: Optional[int] = None,
+    reduction: str = "none",
 ) -> torch.Tensor:
     """Per-token cross-entropy of logits split along the vocabulary (last dim).
 
@@ -100,8 +104,11 @@ def vocab_parallel_cross_entropy(
             and the columns at or past ``V`` are no class (the loss equals ``F.cross_entropy``'s
             over the ``V`` real columns, whatever the padding holds). Default: the blocks'
             width times p.
+        reduction: ``"none"`` (Megatron's: the loss per token), or, as ``F.cross_entropy``'s,
+            ``"sum"`` or ``"mean"`` (over the tokens not ignored: NaN where all are).
     Returns:
-        ``[...]`` loss per token, float32 (float64 for float64 logits).
+        ``[...]`` loss per token (a scalar for ``"sum"`` and ``"mean"``), float32 (float64 for
+        float64 logits).
     """
     group = coll.resolve_group(group)
 
@@ -121,16 +128,22 @@ def vocab_parallel_cross_entropy(
             raise ValueError(f"label_smoothing: expected a float in [0, 1], got {label_smoothing!r}")
         if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
             raise ValueError(f"ignore_index: expected an int, got {ignore_index!r}")
+        check_choice("reduction", reduction, REDUCTIONS)
         check_index_range("target", target, vocab, allowed=ignore_index)
         return vocab
 
     # ranks whose blocks of the vocabulary differ in width would compute a wrong loss: agreed first
     vocab = agree("vocab_parallel_cross_entropy", group, check,
                   lambda vocab: f"logits {describe(logits)}, target {describe(target)}, vocabulary {vocab}, "
-                                f"label_smoothing {label_smoothing}, ignore_index {ignore_index}", hint=logits)
+                                f"label_smoothing {label_smoothing}, ignore_index {ignore_index}, "
+                                f"reduction {reduction}", hint=logits)
     classes, start = _classes(logits, vocab, group)
     loss = _VocabParallelCrossEntropy.apply(classes, target.reshape(-1), float(label_smoothing), int(ignore_index),
                                             group, start, vocab)
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "mean":  # (every rank holds every token's loss: no communication)
+        return loss.sum() / (target != ignore_index).sum()
     return loss.reshape(target.shape)
 
 
