@@ -30,6 +30,13 @@ def block(t: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
     return t.narrow(dim, rank * size, size)
 
 
+def held_rows(n: int, rank: int, parts: int) -> int:
+    """How many rows of a dim of ``n`` rank ``rank``'s padded block holds (:func:`padded_block`),
+    the rest of its ``ceil(n/parts)`` being padding."""
+    rows = -(-n // parts)
+    return min(rows, max(0, n - rank * rows))
+
+
 def padded_block(t: torch.Tensor, dim: int, rank: int, parts: int, fill: float = 0.0) -> torch.Tensor:
     """Rank ``rank``'s block of ``t`` along ``dim`` padded at its end with ``fill`` to a multiple of
     ``parts``: ``ceil(n/parts)`` rows each, the last blocks ending in (or made of) the padding."""

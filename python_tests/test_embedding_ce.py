@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import tp_kernels
 from tp_kernels import mappings, settings
-from helpers import assert_close, block, padded_block, rank_world
+from helpers import assert_close, block, held_rows, padded_block, rank_world
 
 
 def check_embedding(padding_idx):
@@ -188,7 +188,7 @@ def check_entropy(dtype_name, vocab_of_p, device="cpu"):
         err, plain_err = (ent.double() - ref).abs().max(), (plain.double() - ref).abs().max()
         assert err <= 2 * plain_err + slack * ref.abs().max(), f"entropy error {err:.3e} vs plain {plain_err:.3e}"
         assert logits.grad.dtype == dtype
-        held = min(logits.shape[-1], max(0, vocab - r * logits.shape[-1]))
+        held = held_rows(vocab, r, p)
         assert torch.all(logits.grad[..., held:] == 0)  # the padding: no gradient
         got, want = logits.grad[..., :held].cpu(), padded_block(ref_grad, -1, r, p)[..., :held]
         plain_block = padded_block(plain_grad, -1, r, p)[..., :held]
@@ -293,7 +293,7 @@ def check_padded_vocabulary(vocab_of_p, device="cpu"):
     r, p = rank_world()
     vocab, dim, s = PADDED_VOCABULARIES[vocab_of_p](p), 6, 2 * p
     rows = -(-vocab // p)
-    held = min(rows, max(0, vocab - r * rows))  # this rank's classes
+    held = held_rows(vocab, r, p)  # this rank's classes
     torch.manual_seed(0)
     dense_emb = nn.Embedding(vocab, dim, padding_idx=vocab - 1).double().to(device)
     dense_head = nn.Linear(dim, vocab).double().to(device)

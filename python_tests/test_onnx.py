@@ -24,7 +24,7 @@ import onnx  # noqa: E402
 
 import tp_kernels  # noqa: E402
 import tp_kernels.onnx  # noqa: E402
-from helpers import assert_close, block, padded_block, rank_world  # noqa: E402
+from helpers import assert_close, block, held_rows, padded_block, rank_world  # noqa: E402
 from test_parallelize import PLAN as BLOCK_PLAN  # noqa: E402
 from test_parallelize import Block  # noqa: E402
 
@@ -92,9 +92,8 @@ def check_export_padded_vocabulary():
         if gather:
             assert_close(f"padded lm exported, rank {r} of {p}", y, ref)
         else:
-            rows = -(-vocab // p)
-            held = min(rows, max(0, vocab - r * rows))  # this rank's classes, the rest padding
-            assert y.shape[-1] == rows and torch.all(y[..., held:] == float("-inf"))
+            held = held_rows(vocab, r, p)  # this rank's classes, the rest padding
+            assert y.shape[-1] == -(-vocab // p) and torch.all(y[..., held:] == float("-inf"))
             assert_close(f"padded lm exported, rank {r} of {p}", y[..., :held],
                          padded_block(ref, -1, r, p)[..., :held])
 
