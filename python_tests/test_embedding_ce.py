@@ -244,6 +244,52 @@ def test_argmax_matches_dense(world, dtype, vocab_of_p):
     world.run(check_argmax, dtype, vocab_of_p)
 
 
+def check_topk(dtype_name, vocab_of_p, device="cpu"):
+    """vocab_parallel_topk is torch.topk over the full logits, on every rank: values and indices
+    where the values differ (k within a block, across blocks, the whole vocabulary); with ties, the
+    same values, and indices of classes that hold them, each once; a row of -inf or with NaN as
+    torch takes it; never a padding column, with vocab_size or without."""
+    r, p = rank_world()
+    dtype = getattr(torch, dtype_name)
+    vocab = {"divisible": 5 * p, "padded": 4 * p + 1}[vocab_of_p]
+    g = torch.Generator().manual_seed(5)
+    distinct = torch.stack([torch.randperm(vocab, generator=g) for _ in range(12)]).reshape(4, 3, vocab).to(dtype)
+    ties = torch.randint(-2, 2, (4, 3, vocab), generator=g).to(dtype)
+    ties[0, 0] = float("-inf")
+    ties[0, 1, vocab // 2] = float("nan")
+    for vocab_size in ([vocab, None] if vocab_of_p == "padded" else [None]):
+        for k in sorted({1, min(3, vocab), min(-(-vocab // p) + 2, vocab), vocab}):
+            mine = padded_block(distinct, -1, r, p, float("-inf")).to(device)
+            values, indices = tp_kernels.vocab_parallel_topk(mine, k, vocab_size=vocab_size)
+            want = torch.topk(distinct, k)
+            assert values.dtype == dtype and indices.dtype == torch.int64 and values.shape == (4, 3, k)
+            assert torch.equal(values.cpu(), want.values) and torch.equal(indices.cpu(), want.indices), k
+            values, indices = tp_kernels.vocab_parallel_topk(padded_block(ties, -1, r, p, float("-inf")).to(device),
+                                                             k, vocab_size=vocab_size)
+            values, indices = values.cpu(), indices.cpu()
+            assert torch.equal(values.nan_to_num(7.0), torch.topk(ties, k).values.nan_to_num(7.0)), k  # (NaN == NaN)
+            assert bool((indices < vocab).all()) and all(len(set(row)) == k for row in indices.reshape(-1, k).tolist())
+            assert torch.equal(ties.gather(-1, indices).nan_to_num(7.0), values.nan_to_num(7.0))
+            same = values[..., 1:] == values[..., :-1]  # equal values come by ascending index
+            assert torch.all(indices[..., 1:][same] > indices[..., :-1][same])
+    if dtype_name == "float32":  # compiled whole, as a sampling step is
+        torch._dynamo.reset()
+        topk = torch.compile(tp_kernels.vocab_parallel_topk, backend="aot_eager", fullgraph=True)
+        got = topk(padded_block(distinct, -1, r, p, float("-inf")).to(device), 2, vocab_size=vocab)
+        assert torch.equal(got[1].cpu(), torch.topk(distinct, 2).indices)
+    for bad, match in [(0, "k: expected an int >= 1"), (vocab + 1, f"k: expected at most the vocabulary's {vocab}"),
+                       (True, "k: expected an int >= 1")]:
+        with pytest.raises(ValueError, match=match):
+            tp_kernels.vocab_parallel_topk(padded_block(distinct, -1, r, p).to(device), bad, vocab_size=vocab)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("vocab_of_p", ["divisible", "padded"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_topk_matches_dense(world, dtype, vocab_of_p):
+    world.run(check_topk, dtype, vocab_of_p)
+
+
 def check_cross_entropy_errors():
     r, p = rank_world()
     logits = torch.randn(4, 5)

@@ -854,9 +854,9 @@ def test_padded_vocabulary_layers_with_several_nccl_ranks(shared_gpu_world, voca
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_entropy_and_argmax_with_several_nccl_ranks(shared_gpu_world, dtype):
-    shared_gpu_world.run(test_embedding_ce.check_entropy, dtype, "padded", device="cuda")
-    shared_gpu_world.run(test_embedding_ce.check_argmax, dtype, "padded", device="cuda")
+def test_entropy_argmax_topk_with_several_nccl_ranks(shared_gpu_world, dtype):
+    for check in (test_embedding_ce.check_entropy, test_embedding_ce.check_argmax, test_embedding_ce.check_topk):
+        shared_gpu_world.run(check, dtype, "padded", device="cuda")
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2])

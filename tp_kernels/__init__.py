@@ -14,7 +14,8 @@ Public API (see docs/api.md):
   call, each on its fastest path, and :func:`tensor_model_parallel_all_reduce` & co.;
 * layers: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
   :class:`VocabParallelEmbedding`, :func:`vocab_parallel_cross_entropy`,
-  :func:`vocab_parallel_entropy`, :func:`vocab_parallel_argmax`, :func:`parallelize`,
+  :func:`vocab_parallel_entropy`, :func:`vocab_parallel_argmax`, :func:`vocab_parallel_topk`,
+  :func:`parallelize`,
   and for training :func:`allreduce_sequence_parallel_grads`, :func:`clip_grad_norm_`,
   :func:`full_state_dict`, :func:`load_full_state_dict`, :func:`sharded_state_dict` and the
   optimizer's (:func:`sharded_optimizer_state_dict`, :func:`load_sharded_optimizer_state_dict`),
@@ -27,7 +28,12 @@ docs/architecture.md draws the layers of the package and follows a call through 
 from . import autotune, communicator, mappings, ops, schedule, settings
 from ._extension import extension_status
 from .settings import get_timeout, set_comm_stream_priority, set_timeout
-from .cross_entropy import vocab_parallel_argmax, vocab_parallel_cross_entropy, vocab_parallel_entropy
+from .cross_entropy import (
+    vocab_parallel_argmax,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_entropy,
+    vocab_parallel_topk,
+)
 from .communicator import (
     Communicator,
     tensor_model_parallel_all_gather,
@@ -109,4 +115,5 @@ __all__ = [
     "vocab_parallel_argmax",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_entropy",
+    "vocab_parallel_topk",
 ]

@@ -1,8 +1,8 @@
-"""Cross-entropy, entropy and argmax over vocabulary-parallel logits, without gathering them."""
+"""Cross-entropy, entropy, argmax and top-k over vocabulary-parallel logits, without gathering them."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -13,7 +13,8 @@ from .embedding import check_index_range
 from .layers import split_block
 from .mappings import all_gather_op, all_reduce_op
 
-__all__ = ["REDUCTIONS", "vocab_parallel_argmax", "vocab_parallel_cross_entropy", "vocab_parallel_entropy"]
+__all__ = ["REDUCTIONS", "vocab_parallel_argmax", "vocab_parallel_cross_entropy", "vocab_parallel_entropy",
+           "vocab_parallel_topk"]
 
 #: what ``vocab_parallel_cross_entropy`` may return: the loss per token, or as ``F.cross_entropy`` reduces it
 REDUCTIONS = ("none", "sum", "mean")
@@ -222,6 +223,54 @@ def vocab_parallel_argmax(logits: torch.Tensor, group=None, *, vocab_size: Optio
     best = values.masked_fill(nan, float("-inf")).amax(dim=0)
     candidates = torch.where(nan.any(dim=0), nan, values == best)  # the ranks holding the row's answer
     return indices.masked_fill(~candidates, float(vocab)).amin(dim=0).to(torch.int64).reshape(logits.shape[:-1])
+
+
+def vocab_parallel_topk(logits: torch.Tensor, k: int, group=None, *,
+                        vocab_size: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest logits over the full vocabulary and their indices, per token, largest
+    first, on every rank: ``torch.topk(full_logits, k)`` (``[..., V/p]`` -> ``[..., k]`` values in
+    the logits' dtype, int64 indices), as top-k sampling needs, without gathering the logits: each
+    rank's own top ``k`` candidates, ``[2, N, k]``, in one all-gather. The values are torch's;
+    equal values come by ascending index (torch's order among them is unspecified). NaN counts as
+    the largest, as in torch. Not differentiable.
+
+    Args:
+        logits: ``[..., V/p]``, this rank's block of the vocabulary; any floating dtype.
+        k: how many, ``1 <= k <= V``.
+        group: process group (default: the tensor-parallel group).
+        vocab_size: ``V``, where the blocks are padded, as for :func:`vocab_parallel_cross_entropy`.
+    """
+    group = coll.resolve_group(group)
+
+    def check() -> int:
+        vocab = _check_logits(logits, vocab_size, group)
+        check_int("k", k)
+        if k > vocab:
+            raise ValueError(f"k: expected at most the vocabulary's {vocab} classes, got {k}")
+        return vocab
+
+    vocab = agree("vocab_parallel_topk", group, check,
+                  lambda vocab: f"logits {describe(logits)}, vocabulary {vocab}, k {k}", hint=logits)
+    classes, start = _classes(logits.detach(), vocab, group)  # [N, v]
+    mine = min(k, classes.shape[-1])
+    # this rank's candidates, [N, mine], equal values by ascending index (a stable sort, where topk's order
+    # among them is unspecified)
+    value, index = torch.sort(classes.double(), dim=-1, descending=True, stable=True)
+    value, index = value[:, :mine], index[:, :mine]
+    missing = k - mine  # (a block narrower than k: filled with candidates no row picks first)
+    value = torch.cat([value, value.new_full((value.shape[0], missing), float("-inf"))], -1)
+    index = torch.cat([index + start, index.new_full((index.shape[0], missing), vocab)], -1).double()
+    # [1, 2, N, k] -(AG)-> [p, 2, N, k], exact in float64: the values of any dtype, indices below 2^53
+    both = all_gather_op(torch.stack([value, index]).unsqueeze(0), group)
+    values = both[:, 0].permute(1, 0, 2).reshape(value.shape[0], -1)  # [N, p*k], every rank's candidates
+    indices = both[:, 1].permute(1, 0, 2).reshape(value.shape[0], -1)
+    # The largest k, a filler never before a class of the same value (-inf): the classes first, then
+    # a stable sort by value (NaN first, as torch.topk takes it)
+    real_first = torch.sort((indices >= vocab).to(torch.int8), dim=-1, stable=True).indices
+    values, indices = values.gather(-1, real_first), indices.gather(-1, real_first)
+    at = torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
+    shape = (*logits.shape[:-1], k)
+    return values.gather(-1, at).to(logits.dtype).reshape(shape), indices.gather(-1, at).to(torch.int64).reshape(shape)
 
 
 def _check_logits(logits, vocab_size, group) -> int:
