@@ -111,6 +111,34 @@ def test_cross_entropy_over_blocks_of_different_widths_is_an_error_not_a_wrong_l
 
 
 @fingerprints
+def check_vocabulary_reductions_that_differ(case):
+    """The reductions over vocabulary-parallel logits, called otherwise on rank 1: the same clear
+    error on every rank, naming what differs, and the group works afterwards (without the check, a
+    k or a vocab_size that differs would merge candidates of another shape, or name another class)."""
+    r, p = rank_world()
+    x, odd = torch.randn(3, 5), r == 1
+    call, mine = {
+        "topk k": (lambda: tp_kernels.vocab_parallel_topk(x, 3 if odd else 2), f"k {3 if odd else 2}"),
+        "argmax vocab_size": (lambda: tp_kernels.vocab_parallel_argmax(x, vocab_size=5 * p - odd),
+                              f"vocabulary {5 * p - odd}"),
+        "entropy width": (lambda: tp_kernels.vocab_parallel_entropy(torch.randn(3, 5 + odd)), f"logits [3, {5 + odd}]"),
+        "cross-entropy reduction": (lambda: tp_kernels.vocab_parallel_cross_entropy(
+            x, torch.zeros(3, dtype=torch.long), reduction="sum" if odd else "mean"),
+            f"reduction {'sum' if odd else 'mean'}"),
+    }[case]
+    kind, message = _raises(call)
+    assert kind == "RuntimeError" and "disagree on this call" in message and mine in message, message
+    _still_works()
+    return message
+
+
+@pytest.mark.parametrize("case", ["topk k", "argmax vocab_size", "entropy width", "cross-entropy reduction"])
+def test_vocabulary_reductions_that_differ_between_ranks(world2, case):
+    per_rank = world2.run(check_vocabulary_reductions_that_differ, case, deadline_s=DEADLINE_S)
+    assert per_rank[0] == per_rank[1]
+
+
+@fingerprints
 def check_one_round_when_the_ranks_agree():
     """Ranks that agree exchange a digest only; the descriptions travel only when they differ."""
     from tp_kernels import _agreement
