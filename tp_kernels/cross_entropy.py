@@ -210,19 +210,12 @@ def vocab_parallel_argmax(logits: torch.Tensor, group=None, *, vocab_size: Optio
     vocab = agree("vocab_parallel_argmax", group, lambda: _check_logits(logits, vocab_size, group),
                   lambda vocab: f"logits {describe(logits)}, vocabulary {vocab}", hint=logits)
     classes, start = _classes(logits.detach(), vocab, group)  # [N, v]
-    if classes.shape[-1]:
-        value, index = classes.max(dim=-1)  # (the first of equal maxima, or the first NaN)
-        index = index + start
-    else:  # a block of padding alone: no candidate
-        value = classes.new_full(classes.shape[:1], float("-inf"))
-        index = torch.full_like(value, vocab, dtype=torch.int64)
-    # [1, 2, N] -(AG)-> [p, 2, N], exact in float64: the values of any dtype, indices below 2^53
-    both = all_gather_op(torch.stack([value.double(), index.double()]).unsqueeze(0), group)
-    values, indices = both[:, 0], both[:, 1]
-    nan = values.isnan()
-    best = values.masked_fill(nan, float("-inf")).amax(dim=0)
-    candidates = torch.where(nan.any(dim=0), nan, values == best)  # the ranks holding the row's answer
-    return indices.masked_fill(~candidates, float(vocab)).amin(dim=0).to(torch.int64).reshape(logits.shape[:-1])
+    if classes.shape[-1]:  # this rank's candidate: the first of equal maxima, or the first NaN
+        value, index = classes.max(dim=-1, keepdim=True)
+    else:  # a block of padding alone: none
+        value, index = classes, classes.new_empty(classes.shape, dtype=torch.int64)
+    _, indices = _merge_candidates(value, index + start, 1, vocab, group)
+    return indices[:, 0].reshape(logits.shape[:-1])
 
 
 def vocab_parallel_topk(logits: torch.Tensor, k: int, group=None, *,
@@ -252,25 +245,33 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, group=None, *,
     vocab = agree("vocab_parallel_topk", group, check,
                   lambda vocab: f"logits {describe(logits)}, vocabulary {vocab}, k {k}", hint=logits)
     classes, start = _classes(logits.detach(), vocab, group)  # [N, v]
-    mine = min(k, classes.shape[-1])
-    # this rank's candidates, [N, mine], equal values by ascending index (a stable sort, where topk's order
+    # this rank's candidates, equal values by ascending index (a stable sort, where topk's order
     # among them is unspecified)
-    value, index = torch.sort(classes.double(), dim=-1, descending=True, stable=True)
-    value, index = value[:, :mine], index[:, :mine]
-    missing = k - mine  # (a block narrower than k: filled with candidates no row picks first)
-    value = torch.cat([value, value.new_full((value.shape[0], missing), float("-inf"))], -1)
-    index = torch.cat([index + start, index.new_full((index.shape[0], missing), vocab)], -1).double()
+    value, index = torch.sort(classes, dim=-1, descending=True, stable=True)
+    mine = min(k, classes.shape[-1])
+    values, indices = _merge_candidates(value[:, :mine], index[:, :mine] + start, k, vocab, group)
+    shape = (*logits.shape[:-1], k)
+    return values.to(logits.dtype).reshape(shape), indices.reshape(shape)
+
+
+def _merge_candidates(value: torch.Tensor, index: torch.Tensor, k: int, vocab: int, group):
+    """The ``k`` largest of every rank's candidates, ``(values [N, k] float64, indices [N, k]
+    int64)``, largest first, equal values by ascending index, NaN first (as torch takes it).
+    ``value`` and ``index`` ``[N, c]``: this rank's ``c <= k`` candidates and their indices in the
+    vocabulary, largest first, equal values by ascending index."""
+    missing = k - value.shape[-1]  # (a block narrower than k: filled with candidates no row picks first)
+    fill = value.new_full((value.shape[0], missing), float("-inf"), dtype=torch.float64)
+    value = torch.cat([value.double(), fill], -1)
+    index = torch.cat([index, index.new_full((index.shape[0], missing), vocab)], -1).double()
     # [1, 2, N, k] -(AG)-> [p, 2, N, k], exact in float64: the values of any dtype, indices below 2^53
     both = all_gather_op(torch.stack([value, index]).unsqueeze(0), group)
-    values = both[:, 0].permute(1, 0, 2).reshape(value.shape[0], -1)  # [N, p*k], every rank's candidates
+    values = both[:, 0].permute(1, 0, 2).reshape(value.shape[0], -1)  # [N, p*k], rank-major: ascending index
     indices = both[:, 1].permute(1, 0, 2).reshape(value.shape[0], -1)
-    # The largest k, a filler never before a class of the same value (-inf): the classes first, then
-    # a stable sort by value (NaN first, as torch.topk takes it)
+    # a filler never before a class of the same value (-inf): the classes first, then a stable sort by value
     real_first = torch.sort((indices >= vocab).to(torch.int8), dim=-1, stable=True).indices
     values, indices = values.gather(-1, real_first), indices.gather(-1, real_first)
     at = torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
-    shape = (*logits.shape[:-1], k)
-    return values.gather(-1, at).to(logits.dtype).reshape(shape), indices.gather(-1, at).to(torch.int64).reshape(shape)
+    return values.gather(-1, at), indices.gather(-1, at).to(torch.int64)
 
 
 def _check_logits(logits, vocab_size, group) -> int:
