@@ -1,5 +1,7 @@
-"""Training a tensor-parallel language model: shard a dense one, clip its gradient by the whole
-model's norm, and checkpoint the model and its optimizer with torch.distributed.checkpoint.
+"""Training a tensor-parallel language model: shard a dense one, drop out its MLP's hidden units
+(each rank's own mask) and its output (the same mask on every rank) under activation
+checkpointing, clip its gradient by the whole model's norm, and checkpoint the model and its
+optimizer with torch.distributed.checkpoint.
 
     torchrun --nproc-per-node 2 examples/train.py [checkpoint folder]     # CPU, gloo
     torchrun --nproc-per-node 8 examples/train.py [checkpoint folder]     # 8 GPUs, NCCL
@@ -7,8 +9,9 @@ model's norm, and checkpoint the model and its optimizer with torch.distributed.
 (without a folder, a temporary one of rank 0's, which every rank of one machine reaches).
 
 Every rank trains 4 steps, saves, trains 4 more; then a fresh model and optimizer load the
-checkpoint and train the same 4 steps again. Each rank prints both runs' losses, which must agree:
-the checkpoint held every rank's blocks of the weights and of Adam's moments.
+checkpoint and train the same 4 steps again, from the same random streams. Each rank prints both
+runs' losses, which must agree: the checkpoint held every rank's blocks of the weights and of Adam's
+moments.
 """
 
 import sys
@@ -18,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+import torch.nn.functional as F
 
 import tp_kernels
 
@@ -32,7 +36,7 @@ vocab, hidden = 64 * p, 128
 
 
 def dense_model(seed):
-    torch.manual_seed(seed)
+    tp_kernels.model_parallel_manual_seed(seed)  # the same full weights on every rank; the dropout streams
     model = nn.ModuleDict({"emb": nn.Embedding(vocab, hidden), "up": nn.Linear(hidden, 4 * hidden),
                            "down": nn.Linear(4 * hidden, hidden), "head": nn.Linear(hidden, vocab, bias=False)})
     nn.init.normal_(model["emb"].weight, std=0.02)
@@ -48,9 +52,15 @@ def make(seed):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
+def mlp(model, h):
+    with tp_kernels.get_rng_tracker().fork():  # this rank's hidden units: its own mask
+        hidden = F.dropout(torch.relu(model["up"](h)), 0.1)
+    return F.dropout(model["down"](hidden), 0.1)  # replicated: the same mask on every rank
+
+
 def step(model, opt, ids):
     h = model["emb"](ids)  # [s, b, hidden], the same on every rank
-    h = h + model["down"](torch.relu(model["up"](h)))
+    h = h + tp_kernels.rng.checkpoint(mlp, model, h)  # recomputed in backward, with the same masks
     logits = model["head"](h)  # [s, b, vocab/p]: this rank's block of the vocabulary
     loss = tp_kernels.vocab_parallel_cross_entropy(logits[:-1], ids[1:]).mean()
     loss.backward()
@@ -74,6 +84,7 @@ with tempfile.TemporaryDirectory() as scratch:
         step(model, opt, ids)
     dcp.save({"model": tp_kernels.sharded_state_dict(model),
               "optim": tp_kernels.sharded_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    tp_kernels.model_parallel_manual_seed(2)  # the dropout streams from here, in both runs
     first = [step(model, opt, ids) for ids in batches[4:]]
 
     model, opt = make(seed=7)  # other weights and an empty optimizer: the checkpoint replaces both
@@ -81,6 +92,7 @@ with tempfile.TemporaryDirectory() as scratch:
              "optim": tp_kernels.sharded_optimizer_state_dict(model, opt)}
     dcp.load(state, checkpoint_id=path)
     tp_kernels.load_sharded_optimizer_state_dict(model, opt, state["optim"])
+    tp_kernels.model_parallel_manual_seed(2)
     again = [step(model, opt, ids) for ids in batches[4:]]
     dist.barrier()
 

@@ -19,6 +19,7 @@ import test_layers
 import test_library
 import test_ops
 import test_parallelize
+import test_rng
 import tp_kernels
 from helpers import assert_close, rank_world
 from tp_kernels import _collectives, _extension, dispatch, ops, settings
@@ -857,6 +858,17 @@ def test_padded_vocabulary_layers_with_several_nccl_ranks(shared_gpu_world, voca
 def test_entropy_argmax_topk_with_several_nccl_ranks(shared_gpu_world, dtype):
     for check in (test_embedding_ce.check_entropy, test_embedding_ce.check_argmax, test_embedding_ce.check_topk):
         shared_gpu_world.run(check, dtype, "padded", device="cuda")
+
+
+def test_random_streams_on_the_gpu_with_several_nccl_ranks(shared_gpu_world):
+    """A fork swaps the CUDA generator: each rank's stream on the GPU is its seed's, the default
+    stream the same on every rank."""
+    shared_gpu_world.run(test_rng.check_streams, "cuda")
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_dropout_and_checkpoint_with_several_nccl_ranks(shared_gpu_world, sequence_parallel):
+    shared_gpu_world.run(test_rng.check_parallel_dropout, sequence_parallel, "cuda")
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2])

@@ -20,12 +20,15 @@ Public API (see docs/api.md):
   :func:`full_state_dict`, :func:`load_full_state_dict`, :func:`sharded_state_dict` and the
   optimizer's (:func:`sharded_optimizer_state_dict`, :func:`load_sharded_optimizer_state_dict`),
   and :func:`dense_state_dict` to read such a checkpoint as the dense model's;
+* :mod:`tp_kernels.rng`: dropout alike on every rank where they hold the same activations and
+  each rank's own where they hold their own (:func:`model_parallel_manual_seed`,
+  :func:`get_rng_tracker`), and ``rng.checkpoint``, activation checkpointing that replays it;
 * :mod:`tp_kernels.testing`: the harnesses that test and measure it on one machine.
 
 docs/architecture.md draws the layers of the package and follows a call through them.
 """
 
-from . import autotune, communicator, mappings, ops, schedule, settings
+from . import autotune, communicator, mappings, ops, rng, schedule, settings
 from ._extension import extension_status
 from .settings import get_timeout, set_comm_stream_priority, set_timeout
 from .cross_entropy import (
@@ -67,6 +70,7 @@ from .checkpoints import (
 )
 from .grads import allreduce_sequence_parallel_grads, clip_grad_norm_
 from .parallelize import parallelize
+from .rng import get_rng_tracker, model_parallel_manual_seed
 
 __version__ = "0.1.0"
 
@@ -90,6 +94,7 @@ __all__ = [
     "get_pipeline_model_parallel_group",
     "get_pipeline_model_parallel_rank",
     "get_pipeline_model_parallel_world_size",
+    "get_rng_tracker",
     "get_tensor_model_parallel_group",
     "get_tensor_model_parallel_rank",
     "get_tensor_model_parallel_world_size",
@@ -101,8 +106,10 @@ __all__ = [
     "matmul_all_reduce",
     "matmul_reduce_scatter",
     "model_parallel_is_initialized",
+    "model_parallel_manual_seed",
     "ops",
     "parallelize",
+    "rng",
     "schedule",
     "set_comm_stream_priority",
     "set_timeout",

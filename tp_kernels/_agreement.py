@@ -106,10 +106,12 @@ def _recording() -> bool:
     return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def agree(call: str, group, check: Callable[[], T], fingerprint: Callable[[T], str], hint=None) -> T:
+def agree(call: str, group, check: Callable[[], T], fingerprint: Callable[[T], str], hint=None, *,
+          always: bool = False) -> T:
     """``check()`` (this rank's argument checks, raising ``ValueError``), agreed with the group.
 
-    When fingerprints are on and the group has several ranks, every rank exchanges
+    When fingerprints are on (or ``always``: a setup call whose disagreement nothing later would
+    catch) and the group has several ranks, every rank exchanges
     ``call + fingerprint(check())``, or its error, and all raise together unless they are all the
     same (see the module doc). Returns ``check()``'s result. ``hint``: a tensor of the call, to
     find this rank's device on an NCCL group.
@@ -123,7 +125,7 @@ def agree(call: str, group, check: Callable[[], T], fingerprint: Callable[[T], s
         result = check()
     except ValueError as exc:
         error = exc
-    if p > 1 and settings.fingerprints_enabled() and not _recording():
+    if p > 1 and (always or settings.fingerprints_enabled()) and not _recording():
         mine = f"{_ERROR}|{error}" if error is not None else f"{_OK}|{call}: {fingerprint(result)}"
         views = _views_if_they_differ(mine, *_exchange_route(group, hint)) or [mine]  # [mine]: all alike
         failed = [(q, v.partition("|")[2]) for q, v in enumerate(views) if v.partition("|")[0] != _OK]

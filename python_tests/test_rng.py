@@ -1,0 +1,266 @@
+"""The random streams of tp_kernels.rng: the default stream the same on every rank, the
+model-parallel stream each rank's own, a tensor-parallel block with dropout against the dense
+block with the same masks in float64, and activation checkpointing replaying the forward's
+masks."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tp_kernels
+from helpers import assert_close, block, rank_world
+from tp_kernels import rng
+
+SEED = 1234
+DROP = 0.3
+
+
+def draws(seed: int, sizes, device="cpu") -> torch.Tensor:
+    """What a stream seeded ``seed`` gives to ``torch.rand(n)`` for each ``n`` of ``sizes`` in turn,
+    joined (call by call: on CUDA, two calls do not draw what one call of both sizes draws)."""
+    g = torch.Generator(device).manual_seed(seed)
+    return torch.cat([torch.rand(n, generator=g, device=device) for n in sizes])
+
+
+def gathered(t: torch.Tensor):
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return parts
+
+
+def check_streams(device="cpu"):
+    """After model_parallel_manual_seed, the default stream is the seed's on every rank, and a
+    fork draws the rank's own stream (seed + 2718 + rank), going on across forks, without moving
+    the default stream; get_states/set_states go back to a state."""
+    r, p = rank_world()
+    rng.model_parallel_manual_seed(SEED)
+    tracker = rng.get_rng_tracker()
+    assert tracker.seeds() == {rng.MODEL_PARALLEL_RNG: SEED + 2718 + r}
+    before = torch.rand(3, device=device)
+    with tracker.fork():
+        forked = torch.rand(4, device=device)
+    between = torch.rand(2, device=device)
+    with tracker.fork():
+        forked = torch.cat([forked, torch.rand(4, device=device)])
+    after = torch.rand(3, device=device)
+    assert torch.equal(torch.cat([before, between, after]), draws(SEED, [3, 2, 3], device))
+    assert torch.equal(forked, draws(SEED + 2718 + r, [4, 4], device))
+    views = gathered(forked)
+    assert all(not torch.equal(views[q], views[r]) for q in range(p) if q != r)
+
+    saved = tracker.get_states()
+    with tracker.fork():
+        first = torch.rand(5, device=device)
+    tracker.set_states(saved)
+    with tracker.fork():
+        assert torch.equal(torch.rand(5, device=device), first)
+
+    tracker.add("other", 99)
+    with tracker.fork(), tracker.fork("other"):  # streams nest; the inner one draws
+        assert torch.equal(torch.rand(3, device=device), draws(99, [3], device))
+    with pytest.raises(RuntimeError, match="already forked"):
+        with tracker.fork(), tracker.fork():
+            pass
+    with tracker.fork():  # the failed nesting left the stream usable, and where it was
+        assert torch.equal(torch.rand(5, device=device), draws(SEED + 2718 + r, [4, 4, 5, 5], device)[13:])
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_the_default_stream_is_shared_and_the_forked_one_is_each_ranks(world):
+    world.run(check_streams)
+
+
+class Block(nn.Module):
+    """A transformer MLP with dropout: on the hidden units (each rank's own under tensor
+    parallelism) and on the output (replicated, or under sequence parallelism each rank's block
+    of the sequence)."""
+
+    def __init__(self, dim=6, hidden=8):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x, masks):
+        return self.down(self.up(x).relu() * masks[0]) * masks[1]
+
+
+class ParallelBlock(nn.Module):
+    def __init__(self, dense: Block, sequence_parallel: bool):
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+        self.up = tp_kernels.ColumnParallelLinear.from_linear(dense.up, sequence_parallel=sequence_parallel)
+        self.down = tp_kernels.RowParallelLinear.from_linear(dense.down, input_is_parallel=True,
+                                                             sequence_parallel=sequence_parallel)
+
+    def forward(self, x):
+        tracker = rng.get_rng_tracker()
+        with tracker.fork():
+            h = F.dropout(self.up(x).relu(), DROP)
+        y = self.down(h)
+        with tracker.fork() if self.sequence_parallel else contextlib.nullcontext():
+            return F.dropout(y, DROP)
+
+
+def masks_drawn(rows, hidden, dim, sequence_parallel, device):
+    """The dense block's two masks, made of what each rank draws: the hidden mask from the
+    rank's stream, joined over the ranks; the output mask from the default stream (replicated), or
+    under sequence parallelism from each rank's stream after its hidden mask, joined over the
+    sequence."""
+    r, p = rank_world()
+    ones = functools.partial(torch.ones, dtype=torch.float64, device=device)  # contiguous, as the activations
+    devices = [torch.cuda.current_device()] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(SEED + 2718 + r)
+        hidden_mask = F.dropout(ones(rows, hidden // p), DROP)
+        own_out = F.dropout(ones(rows // p, dim), DROP) if sequence_parallel else None
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(SEED)
+        out_mask = F.dropout(ones(rows, dim), DROP)
+    if sequence_parallel:
+        out_mask = torch.cat(gathered(own_out), 0)
+    return torch.cat(gathered(hidden_mask), 1), out_mask
+
+
+def run_block(par, x, dy, wrap):
+    par.zero_grad()
+    x = x.detach().requires_grad_()
+    rng.model_parallel_manual_seed(SEED)
+    y = wrap(par, x)
+    y.backward(dy)
+    return y.detach(), x.grad, [param.grad.clone() for param in par.parameters()]
+
+
+def check_parallel_dropout(sequence_parallel, device="cpu"):
+    """The parallel block, its dropout drawn from the streams, equals the dense block with the
+    masks those streams draw (float64); its replicated output is the same on every rank; and
+    checkpointing it with tp_kernels.rng.checkpoint (or with a selective policy) gives bitwise
+    the gradients of running it plainly."""
+    r, p = rank_world()
+    rows, dim, hidden = 4 * p, 6, 4 * p
+    torch.manual_seed(0)
+    dense = Block(dim, hidden).double().to(device)
+    par = ParallelBlock(dense, sequence_parallel)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, dim, generator=g, dtype=torch.float64).to(device).requires_grad_()
+    dy = torch.randn(rows, dim, generator=g, dtype=torch.float64).to(device)
+    mine = (lambda t: block(t, 0, r, p)) if sequence_parallel else (lambda t: t)
+
+    y, dx, grads = run_block(par, mine(x), mine(dy), lambda m, x: m(x))
+    ref = dense(x, masks_drawn(rows, hidden, dim, sequence_parallel, device))
+    ref.backward(dy)
+    assert_close("output", y, mine(ref))
+    assert_close("input gradient", dx, mine(x.grad))
+    assert_close("up.weight gradient", grads[0], block(dense.up.weight.grad, 0, r, p))
+    assert_close("down.weight gradient", grads[2], block(dense.down.weight.grad, 1, r, p))
+    if not sequence_parallel:
+        assert all(torch.equal(view, y) for view in gathered(y)), "the replicated output differs between ranks"
+
+    policy = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts,
+                               [torch.ops.aten.mm.default])
+    for wrap in (lambda m, x: rng.checkpoint(m, x),
+                 lambda m, x: rng.checkpoint(m, x, context_fn=policy),
+                 lambda m, x: rng.checkpoint(m, x, preserve_rng_state=True, determinism_check="default")):
+        y2, dx2, grads2 = run_block(par, mine(x), mine(dy), wrap)
+        assert torch.equal(y2, y)
+        assert torch.equal(dx2, dx)
+        assert all(torch.equal(a, b) for a, b in zip(grads2, grads))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_dropout_in_a_parallel_block_matches_the_dense_block_and_checkpoints_exactly(world, sequence_parallel):
+    world.run(check_parallel_dropout, sequence_parallel)
+
+
+def test_checkpoint_recomputes_the_forwards_masks_after_the_stream_moved_on():
+    """Backward twice through a retained graph recomputes twice; the stream drawn meanwhile does
+    not change what the recomputation draws, and it is where it was afterwards. torch's own
+    checkpoint, which does not know the tracker, recomputes with other masks."""
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 5).double()
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    tracker = rng.get_rng_tracker()
+
+    def f(x):
+        with tracker.fork():
+            return F.dropout(lin(x), 0.5)
+
+    rng.model_parallel_manual_seed(SEED)
+    plain = f(x)
+    (dx_plain,) = torch.autograd.grad(plain.sum(), x)
+    with tracker.fork():
+        expected = torch.rand(7), torch.rand(4)
+    rng.model_parallel_manual_seed(SEED)
+    y = rng.checkpoint(f, x)
+    with tracker.fork():
+        assert torch.equal(torch.rand(7), expected[0])
+    state = tracker.get_states()
+    for _ in range(2):
+        (dx,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
+        assert torch.equal(dx, dx_plain)
+    assert torch.equal(y, plain)
+    assert all(torch.equal(state[n][d], tracker.get_states()[n][d]) for n in state for d in state[n])
+    with tracker.fork():
+        assert torch.equal(torch.rand(4), expected[1])
+    rng.model_parallel_manual_seed(SEED)
+    y = torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False)  # torch's replays the default stream only
+    (dx,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(y, plain) and not torch.equal(dx, dx_plain)
+
+
+def check_seeds_that_differ():
+    """Ranks given different seeds would drop their replicated activations differently: the
+    same error on every rank, naming each rank's seed, and the group works afterwards."""
+    r, p = rank_world()
+    with pytest.raises(RuntimeError, match=re.escape("rank 0: model_parallel_manual_seed: seed 5; "
+                                                     "rank 1: model_parallel_manual_seed: seed 6")):
+        rng.model_parallel_manual_seed(5 + r)
+    own, theirs = (ValueError, "^seed: expected an int in"), (RuntimeError, "rejected its arguments.*rank 1: seed: ")
+    kind, message = own if r == 1 else theirs
+    with pytest.raises(kind, match=message):
+        rng.model_parallel_manual_seed(5 if r != 1 else -1)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == p
+
+
+def test_seeds_that_differ_between_ranks_are_an_error_on_every_rank(world2):
+    world2.run(check_seeds_that_differ)
+
+
+@pytest.mark.parametrize("seed", [True, -1, 1.5, "1", 2**63, 2**63 - 2718])
+def test_bad_seeds_are_named(seed):
+    with pytest.raises(ValueError, match="seed"):
+        rng.model_parallel_manual_seed(seed)
+
+
+def test_tracker_errors_name_what_is_wrong():
+    tracker = rng.RNGStatesTracker()
+    with pytest.raises(ValueError, match="model_parallel_manual_seed adds it"):
+        with tracker.fork():
+            pass
+    tracker.add("a", 1)
+    with pytest.raises(ValueError, match=r"name: .*'b'.*streams: 'a'"):
+        with tracker.fork("b"):
+            pass
+    with pytest.raises(ValueError, match="name: the stream 'a' exists already"):
+        tracker.add("a", 2)
+    with pytest.raises(ValueError, match="seed: 1 already seeds the stream 'a'"):
+        tracker.add("b", 1)
+    with pytest.raises(ValueError, match="name: expected a non-empty str"):
+        tracker.add("", 3)
+    with pytest.raises(ValueError, match="states: no stream named 'z'"):
+        tracker.set_states({"z": {}})
+    with pytest.raises(ValueError, match="use_reentrant"):
+        rng.checkpoint(lambda x: x, torch.ones(1, requires_grad=True), use_reentrant=True)
+    with pytest.raises(ValueError, match="context_fn"):
+        rng.checkpoint(lambda x: x, torch.ones(1, requires_grad=True), context_fn=3)
+    tracker.reset()
+    assert tracker.seeds() == {}
