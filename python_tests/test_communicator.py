@@ -10,6 +10,8 @@ on CUDA tensors too.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -184,6 +186,102 @@ BAD_CALLS = [
 ]
 
 
+class Batch:
+    """A value that is not a tensor, as an engine's batch metadata is: sent pickled."""
+
+    def __init__(self, lengths, prefill):
+        self.lengths, self.prefill = lengths, prefill
+
+    def __eq__(self, other):
+        return isinstance(other, Batch) and (self.lengths, self.prefill) == (other.lengths, other.prefill)
+
+
+def _tensor_dict(device, seed):
+    """Every kind of entry: dtypes of every size (bool, complex, half), a strided view, a 0-d and
+    an empty tensor, host tensors beside the device's, and values that are not tensors."""
+    ids = _data((4, 6), torch.int64, device, seed)
+    return {
+        "ids": ids,
+        "positions": ids[:, 1::2],  # strided
+        "hidden": _data((3, 5), torch.bfloat16, device, seed + 1),
+        "mask": _data((7,), torch.int64, device, seed + 2) > 0,
+        "rotary": _data((2, 3), torch.complex64, device, seed + 3),
+        "scale": _data((), torch.float64, device, seed + 4),
+        "none_yet": torch.empty(0, 9, device=device),
+        "lengths_on_host": _data((5,), torch.int32, "cpu", seed + 5),
+        "batch": Batch([3, 1, 4], prefill=True),
+        "step": 17,
+        "nothing": None,
+    }
+
+
+def check_broadcast_tensor_dict(device="cpu"):
+    """Rank src's dict on every rank: each tensor of its dtype, shape and device type, bit for bit,
+    contiguous; the other values equal; the keys in order; the source's own dict returned as it is;
+    one tensor alone (sent without a copy); an empty dict; the module function on the
+    tensor-parallel group."""
+    r, p = rank_world()
+    comm = Communicator(device=device)
+    for src in sorted({0, p - 1}):
+        sent = _tensor_dict(comm.device, seed=10 * src)
+        got = comm.broadcast_tensor_dict(sent if r == src else None, src=src)
+        if r == src:
+            assert got is sent
+            continue
+        assert list(got) == list(sent)
+        for key, value in sent.items():
+            if isinstance(value, torch.Tensor):
+                assert got[key].is_contiguous() and got[key].device.type == value.device.type, key
+                if value.device.type != "cpu":
+                    assert got[key].device == comm.device, key
+                _same(key, got[key], value)
+            else:
+                assert got[key] == value, key
+    alone = _data((3, 4), torch.float32, comm.device, seed=7)
+    got = comm.broadcast_tensor_dict({"x": alone} if r == 0 else {"x": torch.zeros(1)}, src=0)
+    _same("a tensor alone", got["x"], alone)
+    assert got["x"] is alone if r == 0 else got["x"].data_ptr() != alone.data_ptr()
+    assert comm.broadcast_tensor_dict({} if r == 0 else None) == {}
+    assert tp_kernels.communicator.broadcast_tensor_dict({"step": 3} if r == 0 else None) == {"step": 3}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_broadcast_tensor_dict(world):
+    world.run(check_broadcast_tensor_dict)
+
+
+def check_broadcast_tensor_dict_the_source_cannot_send(with_fingerprints: bool):
+    """A dict the source cannot send (not a dict, a value that does not pickle, a sparse tensor)
+    is its ValueError naming the entry, and on every other rank a RuntimeError carrying it, before
+    any tensor moves; a src out of range is a ValueError everywhere; the group works after."""
+    r, p = rank_world()
+    comm = Communicator()
+    settings.set_fingerprints(with_fingerprints)
+    try:
+        for bad, message in [([torch.ones(2)], "tensor_dict: expected a dict on the source rank, got list"),
+                             ({"x": torch.ones(2), "f": lambda: 0}, "tensor_dict['f']: a value that is not a "
+                                                                    "tensor travels pickled, and this one cannot be"),
+                             ({"s": torch.eye(2).to_sparse()}, "tensor_dict['s']: expected a dense")]:
+            if r == 0:
+                with pytest.raises(ValueError, match=re.escape(message)):
+                    comm.broadcast_tensor_dict(bad)
+            else:
+                with pytest.raises(RuntimeError, match=re.escape("rank 0, the source, could not send its tensor_dict, "
+                                                                 f"so nothing moved ({message}")):
+                    comm.broadcast_tensor_dict()
+            with pytest.raises(ValueError, match=f"src: expected a rank of the group's {p}, got {p}"):
+                comm.broadcast_tensor_dict({}, src=p)
+            assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(p)))
+    finally:
+        settings.set_fingerprints(None)
+
+
+@pytest.mark.parametrize("with_fingerprints", [False, True])
+@pytest.mark.parametrize("world", [2, 4], indirect=True)
+def test_broadcast_tensor_dict_the_source_cannot_send(world, with_fingerprints):
+    world.run(check_broadcast_tensor_dict_the_source_cannot_send, with_fingerprints, deadline_s=DEADLINE_S)
+
+
 def check_bad_calls(with_fingerprints: bool):
     r, p = rank_world()
     comm = Communicator()
@@ -256,6 +354,7 @@ DISAGREEMENTS = {
     "root": lambda c, r: c.broadcast(torch.ones(2), src=1 if r == 1 else 0),
     "collective": lambda c, r: c.all_reduce(torch.ones(2)) if r == 1 else c.broadcast(torch.ones(2)),
     "bad on one rank": lambda c, r: c.reduce_scatter(torch.ones(5 if r == 1 else 4 * dist.get_world_size())),
+    "dict root": lambda c, r: c.broadcast_tensor_dict({"x": torch.ones(2)}, src=1 if r == 1 else 0),
 }
 
 
@@ -361,11 +460,18 @@ def check_tensor_model_parallel_functions():
         assert (got is None) == (tr != 1)
         if got is not None:
             _same("tensor_model_parallel_gather", got, torch.cat(pair, dim=0))
+        wide = torch.arange(12.0).view(3, 4) * (r + 1)
+        pair_sum = torch.arange(12.0).view(3, 4) * (r + 1 + peer + 1)
+        _same("tensor_model_parallel_reduce_scatter", tp_kernels.tensor_model_parallel_reduce_scatter(wide),
+              pair_sum[:, 2 * tr : 2 * tr + 2])  # the last dim by default, as vLLM's
+        sent = tp_kernels.broadcast_tensor_dict({"x": x, "n": 1} if tr == 1 else None, src=1)
+        _same("broadcast_tensor_dict", sent["x"], x if tr == 1 else torch.full((2, 3), float(peer)))
         comm = tp_kernels.communicator.tensor_parallel_communicator()
         assert comm.group is tp and comm is tp_kernels.communicator.tensor_parallel_communicator()
     finally:
         tp_kernels.destroy_model_parallel()
-    assert not tp_kernels.communicator._tp_communicators  # forgotten with the groups
+    # forgotten with the groups (the default group's, another test's, stays)
+    assert all(group is not tp for group, _ in tp_kernels.communicator._tp_communicators.values())
 
 
 def test_tensor_model_parallel_functions(world4):

@@ -39,9 +39,11 @@ from .cross_entropy import (
 )
 from .communicator import (
     Communicator,
+    broadcast_tensor_dict,
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
     tensor_model_parallel_gather,
+    tensor_model_parallel_reduce_scatter,
 )
 from .embedding import VocabParallelEmbedding
 from .layers import ColumnParallelLinear, RowParallelLinear
@@ -82,6 +84,7 @@ __all__ = [
     "all_gather_matmul",
     "allreduce_sequence_parallel_grads",
     "autotune",
+    "broadcast_tensor_dict",
     "clip_grad_norm_",
     "communicator",
     "dense_state_dict",
@@ -119,6 +122,7 @@ __all__ = [
     "tensor_model_parallel_all_gather",
     "tensor_model_parallel_all_reduce",
     "tensor_model_parallel_gather",
+    "tensor_model_parallel_reduce_scatter",
     "vocab_parallel_argmax",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_entropy",

@@ -1,11 +1,12 @@
 """A group's communicator, for serving engines: the collectives they call, each on its fastest path.
 
 Inference engines (vLLM, SGLang) call a communicator rather than layers: ``all_reduce`` after a
-row-parallel projection, ``all_gather`` / ``gather`` of the logits, ``broadcast`` of the batch,
-``send`` / ``recv`` between pipeline stages. :class:`Communicator` has those methods, with the
-dimension handling such engines expect (any dim, any leading shape), over any process group,
-and the module functions :func:`tensor_model_parallel_all_reduce`, ``..._all_gather`` and
-``..._gather`` use the tensor-parallel group's.
+row-parallel projection, ``all_gather`` / ``gather`` of the logits, ``broadcast`` of a tensor
+and ``broadcast_tensor_dict`` of the batch's inputs, ``send`` / ``recv`` between pipeline
+stages. :class:`Communicator` has those methods, with the dimension handling such engines expect
+(any dim, any leading shape), over any process group, and the module functions
+:func:`tensor_model_parallel_all_reduce`, ``..._all_gather``, ``..._gather``,
+``..._reduce_scatter`` and :func:`broadcast_tensor_dict` use the tensor-parallel group's.
 
 Each call runs on the path decided for it (:func:`tp_kernels.dispatch.resolve_collective`):
 
@@ -30,7 +31,8 @@ fingerprints on (:func:`tp_kernels.settings.set_fingerprints`) ranks that disagr
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Sequence
+import pickle
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -46,10 +48,12 @@ from .settings import BACKEND_NAMES
 __all__ = [
     "CAPTURE_BYTES",
     "Communicator",
+    "broadcast_tensor_dict",
     "tensor_parallel_communicator",
     "tensor_model_parallel_all_gather",
     "tensor_model_parallel_all_reduce",
     "tensor_model_parallel_gather",
+    "tensor_model_parallel_reduce_scatter",
 ]
 
 #: The largest all-reduce :meth:`Communicator.capture` prepares the fused path for by default.
@@ -73,6 +77,56 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 def _message(t: torch.Tensor) -> str:
     """A point-to-point message as both ends must see it: its shape and dtype."""
     return f"{list(t.shape)} {str(t.dtype).rpartition('.')[2]}"
+
+
+#: Where each tensor of a broadcast dict starts in its device's buffer: a multiple of this many
+#: bytes, so that every dtype can be viewed there.
+_ALIGN = 16
+
+
+def _pack(tensor_dict, device: torch.device) -> Tuple[bytes, Dict[str, List[torch.Tensor]]]:
+    """What :meth:`Communicator.broadcast_tensor_dict`'s source sends: the pickled description
+    (each key with its tensor's dtype, shape and device type, or its other value) and the tensors
+    by device type ("cpu", or the communicator's device). Raises ``ValueError`` naming the entry
+    it cannot send."""
+    if not isinstance(tensor_dict, dict):
+        raise ValueError(f"tensor_dict: expected a dict on the source rank, got {type(tensor_dict).__name__}")
+    described: List[Tuple[Any, tuple]] = []
+    tensors: Dict[str, List[torch.Tensor]] = {}
+    for key, value in tensor_dict.items():
+        if isinstance(value, torch.Tensor):
+            if value.device.type != "cpu" and not _same_device(value.device, device):
+                raise ValueError(f"tensor_dict[{key!r}]: expected a tensor on the CPU or on {device} (the "
+                                 f"communicator's device), got one on {value.device}")
+            if value.is_sparse or value.layout != torch.strided:
+                raise ValueError(f"tensor_dict[{key!r}]: expected a dense (strided) tensor, got {value.layout}")
+            described.append((key, ("tensor", value.dtype, tuple(value.shape), value.device.type)))
+            tensors.setdefault(value.device.type, []).append(value)
+        else:
+            described.append((key, ("value", value)))
+    try:
+        return pickle.dumps(described), tensors
+    except Exception as exc:  # whatever pickling raises for the value it cannot take
+        bad = next((k for k, d in described if d[0] == "value" and not _picklable(d[1])), None)
+        raise ValueError(f"tensor_dict[{bad!r}]: a value that is not a tensor travels pickled, and this one cannot "
+                         f"be ({type(exc).__name__}: {exc})") from exc
+
+
+def _picklable(value) -> bool:
+    try:
+        pickle.dumps(value)
+        return True
+    except Exception:
+        return False
+
+
+def _layout(shapes_dtypes) -> Tuple[List[int], int]:
+    """The byte offset of each tensor in its device's buffer, and the buffer's size."""
+    offsets, end = [], 0
+    for shape, dtype in shapes_dtypes:
+        offsets.append(-(-end // _ALIGN) * _ALIGN)
+        end = offsets[-1] + torch.Size(shape).numel() * dtype.itemsize
+    return offsets, end
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -234,6 +288,98 @@ class Communicator:
         _library.op("broadcast")(buf, src, coll.group_name(self.group), self._impl("broadcast", buf, src))
         return x.copy_(buf)
 
+    def broadcast_tensor_dict(self, tensor_dict: Optional[dict] = None, src: int = 0) -> dict:
+        """Rank ``src``'s ``tensor_dict`` on every rank, as vLLM's ``broadcast_tensor_dict`` gives it:
+        a serving engine's driver handing its workers the batch's inputs.
+
+        On ``src``, ``tensor_dict`` maps keys to tensors (on the CPU or the communicator's device)
+        and to other values (pickled: ints, lists, dataclasses); it is returned as it is. The other
+        ranks pass nothing (what they pass is not read) and get a new dict of the same keys, in the
+        same order: the other values unpickled, and each tensor of the same dtype, shape and
+        device type (the communicator's device for a GPU one), contiguous, a view of one buffer
+        per device type. What moves: a header and the pickled description from ``src``, then one
+        broadcast per device type for all the tensors' bytes. A ``tensor_dict`` ``src`` cannot
+        send is its ``ValueError`` there and a ``RuntimeError`` carrying it on every other rank,
+        before any tensor moves. Not inside a CUDA graph capture (the receivers read the
+        description on the host).
+        """
+        self._rank("src", src)
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("Communicator.broadcast_tensor_dict: not capturable in a CUDA graph (the receivers "
+                               "read what is sent on the host); broadcast outside the captured region")
+        self._agree("broadcast_tensor_dict", self.device, lambda: None, lambda _: f"src {src}")
+        me = self.rank_in_group == src
+        if self.world_size == 1:
+            _pack(tensor_dict, self.device)  # the checks alone
+            return tensor_dict
+        host = parallel_state.host_group(self.group)
+        route = (host, torch.device("cpu")) if host is not None else (self.group, self.device)
+        if me:
+            try:
+                description, tensors = _pack(tensor_dict, self.device)
+                header = (0, description)
+            except ValueError as exc:
+                header = (1, str(exc).encode())
+            self._send_bytes(header, src, *route)
+            if header[0]:
+                raise ValueError(header[1].decode())
+        else:
+            status, payload = self._receive_bytes(src, *route)
+            if status:
+                raise RuntimeError(f"Communicator.broadcast_tensor_dict: rank {src}, the source, could not send its "
+                                   f"tensor_dict, so nothing moved ({payload.decode(errors='replace')})")
+            described = pickle.loads(payload)
+            tensors = {}
+            for key, (kind, *rest) in described:
+                if kind == "tensor":
+                    tensors.setdefault(rest[2], []).append((rest[1], rest[0]))  # (shape, dtype) by device type
+        out = {} if not me else tensor_dict
+        received: Dict[str, List[torch.Tensor]] = {}
+        for device_type in sorted(tensors):
+            received[device_type] = self._broadcast_tensors(tensors[device_type], me, device_type, src, host)
+        if me:
+            return out
+        arrived = {device_type: iter(ts) for device_type, ts in received.items()}
+        for key, (kind, *rest) in described:
+            out[key] = next(arrived[rest[2]]) if kind == "tensor" else rest[0]
+        return out
+
+    def _send_bytes(self, header: Tuple[int, bytes], src: int, group, device: torch.device) -> None:
+        status, payload = header
+        coll.broadcast(torch.tensor([status, len(payload)], dtype=torch.int64, device=device), src, group).wait()
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+        coll.broadcast(data.to(device), src, group).wait()
+
+    def _receive_bytes(self, src: int, group, device: torch.device) -> Tuple[int, bytes]:
+        status, size = coll.broadcast(torch.empty(2, dtype=torch.int64, device=device), src, group).wait().tolist()
+        payload = coll.broadcast(torch.empty(size, dtype=torch.uint8, device=device), src, group).wait()
+        return status, payload.cpu().numpy().tobytes()
+
+    def _broadcast_tensors(self, tensors, me: bool, device_type: str, src: int, host) -> List[torch.Tensor]:
+        """All of one device type's tensors in one broadcast of their bytes: sent from ``src``
+        (``tensors`` its tensors), received elsewhere (``tensors`` their (shape, dtype))."""
+        shapes_dtypes = [(t.shape, t.dtype) for t in tensors] if me else tensors
+        offsets, size = _layout(shapes_dtypes)
+        on_host = device_type == "cpu" and host is not None
+        group, device = (host, torch.device("cpu")) if on_host else (self.group, self.device)
+        alone = me and len(tensors) == 1 and tensors[0].is_contiguous() and tensors[0].device == device
+        if alone:  # sent as it is, no copy
+            buffer = tensors[0].detach().reshape(-1).view(torch.uint8)
+        else:
+            buffer = torch.empty(size, dtype=torch.uint8, device=device)
+        if me and not alone:
+            for t, offset in zip(tensors, offsets):
+                n = t.numel() * t.element_size()
+                if n:
+                    buffer[offset : offset + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        coll.broadcast(buffer, src, group).wait()
+        if me:
+            return list(tensors)
+        if device_type == "cpu" and buffer.device.type != "cpu":
+            buffer = buffer.cpu()
+        return [buffer[offset : offset + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
+                for (shape, dtype), offset in zip(shapes_dtypes, offsets)]
+
     def send(self, x: torch.Tensor, dst: int) -> None:
         """Send ``x`` to rank ``dst``, which calls :meth:`recv` with its shape and dtype. Bounded
         by the timeout; with fingerprints on, agreed with ``dst`` alone (two ranks take part)."""
@@ -343,3 +489,14 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
 def tensor_model_parallel_gather(x: torch.Tensor, dst: int = 0, dim: int = -1) -> Optional[torch.Tensor]:
     """:meth:`Communicator.gather` over the tensor-parallel group (None off ``dst``)."""
     return tensor_parallel_communicator().gather(x, dst, dim)
+
+
+def tensor_model_parallel_reduce_scatter(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """:meth:`Communicator.reduce_scatter` over the tensor-parallel group, along the last dim by
+    default, as vLLM's is."""
+    return tensor_parallel_communicator().reduce_scatter(x, dim)
+
+
+def broadcast_tensor_dict(tensor_dict: Optional[dict] = None, src: int = 0) -> dict:
+    """:meth:`Communicator.broadcast_tensor_dict` over the tensor-parallel group."""
+    return tensor_parallel_communicator().broadcast_tensor_dict(tensor_dict, src)
