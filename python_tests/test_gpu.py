@@ -865,6 +865,10 @@ def test_entropy_argmax_topk_with_several_nccl_ranks(shared_gpu_world, dtype):
         shared_gpu_world.run(check, dtype, "padded", device="cuda")
 
 
+def test_layers_under_autocast_with_several_nccl_ranks(shared_gpu_world):
+    shared_gpu_world.run(test_layers.check_autocast, "cuda")
+
+
 def test_random_streams_on_the_gpu_with_several_nccl_ranks(shared_gpu_world):
     """A fork swaps the CUDA generator: each rank's stream on the GPU is its seed's, the default
     stream the same on every rank."""

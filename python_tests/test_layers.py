@@ -129,6 +129,51 @@ def test_layer_matches_dense(world, kind, dtype, backend):
     world.run(check_layer_grid, kind, dtype, backend)
 
 
+def check_autocast(device="cpu"):
+    """Mixed precision: float32 parameters under ``torch.autocast`` to bfloat16. Each layer computes
+    as ``F.linear`` does under autocast: a bfloat16 output within the tolerance rule of the float64
+    result of the bfloat16 operands, float32 gradients of its float32 parameters, and the input
+    gradient in the input's dtype."""
+    r, p = rank_world()
+    low = torch.bfloat16
+    torch.manual_seed(0)
+    dense = nn.Linear(13 * p, 17 * p).to(device)
+    x = torch.randn(5, 7, 13 * p, device=device)
+    dy = torch.randn(5, 7, 17 * p, device=device).to(low)
+
+    def dense_run(d):  # the operands autocast hands F.linear, in d (float64: the reference)
+        xx = x.to(low).to(d).requires_grad_()
+        w, b = (t.detach().to(low).to(d).requires_grad_() for t in (dense.weight, dense.bias))
+        y = F.linear(xx, w, b)
+        y.backward(dy.to(d))
+        return {"y": y.detach(), "dx": xx.grad, "dw": w.grad, "db": b.grad}
+
+    ref, plain = dense_run(torch.float64), dense_run(low)
+    column = tp_kernels.ColumnParallelLinear.from_linear(dense)
+    row = tp_kernels.RowParallelLinear.from_linear(dense, input_is_parallel=True)
+    for name, layer, x_of, y_of, w_dim, reduced in [("column", column, lambda t: t, lambda t: block(t, -1, r, p), 0, 1),
+                                                    ("row", row, lambda t: block(t, -1, r, p), lambda t: t, 1, p)]:
+        xin = x_of(x).clone().requires_grad_()
+        with torch.autocast(torch.device(device).type, dtype=low):
+            y = layer(xin)
+        assert y.dtype == low, f"{name}: output {y.dtype}"
+        y.backward(y_of(dy))
+        grads = {"dx": xin.grad, "dw": layer.weight.grad, "db": layer.bias.grad}
+        assert all(g.dtype == torch.float32 for g in grads.values()), {k: g.dtype for k, g in grads.items()}
+        # each a bfloat16 gradient cast to float32, exactly: compared as the bfloat16 it was
+        grads = {k: g.to(low) for k, g in grads.items()}
+        assert_close(f"{name} y", y, y_of(ref["y"]), y_of(plain["y"]), terms=reduced)
+        assert_close(f"{name} dx", grads["dx"], x_of(ref["dx"]), x_of(plain["dx"]), terms=p // reduced)
+        assert_close(f"{name} dw", grads["dw"], block(ref["dw"], w_dim, r, p), block(plain["dw"], w_dim, r, p))
+        db_of = (lambda t: block(t, 0, r, p)) if name == "column" else (lambda t: t)
+        assert_close(f"{name} db", grads["db"], db_of(ref["db"]), db_of(plain["db"]))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_layers_under_autocast(world):
+    world.run(check_autocast)
+
+
 def check_chunks(kind):
     for c in range(1, 6):
         if kind == "column":
