@@ -42,6 +42,9 @@ from .dispatch import resolve, select_backend
 from .schedule import resolve_num_chunks
 from .settings import BACKEND_NAMES
 
+#: a reshape that autograd does not track as a view (aten's, with which torch.matmul ends)
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+
 __all__ = [
     "BACKEND_NAMES",
     "all_gather_matmul",
@@ -96,7 +99,12 @@ def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int]
         # (differentiable to any order; to torch.compile, an aten node it may fuse)
         return F.linear(x, weight, bias)
     out = _library.op(op)(x2d, weight, bias, coll.group_name(group), impl)
-    return out if x2d is x else out.reshape(*_out_lead(op, x.shape, p), weight.shape[0])
+    if x2d is x:
+        return out
+    shape = (*_out_lead(op, x.shape, p), weight.shape[0])
+    # not a view of the 2-D result, which is ours alone (FSDP2 warns of a module whose output is a
+    # view, as a language model's head's is)
+    return _UNSAFE_VIEW(out, shape) if out.is_contiguous() else out.reshape(shape)
 
 
 def _public(op: str, x, weight, bias, group, backend, num_chunks) -> torch.Tensor:
