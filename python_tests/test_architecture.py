@@ -26,7 +26,8 @@ PACKAGE = pathlib.Path(tp_kernels.__file__).parent
 #: The layers, bottom up (docs/architecture.md draws them); a module name ending in ".*" stands for
 #: every module of that package.
 LAYERS = [
-    ("settings, groups and tables", ["settings", "parallel_state", "_op_table", "_checks", "schedule"]),
+    ("settings, groups and tables", ["settings", "parallel_state", "_op_table", "_checks", "schedule",
+                                     "_data_parallel"]),
     ("collectives", ["_collectives", "_agreement", "_timing"]),
     ("extension loader", ["_extension"]),
     ("backends", ["backends", "backends.*"]),

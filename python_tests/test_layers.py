@@ -474,3 +474,22 @@ def check_compiled_replicated_heads():
 
 def test_compiled_replicated_heads(world2):
     world2.run(check_compiled_replicated_heads, deadline_s=600)
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 4])
+def test_own_pieces_of_rows_are_the_rows_of_the_own_pieces(shards):
+    """A norm counts a replicated output's block once (``own_pieces``); of a block FSDP2 splits
+    into ``shards`` runs of rows, the pieces each run counts are, together, those of the block."""
+    from types import SimpleNamespace
+
+    from tp_kernels.layers import own_pieces
+
+    for r in range(4):  # [q, k, v] of 8, 2, 2 rows on 4 ranks: k and v replicated over pairs of ranks
+        layer = SimpleNamespace(tp_size=4, tp_rank=r, split_parts=(8, 2, 2), split_blocks=(4, 2, 2))
+        block_ = torch.arange(4 * 3, dtype=torch.float64).view(4, 3) + 100 * r
+        whole = torch.cat(own_pieces(block_, 0, layer))
+        assert whole.shape[0] == (4 if r % 2 == 0 else 2)  # the first rank of a pair counts k and v
+        runs = block_.chunk(shards)
+        starts = [sum(run.shape[0] for run in runs[:i]) for i in range(len(runs))]
+        joined = [piece for run, start in zip(runs, starts) for piece in own_pieces(run, 0, layer, start=start)]
+        assert torch.equal(torch.cat(joined), whole)

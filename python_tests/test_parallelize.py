@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -769,6 +770,83 @@ def check_data_parallel_over_tensor_parallel():
 
 def test_data_parallel_over_tensor_parallel(world4):
     world4.run(check_data_parallel_over_tensor_parallel)
+
+
+def check_fully_sharded_data_parallel_over_tensor_parallel(sequence_parallel, mesh_kind):
+    """Tensor parallelism 2 x FSDP2 over the 2 data-parallel ranks (``fully_shard``; or HSDP,
+    replicated over them) on 4 ranks: each data-parallel rank takes half the batch, and two SGD
+    steps with momentum, each clipped by clip_grad_norm_ (the dense model's total norm), give the dense model's
+    weights on the whole batch in float64; full_state_dict is the dense state dict, which a model
+    sharded alike loads with load_full_state_dict; the sharded state dicts say they do not take
+    such a model, nor parallelize a model sharded first; and FSDP2 finds no view returned by the
+    model (its head is a column layer)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    tp_kernels.initialize_model_parallel(2)
+    try:
+        dp = tp_kernels.get_data_parallel_rank()
+        # (meshes named anew each time: torch caches meshes by value, and would hand back one of an
+        # earlier test's, whose groups destroy_model_parallel destroyed)
+        tag = tp_kernels.get_data_parallel_group().group_name
+        if mesh_kind == "hsdp":  # the Megatron layout's groups: TP [0, 1] [2, 3], DP [0, 2] [1, 3]
+            names = (f"replicate{tag}", f"shard{tag}", f"tp{tag}")
+            mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=names)[names[:2]]
+        else:
+            mesh = DeviceMesh.from_group(tp_kernels.get_data_parallel_group(), "cpu", mesh_dim_names=(f"dp{tag}",))
+
+        def sharded(seed):
+            torch.manual_seed(seed)
+            model = tp_kernels.parallelize(LanguageModel(8, 6, 2, 8).double(), LM_PLAN,
+                                           sequence_parallel=sequence_parallel)
+            fully_shard(model.block, mesh=mesh)
+            return fully_shard(model, mesh=mesh)
+
+        torch.manual_seed(0)
+        dense = LanguageModel(8, 6, 2, 8).double()
+        par = sharded(5)
+        tp_kernels.load_full_state_dict(par, dense.state_dict())
+        # (SGD, not Adam: the key bias's gradient is zero, softmax ignoring it, and Adam would scale its
+        # rounding noise by lr / eps)
+        opts = [torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9) for model in (dense, par)]
+        norms = [q for name, q in par.named_parameters() if "norm" in name]
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            ids, tokens = torch.randint(0, 8, (4, 6), generator=g), torch.randint(0, 8, (4, 6), generator=g)
+            F.cross_entropy(dense(ids).reshape(-1, 8), tokens.reshape(-1)).backward()
+            mine = slice(3 * dp, 3 * dp + 3)  # this data-parallel rank's half of the batch (dim 1)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                logits = par(ids[:, mine])
+            assert not [w for w in caught if "view" in str(w.message)], [str(w.message) for w in caught]
+            tp_kernels.vocab_parallel_cross_entropy(logits, tokens[:, mine]).mean().backward()  # FSDP2 averages
+            if sequence_parallel:
+                tp_kernels.allreduce_sequence_parallel_grads(norms)
+            want = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.5)
+            got = tp_kernels.clip_grad_norm_(par, 0.5)
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        state, want = tp_kernels.full_state_dict(par), dense.state_dict()
+        assert list(state) == list(want)
+        for name, value in want.items():
+            torch.testing.assert_close(state[name], value, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
+        again = sharded(7)
+        tp_kernels.load_full_state_dict(again, state)
+        assert all(torch.equal(a, b) for a, b in zip(tp_kernels.full_state_dict(again).values(), state.values()))
+        with pytest.raises(ValueError, match="FSDP2 shards its parameters further"):
+            tp_kernels.sharded_state_dict(again)
+        late = fully_shard(LanguageModel(8, 6, 2, 8).double(), mesh=mesh)  # sharded before it is parallelized
+        with pytest.raises(ValueError, match="are DTensors .* parallelize the dense model first"):
+            tp_kernels.parallelize(late, LM_PLAN)
+    finally:
+        tp_kernels.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("sequence_parallel,mesh_kind", [(False, "fsdp"), (True, "fsdp"), (False, "hsdp")])
+def test_fully_sharded_data_parallel_over_tensor_parallel(world4, sequence_parallel, mesh_kind):
+    world4.run(check_fully_sharded_data_parallel_over_tensor_parallel, sequence_parallel, mesh_kind)
 
 
 def check_distributed_checkpoint_with_optimizer(path, device="cpu"):

@@ -11,6 +11,8 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from ._data_parallel import is_sharded
+
 
 def check_int(name: str, value, minimum: int = 1) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
@@ -48,6 +50,11 @@ def check_replaceable(name: str, module, base: type) -> None:
     if not isinstance(module, base):
         raise ValueError(f"{name}: expected an nn.{base.__name__}, got {type(module).__name__}")
     kind = type(module).__name__
+    distributed = [n for n, q in module.named_parameters(recurse=False) if is_sharded(q)]
+    if distributed:
+        raise ValueError(f"{name}: this {kind}'s {', '.join(map(repr, distributed))} are DTensors (sharded by FSDP2's "
+                         "fully_shard, or by torch's tensor parallelism), which a parallel layer cannot take: "
+                         "parallelize the dense model first, then shard it with fully_shard")
     hooks = [h for h in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
              if getattr(module, h, None)]
     if hooks:

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from . import _collectives as coll
+from . import _data_parallel as dp
 from ._agreement import agree
 from .layers import block_index, block_of, full_of, local_sizes, sharded_blocks, with_padding
 
@@ -35,6 +36,11 @@ def full_state_dict(module: nn.Module, *, cpu_offload: bool = False,
             all-gather), which returns the whole dict; the other ranks return ``{}``. Else every
             rank returns it, and holds the whole model once more while it lives.
     Both options must be the same on every rank (agreed, with the rest of the call).
+
+    A model that FSDP2 shards further over the data-parallel ranks (``fully_shard``) gives the same
+    dict: each of its tensors first gathered over the data-parallel mesh (one more collective per
+    tensor, on every rank of the mesh), then joined over the group; ``rank0_only`` keeps it on the
+    group's rank 0 of every data-parallel replica.
     """
     blocks, group, groups_error = sharded_blocks(module)
     state = module.state_dict()
@@ -45,15 +51,17 @@ def full_state_dict(module: nn.Module, *, cpu_offload: bool = False,
         for name, flag in (("cpu_offload", cpu_offload), ("rank0_only", rank0_only)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name}: expected a bool, got {flag!r}")
-        return state
+        return dp.data_parallel_mesh(module)
 
-    agree("full_state_dict", group, check,
-          lambda state: f"{len(state)} entries, {len(blocks)} sharded, cpu_offload {cpu_offload}, "
-                        f"rank0_only {rank0_only}",
-          hint=next(iter(state.values()), None))
+    mesh = agree("full_state_dict", group, check,
+                 lambda mesh: f"{len(state)} entries, {len(blocks)} sharded, cpu_offload {cpu_offload}, "
+                              f"rank0_only {rank0_only}, data-parallel mesh {None if mesh is None else tuple(mesh.shape)}",
+                 hint=next(iter(state.values()), None))
     keep = not rank0_only or coll.group_rank(group) == 0
     full = {}
     for key, value in state.items():
+        if mesh is not None:
+            value = dp.full(value)  # (FSDP2: the tensor as the rank would hold it without data parallelism)
         if key in blocks:
             _, dim, layer = blocks[key]
             block = value.movedim(dim, 0).contiguous()  # the rank's block along dim, as dim 0
@@ -157,6 +165,10 @@ def _entries(module: nn.Module):
     blocks, group, groups_error = sharded_blocks(module)
     if groups_error:
         raise ValueError(groups_error)
+    if dp.data_parallel_mesh(module) is not None:
+        raise ValueError("module: FSDP2 shards its parameters further over the data-parallel ranks, and the "
+                         "sharded state dicts do not take such a model yet: checkpoint it with full_state_dict "
+                         "and load_full_state_dict")
     sharded = _as_dtensor(group) if coll.group_size(group) > 1 else lambda tensor, dim, full: tensor
 
     def pieces(key: str, tensor: torch.Tensor, dim: int, layer) -> Dict[str, torch.Tensor]:
@@ -291,7 +303,9 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
     of its ``sharded_parameters`` (checked against the full shape first), everything else is
     loaded as it is, by ``module.load_state_dict(..., strict=strict)``, whose result it returns.
     No communication: every rank reads the same full state dict (``torch.load`` of one file, or
-    :func:`full_state_dict` of a model of another tensor-parallel size)."""
+    :func:`full_state_dict` of a model of another tensor-parallel size). A model that FSDP2 shards
+    further over the data-parallel ranks takes its rows of each such block, as its parameters hold
+    them."""
     blocks, _, groups_error = sharded_blocks(module)
     if groups_error:
         raise ValueError(groups_error)
@@ -309,4 +323,9 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
                              f"{list(param.shape)} of it, split along dim {dim}), got "
                              f"{list(full.shape) if isinstance(full, torch.Tensor) else type(full).__name__}")
         local[key] = block_of(full, dim, layer)
+    if dp.data_parallel_mesh(module) is not None:  # (FSDP2: this rank's rows of each)
+        for key, target in module.state_dict(keep_vars=True).items():
+            value = local.get(key)
+            if dp.is_sharded(target) and isinstance(value, torch.Tensor) and value.shape == target.shape:
+                local[key] = dp.distribute_like(target, value.to(target.device), f"state_dict[{key!r}]")
     return module.load_state_dict(local, strict=strict)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _collectives as coll
+from . import _data_parallel as dp
 from ._agreement import agree, describe
 from .layers import own_pieces, sharded_blocks
 
@@ -33,7 +34,7 @@ def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], group=None
         for i, param in enumerate(params):
             if not isinstance(param, torch.Tensor):
                 raise ValueError(f"params[{i}]: expected a tensor, got {type(param).__name__}")
-        grads = [param.grad for param in params if param.grad is not None]
+        grads = [dp.local(param.grad) for param in params if param.grad is not None]  # (FSDP2: this rank's rows)
         for grad in grads[1:]:
             if grad.dtype != grads[0].dtype or grad.device != grads[0].device:
                 raise ValueError("params: every gradient must share one dtype and device")
@@ -82,10 +83,12 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
     """
     blocks, group, groups_error = sharded_blocks(module)
     sharded = {id(param): (dim, layer) for param, dim, layer in blocks.values()}
+    names = {id(q): name for name, q in module.named_parameters()} if isinstance(module, nn.Module) else {}
 
     def check():
         if groups_error:
             raise ValueError(groups_error)
+        mesh = dp.data_parallel_mesh(module)
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
             raise ValueError(f"max_norm: expected a number >= 0, got {max_norm!r}")
         if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
@@ -95,24 +98,29 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
             if q.grad.device != params[0].grad.device:
                 raise ValueError(f"module: its gradients are on several devices ({params[0].grad.device}, "
                                  f"{q.grad.device})")
-        return params
+        # (FSDP2: each gradient this rank's rows of the parameter's, as the parameter is placed)
+        parts = [dp.rows(q.grad, f"module: the gradient of {names[id(q)]!r}") if dp.is_sharded(q.grad) else
+                 dp.Rows(q.grad, 0, mesh is None or dp.first_copy(mesh)) for q in params]
+        return params, parts, mesh
 
     # (a rank may hold no gradient: it still takes part in the all-reduce, and scales nothing)
-    params = agree("clip_grad_norm_", group, check,
-                   lambda params: f"max_norm {max_norm}, norm_type {norm_type}, "
-                                  f"error_if_nonfinite {error_if_nonfinite}",
-                   hint=next((q.grad for q in module.parameters() if q.grad is not None), None))
+    params, parts, mesh = agree(
+        "clip_grad_norm_", group, check,
+        lambda checked: f"max_norm {max_norm}, norm_type {norm_type}, error_if_nonfinite {error_if_nonfinite}, "
+                        f"data-parallel mesh {None if checked[2] is None else tuple(checked[2].shape)}",
+        hint=next((q.grad for q in module.parameters() if q.grad is not None), None))
     if params:
-        device = params[0].grad.device
+        device = parts[0].local.device
     else:  # nothing to clip here, but the group's all-reduce still needs this rank
         cuda = torch.cuda.is_available()
         device = coll.exchange_device(group, torch.device("cuda", torch.cuda.current_device()) if cuda else
                                       torch.device("cpu"))
     rank0 = coll.group_rank(group) == 0
     # what this rank adds to the total: its shards (of a replicated output's block, the first rank
-    # holding it), and (rank 0) what every rank holds whole
-    counted = [piece for q in params for piece in (own_pieces(q.grad, *sharded[id(q)]) if id(q) in sharded else
-                                                   [q.grad] if rank0 else [])]
+    # holding it), and (rank 0) what every rank holds whole; of each, with FSDP2, its rows, once
+    counted = [piece for q, part in zip(params, parts) if part.counted
+               for piece in (own_pieces(part.local, *sharded[id(q)], start=part.start) if id(q) in sharded else
+                             [part.local] if rank0 else [])]
     norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.promote_types(g.dtype, torch.float32)).double()
              for g in counted]
     inf = math.isinf(norm_type)
@@ -124,7 +132,10 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
         part = torch.stack(norms).pow(norm_type).sum()
     part = part.reshape(1)  # the float64 number every rank adds (or, for inf, maxes) over the group
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-    total = coll.all_reduce(part, group, op=op, inplace=True).wait()[0]
+    total = coll.all_reduce(part, group, op=op, inplace=True).wait()
+    for data_parallel in dp.mesh_groups(mesh) if mesh is not None else ():  # then over the data-parallel ranks
+        total = coll.all_reduce(total, data_parallel, op=op, inplace=True).wait()
+    total = total[0]
     if not inf:
         total = total.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
@@ -138,10 +149,11 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
 def _scale_grads(params, max_norm: float, total: torch.Tensor) -> None:
     """Scale the gradients of ``params`` by ``min(1, max_norm / (total + 1e-6))``: torch's own
     ``clip_grads_with_norm_`` where it has one (torch >= 2.6), else the same product per gradient."""
+    plain = [q for q in params if not dp.is_sharded(q.grad)]
     clip = getattr(torch.nn.utils, "clip_grads_with_norm_", None)
-    if clip is not None:
+    if clip is not None and len(plain) == len(params):
         clip(params, max_norm, total)
         return
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for q in params:
-        q.grad.mul_(scale.to(q.grad.dtype))
+    for q in params:  # (an FSDP2 gradient: its local rows, in place)
+        dp.local(q.grad).mul_(scale.to(q.grad.dtype))

@@ -482,15 +482,24 @@ def block_index(layer: nn.Module, j: int, rank: Optional[int] = None) -> int:
     return rank * layer.split_blocks[j] // layer.tp_size
 
 
-def own_pieces(t: torch.Tensor, dim: int, layer: nn.Module) -> List[torch.Tensor]:
+def own_pieces(t: torch.Tensor, dim: int, layer: nn.Module, start: int = 0) -> List[torch.Tensor]:
     """The pieces of ``t`` (a block as ``layer`` holds it along ``dim``, or its gradient) that no
     other rank holds too: all of it, but a replicated part only on the first rank holding its
-    block. What a sum over the group (a norm) counts once."""
+    block. What a sum over the group (a norm) counts once. ``t`` may be rows ``[start, start +
+    len(t))`` of the block along dim 0 only (FSDP2's shard of it)."""
     p, r = layer.tp_size, layer.tp_rank
     if min(layer.split_blocks) == p:
         return [t]
-    return [piece for piece, b in zip(t.split(local_sizes(layer), dim), layer.split_blocks)
-            if b == p or r % (p // b) == 0]
+    own = [b == p or r % (p // b) == 0 for b in layer.split_blocks]
+    if dim != 0:  # (rows of the block hold a piece of every part)
+        return [piece for piece, mine in zip(t.split(local_sizes(layer), dim), own) if mine]
+    pieces, offset = [], 0
+    for size, mine in zip(local_sizes(layer), own):
+        lo, hi = max(offset, start), min(offset + size, start + t.shape[0])
+        if mine and hi > lo:
+            pieces.append(t.narrow(0, lo - start, hi - lo))
+        offset += size
+    return pieces
 
 
 def split_block(size: int, p: int, r: int) -> Tuple[int, int]:
