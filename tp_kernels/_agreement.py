@@ -36,7 +36,7 @@ from typing import Callable, List, Optional, TypeVar
 import torch
 
 from . import _collectives as coll
-from . import parallel_state, settings
+from . import settings
 
 __all__ = ["DIGEST_BYTES", "PAYLOAD_BYTES", "agree", "agree_pair", "describe", "exchange_views"]
 
@@ -59,20 +59,6 @@ def describe(t) -> str:
         return type(t).__name__
     grad = " grad" if t.requires_grad and torch.is_grad_enabled() else ""
     return f"{list(t.shape)} {str(t.dtype).rpartition('.')[2]} {t.device.type}{grad}"
-
-
-def _exchange_route(group, hint):
-    """Over which group and on which device the fingerprints travel: the host, over the group or
-    its host twin (:func:`tp_kernels.parallel_state.host_group`), so the exchange never waits for
-    the GPU; for another NCCL group, this rank's GPU (the tensor read back waits for its stream):
-    ``hint``'s (a tensor of the call, or a device), else the current one."""
-    host = parallel_state.host_group(group)
-    if host is not None:
-        return host, torch.device("cpu")
-    device = hint.device if isinstance(hint, torch.Tensor) else hint
-    if isinstance(device, torch.device) and device.type == "cuda":
-        return group, device
-    return group, torch.device("cuda", torch.cuda.current_device())
 
 
 def _payload(view: str, size: int = PAYLOAD_BYTES) -> bytes:
@@ -127,7 +113,7 @@ def agree(call: str, group, check: Callable[[], T], fingerprint: Callable[[T], s
         error = exc
     if p > 1 and (always or settings.fingerprints_enabled()) and not _recording():
         mine = f"{_ERROR}|{error}" if error is not None else f"{_OK}|{call}: {fingerprint(result)}"
-        views = _views_if_they_differ(mine, *_exchange_route(group, hint)) or [mine]  # [mine]: all alike
+        views = _views_if_they_differ(mine, *coll.host_route(group, hint)) or [mine]  # [mine]: all alike
         failed = [(q, v.partition("|")[2]) for q, v in enumerate(views) if v.partition("|")[0] != _OK]
         if error is None and failed:
             listing = "; ".join(f"rank {q}: {message}" for q, message in failed)
@@ -165,7 +151,7 @@ def agree_pair(call: str, group, peer: int, role: str, check: Callable[[], T], m
     if settings.fingerprints_enabled() and not _recording():
         me = coll.group_rank(group)
         mine = f"{_ERROR}|{error}" if error is not None else f"{_OK}|{role} {message(result)}"
-        host, device = _exchange_route(group, hint)
+        host, device = coll.host_route(group, hint)
         theirs = _view(coll.swap_bytes(_payload(mine), peer, host, device))
         status, _, view = theirs.partition("|")
         if error is None and status != _OK:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import datetime
 import functools
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -305,6 +305,21 @@ def exchange_device(group, device: torch.device) -> torch.device:
     tensors (:func:`tp_kernels.parallel_state.carries_host_tensors`: gloo, or
     ``cpu:gloo,cuda:nccl``), else ``device`` (an NCCL group)."""
     return torch.device("cpu") if parallel_state.carries_host_tensors(group) else device
+
+
+def host_route(group, hint=None) -> Tuple[object, torch.device]:
+    """Over which group and on which device a small exchange of ``group``'s ranks (a fingerprint, a
+    description) travels: the host, over the group or its host twin
+    (:func:`tp_kernels.parallel_state.host_group`), so it never waits for the GPU; for another
+    NCCL group, this rank's GPU (the tensor read back waits for its stream): ``hint``'s (a tensor of
+    the call, or a device), else the current one."""
+    host = parallel_state.host_group(group)
+    if host is not None:
+        return host, torch.device("cpu")
+    device = hint.device if isinstance(hint, torch.Tensor) else hint
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return group, device
+    return group, torch.device("cuda", torch.cuda.current_device())
 
 
 def barrier(group, device: torch.device) -> None:

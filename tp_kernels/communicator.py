@@ -312,8 +312,8 @@ class Communicator:
         if self.world_size == 1:
             _pack(tensor_dict, self.device)  # the checks alone
             return tensor_dict
-        host = parallel_state.host_group(self.group)
-        route = (host, torch.device("cpu")) if host is not None else (self.group, self.device)
+        route = coll.host_route(self.group, self.device)
+        host = route[0] if route[1].type == "cpu" else None  # the group that carries host tensors, if any
         if me:
             try:
                 description, tensors = _pack(tensor_dict, self.device)
