@@ -772,17 +772,25 @@ def test_data_parallel_over_tensor_parallel(world4):
     world4.run(check_data_parallel_over_tensor_parallel)
 
 
-def check_fully_sharded_data_parallel_over_tensor_parallel(sequence_parallel, mesh_kind):
+def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parallel, mesh_kind):
     """Tensor parallelism 2 x FSDP2 over the 2 data-parallel ranks (``fully_shard``; or HSDP,
     replicated over them) on 4 ranks: each data-parallel rank takes half the batch, and two SGD
-    steps with momentum, each clipped by clip_grad_norm_ (the dense model's total norm), give the dense model's
-    weights on the whole batch in float64; full_state_dict is the dense state dict, which a model
-    sharded alike loads with load_full_state_dict; the sharded state dicts say they do not take
-    such a model, nor parallelize a model sharded first; and FSDP2 finds no view returned by the
-    model (its head is a column layer)."""
+    steps with momentum, each clipped by clip_grad_norm_ (the dense model's total norm), give the
+    dense model's weights on the whole batch in float64; full_state_dict is the dense state dict,
+    which a model sharded alike loads with load_full_state_dict. Saved with dcp (the sharded state
+    dicts, the optimizer's too), the checkpoint is the dense model's and momenta offline; a model
+    sharded alike resumes from it, its next step the original's; and the model parallelized over
+    all 4 ranks without FSDP2 loads it. A padded layer's checkpoint, and parallelizing a model
+    already sharded, are clear errors; FSDP2 finds no view returned by the model (its head is a
+    column layer)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    r, _ = rank_world()
+    vocab, hidden, heads, ffn = 8, 6, 4, 8
     tp_kernels.initialize_model_parallel(2)
     try:
         dp = tp_kernels.get_data_parallel_rank()
@@ -795,39 +803,46 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(sequence_parallel, me
         else:
             mesh = DeviceMesh.from_group(tp_kernels.get_data_parallel_group(), "cpu", mesh_dim_names=(f"dp{tag}",))
 
-        def sharded(seed):
+        def sharded(seed, vocab=vocab):
             torch.manual_seed(seed)
-            model = tp_kernels.parallelize(LanguageModel(8, 6, 2, 8).double(), LM_PLAN,
+            model = tp_kernels.parallelize(LanguageModel(vocab, hidden, heads, ffn).double(), LM_PLAN,
                                            sequence_parallel=sequence_parallel)
             fully_shard(model.block, mesh=mesh)
             return fully_shard(model, mesh=mesh)
 
-        torch.manual_seed(0)
-        dense = LanguageModel(8, 6, 2, 8).double()
-        par = sharded(5)
-        tp_kernels.load_full_state_dict(par, dense.state_dict())
-        # (SGD, not Adam: the key bias's gradient is zero, softmax ignoring it, and Adam would scale its
-        # rounding noise by lr / eps)
-        opts = [torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9) for model in (dense, par)]
-        norms = [q for name, q in par.named_parameters() if "norm" in name]
+        def sgd(model):  # (not Adam: the key bias's gradient is zero, softmax ignoring it, and Adam
+            return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)  # would scale its rounding noise)
+
         g = torch.Generator().manual_seed(1)
-        for _ in range(2):
-            ids, tokens = torch.randint(0, 8, (4, 6), generator=g), torch.randint(0, 8, (4, 6), generator=g)
-            F.cross_entropy(dense(ids).reshape(-1, 8), tokens.reshape(-1)).backward()
+        batches = [(torch.randint(0, vocab, (4, 6), generator=g), torch.randint(0, vocab, (4, 6), generator=g))
+                   for _ in range(3)]
+
+        def step(model, opt, ids, tokens):
             mine = slice(3 * dp, 3 * dp + 3)  # this data-parallel rank's half of the batch (dim 1)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                logits = par(ids[:, mine])
+                logits = model(ids[:, mine])
             assert not [w for w in caught if "view" in str(w.message)], [str(w.message) for w in caught]
             tp_kernels.vocab_parallel_cross_entropy(logits, tokens[:, mine]).mean().backward()  # FSDP2 averages
             if sequence_parallel:
-                tp_kernels.allreduce_sequence_parallel_grads(norms)
+                tp_kernels.allreduce_sequence_parallel_grads([q for n, q in model.named_parameters() if "norm" in n])
+            total = tp_kernels.clip_grad_norm_(model, 0.5)
+            opt.step()
+            opt.zero_grad()
+            return total
+
+        torch.manual_seed(0)
+        dense = LanguageModel(vocab, hidden, heads, ffn).double()
+        dense_opt = sgd(dense)
+        par = sharded(5)
+        tp_kernels.load_full_state_dict(par, dense.state_dict())
+        opt = sgd(par)
+        for ids, tokens in batches[:2]:
+            F.cross_entropy(dense(ids).reshape(-1, vocab), tokens.reshape(-1)).backward()
             want = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.5)
-            got = tp_kernels.clip_grad_norm_(par, 0.5)
-            torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
-            for opt in opts:
-                opt.step()
-                opt.zero_grad()
+            dense_opt.step()
+            dense_opt.zero_grad()
+            torch.testing.assert_close(step(par, opt, ids, tokens), want, rtol=1e-12, atol=0)
         state, want = tp_kernels.full_state_dict(par), dense.state_dict()
         assert list(state) == list(want)
         for name, value in want.items():
@@ -835,18 +850,53 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(sequence_parallel, me
         again = sharded(7)
         tp_kernels.load_full_state_dict(again, state)
         assert all(torch.equal(a, b) for a, b in zip(tp_kernels.full_state_dict(again).values(), state.values()))
-        with pytest.raises(ValueError, match="FSDP2 shards its parameters further"):
-            tp_kernels.sharded_state_dict(again)
-        late = fully_shard(LanguageModel(8, 6, 2, 8).double(), mesh=mesh)  # sharded before it is parallelized
+
+        dcp.save({"model": tp_kernels.sharded_state_dict(par),
+                  "optim": tp_kernels.sharded_optimizer_state_dict(par, opt)}, checkpoint_id=path)
+        dist.barrier()
+        if r == 0:  # offline, whole: the dense model's weights and momenta
+            dcp_to_torch_save(path, f"{path}.pt")
+        dist.barrier()
+        whole = tp_kernels.dense_state_dict(torch.load(f"{path}.pt"))
+        for name, value in want.items():
+            torch.testing.assert_close(whole["model"][name], value, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
+        for name, param in dense.named_parameters():
+            torch.testing.assert_close(whole["optim"]["state"][name]["momentum_buffer"],
+                                       dense_opt.state[param]["momentum_buffer"], rtol=1e-10, atol=1e-12,
+                                       msg=lambda m: f"{name} momentum: {m}")
+        resumed, resumed_opt = sharded(9), None
+        resumed_opt = sgd(resumed)
+        loaded = {"model": tp_kernels.sharded_state_dict(resumed),
+                  "optim": tp_kernels.sharded_optimizer_state_dict(resumed, resumed_opt)}
+        dcp.load(loaded, checkpoint_id=path)
+        tp_kernels.load_sharded_optimizer_state_dict(resumed, resumed_opt, loaded["optim"])
+        for model, model_opt in ((par, opt), (resumed, resumed_opt)):
+            step(model, model_opt, *batches[2])
+        assert all(torch.equal(a, b) for a, b in zip(tp_kernels.full_state_dict(resumed).values(),
+                                                     tp_kernels.full_state_dict(par).values()))
+
+        padded = sharded(3, vocab=7)  # 7 classes on 2 ranks: a padded embedding and head
+        with pytest.raises(ValueError, match="'emb.weight' is of a layer of several outputs or a padded one"):
+            tp_kernels.sharded_state_dict(padded)
+        late = fully_shard(LanguageModel(vocab, hidden, heads, ffn).double(), mesh=mesh)  # sharded, then parallelized
         with pytest.raises(ValueError, match="are DTensors .* parallelize the dense model first"):
             tp_kernels.parallelize(late, LM_PLAN)
+    finally:
+        tp_kernels.destroy_model_parallel()
+    tp_kernels.initialize_model_parallel(4)  # the checkpoint into tensor parallelism alone, over all 4 ranks
+    try:
+        wide = tp_kernels.parallelize(LanguageModel(vocab, hidden, heads, ffn).double(), LM_PLAN)
+        dcp.load({"model": tp_kernels.sharded_state_dict(wide)}, checkpoint_id=path)
+        for name, value in tp_kernels.full_state_dict(wide).items():
+            torch.testing.assert_close(value, want[name], rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
     finally:
         tp_kernels.destroy_model_parallel()
 
 
 @pytest.mark.parametrize("sequence_parallel,mesh_kind", [(False, "fsdp"), (True, "fsdp"), (False, "hsdp")])
-def test_fully_sharded_data_parallel_over_tensor_parallel(world4, sequence_parallel, mesh_kind):
-    world4.run(check_fully_sharded_data_parallel_over_tensor_parallel, sequence_parallel, mesh_kind)
+def test_fully_sharded_data_parallel_over_tensor_parallel(world4, tmp_path, sequence_parallel, mesh_kind):
+    world4.run(check_fully_sharded_data_parallel_over_tensor_parallel, str(tmp_path / "checkpoint"),
+               sequence_parallel, mesh_kind)
 
 
 def check_distributed_checkpoint_with_optimizer(path, device="cpu"):

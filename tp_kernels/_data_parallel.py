@@ -16,8 +16,8 @@ from typing import List
 
 import torch
 
-__all__ = ["Rows", "data_parallel_mesh", "distribute_like", "first_copy", "full", "is_sharded", "local", "mesh_groups",
-           "rows"]
+__all__ = ["Rows", "data_parallel_mesh", "distribute_like", "first_copy", "from_local_like", "full", "is_sharded", "local",
+           "mesh_groups", "rows"]
 
 
 def _dtensor_types():
@@ -112,3 +112,9 @@ def distribute_like(param: torch.Tensor, whole: torch.Tensor, name: str):
     return DTensor.from_local(part.contiguous(), param.device_mesh, param.placements, run_check=False,
                               shape=param.shape, stride=param.stride())
 
+
+def from_local_like(param: torch.Tensor, part: torch.Tensor):
+    """``part`` (this rank's rows, as ``param`` holds its own) as a ``DTensor`` placed as ``param``."""
+    DTensor, _, _ = _dtensor_types()
+    return DTensor.from_local(part, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())

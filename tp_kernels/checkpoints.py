@@ -102,7 +102,12 @@ def sharded_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
     A layer whose split dim p does not divide (a padded vocabulary) saves its rows of the full
     tensor, without its padding (a ``DTensor`` sharded unevenly, as ``torch.chunk`` splits); the
     padding rows of its parameters are set to zero here, so that a model made on the meta device
-    and loaded through this dict holds no uninitialized memory there."""
+    and loaded through this dict holds no uninitialized memory there.
+
+    A model that FSDP2 shards further over the data-parallel ranks (its parameters ``DTensor`` s
+    over the data-parallel mesh) saves each rank's rows of its block as a ``DTensor`` over the group
+    and the mesh, so the checkpoint is the same dense model's; a layer of several outputs or a
+    padded one is then refused (``ValueError``): FSDP2's rows cut across its pieces."""
     state = {key: value.detach() for key, value in module.state_dict(keep_vars=True).items()}
     entries, _, blocks = _entries(module)
     with torch.no_grad():
@@ -143,9 +148,20 @@ def load_sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.
     blocks of the ``DTensor`` s (a layer's outputs' blocks joined again)."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    _, join, _ = _entries(module)
+    _, join, blocks = _entries(module)
+    sharded_further = dp.data_parallel_mesh(module) is not None
+
+    def local_of(name, v):
+        if not hasattr(v, "to_local"):
+            return v
+        if not sharded_further:
+            return v.to_local()
+        # FSDP2: a sharded parameter's state over the group and the mesh back to the mesh's alone, as
+        # the parameter is placed; the others' are the mesh's already
+        return dp.from_local_like(blocks[name][0], v.to_local()) if name in blocks else v
+
     local = dict(state)
-    local["state"] = join({name: {k: v.to_local() if hasattr(v, "to_local") else v for k, v in per_param.items()}
+    local["state"] = join({name: {k: local_of(name, v) for k, v in per_param.items()}
                            for name, per_param in state["state"].items()})
     set_optimizer_state_dict(module, optimizer, local)
 
@@ -165,11 +181,20 @@ def _entries(module: nn.Module):
     blocks, group, groups_error = sharded_blocks(module)
     if groups_error:
         raise ValueError(groups_error)
-    if dp.data_parallel_mesh(module) is not None:
-        raise ValueError("module: FSDP2 shards its parameters further over the data-parallel ranks, and the "
-                         "sharded state dicts do not take such a model yet: checkpoint it with full_state_dict "
-                         "and load_full_state_dict")
-    sharded = _as_dtensor(group) if coll.group_size(group) > 1 else lambda tensor, dim, full: tensor
+    mesh = dp.data_parallel_mesh(module)
+    if mesh is not None:
+        # (padded on any rank of the group, not only this one: every rank refuses alike)
+        irregular = [key for key, (_, _, layer) in blocks.items()
+                     if len(layer.split_parts) > 1 or layer.split_parts[0] % layer.tp_size]
+        if irregular:
+            raise ValueError(f"module: FSDP2 shards its parameters further over the data-parallel ranks, and "
+                             f"{irregular[0]!r} is of a layer of several outputs or a padded one, whose pieces "
+                             "FSDP2's rows cut across: no DTensor describes them, so the sharded state dicts do not "
+                             "take it; checkpoint such a model with full_state_dict and load_full_state_dict")
+    if coll.group_size(group) == 1:
+        sharded = lambda tensor, dim, full: tensor  # noqa: E731
+    else:
+        sharded = _as_dtensor(group) if mesh is None else _over_group_and_mesh(group, mesh)
 
     def pieces(key: str, tensor: torch.Tensor, dim: int, layer) -> Dict[str, torch.Tensor]:
         """``tensor`` (a block of ``key``) by entry name: its outputs, or their heads."""
@@ -196,7 +221,8 @@ def _entries(module: nn.Module):
         _, dim, layer = blocks[key]
         parts = layer.split_parts
         if len(parts) == 1:  # its rows of the full tensor, without the padding at the end
-            return {key: sharded(tensor.narrow(dim, 0, tensor.shape[dim] - layer.pad_rows), dim, parts[0])}
+            held = tensor.narrow(dim, 0, tensor.shape[dim] - layer.pad_rows) if layer.pad_rows else tensor
+            return {key: sharded(held, dim, parts[0])}
         if getattr(layer, "head_size", None) is not None:
             return pieces(key, tensor, dim, layer)
         return {name: sharded(piece, dim, size)
@@ -220,6 +246,40 @@ def _entries(module: nn.Module):
         return joined
 
     return entries, join, blocks
+
+
+def _over_group_and_mesh(group, mesh):
+    """``sharded(block, dim, full)`` for a model FSDP2 shards further over ``mesh``: ``block`` (a
+    ``DTensor`` over ``mesh``, FSDP2's rows of this rank's block) as a ``DTensor`` over the group and
+    the mesh, ``Shard(dim)`` over the group then the block's own placements, of a tensor ``full``
+    long along ``dim``, sharing the block's memory. The two-dimensional mesh is made on the first
+    call (its layout, the mesh of each rank of the group, found in one all-gather over the group)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    try:
+        from torch.distributed.tensor import DTensor, Shard
+    except ImportError:  # torch < 2.5
+        from torch.distributed._tensor import DTensor, Shard
+
+    made: list = []
+
+    def both():
+        if not made:
+            mine = torch.tensor(mesh.mesh.flatten().tolist(), dtype=torch.int64)
+            views = coll.all_gather_bytes(mine.numpy().tobytes(), *coll.host_route(group))
+            grid = torch.stack([torch.frombuffer(bytearray(v), dtype=torch.int64) for v in views])
+            groups = [group, *dp.mesh_groups(mesh)]
+            # (names of these groups: torch keeps meshes by value, and one of destroyed groups must not come back)
+            made.append(DeviceMesh.from_group(groups, mesh.device_type, mesh=grid.view(len(views), *mesh.shape),
+                                              mesh_dim_names=tuple(f"tp_kernels.{g.group_name}" for g in groups)))
+        return made[0]
+
+    def sharded(block, dim: int, full: int):
+        shape = list(block.shape)
+        shape[dim] = full
+        return DTensor.from_local(dp.local(block), both(), [Shard(dim), *block.placements], run_check=False,
+                                  shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+
+    return sharded
 
 
 def _as_dtensor(group):
