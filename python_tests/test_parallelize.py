@@ -780,8 +780,9 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parall
     which a model sharded alike loads with load_full_state_dict. Saved with dcp (the sharded state
     dicts, the optimizer's too), the checkpoint is the dense model's and momenta offline; a model
     sharded alike resumes from it, its next step the original's; and the model parallelized over
-    all 4 ranks without FSDP2 loads it. A padded layer's checkpoint, and parallelizing a model
-    already sharded, are clear errors; FSDP2 finds no view returned by the model (its head is a
+    all 4 ranks without FSDP2 loads it. A model made on the meta device, sharded, then initialized
+    in place holds what it holds without FSDP2. A padded layer's checkpoint, and parallelizing a
+    model already sharded, are clear errors; FSDP2 finds no view returned by the model (its head is a
     column layer)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -874,6 +875,23 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parall
             step(model, model_opt, *batches[2])
         assert all(torch.equal(a, b) for a, b in zip(tp_kernels.full_state_dict(resumed).values(),
                                                      tp_kernels.full_state_dict(par).values()))
+
+        # made on the meta device, parallelized, sharded, then initialized in place (TorchTitan's way):
+        # the parameters of the same model initialized without FSDP2
+        made = []
+        for shard in (True, False):
+            with torch.device("meta"):
+                model = tp_kernels.parallelize(LanguageModel(vocab, hidden, heads, ffn).double(), LM_PLAN)
+            if shard:
+                fully_shard(model.block, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+            model.to_empty(device="cpu")
+            torch.manual_seed(11)
+            for module in model.modules():
+                if hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+            made.append(tp_kernels.full_state_dict(model))
+        assert all(torch.equal(made[0][name], made[1][name]) for name in want)
 
         padded = sharded(3, vocab=7)  # 7 classes on 2 ranks: a padded embedding and head
         with pytest.raises(ValueError, match="'emb.weight' is of a layer of several outputs or a padded one"):

@@ -16,8 +16,8 @@ from typing import List
 
 import torch
 
-__all__ = ["Rows", "data_parallel_mesh", "distribute_like", "first_copy", "from_local_like", "full", "is_sharded", "local",
-           "mesh_groups", "rows"]
+__all__ = ["Rows", "copy_rows_", "data_parallel_mesh", "distribute_like", "first_copy", "from_local_like", "full",
+           "is_sharded", "local", "mesh_groups", "rows"]
 
 
 def _dtensor_types():
@@ -118,3 +118,16 @@ def from_local_like(param: torch.Tensor, part: torch.Tensor):
     DTensor, _, _ = _dtensor_types()
     return DTensor.from_local(part, param.device_mesh, param.placements, run_check=False, shape=param.shape,
                               stride=param.stride())
+
+
+@torch.no_grad()
+def copy_rows_(target: torch.Tensor, value: torch.Tensor, start: int = 0) -> None:
+    """``target[start : start + len(value)].copy_(value)`` along dim 0, where ``target`` may be a
+    ``DTensor`` as FSDP2 places it: then only the rows this rank holds, into its local tensor."""
+    if not is_sharded(target):
+        (target.narrow(0, start, value.shape[0]) if target.dim() else target).copy_(value)
+        return
+    held = rows(target, "target")
+    lo, hi = max(start, held.start), min(start + value.shape[0], held.start + held.local.shape[0])
+    if hi > lo:
+        held.local.narrow(0, lo - held.start, hi - lo).copy_(value.narrow(0, lo - start, hi - lo))

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from . import _collectives as coll
 from ._agreement import agree, describe
 from ._checks import check_divisible, check_float_dtype, check_int, check_replaceable, check_tensor
+from ._data_parallel import copy_rows_
 from .layers import ShareGroupOnCopy, block_of, split_block
 from .mappings import reduce_from, reduce_scatter_dim0
 
@@ -131,7 +132,7 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
             raise ValueError(
                 f"weight: expected the full shape {(self.num_embeddings, self.embedding_dim)}, got {tuple(weight.shape)}"
             )
-        self.weight.copy_(block_of(weight, self.sharded_parameters["weight"], self))
+        copy_rows_(self.weight, block_of(weight, self.sharded_parameters["weight"], self))  # (FSDP2's rows too)
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, **kwargs) -> "VocabParallelEmbedding":

@@ -27,6 +27,7 @@ from . import _collectives as coll
 from . import ops
 from ._checks import (check_choice, check_divisible, check_float_dtype, check_int, check_linear_args, check_replaceable,
                       check_tensor, differentiable_once)
+from ._data_parallel import copy_rows_
 from .mappings import all_reduce_op, copy_to, gather_last_dim, scatter_last_dim
 from .settings import BACKEND_NAMES
 
@@ -136,9 +137,10 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
 
     @torch.no_grad()
     def _load(self, weight, bias):
-        self.weight.copy_(block_of(weight, self.sharded_parameters["weight"], self))
+        # (into FSDP2's rows too, where it shards the parameters further)
+        copy_rows_(self.weight, block_of(weight, self.sharded_parameters["weight"], self))
         if bias is not None:
-            self.bias.copy_(block_of(bias, self.sharded_parameters.get("bias"), self))
+            copy_rows_(self.bias, block_of(bias, self.sharded_parameters.get("bias"), self))
 
     def load_full_weight(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                          output: Optional[int] = None) -> None:
@@ -149,7 +151,7 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
         ``bias``) are output ``j``'s alone, ``[output_sizes[j], in]`` (a checkpoint's ``q_proj``,
         ``k_proj`` or ``v_proj``, fused here), and only this rank's block of that output is written.
         """
-        rows, into_w, into_b = self.out_features, self.weight, self.bias
+        rows = self.out_features
         if output is not None:
             if self.sharded_parameters["weight"] != 0:
                 raise ValueError("output: only a column-parallel layer has outputs to load one by one")
@@ -162,8 +164,6 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
         if output is not None:
             rows, sizes = parts[output], local_sizes(self)
             start, size = sum(sizes[:output]), sizes[output]  # where it lies in this rank's rows
-            into_w = self.weight.narrow(0, start, size)
-            into_b = None if self.bias is None else self.bias.narrow(0, start, size)
         check_tensor("weight", weight, dim=2)
         if tuple(weight.shape) != (rows, self.in_features):
             raise ValueError(f"weight: expected the full shape {(rows, self.in_features)}, got {tuple(weight.shape)}")
@@ -177,10 +177,9 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
             self._load(weight, bias)
             return
         index = block_index(self, output)
-        with torch.no_grad():
-            into_w.copy_(weight.narrow(0, index * into_w.shape[0], into_w.shape[0]))
-            if bias is not None:
-                into_b.copy_(bias.narrow(0, index * into_b.shape[0], into_b.shape[0]))
+        copy_rows_(self.weight, weight.narrow(0, index * size, size), start)
+        if bias is not None:
+            copy_rows_(self.bias, bias.narrow(0, index * size, size), start)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs):
