@@ -247,7 +247,8 @@ def test_argmax_matches_dense(world, dtype, vocab_of_p):
 def check_topk(dtype_name, vocab_of_p, device="cpu"):
     """vocab_parallel_topk is torch.topk over the full logits, on every rank: values and indices
     where the values differ (k within a block, across blocks, the whole vocabulary); with ties, the
-    same values, and indices of classes that hold them, each once; a row of -inf or with NaN as
+    same values, and the indices a stable descending sort puts first (equal values by ascending
+    index, the first of them taken); a row of -inf or with NaN as
     torch takes it; never a padding column, with vocab_size or without."""
     r, p = rank_world()
     dtype = getattr(torch, dtype_name)
@@ -272,6 +273,8 @@ def check_topk(dtype_name, vocab_of_p, device="cpu"):
             assert torch.equal(ties.gather(-1, indices).nan_to_num(7.0), values.nan_to_num(7.0))
             same = values[..., 1:] == values[..., :-1]  # equal values come by ascending index
             assert torch.all(indices[..., 1:][same] > indices[..., :-1][same])
+            # and the first of them by index are taken: a stable descending sort's first k, exactly
+            assert torch.equal(indices, torch.sort(ties, dim=-1, descending=True, stable=True).indices[..., :k]), k
     if dtype_name == "float32":  # compiled whole, as a sampling step is
         torch._dynamo.reset()
         topk = torch.compile(tp_kernels.vocab_parallel_topk, backend="aot_eager", fullgraph=True)

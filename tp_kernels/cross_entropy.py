@@ -225,7 +225,8 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, group=None, *,
     the logits' dtype, int64 indices), as top-k sampling needs, without gathering the logits: each
     rank's own top ``k`` candidates, ``[2, N, k]``, in one all-gather. The values are torch's;
     equal values come by ascending index (torch's order among them is unspecified). NaN counts as
-    the largest, as in torch. Not differentiable.
+    the largest, as in torch. Each rank's candidates come from two ``topk`` over its block, not a
+    sort of it. Not differentiable.
 
     Args:
         logits: ``[..., V/p]``, this rank's block of the vocabulary; any floating dtype.
@@ -245,13 +246,34 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, group=None, *,
     vocab = agree("vocab_parallel_topk", group, check,
                   lambda vocab: f"logits {describe(logits)}, vocabulary {vocab}, k {k}", hint=logits)
     classes, start = _classes(logits.detach(), vocab, group)  # [N, v]
-    # this rank's candidates, equal values by ascending index (a stable sort, where topk's order
-    # among them is unspecified)
-    value, index = torch.sort(classes, dim=-1, descending=True, stable=True)
-    mine = min(k, classes.shape[-1])
-    values, indices = _merge_candidates(value[:, :mine], index[:, :mine] + start, k, vocab, group)
+    value, index = _top_of_block(classes, k)
+    values, indices = _merge_candidates(value, index + start, k, vocab, group)
     shape = (*logits.shape[:-1], k)
     return values.to(logits.dtype).reshape(shape), indices.reshape(shape)
+
+
+def _top_of_block(classes: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``min(k, v)`` candidates of ``classes`` ``[N, v]`` and their indices in it,
+    largest first, equal values by ascending index, NaN first: what a stable descending sort
+    gives first, without sorting the block. ``torch.topk`` finds the smallest value taken, ``t``
+    (its order among equal values is unspecified); every value above ``t`` is taken, and of those
+    equal to ``t`` the first by index, picked by a second ``topk`` over keys that rank them so; only
+    the ``min(k, v)`` taken are sorted."""
+    n, v = classes.shape
+    m = min(k, v)
+    if m in (0, v):
+        value, index = torch.sort(classes, dim=-1, descending=True, stable=True)
+        return value[:, :m], index[:, :m]
+    t = torch.topk(classes, m, dim=-1).values[:, -1:]  # NaN is the largest, as in torch
+    nan, t_nan = classes.isnan(), t.isnan()
+    above = (classes > t) | (nan & ~t_nan)  # fewer than m
+    tie = (classes == t) | (nan & t_nan)
+    first = torch.arange(v, 0, -1, device=classes.device, dtype=torch.int32)  # v .. 1: the lower index, the larger
+    key = torch.where(above, v + 1, torch.where(tie, first, 0))
+    index = torch.topk(key, m, dim=-1).indices.sort(dim=-1).values  # the m taken, by index
+    value = classes.gather(-1, index)
+    order = torch.sort(value, dim=-1, descending=True, stable=True).indices
+    return value.gather(-1, order), index.gather(-1, order)
 
 
 def _merge_candidates(value: torch.Tensor, index: torch.Tensor, k: int, vocab: int, group):
