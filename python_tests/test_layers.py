@@ -8,6 +8,7 @@ Sizes are odd: in = 13·p, out = 17·p, batch 7, and a sequence dim of 5·p.
 from __future__ import annotations
 
 import copy
+import io
 import itertools
 
 import pytest
@@ -281,6 +282,8 @@ def check_load_full_weight():
 
 
 def check_deepcopy_shares_group():
+    """A copy of a layer shares its group (deep: nothing else; shallow: everything); pickling one
+    (torch.save of the module) says what to save instead."""
     r, p = rank_world()
     for layer in (tp_kernels.ColumnParallelLinear(4, 2 * p), tp_kernels.RowParallelLinear(2 * p, 3),
                   tp_kernels.VocabParallelEmbedding(2 * p, 3)):
@@ -292,6 +295,11 @@ def check_deepcopy_shares_group():
         assert not torch.equal(twin.weight, layer.weight)
         x = torch.zeros(2, dtype=torch.long) if isinstance(layer, tp_kernels.VocabParallelEmbedding) else torch.randn(2, layer.weight.shape[1])
         twin(x)  # the copy communicates over the shared group
+        shallow = copy.copy(layer)  # shares everything
+        assert shallow.group is layer.group and shallow.weight is layer.weight
+        with pytest.raises(TypeError, match=f"{type(layer).__name__} holds its process group, which cannot be "
+                                            "pickled .* save the weights instead, with tp_kernels.full_state_dict"):
+            torch.save(layer, io.BytesIO())
 
 
 @pytest.mark.parametrize("world", [1, 2], indirect=True)

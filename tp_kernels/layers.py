@@ -60,7 +60,9 @@ def _init_master(weight_shape, bias_len, fan_in, init_method, *, device, dtype):
 
 class ShareGroupOnCopy:
     """``copy.deepcopy`` of a module holding ``self.group``: the copy shares the process group
-    (which cannot be copied) and deep-copies everything else."""
+    (which cannot be copied) and deep-copies everything else; ``copy.copy`` shares everything.
+    Pickling one (``torch.save(model)``, a multiprocessing queue) is a ``TypeError`` saying what to
+    save instead: a process group exists only in the processes that made it."""
 
     def __deepcopy__(self, memo):
         if self.group is not None:
@@ -69,6 +71,19 @@ class ShareGroupOnCopy:
         memo[id(self)] = new
         new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
         return new
+
+    def __copy__(self):
+        new = self.__class__.__new__(self.__class__)
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __getstate__(self):
+        if self.group is not None:
+            raise TypeError(f"{type(self).__name__} holds its process group, which cannot be pickled (torch.save of "
+                            "a whole model, a multiprocessing queue): save the weights instead, with "
+                            "tp_kernels.full_state_dict or sharded_state_dict, and make the model again where they "
+                            "are loaded")
+        return dict(self.__dict__)
 
 
 class _ParallelLinear(ShareGroupOnCopy, nn.Module):
