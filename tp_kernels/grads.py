@@ -26,6 +26,7 @@ def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], group=None
     Call this after backward, before the optimizer step, with exactly those parameters; the
     parallel layers' own parameters (including a row-parallel bias) are already complete.
     Parameters without a gradient are skipped. One all-reduce for all of them.
+    (Where FSDP2 shards them further, each rank's rows of their gradients.)
     """
     params = list(params)
     group = coll.resolve_group(group)
@@ -69,7 +70,9 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
     :func:`allreduce_sequence_parallel_grads`). One all-reduce of one number, on every
     rank whether or not it has gradients. Each gradient's norm is taken in float32 (float64 for
     float64 gradients) and the total in float64; the scale is ``min(1, max_norm / (total + 1e-6))``,
-    as torch's.
+    as torch's. Where FSDP2 shards the parameters further over the data-parallel ranks (``DTensor``
+    s over its mesh), each rank counts its rows of them (an HSDP replica once) and the total is
+    summed over the mesh's ranks too: one more all-reduce per mesh dim.
 
     Args:
         module: the model (its parameters with a gradient take part, each once).
