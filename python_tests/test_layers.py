@@ -383,6 +383,49 @@ def check_column_of_several_outputs(gather_output, skip_bias_add, sequence_paral
         tp_kernels.RowParallelLinear(out_f, k).load_full_weight(dense.weight.t(), output=0)
 
 
+def check_one_output_of_replicated_heads():
+    """A column layer of one output of 2 heads (a separate k_proj or v_proj of grouped-query
+    attention, ``output_sizes=[2 * d], head_size=d``; on 1 and 2 ranks split as rows are): on 4
+    ranks each rank holds one whole head,
+    the one its query heads attend with (shared with its neighbour), not half of one; its output,
+    gathered output, gradients (summed over the ranks holding the head) and full state dict are the
+    dense layer's; its sharded state dict has one entry per head, as a fused layer's."""
+    r, p = rank_world()
+    d, k = 3, 5
+    torch.manual_seed(0)
+    dense = nn.Linear(k, 2 * d, dtype=torch.float64)
+    layer = tp_kernels.ColumnParallelLinear.from_linear(dense, output_sizes=[2 * d], head_size=d)
+    gathered = tp_kernels.ColumnParallelLinear.from_linear(dense, output_sizes=[2 * d], head_size=d, gather_output=True)
+    head = r * 2 // p if p > 2 else None  # p = 1, 2: the heads split as rows are
+    mine = (lambda t, dim=0: t.narrow(dim, head * d, d)) if head is not None else (lambda t, dim=0: block(t, dim, r, p))
+    assert layer.weight.shape == (d if head is not None else 2 * d // p, k)
+    assert torch.equal(layer.weight, mine(dense.weight)) and "output_sizes=[6], head_size=3" in repr(layer)
+    x = torch.randn(4, k, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    dy = torch.randn(4, 2 * d, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    xd = x.clone().requires_grad_()
+    want = dense(xd)
+    want.backward(dy)
+    torch.testing.assert_close(gathered(x), want, rtol=1e-12, atol=1e-12)
+    xin = x.clone().requires_grad_()
+    got = layer(xin)
+    torch.testing.assert_close(got, mine(want, -1), rtol=1e-12, atol=1e-12)
+    share = 2 / p if head is not None else 1  # each rank holding a head takes its share of the head's gradient
+    got.backward(mine(dy, -1) * share)
+    torch.testing.assert_close(xin.grad, xd.grad, rtol=1e-12, atol=1e-12)  # (the shares summed over the ranks)
+    torch.testing.assert_close(layer.weight.grad, mine(dense.weight.grad), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer.bias.grad, mine(dense.bias.grad), rtol=1e-12, atol=1e-12)
+    state = tp_kernels.full_state_dict(layer)
+    assert torch.equal(state["weight"], dense.weight) and torch.equal(state["bias"], dense.bias)
+    entries = tp_kernels.sharded_state_dict(layer)
+    held = [head] if head is not None else list(range(r * 2 // p, (r + 1) * 2 // p))
+    assert sorted(entries) == sorted(f"{name}[0][{h}]" for name in ("weight", "bias") for h in held), sorted(entries)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_one_output_of_heads(world):
+    world.run(check_one_output_of_replicated_heads)
+
+
 def check_row_unreduced(input_is_parallel, skip_bias_add):
     """reduce_results=False: each rank returns its term of the sum, which summed over the group
     (as a caller does later) is the dense output, the bias in it once; every gradient is the dense

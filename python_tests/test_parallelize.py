@@ -894,7 +894,7 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parall
         assert all(torch.equal(made[0][name], made[1][name]) for name in want)
 
         padded = sharded(3, vocab=7)  # 7 classes on 2 ranks: a padded embedding and head
-        with pytest.raises(ValueError, match="'emb.weight' is of a layer of several outputs or a padded one"):
+        with pytest.raises(ValueError, match="'emb.weight' is of a layer of several outputs, of heads or a padded one"):
             tp_kernels.sharded_state_dict(padded)
         late = fully_shard(LanguageModel(vocab, hidden, heads, ffn).double(), mesh=mesh)  # sharded, then parallelized
         with pytest.raises(ValueError, match="are DTensors .* parallelize the dense model first"):

@@ -106,8 +106,8 @@ def sharded_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
 
     A model that FSDP2 shards further over the data-parallel ranks (its parameters ``DTensor`` s
     over the data-parallel mesh) saves each rank's rows of its block as a ``DTensor`` over the group
-    and the mesh, so the checkpoint is the same dense model's; a layer of several outputs or a
-    padded one is then refused (``ValueError``): FSDP2's rows cut across its pieces."""
+    and the mesh, so the checkpoint is the same dense model's; a layer of several outputs, of heads
+    or a padded one is then refused (``ValueError``): FSDP2's rows cut across its pieces."""
     state = {key: value.detach() for key, value in module.state_dict(keep_vars=True).items()}
     entries, _, blocks = _entries(module)
     with torch.no_grad():
@@ -185,10 +185,11 @@ def _entries(module: nn.Module):
     if mesh is not None:
         # (padded on any rank of the group, not only this one: every rank refuses alike)
         irregular = [key for key, (_, _, layer) in blocks.items()
-                     if len(layer.split_parts) > 1 or layer.split_parts[0] % layer.tp_size]
+                     if len(layer.split_parts) > 1 or getattr(layer, "head_size", None) is not None
+                     or layer.split_parts[0] % layer.tp_size]
         if irregular:
             raise ValueError(f"module: FSDP2 shards its parameters further over the data-parallel ranks, and "
-                             f"{irregular[0]!r} is of a layer of several outputs or a padded one, whose pieces "
+                             f"{irregular[0]!r} is of a layer of several outputs, of heads or a padded one, whose pieces "
                              "FSDP2's rows cut across: no DTensor describes them, so the sharded state dicts do not "
                              "take it; checkpoint such a model with full_state_dict and load_full_state_dict")
     if coll.group_size(group) == 1:
@@ -220,11 +221,11 @@ def _entries(module: nn.Module):
             return {key: tensor}
         _, dim, layer = blocks[key]
         parts = layer.split_parts
+        if getattr(layer, "head_size", None) is not None:  # (whatever p replicates: the same entries at every p)
+            return pieces(key, tensor, dim, layer)
         if len(parts) == 1:  # its rows of the full tensor, without the padding at the end
             held = tensor.narrow(dim, 0, tensor.shape[dim] - layer.pad_rows) if layer.pad_rows else tensor
             return {key: sharded(held, dim, parts[0])}
-        if getattr(layer, "head_size", None) is not None:
-            return pieces(key, tensor, dim, layer)
         return {name: sharded(piece, dim, size)
                 for (name, piece), size in zip(pieces(key, tensor, dim, layer).items(), parts)}
 
@@ -235,7 +236,8 @@ def _entries(module: nn.Module):
                 held = (*param.shape[:dim], param.shape[dim] - layer.pad_rows, *param.shape[dim + 1:])
                 joined[key] = {k: with_padding(v, dim, layer.pad_rows) if tuple(getattr(v, "shape", ())) == held else v
                                for k, v in joined[key].items()}
-            names = list(pieces(key, param.detach(), dim, layer)) if len(layer.split_parts) > 1 else []
+            several = len(layer.split_parts) > 1 or getattr(layer, "head_size", None) is not None
+            names = list(pieces(key, param.detach(), dim, layer)) if several else []
             if not names or names[0] not in joined:
                 continue
             per_piece = [joined.pop(name) for name in names]

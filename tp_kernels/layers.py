@@ -116,7 +116,7 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
             #: the parts the split dim is made of (full sizes)
             self.split_parts, self.split_blocks = check_output_sizes(output_sizes, out_features, self.tp_size, head_size)
             self.head_size = head_size
-            if len(self.split_parts) == 1:
+            if plain_split(self):
                 self.out_features_per_partition, self.pad_rows = split_block(out_features, self.tp_size, self.tp_rank)
             else:
                 self.out_features_per_partition = sum(local_sizes(self))
@@ -307,7 +307,7 @@ class ColumnParallelLinear(_ParallelLinear):
         return out, out_bias
 
     def extra_repr(self) -> str:
-        parts = f", output_sizes={list(self.split_parts)}" if len(self.split_parts) > 1 else ""
+        parts = f", output_sizes={list(self.split_parts)}" if not plain_split(self) or self.head_size is not None else ""
         parts += f", head_size={self.head_size}" if self.head_size is not None else ""
         return super().extra_repr() + f", gather_output={self.gather_output}" + parts
 
@@ -484,6 +484,13 @@ def check_output_sizes(output_sizes, out_features: int, p: int,
     return tuple(output_sizes), tuple(blocks)
 
 
+def plain_split(layer: nn.Module) -> bool:
+    """Whether ``layer``'s split dim is one part of which each rank holds its own block (of
+    ``ceil(n/p)`` rows, the last blocks padded where p does not divide it): not several outputs,
+    nor heads fewer than the ranks (replicated)."""
+    return len(layer.split_parts) == 1 and layer.split_blocks[0] == layer.tp_size
+
+
 def local_sizes(layer: nn.Module) -> Tuple[int, ...]:
     """The rows of each part of ``layer``'s split dim that a rank holds (its block of each)."""
     return tuple(size // blocks for size, blocks in zip(layer.split_parts, layer.split_blocks))
@@ -534,7 +541,7 @@ def block_of(full: torch.Tensor, dim: Optional[int], layer: nn.Module) -> torch.
     if dim is None:
         return full
     r, p = layer.tp_rank, layer.tp_size
-    if len(layer.split_parts) == 1:
+    if plain_split(layer):
         rows, padding = split_block(full.shape[dim], p, r)
         return with_padding(full.narrow(dim, min(r * rows, full.shape[dim]), rows - padding), dim, padding)
     return torch.cat([part.narrow(dim, block_index(layer, j) * size, size)
@@ -556,7 +563,7 @@ def full_of(blocks: torch.Tensor, dim: int, layer: nn.Module) -> torch.Tensor:
     """The full tensor whose blocks (:func:`block_of`) every rank's are: ``blocks`` is them side
     by side along ``dim``, rank-major (as an all-gather joins them). Where the dim is made of one
     part, ``blocks`` itself, or, where the blocks end in padding, a contiguous copy without it."""
-    if len(layer.split_parts) == 1:
+    if plain_split(layer):
         size = layer.split_parts[0]
         return blocks if blocks.shape[dim] == size else blocks.narrow(dim, 0, size).contiguous()
     p = layer.tp_size
