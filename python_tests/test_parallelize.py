@@ -737,6 +737,50 @@ def test_distributed_checkpoint_across_sizes(world, tmp_path):
     assert world.world_size == 1 or any(lost), lost
 
 
+def check_hugging_face_llama():
+    """A Hugging Face Llama (transformers' own code, a small config made here, embeddings tied to the
+    head, 2 key/value heads) parallelized by a plan over 1, 2 and 4 ranks: on 4 the key and value
+    projections are one output of heads each (``("colwise", [k], head_size)``), a head replicated
+    on two ranks; the head is ``"colwise_gather"``, so that transformers' loss and generation take
+    whole logits. Its logits and loss are the dense model's in float64, an SGD step gives the dense
+    weights, and greedy generation the dense model's tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    r, p = rank_world()
+    vocab, d = 30, 4
+    config = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True, attn_implementation="sdpa", pad_token_id=0)
+    kv = ("colwise", [2 * d], d) if p > 2 else "colwise"
+    plan = {"model.embed_tokens": "vocab", "model.layers.*.self_attn.q_proj": "colwise",
+            "model.layers.*.self_attn.[kv]_proj": kv, "model.layers.*.self_attn.o_proj": "rowwise",
+            "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
+            "model.layers.*.mlp.down_proj": "rowwise", "lm_head": "colwise_gather"}
+    torch.manual_seed(0)
+    dense = LlamaForCausalLM(config).double()
+    par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+    assert par.lm_head.weight is par.model.embed_tokens.weight  # still tied
+    ids = torch.randint(1, vocab, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    want, got = dense(ids, attention_mask=mask, labels=ids), par(ids, attention_mask=mask, labels=ids)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-12, atol=0)
+    want.loss.backward()
+    got.loss.backward()
+    for model in (dense, par):
+        torch.optim.SGD(model.parameters(), lr=0.5).step()
+    for name, value in tp_kernels.full_state_dict(par).items():
+        torch.testing.assert_close(value, dense.state_dict()[name], rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
+    with torch.no_grad():
+        tokens = [model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False) for model in (dense, par)]
+    assert torch.equal(tokens[0], tokens[1]), tokens
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_hugging_face_llama(world):
+    world.run(check_hugging_face_llama)
+
+
 def check_data_parallel_over_tensor_parallel():
     """Tensor parallelism 2 x data parallelism 2 on 4 ranks: DistributedDataParallel over the
     data-parallel group wraps the parallelized model, each data-parallel rank takes half the batch,

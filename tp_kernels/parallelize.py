@@ -17,6 +17,7 @@ __all__ = ["STYLES", "parallelize"]
 #: plan style -> (module type it applies to, what replaces it)
 STYLES = {
     "colwise": (nn.Linear, ColumnParallelLinear),
+    "colwise_gather": (nn.Linear, ColumnParallelLinear),  # gather_output=True
     "rowwise": (nn.Linear, RowParallelLinear),
     "vocab": (nn.Embedding, VocabParallelEmbedding),
 }
@@ -28,11 +29,11 @@ def _style(pattern: str, value) -> tuple:
     head_size or None)``, the column layer's arguments)."""
     if isinstance(value, str):
         return _known(pattern, value), None
-    if isinstance(value, (tuple, list)) and len(value) in (2, 3) and value[0] == "colwise":
+    if isinstance(value, (tuple, list)) and len(value) in (2, 3) and value[0] in ("colwise", "colwise_gather"):
         sizes = tuple(value[1]) if isinstance(value[1], (tuple, list)) else value[1]
-        return "colwise", (sizes, value[2] if len(value) == 3 else None)
+        return value[0], (sizes, value[2] if len(value) == 3 else None)
     raise ValueError(f"plan[{pattern!r}]: expected a style ({', '.join(map(repr, STYLES))}), ('colwise', "
-                     f"output_sizes) or ('colwise', output_sizes, head_size), got {value!r}")
+                     f"output_sizes) or ('colwise', output_sizes, head_size) (or 'colwise_gather' so), got {value!r}")
 
 
 def _known(pattern: str, style: str) -> str:
@@ -46,7 +47,9 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     """Replace, in place, the submodules of ``module`` that ``plan`` names by parallel layers.
 
     ``plan`` maps ``fnmatch`` patterns over qualified submodule names (``"layers.*.mlp.fc1"``)
-    to a style: ``"colwise"`` (``nn.Linear`` → :class:`ColumnParallelLinear`), ``"rowwise"``
+    to a style: ``"colwise"`` (``nn.Linear`` → :class:`ColumnParallelLinear`), ``"colwise_gather"``
+    (the same, its output gathered whole on every rank, ``gather_output=True``: an output layer
+    whose logits the model's own code, a generation loop, takes whole), ``"rowwise"``
     (``nn.Linear`` → :class:`RowParallelLinear`, input already parallel) or ``"vocab"``
     (``nn.Embedding`` → :class:`VocabParallelEmbedding`). A fused projection, several outputs side
     by side in one ``nn.Linear`` (``[q, k, v]``, ``[gate, up]``), takes ``("colwise",
@@ -132,10 +135,11 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
         build = STYLES[style][1]
         if style == "vocab":
             replaced[id(old)] = build.from_embedding(old, group=group, sequence_parallel=sequence_parallel)
-        elif style == "colwise":
+        elif style in ("colwise", "colwise_gather"):
             sizes, head_size = outputs or (None, None)
             replaced[id(old)] = build.from_linear(old, group=group, sequence_parallel=sequence_parallel,
-                                                  output_sizes=sizes, head_size=head_size)
+                                                  output_sizes=sizes, head_size=head_size,
+                                                  gather_output=style == "colwise_gather")
         else:
             replaced[id(old)] = build.from_linear(
                 old, group=group, sequence_parallel=sequence_parallel, input_is_parallel=True
