@@ -125,6 +125,9 @@ def check_vocabulary_reductions_that_differ(case):
         "cross-entropy reduction": (lambda: tp_kernels.vocab_parallel_cross_entropy(
             x, torch.zeros(3, dtype=torch.long), reduction="sum" if odd else "mean"),
             f"reduction {'sum' if odd else 'mean'}"),
+        "sample temperature": (lambda: tp_kernels.vocab_parallel_sample(
+            x, temperature=0.5 if odd else 1.0, generator=torch.Generator().manual_seed(r)),
+            f"temperature {0.5 if odd else 1.0}"),
     }[case]
     kind, message = _raises(call)
     assert kind == "RuntimeError" and "disagree on this call" in message and mine in message, message
@@ -132,7 +135,8 @@ def check_vocabulary_reductions_that_differ(case):
     return message
 
 
-@pytest.mark.parametrize("case", ["topk k", "argmax vocab_size", "entropy width", "cross-entropy reduction"])
+@pytest.mark.parametrize("case", ["topk k", "argmax vocab_size", "entropy width", "cross-entropy reduction",
+                                  "sample temperature"])
 def test_vocabulary_reductions_that_differ_between_ranks(world2, case):
     per_rank = world2.run(check_vocabulary_reductions_that_differ, case, deadline_s=DEADLINE_S)
     assert per_rank[0] == per_rank[1]

@@ -244,6 +244,76 @@ def test_argmax_matches_dense(world, dtype, vocab_of_p):
     world.run(check_argmax, dtype, vocab_of_p)
 
 
+def check_sample(dtype_name, vocab_of_p, device="cpu"):
+    """vocab_parallel_sample is the Gumbel-max draw of the noise each rank drew (its model-parallel
+    stream, or a generator of its own), the same token on every rank, never a masked (-inf) class
+    or a padding column; drawn 4000 times from one row, each class comes as often as the softmax
+    says (within 5 standard deviations); temperature 0 is the argmax; bad arguments are named."""
+    from tp_kernels import rng
+
+    r, p = rank_world()
+    dtype = getattr(torch, dtype_name)
+    wide = torch.promote_types(dtype, torch.float32)
+    vocab = {"divisible": 5 * p, "padded": 4 * p + 1}[vocab_of_p]
+    width = -(-vocab // p)
+    g = torch.Generator().manual_seed(6)
+    full = torch.randn(6, 2, vocab, generator=g).to(dtype)
+    full[0, 0, 1] = float("-inf")  # a masked class
+    mine = padded_block(full, -1, r, p, float("-inf")).to(device)
+
+    def noise_of_every_rank(draw, held):  # each rank's noisy logits as it drew them, joined in vocabulary order
+        noisy = mine.reshape(-1, width)[:, :held].to(wide) / 0.7 - draw(held).log()
+        noisy = torch.cat([noisy, noisy.new_full((noisy.shape[0], width - held), float("-inf"))], -1)
+        return torch.cat(gather_all(noisy), -1)[:, :vocab]
+
+    def gather_all(t):
+        parts = [torch.empty_like(t) for _ in range(p)]
+        torch.distributed.all_gather(parts, t.contiguous())
+        return parts
+
+    for vocab_size in ([vocab, None] if vocab_of_p == "padded" else [None]):
+        rng.model_parallel_manual_seed(1234)
+        got = tp_kernels.vocab_parallel_sample(mine, temperature=0.7, vocab_size=vocab_size)
+        rng.model_parallel_manual_seed(1234)
+        held = held_rows(vocab, r, p) if vocab_size else width  # (without vocab_size, the padding is classes)
+        with rng.get_rng_tracker().fork():
+            want = noise_of_every_rank(lambda n: torch.empty(12, n, dtype=wide, device=device).exponential_(), held)
+        assert got.shape == (6, 2) and got.dtype == torch.int64
+        assert torch.equal(got.reshape(-1), want.argmax(-1)), (got, want.argmax(-1))
+        assert all(torch.equal(view, got) for view in gather_all(got))  # the same token on every rank
+        assert got[0, 0] != 1  # the masked class
+    own = torch.Generator(device).manual_seed(100 + r)
+    got = tp_kernels.vocab_parallel_sample(mine, temperature=0.7, generator=own, vocab_size=vocab)
+    own = torch.Generator(device).manual_seed(100 + r)
+    want = noise_of_every_rank(lambda n: torch.empty(12, n, dtype=wide, device=device).exponential_(generator=own),
+                               held_rows(vocab, r, p))
+    assert torch.equal(got.reshape(-1), want.argmax(-1))
+    assert torch.equal(tp_kernels.vocab_parallel_sample(mine, temperature=0, vocab_size=vocab),
+                       tp_kernels.vocab_parallel_argmax(mine, vocab_size=vocab))
+    # as often as the softmax says
+    row = full[1, 0]
+    draws = tp_kernels.vocab_parallel_sample(padded_block(row.expand(4000, vocab), -1, r, p, float("-inf")).to(device),
+                                             temperature=1.3, vocab_size=vocab).cpu()
+    probs = torch.softmax(row.double() / 1.3, -1)
+    freq = torch.bincount(draws, minlength=vocab).double() / 4000
+    assert torch.all((freq - probs).abs() <= 5 * (probs * (1 - probs) / 4000).sqrt() + 1e-3), (freq, probs)
+    for bad, match in [(dict(temperature=-1.0), "temperature: expected a finite number >= 0"),
+                       (dict(temperature=float("inf")), "temperature"), (dict(temperature=True), "temperature"),
+                       (dict(generator=3), "generator: expected a torch.Generator")]:
+        with pytest.raises(ValueError, match=match):
+            tp_kernels.vocab_parallel_sample(mine, vocab_size=vocab, **bad)
+    rng.get_rng_tracker().reset()
+    with pytest.raises(ValueError, match="call tp_kernels.model_parallel_manual_seed"):
+        tp_kernels.vocab_parallel_sample(mine, vocab_size=vocab)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("vocab_of_p", ["divisible", "padded"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sample(world, dtype, vocab_of_p):
+    world.run(check_sample, dtype, vocab_of_p)
+
+
 def check_topk(dtype_name, vocab_of_p, device="cpu"):
     """vocab_parallel_topk is torch.topk over the full logits, on every rank: values and indices
     where the values differ (k within a block, across blocks, the whole vocabulary); with ties, the

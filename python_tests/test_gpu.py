@@ -861,7 +861,8 @@ def test_padded_vocabulary_layers_with_several_nccl_ranks(shared_gpu_world, voca
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_entropy_argmax_topk_with_several_nccl_ranks(shared_gpu_world, dtype):
-    for check in (test_embedding_ce.check_entropy, test_embedding_ce.check_argmax, test_embedding_ce.check_topk):
+    for check in (test_embedding_ce.check_entropy, test_embedding_ce.check_argmax, test_embedding_ce.check_topk,
+                  test_embedding_ce.check_sample):
         shared_gpu_world.run(check, dtype, "padded", device="cuda")
 
 

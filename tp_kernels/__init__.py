@@ -15,6 +15,7 @@ Public API (see docs/api.md):
 * layers: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
   :class:`VocabParallelEmbedding`, :func:`vocab_parallel_cross_entropy`,
   :func:`vocab_parallel_entropy`, :func:`vocab_parallel_argmax`, :func:`vocab_parallel_topk`,
+  :func:`vocab_parallel_sample`,
   :func:`parallelize`,
   and for training :func:`allreduce_sequence_parallel_grads`, :func:`clip_grad_norm_`,
   :func:`full_state_dict`, :func:`load_full_state_dict`, :func:`sharded_state_dict` and the
@@ -35,6 +36,7 @@ from .cross_entropy import (
     vocab_parallel_argmax,
     vocab_parallel_cross_entropy,
     vocab_parallel_entropy,
+    vocab_parallel_sample,
     vocab_parallel_topk,
 )
 from .communicator import (
@@ -126,5 +128,6 @@ __all__ = [
     "vocab_parallel_argmax",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_entropy",
+    "vocab_parallel_sample",
     "vocab_parallel_topk",
 ]

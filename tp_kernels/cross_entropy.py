@@ -1,12 +1,15 @@
-"""Cross-entropy, entropy, argmax and top-k over vocabulary-parallel logits, without gathering them."""
+"""Cross-entropy, entropy, argmax, top-k and sampling over vocabulary-parallel logits, without
+gathering them."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Tuple
 
 import torch
 
 from . import _collectives as coll
+from . import rng
 from ._agreement import agree, describe
 from ._checks import check_choice, check_int, check_tensor, differentiable_once
 from .embedding import check_index_range
@@ -14,7 +17,7 @@ from .layers import split_block
 from .mappings import all_gather_op, all_reduce_op
 
 __all__ = ["REDUCTIONS", "vocab_parallel_argmax", "vocab_parallel_cross_entropy", "vocab_parallel_entropy",
-           "vocab_parallel_topk"]
+           "vocab_parallel_sample", "vocab_parallel_topk"]
 
 #: what ``vocab_parallel_cross_entropy`` may return: the loss per token, or as ``F.cross_entropy`` reduces it
 REDUCTIONS = ("none", "sum", "mean")
@@ -210,12 +213,61 @@ def vocab_parallel_argmax(logits: torch.Tensor, group=None, *, vocab_size: Optio
     vocab = agree("vocab_parallel_argmax", group, lambda: _check_logits(logits, vocab_size, group),
                   lambda vocab: f"logits {describe(logits)}, vocabulary {vocab}", hint=logits)
     classes, start = _classes(logits.detach(), vocab, group)  # [N, v]
-    if classes.shape[-1]:  # this rank's candidate: the first of equal maxima, or the first NaN
-        value, index = classes.max(dim=-1, keepdim=True)
-    else:  # a block of padding alone: none
-        value, index = classes, classes.new_empty(classes.shape, dtype=torch.int64)
-    _, indices = _merge_candidates(value, index + start, 1, vocab, group)
-    return indices[:, 0].reshape(logits.shape[:-1])
+    return _first_max(classes, start, vocab, group).reshape(logits.shape[:-1])
+
+
+def vocab_parallel_sample(logits: torch.Tensor, group=None, *, temperature: float = 1.0,
+                          generator: Optional[torch.Generator] = None,
+                          vocab_size: Optional[int] = None) -> torch.Tensor:
+    """A token drawn from ``softmax(full_logits / temperature)`` per row, the same on every rank,
+    without gathering the logits (``[..., V/p]`` -> ``[...]``, int64): each rank adds Gumbel noise
+    to its block, ``-log(E)`` with ``E`` exponential, and the largest noisy logit over the whole
+    vocabulary, found as :func:`vocab_parallel_argmax` finds the largest logit (one all-gather of
+    ``[2, N]``), is a sample (the Gumbel-max trick). Not differentiable.
+
+    The noise of different ranks must be independent: by default each rank draws it from its own
+    model-parallel stream (:mod:`tp_kernels.rng`, seeded by
+    :func:`tp_kernels.model_parallel_manual_seed`, which must have been called), so a run seeded alike
+    samples alike. A ``generator`` given instead (on the logits' device) must differ between the
+    ranks, e.g. seeded ``seed + rank``: the same noise on every rank would not sample from the
+    softmax. ``temperature=0`` is the argmax. The noise is drawn in float32 (float64 for float64
+    logits); a ``-inf`` logit (a masked class, the padding) is never drawn.
+
+    Args:
+        logits: ``[..., V/p]``, this rank's block of the vocabulary; any floating dtype.
+        group: process group (default: the tensor-parallel group).
+        temperature: a finite number ``>= 0``.
+        generator: where the noise comes from (see above).
+        vocab_size: ``V``, where the blocks are padded, as for :func:`vocab_parallel_cross_entropy`.
+    """
+    group = coll.resolve_group(group)
+
+    def check() -> int:
+        vocab = _check_logits(logits, vocab_size, group)
+        if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+                or not 0 <= temperature < float("inf")):
+            raise ValueError(f"temperature: expected a finite number >= 0, got {temperature!r}")
+        if generator is not None:
+            if not isinstance(generator, torch.Generator):
+                raise ValueError(f"generator: expected a torch.Generator, got {type(generator).__name__}")
+            if generator.device.type != logits.device.type:
+                raise ValueError(f"generator: on {generator.device}, not on the logits' device {logits.device}")
+        elif temperature and rng.MODEL_PARALLEL_RNG not in rng.get_rng_tracker().seeds():
+            raise ValueError("generator: none given, and no model-parallel stream to draw the noise from: call "
+                             "tp_kernels.model_parallel_manual_seed(seed) first, or pass a generator of each "
+                             "rank's own")
+        return vocab
+
+    vocab = agree("vocab_parallel_sample", group, check,
+                  lambda vocab: f"logits {describe(logits)}, vocabulary {vocab}, temperature {temperature}",
+                  hint=logits)
+    if temperature == 0:
+        return vocab_parallel_argmax(logits, group, vocab_size=vocab_size)
+    classes, start = _classes(logits.detach(), vocab, group)  # [N, v]
+    z = classes.to(torch.promote_types(classes.dtype, torch.float32))
+    with rng.get_rng_tracker().fork() if generator is None else contextlib.nullcontext():
+        noise = torch.empty_like(z).exponential_(generator=generator)
+    return _first_max(z / temperature - noise.log(), start, vocab, group).reshape(logits.shape[:-1])
 
 
 def vocab_parallel_topk(logits: torch.Tensor, k: int, group=None, *,
@@ -274,6 +326,16 @@ def _top_of_block(classes: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Te
     value = classes.gather(-1, index)
     order = torch.sort(value, dim=-1, descending=True, stable=True).indices
     return value.gather(-1, order), index.gather(-1, order)
+
+
+def _first_max(scores: torch.Tensor, start: int, vocab: int, group) -> torch.Tensor:
+    """The index in the vocabulary of the largest of every rank's ``scores`` ``[N, v]`` (its classes
+    ``[start, start + v)``), ``[N]``: the first of equal maxima, or the first NaN, as torch.argmax."""
+    if scores.shape[-1]:  # this rank's candidate
+        value, index = scores.max(dim=-1, keepdim=True)
+    else:  # a block of padding alone: none
+        value, index = scores, scores.new_empty(scores.shape, dtype=torch.int64)
+    return _merge_candidates(value, index + start, 1, vocab, group)[1][:, 0]
 
 
 def _merge_candidates(value: torch.Tensor, index: torch.Tensor, k: int, vocab: int, group):
