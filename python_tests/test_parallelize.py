@@ -938,6 +938,10 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parall
         assert all(torch.equal(made[0][name], made[1][name]) for name in want)
 
         padded = sharded(3, vocab=7)  # 7 classes on 2 ranks: a padded embedding and head
+        torch.manual_seed(3)
+        joined = tp_kernels.full_state_dict(padded)  # without the padding: the dense model's
+        for name, value in LanguageModel(7, hidden, heads, ffn).double().state_dict().items():
+            assert torch.equal(joined[name], value), name
         with pytest.raises(ValueError, match="'emb.weight' is of a layer of several outputs, of heads or a padded one"):
             tp_kernels.sharded_state_dict(padded)
         late = fully_shard(LanguageModel(vocab, hidden, heads, ffn).double(), mesh=mesh)  # sharded, then parallelized
