@@ -739,10 +739,10 @@ def test_distributed_checkpoint_across_sizes(world, tmp_path):
 
 def check_hugging_face_llama():
     """A Hugging Face Llama (transformers' own code, a small config made here, embeddings tied to the
-    head, 2 key/value heads) parallelized by a plan over 1, 2 and 4 ranks: on 4 the key and value
-    projections are one output of heads each (``("colwise", [k], head_size)``), a head replicated
-    on two ranks; the head is ``"colwise_gather"``, so that transformers' loss and generation take
-    whole logits. Its logits and loss are the dense model's in float64, an SGD step gives the dense
+    head, 2 key/value heads) parallelized by its own ``tp_plan`` over 1, 2 and 4 ranks (its style
+    names: the head ``"colwise_gather_output"``, so that transformers' loss and generation take
+    whole logits, the embedding ``"embedding_rowwise"``); on 4 the key and value projections are one
+    output of heads each (``("colwise", [k], head_size)``), a head replicated on two ranks. Its logits and loss are the dense model's in float64, an SGD step gives the dense
     weights, and greedy generation the dense model's tokens."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -751,13 +751,13 @@ def check_hugging_face_llama():
     config = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=True, attn_implementation="sdpa", pad_token_id=0)
-    kv = ("colwise", [2 * d], d) if p > 2 else "colwise"
-    plan = {"model.embed_tokens": "vocab", "model.layers.*.self_attn.q_proj": "colwise",
-            "model.layers.*.self_attn.[kv]_proj": kv, "model.layers.*.self_attn.o_proj": "rowwise",
-            "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
-            "model.layers.*.mlp.down_proj": "rowwise", "lm_head": "colwise_gather"}
     torch.manual_seed(0)
     dense = LlamaForCausalLM(config).double()
+    plan = dict(dense.tp_plan)  # transformers' own, in its style names
+    assert plan["model.embed_tokens"] == "embedding_rowwise" and plan["lm_head"] == "colwise_gather_output", plan
+    if p > 2:  # 2 key/value heads: one each, replicated on two ranks
+        for name in ("k_proj", "v_proj"):
+            plan[f"model.layers.*.self_attn.{name}"] = ("colwise", [2 * d], d)
     par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
     assert par.lm_head.weight is par.model.embed_tokens.weight  # still tied
     ids = torch.randint(1, vocab, (2, 7), generator=torch.Generator().manual_seed(1))

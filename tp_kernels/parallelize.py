@@ -12,15 +12,17 @@ from ._checks import check_replaceable
 from .embedding import VocabParallelEmbedding
 from .layers import ColumnParallelLinear, RowParallelLinear, check_output_sizes
 
-__all__ = ["STYLES", "parallelize"]
+__all__ = ["ALIASES", "STYLES", "parallelize"]
 
 #: plan style -> (module type it applies to, what replaces it)
 STYLES = {
     "colwise": (nn.Linear, ColumnParallelLinear),
-    "colwise_gather": (nn.Linear, ColumnParallelLinear),  # gather_output=True
+    "colwise_gather_output": (nn.Linear, ColumnParallelLinear),  # gather_output=True
     "rowwise": (nn.Linear, RowParallelLinear),
     "vocab": (nn.Embedding, VocabParallelEmbedding),
 }
+#: other names of a style: Hugging Face's, so that a transformers model's own ``tp_plan`` is a plan
+ALIASES = {"embedding_rowwise": "vocab"}
 
 
 def _style(pattern: str, value) -> tuple:
@@ -29,16 +31,18 @@ def _style(pattern: str, value) -> tuple:
     head_size or None)``, the column layer's arguments)."""
     if isinstance(value, str):
         return _known(pattern, value), None
-    if isinstance(value, (tuple, list)) and len(value) in (2, 3) and value[0] in ("colwise", "colwise_gather"):
+    if isinstance(value, (tuple, list)) and len(value) in (2, 3) and value[0] in ("colwise", "colwise_gather_output"):
         sizes = tuple(value[1]) if isinstance(value[1], (tuple, list)) else value[1]
         return value[0], (sizes, value[2] if len(value) == 3 else None)
     raise ValueError(f"plan[{pattern!r}]: expected a style ({', '.join(map(repr, STYLES))}), ('colwise', "
-                     f"output_sizes) or ('colwise', output_sizes, head_size) (or 'colwise_gather' so), got {value!r}")
+                     f"output_sizes) or ('colwise', output_sizes, head_size) (or 'colwise_gather_output' so), got {value!r}")
 
 
 def _known(pattern: str, style: str) -> str:
+    style = ALIASES.get(style, style)
     if style not in STYLES:
-        raise ValueError(f"plan[{pattern!r}]: unknown style {style!r}; expected one of {', '.join(map(repr, STYLES))}")
+        raise ValueError(f"plan[{pattern!r}]: unknown style {style!r}; expected one of "
+                         f"{', '.join(map(repr, [*STYLES, *ALIASES]))}")
     return style
 
 
@@ -47,11 +51,12 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     """Replace, in place, the submodules of ``module`` that ``plan`` names by parallel layers.
 
     ``plan`` maps ``fnmatch`` patterns over qualified submodule names (``"layers.*.mlp.fc1"``)
-    to a style: ``"colwise"`` (``nn.Linear`` → :class:`ColumnParallelLinear`), ``"colwise_gather"``
-    (the same, its output gathered whole on every rank, ``gather_output=True``: an output layer
-    whose logits the model's own code, a generation loop, takes whole), ``"rowwise"``
-    (``nn.Linear`` → :class:`RowParallelLinear`, input already parallel) or ``"vocab"``
-    (``nn.Embedding`` → :class:`VocabParallelEmbedding`). A fused projection, several outputs side
+    to a style: ``"colwise"`` (``nn.Linear`` → :class:`ColumnParallelLinear`),
+    ``"colwise_gather_output"`` (the same, its output gathered whole on every rank,
+    ``gather_output=True``: an output layer whose logits the model's own code, a generation loop,
+    takes whole), ``"rowwise"`` (``nn.Linear`` → :class:`RowParallelLinear`, input already
+    parallel) or ``"vocab"`` (``nn.Embedding`` → :class:`VocabParallelEmbedding`; Hugging Face's
+    ``"embedding_rowwise"`` too, so that a transformers model's ``model.tp_plan`` is a plan). A fused projection, several outputs side
     by side in one ``nn.Linear`` (``[q, k, v]``, ``[gate, up]``), takes ``("colwise",
     output_sizes)``: each output is split across the ranks (the layer's ``output_sizes``), where
     a plain ``"colwise"`` would give rank 0 the first outputs whole; ``("colwise", output_sizes,
@@ -135,11 +140,11 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
         build = STYLES[style][1]
         if style == "vocab":
             replaced[id(old)] = build.from_embedding(old, group=group, sequence_parallel=sequence_parallel)
-        elif style in ("colwise", "colwise_gather"):
+        elif style in ("colwise", "colwise_gather_output"):
             sizes, head_size = outputs or (None, None)
             replaced[id(old)] = build.from_linear(old, group=group, sequence_parallel=sequence_parallel,
                                                   output_sizes=sizes, head_size=head_size,
-                                                  gather_output=style == "colwise_gather")
+                                                  gather_output=style == "colwise_gather_output")
         else:
             replaced[id(old)] = build.from_linear(
                 old, group=group, sequence_parallel=sequence_parallel, input_is_parallel=True
