@@ -781,6 +781,45 @@ def test_hugging_face_llama(world):
     world.run(check_hugging_face_llama)
 
 
+def check_hugging_face_plans(kind):
+    """transformers models parallelized by their own ``tp_plan``, its other styles: Qwen 3's per-head
+    ``q_norm`` and ``k_norm`` (``"replicated_with_grad_allreduce"``: each rank's gradient of them is
+    its heads' share, summed over the group in backward) and OLMo 2's whole-width ones (its
+    projections ``"colwise_gather_output"`` and ``"rowwise_split_input"``). Two micro-batches
+    accumulated, then an SGD step, give the dense model's weights in float64 (so the norms' gradient
+    is summed once per backward, not again with what had accumulated); the logits are the dense
+    model's."""
+    import transformers
+
+    r, p = rank_world()
+    config = getattr(transformers, {"qwen3": "Qwen3Config", "olmo2": "Olmo2Config"}[kind])(
+        vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=4, max_position_embeddings=64, attn_implementation="sdpa")
+    model_class = getattr(transformers, {"qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}[kind])
+    torch.manual_seed(0)
+    dense = model_class(config).double()
+    plan = dict(dense.tp_plan)
+    assert {"qwen3": "replicated_with_grad_allreduce", "olmo2": "rowwise_split_input"}[kind] in plan.values(), plan
+    par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 32, (2, 6), generator=g) for _ in range(2)]
+    for ids in batches:  # accumulated
+        want, got = dense(ids, labels=ids), par(ids, labels=ids)
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-12)
+        want.loss.backward()
+        got.loss.backward()
+    for model in (dense, par):
+        torch.optim.SGD(model.parameters(), lr=0.5).step()
+    for name, value in tp_kernels.full_state_dict(par).items():
+        torch.testing.assert_close(value, dense.state_dict()[name], rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("world", [2, 4], indirect=True)
+@pytest.mark.parametrize("kind", ["qwen3", "olmo2"])
+def test_hugging_face_plans(world, kind):
+    world.run(check_hugging_face_plans, kind)
+
+
 def check_data_parallel_over_tensor_parallel():
     """Tensor parallelism 2 x data parallelism 2 on 4 ranks: DistributedDataParallel over the
     data-parallel group wraps the parallelized model, each data-parallel rank takes half the batch,
@@ -1037,3 +1076,22 @@ def test_dense_state_dict_joins_and_refuses_incomplete_entries():
                        ([t[0]], "state_dict: expected a mapping, got list")]:
         with pytest.raises(ValueError, match=match):
             tp_kernels.dense_state_dict(bad)
+
+
+def test_hugging_face_style_names_and_their_errors():
+    """Hugging Face's style names are styles too ('embedding_rowwise' is 'vocab'), an unknown style
+    lists them, a row layer whose input is whole refuses sequence parallelism, and a module kept
+    with its gradients summed stays the module it was."""
+    model = nn.Sequential(nn.Embedding(8, 4), nn.LayerNorm(4), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"unknown style 'diagonal'; expected one of 'colwise', .*'embedding_rowwise'"):
+        tp_kernels.parallelize(model, {"2": "diagonal"})
+    with pytest.raises(ValueError, match=r"'rowwise_split_input' \(a row layer whose input is whole\) does not go with "
+                                         "sequence_parallel=True"):
+        tp_kernels.parallelize(model, {"2": "rowwise_split_input"}, sequence_parallel=True)
+    norm = model[1]
+    tp_kernels.parallelize(model, {"0": "embedding_rowwise", "1": "replicated_with_grad_allreduce",
+                                   "2": "rowwise_split_input"})
+    assert isinstance(model[0], tp_kernels.VocabParallelEmbedding) and model[1] is norm
+    assert isinstance(model[2], tp_kernels.RowParallelLinear) and not model[2].input_is_parallel
+    with pytest.raises(ValueError, match="module: expected an nn.Module"):
+        tp_kernels.grads.sum_grads_over_group([norm.weight])

@@ -4,7 +4,8 @@ sequence-parallel sums of the parameters every rank holds whole, and the whole m
 from __future__ import annotations
 
 import math
-from typing import Iterable
+import weakref
+from typing import Dict, Iterable
 
 import torch
 import torch.distributed as dist
@@ -15,7 +16,7 @@ from . import _data_parallel as dp
 from ._agreement import agree, describe
 from .layers import own_pieces, sharded_blocks
 
-__all__ = ["allreduce_sequence_parallel_grads", "clip_grad_norm_"]
+__all__ = ["allreduce_sequence_parallel_grads", "clip_grad_norm_", "sum_grads_over_group"]
 
 
 def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], group=None) -> None:
@@ -53,6 +54,47 @@ def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], group=None
     for grad in grads:
         grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
         offset += grad.numel()
+
+
+def sum_grads_over_group(module: nn.Module, group=None) -> nn.Module:
+    """Make the gradient of each parameter of ``module`` the sum over the group of every rank's, in
+    every backward: for a parameter every rank holds whole but applies to its own part of the
+    activations, whose gradient on each rank is that part's share (a per-head norm, Qwen 3's and
+    Gemma 3's ``q_norm`` and ``k_norm``, applied to the rank's heads; a layer norm under sequence
+    parallelism, applied to the rank's block of the sequence). Without the sum, the ranks would
+    update it differently, and drift apart silently.
+
+    Each backward's gradient is summed (one all-reduce per parameter, on the host's order of the
+    backward, every rank alike) before it accumulates into ``.grad``, so gradient accumulation
+    over micro-batches, DDP and FSDP2 (whose parameters the module holds when its forward runs)
+    see the whole gradient. Installed as a forward pre-hook on ``module`` that hooks each parameter
+    it holds then; returns ``module``. Nothing with one rank. :func:`parallelize`'s style
+    ``"replicated_with_grad_allreduce"`` (Hugging Face's name) calls it.
+    """
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
+    group = coll.resolve_group(group)
+    if coll.group_size(group) == 1:
+        return module
+
+    def summed(grad: torch.Tensor) -> torch.Tensor:
+        return coll.all_reduce(grad, group).wait()
+
+    def hook_parameters(mod, args):
+        for param in mod.parameters():
+            seen = _SUMMED.get(id(param))
+            if param.requires_grad and (seen is None or seen() is not param):  # each parameter once
+                param.register_hook(summed)
+                key = id(param)
+                _SUMMED[key] = weakref.ref(param, lambda ref: _SUMMED.pop(key) if _SUMMED.get(key) is ref else None)
+
+    module.register_forward_pre_hook(hook_parameters)
+    return module
+
+
+#: id(parameter) -> the parameter whose gradients sum_grads_over_group sums (ids are reused: the
+#: weak reference tells the parameter hooked from a later one; shared parameters are hooked once)
+_SUMMED: Dict[int, weakref.ref] = {}
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, *,

@@ -10,6 +10,7 @@ import torch.nn as nn
 from . import _collectives as coll
 from ._checks import check_replaceable
 from .embedding import VocabParallelEmbedding
+from .grads import sum_grads_over_group
 from .layers import ColumnParallelLinear, RowParallelLinear, check_output_sizes
 
 __all__ = ["ALIASES", "STYLES", "parallelize"]
@@ -19,7 +20,10 @@ STYLES = {
     "colwise": (nn.Linear, ColumnParallelLinear),
     "colwise_gather_output": (nn.Linear, ColumnParallelLinear),  # gather_output=True
     "rowwise": (nn.Linear, RowParallelLinear),
+    "rowwise_split_input": (nn.Linear, RowParallelLinear),  # input_is_parallel=False
     "vocab": (nn.Embedding, VocabParallelEmbedding),
+    # kept as it is, the gradients of its parameters summed over the group (grads.sum_grads_over_group)
+    "replicated_with_grad_allreduce": (nn.Module, None),
 }
 #: other names of a style: Hugging Face's, so that a transformers model's own ``tp_plan`` is a plan
 ALIASES = {"embedding_rowwise": "vocab"}
@@ -55,8 +59,13 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     ``"colwise_gather_output"`` (the same, its output gathered whole on every rank,
     ``gather_output=True``: an output layer whose logits the model's own code, a generation loop,
     takes whole), ``"rowwise"`` (``nn.Linear`` → :class:`RowParallelLinear`, input already
-    parallel) or ``"vocab"`` (``nn.Embedding`` → :class:`VocabParallelEmbedding`; Hugging Face's
-    ``"embedding_rowwise"`` too, so that a transformers model's ``model.tp_plan`` is a plan). A fused projection, several outputs side
+    parallel), ``"rowwise_split_input"`` (the same, its input whole on every rank, split here,
+    ``input_is_parallel=False``), ``"vocab"`` (``nn.Embedding`` →
+    :class:`VocabParallelEmbedding`; Hugging Face's ``"embedding_rowwise"`` too) or
+    ``"replicated_with_grad_allreduce"`` (any module, kept as it is, its parameters' gradients
+    summed over the group in every backward: a per-head norm, a layer norm under sequence
+    parallelism; :func:`tp_kernels.grads.sum_grads_over_group`). These are Hugging Face's style
+    names, so that a transformers model's own ``model.tp_plan`` is a plan. A fused projection, several outputs side
     by side in one ``nn.Linear`` (``[q, k, v]``, ``[gate, up]``), takes ``("colwise",
     output_sizes)``: each output is split across the ranks (the layer's ``output_sizes``), where
     a plain ``"colwise"`` would give rank 0 the first outputs whole; ``("colwise", output_sizes,
@@ -109,11 +118,15 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
                     f"plan[{pattern!r}]: style {style!r} applies to {expected.__name__}, but {name!r} is a {type(m).__name__}"
                 )
             try:
-                check_replaceable(repr(name), m, expected)  # a subclass whose replacement would lose something
+                if STYLES[style][1] is not None:
+                    check_replaceable(repr(name), m, expected)  # a subclass whose replacement would lose something
             except ValueError as exc:
                 raise ValueError(f"plan[{pattern!r}]: {exc}") from None
-            if style == "rowwise" and m.in_features % p:  # (a column's or a vocabulary's rows are padded)
-                raise ValueError(f"plan[{pattern!r}]: {name!r} (rowwise) has in_features={m.in_features}, which the "
+            if style == "rowwise_split_input" and sequence_parallel:
+                raise ValueError(f"plan[{pattern!r}]: {name!r}: 'rowwise_split_input' (a row layer whose input is "
+                                 "whole) does not go with sequence_parallel=True")
+            if STYLES[style][1] is RowParallelLinear and m.in_features % p:  # (a column's or a vocabulary's rows are padded)
+                raise ValueError(f"plan[{pattern!r}]: {name!r} ({style}) has in_features={m.in_features}, which the "
                                  f"tensor-parallel size {p} does not divide")
             if outputs is not None:
                 try:
@@ -138,7 +151,9 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
         if id(old) in replaced:
             continue
         build = STYLES[style][1]
-        if style == "vocab":
+        if build is None:  # kept; its parameters' gradients summed over the group, once all is built
+            replaced[id(old)] = old
+        elif style == "vocab":
             replaced[id(old)] = build.from_embedding(old, group=group, sequence_parallel=sequence_parallel)
         elif style in ("colwise", "colwise_gather_output"):
             sizes, head_size = outputs or (None, None)
@@ -147,7 +162,7 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
                                                   gather_output=style == "colwise_gather_output")
         else:
             replaced[id(old)] = build.from_linear(
-                old, group=group, sequence_parallel=sequence_parallel, input_is_parallel=True
+                old, group=group, sequence_parallel=sequence_parallel, input_is_parallel=style == "rowwise"
             )
     for name, m in named:
         if id(m) in replaced:
@@ -156,6 +171,10 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     for (first, first_attr), *others in ties:  # tied again: one parameter, as in the dense model
         for holder, attr in others:
             setattr(replaced[holder], attr, getattr(replaced[first], first_attr))
+    kept = {id(m): m for m in (module.get_submodule(name) for name, (style, _) in chosen.items()
+                               if STYLES[style][1] is None)}
+    for m in kept.values():  # (each once, under however many names)
+        sum_grads_over_group(m, group)
     return module
 
 
@@ -185,7 +204,8 @@ def _ties(module: nn.Module, named, style_of: Dict[int, tuple]) -> list:
         splits = {}
         for (mid, attr), name in held.items():
             style, _, outputs = style_of.get(mid, (None, None, None))
-            splits[name] = (style, STYLES[style][1].sharded_parameters.get(attr) if style else None, outputs)
+            build = STYLES[style][1] if style else None
+            splits[name] = (style if build else None, build.sharded_parameters.get(attr) if build else None, outputs)
         if (any(style is None for style, _, _ in splits.values())
                 or len({(d, outputs) for _, d, outputs in splits.values()}) > 1):
             def how(style, d, outputs):
