@@ -857,7 +857,8 @@ def test_data_parallel_over_tensor_parallel(world4):
 
 def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parallel, mesh_kind):
     """Tensor parallelism 2 x FSDP2 over the 2 data-parallel ranks (``fully_shard``; or HSDP,
-    replicated over them) on 4 ranks: each data-parallel rank takes half the batch, and two SGD
+    replicated over them) on 4 ranks, with sequence parallelism or without (its norms' gradients
+    summed after backward, or, "hooked", by the plan's "replicated_with_grad_allreduce" in backward): each data-parallel rank takes half the batch, and two SGD
     steps with momentum, each clipped by clip_grad_norm_ (the dense model's total norm), give the
     dense model's weights on the whole batch in float64; full_state_dict is the dense state dict,
     which a model sharded alike loads with load_full_state_dict. Saved with dcp (the sharded state
@@ -887,10 +888,13 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parall
         else:
             mesh = DeviceMesh.from_group(tp_kernels.get_data_parallel_group(), "cpu", mesh_dim_names=(f"dp{tag}",))
 
+        # sequence parallelism's norms: their gradients summed after backward, or by the plan in backward
+        plan = {**LM_PLAN, "block.norm*": "replicated_with_grad_allreduce"} if sequence_parallel == "hooked" else LM_PLAN
+
         def sharded(seed, vocab=vocab):
             torch.manual_seed(seed)
-            model = tp_kernels.parallelize(LanguageModel(vocab, hidden, heads, ffn).double(), LM_PLAN,
-                                           sequence_parallel=sequence_parallel)
+            model = tp_kernels.parallelize(LanguageModel(vocab, hidden, heads, ffn).double(), plan,
+                                           sequence_parallel=bool(sequence_parallel))
             fully_shard(model.block, mesh=mesh)
             return fully_shard(model, mesh=mesh)
 
@@ -908,7 +912,7 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parall
                 logits = model(ids[:, mine])
             assert not [w for w in caught if "view" in str(w.message)], [str(w.message) for w in caught]
             tp_kernels.vocab_parallel_cross_entropy(logits, tokens[:, mine]).mean().backward()  # FSDP2 averages
-            if sequence_parallel:
+            if sequence_parallel is True:
                 tp_kernels.allreduce_sequence_parallel_grads([q for n, q in model.named_parameters() if "norm" in n])
             total = tp_kernels.clip_grad_norm_(model, 0.5)
             opt.step()
@@ -998,7 +1002,8 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parall
         tp_kernels.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("sequence_parallel,mesh_kind", [(False, "fsdp"), (True, "fsdp"), (False, "hsdp")])
+@pytest.mark.parametrize("sequence_parallel,mesh_kind", [(False, "fsdp"), (True, "fsdp"), ("hooked", "fsdp"),
+                                                          (False, "hsdp")])
 def test_fully_sharded_data_parallel_over_tensor_parallel(world4, tmp_path, sequence_parallel, mesh_kind):
     world4.run(check_fully_sharded_data_parallel_over_tensor_parallel, str(tmp_path / "checkpoint"),
                sequence_parallel, mesh_kind)
