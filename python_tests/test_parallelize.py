@@ -1100,3 +1100,9 @@ def test_hugging_face_style_names_and_their_errors():
     assert isinstance(model[2], tp_kernels.RowParallelLinear) and not model[2].input_is_parallel
     with pytest.raises(ValueError, match="module: expected an nn.Module"):
         tp_kernels.grads.sum_grads_over_group([norm.weight])
+    with pytest.raises(ValueError, match="module: holds '0.weight', a parallel layer's block"):
+        tp_kernels.grads.sum_grads_over_group(model)
+    other = nn.Sequential(nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4)))
+    with pytest.raises(ValueError, match=r"plan: '0' \(replicated_with_grad_allreduce\) holds the parallel layer '0.1'"):
+        tp_kernels.parallelize(other, {"0": "replicated_with_grad_allreduce", "0.1": "colwise"})
+    assert isinstance(other[0][1], nn.Linear)  # untouched

@@ -73,6 +73,10 @@ def sum_grads_over_group(module: nn.Module, group=None) -> nn.Module:
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
+    held = sharded_blocks(module)[0]
+    if held:
+        raise ValueError(f"module: holds {next(iter(held))!r}, a parallel layer's block, whose gradient must not be "
+                         "summed over the group: pass the modules whose parameters every rank holds whole")
     group = coll.resolve_group(group)
     if coll.group_size(group) == 1:
         return module

@@ -39,7 +39,8 @@ def _style(pattern: str, value) -> tuple:
         sizes = tuple(value[1]) if isinstance(value[1], (tuple, list)) else value[1]
         return value[0], (sizes, value[2] if len(value) == 3 else None)
     raise ValueError(f"plan[{pattern!r}]: expected a style ({', '.join(map(repr, STYLES))}), ('colwise', "
-                     f"output_sizes) or ('colwise', output_sizes, head_size) (or 'colwise_gather_output' so), got {value!r}")
+                     "output_sizes) or ('colwise', output_sizes, head_size) (or 'colwise_gather_output' so), "
+                     f"got {value!r}")
 
 
 def _known(pattern: str, style: str) -> str:
@@ -65,7 +66,9 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     ``"replicated_with_grad_allreduce"`` (any module, kept as it is, its parameters' gradients
     summed over the group in every backward: a per-head norm, a layer norm under sequence
     parallelism; :func:`tp_kernels.grads.sum_grads_over_group`). These are Hugging Face's style
-    names, so that a transformers model's own ``model.tp_plan`` is a plan. A fused projection, several outputs side
+    names, so that a transformers model's own ``model.tp_plan`` is a plan.
+
+    A fused projection, several outputs side
     by side in one ``nn.Linear`` (``[q, k, v]``, ``[gate, up]``), takes ``("colwise",
     output_sizes)``: each output is split across the ranks (the layer's ``output_sizes``), where
     a plain ``"colwise"`` would give rank 0 the first outputs whole; ``("colwise", output_sizes,
@@ -125,7 +128,8 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
             if style == "rowwise_split_input" and sequence_parallel:
                 raise ValueError(f"plan[{pattern!r}]: {name!r}: 'rowwise_split_input' (a row layer whose input is "
                                  "whole) does not go with sequence_parallel=True")
-            if STYLES[style][1] is RowParallelLinear and m.in_features % p:  # (a column's or a vocabulary's rows are padded)
+            # (a column's or a vocabulary's rows are padded)
+            if STYLES[style][1] is RowParallelLinear and m.in_features % p:
                 raise ValueError(f"plan[{pattern!r}]: {name!r} ({style}) has in_features={m.in_features}, which the "
                                  f"tensor-parallel size {p} does not divide")
             if outputs is not None:
@@ -140,6 +144,15 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
                     f"as {_describe(first_style, first_outputs)}"
                 )
             chosen[name] = (style, outputs)
+
+    for name, (style, _) in chosen.items():  # a module kept whole holds no parallel layer, now or to be
+        if STYLES[style][1] is None:
+            inner = [n for n, sub in named if n.startswith(name + ".") and (
+                getattr(type(sub), "sharded_parameters", None) or STYLES[chosen.get(n, (style,))[0]][1] is not None)]
+            if inner:
+                raise ValueError(f"plan: {name!r} (replicated_with_grad_allreduce) holds the parallel layer "
+                                 f"{inner[0]!r}, whose gradients must not be summed over the group: name the "
+                                 "modules whose parameters every rank holds whole")
 
     ties = _ties(module, named, style_of)
 
