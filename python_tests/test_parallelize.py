@@ -737,6 +737,15 @@ def test_distributed_checkpoint_across_sizes(world, tmp_path):
     assert world.world_size == 1 or any(lost), lost
 
 
+def _assert_same_sgd_step(dense, par):
+    """An SGD step on the dense and the parallel model (their gradients made) leaves the parallel
+    one holding the dense weights (float64 closeness)."""
+    for model in (dense, par):
+        torch.optim.SGD(model.parameters(), lr=0.5).step()
+    for name, value in tp_kernels.full_state_dict(par).items():
+        torch.testing.assert_close(value, dense.state_dict()[name], rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
 def check_hugging_face_llama():
     """A Hugging Face Llama (transformers' own code, a small config made here, embeddings tied to the
     head, 2 key/value heads) parallelized by its own ``tp_plan`` over 1, 2 and 4 ranks (its style
@@ -767,10 +776,7 @@ def check_hugging_face_llama():
     torch.testing.assert_close(got.loss, want.loss, rtol=1e-12, atol=0)
     want.loss.backward()
     got.loss.backward()
-    for model in (dense, par):
-        torch.optim.SGD(model.parameters(), lr=0.5).step()
-    for name, value in tp_kernels.full_state_dict(par).items():
-        torch.testing.assert_close(value, dense.state_dict()[name], rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
+    _assert_same_sgd_step(dense, par)
     with torch.no_grad():
         tokens = [model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False) for model in (dense, par)]
     assert torch.equal(tokens[0], tokens[1]), tokens
@@ -808,10 +814,7 @@ def check_hugging_face_plans(kind):
         torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-12)
         want.loss.backward()
         got.loss.backward()
-    for model in (dense, par):
-        torch.optim.SGD(model.parameters(), lr=0.5).step()
-    for name, value in tp_kernels.full_state_dict(par).items():
-        torch.testing.assert_close(value, dense.state_dict()[name], rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
+    _assert_same_sgd_step(dense, par)
 
 
 @pytest.mark.parametrize("world", [2, 4], indirect=True)
