@@ -823,6 +823,36 @@ def test_hugging_face_plans(world, kind):
     world.run(check_hugging_face_plans, kind)
 
 
+def check_hugging_face_plan_compiled():
+    """Qwen 3 by its own plan, compiled with torch.compile (its per-head norms' gradients summed by
+    hooks the compiled forward still installs and runs): twice forward and backward, the norms'
+    gradients are the dense model's (to float32 rounding: the model's norms compute in float32)."""
+    import transformers
+
+    config = transformers.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=4, head_dim=4,
+                                      max_position_embeddings=64, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    dense = transformers.Qwen3ForCausalLM(config).double()
+    par = tp_kernels.parallelize(copy.deepcopy(dense), dict(dense.tp_plan))
+    compiled = torch.compile(par)
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        for model in (dense, par):
+            model.zero_grad()
+        compiled(ids, labels=ids).loss.backward()
+        dense(ids, labels=ids).loss.backward()
+    for name in ("q_norm", "k_norm"):
+        got = par.model.layers[0].self_attn.get_submodule(name).weight.grad
+        want = dense.model.layers[0].self_attn.get_submodule(name).weight.grad
+        # (Qwen 3's RMSNorm computes in float32, which the compiled kernels round otherwise)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def test_hugging_face_plan_compiled(world2):
+    world2.run(check_hugging_face_plan_compiled)
+
+
 def check_data_parallel_over_tensor_parallel():
     """Tensor parallelism 2 x data parallelism 2 on 4 ranks: DistributedDataParallel over the
     data-parallel group wraps the parallelized model, each data-parallel rank takes half the batch,
