@@ -11,12 +11,12 @@ Public API (see docs/api.md):
 * :mod:`tp_kernels.ops`: :func:`all_gather_matmul`, :func:`matmul_reduce_scatter`,
   :func:`matmul_all_reduce` on any backend;
 * :class:`Communicator` (:mod:`tp_kernels.communicator`): the plain collectives serving engines
-  call, each on its fastest path, and :func:`tensor_model_parallel_all_reduce` & co.;
+  call, each on its fastest path, and :func:`tensor_model_parallel_all_reduce` & co. and
+  :func:`broadcast_tensor_dict`;
 * layers: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
   :class:`VocabParallelEmbedding`, :func:`vocab_parallel_cross_entropy`,
   :func:`vocab_parallel_entropy`, :func:`vocab_parallel_argmax`, :func:`vocab_parallel_topk`,
-  :func:`vocab_parallel_sample`,
-  :func:`parallelize`,
+  :func:`vocab_parallel_sample`, :func:`parallelize` (a Hugging Face model's ``tp_plan`` too),
   and for training :func:`allreduce_sequence_parallel_grads`, :func:`clip_grad_norm_`,
   :func:`full_state_dict`, :func:`load_full_state_dict`, :func:`sharded_state_dict` and the
   optimizer's (:func:`sharded_optimizer_state_dict`, :func:`load_sharded_optimizer_state_dict`),
