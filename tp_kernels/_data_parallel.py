@@ -16,11 +16,12 @@ from typing import List
 
 import torch
 
-__all__ = ["Rows", "copy_rows_", "data_parallel_mesh", "distribute_like", "first_copy", "from_local_like", "full",
-           "is_sharded", "local", "mesh_groups", "rows"]
+__all__ = ["Rows", "copy_rows_", "data_parallel_mesh", "distribute_like", "dtensor_types", "first_copy",
+           "from_local_like", "full", "is_sharded", "local", "mesh_groups", "rows"]
 
 
-def _dtensor_types():
+def dtensor_types():
+    """``(DTensor, Replicate, Shard)``, where this torch keeps them."""
     try:
         from torch.distributed.tensor import DTensor, Replicate, Shard
     except ImportError:  # torch < 2.5
@@ -39,7 +40,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_placements(t, name: str) -> None:
-    _, Replicate, Shard = _dtensor_types()
+    _, Replicate, Shard = dtensor_types()
     for placement in t.placements:
         if not (type(placement) is Replicate or (type(placement) is Shard and placement.dim == 0)):
             raise ValueError(f"{name}: a DTensor placed {tuple(t.placements)}; tp_kernels takes a parameter that data "
@@ -84,7 +85,7 @@ class Rows:
 
 def rows(t: torch.Tensor, name: str) -> Rows:
     """``t`` (a ``DTensor`` as FSDP2 places it) as this rank's rows of it."""
-    _, Replicate, _ = _dtensor_types()
+    _, Replicate, _ = dtensor_types()
     _check_placements(t, name)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -103,7 +104,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def distribute_like(param: torch.Tensor, whole: torch.Tensor, name: str):
     """``whole`` (a tensor of ``param``'s shape) as ``param`` is sharded: a ``DTensor`` of this rank's
     rows of it, on ``param``'s mesh and placements, with no communication."""
-    DTensor, _, _ = _dtensor_types()
+    DTensor, _, _ = dtensor_types()
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     _check_placements(param, name)
@@ -115,7 +116,7 @@ def distribute_like(param: torch.Tensor, whole: torch.Tensor, name: str):
 
 def from_local_like(param: torch.Tensor, part: torch.Tensor):
     """``part`` (this rank's rows, as ``param`` holds its own) as a ``DTensor`` placed as ``param``."""
-    DTensor, _, _ = _dtensor_types()
+    DTensor, _, _ = dtensor_types()
     return DTensor.from_local(part, param.device_mesh, param.placements, run_check=False, shape=param.shape,
                               stride=param.stride())
 

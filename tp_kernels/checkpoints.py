@@ -257,11 +257,8 @@ def _over_group_and_mesh(group, mesh):
     long along ``dim``, sharing the block's memory. The two-dimensional mesh is made on the first
     call (its layout, the mesh of each rank of the group, found in one all-gather over the group)."""
     from torch.distributed.device_mesh import DeviceMesh
-    try:
-        from torch.distributed.tensor import DTensor, Shard
-    except ImportError:  # torch < 2.5
-        from torch.distributed._tensor import DTensor, Shard
 
+    DTensor, _, Shard = dp.dtensor_types()
     made: list = []
 
     def both():
@@ -289,10 +286,8 @@ def _as_dtensor(group):
     tensor ``full`` long along ``dim``, sharing ``block``'s memory (the group's mesh made once per
     device type)."""
     from torch.distributed.device_mesh import DeviceMesh
-    try:
-        from torch.distributed.tensor import DTensor, Shard
-    except ImportError:  # torch < 2.5
-        from torch.distributed._tensor import DTensor, Shard
+
+    DTensor, _, Shard = dp.dtensor_types()
 
     meshes: Dict[str, object] = {}  # device type -> the group's mesh
 
