@@ -16,12 +16,26 @@ the same (already rounded) inputs.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
+
+from tp_kernels import settings
 
 
 def rank_world():
     return dist.get_rank(), dist.get_world_size()
+
+
+@contextlib.contextmanager
+def fingerprints_set(enabled: bool):
+    """Fingerprints on (or off) within the block, then back to the setting's default."""
+    settings.set_fingerprints(enabled)
+    try:
+        yield
+    finally:
+        settings.set_fingerprints(None)
 
 
 def block(t: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 import tp_kernels
-from helpers import assert_close, rank_world
+from helpers import assert_close, fingerprints_set, rank_world
 from test_disagreement import DEADLINE_S, fingerprints
-from tp_kernels import Communicator, autotune, dispatch, settings
+from tp_kernels import Communicator, autotune, dispatch
 from tp_kernels._collectives import group_name, resolve_group
 
 SHAPE = (3, 5, 7)  # odd: nothing divisible by anything
@@ -256,8 +256,7 @@ def check_broadcast_tensor_dict_the_source_cannot_send(with_fingerprints: bool):
     any tensor moves; a src out of range is a ValueError everywhere; the group works after."""
     r, p = rank_world()
     comm = Communicator()
-    settings.set_fingerprints(with_fingerprints)
-    try:
+    with fingerprints_set(with_fingerprints):
         for bad, message in [([torch.ones(2)], "tensor_dict: expected a dict on the source rank, got list"),
                              ({"x": torch.ones(2), "f": lambda: 0}, "tensor_dict['f']: a value that is not a "
                                                                     "tensor travels pickled, and this one cannot be"),
@@ -272,8 +271,6 @@ def check_broadcast_tensor_dict_the_source_cannot_send(with_fingerprints: bool):
             with pytest.raises(ValueError, match=f"src: expected a rank of the group's {p}, got {p}"):
                 comm.broadcast_tensor_dict({}, src=p)
             assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(p)))
-    finally:
-        settings.set_fingerprints(None)
 
 
 @pytest.mark.parametrize("with_fingerprints", [False, True])
@@ -285,8 +282,7 @@ def test_broadcast_tensor_dict_the_source_cannot_send(world, with_fingerprints):
 def check_bad_calls(with_fingerprints: bool):
     r, p = rank_world()
     comm = Communicator()
-    settings.set_fingerprints(with_fingerprints)
-    try:
+    with fingerprints_set(with_fingerprints):
         for i, (call, message) in enumerate(BAD_CALLS):
             if p == 1 and "divisible" in message:
                 continue  # every size divides among one rank
@@ -294,8 +290,6 @@ def check_bad_calls(with_fingerprints: bool):
                 call(comm, p)
             y = comm.all_reduce(torch.full((2,), float(r)))  # the group still works, and right
             assert torch.equal(y, torch.full((2,), p * (p - 1) / 2)), f"after bad call {i}"
-    finally:
-        settings.set_fingerprints(None)
 
 
 @pytest.mark.parametrize("with_fingerprints", [False, True])

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import tp_kernels
-from helpers import rank_world
+from helpers import fingerprints_set, rank_world
 from tp_kernels import _collectives, ops, settings
 from tp_kernels.testing import World, WorkerError
 
@@ -28,11 +28,8 @@ def fingerprints(check):
 
     @functools.wraps(check)
     def on(*args, **kwargs):
-        settings.set_fingerprints(True)
-        try:
+        with fingerprints_set(True):
             return check(*args, **kwargs)
-        finally:
-            settings.set_fingerprints(None)
 
     return on
 

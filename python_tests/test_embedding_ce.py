@@ -10,8 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tp_kernels
-from tp_kernels import mappings, settings
-from helpers import assert_close, block, held_rows, padded_block, rank_world
+from tp_kernels import mappings
+from helpers import assert_close, block, fingerprints_set, held_rows, padded_block, rank_world
 
 
 def check_embedding(padding_idx):
@@ -83,12 +83,9 @@ def check_sequence_parallel_embedding():
     assert torch.equal(par(torch.zeros(p, dtype=torch.long)), block(dense(torch.zeros(p, dtype=torch.long)), 0, r, p))
     if p > 1:  # a rank whose embedding is built otherwise: an error on every rank, not a mismatched collective
         odd = tp_kernels.VocabParallelEmbedding.from_embedding(dense, sequence_parallel=r != 1)
-        settings.set_fingerprints(True)
-        try:
-            with pytest.raises(RuntimeError, match="disagree on this call.*sequence_parallel False"):
-                odd(torch.zeros(s, dtype=torch.long))
-        finally:
-            settings.set_fingerprints(None)
+        with fingerprints_set(True), pytest.raises(RuntimeError,
+                                                   match="disagree on this call.*sequence_parallel False"):
+            odd(torch.zeros(s, dtype=torch.long))
         assert par(torch.zeros(s, dtype=torch.long)).shape == (s // p, dim)  # the group still works
 
 

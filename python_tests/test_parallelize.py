@@ -13,8 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tp_kernels
-from tp_kernels import settings
-from helpers import assert_close, block, padded_block, rank_world
+from helpers import assert_close, block, fingerprints_set, padded_block, rank_world
 
 HEAD_DIM = 5
 
@@ -294,13 +293,9 @@ def check_full_state_dict_options(device="cpu"):
         with pytest.raises(ValueError, match=f"{bad}: expected a bool, got 1"):
             tp_kernels.full_state_dict(wide, **{bad: 1})
     if p > 1:
-        settings.set_fingerprints(True)
         odd_one = "disagree on this call.*rank 1: full_state_dict: .* rank0_only True"
-        try:
-            with pytest.raises(RuntimeError, match=odd_one):
-                tp_kernels.full_state_dict(wide, rank0_only=r == 1)
-        finally:
-            settings.set_fingerprints(None)
+        with fingerprints_set(True), pytest.raises(RuntimeError, match=odd_one):
+            tp_kernels.full_state_dict(wide, rank0_only=r == 1)
     full = tp_kernels.full_state_dict(wide)  # the group still works
     assert torch.equal(full["head.weight"], want["head.weight"])
 
@@ -743,7 +738,8 @@ def _assert_same_sgd_step(dense, par):
     for model in (dense, par):
         torch.optim.SGD(model.parameters(), lr=0.5).step()
     for name, value in tp_kernels.full_state_dict(par).items():
-        torch.testing.assert_close(value, dense.state_dict()[name], rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(value, dense.state_dict()[name], rtol=1e-10, atol=1e-12,
+                                   msg=lambda m: f"{name}: {m}")
 
 
 def check_hugging_face_llama():
@@ -751,8 +747,9 @@ def check_hugging_face_llama():
     head, 2 key/value heads) parallelized by its own ``tp_plan`` over 1, 2 and 4 ranks (its style
     names: the head ``"colwise_gather_output"``, so that transformers' loss and generation take
     whole logits, the embedding ``"embedding_rowwise"``); on 4 the key and value projections are one
-    output of heads each (``("colwise", [k], head_size)``), a head replicated on two ranks. Its logits and loss are the dense model's in float64, an SGD step gives the dense
-    weights, and greedy generation the dense model's tokens."""
+    output of heads each (``("colwise", [k], head_size)``), a head replicated on two ranks. Its
+    logits and loss are the dense model's in float64, an SGD step gives the dense weights, and
+    greedy generation the dense model's tokens."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     r, p = rank_world()
@@ -891,9 +888,10 @@ def test_data_parallel_over_tensor_parallel(world4):
 def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parallel, mesh_kind):
     """Tensor parallelism 2 x FSDP2 over the 2 data-parallel ranks (``fully_shard``; or HSDP,
     replicated over them) on 4 ranks, with sequence parallelism or without (its norms' gradients
-    summed after backward, or, "hooked", by the plan's "replicated_with_grad_allreduce" in backward): each data-parallel rank takes half the batch, and two SGD
-    steps with momentum, each clipped by clip_grad_norm_ (the dense model's total norm), give the
-    dense model's weights on the whole batch in float64; full_state_dict is the dense state dict,
+    summed after backward, or, "hooked", by the plan's "replicated_with_grad_allreduce" in
+    backward): each data-parallel rank takes half the batch, and two SGD steps with momentum, each
+    clipped by clip_grad_norm_ (the dense model's total norm), give the dense model's weights on the
+    whole batch in float64; full_state_dict is the dense state dict,
     which a model sharded alike loads with load_full_state_dict. Saved with dcp (the sharded state
     dicts, the optimizer's too), the checkpoint is the dense model's and momenta offline; a model
     sharded alike resumes from it, its next step the original's; and the model parallelized over
@@ -922,7 +920,9 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parall
             mesh = DeviceMesh.from_group(tp_kernels.get_data_parallel_group(), "cpu", mesh_dim_names=(f"dp{tag}",))
 
         # sequence parallelism's norms: their gradients summed after backward, or by the plan in backward
-        plan = {**LM_PLAN, "block.norm*": "replicated_with_grad_allreduce"} if sequence_parallel == "hooked" else LM_PLAN
+        plan = dict(LM_PLAN)
+        if sequence_parallel == "hooked":
+            plan["block.norm*"] = "replicated_with_grad_allreduce"
 
         def sharded(seed, vocab=vocab):
             torch.manual_seed(seed)
@@ -980,7 +980,8 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parall
         dist.barrier()
         whole = tp_kernels.dense_state_dict(torch.load(f"{path}.pt"))
         for name, value in want.items():
-            torch.testing.assert_close(whole["model"][name], value, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(whole["model"][name], value, rtol=1e-10, atol=1e-12,
+                                       msg=lambda m: f"{name}: {m}")
         for name, param in dense.named_parameters():
             torch.testing.assert_close(whole["optim"]["state"][name]["momentum_buffer"],
                                        dense_opt.state[param]["momentum_buffer"], rtol=1e-10, atol=1e-12,
@@ -1136,6 +1137,7 @@ def test_hugging_face_style_names_and_their_errors():
     with pytest.raises(ValueError, match="module: holds '0.weight', a parallel layer's block"):
         tp_kernels.grads.sum_grads_over_group(model)
     other = nn.Sequential(nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4)))
-    with pytest.raises(ValueError, match=r"plan: '0' \(replicated_with_grad_allreduce\) holds the parallel layer '0.1'"):
+    with pytest.raises(ValueError, match=r"plan: '0' \(replicated_with_grad_allreduce\) holds the parallel "
+                                         r"layer '0.1'"):
         tp_kernels.parallelize(other, {"0": "replicated_with_grad_allreduce", "0.1": "colwise"})
     assert isinstance(other[0][1], nn.Linear)  # untouched
