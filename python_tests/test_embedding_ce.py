@@ -287,6 +287,21 @@ def check_sample(dtype_name, vocab_of_p, device="cpu"):
     assert torch.equal(got.reshape(-1), want.argmax(-1))
     assert torch.equal(tp_kernels.vocab_parallel_sample(mine, temperature=0, vocab_size=vocab),
                        tp_kernels.vocab_parallel_argmax(mine, vocab_size=vocab))
+    # a temperature per row (a serving batch's requests): each row sampled at its own, a row at 0 greedy
+    per_row = torch.tensor([0.7, 0.0, 1.5, 0.7, 0.0, 0.3] * 2, dtype=torch.float32, device=device).view(6, 2)
+    own = torch.Generator(device).manual_seed(200 + r)
+    got = tp_kernels.vocab_parallel_sample(mine, temperature=per_row, generator=own, vocab_size=vocab)
+    own = torch.Generator(device).manual_seed(200 + r)
+    held = held_rows(vocab, r, p)
+    z = mine.reshape(-1, width)[:, :held].to(wide)
+    e = torch.empty(12, held, dtype=wide, device=device).exponential_(generator=own)
+    t = per_row.reshape(-1, 1).to(wide)
+    noisy = torch.where(t > 0, z / t.clamp_min(1e-30) - e.log(), z)
+    noisy = torch.cat([noisy, noisy.new_full((12, width - held), float("-inf"))], -1)
+    want = torch.cat(gather_all(noisy), -1)[:, :vocab].argmax(-1)
+    assert torch.equal(got.reshape(-1), want), (got, want)
+    greedy = tp_kernels.vocab_parallel_argmax(mine, vocab_size=vocab)
+    assert torch.equal(got[per_row == 0], greedy[per_row == 0])
     # as often as the softmax says
     row = full[1, 0]
     draws = tp_kernels.vocab_parallel_sample(padded_block(row.expand(4000, vocab), -1, r, p, float("-inf")).to(device),
@@ -296,7 +311,9 @@ def check_sample(dtype_name, vocab_of_p, device="cpu"):
     assert torch.all((freq - probs).abs() <= 5 * (probs * (1 - probs) / 4000).sqrt() + 1e-3), (freq, probs)
     for bad, match in [(dict(temperature=-1.0), "temperature: expected a finite number >= 0"),
                        (dict(temperature=float("inf")), "temperature"), (dict(temperature=True), "temperature"),
-                       (dict(generator=3), "generator: expected a torch.Generator")]:
+                       (dict(generator=3), "generator: expected a torch.Generator"),
+                       (dict(temperature=torch.ones(6)), r"temperature: expected a floating tensor of the rows' shape"),
+                       (dict(temperature=torch.full((6, 2), -1.0, device=device)), "expected finite numbers >= 0")]:
         with pytest.raises(ValueError, match=match):
             tp_kernels.vocab_parallel_sample(mine, vocab_size=vocab, **bad)
     rng.get_rng_tracker().reset()

@@ -4,7 +4,7 @@ gathering them."""
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -216,7 +216,7 @@ def vocab_parallel_argmax(logits: torch.Tensor, group=None, *, vocab_size: Optio
     return _first_max(classes, start, vocab, group).reshape(logits.shape[:-1])
 
 
-def vocab_parallel_sample(logits: torch.Tensor, group=None, *, temperature: float = 1.0,
+def vocab_parallel_sample(logits: torch.Tensor, group=None, *, temperature: Union[float, torch.Tensor] = 1.0,
                           generator: Optional[torch.Generator] = None,
                           vocab_size: Optional[int] = None) -> torch.Tensor:
     """A token drawn from ``softmax(full_logits / temperature)`` per row, the same on every rank,
@@ -230,21 +230,33 @@ def vocab_parallel_sample(logits: torch.Tensor, group=None, *, temperature: floa
     :func:`tp_kernels.model_parallel_manual_seed`, which must have been called), so a run seeded alike
     samples alike. A ``generator`` given instead (on the logits' device) must differ between the
     ranks, e.g. seeded ``seed + rank``: the same noise on every rank would not sample from the
-    softmax. ``temperature=0`` is the argmax. The noise is drawn in float32 (float64 for float64
-    logits); a ``-inf`` logit (a masked class, the padding) is never drawn.
+    softmax. ``temperature=0`` is the argmax. A tensor of temperatures, one per row (the requests of
+    a serving batch, each its own), samples each row at its own; a row at 0 takes its argmax. The
+    noise is drawn in float32 (float64 for float64 logits), for every row whatever its temperature;
+    a ``-inf`` logit (a masked class, the padding) is never drawn.
 
     Args:
         logits: ``[..., V/p]``, this rank's block of the vocabulary; any floating dtype.
         group: process group (default: the tensor-parallel group).
-        temperature: a finite number ``>= 0``.
+        temperature: a finite number ``>= 0``, or a floating tensor of them shaped ``logits.shape[:-1]``
+            on the logits' device (checked on the host: one synchronization).
         generator: where the noise comes from (see above).
         vocab_size: ``V``, where the blocks are padded, as for :func:`vocab_parallel_cross_entropy`.
     """
     group = coll.resolve_group(group)
 
+    per_row = isinstance(temperature, torch.Tensor)
+
     def check() -> int:
         vocab = _check_logits(logits, vocab_size, group)
-        if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+        if per_row:
+            if (temperature.shape != logits.shape[:-1] or not temperature.is_floating_point()
+                    or temperature.device != logits.device):
+                raise ValueError(f"temperature: expected a floating tensor of the rows' shape "
+                                 f"{list(logits.shape[:-1])} on {logits.device}, got {describe(temperature)}")
+            if not bool((torch.isfinite(temperature) & (temperature >= 0)).all()):
+                raise ValueError("temperature: expected finite numbers >= 0, got a negative, NaN or infinite one")
+        elif (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
                 or not 0 <= temperature < float("inf")):
             raise ValueError(f"temperature: expected a finite number >= 0, got {temperature!r}")
         if generator is not None:
@@ -252,22 +264,28 @@ def vocab_parallel_sample(logits: torch.Tensor, group=None, *, temperature: floa
                 raise ValueError(f"generator: expected a torch.Generator, got {type(generator).__name__}")
             if generator.device.type != logits.device.type:
                 raise ValueError(f"generator: on {generator.device}, not on the logits' device {logits.device}")
-        elif temperature and rng.MODEL_PARALLEL_RNG not in rng.get_rng_tracker().seeds():
+        elif (per_row or temperature) and rng.MODEL_PARALLEL_RNG not in rng.get_rng_tracker().seeds():
             raise ValueError("generator: none given, and no model-parallel stream to draw the noise from: call "
                              "tp_kernels.model_parallel_manual_seed(seed) first, or pass a generator of each "
                              "rank's own")
         return vocab
 
     vocab = agree("vocab_parallel_sample", group, check,
-                  lambda vocab: f"logits {describe(logits)}, vocabulary {vocab}, temperature {temperature}",
+                  lambda vocab: f"logits {describe(logits)}, vocabulary {vocab}, temperature "
+                                f"{describe(temperature) if per_row else temperature}",
                   hint=logits)
-    if temperature == 0:
+    if not per_row and temperature == 0:
         return vocab_parallel_argmax(logits, group, vocab_size=vocab_size)
     classes, start = _classes(logits.detach(), vocab, group)  # [N, v]
     z = classes.to(torch.promote_types(classes.dtype, torch.float32))
     with rng.get_rng_tracker().fork() if generator is None else contextlib.nullcontext():
         noise = torch.empty_like(z).exponential_(generator=generator)
-    return _first_max(z / temperature - noise.log(), start, vocab, group).reshape(logits.shape[:-1])
+    if not per_row:
+        return _first_max(z / temperature - noise.log(), start, vocab, group).reshape(logits.shape[:-1])
+    t = temperature.reshape(-1, 1).to(z.dtype)
+    sampled = t > 0  # (a row at 0: its logits as they are, the argmax)
+    noisy = torch.where(sampled, z / torch.where(sampled, t, 1.0) - noise.log(), z)
+    return _first_max(noisy, start, vocab, group).reshape(logits.shape[:-1])
 
 
 def vocab_parallel_topk(logits: torch.Tensor, k: int, group=None, *,
