@@ -104,14 +104,9 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def distribute_like(param: torch.Tensor, whole: torch.Tensor, name: str):
     """``whole`` (a tensor of ``param``'s shape) as ``param`` is sharded: a ``DTensor`` of this rank's
     rows of it, on ``param``'s mesh and placements, with no communication."""
-    DTensor, _, _ = dtensor_types()
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _check_placements(param, name)
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    part = whole.narrow(0, offset[0], shape[0]) if whole.dim() else whole
-    return DTensor.from_local(part.contiguous(), param.device_mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())
+    held = rows(param, name)
+    part = whole.narrow(0, held.start, held.local.shape[0]) if whole.dim() else whole
+    return from_local_like(param, part.contiguous())
 
 
 def from_local_like(param: torch.Tensor, part: torch.Tensor):
