@@ -16,7 +16,8 @@ Public API (see docs/api.md):
 * layers: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
   :class:`VocabParallelEmbedding`, :func:`vocab_parallel_cross_entropy`,
   :func:`vocab_parallel_entropy`, :func:`vocab_parallel_argmax`, :func:`vocab_parallel_topk`,
-  :func:`vocab_parallel_sample`, :func:`parallelize` (a Hugging Face model's ``tp_plan`` too),
+  :func:`vocab_parallel_sample`, :func:`parallelize` (a Hugging Face model's ``tp_plan`` too;
+  a mixture's expert weights by :func:`tp_kernels.experts.shard_experts`),
   and for training :func:`allreduce_sequence_parallel_grads`, :func:`clip_grad_norm_`,
   :func:`full_state_dict`, :func:`load_full_state_dict`, :func:`sharded_state_dict` and the
   optimizer's (:func:`sharded_optimizer_state_dict`, :func:`load_sharded_optimizer_state_dict`),
@@ -29,7 +30,7 @@ Public API (see docs/api.md):
 docs/architecture.md draws the layers of the package and follows a call through them.
 """
 
-from . import autotune, communicator, mappings, ops, rng, schedule, settings
+from . import autotune, communicator, experts, mappings, ops, rng, schedule, settings
 from ._extension import extension_status
 from .settings import get_timeout, set_comm_stream_priority, set_timeout
 from .cross_entropy import (

@@ -173,7 +173,8 @@ def _entries(module: nn.Module):
     ``entries(key, tensor)``: the entries under which ``tensor`` is saved, ``{key: tensor}`` unless
     ``key`` names a parameter of which this rank holds a block and ``tensor`` has that block's shape
     (the parameter, or its optimizer state): then ``{key: DTensor}``, split as the parameter is, or,
-    for a layer of several outputs, ``{"key[j]": DTensor of output j}``, or, for a layer of outputs
+    for a layer of several outputs, ``{"key[j]": DTensor of output j}`` (``"key[dimD][j]"`` where
+    the outputs lie side by side along a dim D other than 0: packed expert weights), or, for a layer of outputs
     made of heads (``head_size``), ``{"key[j][h]": head h of output j}`` for each head this rank
     holds, a plain tensor (held by several ranks where it is replicated, saved once by ``dcp``). All
     views of ``tensor``; with one rank, plain tensors. ``join(per_name)``: the optimizer's state by
@@ -200,10 +201,11 @@ def _entries(module: nn.Module):
     def pieces(key: str, tensor: torch.Tensor, dim: int, layer) -> Dict[str, torch.Tensor]:
         """``tensor`` (a block of ``key``) by entry name: its outputs, or their heads."""
         head = getattr(layer, "head_size", None)
+        along = f"[dim{dim}]" if dim else ""  # (what dense_state_dict joins them along, offline)
         out = {}
         for j, piece in enumerate(tensor.split(local_sizes(layer), dim)):
             if head is None:
-                out[f"{key}[{j}]"] = piece
+                out[f"{key}{along}[{j}]"] = piece
                 continue
             first = block_index(layer, j) * (piece.shape[dim] // head)  # the first head it holds
             for i, one in enumerate(piece.split(head, dim)):
@@ -302,16 +304,18 @@ def _as_dtensor(group):
     return sharded
 
 
-#: an entry of a sharded state dict that holds one output (``"qkv.weight[1]"``) or one head of it
-#: (``"qkv.weight[1][0]"``) of a fused layer, and what follows it in a flattened key (``".exp_avg"``)
-_ENTRY = re.compile(r"(.+?)\[(\d+)\](?:\[(\d+)\])?(\..+)?")
+#: an entry of a sharded state dict that holds one output (``"qkv.weight[1]"``; along a dim other
+#: than 0, ``"experts.gate_up_proj[dim1][1]"``) or one head of it (``"qkv.weight[1][0]"``) of a fused
+#: layer, and what follows it in a flattened key (``".exp_avg"``)
+_ENTRY = re.compile(r"(.+?)(?:\[dim(\d+)\])?\[(\d+)\](?:\[(\d+)\])?(\..+)?")
 
 
 def dense_state_dict(state_dict: Mapping[str, object]) -> Dict[str, object]:
     """A state dict read whole from a checkpoint of :func:`sharded_state_dict` (and of
     :func:`sharded_optimizer_state_dict`) as the dense model names it: the entries of each output
     of a fused layer, ``"qkv.weight[1]"``, and of each head, ``"qkv.weight[1][0]"``, joined along
-    dim 0 into ``"qkv.weight"``, in nested dicts too (an optimizer's ``state``); everything else as
+    dim 0 into ``"qkv.weight"`` (those of packed expert weights, ``"experts.gate_up_proj[dim1][1]"``,
+    along the dim they name), in nested dicts too (an optimizer's ``state``); everything else as
     it is. For converting a checkpoint offline, with no process group: torch's
     ``dcp_to_torch_save(path, file)``, ``torch.load(file)``, then this. A ``ValueError`` names an
     entry whose outputs or heads are not all there."""
@@ -319,14 +323,16 @@ def dense_state_dict(state_dict: Mapping[str, object]) -> Dict[str, object]:
         raise ValueError(f"state_dict: expected a mapping, got {type(state_dict).__name__}")
     out: Dict[str, object] = {}
     pieces: Dict[str, list] = {}  # the joined key -> [((output, head), key, value)]
+    dims: Dict[str, set] = {}  # the joined key -> the dims its entries name (one)
     for key, value in state_dict.items():
         match = _ENTRY.fullmatch(key) if isinstance(key, str) else None
         if match is None:
             out[key] = dense_state_dict(value) if isinstance(value, Mapping) else value
             continue
-        base, output, head, rest = match.groups()
+        base, dim, output, head, rest = match.groups()
         joined = base + (rest or "")
         out.setdefault(joined, None)  # (keeps the entries' place in the order)
+        dims.setdefault(joined, set()).add(int(dim or 0))
         pieces.setdefault(joined, []).append(((int(output), -1 if head is None else int(head)), key, value))
     for joined, found in pieces.items():
         found.sort(key=lambda item: item[0])
@@ -334,21 +340,22 @@ def dense_state_dict(state_dict: Mapping[str, object]) -> Dict[str, object]:
         for (output, head), _, _ in found:
             outputs.setdefault(output, []).append(head)
         heads_whole = all(heads == [-1] or heads == list(range(len(heads))) for heads in outputs.values())
-        if sorted(outputs) != list(range(len(outputs))) or not heads_whole:
+        if sorted(outputs) != list(range(len(outputs))) or not heads_whole or len(dims[joined]) > 1:
             raise ValueError(f"state_dict: the entries of {joined!r} are not every output (and head) of it: "
                              f"{[key for _, key, _ in found]}")
-        out[joined] = _join([dense_state_dict(v) if isinstance(v, Mapping) else v for _, _, v in found], joined)
+        out[joined] = _join([dense_state_dict(v) if isinstance(v, Mapping) else v for _, _, v in found], joined,
+                            *dims[joined])
     return out
 
 
-def _join(values: list, name: str):
-    """The pieces of one tensor (or of one optimizer state: dicts of them) joined along dim 0; a
+def _join(values: list, name: str, dim: int):
+    """The pieces of one tensor (or of one optimizer state: dicts of them) joined along ``dim``; a
     value that is not split (a step count) must be the same in every piece."""
     first = values[0]
     if isinstance(first, Mapping):
-        return {k: _join([v[k] for v in values], f"{name}.{k}") for k in first}
+        return {k: _join([v[k] for v in values], f"{name}.{k}", dim) for k in first}
     if isinstance(first, torch.Tensor) and first.dim():
-        return torch.cat(values, 0)
+        return torch.cat(values, dim)
     if any(not (v is first or (torch.equal(v, first) if isinstance(first, torch.Tensor) else v == first))
            for v in values[1:]):
         raise ValueError(f"state_dict: the pieces of {name!r} hold different values: {values}")

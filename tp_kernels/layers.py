@@ -572,21 +572,41 @@ def full_of(blocks: torch.Tensor, dim: int, layer: nn.Module) -> torch.Tensor:
     return torch.cat([pieces[r][j] for j, b in enumerate(layer.split_blocks) for r in range(0, p, p // b)], dim)
 
 
+class ParameterSplit:
+    """How a parameter sharded in place, outside the parallel layers, is split (an expert weight of
+    a mixture of experts, :func:`tp_kernels.experts.shard_experts`): the attributes of a parallel
+    layer that :func:`block_of`, :func:`full_of` and :func:`own_pieces` read. ``parts``: the sizes of
+    the parts its split dim is made of (one; two for a packed ``[gate; up]``), each split into
+    ``p`` equal blocks, none padded, none replicated."""
+
+    head_size = None
+    pad_rows = 0
+
+    def __init__(self, group, parts: Sequence[int]):
+        self.group = group
+        self.tp_size = coll.group_size(group)
+        self.tp_rank = coll.group_rank(group)
+        self.split_parts = tuple(parts)
+        self.split_blocks = (self.tp_size,) * len(self.split_parts)
+
+
 def sharded_blocks(module: nn.Module) -> Tuple[Dict[str, tuple], object, Optional[str]]:
     """The parameters of ``module`` of which each rank holds a block, by state-dict name (a module
     reachable under several names under each): ``(parameter, the dim it is split along, its
-    layer)``, from each parallel layer's ``sharded_parameters``; the group of those layers (the
-    tensor-parallel group where there are none); and why not, when they use several groups."""
+    layer)``, from each parallel layer's ``sharded_parameters`` (or, for a parameter sharded in
+    place, ``(parameter, dim, its ParameterSplit)``, from its module's ``parameter_splits``); the
+    group of those layers (the tensor-parallel group where there are none); and why not, when they
+    use several groups."""
     if not isinstance(module, nn.Module):
         raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
     blocks, groups = {}, {}
     for prefix, m in module.named_modules(remove_duplicate=False):
         dims = getattr(type(m), "sharded_parameters", None)
-        if dims:
-            groups[id(m.group)] = m.group
-            for name, dim in dims.items():
-                if getattr(m, name) is not None:
-                    blocks[f"{prefix}.{name}" if prefix else name] = (getattr(m, name), dim, m)
+        splits = {name: (dim, m) for name, dim in dims.items()} if dims else m.__dict__.get("parameter_splits", {})
+        for name, (dim, split) in splits.items():
+            groups[id(split.group)] = split.group
+            if getattr(m, name) is not None:
+                blocks[f"{prefix}.{name}" if prefix else name] = (getattr(m, name), dim, split)
     if len(groups) > 1:
         return blocks, coll.resolve_group(None), (f"module: its parallel layers use {len(groups)} different groups; "
                                                   "this takes one tensor-parallel group")

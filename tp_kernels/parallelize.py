@@ -10,6 +10,7 @@ import torch.nn as nn
 from . import _collectives as coll
 from ._checks import check_replaceable
 from .embedding import VocabParallelEmbedding
+from .experts import PARAMETER_STYLES, check_styles, shard_experts
 from .grads import sum_grads_over_group
 from .layers import ColumnParallelLinear, RowParallelLinear, check_output_sizes
 
@@ -19,11 +20,15 @@ __all__ = ["ALIASES", "STYLES", "parallelize"]
 STYLES = {
     "colwise": (nn.Linear, ColumnParallelLinear),
     "colwise_gather_output": (nn.Linear, ColumnParallelLinear),  # gather_output=True
+    "packed_colwise": (nn.Linear, ColumnParallelLinear),  # two outputs packed side by side: output_sizes halves
     "rowwise": (nn.Linear, RowParallelLinear),
     "rowwise_split_input": (nn.Linear, RowParallelLinear),  # input_is_parallel=False
     "vocab": (nn.Embedding, VocabParallelEmbedding),
     # kept as it is, the gradients of its parameters summed over the group (grads.sum_grads_over_group)
     "replicated_with_grad_allreduce": (nn.Module, None),
+    # kept as it is, the expert weights the plan names by parameter (experts.PARAMETER_STYLES) split,
+    # its output summed over the group (experts.shard_experts)
+    "moe_tp_experts": (nn.Module, None),
 }
 #: other names of a style: Hugging Face's, so that a transformers model's own ``tp_plan`` is a plan
 ALIASES = {"embedding_rowwise": "vocab"}
@@ -45,9 +50,9 @@ def _style(pattern: str, value) -> tuple:
 
 def _known(pattern: str, style: str) -> str:
     style = ALIASES.get(style, style)
-    if style not in STYLES:
+    if style not in STYLES and style not in PARAMETER_STYLES:
         raise ValueError(f"plan[{pattern!r}]: unknown style {style!r}; expected one of "
-                         f"{', '.join(map(repr, [*STYLES, *ALIASES]))}")
+                         f"{', '.join(map(repr, dict.fromkeys([*STYLES, *ALIASES, *PARAMETER_STYLES])))}")
     return style
 
 
@@ -62,11 +67,16 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     takes whole), ``"rowwise"`` (``nn.Linear`` → :class:`RowParallelLinear`, input already
     parallel), ``"rowwise_split_input"`` (the same, its input whole on every rank, split here,
     ``input_is_parallel=False``), ``"vocab"`` (``nn.Embedding`` →
-    :class:`VocabParallelEmbedding`; Hugging Face's ``"embedding_rowwise"`` too) or
+    :class:`VocabParallelEmbedding`; Hugging Face's ``"embedding_rowwise"`` too),
     ``"replicated_with_grad_allreduce"`` (any module, kept as it is, its parameters' gradients
     summed over the group in every backward: a per-head norm, a layer norm under sequence
-    parallelism; :func:`tp_kernels.grads.sum_grads_over_group`). These are Hugging Face's style
-    names, so that a transformers model's own ``model.tp_plan`` is a plan.
+    parallelism; :func:`tp_kernels.grads.sum_grads_over_group`), ``"packed_colwise"`` (an
+    ``nn.Linear`` of two outputs side by side, ``[gate; up]``: the column layer with ``output_sizes``
+    its halves) or ``"moe_tp_experts"`` (a mixture's experts, kept, their 3-D weights split by
+    parameter-name entries of the plan, ``"layers.*.experts.gate_up_proj": "packed_colwise"``, in
+    the styles of :data:`tp_kernels.experts.PARAMETER_STYLES`, and their output summed over the
+    group: :func:`tp_kernels.experts.shard_experts`). These are Hugging Face's style names, so that
+    a transformers model's own ``model.tp_plan`` is a plan.
 
     A fused projection, several outputs side
     by side in one ``nn.Linear`` (``[q, k, v]``, ``[gate, up]``), takes ``("colwise",
@@ -95,7 +105,9 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     ``-inf`` (see :class:`ColumnParallelLinear`).
 
     Everything is checked before anything is replaced: an unknown style, a pattern that matches
-    nothing, a style applied to the wrong module type, a row layer's ``in_features`` or an output
+    nothing, a style applied to the wrong module type (or a parameter's style to a module, a
+    module's to a parameter, or to a parameter of a module not named ``"moe_tp_experts"``), experts
+    the plan leaves a parameter of whole, a row layer's ``in_features`` or an output
     size the group's size does not divide, one module given two styles, or a tied parameter the
     plan would split apart raise ``ValueError`` naming the pattern and the module's path. Returns
     ``module``.
@@ -107,14 +119,32 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     group = coll.resolve_group(group)
     p = coll.group_size(group)
     named = [(name, m) for name, m in module.named_modules(remove_duplicate=False) if name]
+    # each parameter by its qualified name: (name, its module's name, its module, its attribute)
+    params = [(f"{name}.{attr}" if name else attr, name, m, attr)
+              for name, m in [("", module)] + named for attr, _ in m.named_parameters(recurse=False)]
     chosen: Dict[str, tuple] = {}  # name -> (style, outputs: (output_sizes, head_size) or None)
     style_of: Dict[int, tuple] = {}  # id(module) -> (style, name, outputs): one style per module object
+    by_parameter: Dict[int, Dict[str, tuple]] = {}  # id(module) -> {attribute: (style, its name)}
     for pattern, entry in plan.items():
         style, outputs = _style(pattern, entry)
-        expected = STYLES[style][0]
         hits = [(name, m) for name, m in named if fnmatch.fnmatchcase(name, pattern)]
-        if not hits:
-            raise ValueError(f"plan: pattern {pattern!r} matches no submodule of {type(module).__name__}")
+        matched = {id(m) for _, m in hits}  # (a module it names: not its parameters too)
+        parameter_hits = [hit for hit in params if fnmatch.fnmatchcase(hit[0], pattern) and id(hit[2]) not in matched]
+        if not hits and not parameter_hits:
+            raise ValueError(f"plan: pattern {pattern!r} matches no submodule or parameter of {type(module).__name__}")
+        for name, owner_name, owner, attr in parameter_hits:
+            if outputs is not None or style not in PARAMETER_STYLES:
+                raise ValueError(f"plan[{pattern!r}]: {name!r} is a parameter, which takes one of "
+                                 f"{', '.join(map(repr, PARAMETER_STYLES))} (an expert weight of a module the plan "
+                                 f"names 'moe_tp_experts'), not {_describe(style, outputs)}")
+            first_style, first_name = by_parameter.setdefault(id(owner), {}).setdefault(attr, (style, name))
+            if first_style != style:
+                raise ValueError(f"plan: {name!r} is matched as {style!r}, but the same parameter ({first_name!r}) "
+                                 f"as {first_style!r}")
+        if hits and style not in STYLES:
+            raise ValueError(f"plan[{pattern!r}]: {style!r} splits a parameter (an expert weight of a module the plan "
+                             f"names 'moe_tp_experts'), but {hits[0][0]!r} is a {type(hits[0][1]).__name__}")
+        expected = STYLES.get(style, (None,))[0]
         for name, m in hits:
             if not isinstance(m, expected):
                 raise ValueError(
@@ -125,30 +155,59 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
                     check_replaceable(repr(name), m, expected)  # a subclass whose replacement would lose something
             except ValueError as exc:
                 raise ValueError(f"plan[{pattern!r}]: {exc}") from None
-            if style == "rowwise_split_input" and sequence_parallel:
-                raise ValueError(f"plan[{pattern!r}]: {name!r}: 'rowwise_split_input' (a row layer whose input is "
-                                 "whole) does not go with sequence_parallel=True")
+            if style in ("rowwise_split_input", "moe_tp_experts") and sequence_parallel:
+                what = "a row layer whose input is" if style == "rowwise_split_input" else "experts whose input is"
+                raise ValueError(f"plan[{pattern!r}]: {name!r}: {style!r} ({what} whole) does not go with "
+                                 "sequence_parallel=True")
             # (a column's or a vocabulary's rows are padded)
             if STYLES[style][1] is RowParallelLinear and m.in_features % p:
                 raise ValueError(f"plan[{pattern!r}]: {name!r} ({style}) has in_features={m.in_features}, which the "
                                  f"tensor-parallel size {p} does not divide")
-            if outputs is not None:
+            given = outputs
+            if style == "packed_colwise":  # ('colwise', its two halves)
+                if m.out_features % 2:
+                    raise ValueError(f"plan[{pattern!r}]: {name!r} ('packed_colwise': two outputs side by side) has "
+                                     f"an odd out_features={m.out_features}")
+                given = ((m.out_features // 2,) * 2, None)
+            if given is not None:
                 try:
-                    check_output_sizes(outputs[0], m.out_features, p, outputs[1])
+                    check_output_sizes(given[0], m.out_features, p, given[1])
                 except ValueError as exc:
                     raise ValueError(f"plan[{pattern!r}]: {name!r}: {exc}") from None
-            first_style, first_name, first_outputs = style_of.setdefault(id(m), (style, name, outputs))
-            if (first_style, first_outputs) != (style, outputs):
+            first_style, first_name, first_outputs = style_of.setdefault(id(m), (style, name, given))
+            if (first_style, first_outputs) != (style, given):
                 raise ValueError(
-                    f"plan: {name!r} is matched as {_describe(style, outputs)}, but the same module ({first_name!r}) "
+                    f"plan: {name!r} is matched as {_describe(style, given)}, but the same module ({first_name!r}) "
                     f"as {_describe(first_style, first_outputs)}"
                 )
-            chosen[name] = (style, outputs)
+            chosen[name] = (style, given)
+
+    for name, owner_name, owner, attr in params:  # the experts whose weights the plan splits, each checked whole
+        if id(owner) not in by_parameter:
+            continue
+        style, first_name = by_parameter[id(owner)].get(attr, (None, name))
+        if style is not None and style_of.get(id(owner), (None,))[0] != "moe_tp_experts":
+            raise ValueError(f"plan: {first_name!r} is split by parameter name ({style!r}), which only an expert "
+                             f"weight is, of a module the plan names 'moe_tp_experts'; {owner_name or 'the model'!r} "
+                             f"is a {type(owner).__name__} the plan "
+                             f"{'names ' + repr(style_of[id(owner)][0]) if id(owner) in style_of else 'does not name'}")
+    for name, (style, _) in chosen.items():
+        if style == "moe_tp_experts":
+            m = module.get_submodule(name)
+            split = {attr: how for attr, (how, _) in by_parameter.get(id(m), {}).items()}
+            if not split:
+                raise ValueError(f"plan: {name!r} is 'moe_tp_experts', but the plan splits none of its parameters: "
+                                 f"name each expert weight ('{name}.gate_up_proj': 'packed_colwise', ...)")
+            try:
+                check_styles(m, split, p)
+            except ValueError as exc:
+                raise ValueError(f"plan: {name!r} ('moe_tp_experts'): {exc}") from None
 
     for name, (style, _) in chosen.items():  # a module kept whole holds no parallel layer, now or to be
-        if STYLES[style][1] is None:
+        if style == "replicated_with_grad_allreduce":
             inner = [n for n, sub in named if n.startswith(name + ".") and (
-                getattr(type(sub), "sharded_parameters", None) or STYLES[chosen.get(n, (style,))[0]][1] is not None)]
+                getattr(type(sub), "sharded_parameters", None) or "parameter_splits" in sub.__dict__
+                or id(sub) in by_parameter or chosen.get(n, (style,))[0] != style)]
             if inner:
                 raise ValueError(f"plan: {name!r} (replicated_with_grad_allreduce) holds the parallel layer "
                                  f"{inner[0]!r}, whose gradients must not be summed over the group: name the "
@@ -164,11 +223,11 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
         if id(old) in replaced:
             continue
         build = STYLES[style][1]
-        if build is None:  # kept; its parameters' gradients summed over the group, once all is built
+        if build is None:  # kept (its gradients summed, or its experts split, once all is built)
             replaced[id(old)] = old
         elif style == "vocab":
             replaced[id(old)] = build.from_embedding(old, group=group, sequence_parallel=sequence_parallel)
-        elif style in ("colwise", "colwise_gather_output"):
+        elif style in ("colwise", "colwise_gather_output", "packed_colwise"):
             sizes, head_size = outputs or (None, None)
             replaced[id(old)] = build.from_linear(old, group=group, sequence_parallel=sequence_parallel,
                                                   output_sizes=sizes, head_size=head_size,
@@ -184,10 +243,13 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     for (first, first_attr), *others in ties:  # tied again: one parameter, as in the dense model
         for holder, attr in others:
             setattr(replaced[holder], attr, getattr(replaced[first], first_attr))
-    kept = {id(m): m for m in (module.get_submodule(name) for name, (style, _) in chosen.items()
-                               if STYLES[style][1] is None)}
-    for m in kept.values():  # (each once, under however many names)
-        sum_grads_over_group(m, group)
+    kept = {id(m): (m, style) for m, style in ((module.get_submodule(name), style) for name, (style, _) in
+                                                chosen.items() if STYLES[style][1] is None)}
+    for m, style in kept.values():  # (each once, under however many names)
+        if style == "moe_tp_experts":
+            shard_experts(m, {attr: how for attr, (how, _) in by_parameter[id(m)].items()}, group)
+        else:
+            sum_grads_over_group(m, group)
     return module
 
 

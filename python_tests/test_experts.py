@@ -1,0 +1,337 @@
+"""Mixture-of-experts weights under tensor parallelism (tp_kernels.experts, and parallelize's
+"moe_tp_experts" style): against the dense module in float64, on 1, 2 and 4 gloo ranks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tp_kernels
+from helpers import assert_close, fingerprints_set, rank_world
+from tp_kernels.experts import shard_experts
+
+E, H, I, TOKENS, TOP = 4, 6, 8, 10, 2  # experts, hidden, each expert's hidden units, tokens, experts per token
+
+
+class Experts(nn.Module):
+    """A mixture's experts as Hugging Face keeps them: one 3-D parameter per projection, the
+    gate's and the up projection's rows packed in ``gate_up_proj`` (``[E, 2I, H]``), or, with
+    ``transposed=True``, ``[E, H, 2I]`` and ``down_proj`` ``[E, I, H]`` (Llama 4's layout)."""
+
+    def __init__(self, transposed: bool = False, bias: bool = False):
+        super().__init__()
+        self.transposed = transposed
+        shapes = ((E, H, 2 * I), (E, I, H)) if transposed else ((E, 2 * I, H), (E, H, I))
+        self.gate_up_proj = nn.Parameter(torch.randn(*shapes[0], dtype=torch.float64) / H ** 0.5)
+        self.down_proj = nn.Parameter(torch.randn(*shapes[1], dtype=torch.float64) / I ** 0.5)
+        if bias:  # (an output bias every rank would hold whole)
+            self.down_bias = nn.Parameter(torch.randn(E, H, dtype=torch.float64))
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        for e in range(E):
+            token, slot = torch.where(top_k_index == e)
+            gate_up, down = self.gate_up_proj[e], self.down_proj[e]
+            if self.transposed:
+                gate_up, down = gate_up.t(), down.t()
+            gate, up = F.linear(hidden[token], gate_up).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, down) * top_k_weights[token, slot, None]
+            out = out.index_add(0, token, y)
+        return out
+
+
+STYLES = {False: {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"},
+          True: {"gate_up_proj": "packed_rowwise", "down_proj": "colwise"}}
+
+
+def routed(seed: int):
+    """Tokens, the experts each is routed to, and their weights (differentiable), alike on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(TOKENS, H, generator=g, dtype=torch.float64, requires_grad=True)
+    logits = torch.randn(TOKENS, E, generator=g, dtype=torch.float64, requires_grad=True)
+    weights, index = logits.softmax(-1).topk(TOP, dim=-1)
+    return hidden, logits, index, weights
+
+
+def check_experts_against_dense(transposed):
+    """Each rank holds its block of every expert (of the gate and of the up projection each, packed
+    in one parameter); the summed output, and the gradients of the hidden states, of the router's
+    logits (through the routing weights) and of the full expert weights, are the dense module's."""
+    r, p = rank_world()
+    torch.manual_seed(0)
+    dense = Experts(transposed)
+    par = shard_experts(copy.deepcopy(dense), STYLES[transposed])
+    for name, (dim, _) in par.parameter_splits.items():  # this rank's block of the gate's, and of the up's
+        param, want = getattr(par, name), getattr(dense, name).detach()
+        parts = want.chunk(2, dim) if name == "gate_up_proj" else (want,)
+        assert torch.equal(param, torch.cat([part.chunk(p, dim)[r] for part in parts], dim)), name
+    outs = []
+    for model in (dense, par):
+        hidden, logits, index, weights = routed(1)
+        y = model(hidden, index, weights)
+        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+        outs.append((y.detach(), hidden.grad, logits.grad))
+    for name, want, got in zip(("output", "hidden.grad", "logits.grad"), *outs):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13, msg=lambda m: f"{name}: {m}")
+    full = tp_kernels.full_state_dict(par)
+    with torch.no_grad():  # the gradients joined as the weights are: put in their place
+        for q in par.parameters():
+            q.copy_(q.grad)
+    full_grads = tp_kernels.full_state_dict(par)
+    for name in STYLES[transposed]:
+        assert torch.equal(full[name], getattr(dense, name).detach()), name
+        torch.testing.assert_close(full_grads[name], getattr(dense, name).grad, rtol=1e-12, atol=1e-13,
+                                   msg=lambda m: f"{name}.grad: {m}")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("transposed", [False, True], ids=["packed_colwise", "packed_rowwise"])
+def test_experts_against_dense(world, transposed):
+    world.run(check_experts_against_dense, transposed)
+
+
+def _moe_model(kind: str, moe_intermediate: int = 8):
+    """A small transformers mixture of experts, float64, its experts run by transformers' plain
+    loop (``experts_implementation="eager"``: its grouped GEMM takes no float64)."""
+    import transformers
+
+    common = dict(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                  max_position_embeddings=64, attn_implementation="sdpa", experts_implementation="eager")
+    if kind == "mixtral":
+        config = transformers.MixtralConfig(intermediate_size=moe_intermediate, num_local_experts=4,
+                                            num_experts_per_tok=2, **common)
+        model_class = transformers.MixtralForCausalLM
+    elif kind == "qwen3_moe":  # (its first layer a dense MLP)
+        config = transformers.Qwen3MoeConfig(intermediate_size=24, moe_intermediate_size=moe_intermediate,
+                                             num_experts=4, num_experts_per_tok=2, head_dim=4, mlp_only_layers=[0],
+                                             **common)
+        model_class = transformers.Qwen3MoeForCausalLM
+    else:  # DeepSeek-V3: a dense first layer, a shared expert beside the routed ones
+        config = transformers.DeepseekV3Config(
+            intermediate_size=24, moe_intermediate_size=moe_intermediate, n_routed_experts=4, num_experts_per_tok=2,
+            n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=8, kv_lora_rank=8,
+            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, **common)
+        model_class = transformers.DeepseekV3ForCausalLM
+    torch.manual_seed(0)
+    return model_class(config).double()
+
+
+def check_hugging_face_moe(kind):
+    """A transformers mixture of experts parallelized by its own ``tp_plan`` (its experts
+    ``"moe_tp_experts"``, their ``gate_up_proj`` ``"packed_colwise"`` and ``down_proj``
+    ``"rowwise"`` by parameter name): the logits and loss are the dense model's in float64, so is
+    the gradient of every parameter and the norm ``clip_grad_norm_`` takes of it, and greedy
+    generation gives the dense model's tokens.
+
+    Mixtral's and DeepSeek-V3's routers compute their softmax in float32, so the routing weights'
+    gradient is rounded to float32, on each rank its share of it before the sum: what depends on
+    it is held to float32's precision of its magnitude (Qwen 3's router casts back: float64)."""
+    r, p = rank_world()
+    dense = _moe_model(kind)
+    plan = dict(dense.tp_plan)
+    assert {plan[k] for k in plan if ".experts" in k} == {"moe_tp_experts", "packed_colwise", "rowwise"}, plan
+    par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
+    want, got = dense(ids, labels=ids), par(ids, labels=ids)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-12, atol=0)
+    want.loss.backward()
+    got.loss.backward()
+    eps = 1e-12 if kind == "qwen3_moe" else 4 * torch.finfo(torch.float32).eps
+    total = torch.linalg.vector_norm(torch.stack([q.grad.norm() for q in dense.parameters()]))
+    torch.testing.assert_close(tp_kernels.clip_grad_norm_(par, 1e9), total, rtol=eps, atol=0)
+    with torch.no_grad():  # each gradient joined as its weight is
+        for q in par.parameters():
+            q.copy_(q.grad)
+    grads = tp_kernels.full_state_dict(par)
+    for name, q in dense.named_parameters():
+        torch.testing.assert_close(grads[name], q.grad, rtol=0, atol=eps * q.grad.abs().max().item(),
+                                   msg=lambda m: f"{name}.grad: {m}")
+    if kind == "mixtral":
+        par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+        with torch.no_grad():
+            tokens = [model.generate(ids, max_new_tokens=4, do_sample=False) for model in (dense, par)]
+        assert torch.equal(tokens[0], tokens[1]), tokens
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_hugging_face_moe(world, kind):
+    world.run(check_hugging_face_moe, kind)
+
+
+def check_moe_checkpoint_across_sizes(path):
+    """A mixture of experts parallelized over every rank saves ``sharded_state_dict`` with
+    torch.distributed.checkpoint (each packed expert weight as its gate's and its up projection's
+    entries, ``"...gate_up_proj[dim1][0]"`` and ``[1]``); the same model over half the ranks loads
+    it and holds the dense weights; offline, ``dense_state_dict`` of the checkpoint is the dense
+    model's state dict."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    r, p = rank_world()
+    dense = _moe_model("mixtral")
+    plan = dict(dense.tp_plan)
+    wide = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+    entries = tp_kernels.sharded_state_dict(wide)
+    packed = "model.layers.0.mlp.experts.gate_up_proj"
+    assert ([k for k in entries if k.startswith(packed)] == [f"{packed}[dim1][0]", f"{packed}[dim1][1]"]
+            if p > 1 else packed in entries), list(entries)
+    dcp.save(entries, checkpoint_id=f"{path}/moe")
+    dist.barrier()
+    if r == 0:
+        dcp_to_torch_save(f"{path}/moe", f"{path}/moe.pt")
+    dist.barrier()
+    whole = tp_kernels.dense_state_dict(torch.load(f"{path}/moe.pt"))
+    assert sorted(whole) == sorted(dense.state_dict())
+    for key, value in dense.state_dict().items():
+        assert torch.equal(whole[key], value), key
+    tp_kernels.initialize_model_parallel(max(p // 2, 1))
+    try:
+        torch.manual_seed(1)
+        narrow = tp_kernels.parallelize(_moe_model("mixtral").apply(_reset), plan)
+        dcp.load(tp_kernels.sharded_state_dict(narrow), checkpoint_id=f"{path}/moe")  # in place
+        full = tp_kernels.full_state_dict(narrow)
+        for key, value in dense.state_dict().items():
+            assert torch.equal(full[key], value), key
+    finally:
+        tp_kernels.destroy_model_parallel()
+
+
+def _reset(m: nn.Module) -> None:
+    """Other weights than the dense model's (replaced by a load)."""
+    with torch.no_grad():
+        for q in m.parameters(recurse=False):
+            q.normal_()
+
+
+@pytest.mark.parametrize("world", [2, 4], indirect=True)
+def test_moe_checkpoint_across_sizes(world, tmp_path):
+    world.run(check_moe_checkpoint_across_sizes, str(tmp_path))
+
+
+def check_expert_plan_errors():
+    """Every plan the experts cannot be split by is a ValueError naming the pattern, the module or
+    the parameter, raised before anything is replaced (the model still dense after each)."""
+    from tp_kernels.experts import check_styles
+
+    _, p = rank_world()
+    dense = _moe_model("mixtral", moe_intermediate=3)  # (3 hidden units: not split over 2 ranks)
+    plan = dict(dense.tp_plan)
+    experts = "model.layers.*.mlp.experts"
+    bad = {
+        "gate_up_proj": ({**plan, f"{experts}.gate_up_proj": "packed_colwise"}, r"gate_up_proj.*3.*2 equal blocks"),
+        "no_parameters": ({k: v for k, v in plan.items() if not k.startswith(f"{experts}.")},
+                          r"moe_tp_experts', but the plan splits none of its parameters"),
+        "owner_not_experts": ({k: v for k, v in plan.items() if k != experts}, r"split by parameter name.*does not name"),
+        "vocab_on_parameter": ({**plan, f"{experts}.down_proj": "vocab"}, r"is a parameter, which takes one of"),
+        "packed_rowwise_on_linear": ({**plan, "model.layers.*.self_attn.o_proj": "packed_rowwise"},
+                                     r"splits a parameter .*o_proj' is a Linear"),
+        "sequence_parallel": (plan, r"moe_tp_experts'.*sequence_parallel=True"),
+    }
+    for case, (bad_plan, message) in bad.items():
+        if case == "gate_up_proj" and p == 1:
+            continue  # (one rank holds it whole)
+        model = copy.deepcopy(dense)
+        with pytest.raises(ValueError, match=message):
+            tp_kernels.parallelize(model, bad_plan, sequence_parallel=case == "sequence_parallel")
+        assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear, case  # nothing replaced
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), dense.parameters())), case
+    experts_module = copy.deepcopy(Experts(bias=True))
+    with pytest.raises(ValueError, match=r"also holds \[.down_bias.\].*count once per rank"):
+        check_styles(experts_module, STYLES[False], 2)
+    with pytest.raises(ValueError, match=r"styles\['down_bias'\]: 'rowwise' splits a 3-D parameter"):
+        check_styles(experts_module, {**STYLES[False], "down_bias": "rowwise"}, 2)
+    with pytest.raises(ValueError, match=r"styles\['w'\]: Experts holds no parameter 'w'"):
+        check_styles(experts_module, {"w": "rowwise"}, 2)
+    with pytest.raises(ValueError, match=r"styles\['down_proj'\]: unknown style 'packed'"):
+        check_styles(experts_module, {"down_proj": "packed"}, 2)
+    shard_experts(experts := Experts(), STYLES[False])
+    with pytest.raises(ValueError, match="sharded already"):
+        shard_experts(experts, STYLES[False])
+
+
+@pytest.mark.parametrize("world", [1, 2], indirect=True)
+def test_expert_plan_errors(world):
+    world.run(check_expert_plan_errors)
+
+
+def check_experts_ranks_disagree():
+    """With fingerprints on, ranks that routed different numbers of tokens to the experts raise the
+    same RuntimeError, naming each rank's view, before the output's sum moves; the group works
+    afterwards."""
+    r, p = rank_world()
+    torch.manual_seed(0)
+    dense = Experts()
+    par = shard_experts(copy.deepcopy(dense), STYLES[False])
+    hidden, _, index, weights = routed(1)
+    n = TOKENS - r  # (each rank its own count)
+    with fingerprints_set(True), pytest.raises(
+            RuntimeError, match=r"disagree.*rank 0: Experts.*args\[0\] \[10, 6\] float64.*rank 1: .*args\[0\] \[9, 6\]"):
+        par(hidden[:n], index[:n], weights[:n])
+    torch.testing.assert_close(par(hidden, index, weights), dense(hidden, index, weights), rtol=1e-12, atol=1e-13)
+
+
+def test_experts_ranks_disagree(world2):
+    world2.run(check_experts_ranks_disagree)
+
+
+def check_packed_linear():
+    """``"packed_colwise"`` on an ``nn.Linear`` of two outputs side by side (``[gate; up]``): each
+    rank holds its block of each half, and the layer computes the dense one's blocks; an odd
+    ``out_features`` is a ValueError."""
+    r, p = rank_world()
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(4, 8 * p, dtype=torch.float64))
+    par = tp_kernels.parallelize(copy.deepcopy(dense), {"0": "packed_colwise"})
+    gate, up = dense[0].weight.detach().chunk(2)
+    assert torch.equal(par[0].weight, torch.cat([gate.chunk(p)[r], up.chunk(p)[r]]))
+    x = torch.randn(3, 4, dtype=torch.float64)
+    want_gate, want_up = dense(x).chunk(2, dim=-1)
+    torch.testing.assert_close(par(x), torch.cat([want_gate.chunk(p, -1)[r], want_up.chunk(p, -1)[r]], -1),
+                               rtol=1e-12, atol=1e-13)
+    with pytest.raises(ValueError, match=r"plan\['0'\]: '0' \('packed_colwise'.*odd out_features=7"):
+        tp_kernels.parallelize(nn.Sequential(nn.Linear(4, 7)), {"0": "packed_colwise"})
+
+
+@pytest.mark.parametrize("world", [1, 2], indirect=True)
+def test_packed_linear(world):
+    world.run(check_packed_linear)
+
+
+def check_hugging_face_moe_grouped_gemm():
+    """Mixtral in float32 with transformers' own default for its experts (a grouped GEMM over the
+    tokens sorted by expert, ``torch._grouped_mm``), parallelized by its plan: its logits and its
+    experts' gradients are the float64 dense model's to float32's precision, as the dense float32
+    model's are."""
+    r, p = rank_world()
+    # float64, the plain loop: the reference (16 hidden units an expert: each rank's block of them
+    # rows of 16 bytes at p = 4, as the grouped GEMM needs)
+    ref = _moe_model("mixtral", moe_intermediate=16)
+    dense = copy.deepcopy(ref).float()
+    dense.config._experts_implementation = "grouped_mm"  # (transformers' default, where it runs)
+    par = tp_kernels.parallelize(copy.deepcopy(dense), dict(dense.tp_plan))
+    implementation = par.model.layers[0].mlp.experts.config._experts_implementation
+    assert implementation == "grouped_mm", implementation
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
+    out64, out32, got = ref(ids, labels=ids), dense(ids, labels=ids), par(ids, labels=ids)
+    assert_close("logits", got.logits, out64.logits, out32.logits)
+    for model, out in ((ref, out64), (par, got)):
+        out.loss.backward()
+    with torch.no_grad():
+        for q in par.parameters():
+            q.copy_(q.grad)
+    grads = tp_kernels.full_state_dict(par)
+    for name, q in ref.named_parameters():
+        if ".experts." in name:
+            assert_close(f"{name}.grad", grads[name], q.grad)
+
+
+@pytest.mark.parametrize("world", [2, 4], indirect=True)
+def test_hugging_face_moe_grouped_gemm(world):
+    world.run(check_hugging_face_moe_grouped_gemm)

@@ -1,0 +1,136 @@
+"""The experts of a mixture of experts under tensor parallelism: every rank holds its block of
+every expert.
+
+A mixture of experts keeps its experts' weights as 3-D parameters, one matrix per expert
+(Hugging Face's ``*Experts`` modules: ``gate_up_proj`` ``[E, 2I, H]``, the gate's and the up
+projection's rows one after the other, and ``down_proj`` ``[E, H, I]``), and runs them in its own
+code, not through ``nn.Linear``. :func:`shard_experts` splits each such parameter in place, every
+expert's matrix as a column or a row layer splits its weight, so that each rank computes every
+expert's share of the hidden units for every token routed to it, and the ranks' outputs are summed:
+Megatron-LM's tensor-parallel experts, and transformers' ``moe_tp_experts`` style.
+:func:`tp_kernels.parallelize` calls it for a plan's ``"moe_tp_experts"`` modules.
+
+The router stays whole on every rank (it must route alike: it sees the same tokens and holds the
+same weights). In the backward, the gradients of the experts' floating-point inputs (the hidden
+states and the routing weights) are each rank's share, summed over the group.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Mapping
+
+import torch
+import torch.nn as nn
+
+from . import _collectives as coll
+from ._agreement import agree, describe
+from .layers import ParameterSplit, block_of
+from .mappings import copy_to, reduce_from
+
+__all__ = ["PARAMETER_STYLES", "check_styles", "shard_experts"]
+
+#: a parameter style -> (the dim of a 3-D ``[experts, out, in]`` parameter it splits, counted from
+#: its end; the parts that dim is made of, each split into p blocks). Hugging Face's names:
+#: ``"colwise"`` splits each expert's output rows, ``"rowwise"`` its input columns; ``"packed_*"``
+#: the same for two matrices packed side by side (``[gate; up]``), each split on its own, so a rank
+#: holds its block of the gate and the same block of the up projection.
+PARAMETER_STYLES = {"colwise": (-2, 1), "rowwise": (-1, 1), "packed_colwise": (-2, 2), "packed_rowwise": (-1, 2)}
+
+
+def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None) -> nn.Module:
+    """Shard the expert weights of ``module`` in place, and make its forward tensor-parallel.
+
+    ``styles`` maps each parameter of ``module`` (its own, by name: ``{"gate_up_proj":
+    "packed_colwise", "down_proj": "rowwise"}``) to a style of :data:`PARAMETER_STYLES`; each is a
+    3-D parameter, one matrix per expert, and becomes this rank's block of it (of each part, the
+    ``tp_rank``-th of p equal blocks), so the state dict, :func:`tp_kernels.clip_grad_norm_` and the
+    checkpoints (:mod:`tp_kernels.checkpoints`) treat it as they treat a parallel layer's weight.
+    Then, on every forward, the floating-point tensors ``module`` is called with (the hidden
+    states, the routing weights) pass unchanged (their gradients summed over the group in the
+    backward), and its output, each rank's partial sum over its blocks of the hidden units, is
+    summed over the group. With fingerprints on (:func:`tp_kernels.settings.set_fingerprints`),
+    the call is agreed with the group first (the shapes and dtypes of every tensor argument), so
+    ranks that routed different token counts raise together, before the sum.
+
+    Every parameter ``module`` holds must be named (a parameter every rank held whole, an
+    expert's output bias, would be added p times) and its parts must divide by the group's size;
+    each is checked (:func:`check_styles`), with the ``ValueError`` naming it, before anything
+    changes. Returns ``module``; with one rank, its parameters stay the same objects, and nothing
+    is hooked.
+    """
+    group = coll.resolve_group(group)
+    p = coll.group_size(group)
+    splits = {name: (dim, ParameterSplit(group, parts))
+              for name, (dim, parts) in check_styles(module, styles, p).items()}
+    module.parameter_splits = splits  # (read by tp_kernels.layers.sharded_blocks)
+    if p == 1:  # (each rank's block is the whole parameter: nothing to split, nothing to sum)
+        return module
+    for name, (dim, split) in splits.items():
+        param = module._parameters[name]
+        with torch.no_grad():
+            block = block_of(param.detach(), dim, split).clone()
+        module._parameters[name] = nn.Parameter(block, requires_grad=param.requires_grad)
+
+    def tensors(args, kwargs):
+        return [(f"args[{i}]", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)] + \
+               [(k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+
+    def summed_grads(x):  # identity forward; the gradient summed over the group
+        return copy_to(x, group) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    def before(mod, args, kwargs):
+        given = tensors(args, kwargs)
+        agree(f"{type(mod).__name__} (experts sharded by shard_experts)", group, lambda: None,
+              lambda _: ", ".join(f"{where} {describe(t)}" for where, t in given),
+              hint=given[0][1] if given else None)
+        return tuple(summed_grads(a) for a in args), {k: summed_grads(v) for k, v in kwargs.items()}
+
+    def after(mod, args, kwargs, output):
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"tp_kernels: {type(mod).__name__} (experts sharded by shard_experts) returned a "
+                            f"{type(output).__name__}; its output must be one tensor, the sum of its experts' "
+                            "outputs, which is summed over the group")
+        return reduce_from(output, group)
+
+    module.register_forward_pre_hook(before, with_kwargs=True)
+    module.register_forward_hook(after, with_kwargs=True)
+    return module
+
+
+def check_styles(module: nn.Module, styles: Mapping[str, str], p: int) -> Dict[str, tuple]:
+    """What :func:`shard_experts` checks before it changes anything: ``{name: (the dim it splits,
+    the sizes of its parts)}`` for each parameter ``styles`` names, or a ``ValueError`` naming the
+    argument (and the parameter) that cannot be split so."""
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
+    if not isinstance(styles, Mapping) or not styles:
+        raise ValueError(f"styles: expected a non-empty mapping of parameter names to styles, got {styles!r}")
+    if "parameter_splits" in module.__dict__:
+        raise ValueError(f"module: this {type(module).__name__}'s experts are sharded already")
+    held = dict(module.named_parameters())
+    splits: Dict[str, tuple] = {}
+    for name, style in styles.items():
+        if name not in module._parameters or module._parameters[name] is None:
+            raise ValueError(f"styles[{name!r}]: {type(module).__name__} holds no parameter {name!r} of its own "
+                             f"(it holds {sorted(held)})")
+        if style not in PARAMETER_STYLES:
+            raise ValueError(f"styles[{name!r}]: unknown style {style!r}; expected one of "
+                             f"{', '.join(map(repr, PARAMETER_STYLES))}")
+        param = module._parameters[name]
+        if param.dim() != 3:
+            raise ValueError(f"styles[{name!r}]: {style!r} splits a 3-D parameter, one matrix per expert "
+                             f"([experts, out, in]), but {name!r} has shape {list(param.shape)}")
+        back, parts = PARAMETER_STYLES[style]
+        dim = param.dim() + back
+        size = param.shape[dim]
+        if size % (parts * p):
+            raise ValueError(f"styles[{name!r}]: dim {dim} of {name!r} ({size}"
+                             f"{f', {parts} packed parts of {size / parts:g}' if parts > 1 else ''}) cannot be split "
+                             f"into {p} equal blocks{' each' if parts > 1 else ''} for the tensor-parallel size {p}")
+        splits[name] = (dim, (size // parts,) * parts)
+    whole = sorted(set(held) - set(splits))
+    if whole:
+        raise ValueError(f"styles: {type(module).__name__} also holds {whole}, which every rank would hold whole "
+                         "and whose share of the output the sum over the ranks would count once per rank: name "
+                         "every parameter of the experts")
+    return splits
