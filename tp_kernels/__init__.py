@@ -92,6 +92,7 @@ __all__ = [
     "communicator",
     "dense_state_dict",
     "destroy_model_parallel",
+    "experts",
     "extension_status",
     "full_state_dict",
     "get_data_parallel_group",
