@@ -110,6 +110,12 @@ def _moe_model(kind: str, moe_intermediate: int = 8):
                                              num_experts=4, num_experts_per_tok=2, head_dim=4, mlp_only_layers=[0],
                                              **common)
         model_class = transformers.Qwen3MoeForCausalLM
+    elif kind == "deepseek_v2":  # multi-head latent attention split over the ranks, its rotary key shared
+        config = transformers.DeepseekV2Config(
+            intermediate_size=24, moe_intermediate_size=moe_intermediate, n_routed_experts=4, num_experts_per_tok=2,
+            n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4,
+            qk_nope_head_dim=4, v_head_dim=4, **common)
+        model_class = transformers.DeepseekV2ForCausalLM
     else:  # DeepSeek-V3: a dense first layer, a shared expert beside the routed ones
         config = transformers.DeepseekV3Config(
             intermediate_size=24, moe_intermediate_size=moe_intermediate, n_routed_experts=4, num_experts_per_tok=2,
@@ -129,12 +135,17 @@ def check_hugging_face_moe(kind):
 
     Mixtral's and DeepSeek-V3's routers compute their softmax in float32, so the routing weights'
     gradient is rounded to float32, on each rank its share of it before the sum: what depends on
-    it is held to float32's precision of its magnitude (Qwen 3's router casts back: float64)."""
+    it is held to float32's precision of its magnitude (Qwen 3's router casts back: float64).
+
+    DeepSeek-V2's attention is split too (its plan names both ``q_proj`` and ``q_b_proj``, of which
+    a model has one: ``strict=False``), and the rotary key part of ``kv_a_proj_with_mqa``'s output,
+    which every rank's heads use, has its gradient summed (``"mla_kv_a_proj"``): without that sum
+    the projection's gradient is not the dense one's."""
     r, p = rank_world()
     dense = _moe_model(kind)
     plan = dict(dense.tp_plan)
     assert {plan[k] for k in plan if ".experts" in k} == {"moe_tp_experts", "packed_colwise", "rowwise"}, plan
-    par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+    par = tp_kernels.parallelize(copy.deepcopy(dense), plan, strict=kind != "deepseek_v2")
     ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
     want, got = dense(ids, labels=ids), par(ids, labels=ids)
     torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-12)
@@ -151,6 +162,17 @@ def check_hugging_face_moe(kind):
     for name, q in dense.named_parameters():
         torch.testing.assert_close(grads[name], q.grad, rtol=0, atol=eps * q.grad.abs().max().item(),
                                    msg=lambda m: f"{name}.grad: {m}")
+    if kind == "deepseek_v2" and p > 1:  # why: the rotary key's gradient, each rank's heads' share
+        unsummed = tp_kernels.parallelize(copy.deepcopy(dense), {k: v for k, v in plan.items() if v != "mla_kv_a_proj"},
+                                          strict=False)
+        unsummed(ids, labels=ids).loss.backward()
+        with torch.no_grad():
+            for q in unsummed.parameters():
+                q.copy_(q.grad)
+        name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+        grad = dense.get_parameter(name).grad
+        off = (tp_kernels.full_state_dict(unsummed)[name] - grad).abs().max().item()
+        assert off > 100 * eps * grad.abs().max().item(), off
     if kind == "mixtral":
         par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
         with torch.no_grad():
@@ -159,7 +181,7 @@ def check_hugging_face_moe(kind):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3"])
 def test_hugging_face_moe(world, kind):
     world.run(check_hugging_face_moe, kind)
 
@@ -228,11 +250,17 @@ def check_expert_plan_errors():
         "gate_up_proj": ({**plan, f"{experts}.gate_up_proj": "packed_colwise"}, r"gate_up_proj.*3.*2 equal blocks"),
         "no_parameters": ({k: v for k, v in plan.items() if not k.startswith(f"{experts}.")},
                           r"moe_tp_experts', but the plan splits none of its parameters"),
-        "owner_not_experts": ({k: v for k, v in plan.items() if k != experts}, r"split by parameter name.*does not name"),
+        "owner_not_experts": ({k: v for k, v in plan.items() if k != experts},
+                              r"split by parameter name.*does not name"),
         "vocab_on_parameter": ({**plan, f"{experts}.down_proj": "vocab"}, r"is a parameter, which takes one of"),
         "packed_rowwise_on_linear": ({**plan, "model.layers.*.self_attn.o_proj": "packed_rowwise"},
                                      r"splits a parameter .*o_proj' is a Linear"),
         "sequence_parallel": (plan, r"moe_tp_experts'.*sequence_parallel=True"),
+        "no_rope_dim": ({**plan, "model.layers.*.self_attn.k_proj": "mla_kv_a_proj"},
+                        r"MixtralForCausalLM has no config.qk_rope_head_dim.*\('mla_kv_a_proj', columns\)"),
+        "rope_dim_out_of_range": ({**plan, "model.layers.*.self_attn.k_proj": ("mla_kv_a_proj", 16)},
+                                  r"k_proj' \('mla_kv_a_proj'\): the rotary key's columns must be an int in \[1, 16\)"),
+        "nothing_matched": ({**plan, "model.nothing.*": "colwise"}, r"'model.nothing.\*' matches no submodule.*strict"),
     }
     for case, (bad_plan, message) in bad.items():
         if case == "gate_up_proj" and p == 1:
@@ -242,6 +270,10 @@ def check_expert_plan_errors():
             tp_kernels.parallelize(model, bad_plan, sequence_parallel=case == "sequence_parallel")
         assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear, case  # nothing replaced
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), dense.parameters())), case
+    with pytest.raises(ValueError, match=r"strict: expected a bool, got 'yes'"):
+        tp_kernels.parallelize(copy.deepcopy(dense), plan, strict="yes")
+    model = tp_kernels.parallelize(_moe_model("mixtral"), {**plan, "model.nothing.*": "colwise"}, strict=False)
+    assert "parameter_splits" in model.model.layers[0].mlp.experts.__dict__  # (the rest of the plan applied)
     experts_module = copy.deepcopy(Experts(bias=True))
     with pytest.raises(ValueError, match=r"also holds \[.down_bias.\].*count once per rank"):
         check_styles(experts_module, STYLES[False], 2)
@@ -271,8 +303,8 @@ def check_experts_ranks_disagree():
     par = shard_experts(copy.deepcopy(dense), STYLES[False])
     hidden, _, index, weights = routed(1)
     n = TOKENS - r  # (each rank its own count)
-    with fingerprints_set(True), pytest.raises(
-            RuntimeError, match=r"disagree.*rank 0: Experts.*args\[0\] \[10, 6\] float64.*rank 1: .*args\[0\] \[9, 6\]"):
+    views = r"rank 0: Experts.*args\[0\] \[10, 6\] float64.*rank 1: .*args\[0\] \[9, 6\]"
+    with fingerprints_set(True), pytest.raises(RuntimeError, match=f"disagree.*{views}"):
         par(hidden[:n], index[:n], weights[:n])
     torch.testing.assert_close(par(hidden, index, weights), dense(hidden, index, weights), rtol=1e-12, atol=1e-13)
 
@@ -335,3 +367,34 @@ def check_hugging_face_moe_grouped_gemm():
 @pytest.mark.parametrize("world", [2, 4], indirect=True)
 def test_hugging_face_moe_grouped_gemm(world):
     world.run(check_hugging_face_moe_grouped_gemm)
+
+
+def check_sum_output_grads_over_group():
+    """``grads.sum_output_grads_over_group``: the output unchanged; the gradient of its last columns
+    summed over the group, of the others each rank's own; a module whose output has fewer columns
+    raises ValueError naming it, as does a bad ``columns``."""
+    r, p = rank_world()
+    torch.manual_seed(0)
+    proj = nn.Linear(3, 5, bias=False, dtype=torch.float64)
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    want = proj(x)
+    tp_kernels.grads.sum_output_grads_over_group(proj, 2)
+    y = proj(x)
+    assert torch.equal(y, want)
+    weights = torch.arange(1.0, 11.0, dtype=torch.float64).view(2, 5) * (r + 1)  # each rank its own
+    (y * weights).sum().backward()
+    summed = weights.clone()
+    summed[:, 3:] = torch.arange(1.0, 11.0, dtype=torch.float64).view(2, 5)[:, 3:] * (p * (p + 1) // 2)
+    torch.testing.assert_close(proj.weight.grad, summed.t() @ x.detach(), rtol=1e-14, atol=0)
+    for columns in (0, 2.0, True):
+        with pytest.raises(ValueError, match=r"columns: expected an int >= 1"):
+            tp_kernels.grads.sum_output_grads_over_group(nn.Linear(3, 5), columns)
+    if p > 1:
+        narrow = tp_kernels.grads.sum_output_grads_over_group(nn.Linear(3, 1), 2)
+        with pytest.raises(ValueError, match=r"Linear's output is \[2, 1\] float32.*no last 2 columns"):
+            narrow(torch.randn(2, 3))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_sum_output_grads_over_group(world):
+    world.run(check_sum_output_grads_over_group)

@@ -14,9 +14,12 @@ import torch.nn as nn
 from . import _collectives as coll
 from . import _data_parallel as dp
 from ._agreement import agree, describe
+from ._checks import check_int
 from .layers import own_pieces, sharded_blocks
+from .mappings import copy_to
 
-__all__ = ["allreduce_sequence_parallel_grads", "clip_grad_norm_", "sum_grads_over_group"]
+__all__ = ["allreduce_sequence_parallel_grads", "clip_grad_norm_", "sum_grads_over_group",
+           "sum_output_grads_over_group"]
 
 
 def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], group=None) -> None:
@@ -93,6 +96,37 @@ def sum_grads_over_group(module: nn.Module, group=None) -> nn.Module:
                 _SUMMED[key] = weakref.ref(param, lambda ref: _SUMMED.pop(key) if _SUMMED.get(key) is ref else None)
 
     module.register_forward_pre_hook(hook_parameters)
+    return module
+
+
+def sum_output_grads_over_group(module: nn.Module, columns: int, group=None) -> nn.Module:
+    """Sum over the group, in every backward, the gradient of the last ``columns`` columns of
+    ``module``'s output (along its last dim); the output itself is unchanged.
+
+    For a module every rank holds whole and runs alike, a part of whose output each rank then
+    applies to its own heads only: DeepSeek's multi-head latent attention projects the input to
+    ``[compressed key/value, rotary key]`` (``kv_a_proj_with_mqa``), the first part through a
+    column layer (which sums its own input's gradient) and the second straight into every head's
+    key. Each rank's gradient of that second part is its heads' share; without the sum, the ranks
+    would update the projection differently, silently. Installed as a forward hook (one all-reduce
+    per backward); returns ``module``. Nothing with one rank. :func:`parallelize`'s style
+    ``"mla_kv_a_proj"`` (Hugging Face's name) calls it with the model's ``qk_rope_head_dim``."""
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
+    check_int("columns", columns)
+    group = coll.resolve_group(group)
+    if coll.group_size(group) == 1:
+        return module
+
+    def hook(mod, args, output):
+        if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[-1] < columns:
+            raise ValueError(f"tp_kernels: sum_output_grads_over_group: {type(mod).__name__}'s output is "
+                             f"{describe(output) if isinstance(output, torch.Tensor) else type(output).__name__}, "
+                             f"which has no last {columns} columns")
+        own, shared = output.split([output.shape[-1] - columns, columns], -1)
+        return torch.cat([own, copy_to(shared, group)], -1)
+
+    module.register_forward_hook(hook)
     return module
 
 

@@ -11,7 +11,7 @@ from . import _collectives as coll
 from ._checks import check_replaceable
 from .embedding import VocabParallelEmbedding
 from .experts import PARAMETER_STYLES, check_styles, shard_experts
-from .grads import sum_grads_over_group
+from .grads import sum_grads_over_group, sum_output_grads_over_group
 from .layers import ColumnParallelLinear, RowParallelLinear, check_output_sizes
 
 __all__ = ["ALIASES", "STYLES", "parallelize"]
@@ -29,6 +29,10 @@ STYLES = {
     # kept as it is, the expert weights the plan names by parameter (experts.PARAMETER_STYLES) split,
     # its output summed over the group (experts.shard_experts)
     "moe_tp_experts": (nn.Module, None),
+    # kept as it is, the gradient of its output's last columns (DeepSeek's rotary key) summed over
+    # the group (grads.sum_output_grads_over_group); ("mla_kv_a_proj", columns), or the model's
+    # config.qk_rope_head_dim columns
+    "mla_kv_a_proj": (nn.Linear, None),
 }
 #: other names of a style: Hugging Face's, so that a transformers model's own ``tp_plan`` is a plan
 ALIASES = {"embedding_rowwise": "vocab"}
@@ -37,15 +41,18 @@ ALIASES = {"embedding_rowwise": "vocab"}
 def _style(pattern: str, value) -> tuple:
     """A plan's value as ``(style, outputs)``: a style (outputs None), or ``("colwise",
     output_sizes)`` or ``("colwise", output_sizes, head_size)`` (outputs ``(output_sizes,
-    head_size or None)``, the column layer's arguments)."""
+    head_size or None)``, the column layer's arguments), or ``("mla_kv_a_proj", columns)``
+    (outputs the columns)."""
     if isinstance(value, str):
         return _known(pattern, value), None
+    if isinstance(value, (tuple, list)) and len(value) == 2 and value[0] == "mla_kv_a_proj":
+        return value[0], value[1]
     if isinstance(value, (tuple, list)) and len(value) in (2, 3) and value[0] in ("colwise", "colwise_gather_output"):
         sizes = tuple(value[1]) if isinstance(value[1], (tuple, list)) else value[1]
         return value[0], (sizes, value[2] if len(value) == 3 else None)
     raise ValueError(f"plan[{pattern!r}]: expected a style ({', '.join(map(repr, STYLES))}), ('colwise', "
                      "output_sizes) or ('colwise', output_sizes, head_size) (or 'colwise_gather_output' so), "
-                     f"got {value!r}")
+                     f"or ('mla_kv_a_proj', columns), got {value!r}")
 
 
 def _known(pattern: str, style: str) -> str:
@@ -57,7 +64,7 @@ def _known(pattern: str, style: str) -> str:
 
 
 def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
-                sequence_parallel: bool = False) -> nn.Module:
+                sequence_parallel: bool = False, strict: bool = True) -> nn.Module:
     """Replace, in place, the submodules of ``module`` that ``plan`` names by parallel layers.
 
     ``plan`` maps ``fnmatch`` patterns over qualified submodule names (``"layers.*.mlp.fc1"``)
@@ -75,8 +82,11 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     its halves) or ``"moe_tp_experts"`` (a mixture's experts, kept, their 3-D weights split by
     parameter-name entries of the plan, ``"layers.*.experts.gate_up_proj": "packed_colwise"``, in
     the styles of :data:`tp_kernels.experts.PARAMETER_STYLES`, and their output summed over the
-    group: :func:`tp_kernels.experts.shard_experts`). These are Hugging Face's style names, so that
-    a transformers model's own ``model.tp_plan`` is a plan.
+    group: :func:`tp_kernels.experts.shard_experts`) or ``"mla_kv_a_proj"`` (DeepSeek's
+    ``kv_a_proj_with_mqa``, kept, the gradient of its output's rotary key columns, the model's
+    ``config.qk_rope_head_dim`` or ``("mla_kv_a_proj", columns)``, summed over the group:
+    :func:`tp_kernels.grads.sum_output_grads_over_group`). These are Hugging Face's style names, so
+    that a transformers model's own ``model.tp_plan`` is a plan.
 
     A fused projection, several outputs side
     by side in one ``nn.Linear`` (``[q, k, v]``, ``[gate, up]``), takes ``("colwise",
@@ -104,8 +114,12 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     ``ceil(V/p)`` rows: the embedding is unchanged, and an output layer's padded logits are
     ``-inf`` (see :class:`ColumnParallelLinear`).
 
+    With ``strict=False`` a pattern that matches nothing is passed over (a plan written for a
+    family of models, naming modules some of them lack: DeepSeek-V2's, ``q_proj`` or ``q_b_proj``);
+    else it is an error.
+
     Everything is checked before anything is replaced: an unknown style, a pattern that matches
-    nothing, a style applied to the wrong module type (or a parameter's style to a module, a
+    nothing (with ``strict``), a style applied to the wrong module type (or a parameter's style to a module, a
     module's to a parameter, or to a parameter of a module not named ``"moe_tp_experts"``), experts
     the plan leaves a parameter of whole, a row layer's ``in_features`` or an output
     size the group's size does not divide, one module given two styles, or a tied parameter the
@@ -116,6 +130,8 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
         raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
     if not isinstance(plan, Mapping) or not plan:
         raise ValueError(f"plan: expected a non-empty mapping of name patterns to styles, got {plan!r}")
+    if not isinstance(strict, bool):
+        raise ValueError(f"strict: expected a bool, got {strict!r}")
     group = coll.resolve_group(group)
     p = coll.group_size(group)
     named = [(name, m) for name, m in module.named_modules(remove_duplicate=False) if name]
@@ -131,7 +147,10 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
         matched = {id(m) for _, m in hits}  # (a module it names: not its parameters too)
         parameter_hits = [hit for hit in params if fnmatch.fnmatchcase(hit[0], pattern) and id(hit[2]) not in matched]
         if not hits and not parameter_hits:
-            raise ValueError(f"plan: pattern {pattern!r} matches no submodule or parameter of {type(module).__name__}")
+            if not strict:
+                continue
+            raise ValueError(f"plan: pattern {pattern!r} matches no submodule or parameter of {type(module).__name__} "
+                             "(strict=False passes over such patterns)")
         for name, owner_name, owner, attr in parameter_hits:
             if outputs is not None or style not in PARAMETER_STYLES:
                 raise ValueError(f"plan[{pattern!r}]: {name!r} is a parameter, which takes one of "
@@ -164,12 +183,17 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
                 raise ValueError(f"plan[{pattern!r}]: {name!r} ({style}) has in_features={m.in_features}, which the "
                                  f"tensor-parallel size {p} does not divide")
             given = outputs
-            if style == "packed_colwise":  # ('colwise', its two halves)
+            if style == "mla_kv_a_proj":  # (the columns: given, or the model's)
+                given = _rope_columns(pattern, module) if outputs is None else outputs
+                if isinstance(given, bool) or not isinstance(given, int) or not 0 < given < m.out_features:
+                    raise ValueError(f"plan[{pattern!r}]: {name!r} ('mla_kv_a_proj'): the rotary key's columns must "
+                                     f"be an int in [1, {m.out_features}) (out_features {m.out_features}), got {given!r}")
+            elif style == "packed_colwise":  # ('colwise', its two halves)
                 if m.out_features % 2:
                     raise ValueError(f"plan[{pattern!r}]: {name!r} ('packed_colwise': two outputs side by side) has "
                                      f"an odd out_features={m.out_features}")
                 given = ((m.out_features // 2,) * 2, None)
-            if given is not None:
+            if given is not None and style != "mla_kv_a_proj":
                 try:
                     check_output_sizes(given[0], m.out_features, p, given[1])
                 except ValueError as exc:
@@ -248,15 +272,32 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     for m, style in kept.values():  # (each once, under however many names)
         if style == "moe_tp_experts":
             shard_experts(m, {attr: how for attr, (how, _) in by_parameter[id(m)].items()}, group)
+        elif style == "mla_kv_a_proj":
+            sum_output_grads_over_group(m, style_of[id(m)][2], group)
         else:
             sum_grads_over_group(m, group)
     return module
+
+
+def _rope_columns(pattern: str, model: nn.Module) -> int:
+    """How many columns of a DeepSeek multi-head latent attention's ``kv_a_proj_with_mqa`` are the
+    rotary key: its model's (text) ``config.qk_rope_head_dim``, as transformers' plans assume."""
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    columns = getattr(config, "qk_rope_head_dim", None)
+    if columns is None:
+        raise ValueError(f"plan[{pattern!r}]: 'mla_kv_a_proj' sums the gradient of the projection's rotary key "
+                         f"columns, but this {type(model).__name__} has no config.qk_rope_head_dim to say how many: "
+                         "write ('mla_kv_a_proj', columns)")
+    return columns
 
 
 def _describe(style: str, outputs) -> str:
     """A plan's value as it was written (lists for the sizes)."""
     if outputs is None:
         return repr(style)
+    if style == "mla_kv_a_proj":
+        return repr((style, outputs))
     sizes, head_size = outputs
     sizes = list(sizes) if isinstance(sizes, tuple) else sizes
     return repr((style, sizes) if head_size is None else (style, sizes, head_size))
