@@ -277,12 +277,19 @@ def check_expert_plan_errors():
     experts_module = copy.deepcopy(Experts(bias=True))
     with pytest.raises(ValueError, match=r"also holds \[.down_bias.\].*count once per rank"):
         check_styles(experts_module, STYLES[False], 2)
-    with pytest.raises(ValueError, match=r"styles\['down_bias'\]: 'rowwise' splits a 3-D parameter"):
+    with pytest.raises(ValueError, match=r"styles\['down_bias'\]: 'rowwise' splits a 3-D one, a matrix per "
+                                         r"expert \(\[experts, out, in\]\), but 'down_bias' has shape \[4, 6\]"):
         check_styles(experts_module, {**STYLES[False], "down_bias": "rowwise"}, 2)
     with pytest.raises(ValueError, match=r"styles\['w'\]: Experts holds no parameter 'w'"):
         check_styles(experts_module, {"w": "rowwise"}, 2)
     with pytest.raises(ValueError, match=r"styles\['down_proj'\]: unknown style 'packed'"):
         check_styles(experts_module, {"down_proj": "packed"}, 2)
+    attention = nn.Module()
+    attention.sinks = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"styles\['sinks'\]: dim 0 of 'sinks' \(3\) cannot be split into 2 equal"):
+        check_styles(attention, {"sinks": "colwise"}, 2, every=False)
+    with pytest.raises(ValueError, match=r"'rowwise' splits a 3-D one.*'sinks' has shape \[3\]"):
+        check_styles(attention, {"sinks": "rowwise"}, 2, every=False)
     shard_experts(experts := Experts(), STYLES[False])
     with pytest.raises(ValueError, match="sharded already"):
         shard_experts(experts, STYLES[False])
@@ -398,3 +405,53 @@ def check_sum_output_grads_over_group():
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
 def test_sum_output_grads_over_group(world):
     world.run(check_sum_output_grads_over_group)
+
+
+def check_hugging_face_local_params(kind):
+    """transformers models whose attention applies per-head parameters of its own (``"local_params"``,
+    each split as the heads are, ``"colwise"`` on a 1-D parameter): Granite SWA's attention sinks,
+    and Beam's per-head gate bias (beside its experts and per-head norms), by their own plans. The
+    logits and every gradient are the dense model's; both models force their attention's
+    softmax and sink scaling to float32, so to float32's precision of their size."""
+    import transformers
+
+    r, p = rank_world()
+    common = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=64, attn_implementation="eager")
+    if kind == "granite_swa":
+        dense = transformers.GraniteSWAForCausalLM(transformers.GraniteSWAConfig(**common))
+        held = "self_attn.sinks"
+    else:
+        dense = transformers.BeamForCausalLM(transformers.BeamConfig(
+            head_dim=4, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2, experts_implementation="eager",
+            **common))
+        held = "self_attn.gate_bias"
+    torch.manual_seed(0)
+    dense = dense.double()
+    with torch.no_grad():  # (made zero: each head its own value)
+        for layer in dense.model.layers:
+            layer.get_parameter(held).normal_()
+    plan = dict(dense.tp_plan)
+    assert plan["model.layers.*.self_attn"] == "local_params", plan
+    par = tp_kernels.parallelize(copy.deepcopy(dense), plan, strict=False)
+    whole = dense.model.layers[0].get_parameter(held).detach()
+    assert torch.equal(par.model.layers[0].get_parameter(held), whole.chunk(p)[r])
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
+    want, got = dense(ids, labels=ids), par(ids, labels=ids)
+    eps = 4 * torch.finfo(torch.float32).eps
+    torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=eps * want.logits.abs().max().item())
+    want.loss.backward()
+    got.loss.backward()
+    with torch.no_grad():
+        for q in par.parameters():
+            q.copy_(q.grad)
+    grads = tp_kernels.full_state_dict(par)
+    for name, q in dense.named_parameters():
+        torch.testing.assert_close(grads[name], q.grad, rtol=0, atol=2 * eps * q.grad.abs().max().item(),
+                                   msg=lambda m: f"{name}.grad: {m}")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("kind", ["granite_swa", "beam"])
+def test_hugging_face_local_params(world, kind):
+    world.run(check_hugging_face_local_params, kind)

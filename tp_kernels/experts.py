@@ -13,6 +13,9 @@ Megatron-LM's tensor-parallel experts, and transformers' ``moe_tp_experts`` styl
 The router stays whole on every rank (it must route alike: it sees the same tokens and holds the
 same weights). In the backward, the gradients of the experts' floating-point inputs (the hidden
 states and the routing weights) are each rank's share, summed over the group.
+
+:func:`shard_parameters` is the split alone, for a module that applies parameters of its own to
+this rank's heads (an attention's per-head sinks, ``[heads]``): transformers' ``local_params``.
 """
 
 from __future__ import annotations
@@ -27,14 +30,16 @@ from ._agreement import agree, describe
 from .layers import ParameterSplit, block_of
 from .mappings import copy_to, reduce_from
 
-__all__ = ["PARAMETER_STYLES", "check_styles", "shard_experts"]
+__all__ = ["PARAMETER_STYLES", "check_styles", "shard_experts", "shard_parameters"]
 
-#: a parameter style -> (the dim of a 3-D ``[experts, out, in]`` parameter it splits, counted from
-#: its end; the parts that dim is made of, each split into p blocks). Hugging Face's names:
-#: ``"colwise"`` splits each expert's output rows, ``"rowwise"`` its input columns; ``"packed_*"``
-#: the same for two matrices packed side by side (``[gate; up]``), each split on its own, so a rank
-#: holds its block of the gate and the same block of the up projection.
-PARAMETER_STYLES = {"colwise": (-2, 1), "rowwise": (-1, 1), "packed_colwise": (-2, 2), "packed_rowwise": (-1, 2)}
+#: a parameter style -> ({the parameter's number of dims: the dim it splits}, the parts that dim is
+#: made of, each split into p blocks). Hugging Face's names: of a 3-D ``[experts, out, in]``
+#: parameter, ``"colwise"`` splits each expert's output rows, ``"rowwise"`` its input columns,
+#: ``"packed_*"`` the same for two matrices packed side by side (``[gate; up]``), each split on its
+#: own, so a rank holds its block of the gate and the same block of the up projection; of a 1-D
+#: one, a value per output (per head), ``"colwise"`` splits it as the outputs are.
+PARAMETER_STYLES = {"colwise": ({1: 0, 3: 1}, 1), "rowwise": ({3: 2}, 1), "packed_colwise": ({3: 1}, 2),
+                    "packed_rowwise": ({3: 2}, 2)}
 
 
 def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None) -> nn.Module:
@@ -59,17 +64,9 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None) -> n
     is hooked.
     """
     group = coll.resolve_group(group)
-    p = coll.group_size(group)
-    splits = {name: (dim, ParameterSplit(group, parts))
-              for name, (dim, parts) in check_styles(module, styles, p).items()}
-    module.parameter_splits = splits  # (read by tp_kernels.layers.sharded_blocks)
-    if p == 1:  # (each rank's block is the whole parameter: nothing to split, nothing to sum)
+    shard_parameters(module, styles, group, every=True)
+    if coll.group_size(group) == 1:  # (nothing to sum)
         return module
-    for name, (dim, split) in splits.items():
-        param = module._parameters[name]
-        with torch.no_grad():
-            block = block_of(param.detach(), dim, split).clone()
-        module._parameters[name] = nn.Parameter(block, requires_grad=param.requires_grad)
 
     def tensors(args, kwargs):
         return [(f"args[{i}]", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)] + \
@@ -97,10 +94,33 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None) -> n
     return module
 
 
-def check_styles(module: nn.Module, styles: Mapping[str, str], p: int) -> Dict[str, tuple]:
-    """What :func:`shard_experts` checks before it changes anything: ``{name: (the dim it splits,
-    the sizes of its parts)}`` for each parameter ``styles`` names, or a ``ValueError`` naming the
-    argument (and the parameter) that cannot be split so."""
+def shard_parameters(module: nn.Module, styles: Mapping[str, str], group=None, *, every: bool = False) -> nn.Module:
+    """Replace each parameter of ``module`` that ``styles`` names (``{"sinks": "colwise"}``) by this
+    rank's block of it, in place, as :data:`PARAMETER_STYLES` splits it; its module's
+    ``parameter_splits`` says how, for the state dicts, the norm and the checkpoints. Nothing else
+    changes: for a module that applies each block to this rank's own heads or hidden units. Checked
+    first (:func:`check_styles`; ``every``: every parameter of ``module`` must be named). Returns
+    ``module``; with one rank, its parameters stay the same objects."""
+    group = coll.resolve_group(group)
+    p = coll.group_size(group)
+    splits = {name: (dim, ParameterSplit(group, parts))
+              for name, (dim, parts) in check_styles(module, styles, p, every=every).items()}
+    module.parameter_splits = splits  # (read by tp_kernels.layers.sharded_blocks)
+    if p == 1:  # (each rank's block is the whole parameter)
+        return module
+    for name, (dim, split) in splits.items():
+        param = module._parameters[name]
+        with torch.no_grad():
+            block = block_of(param.detach(), dim, split).clone()
+        module._parameters[name] = nn.Parameter(block, requires_grad=param.requires_grad)
+    return module
+
+
+def check_styles(module: nn.Module, styles: Mapping[str, str], p: int, *, every: bool = True) -> Dict[str, tuple]:
+    """What :func:`shard_experts` (and :func:`shard_parameters`) checks before it changes anything:
+    ``{name: (the dim it splits, the sizes of its parts)}`` for each parameter ``styles`` names, or
+    a ``ValueError`` naming the argument (and the parameter) that cannot be split so; with
+    ``every``, one too if ``module`` holds a parameter ``styles`` does not name."""
     if not isinstance(module, nn.Module):
         raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
     if not isinstance(styles, Mapping) or not styles:
@@ -117,11 +137,12 @@ def check_styles(module: nn.Module, styles: Mapping[str, str], p: int) -> Dict[s
             raise ValueError(f"styles[{name!r}]: unknown style {style!r}; expected one of "
                              f"{', '.join(map(repr, PARAMETER_STYLES))}")
         param = module._parameters[name]
-        if param.dim() != 3:
-            raise ValueError(f"styles[{name!r}]: {style!r} splits a 3-D parameter, one matrix per expert "
-                             f"([experts, out, in]), but {name!r} has shape {list(param.shape)}")
-        back, parts = PARAMETER_STYLES[style]
-        dim = param.dim() + back
+        dims, parts = PARAMETER_STYLES[style]
+        if param.dim() not in dims:
+            kinds = {1: "a 1-D one, a value per output", 3: "a 3-D one, a matrix per expert ([experts, out, in])"}
+            raise ValueError(f"styles[{name!r}]: {style!r} splits {' or '.join(kinds[n] for n in dims)}, but "
+                             f"{name!r} has shape {list(param.shape)}")
+        dim = dims[param.dim()]
         size = param.shape[dim]
         if size % (parts * p):
             raise ValueError(f"styles[{name!r}]: dim {dim} of {name!r} ({size}"
@@ -129,7 +150,7 @@ def check_styles(module: nn.Module, styles: Mapping[str, str], p: int) -> Dict[s
                              f"into {p} equal blocks{' each' if parts > 1 else ''} for the tensor-parallel size {p}")
         splits[name] = (dim, (size // parts,) * parts)
     whole = sorted(set(held) - set(splits))
-    if whole:
+    if whole and every:
         raise ValueError(f"styles: {type(module).__name__} also holds {whole}, which every rank would hold whole "
                          "and whose share of the output the sum over the ranks would count once per rank: name "
                          "every parameter of the experts")

@@ -10,7 +10,7 @@ import torch.nn as nn
 from . import _collectives as coll
 from ._checks import check_replaceable
 from .embedding import VocabParallelEmbedding
-from .experts import PARAMETER_STYLES, check_styles, shard_experts
+from .experts import PARAMETER_STYLES, check_styles, shard_experts, shard_parameters
 from .grads import sum_grads_over_group, sum_output_grads_over_group
 from .layers import ColumnParallelLinear, RowParallelLinear, check_output_sizes
 
@@ -29,11 +29,18 @@ STYLES = {
     # kept as it is, the expert weights the plan names by parameter (experts.PARAMETER_STYLES) split,
     # its output summed over the group (experts.shard_experts)
     "moe_tp_experts": (nn.Module, None),
+    # kept as it is, the parameters the plan names split (experts.shard_parameters): per-head
+    # vectors it applies to this rank's heads (attention sinks)
+    "local_params": (nn.Module, None),
+    # kept as it is: every rank holds it whole and runs it alike (the same as leaving it out)
+    "replicate": (nn.Module, None),
     # kept as it is, the gradient of its output's last columns (DeepSeek's rotary key) summed over
     # the group (grads.sum_output_grads_over_group); ("mla_kv_a_proj", columns), or the model's
     # config.qk_rope_head_dim columns
     "mla_kv_a_proj": (nn.Linear, None),
 }
+#: the styles of a module the plan splits parameters of, by their names
+_OWNERS = ("moe_tp_experts", "local_params")
 #: other names of a style: Hugging Face's, so that a transformers model's own ``tp_plan`` is a plan
 ALIASES = {"embedding_rowwise": "vocab"}
 
@@ -85,8 +92,11 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     group: :func:`tp_kernels.experts.shard_experts`) or ``"mla_kv_a_proj"`` (DeepSeek's
     ``kv_a_proj_with_mqa``, kept, the gradient of its output's rotary key columns, the model's
     ``config.qk_rope_head_dim`` or ``("mla_kv_a_proj", columns)``, summed over the group:
-    :func:`tp_kernels.grads.sum_output_grads_over_group`). These are Hugging Face's style names, so
-    that a transformers model's own ``model.tp_plan`` is a plan.
+    :func:`tp_kernels.grads.sum_output_grads_over_group`), ``"local_params"`` (any module, kept,
+    the parameters the plan names split, a per-head vector ``"attn.sinks": "colwise"`` as its heads
+    are: :func:`tp_kernels.experts.shard_parameters`) or ``"replicate"`` (kept as it is, whole on
+    every rank: the same as leaving it out). These are Hugging Face's style names, so that a
+    transformers model's own ``model.tp_plan`` is a plan.
 
     A fused projection, several outputs side
     by side in one ``nn.Linear`` (``[q, k, v]``, ``[gate, up]``), takes ``("colwise",
@@ -120,8 +130,8 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
 
     Everything is checked before anything is replaced: an unknown style, a pattern that matches
     nothing (with ``strict``), a style applied to the wrong module type (or a parameter's style to a module, a
-    module's to a parameter, or to a parameter of a module not named ``"moe_tp_experts"``), experts
-    the plan leaves a parameter of whole, a row layer's ``in_features`` or an output
+    module's to a parameter, or to a parameter of a module not named ``"moe_tp_experts"`` or
+    ``"local_params"``), experts the plan leaves a parameter of whole, a row layer's ``in_features`` or an output
     size the group's size does not divide, one module given two styles, or a tied parameter the
     plan would split apart raise ``ValueError`` naming the pattern and the module's path. Returns
     ``module``.
@@ -154,15 +164,15 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
         for name, owner_name, owner, attr in parameter_hits:
             if outputs is not None or style not in PARAMETER_STYLES:
                 raise ValueError(f"plan[{pattern!r}]: {name!r} is a parameter, which takes one of "
-                                 f"{', '.join(map(repr, PARAMETER_STYLES))} (an expert weight of a module the plan "
-                                 f"names 'moe_tp_experts'), not {_describe(style, outputs)}")
+                                 f"{', '.join(map(repr, PARAMETER_STYLES))} (of a module the plan names "
+                                 f"{' or '.join(map(repr, _OWNERS))}), not {_describe(style, outputs)}")
             first_style, first_name = by_parameter.setdefault(id(owner), {}).setdefault(attr, (style, name))
             if first_style != style:
                 raise ValueError(f"plan: {name!r} is matched as {style!r}, but the same parameter ({first_name!r}) "
                                  f"as {first_style!r}")
         if hits and style not in STYLES:
-            raise ValueError(f"plan[{pattern!r}]: {style!r} splits a parameter (an expert weight of a module the plan "
-                             f"names 'moe_tp_experts'), but {hits[0][0]!r} is a {type(hits[0][1]).__name__}")
+            raise ValueError(f"plan[{pattern!r}]: {style!r} splits a parameter (of a module the plan names "
+                             f"{' or '.join(map(repr, _OWNERS))}), but {hits[0][0]!r} is a {type(hits[0][1]).__name__}")
         expected = STYLES.get(style, (None,))[0]
         for name, m in hits:
             if not isinstance(m, expected):
@@ -185,9 +195,9 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
             given = outputs
             if style == "mla_kv_a_proj":  # (the columns: given, or the model's)
                 given = _rope_columns(pattern, module) if outputs is None else outputs
-                if isinstance(given, bool) or not isinstance(given, int) or not 0 < given < m.out_features:
-                    raise ValueError(f"plan[{pattern!r}]: {name!r} ('mla_kv_a_proj'): the rotary key's columns must "
-                                     f"be an int in [1, {m.out_features}) (out_features {m.out_features}), got {given!r}")
+                if type(given) is not int or not 0 < given < m.out_features:
+                    raise ValueError(f"plan[{pattern!r}]: {name!r} ('mla_kv_a_proj'): the rotary key's columns "
+                                     f"must be an int in [1, {m.out_features}) (its out_features), got {given!r}")
             elif style == "packed_colwise":  # ('colwise', its two halves)
                 if m.out_features % 2:
                     raise ValueError(f"plan[{pattern!r}]: {name!r} ('packed_colwise': two outputs side by side) has "
@@ -206,32 +216,34 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
                 )
             chosen[name] = (style, given)
 
-    for name, owner_name, owner, attr in params:  # the experts whose weights the plan splits, each checked whole
+    for name, owner_name, owner, attr in params:  # the modules whose parameters the plan splits, each checked whole
         if id(owner) not in by_parameter:
             continue
         style, first_name = by_parameter[id(owner)].get(attr, (None, name))
-        if style is not None and style_of.get(id(owner), (None,))[0] != "moe_tp_experts":
-            raise ValueError(f"plan: {first_name!r} is split by parameter name ({style!r}), which only an expert "
-                             f"weight is, of a module the plan names 'moe_tp_experts'; {owner_name or 'the model'!r} "
-                             f"is a {type(owner).__name__} the plan "
+        if style is not None and style_of.get(id(owner), (None,))[0] not in _OWNERS:
+            raise ValueError(f"plan: {first_name!r} is split by parameter name ({style!r}), which only a parameter "
+                             f"of a module the plan names {' or '.join(map(repr, _OWNERS))} is; "
+                             f"{owner_name or 'the model'!r} is a {type(owner).__name__} the plan "
                              f"{'names ' + repr(style_of[id(owner)][0]) if id(owner) in style_of else 'does not name'}")
     for name, (style, _) in chosen.items():
-        if style == "moe_tp_experts":
+        if style in _OWNERS:
             m = module.get_submodule(name)
             split = {attr: how for attr, (how, _) in by_parameter.get(id(m), {}).items()}
+            if not split and style == "moe_tp_experts":  # (a 'local_params' module may hold none in this model)
+                raise ValueError(f"plan: {name!r} is {style!r}, but the plan splits none of its parameters: name "
+                                 f"each expert weight ('{name}.gate_up_proj': 'packed_colwise', ...)")
             if not split:
-                raise ValueError(f"plan: {name!r} is 'moe_tp_experts', but the plan splits none of its parameters: "
-                                 f"name each expert weight ('{name}.gate_up_proj': 'packed_colwise', ...)")
+                continue
             try:
-                check_styles(m, split, p)
+                check_styles(m, split, p, every=style == "moe_tp_experts")
             except ValueError as exc:
-                raise ValueError(f"plan: {name!r} ('moe_tp_experts'): {exc}") from None
+                raise ValueError(f"plan: {name!r} ({style!r}): {exc}") from None
 
     for name, (style, _) in chosen.items():  # a module kept whole holds no parallel layer, now or to be
         if style == "replicated_with_grad_allreduce":
             inner = [n for n, sub in named if n.startswith(name + ".") and (
                 getattr(type(sub), "sharded_parameters", None) or "parameter_splits" in sub.__dict__
-                or id(sub) in by_parameter or chosen.get(n, (style,))[0] != style)]
+                or id(sub) in by_parameter or chosen.get(n, (style,))[0] not in (style, "replicate"))]
             if inner:
                 raise ValueError(f"plan: {name!r} (replicated_with_grad_allreduce) holds the parallel layer "
                                  f"{inner[0]!r}, whose gradients must not be summed over the group: name the "
@@ -272,9 +284,11 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     for m, style in kept.values():  # (each once, under however many names)
         if style == "moe_tp_experts":
             shard_experts(m, {attr: how for attr, (how, _) in by_parameter[id(m)].items()}, group)
+        elif style == "local_params" and by_parameter.get(id(m)):
+            shard_parameters(m, {attr: how for attr, (how, _) in by_parameter[id(m)].items()}, group)
         elif style == "mla_kv_a_proj":
             sum_output_grads_over_group(m, style_of[id(m)][2], group)
-        else:
+        elif style == "replicated_with_grad_allreduce":
             sum_grads_over_group(m, group)
     return module
 
