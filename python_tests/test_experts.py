@@ -48,22 +48,22 @@ STYLES = {False: {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"},
           True: {"gate_up_proj": "packed_rowwise", "down_proj": "colwise"}}
 
 
-def routed(seed: int):
+def routed(seed: int, device="cpu"):
     """Tokens, the experts each is routed to, and their weights (differentiable), alike on every rank."""
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(TOKENS, H, generator=g, dtype=torch.float64, requires_grad=True)
-    logits = torch.randn(TOKENS, E, generator=g, dtype=torch.float64, requires_grad=True)
+    hidden = torch.randn(TOKENS, H, generator=g, dtype=torch.float64).to(device).requires_grad_()
+    logits = torch.randn(TOKENS, E, generator=g, dtype=torch.float64).to(device).requires_grad_()
     weights, index = logits.softmax(-1).topk(TOP, dim=-1)
     return hidden, logits, index, weights
 
 
-def check_experts_against_dense(transposed):
+def check_experts_against_dense(transposed, device="cpu"):
     """Each rank holds its block of every expert (of the gate and of the up projection each, packed
     in one parameter); the summed output, and the gradients of the hidden states, of the router's
     logits (through the routing weights) and of the full expert weights, are the dense module's."""
     r, p = rank_world()
     torch.manual_seed(0)
-    dense = Experts(transposed)
+    dense = Experts(transposed).to(device)
     par = shard_experts(copy.deepcopy(dense), STYLES[transposed])
     for name, (dim, _) in par.parameter_splits.items():  # this rank's block of the gate's, and of the up's
         param, want = getattr(par, name), getattr(dense, name).detach()
@@ -71,9 +71,9 @@ def check_experts_against_dense(transposed):
         assert torch.equal(param, torch.cat([part.chunk(p, dim)[r] for part in parts], dim)), name
     outs = []
     for model in (dense, par):
-        hidden, logits, index, weights = routed(1)
+        hidden, logits, index, weights = routed(1, device)
         y = model(hidden, index, weights)
-        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype, device=device).view_as(y)).sum().backward()
         outs.append((y.detach(), hidden.grad, logits.grad))
     for name, want, got in zip(("output", "hidden.grad", "logits.grad"), *outs):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13, msg=lambda m: f"{name}: {m}")
@@ -187,40 +187,41 @@ def test_hugging_face_moe(world, kind):
 
 
 def check_moe_checkpoint_across_sizes(path):
-    """A mixture of experts parallelized over every rank saves ``sharded_state_dict`` with
-    torch.distributed.checkpoint (each packed expert weight as its gate's and its up projection's
-    entries, ``"...gate_up_proj[dim1][0]"`` and ``[1]``); the same model over half the ranks loads
-    it and holds the dense weights; offline, ``dense_state_dict`` of the checkpoint is the dense
-    model's state dict."""
+    """A mixture of experts parallelized over every rank takes an Adam step and saves
+    ``sharded_state_dict`` and ``sharded_optimizer_state_dict`` with torch.distributed.checkpoint
+    (each packed expert weight, and its moments, as its gate's and its up projection's entries,
+    ``"...gate_up_proj[dim1][0]"`` and ``[1]``); offline, ``dense_state_dict`` of the checkpoint is
+    the dense model's weights and Adam moments; the same model over half the ranks loads both and
+    holds the dense weights and moments. (Qwen 3 MoE: its gradients are float64's throughout.)"""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from test_parallelize import _assert_dense_checkpoint, _assert_dense_moments, _load_with_dcp, _save_with_dcp
 
     r, p = rank_world()
-    dense = _moe_model("mixtral")
+    dense = _moe_model("qwen3_moe")
     plan = dict(dense.tp_plan)
     wide = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+    packed = "model.layers.1.mlp.experts.gate_up_proj"
     entries = tp_kernels.sharded_state_dict(wide)
-    packed = "model.layers.0.mlp.experts.gate_up_proj"
     assert ([k for k in entries if k.startswith(packed)] == [f"{packed}[dim1][0]", f"{packed}[dim1][1]"]
             if p > 1 else packed in entries), list(entries)
-    dcp.save(entries, checkpoint_id=f"{path}/moe")
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
+    opts = [torch.optim.Adam(model.parameters(), lr=0.1) for model in (dense, wide)]
+    for model, opt in zip((dense, wide), opts):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+    _save_with_dcp(wide, opts[1], f"{path}/moe")
     dist.barrier()
     if r == 0:
-        dcp_to_torch_save(f"{path}/moe", f"{path}/moe.pt")
-    dist.barrier()
-    whole = tp_kernels.dense_state_dict(torch.load(f"{path}/moe.pt"))
-    assert sorted(whole) == sorted(dense.state_dict())
-    for key, value in dense.state_dict().items():
-        assert torch.equal(whole[key], value), key
+        _assert_dense_checkpoint(f"{path}/moe", dense, opts[0])
     tp_kernels.initialize_model_parallel(max(p // 2, 1))
     try:
         torch.manual_seed(1)
-        narrow = tp_kernels.parallelize(_moe_model("mixtral").apply(_reset), plan)
-        dcp.load(tp_kernels.sharded_state_dict(narrow), checkpoint_id=f"{path}/moe")  # in place
+        narrow = tp_kernels.parallelize(_moe_model("qwen3_moe").apply(_reset), plan)
+        narrow_opt = _load_with_dcp(narrow, f"{path}/moe")
         full = tp_kernels.full_state_dict(narrow)
         for key, value in dense.state_dict().items():
-            assert torch.equal(full[key], value), key
+            torch.testing.assert_close(full[key], value, rtol=1e-10, atol=1e-8, msg=lambda m: f"{key}: {m}")
+        _assert_dense_moments(narrow, narrow_opt, dense, opts[0])
     finally:
         tp_kernels.destroy_model_parallel()
 
@@ -343,32 +344,31 @@ def test_packed_linear(world):
     world.run(check_packed_linear)
 
 
-def check_hugging_face_moe_grouped_gemm():
-    """Mixtral in float32 with transformers' own default for its experts (a grouped GEMM over the
+def check_hugging_face_moe_grouped_gemm(device="cpu", dtype="float32"):
+    """Mixtral in ``dtype`` with transformers' own default for its experts (a grouped GEMM over the
     tokens sorted by expert, ``torch._grouped_mm``), parallelized by its plan: its logits and its
-    experts' gradients are the float64 dense model's to float32's precision, as the dense float32
-    model's are."""
-    r, p = rank_world()
-    # float64, the plain loop: the reference (16 hidden units an expert: each rank's block of them
-    # rows of 16 bytes at p = 4, as the grouped GEMM needs)
-    ref = _moe_model("mixtral", moe_intermediate=16)
-    dense = copy.deepcopy(ref).float()
-    dense.config._experts_implementation = "grouped_mm"  # (transformers' default, where it runs)
-    par = tp_kernels.parallelize(copy.deepcopy(dense), dict(dense.tp_plan))
+    experts' gradients are the float64 dense model's within the dense ``dtype`` model's own error
+    (float32: to 1e-6 of their size). 32 hidden units an expert: each rank's block of them is rows
+    of at least 16 bytes at p = 4, as the grouped GEMM needs."""
+    ref = _moe_model("mixtral", moe_intermediate=32).to(device)  # float64, the plain loop: the reference
+    plain = copy.deepcopy(ref).to(getattr(torch, dtype))
+    plain.config._experts_implementation = "grouped_mm"  # (transformers' default, where it runs)
+    par = tp_kernels.parallelize(copy.deepcopy(plain), dict(plain.tp_plan))
     implementation = par.model.layers[0].mlp.experts.config._experts_implementation
     assert implementation == "grouped_mm", implementation
-    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
-    out64, out32, got = ref(ids, labels=ids), dense(ids, labels=ids), par(ids, labels=ids)
-    assert_close("logits", got.logits, out64.logits, out32.logits)
-    for model, out in ((ref, out64), (par, got)):
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1)).to(device)
+    outs = [model(ids, labels=ids) for model in (ref, plain, par)]
+    assert_close("logits", outs[2].logits, outs[0].logits, outs[1].logits)
+    for out in outs:
         out.loss.backward()
     with torch.no_grad():
         for q in par.parameters():
             q.copy_(q.grad)
     grads = tp_kernels.full_state_dict(par)
+    plain_params = dict(plain.named_parameters())
     for name, q in ref.named_parameters():
         if ".experts." in name:
-            assert_close(f"{name}.grad", grads[name], q.grad)
+            assert_close(f"{name}.grad", grads[name], q.grad, plain_params[name].grad)
 
 
 @pytest.mark.parametrize("world", [2, 4], indirect=True)

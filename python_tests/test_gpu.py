@@ -15,6 +15,7 @@ import torch.distributed as dist
 import test_autotune
 import test_communicator
 import test_embedding_ce
+import test_experts
 import test_layers
 import test_library
 import test_ops
@@ -902,3 +903,16 @@ def test_send_and_recv_that_disagree_on_nccl_ranks(shared_gpu_world, what):
     messages = shared_gpu_world.run(test_communicator.check_p2p_disagreement, what)
     if what != "bad at one end":
         assert messages[0] == messages[1] and all(m is None for m in messages[2:]), messages
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["packed_colwise", "packed_rowwise"])
+def test_experts_with_several_nccl_ranks(shared_gpu_world, transposed):
+    """A mixture's experts split over NCCL ranks sharing the GPU: output and gradients in float64."""
+    shared_gpu_world.run(test_experts.check_experts_against_dense, transposed, "cuda")
+
+
+def test_hugging_face_moe_grouped_gemm_with_several_nccl_ranks(shared_gpu_world):
+    """Mixtral by its plan, its experts through transformers' grouped GEMM on the GPU, in bfloat16
+    (skipped where transformers is not installed)."""
+    pytest.importorskip("transformers")
+    shared_gpu_world.run(test_experts.check_hugging_face_moe_grouped_gemm, "cuda", "bfloat16")
