@@ -455,3 +455,87 @@ def check_hugging_face_local_params(kind):
 @pytest.mark.parametrize("kind", ["granite_swa", "beam"])
 def test_hugging_face_local_params(world, kind):
     world.run(check_hugging_face_local_params, kind)
+
+
+def check_moe_under_fully_sharded_data_parallel(path):
+    """Tensor parallelism 2 x FSDP2 over the 2 data-parallel ranks (``fully_shard`` of each layer
+    and of the model) on 4 ranks, Qwen 3 MoE by its plan: each data-parallel rank takes half the
+    batch, and ``clip_grad_norm_`` gives the dense model's norm, an SGD step with momentum its
+    weights, ``full_state_dict`` its state dict; the ``dcp`` checkpoint of the sharded state dicts
+    (the packed expert weights' pieces along dim 1, which FSDP2's rows of dim 0 leave whole) is,
+    offline, the dense weights and momenta; a model sharded alike resumes from it, and its next
+    step is the dense model's."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    r, _ = rank_world()
+    tp_kernels.initialize_model_parallel(2)
+    try:
+        dp = tp_kernels.get_data_parallel_rank()
+        tag = tp_kernels.get_data_parallel_group().group_name  # (a mesh named anew: torch caches them by value)
+        mesh = DeviceMesh.from_group(tp_kernels.get_data_parallel_group(), "cpu", mesh_dim_names=(f"moe{tag}",))
+        dense = _moe_model("qwen3_moe")
+        plan = dict(dense.tp_plan)
+
+        def sharded(model):
+            model = tp_kernels.parallelize(model, plan)
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            return fully_shard(model, mesh=mesh)
+
+        def sgd(model):
+            return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+        def step(model, opt, ids):
+            mine = ids[2 * dp: 2 * dp + 2] if model is not dense else ids  # (FSDP2 averages over the ranks)
+            model(mine, labels=mine).loss.backward()
+            if model is dense:
+                total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+            else:
+                total = tp_kernels.clip_grad_norm_(model, 1e9)
+            opt.step()
+            opt.zero_grad()
+            return total
+
+        def assert_dense(model):
+            for key, value in tp_kernels.full_state_dict(model).items():
+                torch.testing.assert_close(value, dense.state_dict()[key], rtol=1e-10, atol=1e-12,
+                                           msg=lambda m: f"{key}: {m}")
+
+        g = torch.Generator().manual_seed(1)
+        batches = [torch.randint(0, 32, (4, 6), generator=g) for _ in range(2)]
+        par = sharded(copy.deepcopy(dense))
+        dense_opt, opt = sgd(dense), sgd(par)
+        torch.testing.assert_close(step(par, opt, batches[0]), step(dense, dense_opt, batches[0]), rtol=1e-12, atol=0)
+        assert_dense(par)
+        dcp.save({"model": tp_kernels.sharded_state_dict(par),
+                  "optim": tp_kernels.sharded_optimizer_state_dict(par, opt)}, checkpoint_id=f"{path}/fsdp")
+        dist.barrier()
+        if r == 0:
+            dcp_to_torch_save(f"{path}/fsdp", f"{path}/fsdp.pt")
+        dist.barrier()
+        whole = tp_kernels.dense_state_dict(torch.load(f"{path}/fsdp.pt"))
+        for name, param in dense.named_parameters():
+            torch.testing.assert_close(whole["model"][name], param.detach(), rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(whole["optim"]["state"][name]["momentum_buffer"],
+                                       dense_opt.state[param]["momentum_buffer"], rtol=1e-10, atol=1e-12)
+        torch.manual_seed(3)
+        fresh = sharded(_moe_model("qwen3_moe").apply(_reset))
+        fresh_opt = sgd(fresh)
+        state = {"model": tp_kernels.sharded_state_dict(fresh),
+                 "optim": tp_kernels.sharded_optimizer_state_dict(fresh, fresh_opt)}
+        dcp.load(state, checkpoint_id=f"{path}/fsdp")
+        tp_kernels.load_sharded_optimizer_state_dict(fresh, fresh_opt, state["optim"])
+        assert_dense(fresh)
+        torch.testing.assert_close(step(fresh, fresh_opt, batches[1]), step(dense, dense_opt, batches[1]),
+                                   rtol=1e-12, atol=0)
+        assert_dense(fresh)
+    finally:
+        tp_kernels.destroy_model_parallel()
+
+
+def test_moe_under_fully_sharded_data_parallel(world4, tmp_path):
+    world4.run(check_moe_under_fully_sharded_data_parallel, str(tmp_path))

@@ -107,7 +107,8 @@ def sharded_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
     A model that FSDP2 shards further over the data-parallel ranks (its parameters ``DTensor`` s
     over the data-parallel mesh) saves each rank's rows of its block as a ``DTensor`` over the group
     and the mesh, so the checkpoint is the same dense model's; a layer of several outputs, of heads
-    or a padded one is then refused (``ValueError``): FSDP2's rows cut across its pieces."""
+    or a padded one is then refused (``ValueError``): FSDP2's rows cut across its pieces along dim 0
+    (packed expert weights, whose pieces lie along another dim, are taken)."""
     state = {key: value.detach() for key, value in module.state_dict(keep_vars=True).items()}
     entries, _, blocks = _entries(module)
     with torch.no_grad():
@@ -149,21 +150,19 @@ def load_sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     _, join, blocks = _entries(module)
-    sharded_further = dp.data_parallel_mesh(module) is not None
+    mesh = dp.data_parallel_mesh(module)
 
-    def local_of(name, v):
-        if not hasattr(v, "to_local"):
-            return v
-        if not sharded_further:
-            return v.to_local()
-        # FSDP2: a sharded parameter's state over the group and the mesh back to the mesh's alone, as
-        # the parameter is placed; the others' are the mesh's already
-        return dp.from_local_like(blocks[name][0], v.to_local()) if name in blocks else v
+    def local_of(v):
+        # (FSDP2: the state over the group and the mesh, of a sharded parameter or of one of its
+        # pieces, as this rank's rows; the others' are the mesh's already)
+        return v.to_local() if hasattr(v, "to_local") and (mesh is None or len(v.placements) > mesh.ndim) else v
 
-    local = dict(state)
-    local["state"] = join({name: {k: local_of(name, v) for k, v in per_param.items()}
-                           for name, per_param in state["state"].items()})
-    set_optimizer_state_dict(module, optimizer, local)
+    joined = join({name: {k: local_of(v) for k, v in per_param.items()} for name, per_param in state["state"].items()})
+    if mesh is not None:  # (FSDP2: a sharded parameter's state back to the mesh's, placed as the parameter is)
+        for name in blocks.keys() & joined.keys():
+            joined[name] = {k: dp.from_local_like(blocks[name][0], v) if isinstance(v, torch.Tensor) and v.dim()
+                            and not dp.is_sharded(v) else v for k, v in joined[name].items()}
+    set_optimizer_state_dict(module, optimizer, {**state, "state": joined})
 
 
 def _entries(module: nn.Module):
@@ -184,15 +183,17 @@ def _entries(module: nn.Module):
         raise ValueError(groups_error)
     mesh = dp.data_parallel_mesh(module)
     if mesh is not None:
-        # (padded on any rank of the group, not only this one: every rank refuses alike)
-        irregular = [key for key, (_, _, layer) in blocks.items()
-                     if len(layer.split_parts) > 1 or getattr(layer, "head_size", None) is not None
-                     or layer.split_parts[0] % layer.tp_size]
+        # (padded on any rank of the group, not only this one: every rank refuses alike; pieces side
+        # by side along another dim, packed expert weights', FSDP2's rows of dim 0 leave whole)
+        irregular = [key for key, (_, dim, layer) in blocks.items()
+                     if dim == 0 and (len(layer.split_parts) > 1 or getattr(layer, "head_size", None) is not None
+                                      or layer.split_parts[0] % layer.tp_size)]
         if irregular:
             raise ValueError(f"module: FSDP2 shards its parameters further over the data-parallel ranks, and "
-                             f"{irregular[0]!r} is of a layer of several outputs, of heads or a padded one, whose pieces "
-                             "FSDP2's rows cut across: no DTensor describes them, so the sharded state dicts do not "
-                             "take it; checkpoint such a model with full_state_dict and load_full_state_dict")
+                             f"{irregular[0]!r} is of a layer of several outputs, of heads or a padded one, whose "
+                             "pieces along dim 0 FSDP2's rows cut across: no DTensor describes them, so the sharded "
+                             "state dicts do not take it; checkpoint such a model with full_state_dict and "
+                             "load_full_state_dict")
     if coll.group_size(group) == 1:
         sharded = lambda tensor, dim, full: tensor  # noqa: E731
     else:
