@@ -400,6 +400,9 @@ def check_sum_output_grads_over_group():
         narrow = tp_kernels.grads.sum_output_grads_over_group(nn.Linear(3, 1), 2)
         with pytest.raises(ValueError, match=r"Linear's output is \[2, 1\] float32.*no last 2 columns"):
             narrow(torch.randn(2, 3))
+        with fingerprints_set(True), pytest.raises(RuntimeError, match=r"disagree.*rank 0: Linear.*output \[3, 5\]"
+                                                                         r".*rank 1: Linear.*output \[2, 5\]"):
+            proj(torch.randn(3 if r == 0 else 2, 3, dtype=torch.float64))  # (rank 0 one row more)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)

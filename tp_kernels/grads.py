@@ -119,10 +119,15 @@ def sum_output_grads_over_group(module: nn.Module, columns: int, group=None) -> 
         return module
 
     def hook(mod, args, output):
-        if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[-1] < columns:
-            raise ValueError(f"tp_kernels: sum_output_grads_over_group: {type(mod).__name__}'s output is "
-                             f"{describe(output) if isinstance(output, torch.Tensor) else type(output).__name__}, "
-                             f"which has no last {columns} columns")
+        def check():
+            if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[-1] < columns:
+                raise ValueError(f"tp_kernels: sum_output_grads_over_group: {type(mod).__name__}'s output is "
+                                 f"{describe(output) if isinstance(output, torch.Tensor) else type(output).__name__}, "
+                                 f"which has no last {columns} columns")
+
+        # (agreed, as the layers' calls: ranks whose outputs differ raise together, before the backward's sum)
+        agree(f"{type(mod).__name__} (sum_output_grads_over_group)", group, check,
+              lambda _: f"output {describe(output)}, its last {columns} columns", hint=output)
         own, shared = output.split([output.shape[-1] - columns, columns], -1)
         return torch.cat([own, copy_to(shared, group)], -1)
 
