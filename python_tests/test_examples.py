@@ -41,3 +41,13 @@ def test_the_training_example_resumes_from_its_checkpoint():
     assert out.returncode == 0, out.stderr[-3000:]
     for r in range(2):
         assert f"rank {r}/2 (cpu): losses after the checkpoint" in out.stdout, out.stdout
+
+
+@pytest.mark.skipif(not os.path.exists(EXAMPLES), reason="examples/ is not in this checkout")
+def test_the_hugging_face_example_generates_the_dense_models_tokens():
+    pytest.importorskip("transformers")
+    out = _torchrun_on_two_cpu_processes(os.path.join(EXAMPLES, "hugging_face.py"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    for r in range(2):
+        assert (f"rank {r}/2 (cpu, torch.float32): MixtralForCausalLM by its tp_plan generated 8 tokens per sequence, "
+                "the dense model's") in out.stdout, out.stdout
