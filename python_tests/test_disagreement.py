@@ -432,3 +432,39 @@ def check_huge_num_chunks():
 
 def test_a_huge_num_chunks_is_as_many_chunks_as_rows(world2):
     assert world2.run(check_huge_num_chunks, deadline_s=DEADLINE_S) == [True, True]
+
+
+def check_parallelize_that_differs(case):
+    """``parallelize`` agrees with the group whatever the fingerprint setting (a setup call, as
+    initialize_model_parallel): ranks that built their dense models from different random draws
+    (no seed), ranks given different plans, and a plan that fails on one rank only each raise on
+    every rank, naming the cause, with nothing replaced; then the group works."""
+    import torch.nn as nn
+
+    r, p = rank_world()
+    torch.manual_seed(0 if case != "weights" else r)  # ("weights": each rank its own draw)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    plan = {"0": "colwise", "2": "rowwise"}
+    if case == "plans" and r == 1:
+        plan = {"0": "colwise_gather_output", "2": "rowwise_split_input"}
+    if case == "one rank's plan" and r == 1:
+        plan = {"0": "colwise", "3": "rowwise"}  # (matches nothing here)
+    kind, message = _raises(lambda: tp_kernels.parallelize(model, plan))
+    assert type(model[0]) is nn.Linear and type(model[2]) is nn.Linear  # nothing replaced
+    _still_works()
+    return kind, message
+
+
+@pytest.mark.parametrize("case", ["weights", "plans", "one rank's plan"])
+def test_parallelize_that_differs_between_ranks(world2, case):
+    results = world2.run(check_parallelize_that_differs, case, deadline_s=DEADLINE_S)
+    if case == "weights":
+        for kind, message in results:
+            assert kind == "RuntimeError" and "hold different dense models" in message, message
+            assert "seed every rank alike" in message and "rank 0: " in message and "rank 1: " in message, message
+    elif case == "plans":
+        for kind, message in results:
+            assert kind == "RuntimeError" and "disagree" in message and "rank 0: parallelize: plan" in message, message
+    else:
+        assert results[1][0] == "ValueError" and "pattern '3' matches no submodule" in results[1][1], results
+        assert results[0][0] == "RuntimeError" and "rank 1: plan: pattern '3'" in results[0][1], results

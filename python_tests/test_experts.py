@@ -421,6 +421,7 @@ def check_hugging_face_local_params(kind):
     r, p = rank_world()
     common = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=4, max_position_embeddings=64, attn_implementation="eager")
+    torch.manual_seed(0)  # (every rank the same weights)
     if kind == "granite_swa":
         dense = transformers.GraniteSWAForCausalLM(transformers.GraniteSWAConfig(**common))
         held = "self_attn.sinks"
@@ -429,7 +430,6 @@ def check_hugging_face_local_params(kind):
             head_dim=4, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2, experts_implementation="eager",
             **common))
         held = "self_attn.gate_bias"
-    torch.manual_seed(0)
     dense = dense.double()
     with torch.no_grad():  # (made zero: each head its own value)
         for layer in dense.model.layers:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import fnmatch
+import hashlib
+import itertools
 from typing import Dict, Mapping
 
+import torch
 import torch.nn as nn
 
 from . import _collectives as coll
+from . import _data_parallel as dp
+from ._agreement import agree, exchange_views
 from ._checks import check_replaceable
 from .embedding import VocabParallelEmbedding
 from .experts import PARAMETER_STYLES, check_styles, shard_experts, shard_parameters
@@ -133,17 +138,78 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     module's to a parameter, or to a parameter of a module not named ``"moe_tp_experts"`` or
     ``"local_params"``), experts the plan leaves a parameter of whole, a row layer's ``in_features`` or an output
     size the group's size does not divide, one module given two styles, or a tied parameter the
-    plan would split apart raise ``ValueError`` naming the pattern and the module's path. Returns
-    ``module``.
+    plan would split apart raise ``ValueError`` naming the pattern and the module's path. The
+    checks are agreed with the group, whatever the fingerprint setting (a plan wrong on one rank
+    only, or plans that differ, raise on every rank), and then that every rank holds the same dense
+    model (a digest of its parameters' and buffers' names, shapes, dtypes and a sample of their
+    values): ranks that drew their weights from different random states raise ``RuntimeError``,
+    rather than each keep its shard of another model. Returns ``module``.
     """
+    group = coll.resolve_group(group)
+    p = coll.group_size(group)
+    hint = next(iter(module.parameters()), None) if isinstance(module, nn.Module) else None
+    # (agreed, as initialize_model_parallel is: a rank whose plan fails raises its ValueError, the
+    # others a RuntimeError naming it, and ranks given different plans all raise, before anything
+    # is replaced; then that every rank holds the same dense weights)
+    named, chosen, style_of, by_parameter, ties = agree(
+        "parallelize", group, lambda: _resolve(module, plan, p, strict, sequence_parallel),
+        lambda _: f"plan {_digest(repr([(str(k), repr(v)) for k, v in plan.items()]))}, "
+                  f"sequence_parallel {sequence_parallel}, strict {strict}, {type(module).__name__}",
+        hint=hint, always=True)
+    if p > 1:
+        _agree_on_weights(module, group, hint)
+
+    # Build each replacement once, then swap every name under which the module is reachable
+    # (a module shared under two names must not stay dense under the one the plan missed).
+    replaced: Dict[int, nn.Module] = {}
+    for name, (style, outputs) in chosen.items():
+        old = module.get_submodule(name)
+        if id(old) in replaced:
+            continue
+        build = STYLES[style][1]
+        if build is None:  # kept (its gradients summed, or its experts split, once all is built)
+            replaced[id(old)] = old
+        elif style == "vocab":
+            replaced[id(old)] = build.from_embedding(old, group=group, sequence_parallel=sequence_parallel)
+        elif style in ("colwise", "colwise_gather_output", "packed_colwise"):
+            sizes, head_size = outputs or (None, None)
+            replaced[id(old)] = build.from_linear(old, group=group, sequence_parallel=sequence_parallel,
+                                                  output_sizes=sizes, head_size=head_size,
+                                                  gather_output=style == "colwise_gather_output")
+        else:
+            replaced[id(old)] = build.from_linear(
+                old, group=group, sequence_parallel=sequence_parallel, input_is_parallel=style == "rowwise"
+            )
+    for name, m in named:
+        if id(m) in replaced:
+            parent_name, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(parent_name), attr, replaced[id(m)])
+    for (first, first_attr), *others in ties:  # tied again: one parameter, as in the dense model
+        for holder, attr in others:
+            setattr(replaced[holder], attr, getattr(replaced[first], first_attr))
+    kept = {id(m): (m, style) for m, style in ((module.get_submodule(name), style) for name, (style, _) in
+                                                chosen.items() if STYLES[style][1] is None)}
+    for m, style in kept.values():  # (each once, under however many names)
+        if style == "moe_tp_experts":
+            shard_experts(m, {attr: how for attr, (how, _) in by_parameter[id(m)].items()}, group)
+        elif style == "local_params" and by_parameter.get(id(m)):
+            shard_parameters(m, {attr: how for attr, (how, _) in by_parameter[id(m)].items()}, group)
+        elif style == "mla_kv_a_proj":
+            sum_output_grads_over_group(m, style_of[id(m)][2], group)
+        elif style == "replicated_with_grad_allreduce":
+            sum_grads_over_group(m, group)
+    return module
+
+
+def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool, sequence_parallel: bool):
+    """:func:`parallelize`'s checks, which change nothing: ``(named, chosen, style_of, by_parameter,
+    ties)``, what it replaces and keeps, or a ``ValueError`` naming the pattern and the module."""
     if not isinstance(module, nn.Module):
         raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
     if not isinstance(plan, Mapping) or not plan:
         raise ValueError(f"plan: expected a non-empty mapping of name patterns to styles, got {plan!r}")
     if not isinstance(strict, bool):
         raise ValueError(f"strict: expected a bool, got {strict!r}")
-    group = coll.resolve_group(group)
-    p = coll.group_size(group)
     named = [(name, m) for name, m in module.named_modules(remove_duplicate=False) if name]
     # each parameter by its qualified name: (name, its module's name, its module, its attribute)
     params = [(f"{name}.{attr}" if name else attr, name, m, attr)
@@ -250,47 +316,34 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
                                  "modules whose parameters every rank holds whole")
 
     ties = _ties(module, named, style_of)
+    return named, chosen, style_of, by_parameter, ties
 
-    # Build each replacement once, then swap every name under which the module is reachable
-    # (a module shared under two names must not stay dense under the one the plan missed).
-    replaced: Dict[int, nn.Module] = {}
-    for name, (style, outputs) in chosen.items():
-        old = module.get_submodule(name)
-        if id(old) in replaced:
-            continue
-        build = STYLES[style][1]
-        if build is None:  # kept (its gradients summed, or its experts split, once all is built)
-            replaced[id(old)] = old
-        elif style == "vocab":
-            replaced[id(old)] = build.from_embedding(old, group=group, sequence_parallel=sequence_parallel)
-        elif style in ("colwise", "colwise_gather_output", "packed_colwise"):
-            sizes, head_size = outputs or (None, None)
-            replaced[id(old)] = build.from_linear(old, group=group, sequence_parallel=sequence_parallel,
-                                                  output_sizes=sizes, head_size=head_size,
-                                                  gather_output=style == "colwise_gather_output")
-        else:
-            replaced[id(old)] = build.from_linear(
-                old, group=group, sequence_parallel=sequence_parallel, input_is_parallel=style == "rowwise"
-            )
-    for name, m in named:
-        if id(m) in replaced:
-            parent_name, _, attr = name.rpartition(".")
-            setattr(module.get_submodule(parent_name), attr, replaced[id(m)])
-    for (first, first_attr), *others in ties:  # tied again: one parameter, as in the dense model
-        for holder, attr in others:
-            setattr(replaced[holder], attr, getattr(replaced[first], first_attr))
-    kept = {id(m): (m, style) for m, style in ((module.get_submodule(name), style) for name, (style, _) in
-                                                chosen.items() if STYLES[style][1] is None)}
-    for m, style in kept.values():  # (each once, under however many names)
-        if style == "moe_tp_experts":
-            shard_experts(m, {attr: how for attr, (how, _) in by_parameter[id(m)].items()}, group)
-        elif style == "local_params" and by_parameter.get(id(m)):
-            shard_parameters(m, {attr: how for attr, (how, _) in by_parameter[id(m)].items()}, group)
-        elif style == "mla_kv_a_proj":
-            sum_output_grads_over_group(m, style_of[id(m)][2], group)
-        elif style == "replicated_with_grad_allreduce":
-            sum_grads_over_group(m, group)
-    return module
+
+def _digest(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def _agree_on_weights(module: nn.Module, group, hint) -> None:
+    """That every rank of ``group`` holds the same dense ``module`` (names, shapes, dtypes, and a
+    sample of up to 64 values of each parameter and buffer: one all-gather of a digest), or a
+    ``RuntimeError`` on every rank: ranks that built it from different random draws would each keep
+    its shard of another model, silently."""
+    h = hashlib.blake2b(digest_size=8)
+    samples = []
+    for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
+        h.update(f"{name} {list(t.shape)} {t.dtype};".encode())
+        if t.device.type != "meta" and t.numel():
+            flat = dp.local(t.detach()).reshape(-1)  # (a DTensor's: this rank's rows)
+            samples.append(flat[:: max(1, flat.numel() // 64)][:64].contiguous().view(torch.uint8).reshape(-1))
+    if samples:  # (one copy to the host)
+        h.update(torch.cat([x.to(samples[0].device) for x in samples]).cpu().numpy().tobytes())
+    views = exchange_views(h.hexdigest(), *coll.host_route(group, hint))
+    if len(set(views)) > 1:
+        listing = ", ".join(f"rank {q}: {v}" for q, v in enumerate(views))
+        raise RuntimeError(f"tp_kernels: parallelize: the ranks of group {group.group_name!r} hold different dense "
+                           f"models (a digest of each parameter's and buffer's name, shape, dtype and a sample of its "
+                           f"values: {listing}), so the shards they would keep are not of one model: seed every rank "
+                           "alike (torch.manual_seed) before building it, or load the same checkpoint on each")
 
 
 def _rope_columns(pattern: str, model: nn.Module) -> int:
