@@ -94,6 +94,68 @@ def test_sequence_parallel_embedding(world):
     world.run(check_sequence_parallel_embedding)
 
 
+class ScaledEmbedding(nn.Embedding):
+    """Gemma's scaled word embedding: the lookup times ``sqrt(embedding_dim)`` in the weight's dtype,
+    the scale a buffer kept out of the state dict."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("embed_scale", torch.tensor(self.embedding_dim ** 0.5), persistent=False)
+
+    def forward(self, ids):
+        return super().forward(ids) * self.embed_scale.to(self.weight.dtype)
+
+
+class NormedEmbedding(nn.Embedding):
+    def forward(self, ids):  # (not the lookup times a constant)
+        return F.normalize(super().forward(ids), dim=-1)
+
+
+class ShiftedEmbedding(nn.Embedding):
+    def forward(self, ids):  # (an added term: summed p times over the ranks)
+        return super().forward(ids) + 1
+
+
+def check_scaled_embedding(dtype_name, sequence_parallel):
+    """An ``nn.Embedding`` subclass whose forward is the lookup times a constant (Gemma's: the
+    scale ``sqrt(24)``, not exact in any float) becomes a VocabParallelEmbedding scaling its rows
+    alike: its output is the subclass's bit for bit, and its weight's gradient the dense one's rows.
+    A forward that is anything else, a subclass on the meta device, or one keeping a buffer in its
+    state dict is a ValueError naming the reason."""
+    r, p = rank_world()
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    dense = ScaledEmbedding(5 * p, 24, padding_idx=1).to(dtype)
+    par = tp_kernels.VocabParallelEmbedding.from_embedding(dense, sequence_parallel=sequence_parallel)
+    assert par.output_scale == torch.tensor(24 ** 0.5).to(dtype).item() and "output_scale=" in repr(par)
+    ids = torch.randint(0, 5 * p, (2 * p, 3), generator=torch.Generator().manual_seed(1))
+    want = dense(ids)
+    got = par(ids)
+    assert torch.equal(got, block(want, 0, r, p) if sequence_parallel else want), (got - want).abs().max()
+    dy = torch.randn(want.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    want.backward(dy)
+    got.backward(block(dy, 0, r, p) if sequence_parallel else dy)
+    torch.testing.assert_close(par.weight.grad, block(dense.weight.grad, 0, r, p), rtol=0, atol=0)
+    for kind, match in ((NormedEmbedding, "not the lookup times a constant"),
+                        (ShiftedEmbedding, "not the lookup times a constant")):
+        with pytest.raises(ValueError, match=f"embedding: {kind.__name__} is an nn.Embedding with a forward of its "
+                                             f"own, which is {match}"):
+            tp_kernels.VocabParallelEmbedding.from_embedding(kind(4 * p, 3))
+    with pytest.raises(ValueError, match="cannot be run on the meta device"):
+        tp_kernels.VocabParallelEmbedding.from_embedding(ScaledEmbedding(4 * p, 3, device="meta"))
+    kept = ScaledEmbedding(4 * p, 3)
+    kept.register_buffer("counts", torch.zeros(4 * p))  # (in its state dict)
+    with pytest.raises(ValueError, match="also holds 'counts'"):
+        tp_kernels.VocabParallelEmbedding.from_embedding(kept)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_scaled_embedding(world, dtype, sequence_parallel):
+    world.run(check_scaled_embedding, dtype, sequence_parallel)
+
+
 def check_cross_entropy(dtype_name, label_smoothing, scale):
     r, p = rank_world()
     dtype = getattr(torch, dtype_name)

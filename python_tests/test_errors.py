@@ -120,8 +120,8 @@ def bad_calls(p):
         # a subclass whose replacement would lose its own parameters or forward
         ("linear: _Adapted is an nn.Linear that also holds 'lora_a'",
          lambda: tp_kernels.ColumnParallelLinear.from_linear(_Adapted(6, 4 * p))),
-        ("embedding: _Scaled is an nn.Embedding with a forward of its own",
-         lambda: tp_kernels.VocabParallelEmbedding.from_embedding(_Scaled(3 * p, 2))),
+        ("embedding: _Shifted is an nn.Embedding with a forward of its own, which is not the lookup times a constant",
+         lambda: tp_kernels.VocabParallelEmbedding.from_embedding(_Shifted(3 * p, 2))),
         ("plan['fc1']: 'fc1': _Adapted is an nn.Linear that also holds 'lora_a'",
          lambda: tp_kernels.parallelize(_Tiny(p, _Adapted), {"fc1": "colwise"})),
         ("linear: this Linear has hooks registered on it (_forward_hooks)", lambda: tp_kernels.ColumnParallelLinear
@@ -171,9 +171,9 @@ class _Renamed(nn.Linear):
     """A subclass that adds nothing (as torch's NonDynamicallyQuantizableLinear): replaceable."""
 
 
-class _Scaled(nn.Embedding):
-    def forward(self, ids):
-        return super().forward(ids) * 2
+class _Shifted(nn.Embedding):
+    def forward(self, ids):  # (not the lookup times a constant, which a parallel embedding computes)
+        return super().forward(ids) + 2
 
 
 def check_bad_input():
@@ -189,6 +189,7 @@ def check_bad_input():
     with pytest.raises(ValueError):
         tp_kernels.parallelize(tiny, {"fc1": "colwise", "fc9": "rowwise"})
     assert isinstance(tiny.fc1, nn.Linear)
+    torch.manual_seed(0)  # (every rank the same dense model: parallelize checks)
     renamed = tp_kernels.parallelize(_Tiny(p, _Renamed), {"fc1": "colwise"})
     assert isinstance(renamed.fc1, tp_kernels.ColumnParallelLinear)
 

@@ -820,6 +820,47 @@ def test_hugging_face_plans(world, kind):
     world.run(check_hugging_face_plans, kind)
 
 
+def check_hugging_face_gemma(kind):
+    """Gemma 1, 2 and 3 by their own plans: their embedding, a subclass that scales the lookup by
+    ``sqrt(hidden)`` and is tied to the head, becomes a VocabParallelEmbedding scaling its rows
+    alike (``output_scale``). The logits and loss are the dense model's in float64 and so is every
+    gradient (Gemma 3's per-head norms, computed in float32, to float32's precision of its size)."""
+    import transformers
+
+    r, p = rank_world()
+    config, model_class = {"gemma": ("GemmaConfig", "GemmaForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+                           "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}[kind]
+    torch.manual_seed(0)
+    dense = getattr(transformers, model_class)(getattr(transformers, config)(
+        vocab_size=32, hidden_size=24, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=4, max_position_embeddings=64, attn_implementation="eager")).double()
+    assert type(dense.model.embed_tokens).forward is not nn.Embedding.forward  # (scaled)
+    par = tp_kernels.parallelize(copy.deepcopy(dense), dict(dense.tp_plan))
+    # (the model's own scale: sqrt(24) rounded to float32, then made float64 by .double())
+    assert par.model.embed_tokens.output_scale == dense.model.embed_tokens.embed_scale.item() != 24 ** 0.5
+    assert par.lm_head.weight is par.model.embed_tokens.weight
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
+    want, got = dense(ids, labels=ids), par(ids, labels=ids)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-12, atol=0)
+    want.loss.backward()
+    got.loss.backward()
+    eps = 8 * torch.finfo(torch.float32).eps if kind == "gemma3" else 1e-12
+    with torch.no_grad():
+        for q in par.parameters():
+            q.copy_(q.grad)
+    grads = tp_kernels.full_state_dict(par)
+    for name, q in dense.named_parameters():
+        torch.testing.assert_close(grads[name], q.grad, rtol=0, atol=eps * q.grad.abs().max().item(),
+                                   msg=lambda m: f"{name}.grad: {m}")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("kind", ["gemma", "gemma2", "gemma3"])
+def test_hugging_face_gemma(world, kind):
+    world.run(check_hugging_face_gemma, kind)
+
+
 def check_hugging_face_plan_compiled():
     """Qwen 3 by its own plan, compiled with torch.compile (its per-head norms' gradients summed by
     hooks the compiled forward still installs and runs): twice forward and backward, the norms'

@@ -40,13 +40,15 @@ def check_divisible(name: str, value: int, p: int) -> int:
     return value // p
 
 
-def check_replaceable(name: str, module, base: type) -> None:
+def check_replaceable(name: str, module, base: type, *, own_forward: bool = False) -> None:
     """A ``ValueError`` naming ``name`` unless ``module`` is a ``base`` (``nn.Linear``,
     ``nn.Embedding``) that a parallel layer can stand for: ``base`` itself, or a subclass with
     ``base``'s forward and nothing but its parameters (``weight``, ``bias``), with no hooks
     registered. A subclass with a forward of its own, or parameters, buffers or submodules of its
     own (a LoRA adapter, a quantized layer), or a hook, would lose them, and the model its
-    function, silently."""
+    function, silently. ``own_forward``: the caller found the subclass's forward to be one the
+    parallel layer computes (an embedding's lookup times a constant), so its forward, and the
+    buffers it keeps out of the state dict, are no loss."""
     if not isinstance(module, base):
         raise ValueError(f"{name}: expected an nn.{base.__name__}, got {type(module).__name__}")
     kind = type(module).__name__
@@ -62,11 +64,13 @@ def check_replaceable(name: str, module, base: type) -> None:
                          "layer would not run: replace it first, then register them on the replacement")
     if type(module) is base:
         return
-    if type(module).forward is not base.forward:
+    if type(module).forward is not base.forward and not own_forward:
         raise ValueError(f"{name}: {kind} is an nn.{base.__name__} with a forward of its own, which a parallel layer "
                          "would not run")
+    kept_out = module._non_persistent_buffers_set if own_forward else set()
     extra = ([n for n, _ in module.named_parameters(recurse=False) if n not in ("weight", "bias")]
-             + [n for n, _ in module.named_buffers(recurse=False)] + [n for n, _ in module.named_children()])
+             + [n for n, _ in module.named_buffers(recurse=False) if n not in kept_out]
+             + [n for n, _ in module.named_children()])
     if extra:
         raise ValueError(f"{name}: {kind} is an nn.{base.__name__} that also holds {', '.join(map(repr, extra))}, "
                          "which a parallel layer would drop")

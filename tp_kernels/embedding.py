@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Callable, Optional
 
 import torch
@@ -15,7 +16,7 @@ from ._data_parallel import copy_rows_
 from .layers import ShareGroupOnCopy, block_of, split_block
 from .mappings import reduce_from, reduce_scatter_dim0
 
-__all__ = ["ID_DTYPES", "VocabParallelEmbedding", "check_index_range"]
+__all__ = ["ID_DTYPES", "VocabParallelEmbedding", "check_embedding", "check_index_range"]
 
 #: The dtypes of ids the embedding (``F.embedding``) takes.
 ID_DTYPES = (torch.int64, torch.int32)
@@ -43,6 +44,43 @@ def check_index_range(name: str, ids: torch.Tensor, size: int, allowed: Optional
         raise ValueError(f"{name}: index {first} is out of range for a vocabulary of {size}")
 
 
+def check_embedding(name: str, embedding: nn.Module) -> Optional[float]:
+    """What a :class:`VocabParallelEmbedding` must scale its rows by to stand for ``embedding``
+    (None: nothing), or a ``ValueError`` naming ``name`` where it cannot stand for it (see
+    :func:`tp_kernels._checks.check_replaceable`).
+
+    A subclass of ``nn.Embedding`` with a forward of its own is taken when that forward is the
+    lookup times a constant, in the weight's dtype (Gemma's and MiniCPM 3's scaled word
+    embeddings: ``sqrt(hidden)``): its forward is run on a two-row table of ones and random
+    values, and must return exactly those rows times one number. Anything else (a norm, an added
+    term) is refused, as is such a subclass on the meta device, whose forward computes nothing."""
+    scale = None
+    if isinstance(embedding, nn.Embedding) and type(embedding).forward is not nn.Embedding.forward \
+            and not (embedding._forward_pre_hooks or embedding._forward_hooks):
+        kind = type(embedding).__name__
+        weight = embedding.weight
+        if weight.device.type == "meta":
+            raise ValueError(f"{name}: {kind} is an nn.Embedding with a forward of its own, which cannot be run on "
+                             "the meta device to tell whether a parallel embedding computes it: parallelize it with "
+                             "its weights")
+        rows = torch.randn(2, embedding.embedding_dim, generator=torch.Generator().manual_seed(0)).to(weight)
+        rows[0] = 1
+        probe = copy.copy(embedding)  # (its buffers and attributes; a two-row table of its own)
+        probe._parameters = {**embedding._parameters, "weight": nn.Parameter(rows, requires_grad=False)}
+        probe.padding_idx = None
+        with torch.no_grad():
+            out = probe(torch.tensor([0, 1], device=weight.device))
+        found = out[0, 0].item() if isinstance(out, torch.Tensor) and out.shape == rows.shape else None
+        if found is None or out.dtype != rows.dtype or not torch.equal(
+                out, rows * torch.tensor(found, dtype=rows.dtype, device=rows.device)):
+            raise ValueError(f"{name}: {kind} is an nn.Embedding with a forward of its own, which is not the lookup "
+                             "times a constant (as Gemma's scaled word embedding is), so a parallel embedding would "
+                             "not compute it")
+        scale = found
+    check_replaceable(name, embedding, nn.Embedding, own_forward=scale is not None)
+    return None if scale == 1.0 else scale
+
+
 class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
     """``nn.Embedding`` whose ``[num_embeddings, embedding_dim]`` table is split by rows.
 
@@ -64,6 +102,8 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
         init_method: ``f(full_weight)`` initializing the full ``[V, D]`` table in place;
             default: ``nn.Embedding``'s (standard normal). Seed every rank alike.
         device, dtype: of the weight.
+        output_scale: a number the rows looked up are multiplied by, in the weight's dtype (Gemma's
+            scaled word embedding, ``sqrt(hidden)``; :meth:`from_embedding` finds it); None: none.
 
     Shapes: input ``[...]`` integer ids in ``[0, V)``; ``weight`` ``[ceil(V/p), D]``; output ``[..., D]``
     (``[s/p, ..., D]`` for ids ``[s, ...]`` with sequence parallelism).
@@ -74,7 +114,8 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, padding_idx: Optional[int] = None,
                  sequence_parallel: bool = False, group=None,
-                 init_method: Optional[Callable[[torch.Tensor], object]] = None, device=None, dtype=None):
+                 init_method: Optional[Callable[[torch.Tensor], object]] = None, device=None, dtype=None,
+                 output_scale: Optional[float] = None):
         super().__init__()
         check_int("num_embeddings", num_embeddings)
         check_int("embedding_dim", embedding_dim)
@@ -89,6 +130,9 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
         self.tp_rank = coll.group_rank(self.group)
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         self.sequence_parallel = bool(sequence_parallel)
+        if output_scale is not None and (isinstance(output_scale, bool) or not isinstance(output_scale, (int, float))):
+            raise ValueError(f"output_scale: expected a number or None, got {output_scale!r}")
+        self.output_scale = output_scale
         self.split_parts, self.split_blocks = (num_embeddings,), (self.tp_size,)  # the rows: one part (layers.block_of)
         # ceil(V/p) rows each, the last blocks ending in padding where p does not divide V
         self.num_embeddings_per_partition, self.pad_rows = split_block(num_embeddings, self.tp_size, self.tp_rank)
@@ -136,8 +180,9 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, **kwargs) -> "VocabParallelEmbedding":
-        """A parallel embedding holding this rank's rows of ``embedding``'s table."""
-        check_replaceable("embedding", embedding, nn.Embedding)
+        """A parallel embedding holding this rank's rows of ``embedding``'s table (and, where its
+        forward scales the rows, Gemma's, scaling them alike: :func:`check_embedding`)."""
+        kwargs.setdefault("output_scale", check_embedding("embedding", embedding))
         for option in ("max_norm", "sparse", "scale_grad_by_freq"):
             if getattr(embedding, option):
                 raise ValueError(f"embedding: {option}={getattr(embedding, option)!r} is not supported")
@@ -165,16 +210,23 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
                         f"sequence_parallel {self.sequence_parallel}",
               hint=self.weight)
         if self.tp_size == 1:
-            return F.embedding(input_, self.weight, self.padding_idx)
+            return self._scaled(F.embedding(input_, self.weight, self.padding_idx))
         outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
         local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight, self._local_padding_idx)  # [..., D], this rank's rows
-        out = out.masked_fill(outside.unsqueeze(-1), 0)
+        out = self._scaled(out.masked_fill(outside.unsqueeze(-1), 0))
         if self.sequence_parallel:
             return reduce_scatter_dim0(out, self.group)  # sum over ranks, this rank's block: [s/p, ..., D]
         return reduce_from(out, self.group)  # sum over ranks: [..., D]
 
+    def _scaled(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` times ``output_scale`` in their dtype (the op Gemma's embedding does: bit for bit)."""
+        if self.output_scale is None:
+            return rows
+        return rows * torch.tensor(self.output_scale, dtype=rows.dtype, device=rows.device)
+
     def extra_repr(self) -> str:
         s = f"{self.num_embeddings}, {self.embedding_dim}, tp_size={self.tp_size}"
+        s += f", output_scale={self.output_scale}" if self.output_scale is not None else ""
         s += f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
         return s + (", sequence_parallel=True" if self.sequence_parallel else "")

@@ -14,7 +14,7 @@ from . import _collectives as coll
 from . import _data_parallel as dp
 from ._agreement import agree, exchange_views
 from ._checks import check_replaceable
-from .embedding import VocabParallelEmbedding
+from .embedding import VocabParallelEmbedding, check_embedding
 from .experts import PARAMETER_STYLES, check_styles, shard_experts, shard_parameters
 from .grads import sum_grads_over_group, sum_output_grads_over_group
 from .layers import ColumnParallelLinear, RowParallelLinear, check_output_sizes
@@ -246,7 +246,9 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
                     f"plan[{pattern!r}]: style {style!r} applies to {expected.__name__}, but {name!r} is a {type(m).__name__}"
                 )
             try:
-                if STYLES[style][1] is not None:
+                if style == "vocab":  # (a subclass whose replacement would lose something; Gemma's scaled one taken)
+                    check_embedding(repr(name), m)
+                elif STYLES[style][1] is not None:
                     check_replaceable(repr(name), m, expected)  # a subclass whose replacement would lose something
             except ValueError as exc:
                 raise ValueError(f"plan[{pattern!r}]: {exc}") from None
