@@ -21,6 +21,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+import tp_kernels
 from tp_kernels import settings
 
 
@@ -84,3 +85,29 @@ def assert_close(name, actual, ref64, plain=None, *, terms=1, scale=None):
     assert err <= bound, (
         f"{name}: max error {err:.3e} > {bound:.3e} = 2*{terms}*plain error {plain_err:.3e} + ulp {ulp:.3e}"
     )
+
+
+def full_grads(model) -> dict:
+    """Every parameter's gradient of a parallelized ``model`` joined whole, by the dense model's
+    names: ``tp_kernels.full_state_dict`` of the gradients in the weights' place (the weights put
+    back after). One collective per sharded parameter, on every rank."""
+    params = list(model.parameters())
+    weights = [q.detach().clone() for q in params]
+    with torch.no_grad():
+        for q in params:
+            q.copy_(q.grad)
+    try:
+        return {name: value.clone() for name, value in tp_kernels.full_state_dict(model).items()}
+    finally:
+        with torch.no_grad():
+            for q, w in zip(params, weights):
+                q.copy_(w)
+
+
+def assert_dense_grads(par, dense, eps: float) -> None:
+    """Every gradient of the parallelized ``par``, joined whole, is ``dense``'s, to ``eps`` of the
+    largest value of each (1e-12: float64's own rounding; a float32 step inside the model: more)."""
+    grads = full_grads(par)
+    for name, q in dense.named_parameters():
+        torch.testing.assert_close(grads[name], q.grad, rtol=0, atol=eps * q.grad.abs().max().item(),
+                                   msg=lambda m: f"{name}.grad: {m}")

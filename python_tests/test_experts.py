@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tp_kernels
-from helpers import assert_close, fingerprints_set, rank_world
+from helpers import assert_close, assert_dense_grads, fingerprints_set, full_grads, rank_world
 from tp_kernels.experts import shard_experts
 
 E, H, I, TOKENS, TOP = 4, 6, 8, 10, 2  # experts, hidden, each expert's hidden units, tokens, experts per token
@@ -77,14 +77,10 @@ def check_experts_against_dense(transposed, device="cpu"):
         outs.append((y.detach(), hidden.grad, logits.grad))
     for name, want, got in zip(("output", "hidden.grad", "logits.grad"), *outs):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13, msg=lambda m: f"{name}: {m}")
-    full = tp_kernels.full_state_dict(par)
-    with torch.no_grad():  # the gradients joined as the weights are: put in their place
-        for q in par.parameters():
-            q.copy_(q.grad)
-    full_grads = tp_kernels.full_state_dict(par)
+    full, grads = tp_kernels.full_state_dict(par), full_grads(par)
     for name in STYLES[transposed]:
         assert torch.equal(full[name], getattr(dense, name).detach()), name
-        torch.testing.assert_close(full_grads[name], getattr(dense, name).grad, rtol=1e-12, atol=1e-13,
+        torch.testing.assert_close(grads[name], getattr(dense, name).grad, rtol=1e-12, atol=1e-13,
                                    msg=lambda m: f"{name}.grad: {m}")
 
 
@@ -155,23 +151,14 @@ def check_hugging_face_moe(kind):
     eps = 1e-12 if kind == "qwen3_moe" else 4 * torch.finfo(torch.float32).eps
     total = torch.linalg.vector_norm(torch.stack([q.grad.norm() for q in dense.parameters()]))
     torch.testing.assert_close(tp_kernels.clip_grad_norm_(par, 1e9), total, rtol=eps, atol=0)
-    with torch.no_grad():  # each gradient joined as its weight is
-        for q in par.parameters():
-            q.copy_(q.grad)
-    grads = tp_kernels.full_state_dict(par)
-    for name, q in dense.named_parameters():
-        torch.testing.assert_close(grads[name], q.grad, rtol=0, atol=eps * q.grad.abs().max().item(),
-                                   msg=lambda m: f"{name}.grad: {m}")
+    assert_dense_grads(par, dense, eps)
     if kind == "deepseek_v2" and p > 1:  # why: the rotary key's gradient, each rank's heads' share
         unsummed = tp_kernels.parallelize(copy.deepcopy(dense), {k: v for k, v in plan.items() if v != "mla_kv_a_proj"},
                                           strict=False)
         unsummed(ids, labels=ids).loss.backward()
-        with torch.no_grad():
-            for q in unsummed.parameters():
-                q.copy_(q.grad)
         name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
         grad = dense.get_parameter(name).grad
-        off = (tp_kernels.full_state_dict(unsummed)[name] - grad).abs().max().item()
+        off = (full_grads(unsummed)[name] - grad).abs().max().item()
         assert off > 100 * eps * grad.abs().max().item(), off
     if kind == "mixtral":
         par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
@@ -361,10 +348,7 @@ def check_hugging_face_moe_grouped_gemm(device="cpu", dtype="float32"):
     assert_close("logits", outs[2].logits, outs[0].logits, outs[1].logits)
     for out in outs:
         out.loss.backward()
-    with torch.no_grad():
-        for q in par.parameters():
-            q.copy_(q.grad)
-    grads = tp_kernels.full_state_dict(par)
+    grads = full_grads(par)
     plain_params = dict(plain.named_parameters())
     for name, q in ref.named_parameters():
         if ".experts." in name:
@@ -445,13 +429,7 @@ def check_hugging_face_local_params(kind):
     torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=eps * want.logits.abs().max().item())
     want.loss.backward()
     got.loss.backward()
-    with torch.no_grad():
-        for q in par.parameters():
-            q.copy_(q.grad)
-    grads = tp_kernels.full_state_dict(par)
-    for name, q in dense.named_parameters():
-        torch.testing.assert_close(grads[name], q.grad, rtol=0, atol=2 * eps * q.grad.abs().max().item(),
-                                   msg=lambda m: f"{name}.grad: {m}")
+    assert_dense_grads(par, dense, 2 * eps)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)

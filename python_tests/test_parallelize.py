@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tp_kernels
-from helpers import assert_close, block, fingerprints_set, padded_block, rank_world
+from helpers import assert_close, assert_dense_grads, block, fingerprints_set, padded_block, rank_world
 
 HEAD_DIM = 5
 
@@ -845,14 +845,7 @@ def check_hugging_face_gemma(kind):
     torch.testing.assert_close(got.loss, want.loss, rtol=1e-12, atol=0)
     want.loss.backward()
     got.loss.backward()
-    eps = 8 * torch.finfo(torch.float32).eps if kind == "gemma3" else 1e-12
-    with torch.no_grad():
-        for q in par.parameters():
-            q.copy_(q.grad)
-    grads = tp_kernels.full_state_dict(par)
-    for name, q in dense.named_parameters():
-        torch.testing.assert_close(grads[name], q.grad, rtol=0, atol=eps * q.grad.abs().max().item(),
-                                   msg=lambda m: f"{name}.grad: {m}")
+    assert_dense_grads(par, dense, 8 * torch.finfo(torch.float32).eps if kind == "gemma3" else 1e-12)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
