@@ -488,6 +488,24 @@ def test_world_sets_per_rank_environment():
         assert world.run(check_rank_env) == ["host-0", "host-1"]
 
 
+def test_a_world_collected_alive_stops_its_ranks_without_its_queues():
+    """A World never closed, collected: its ranks are killed, and no queue is touched (a put starts a
+    feeder thread, which a finalizer, running wherever the collector does, must not start)."""
+    from unittest import mock
+
+    from tp_kernels.testing import World
+
+    world = World(1, backend="gloo")
+    procs = list(world._procs)
+    with mock.patch("multiprocessing.queues.Queue.put", side_effect=AssertionError("a queue was used")):
+        world.__del__()
+    for proc in procs:
+        proc.join(timeout=10)
+        assert not proc.is_alive()
+    assert not world.alive
+    world.close()  # (then closing is a no-op)
+
+
 def test_single_process_without_torch_distributed():
     """Without init_process_group the layers act on one rank, like nn.Linear."""
     torch.manual_seed(0)

@@ -214,7 +214,14 @@ class World:
         self.close()
 
     def __del__(self):
-        self.close()
+        # A World collected alive (never closed): its ranks stopped by force. Not close(): its
+        # queues start a feeder thread on a put, and a thread started from a finalizer, which runs
+        # wherever the collector does (inside another thread's start, say), can deadlock.
+        if getattr(self, "alive", False):
+            self.alive = False
+            for proc in self._procs:
+                if proc.is_alive():
+                    proc.kill()
 
 
 def _format(errors) -> str:
