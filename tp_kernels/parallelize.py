@@ -151,7 +151,7 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     # (agreed, as initialize_model_parallel is: a rank whose plan fails raises its ValueError, the
     # others a RuntimeError naming it, and ranks given different plans all raise, before anything
     # is replaced; then that every rank holds the same dense weights)
-    named, chosen, style_of, by_parameter, ties = agree(
+    named, chosen, style_of, split_styles, ties = agree(
         "parallelize", group, lambda: _resolve(module, plan, p, strict, sequence_parallel),
         lambda _: f"plan {_digest(repr([(str(k), repr(v)) for k, v in plan.items()]))}, "
                   f"sequence_parallel {sequence_parallel}, strict {strict}, {type(module).__name__}",
@@ -191,9 +191,9 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
                                                 chosen.items() if STYLES[style][1] is None)}
     for m, style in kept.values():  # (each once, under however many names)
         if style == "moe_tp_experts":
-            shard_experts(m, {attr: how for attr, (how, _) in by_parameter[id(m)].items()}, group)
-        elif style == "local_params" and by_parameter.get(id(m)):
-            shard_parameters(m, {attr: how for attr, (how, _) in by_parameter[id(m)].items()}, group)
+            shard_experts(m, split_styles[id(m)], group)
+        elif style == "local_params" and split_styles.get(id(m)):
+            shard_parameters(m, split_styles[id(m)], group)
         elif style == "mla_kv_a_proj":
             sum_output_grads_over_group(m, style_of[id(m)][2], group)
         elif style == "replicated_with_grad_allreduce":
@@ -202,8 +202,9 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
 
 
 def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool, sequence_parallel: bool):
-    """:func:`parallelize`'s checks, which change nothing: ``(named, chosen, style_of, by_parameter,
-    ties)``, what it replaces and keeps, or a ``ValueError`` naming the pattern and the module."""
+    """:func:`parallelize`'s checks, which change nothing: ``(named, chosen, style_of, split_styles,
+    ties)``, what it replaces and keeps (``split_styles``: ``{id(module): {attribute: style}}``, the
+    parameters the plan splits by name), or a ``ValueError`` naming the pattern and the module."""
     if not isinstance(module, nn.Module):
         raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
     if not isinstance(plan, Mapping) or not plan:
@@ -293,10 +294,11 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
                              f"of a module the plan names {' or '.join(map(repr, _OWNERS))} is; "
                              f"{owner_name or 'the model'!r} is a {type(owner).__name__} the plan "
                              f"{'names ' + repr(style_of[id(owner)][0]) if id(owner) in style_of else 'does not name'}")
+    split_styles = {owner: {attr: how for attr, (how, _) in held.items()} for owner, held in by_parameter.items()}
     for name, (style, _) in chosen.items():
         if style in _OWNERS:
             m = module.get_submodule(name)
-            split = {attr: how for attr, (how, _) in by_parameter.get(id(m), {}).items()}
+            split = split_styles.get(id(m), {})
             if not split and style == "moe_tp_experts":  # (a 'local_params' module may hold none in this model)
                 raise ValueError(f"plan: {name!r} is {style!r}, but the plan splits none of its parameters: name "
                                  f"each expert weight ('{name}.gate_up_proj': 'packed_colwise', ...)")
@@ -318,7 +320,7 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
                                  "modules whose parameters every rank holds whole")
 
     ties = _ties(module, named, style_of)
-    return named, chosen, style_of, by_parameter, ties
+    return named, chosen, style_of, split_styles, ties
 
 
 def _digest(text: str) -> str:
