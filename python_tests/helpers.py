@@ -111,3 +111,14 @@ def assert_dense_grads(par, dense, eps: float) -> None:
     for name, q in dense.named_parameters():
         torch.testing.assert_close(grads[name], q.grad, rtol=0, atol=eps * q.grad.abs().max().item(),
                                    msg=lambda m: f"{name}.grad: {m}")
+
+
+def assert_same_loss_and_backward(dense, par, ids, **kwargs) -> None:
+    """A causal language model and its parallelized copy on ``ids`` (its own labels; ``kwargs``,
+    an attention mask, to both): the logits and the loss are the dense ones in float64 closeness;
+    then each model's loss is backpropagated, for the caller to compare the gradients."""
+    want, got = dense(ids, labels=ids, **kwargs), par(ids, labels=ids, **kwargs)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-12, atol=0)
+    want.loss.backward()
+    got.loss.backward()

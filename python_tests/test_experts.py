@@ -11,7 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tp_kernels
-from helpers import assert_close, assert_dense_grads, fingerprints_set, full_grads, rank_world
+from helpers import (assert_close, assert_dense_grads, assert_same_loss_and_backward, fingerprints_set,
+                     full_grads, rank_world)
 from tp_kernels.experts import shard_experts
 
 E, H, I, TOKENS, TOP = 4, 6, 8, 10, 2  # experts, hidden, each expert's hidden units, tokens, experts per token
@@ -143,11 +144,7 @@ def check_hugging_face_moe(kind):
     assert {plan[k] for k in plan if ".experts" in k} == {"moe_tp_experts", "packed_colwise", "rowwise"}, plan
     par = tp_kernels.parallelize(copy.deepcopy(dense), plan, strict=kind != "deepseek_v2")
     ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
-    want, got = dense(ids, labels=ids), par(ids, labels=ids)
-    torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(got.loss, want.loss, rtol=1e-12, atol=0)
-    want.loss.backward()
-    got.loss.backward()
+    assert_same_loss_and_backward(dense, par, ids)
     eps = 1e-12 if kind == "qwen3_moe" else 4 * torch.finfo(torch.float32).eps
     total = torch.linalg.vector_norm(torch.stack([q.grad.norm() for q in dense.parameters()]))
     torch.testing.assert_close(tp_kernels.clip_grad_norm_(par, 1e9), total, rtol=eps, atol=0)

@@ -13,7 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tp_kernels
-from helpers import assert_close, assert_dense_grads, block, fingerprints_set, padded_block, rank_world
+from helpers import (assert_close, assert_dense_grads, assert_same_loss_and_backward, block, fingerprints_set,
+                     padded_block, rank_world)
 
 HEAD_DIM = 5
 
@@ -768,11 +769,7 @@ def check_hugging_face_llama():
     assert par.lm_head.weight is par.model.embed_tokens.weight  # still tied
     ids = torch.randint(1, vocab, (2, 7), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
-    want, got = dense(ids, attention_mask=mask, labels=ids), par(ids, attention_mask=mask, labels=ids)
-    torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(got.loss, want.loss, rtol=1e-12, atol=0)
-    want.loss.backward()
-    got.loss.backward()
+    assert_same_loss_and_backward(dense, par, ids, attention_mask=mask)
     _assert_same_sgd_step(dense, par)
     with torch.no_grad():
         tokens = [model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False) for model in (dense, par)]
@@ -840,11 +837,7 @@ def check_hugging_face_gemma(kind):
     assert par.model.embed_tokens.output_scale == dense.model.embed_tokens.embed_scale.item() != 24 ** 0.5
     assert par.lm_head.weight is par.model.embed_tokens.weight
     ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
-    want, got = dense(ids, labels=ids), par(ids, labels=ids)
-    torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(got.loss, want.loss, rtol=1e-12, atol=0)
-    want.loss.backward()
-    got.loss.backward()
+    assert_same_loss_and_backward(dense, par, ids)
     assert_dense_grads(par, dense, 8 * torch.finfo(torch.float32).eps if kind == "gemma3" else 1e-12)
 
 
