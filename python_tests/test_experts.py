@@ -1,5 +1,6 @@
 """Mixture-of-experts weights under tensor parallelism (tp_kernels.experts, and parallelize's
-"moe_tp_experts" style): against the dense module in float64, on 1, 2 and 4 gloo ranks."""
+"moe_tp_experts" style) and expert parallelism over the same group ("moe_ep_experts"): against the
+dense module in float64, on 1, 2 and 4 gloo ranks."""
 
 from __future__ import annotations
 
@@ -21,11 +22,14 @@ E, H, I, TOKENS, TOP = 4, 6, 8, 10, 2  # experts, hidden, each expert's hidden u
 class Experts(nn.Module):
     """A mixture's experts as Hugging Face keeps them: one 3-D parameter per projection, the
     gate's and the up projection's rows packed in ``gate_up_proj`` (``[E, 2I, H]``), or, with
-    ``transposed=True``, ``[E, H, 2I]`` and ``down_proj`` ``[E, I, H]`` (Llama 4's layout)."""
+    ``transposed=True``, ``[E, H, 2I]`` and ``down_proj`` ``[E, I, H]`` (Llama 4's layout); with
+    ``bias``, an output bias per expert. It runs experts ``0 .. num_experts - 1`` (an id
+    ``num_experts``, a route to an expert held elsewhere, is skipped)."""
 
     def __init__(self, transposed: bool = False, bias: bool = False):
         super().__init__()
         self.transposed = transposed
+        self.num_experts = E
         shapes = ((E, H, 2 * I), (E, I, H)) if transposed else ((E, 2 * I, H), (E, H, I))
         self.gate_up_proj = nn.Parameter(torch.randn(*shapes[0], dtype=torch.float64) / H ** 0.5)
         self.down_proj = nn.Parameter(torch.randn(*shapes[1], dtype=torch.float64) / I ** 0.5)
@@ -34,19 +38,23 @@ class Experts(nn.Module):
 
     def forward(self, hidden, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden)
-        for e in range(E):
+        for e in range(self.num_experts):
             token, slot = torch.where(top_k_index == e)
             gate_up, down = self.gate_up_proj[e], self.down_proj[e]
             if self.transposed:
                 gate_up, down = gate_up.t(), down.t()
             gate, up = F.linear(hidden[token], gate_up).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, down) * top_k_weights[token, slot, None]
+            bias = self.down_bias[e] if hasattr(self, "down_bias") else None
+            y = F.linear(F.silu(gate) * up, down, bias) * top_k_weights[token, slot, None]
             out = out.index_add(0, token, y)
         return out
 
 
 STYLES = {False: {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"},
           True: {"gate_up_proj": "packed_rowwise", "down_proj": "colwise"}}
+#: each split: (the module's layout, transposed; whether it has an output bias; the styles)
+SPLITS = {"packed_colwise": (False, False, STYLES[False]), "packed_rowwise": (True, False, STYLES[True]),
+          "experts": (False, True, {"gate_up_proj": "experts", "down_proj": "experts", "down_bias": "experts"})}
 
 
 def routed(seed: int, device="cpu"):
@@ -58,18 +66,21 @@ def routed(seed: int, device="cpu"):
     return hidden, logits, index, weights
 
 
-def check_experts_against_dense(transposed, device="cpu"):
+def check_experts_against_dense(split, device="cpu"):
     """Each rank holds its block of every expert (of the gate and of the up projection each, packed
-    in one parameter); the summed output, and the gradients of the hidden states, of the router's
-    logits (through the routing weights) and of the full expert weights, are the dense module's."""
+    in one parameter), or (``"experts"``) whole experts of its own, ``E/p`` of them, with their
+    biases; the summed output, and the gradients of the hidden states, of the router's logits
+    (through the routing weights) and of the full expert weights, are the dense module's."""
     r, p = rank_world()
+    transposed, bias, styles = SPLITS[split]
     torch.manual_seed(0)
-    dense = Experts(transposed).to(device)
-    par = shard_experts(copy.deepcopy(dense), STYLES[transposed])
-    for name, (dim, _) in par.parameter_splits.items():  # this rank's block of the gate's, and of the up's
+    dense = Experts(transposed, bias).to(device)
+    par = shard_experts(copy.deepcopy(dense), styles)
+    for name, (dim, how) in par.parameter_splits.items():  # this rank's block of the gate's, and of the up's
         param, want = getattr(par, name), getattr(dense, name).detach()
-        parts = want.chunk(2, dim) if name == "gate_up_proj" else (want,)
+        parts = want.split(how.split_parts, dim)
         assert torch.equal(param, torch.cat([part.chunk(p, dim)[r] for part in parts], dim)), name
+    assert par.num_experts == (E // p if split == "experts" else E)
     outs = []
     for model in (dense, par):
         hidden, logits, index, weights = routed(1, device)
@@ -79,16 +90,16 @@ def check_experts_against_dense(transposed, device="cpu"):
     for name, want, got in zip(("output", "hidden.grad", "logits.grad"), *outs):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13, msg=lambda m: f"{name}: {m}")
     full, grads = tp_kernels.full_state_dict(par), full_grads(par)
-    for name in STYLES[transposed]:
+    for name in styles:
         assert torch.equal(full[name], getattr(dense, name).detach()), name
         torch.testing.assert_close(grads[name], getattr(dense, name).grad, rtol=1e-12, atol=1e-13,
                                    msg=lambda m: f"{name}.grad: {m}")
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
-@pytest.mark.parametrize("transposed", [False, True], ids=["packed_colwise", "packed_rowwise"])
-def test_experts_against_dense(world, transposed):
-    world.run(check_experts_against_dense, transposed)
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_experts_against_dense(world, split):
+    world.run(check_experts_against_dense, split)
 
 
 def _moe_model(kind: str, moe_intermediate: int = 8):
@@ -123,12 +134,22 @@ def _moe_model(kind: str, moe_intermediate: int = 8):
     return model_class(config).double()
 
 
-def check_hugging_face_moe(kind):
-    """A transformers mixture of experts parallelized by its own ``tp_plan`` (its experts
-    ``"moe_tp_experts"``, their ``gate_up_proj`` ``"packed_colwise"`` and ``down_proj``
-    ``"rowwise"`` by parameter name): the logits and loss are the dense model's in float64, so is
-    the gradient of every parameter and the norm ``clip_grad_norm_`` takes of it, and greedy
-    generation gives the dense model's tokens.
+def _plan(model: nn.Module, parallelism: str) -> dict:
+    """A transformers model's own plan: ``"tp"``, its ``tp_plan`` (its experts ``"moe_tp_experts"``,
+    their ``gate_up_proj`` ``"packed_colwise"`` and ``down_proj`` ``"rowwise"`` by parameter name);
+    ``"ep"``, its ``ep_plan`` over it (its experts ``"ep_dispatch_experts"``, their weights
+    ``"grouped_gemm"``: whole experts a rank)."""
+    plan = dict(model.tp_plan) if parallelism == "tp" else {**model.tp_plan, **model.ep_plan}
+    want = {"tp": {"moe_tp_experts", "packed_colwise", "rowwise"}, "ep": {"ep_dispatch_experts", "grouped_gemm"}}
+    assert {plan[k] for k in plan if ".experts" in k} == want[parallelism], plan
+    return plan
+
+
+def check_hugging_face_moe(kind, parallelism="tp"):
+    """A transformers mixture of experts parallelized by its own plan (:func:`_plan`: its experts
+    split by hidden units, or whole experts a rank): the logits and loss are the dense model's in
+    float64, so is the gradient of every parameter and the norm ``clip_grad_norm_`` takes of it,
+    and greedy generation gives the dense model's tokens.
 
     Mixtral's and DeepSeek-V3's routers compute their softmax in float32, so the routing weights'
     gradient is rounded to float32, on each rank its share of it before the sum: what depends on
@@ -140,8 +161,7 @@ def check_hugging_face_moe(kind):
     the projection's gradient is not the dense one's."""
     r, p = rank_world()
     dense = _moe_model(kind)
-    plan = dict(dense.tp_plan)
-    assert {plan[k] for k in plan if ".experts" in k} == {"moe_tp_experts", "packed_colwise", "rowwise"}, plan
+    plan = _plan(dense, parallelism)
     par = tp_kernels.parallelize(copy.deepcopy(dense), plan, strict=kind != "deepseek_v2")
     ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
     assert_same_loss_and_backward(dense, par, ids)
@@ -149,7 +169,7 @@ def check_hugging_face_moe(kind):
     total = torch.linalg.vector_norm(torch.stack([q.grad.norm() for q in dense.parameters()]))
     torch.testing.assert_close(tp_kernels.clip_grad_norm_(par, 1e9), total, rtol=eps, atol=0)
     assert_dense_grads(par, dense, eps)
-    if kind == "deepseek_v2" and p > 1:  # why: the rotary key's gradient, each rank's heads' share
+    if kind == "deepseek_v2" and p > 1 and parallelism == "tp":  # why: the rotary key's gradient, each rank's heads' share
         unsummed = tp_kernels.parallelize(copy.deepcopy(dense), {k: v for k, v in plan.items() if v != "mla_kv_a_proj"},
                                           strict=False)
         unsummed(ids, labels=ids).loss.backward()
@@ -170,24 +190,31 @@ def test_hugging_face_moe(world, kind):
     world.run(check_hugging_face_moe, kind)
 
 
-def check_moe_checkpoint_across_sizes(path):
+@pytest.mark.parametrize("world", [2, 4], indirect=True)
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_hugging_face_moe_expert_parallel(world, kind):
+    world.run(check_hugging_face_moe, kind, "ep")
+
+
+def check_moe_checkpoint_across_sizes(path, parallelism="tp"):
     """A mixture of experts parallelized over every rank takes an Adam step and saves
     ``sharded_state_dict`` and ``sharded_optimizer_state_dict`` with torch.distributed.checkpoint
     (each packed expert weight, and its moments, as its gate's and its up projection's entries,
-    ``"...gate_up_proj[dim1][0]"`` and ``[1]``); offline, ``dense_state_dict`` of the checkpoint is
-    the dense model's weights and Adam moments; the same model over half the ranks loads both and
-    holds the dense weights and moments. (Qwen 3 MoE: its gradients are float64's throughout.)"""
+    ``"...gate_up_proj[dim1][0]"`` and ``[1]``; whole experts a rank, ``"ep"``, as one entry of
+    which each rank holds rows); offline, ``dense_state_dict`` of the checkpoint is the dense
+    model's weights and Adam moments; the same model over half the ranks loads both and holds the
+    dense weights and moments. (Qwen 3 MoE: its gradients are float64's throughout.)"""
     import torch.distributed as dist
     from test_parallelize import _assert_dense_checkpoint, _assert_dense_moments, _load_with_dcp, _save_with_dcp
 
     r, p = rank_world()
     dense = _moe_model("qwen3_moe")
-    plan = dict(dense.tp_plan)
+    plan = _plan(dense, parallelism)
     wide = tp_kernels.parallelize(copy.deepcopy(dense), plan)
     packed = "model.layers.1.mlp.experts.gate_up_proj"
     entries = tp_kernels.sharded_state_dict(wide)
     assert ([k for k in entries if k.startswith(packed)] == [f"{packed}[dim1][0]", f"{packed}[dim1][1]"]
-            if p > 1 else packed in entries), list(entries)
+            if p > 1 and parallelism == "tp" else packed in entries), list(entries)
     ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
     opts = [torch.optim.Adam(model.parameters(), lr=0.1) for model in (dense, wide)]
     for model, opt in zip((dense, wide), opts):
@@ -218,8 +245,9 @@ def _reset(m: nn.Module) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 4], indirect=True)
-def test_moe_checkpoint_across_sizes(world, tmp_path):
-    world.run(check_moe_checkpoint_across_sizes, str(tmp_path))
+@pytest.mark.parametrize("parallelism", ["tp", "ep"])
+def test_moe_checkpoint_across_sizes(world, tmp_path, parallelism):
+    world.run(check_moe_checkpoint_across_sizes, str(tmp_path), parallelism)
 
 
 def check_expert_plan_errors():
@@ -229,7 +257,7 @@ def check_expert_plan_errors():
 
     _, p = rank_world()
     dense = _moe_model("mixtral", moe_intermediate=3)  # (3 hidden units: not split over 2 ranks)
-    plan = dict(dense.tp_plan)
+    plan, ep_plan = _plan(dense, "tp"), _plan(dense, "ep")
     experts = "model.layers.*.mlp.experts"
     bad = {
         "gate_up_proj": ({**plan, f"{experts}.gate_up_proj": "packed_colwise"}, r"gate_up_proj.*3.*2 equal blocks"),
@@ -246,13 +274,22 @@ def check_expert_plan_errors():
         "rope_dim_out_of_range": ({**plan, "model.layers.*.self_attn.k_proj": ("mla_kv_a_proj", 16)},
                                   r"k_proj' \('mla_kv_a_proj'\): the rotary key's columns must be an int in \[1, 16\)"),
         "nothing_matched": ({**plan, "model.nothing.*": "colwise"}, r"'model.nothing.\*' matches no submodule.*strict"),
+        "experts_under_tp": ({**plan, f"{experts}.gate_up_proj": "grouped_gemm", f"{experts}.down_proj": "experts"},
+                             r"\('moe_tp_experts'\): styles: these parameters are split by hidden units or heads, not by 'experts'"),
+        "hidden_units_under_ep": ({**ep_plan, f"{experts}.down_proj": "colwise", f"{experts}.gate_up_proj": "rowwise"},
+                                  r"\('moe_ep_experts'\): styles: expert parallelism splits whole experts: every style must be 'experts'"),
+        "split_both_ways": ({**ep_plan, f"{experts}.down_proj": "colwise"},
+                            r"\['gate_up_proj'\] split whole experts \('experts'\) and \['down_proj'\] each"),
+        "ep_without_parameters": ({k: v for k, v in ep_plan.items() if not k.startswith(f"{experts}.")},
+                                  r"moe_ep_experts', but .*gate_up_proj': 'experts'"),
+        "ep_sequence_parallel": (ep_plan, r"moe_ep_experts'.*sequence_parallel=True"),
     }
     for case, (bad_plan, message) in bad.items():
         if case == "gate_up_proj" and p == 1:
             continue  # (one rank holds it whole)
         model = copy.deepcopy(dense)
         with pytest.raises(ValueError, match=message):
-            tp_kernels.parallelize(model, bad_plan, sequence_parallel=case == "sequence_parallel")
+            tp_kernels.parallelize(model, bad_plan, sequence_parallel=case.endswith("sequence_parallel"))
         assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear, case  # nothing replaced
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), dense.parameters())), case
     with pytest.raises(ValueError, match=r"strict: expected a bool, got 'yes'"):
@@ -278,6 +315,33 @@ def check_expert_plan_errors():
     shard_experts(experts := Experts(), STYLES[False])
     with pytest.raises(ValueError, match="sharded already"):
         shard_experts(experts, STYLES[False])
+    whole = SPLITS["experts"][2]
+    with pytest.raises(ValueError, match=r"styles\['gate_up_proj'\]: dim 0 of 'gate_up_proj' \(4\) cannot be split "
+                                         r"into 8 equal blocks"):
+        check_styles(Experts(bias=True), whole, 8)
+    unnumbered = Experts(bias=True)
+    unnumbered.num_experts = 2
+    with pytest.raises(ValueError, match=r"module: expert parallelism .* its num_experts must be its number of "
+                                         r"experts, dim 0 of every parameter \(\[4\]\); got 2"):
+        check_styles(unnumbered, whole, 2)
+
+    class Unrouted(Experts):
+        def forward(self, hidden):
+            return hidden
+
+    with pytest.raises(ValueError, match=r"calls Unrouted as transformers' experts are, \(hidden_states, "
+                                         r"top_k_index, top_k_weights\), but its forward takes \['hidden'\]"):
+        check_styles(Unrouted(bias=True), whole, 2)
+    if p > 1:  # (the call's routing arguments, checked on every rank before the sum)
+        par = shard_experts(Experts(bias=True), whole)
+        hidden, _, index, weights = routed(1)
+        with pytest.raises(ValueError, match=r"top_k_index: expected a tensor of integer expert ids, got "
+                                             r"\[10, 2\] float64"):
+            par(hidden, weights, weights)
+        with pytest.raises(ValueError, match=r"top_k_weights: expected floating-point routing weights of "
+                                             r"top_k_index's shape \[10, 2\], got \[10, 1\] float64"):
+            par(hidden, top_k_weights=weights[:, :1], top_k_index=index)
+        torch.testing.assert_close(par(hidden, top_k_weights=weights, top_k_index=index), par(hidden, index, weights))
 
 
 @pytest.mark.parametrize("world", [1, 2], indirect=True)
@@ -285,14 +349,15 @@ def test_expert_plan_errors(world):
     world.run(check_expert_plan_errors)
 
 
-def check_experts_ranks_disagree():
+def check_experts_ranks_disagree(split):
     """With fingerprints on, ranks that routed different numbers of tokens to the experts raise the
     same RuntimeError, naming each rank's view, before the output's sum moves; the group works
     afterwards."""
     r, p = rank_world()
+    transposed, bias, styles = SPLITS[split]
     torch.manual_seed(0)
-    dense = Experts()
-    par = shard_experts(copy.deepcopy(dense), STYLES[False])
+    dense = Experts(transposed, bias)
+    par = shard_experts(copy.deepcopy(dense), styles)
     hidden, _, index, weights = routed(1)
     n = TOKENS - r  # (each rank its own count)
     views = r"rank 0: Experts.*args\[0\] \[10, 6\] float64.*rank 1: .*args\[0\] \[9, 6\]"
@@ -301,8 +366,9 @@ def check_experts_ranks_disagree():
     torch.testing.assert_close(par(hidden, index, weights), dense(hidden, index, weights), rtol=1e-12, atol=1e-13)
 
 
-def test_experts_ranks_disagree(world2):
-    world2.run(check_experts_ranks_disagree)
+@pytest.mark.parametrize("split", ["packed_colwise", "experts"])
+def test_experts_ranks_disagree(world2, split):
+    world2.run(check_experts_ranks_disagree, split)
 
 
 def check_packed_linear():
@@ -328,18 +394,20 @@ def test_packed_linear(world):
     world.run(check_packed_linear)
 
 
-def check_hugging_face_moe_grouped_gemm(device="cpu", dtype="float32"):
+def check_hugging_face_moe_grouped_gemm(device="cpu", dtype="float32", parallelism="tp", implementation="grouped_mm"):
     """Mixtral in ``dtype`` with transformers' own default for its experts (a grouped GEMM over the
-    tokens sorted by expert, ``torch._grouped_mm``), parallelized by its plan: its logits and its
-    experts' gradients are the float64 dense model's within the dense ``dtype`` model's own error
-    (float32: to 1e-6 of their size). 32 hidden units an expert: each rank's block of them is rows
-    of at least 16 bytes at p = 4, as the grouped GEMM needs."""
+    tokens sorted by expert, ``torch._grouped_mm``; or ``implementation``: ``"batched_mm"``, a
+    batched GEMM over the (token, expert) pairs), parallelized by its plan (:func:`_plan`): its
+    logits and its experts' gradients are the float64 dense model's within the dense ``dtype``
+    model's own error (float32: to 1e-6 of their size). 32 hidden units an expert: each rank's
+    block of them is rows of at least 16 bytes at p = 4, as the grouped GEMM needs. Whole experts a
+    rank (``"ep"``), the routes to other ranks' experts reach these kernels as their sentinel rows."""
     ref = _moe_model("mixtral", moe_intermediate=32).to(device)  # float64, the plain loop: the reference
     plain = copy.deepcopy(ref).to(getattr(torch, dtype))
-    plain.config._experts_implementation = "grouped_mm"  # (transformers' default, where it runs)
-    par = tp_kernels.parallelize(copy.deepcopy(plain), dict(plain.tp_plan))
-    implementation = par.model.layers[0].mlp.experts.config._experts_implementation
-    assert implementation == "grouped_mm", implementation
+    plain.config._experts_implementation = implementation  # (grouped_mm: transformers' default, where it runs)
+    par = tp_kernels.parallelize(copy.deepcopy(plain), _plan(plain, parallelism))
+    used = par.model.layers[0].mlp.experts.config._experts_implementation
+    assert used == implementation, used
     ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1)).to(device)
     outs = [model(ids, labels=ids) for model in (ref, plain, par)]
     assert_close("logits", outs[2].logits, outs[0].logits, outs[1].logits)
@@ -353,8 +421,10 @@ def check_hugging_face_moe_grouped_gemm(device="cpu", dtype="float32"):
 
 
 @pytest.mark.parametrize("world", [2, 4], indirect=True)
-def test_hugging_face_moe_grouped_gemm(world):
-    world.run(check_hugging_face_moe_grouped_gemm)
+@pytest.mark.parametrize("parallelism, implementation", [("tp", "grouped_mm"), ("ep", "grouped_mm"),
+                                                         ("ep", "batched_mm")])
+def test_hugging_face_moe_grouped_gemm(world, parallelism, implementation):
+    world.run(check_hugging_face_moe_grouped_gemm, "cpu", "float32", parallelism, implementation)
 
 
 def check_sum_output_grads_over_group():
@@ -435,9 +505,10 @@ def test_hugging_face_local_params(world, kind):
     world.run(check_hugging_face_local_params, kind)
 
 
-def check_moe_under_fully_sharded_data_parallel(path):
+def check_moe_under_fully_sharded_data_parallel(path, parallelism="tp"):
     """Tensor parallelism 2 x FSDP2 over the 2 data-parallel ranks (``fully_shard`` of each layer
-    and of the model) on 4 ranks, Qwen 3 MoE by its plan: each data-parallel rank takes half the
+    and of the model) on 4 ranks, Qwen 3 MoE by its plan (:func:`_plan`; with ``"ep"`` its experts
+    whole, two a rank, FSDP2's rows one expert each): each data-parallel rank takes half the
     batch, and ``clip_grad_norm_`` gives the dense model's norm, an SGD step with momentum its
     weights, ``full_state_dict`` its state dict; the ``dcp`` checkpoint of the sharded state dicts
     (the packed expert weights' pieces along dim 1, which FSDP2's rows of dim 0 leave whole) is,
@@ -456,7 +527,7 @@ def check_moe_under_fully_sharded_data_parallel(path):
         tag = tp_kernels.get_data_parallel_group().group_name  # (a mesh named anew: torch caches them by value)
         mesh = DeviceMesh.from_group(tp_kernels.get_data_parallel_group(), "cpu", mesh_dim_names=(f"moe{tag}",))
         dense = _moe_model("qwen3_moe")
-        plan = dict(dense.tp_plan)
+        plan = _plan(dense, parallelism)
 
         def sharded(model):
             model = tp_kernels.parallelize(model, plan)
@@ -515,5 +586,6 @@ def check_moe_under_fully_sharded_data_parallel(path):
         tp_kernels.destroy_model_parallel()
 
 
-def test_moe_under_fully_sharded_data_parallel(world4, tmp_path):
-    world4.run(check_moe_under_fully_sharded_data_parallel, str(tmp_path))
+@pytest.mark.parametrize("parallelism", ["tp", "ep"])
+def test_moe_under_fully_sharded_data_parallel(world4, tmp_path, parallelism):
+    world4.run(check_moe_under_fully_sharded_data_parallel, str(tmp_path), parallelism)

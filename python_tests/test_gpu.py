@@ -905,10 +905,11 @@ def test_send_and_recv_that_disagree_on_nccl_ranks(shared_gpu_world, what):
         assert messages[0] == messages[1] and all(m is None for m in messages[2:]), messages
 
 
-@pytest.mark.parametrize("transposed", [False, True], ids=["packed_colwise", "packed_rowwise"])
-def test_experts_with_several_nccl_ranks(shared_gpu_world, transposed):
-    """A mixture's experts split over NCCL ranks sharing the GPU: output and gradients in float64."""
-    shared_gpu_world.run(test_experts.check_experts_against_dense, transposed, "cuda")
+@pytest.mark.parametrize("split", list(test_experts.SPLITS))
+def test_experts_with_several_nccl_ranks(shared_gpu_world, split):
+    """A mixture's experts split over NCCL ranks sharing the GPU, by hidden units or whole experts:
+    output and gradients in float64."""
+    shared_gpu_world.run(test_experts.check_experts_against_dense, split, "cuda")
 
 
 def test_hugging_face_moe_grouped_gemm_with_several_nccl_ranks(shared_gpu_world):

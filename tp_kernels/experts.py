@@ -1,5 +1,5 @@
 """The experts of a mixture of experts under tensor parallelism: every rank holds its block of
-every expert.
+every expert, or whole experts of its own.
 
 A mixture of experts keeps its experts' weights as 3-D parameters, one matrix per expert
 (Hugging Face's ``*Experts`` modules: ``gate_up_proj`` ``[E, 2I, H]``, the gate's and the up
@@ -9,6 +9,16 @@ expert's matrix as a column or a row layer splits its weight, so that each rank 
 expert's share of the hidden units for every token routed to it, and the ranks' outputs are summed:
 Megatron-LM's tensor-parallel experts, and transformers' ``moe_tp_experts`` style.
 :func:`tp_kernels.parallelize` calls it for a plan's ``"moe_tp_experts"`` modules.
+
+Or the ranks split the experts themselves (expert parallelism over the tensor-parallel group,
+``"experts"`` for every parameter: transformers' ``ep_dispatch_experts`` with ``grouped_gemm``,
+``DistributedConfig(ep_implementation="all_reduce")``): each rank holds ``E/p`` whole experts and
+runs them on the tokens routed to them, of the tokens every rank holds alike; a route to an expert
+held elsewhere reaches this rank's experts as the expert id ``E/p`` with weight 0, which
+transformers' experts skip, and the ranks' outputs are summed as above. No token moves, so no
+count is read back to the host; each expert's matrices stay whole (a GEMM as large as the dense
+model's), and an expert count p divides is all it needs, where the hidden-unit split needs each
+expert's hidden units divided.
 
 The router stays whole on every rank (it must route alike: it sees the same tokens and holds the
 same weights). In the backward, the gradients of the experts' floating-point inputs (the hidden
@@ -20,7 +30,9 @@ this rank's heads (an attention's per-head sinks, ``[heads]``): transformers' ``
 
 from __future__ import annotations
 
-from typing import Dict, Mapping
+from typing import Dict, Mapping, Optional
+
+import inspect
 
 import torch
 import torch.nn as nn
@@ -30,16 +42,19 @@ from ._agreement import agree, describe
 from .layers import ParameterSplit, block_of
 from .mappings import copy_to, reduce_from
 
-__all__ = ["PARAMETER_STYLES", "check_styles", "shard_experts", "shard_parameters"]
+__all__ = ["PARAMETER_STYLES", "WHOLE_EXPERTS", "check_styles", "shard_experts", "shard_parameters"]
 
 #: a parameter style -> ({the parameter's number of dims: the dim it splits}, the parts that dim is
 #: made of, each split into p blocks). Hugging Face's names: of a 3-D ``[experts, out, in]``
 #: parameter, ``"colwise"`` splits each expert's output rows, ``"rowwise"`` its input columns,
 #: ``"packed_*"`` the same for two matrices packed side by side (``[gate; up]``), each split on its
 #: own, so a rank holds its block of the gate and the same block of the up projection; of a 1-D
-#: one, a value per output (per head), ``"colwise"`` splits it as the outputs are.
+#: one, a value per output (per head), ``"colwise"`` splits it as the outputs are. ``"experts"``
+#: splits dim 0, whole experts: of a 3-D weight, and of a 2-D ``[experts, out]`` bias.
 PARAMETER_STYLES = {"colwise": ({1: 0, 3: 1}, 1), "rowwise": ({3: 2}, 1), "packed_colwise": ({3: 1}, 2),
-                    "packed_rowwise": ({3: 2}, 2)}
+                    "packed_rowwise": ({3: 2}, 2), "experts": ({2: 0, 3: 0}, 1)}
+#: the style that splits whole experts: a module's styles are all it (expert parallelism) or none
+WHOLE_EXPERTS = "experts"
 
 
 def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None) -> nn.Module:
@@ -57,6 +72,16 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None) -> n
     the call is agreed with the group first (the shapes and dtypes of every tensor argument), so
     ranks that routed different token counts raise together, before the sum.
 
+    With ``"experts"`` for every parameter (expert parallelism: a 3-D weight's or a 2-D
+    ``[experts, out]`` bias's dim 0), each rank holds experts ``[r E/p, (r+1) E/p)`` whole and
+    ``module.num_experts`` becomes ``E/p``. ``module`` is called as transformers' experts are,
+    ``(hidden_states, top_k_index, top_k_weights)`` (its forward's first three parameters, by
+    position or name), the expert ids global; it gets this rank's local ids, and for a route to an
+    expert held elsewhere the id ``E/p`` with weight 0, which it must skip (transformers' experts
+    do: their loop's ``expert_idx == self.num_experts``, and the grouped GEMMs' sentinel rows, which
+    ``_is_expert_parallel``, set here, turns on). Its output is summed as above, and the gradient of
+    each routing weight comes from the rank holding its expert.
+
     Every parameter ``module`` holds must be named (a parameter every rank held whole, an
     expert's output bias, would be added p times) and its parts must divide by the group's size;
     each is checked (:func:`check_styles`), with the ``ValueError`` naming it, before anything
@@ -64,9 +89,18 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None) -> n
     is hooked.
     """
     group = coll.resolve_group(group)
+    p, r = coll.group_size(group), coll.group_rank(group)
     shard_parameters(module, styles, group, every=True)
-    if coll.group_size(group) == 1:  # (nothing to sum)
+    if p == 1:  # (nothing to sum)
         return module
+    by_expert = _by_expert(styles)
+    local = module.num_experts // p if by_expert else None  # (this rank's experts)
+    routing = _routing_arguments(module) if by_expert else None
+    if by_expert:
+        module.num_experts = local
+        if hasattr(module, "_is_expert_parallel"):  # (transformers' grouped GEMMs then skip the sentinel rows)
+            module._is_expert_parallel = True
+    call = f"{type(module).__name__} (experts sharded by shard_experts)"
 
     def tensors(args, kwargs):
         return [(f"args[{i}]", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)] + \
@@ -77,21 +111,71 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None) -> n
 
     def before(mod, args, kwargs):
         given = tensors(args, kwargs)
-        agree(f"{type(mod).__name__} (experts sharded by shard_experts)", group, lambda: None,
-              lambda _: ", ".join(f"{where} {describe(t)}" for where, t in given),
-              hint=given[0][1] if given else None)
-        return tuple(summed_grads(a) for a in args), {k: summed_grads(v) for k, v in kwargs.items()}
+        bound = agree(call, group, lambda: _bind_routing(call, routing, args, kwargs) if by_expert else None,
+                      lambda _: ", ".join(f"{where} {describe(t)}" for where, t in given),
+                      hint=given[0][1] if given else None)
+        if not by_expert:
+            return tuple(summed_grads(a) for a in args), {k: summed_grads(v) for k, v in kwargs.items()}
+        index = bound.arguments[routing[1]] - r * local  # (this rank's ids; any other is held elsewhere)
+        elsewhere = (index < 0) | (index >= local)
+        bound.arguments[routing[1]] = index.masked_fill(elsewhere, local)
+        bound.arguments[routing[2]] = summed_grads(bound.arguments[routing[2]]).masked_fill(elsewhere, 0)
+        return (tuple(a if i == 2 else summed_grads(a) for i, a in enumerate(bound.args)),
+                {k: summed_grads(v) for k, v in bound.kwargs.items()})
 
     def after(mod, args, kwargs, output):
         if not isinstance(output, torch.Tensor):
-            raise TypeError(f"tp_kernels: {type(mod).__name__} (experts sharded by shard_experts) returned a "
-                            f"{type(output).__name__}; its output must be one tensor, the sum of its experts' "
-                            "outputs, which is summed over the group")
+            raise TypeError(f"tp_kernels: {call} returned a {type(output).__name__}; its output must be one tensor, "
+                            "the sum of its experts' outputs, which is summed over the group")
         return reduce_from(output, group)
 
     module.register_forward_pre_hook(before, with_kwargs=True)
     module.register_forward_hook(after, with_kwargs=True)
     return module
+
+
+def _by_expert(styles: Mapping[str, str]) -> bool:
+    """Whether ``styles`` split whole experts (expert parallelism), checked to be all or none."""
+    whole = [name for name, style in styles.items() if style == WHOLE_EXPERTS]
+    if whole and len(whole) < len(styles):
+        others = sorted(set(styles) - set(whole))
+        raise ValueError(f"styles: {whole} split whole experts ({WHOLE_EXPERTS!r}) and {others} each expert's hidden "
+                         "units; the parameters of one module's experts are split one way")
+    return bool(whole)
+
+
+def _routing_arguments(module: nn.Module) -> tuple:
+    """The names of the first three parameters of ``module``'s forward, which expert parallelism
+    reads as ``(hidden_states, top_k_index, top_k_weights)``."""
+    names = [name for name, q in inspect.signature(module.forward).parameters.items()
+             if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)][:3]
+    if len(names) < 3:
+        raise ValueError(f"module: expert parallelism calls {type(module).__name__} as transformers' experts are, "
+                         f"(hidden_states, top_k_index, top_k_weights), but its forward takes {names}")
+    return tuple(names)
+
+
+def _bind_routing(call: str, routing: tuple, args, kwargs) -> inspect.BoundArguments:
+    """The call's arguments, bound, after checking that the routing ones are what expert
+    parallelism remaps: integer expert ids and floating-point weights of the same shape."""
+    hidden, index, weights = routing
+    bound = inspect.Signature([inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in routing]
+                              + [inspect.Parameter("rest", inspect.Parameter.VAR_POSITIONAL),
+                                 inspect.Parameter("options", inspect.Parameter.VAR_KEYWORD)])
+    try:
+        bound = bound.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise ValueError(f"{call}: expected ({', '.join(routing)}, ...): {exc}") from None
+    got = [bound.arguments[name] for name in routing]
+    if not (isinstance(got[1], torch.Tensor) and not got[1].is_floating_point() and not got[1].is_complex()
+            and got[1].dtype != torch.bool):
+        raise ValueError(f"{call}: {index}: expected a tensor of integer expert ids, got {describe(got[1])}")
+    if not (isinstance(got[2], torch.Tensor) and got[2].is_floating_point() and got[2].shape == got[1].shape):
+        raise ValueError(f"{call}: {weights}: expected floating-point routing weights of {index}'s shape "
+                         f"{list(got[1].shape)}, got {describe(got[2])}")
+    if not (isinstance(got[0], torch.Tensor) and got[0].is_floating_point()):
+        raise ValueError(f"{call}: {hidden}: expected floating-point hidden states, got {describe(got[0])}")
+    return bound
 
 
 def shard_parameters(module: nn.Module, styles: Mapping[str, str], group=None, *, every: bool = False) -> nn.Module:
@@ -116,11 +200,14 @@ def shard_parameters(module: nn.Module, styles: Mapping[str, str], group=None, *
     return module
 
 
-def check_styles(module: nn.Module, styles: Mapping[str, str], p: int, *, every: bool = True) -> Dict[str, tuple]:
+def check_styles(module: nn.Module, styles: Mapping[str, str], p: int, *, every: bool = True,
+                 by_expert: Optional[bool] = None) -> Dict[str, tuple]:
     """What :func:`shard_experts` (and :func:`shard_parameters`) checks before it changes anything:
     ``{name: (the dim it splits, the sizes of its parts)}`` for each parameter ``styles`` names, or
     a ``ValueError`` naming the argument (and the parameter) that cannot be split so; with
-    ``every``, one too if ``module`` holds a parameter ``styles`` does not name."""
+    ``every``, one too if ``module`` holds a parameter ``styles`` does not name. Styles that split
+    whole experts (``"experts"``) must be all of them (or, with ``by_expert`` given, all or none as
+    it says), and ``module.num_experts`` the number of experts they split."""
     if not isinstance(module, nn.Module):
         raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
     if not isinstance(styles, Mapping) or not styles:
@@ -139,7 +226,8 @@ def check_styles(module: nn.Module, styles: Mapping[str, str], p: int, *, every:
         param = module._parameters[name]
         dims, parts = PARAMETER_STYLES[style]
         if param.dim() not in dims:
-            kinds = {1: "a 1-D one, a value per output", 3: "a 3-D one, a matrix per expert ([experts, out, in])"}
+            kinds = {1: "a 1-D one, a value per output", 2: "a 2-D one, a row per expert ([experts, out])",
+                     3: "a 3-D one, a matrix per expert ([experts, out, in])"}
             raise ValueError(f"styles[{name!r}]: {style!r} splits {' or '.join(kinds[n] for n in dims)}, but "
                              f"{name!r} has shape {list(param.shape)}")
         dim = dims[param.dim()]
@@ -149,6 +237,20 @@ def check_styles(module: nn.Module, styles: Mapping[str, str], p: int, *, every:
                              f"{f', {parts} packed parts of {size / parts:g}' if parts > 1 else ''}) cannot be split "
                              f"into {p} equal blocks{' each' if parts > 1 else ''} for the tensor-parallel size {p}")
         splits[name] = (dim, (size // parts,) * parts)
+    split_experts = _by_expert(styles)
+    if by_expert is not None and split_experts != by_expert:
+        raise ValueError("styles: " + (f"expert parallelism splits whole experts: every style must be {WHOLE_EXPERTS!r}"
+                                       if by_expert else f"these parameters are split by hidden units or heads, not "
+                                       f"by {WHOLE_EXPERTS!r} (whole experts: expert parallelism's style)")
+                         + f", got {dict(styles)}")
+    if split_experts:
+        experts = {module._parameters[name].shape[0] for name in styles}
+        count = getattr(module, "num_experts", None)
+        if len(experts) > 1 or type(count) is not int or {count} != experts:
+            raise ValueError(f"module: expert parallelism hands {type(module).__name__} this rank's expert ids, "
+                             "its num_experts for an expert held elsewhere, so its num_experts must be its number "
+                             f"of experts, dim 0 of every parameter ({sorted(experts)}); got {count!r}")
+        _routing_arguments(module)
     whole = sorted(set(held) - set(splits))
     if whole and every:
         raise ValueError(f"styles: {type(module).__name__} also holds {whole}, which every rank would hold whole "

@@ -34,6 +34,11 @@ STYLES = {
     # kept as it is, the expert weights the plan names by parameter (experts.PARAMETER_STYLES) split,
     # its output summed over the group (experts.shard_experts)
     "moe_tp_experts": (nn.Module, None),
+    # kept as it is, its expert weights, named "experts" by parameter, split into whole experts (each
+    # rank E/p of them), the routes to other ranks' experts skipped, its output summed over the group
+    # (experts.shard_experts): transformers' ep_dispatch_experts with DistributedConfig's
+    # ep_implementation="all_reduce", over the tensor-parallel group
+    "moe_ep_experts": (nn.Module, None),
     # kept as it is, the parameters the plan names split (experts.shard_parameters): per-head
     # vectors it applies to this rank's heads (attention sinks)
     "local_params": (nn.Module, None),
@@ -45,9 +50,11 @@ STYLES = {
     "mla_kv_a_proj": (nn.Linear, None),
 }
 #: the styles of a module the plan splits parameters of, by their names
-_OWNERS = ("moe_tp_experts", "local_params")
+_OWNERS = ("moe_tp_experts", "moe_ep_experts", "local_params")
+#: the styles of a mixture's experts, shard_experts' modules
+_EXPERTS = ("moe_tp_experts", "moe_ep_experts")
 #: other names of a style: Hugging Face's, so that a transformers model's own ``tp_plan`` is a plan
-ALIASES = {"embedding_rowwise": "vocab"}
+ALIASES = {"embedding_rowwise": "vocab", "ep_dispatch_experts": "moe_ep_experts", "grouped_gemm": "experts"}
 
 
 def _style(pattern: str, value) -> tuple:
@@ -94,7 +101,10 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     its halves) or ``"moe_tp_experts"`` (a mixture's experts, kept, their 3-D weights split by
     parameter-name entries of the plan, ``"layers.*.experts.gate_up_proj": "packed_colwise"``, in
     the styles of :data:`tp_kernels.experts.PARAMETER_STYLES`, and their output summed over the
-    group: :func:`tp_kernels.experts.shard_experts`) or ``"mla_kv_a_proj"`` (DeepSeek's
+    group: :func:`tp_kernels.experts.shard_experts`) or ``"moe_ep_experts"`` (the same, its
+    experts split whole, ``E/p`` a rank, by ``"experts"`` entries for its weights: expert
+    parallelism over the group, transformers' ``ep_dispatch_experts`` and ``grouped_gemm``, so that
+    ``{**model.tp_plan, **model.ep_plan}`` is a plan) or ``"mla_kv_a_proj"`` (DeepSeek's
     ``kv_a_proj_with_mqa``, kept, the gradient of its output's rotary key columns, the model's
     ``config.qk_rope_head_dim`` or ``("mla_kv_a_proj", columns)``, summed over the group:
     :func:`tp_kernels.grads.sum_output_grads_over_group`), ``"local_params"`` (any module, kept,
@@ -135,8 +145,8 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
 
     Everything is checked before anything is replaced: an unknown style, a pattern that matches
     nothing (with ``strict``), a style applied to the wrong module type (or a parameter's style to a module, a
-    module's to a parameter, or to a parameter of a module not named ``"moe_tp_experts"`` or
-    ``"local_params"``), experts the plan leaves a parameter of whole, a row layer's ``in_features`` or an output
+    module's to a parameter, or to a parameter of a module not named ``"moe_tp_experts"``,
+    ``"moe_ep_experts"`` or ``"local_params"``), experts the plan leaves a parameter of whole, a row layer's ``in_features`` or an output
     size the group's size does not divide, one module given two styles, or a tied parameter the
     plan would split apart raise ``ValueError`` naming the pattern and the module's path. The
     checks are agreed with the group, whatever the fingerprint setting (a plan wrong on one rank
@@ -190,7 +200,7 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     kept = {id(m): (m, style) for m, style in ((module.get_submodule(name), style) for name, (style, _) in
                                                 chosen.items() if STYLES[style][1] is None)}
     for m, style in kept.values():  # (each once, under however many names)
-        if style == "moe_tp_experts":
+        if style in _EXPERTS:
             shard_experts(m, split_styles[id(m)], group)
         elif style == "local_params" and split_styles.get(id(m)):
             shard_parameters(m, split_styles[id(m)], group)
@@ -253,7 +263,7 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
                     check_replaceable(repr(name), m, expected)  # a subclass whose replacement would lose something
             except ValueError as exc:
                 raise ValueError(f"plan[{pattern!r}]: {exc}") from None
-            if style in ("rowwise_split_input", "moe_tp_experts") and sequence_parallel:
+            if style in ("rowwise_split_input", *_EXPERTS) and sequence_parallel:
                 what = "a row layer whose input is" if style == "rowwise_split_input" else "experts whose input is"
                 raise ValueError(f"plan[{pattern!r}]: {name!r}: {style!r} ({what} whole) does not go with "
                                  "sequence_parallel=True")
@@ -299,13 +309,14 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
         if style in _OWNERS:
             m = module.get_submodule(name)
             split = split_styles.get(id(m), {})
-            if not split and style == "moe_tp_experts":  # (a 'local_params' module may hold none in this model)
+            if not split and style in _EXPERTS:  # (a 'local_params' module may hold none in this model)
+                example = "'experts'" if style == "moe_ep_experts" else "'packed_colwise'"
                 raise ValueError(f"plan: {name!r} is {style!r}, but the plan splits none of its parameters: name "
-                                 f"each expert weight ('{name}.gate_up_proj': 'packed_colwise', ...)")
+                                 f"each expert weight ('{name}.gate_up_proj': {example}, ...)")
             if not split:
                 continue
             try:
-                check_styles(m, split, p, every=style == "moe_tp_experts")
+                check_styles(m, split, p, every=style in _EXPERTS, by_expert=style == "moe_ep_experts")
             except ValueError as exc:
                 raise ValueError(f"plan: {name!r} ({style!r}): {exc}") from None
 
