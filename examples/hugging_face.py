@@ -3,13 +3,16 @@ experts (Mixtral's architecture) generating text, its greedy tokens the dense mo
 
     pip install transformers
     torchrun --nproc-per-node 2 examples/hugging_face.py                  # CPU, gloo
+    torchrun --nproc-per-node 2 examples/hugging_face.py --experts whole  # E/p whole experts a rank
     torchrun --nproc-per-node 8 examples/hugging_face.py --model PATH     # 8 GPUs, a checkpoint of yours
 
 Without `--model`, a small Mixtral is made from a config here, with random weights (nothing is
 downloaded); with it, `from_pretrained(PATH)` (any model whose config has a `base_model_tp_plan`).
 Every rank builds the dense model, `tp_kernels.parallelize` keeps this rank's shard of each layer
 named by the plan (the attention's heads, each expert's hidden units), and the ranks generate
-together. Each rank compares the tokens with the dense model's own.
+together. With `--experts whole`, the model's `ep_plan` over its `tp_plan` gives each rank whole
+experts of its own instead (expert parallelism over the same ranks). Each rank compares the tokens
+with the dense model's own.
 """
 
 import argparse
@@ -23,6 +26,9 @@ import tp_kernels
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", help="a path (or hub name) for from_pretrained; default: a small random Mixtral")
 parser.add_argument("--new-tokens", type=int, default=8)
+parser.add_argument("--experts", choices=["split", "whole"], default="split",
+                    help="split: every rank a block of every expert (tp_plan); whole: E/p whole experts a rank "
+                         "(ep_plan over tp_plan)")
 args = parser.parse_args()
 
 import transformers  # noqa: E402  (after the arguments: --help without it)
@@ -45,6 +51,8 @@ else:
     dense = transformers.MixtralForCausalLM(config).to(dtype)
 dense = dense.to(device).eval()
 plan = dict(dense.tp_plan)  # transformers' own: "colwise", "rowwise", "moe_tp_experts", "packed_colwise", ...
+if args.experts == "whole":
+    plan.update(dense.ep_plan)  # the experts' entries: "ep_dispatch_experts", "grouped_gemm"
 model = tp_kernels.parallelize(copy.deepcopy(dense), plan, strict=False)  # (a plan may name what a model lacks)
 
 ids = torch.randint(1, dense.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1)).to(device)
@@ -53,7 +61,8 @@ with torch.no_grad():
     want = dense.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens, do_sample=False)
 same = torch.equal(tokens, want)
 verdict = "the dense model's" if same else "NOT the dense model's"
-print(f"rank {r}/{p} ({device}, {dtype}): {type(dense).__name__} by its tp_plan generated {tokens.shape[1] - 5} "
+plans = "tp_plan" if args.experts == "split" else "tp_plan and ep_plan"
+print(f"rank {r}/{p} ({device}, {dtype}): {type(dense).__name__} by its {plans} generated {tokens.shape[1] - 5} "
       f"tokens per sequence, {verdict}", flush=True)
 # (in bfloat16 on GPUs, a near-tie between two tokens may round the other way: reported, not asserted)
 assert same or cuda, (tokens, want)

@@ -20,10 +20,10 @@ def test_the_readme_example_runs_on_two_cpu_processes():
         assert f"rank {r}/2 (cpu, torch.float32): y (256, 4, 1024), relative error" in out.stdout, out.stdout
 
 
-def _torchrun_on_two_cpu_processes(path):
+def _torchrun_on_two_cpu_processes(path, *args):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the CPU path, whatever this machine has
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           path], capture_output=True, text=True, timeout=300, env=env)
+                           path, *args], capture_output=True, text=True, timeout=300, env=env)
 
 
 @pytest.mark.skipif(not os.path.exists(EXAMPLES), reason="examples/ is not in this checkout")
@@ -44,10 +44,11 @@ def test_the_training_example_resumes_from_its_checkpoint():
 
 
 @pytest.mark.skipif(not os.path.exists(EXAMPLES), reason="examples/ is not in this checkout")
-def test_the_hugging_face_example_generates_the_dense_models_tokens():
+@pytest.mark.parametrize("experts, plans", [("split", "tp_plan"), ("whole", "tp_plan and ep_plan")])
+def test_the_hugging_face_example_generates_the_dense_models_tokens(experts, plans):
     pytest.importorskip("transformers")
-    out = _torchrun_on_two_cpu_processes(os.path.join(EXAMPLES, "hugging_face.py"))
+    out = _torchrun_on_two_cpu_processes(os.path.join(EXAMPLES, "hugging_face.py"), "--experts", experts)
     assert out.returncode == 0, out.stderr[-3000:]
     for r in range(2):
-        assert (f"rank {r}/2 (cpu, torch.float32): MixtralForCausalLM by its tp_plan generated 8 tokens per sequence, "
-                "the dense model's") in out.stdout, out.stdout
+        assert (f"rank {r}/2 (cpu, torch.float32): MixtralForCausalLM by its {plans} generated 8 tokens per "
+                "sequence, the dense model's") in out.stdout, out.stdout
