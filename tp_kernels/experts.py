@@ -42,7 +42,8 @@ from ._agreement import agree, describe
 from .layers import ParameterSplit, block_of
 from .mappings import copy_to, reduce_from
 
-__all__ = ["PARAMETER_STYLES", "WHOLE_EXPERTS", "check_styles", "shard_experts", "shard_parameters"]
+__all__ = ["PARAMETER_STYLES", "WHOLE_EXPERTS", "check_styles", "shard_experts", "shard_parameters",
+           "share_identity_expert"]
 
 #: a parameter style -> ({the parameter's number of dims: the dim it splits}, the parts that dim is
 #: made of, each split into p blocks). Hugging Face's names: of a 3-D ``[experts, out, in]``
@@ -131,6 +132,28 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None) -> n
 
     module.register_forward_pre_hook(before, with_kwargs=True)
     module.register_forward_hook(after, with_kwargs=True)
+    return module
+
+
+def share_identity_expert(module: nn.Module, group=None) -> nn.Module:
+    """Divide the input of ``module``, an identity ("zero-computation") expert inside experts that
+    :func:`shard_experts` splits by hidden units, by the group's size on every forward: every rank
+    runs it whole on the tokens routed to it, and the experts' output is summed over the group,
+    which would count its output p times (LongCat-Flash's ``identity_expert``: transformers'
+    ``moe_identity_expert``). The gradients of its input are each rank's share, summed with the
+    experts' inputs'. Returns ``module``; with one rank, nothing is hooked."""
+    group = coll.resolve_group(group)
+    p = coll.group_size(group)
+    if p == 1:
+        return module
+
+    def before(mod, args):
+        if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point():
+            raise TypeError(f"tp_kernels: {type(mod).__name__} (an identity expert, share_identity_expert) takes "
+                            "the tokens, a floating-point tensor, first")
+        return (args[0] / p, *args[1:])
+
+    module.register_forward_pre_hook(before)
     return module
 
 

@@ -15,7 +15,7 @@ from . import _data_parallel as dp
 from ._agreement import agree, exchange_views
 from ._checks import check_replaceable
 from .embedding import VocabParallelEmbedding, check_embedding
-from .experts import PARAMETER_STYLES, check_styles, shard_experts, shard_parameters
+from .experts import PARAMETER_STYLES, check_styles, shard_experts, shard_parameters, share_identity_expert
 from .grads import sum_grads_over_group, sum_output_grads_over_group
 from .layers import ColumnParallelLinear, RowParallelLinear, check_output_sizes
 
@@ -39,6 +39,10 @@ STYLES = {
     # (experts.shard_experts): transformers' ep_dispatch_experts with DistributedConfig's
     # ep_implementation="all_reduce", over the tensor-parallel group
     "moe_ep_experts": (nn.Module, None),
+    # kept as it is, its input divided by the group's size (experts.share_identity_expert): an
+    # identity ("zero-computation") expert inside "moe_tp_experts" experts, whose output their sum
+    # over the group would count p times (LongCat-Flash's)
+    "moe_identity_expert": (nn.Module, None),
     # kept as it is, the parameters the plan names split (experts.shard_parameters): per-head
     # vectors it applies to this rank's heads (attention sinks)
     "local_params": (nn.Module, None),
@@ -104,7 +108,10 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     group: :func:`tp_kernels.experts.shard_experts`) or ``"moe_ep_experts"`` (the same, its
     experts split whole, ``E/p`` a rank, by ``"experts"`` entries for its weights: expert
     parallelism over the group, transformers' ``ep_dispatch_experts`` and ``grouped_gemm``, so that
-    ``{**model.tp_plan, **model.ep_plan}`` is a plan) or ``"mla_kv_a_proj"`` (DeepSeek's
+    ``{**model.tp_plan, **model.ep_plan}`` is a plan), ``"moe_identity_expert"`` (an identity
+    expert inside ``"moe_tp_experts"`` experts, LongCat-Flash's, kept, its input divided by p for
+    the experts' sum: :func:`tp_kernels.experts.share_identity_expert`; an ``nn.Identity`` inside
+    experts without it is an error) or ``"mla_kv_a_proj"`` (DeepSeek's
     ``kv_a_proj_with_mqa``, kept, the gradient of its output's rotary key columns, the model's
     ``config.qk_rope_head_dim`` or ``("mla_kv_a_proj", columns)``, summed over the group:
     :func:`tp_kernels.grads.sum_output_grads_over_group`), ``"local_params"`` (any module, kept,
@@ -206,6 +213,8 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
             shard_parameters(m, split_styles[id(m)], group)
         elif style == "mla_kv_a_proj":
             sum_output_grads_over_group(m, style_of[id(m)][2], group)
+        elif style == "moe_identity_expert":
+            share_identity_expert(m, group)
         elif style == "replicated_with_grad_allreduce":
             sum_grads_over_group(m, group)
     return module
@@ -321,6 +330,20 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
                 raise ValueError(f"plan: {name!r} ({style!r}): {exc}") from None
 
     for name, (style, _) in chosen.items():  # a module kept whole holds no parallel layer, now or to be
+        if style in _EXPERTS:  # (run whole on every rank inside experts whose output is summed: p times)
+            identities = [(n, chosen.get(n, (None,))[0]) for n, sub in named
+                          if n.startswith(name + ".") and isinstance(sub, nn.Identity)]
+            for inner, inner_style in identities:
+                if style == "moe_ep_experts" or inner_style != "moe_identity_expert":
+                    raise ValueError(
+                        f"plan: {name!r} ({style!r}) holds the identity expert {inner!r}, which every rank would run "
+                        "whole and the sum over the group count once per rank: " +
+                        ("name it 'moe_identity_expert'" if style == "moe_tp_experts" else
+                         "expert parallelism leaves no rank to run it alone; split these experts by hidden units"))
+        if style == "moe_identity_expert" and not any(
+                name.startswith(owner + ".") and chosen[owner][0] == "moe_tp_experts" for owner in chosen):
+            raise ValueError(f"plan: {name!r} ('moe_identity_expert') divides its input by the group's size, for "
+                             "the sum of the 'moe_tp_experts' experts it is inside; it is inside none")
         if style == "replicated_with_grad_allreduce":
             inner = [n for n, sub in named if n.startswith(name + ".") and (
                 getattr(type(sub), "sharded_parameters", None) or "parameter_splits" in sub.__dict__
