@@ -102,6 +102,97 @@ def test_experts_against_dense(world, split):
     world.run(check_experts_against_dense, split)
 
 
+def check_experts_sequence_parallel(split, device="cpu"):
+    """Under sequence parallelism each rank holds a block of the tokens, and the router's ids and
+    weights for it (a router run on its sequence block): the experts, split either way, gather
+    them and reduce-scatter their output, so each rank gets its block of the dense output, and its
+    block of the gradients of the hidden states and of the router's logits; the expert weights'
+    gradients, joined, are the dense ones."""
+    r, p = rank_world()
+    transposed, bias, styles = SPLITS[split]
+    torch.manual_seed(0)
+    dense = Experts(transposed, bias).to(device)
+    par = shard_experts(copy.deepcopy(dense), styles, sequence_parallel=True)
+    g = torch.Generator().manual_seed(1)
+    tokens = 3 * p
+    hidden = torch.randn(tokens, H, generator=g, dtype=torch.float64).to(device)
+    logits = torch.randn(tokens, E, generator=g, dtype=torch.float64).to(device)
+    scale = torch.linspace(-1, 1, tokens * H, dtype=torch.float64, device=device).view(tokens, H)
+    mine = slice(3 * r, 3 * r + 3)
+    outs = []
+    for model, rows in ((dense, slice(None)), (par, mine)):
+        x, z = hidden[rows].clone().requires_grad_(), logits[rows].clone().requires_grad_()
+        weights, index = z.softmax(-1).topk(TOP, dim=-1)
+        y = model(x, index, weights)
+        (y * scale[rows]).sum().backward()
+        outs.append((y.detach(), x.grad, z.grad))
+    for name, want, got in zip(("output", "hidden.grad", "logits.grad"), *outs):
+        torch.testing.assert_close(got, want[mine], rtol=1e-12, atol=1e-13, msg=lambda m: f"{name}: {m}")
+    grads = full_grads(par)
+    for name in styles:
+        torch.testing.assert_close(grads[name], getattr(dense, name).grad, rtol=1e-12, atol=1e-13,
+                                   msg=lambda m: f"{name}.grad: {m}")
+    with pytest.raises(ValueError, match=r"every tensor argument must be this rank's block of the tokens, along "
+                                         r"dim 0, but they are args\[0\] \[3, 6\] .*args\[1\] \[2, 2\]"):
+        par(hidden[mine], index[:2], weights[:2])
+
+
+@pytest.mark.parametrize("world", [2, 4], indirect=True)
+@pytest.mark.parametrize("split", ["packed_colwise", "experts"])
+def test_experts_sequence_parallel(world, split):
+    world.run(check_experts_sequence_parallel, split)
+
+
+class _SequenceFirstMoE(nn.Module):
+    """A small language model of our own, sequence first (ids ``[s, b]``): an embedding, a layer
+    norm, a router and experts (and the residual), and an output layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, H, dtype=torch.float64)
+        self.norm = nn.LayerNorm(H, dtype=torch.float64)
+        self.router = nn.Linear(H, E, bias=False, dtype=torch.float64)
+        self.experts = Experts(bias=True)
+        self.head = nn.Linear(H, 16, dtype=torch.float64)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        tokens = self.norm(x).reshape(-1, H)
+        weights, index = self.router(tokens).softmax(-1).topk(TOP, dim=-1)
+        return self.head(x + self.experts(tokens, index, weights).view_as(x))
+
+
+def check_parallelize_moe_sequence_parallel(split):
+    """``parallelize(..., sequence_parallel=True)`` of a sequence-first mixture of experts: the
+    embedding's output is each rank's sequence block, on which the norm and the router run; the
+    experts (either split) gather the tokens and reduce-scatter their output; the output layer
+    gathers the sequence. The logits, and every gradient (the norm's and the router's summed with
+    ``allreduce_sequence_parallel_grads``), are the dense model's."""
+    _, p = rank_world()
+    torch.manual_seed(0)
+    dense = _SequenceFirstMoE()
+    styles = SPLITS[split][2]
+    if split != "experts":  # (an output bias, which the split by hidden units cannot split)
+        del dense.experts.down_bias
+    experts_style = "moe_ep_experts" if split == "experts" else "moe_tp_experts"
+    plan = {"embed": "vocab", "experts": experts_style, "head": "colwise_gather_output",
+            **{f"experts.{name}": style for name, style in styles.items()}}
+    par = tp_kernels.parallelize(copy.deepcopy(dense), plan, sequence_parallel=True)
+    ids = torch.randint(0, 16, (2 * p, 3), generator=torch.Generator().manual_seed(1))
+    want, got = dense(ids), par(ids)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    tp_kernels.allreduce_sequence_parallel_grads([*par.norm.parameters(), *par.router.parameters()])
+    assert_dense_grads(par, dense, 1e-12)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("split", ["packed_colwise", "experts"])
+def test_parallelize_moe_sequence_parallel(world, split):
+    world.run(check_parallelize_moe_sequence_parallel, split)
+
+
 def _moe_model(kind: str, moe_intermediate: int = 8):
     """A small transformers mixture of experts, float64, its experts run by transformers' plain
     loop (``experts_implementation="eager"``: its grouped GEMM takes no float64)."""
@@ -280,7 +371,6 @@ def check_expert_plan_errors():
         "vocab_on_parameter": ({**plan, f"{experts}.down_proj": "vocab"}, r"is a parameter, which takes one of"),
         "packed_rowwise_on_linear": ({**plan, "model.layers.*.self_attn.o_proj": "packed_rowwise"},
                                      r"splits a parameter .*o_proj' is a Linear"),
-        "sequence_parallel": (plan, r"moe_tp_experts'.*sequence_parallel=True"),
         "no_rope_dim": ({**plan, "model.layers.*.self_attn.k_proj": "mla_kv_a_proj"},
                         r"MixtralForCausalLM has no config.qk_rope_head_dim.*\('mla_kv_a_proj', columns\)"),
         "rope_dim_out_of_range": ({**plan, "model.layers.*.self_attn.k_proj": ("mla_kv_a_proj", 16)},
@@ -294,7 +384,6 @@ def check_expert_plan_errors():
                             r"\['gate_up_proj'\] split whole experts \('experts'\) and \['down_proj'\] each"),
         "ep_without_parameters": ({k: v for k, v in ep_plan.items() if not k.startswith(f"{experts}.")},
                                   r"moe_ep_experts', but .*gate_up_proj': 'experts'"),
-        "ep_sequence_parallel": (ep_plan, r"moe_ep_experts'.*sequence_parallel=True"),
         "identity_outside_experts": ({**ep_plan, "model.layers.*.mlp.gate": "moe_identity_expert"},
                                      r"mlp.gate' \('moe_identity_expert'\) divides its input .*it is inside none"),
     }
@@ -303,7 +392,7 @@ def check_expert_plan_errors():
             continue  # (one rank holds it whole)
         model = copy.deepcopy(dense)
         with pytest.raises(ValueError, match=message):
-            tp_kernels.parallelize(model, bad_plan, sequence_parallel=case.endswith("sequence_parallel"))
+            tp_kernels.parallelize(model, bad_plan)
         assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear, case  # nothing replaced
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), dense.parameters())), case
     with pytest.raises(ValueError, match=r"strict: expected a bool, got 'yes'"):
@@ -330,6 +419,8 @@ def check_expert_plan_errors():
     with pytest.raises(ValueError, match=r"experts' \('moe_tp_experts'\) holds the identity expert "
                                          r"'model.layers.0.mlp.experts.identity_expert', .*name it 'moe_identity_expert'"):
         tp_kernels.parallelize(longcat, {k: v for k, v in longcat.tp_plan.items() if v != "moe_identity_expert"})
+    with pytest.raises(ValueError, match=r"sequence_parallel: expected a bool, got 'yes'"):
+        shard_experts(Experts(), STYLES[False], sequence_parallel="yes")
     shard_experts(experts := Experts(), STYLES[False])
     with pytest.raises(ValueError, match="sharded already"):
         shard_experts(experts, STYLES[False])

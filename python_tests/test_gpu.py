@@ -912,8 +912,17 @@ def test_experts_with_several_nccl_ranks(shared_gpu_world, split):
     shared_gpu_world.run(test_experts.check_experts_against_dense, split, "cuda")
 
 
-def test_hugging_face_moe_grouped_gemm_with_several_nccl_ranks(shared_gpu_world):
-    """Mixtral by its plan, its experts through transformers' grouped GEMM on the GPU, in bfloat16
-    (skipped where transformers is not installed)."""
+@pytest.mark.parametrize("split", ["packed_colwise", "experts"])
+def test_experts_sequence_parallel_with_several_nccl_ranks(shared_gpu_world, split):
+    """The experts under sequence parallelism over NCCL ranks sharing the GPU (the tokens gathered,
+    the output reduce-scattered; the integer ids gathered too): each rank's block in float64."""
+    shared_gpu_world.run(test_experts.check_experts_sequence_parallel, split, "cuda")
+
+
+@pytest.mark.parametrize("parallelism", ["tp", "ep"])
+def test_hugging_face_moe_grouped_gemm_with_several_nccl_ranks(shared_gpu_world, parallelism):
+    """Mixtral by its plan (or whole experts a rank, by its ep_plan over it), its experts through
+    transformers' grouped GEMM on the GPU, in bfloat16 (skipped where transformers is not
+    installed)."""
     pytest.importorskip("transformers")
-    shared_gpu_world.run(test_experts.check_hugging_face_moe_grouped_gemm, "cuda", "bfloat16")
+    shared_gpu_world.run(test_experts.check_hugging_face_moe_grouped_gemm, "cuda", "bfloat16", parallelism)

@@ -40,7 +40,7 @@ import torch.nn as nn
 from . import _collectives as coll
 from ._agreement import agree, describe
 from .layers import ParameterSplit, block_of
-from .mappings import copy_to, reduce_from
+from .mappings import all_gather_op, copy_to, gather_dim0, reduce_from, reduce_scatter_dim0
 
 __all__ = ["PARAMETER_STYLES", "WHOLE_EXPERTS", "check_styles", "shard_experts", "shard_parameters",
            "share_identity_expert"]
@@ -58,7 +58,8 @@ PARAMETER_STYLES = {"colwise": ({1: 0, 3: 1}, 1), "rowwise": ({3: 2}, 1), "packe
 WHOLE_EXPERTS = "experts"
 
 
-def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None) -> nn.Module:
+def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
+                  sequence_parallel: bool = False) -> nn.Module:
     """Shard the expert weights of ``module`` in place, and make its forward tensor-parallel.
 
     ``styles`` maps each parameter of ``module`` (its own, by name: ``{"gate_up_proj":
@@ -83,6 +84,14 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None) -> n
     ``_is_expert_parallel``, set here, turns on). Its output is summed as above, and the gradient of
     each routing weight comes from the rank holding its expert.
 
+    With ``sequence_parallel=True`` each rank calls ``module`` with its own block of the tokens
+    (dim 0 of every tensor argument: the hidden states ``[T/p, ...]``, the expert ids and routing
+    weights ``[T/p, k]``, as a router run on this rank's sequence block gives them): they are
+    gathered along dim 0 first (the gradients of the floating-point ones reduce-scattered back),
+    and the summed output reduce-scattered, so each rank gets its block of it, ``[T/p, ...]``:
+    Megatron-LM's experts under sequence parallelism. A router (any parameter every rank holds
+    whole and applies to its block) then needs :func:`tp_kernels.allreduce_sequence_parallel_grads`.
+
     Every parameter ``module`` holds must be named (a parameter every rank held whole, an
     expert's output bias, would be added p times) and its parts must divide by the group's size;
     each is checked (:func:`check_styles`), with the ``ValueError`` naming it, before anything
@@ -91,6 +100,8 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None) -> n
     """
     group = coll.resolve_group(group)
     p, r = coll.group_size(group), coll.group_rank(group)
+    if not isinstance(sequence_parallel, bool):
+        raise ValueError(f"sequence_parallel: expected a bool, got {sequence_parallel!r}")
     shard_parameters(module, styles, group, every=True)
     if p == 1:  # (nothing to sum)
         return module
@@ -101,34 +112,47 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None) -> n
         module.num_experts = local
         if hasattr(module, "_is_expert_parallel"):  # (transformers' grouped GEMMs then skip the sentinel rows)
             module._is_expert_parallel = True
-    call = f"{type(module).__name__} (experts sharded by shard_experts)"
+    call = (f"{type(module).__name__} (experts sharded by shard_experts"
+            f"{', sequence parallel' if sequence_parallel else ''})")
 
     def tensors(args, kwargs):
         return [(f"args[{i}]", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)] + \
                [(k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
 
-    def summed_grads(x):  # identity forward; the gradient summed over the group
-        return copy_to(x, group) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+    def summed_grads(x):  # every rank's tokens (sequence parallel: gathered); the gradient summed over the group
+        if not isinstance(x, torch.Tensor):
+            return x
+        if sequence_parallel:
+            return gather_dim0(x, group) if x.is_floating_point() else all_gather_op(x, group)
+        return copy_to(x, group) if x.is_floating_point() else x
+
+    def check(args, kwargs, given):
+        if sequence_parallel:  # (every tensor argument a block of the same tokens)
+            rows = {t.shape[0] if t.dim() else None for _, t in given}
+            if len(rows) > 1 or None in rows:
+                raise ValueError(f"{call}: every tensor argument must be this rank's block of the tokens, along "
+                                 f"dim 0, but they are {', '.join(f'{where} {describe(t)}' for where, t in given)}")
+        return _bind_routing(call, routing, args, kwargs) if by_expert else None
 
     def before(mod, args, kwargs):
         given = tensors(args, kwargs)
-        bound = agree(call, group, lambda: _bind_routing(call, routing, args, kwargs) if by_expert else None,
+        bound = agree(call, group, lambda: check(args, kwargs, given),
                       lambda _: ", ".join(f"{where} {describe(t)}" for where, t in given),
                       hint=given[0][1] if given else None)
         if not by_expert:
             return tuple(summed_grads(a) for a in args), {k: summed_grads(v) for k, v in kwargs.items()}
-        index = bound.arguments[routing[1]] - r * local  # (this rank's ids; any other is held elsewhere)
+        index = summed_grads(bound.arguments[routing[1]]) - r * local  # (this rank's ids; any other is elsewhere)
         elsewhere = (index < 0) | (index >= local)
         bound.arguments[routing[1]] = index.masked_fill(elsewhere, local)
         bound.arguments[routing[2]] = summed_grads(bound.arguments[routing[2]]).masked_fill(elsewhere, 0)
-        return (tuple(a if i == 2 else summed_grads(a) for i, a in enumerate(bound.args)),
+        return (tuple(a if i in (1, 2) else summed_grads(a) for i, a in enumerate(bound.args)),
                 {k: summed_grads(v) for k, v in bound.kwargs.items()})
 
     def after(mod, args, kwargs, output):
         if not isinstance(output, torch.Tensor):
             raise TypeError(f"tp_kernels: {call} returned a {type(output).__name__}; its output must be one tensor, "
                             "the sum of its experts' outputs, which is summed over the group")
-        return reduce_from(output, group)
+        return reduce_scatter_dim0(output, group) if sequence_parallel else reduce_from(output, group)
 
     module.register_forward_pre_hook(before, with_kwargs=True)
     module.register_forward_hook(after, with_kwargs=True)

@@ -176,6 +176,11 @@ def reduce_scatter_dim0(x, group):
     return _on(_ReduceScatterToSequenceRegion, x, group)
 
 
+def gather_dim0(x, group):
+    """Every rank's block of dim 0, its gradient reduce-scattered back (a tensor-parallel consumer)."""
+    return _on(_GatherFromSequenceRegion, x, group, True)
+
+
 # --- the public mappings: checked, and agreed with the group, before any collective -----------------
 
 

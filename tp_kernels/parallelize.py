@@ -135,8 +135,10 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     next column layer) are this rank's block of dim 0, ``[s/p, ...]`` (ids ``[s, ...]``, sequence
     first), and the column layers gather it back, so the dense model's own code runs unchanged
     where it takes the sequence length inside a pair from a column layer's output (not from the
-    block's input); the parameters every rank holds whole and applies to its block (the norms)
-    then need :func:`tp_kernels.allreduce_sequence_parallel_grads`.
+    block's input); experts (``"moe_tp_experts"``, ``"moe_ep_experts"``) take this rank's block of
+    the tokens, gather them and reduce-scatter their output (see
+    :func:`tp_kernels.experts.shard_experts`); the parameters every rank holds whole and applies to
+    its block (the norms, a router) then need :func:`tp_kernels.allreduce_sequence_parallel_grads`.
 
     A parameter that several modules hold (an embedding tied to the output layer) stays one
     parameter: the plan must replace every module holding it and split it alike (``"vocab"`` and
@@ -208,7 +210,7 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
                                                 chosen.items() if STYLES[style][1] is None)}
     for m, style in kept.values():  # (each once, under however many names)
         if style in _EXPERTS:
-            shard_experts(m, split_styles[id(m)], group)
+            shard_experts(m, split_styles[id(m)], group, sequence_parallel=sequence_parallel)
         elif style == "local_params" and split_styles.get(id(m)):
             shard_parameters(m, split_styles[id(m)], group)
         elif style == "mla_kv_a_proj":
@@ -272,10 +274,9 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
                     check_replaceable(repr(name), m, expected)  # a subclass whose replacement would lose something
             except ValueError as exc:
                 raise ValueError(f"plan[{pattern!r}]: {exc}") from None
-            if style in ("rowwise_split_input", *_EXPERTS) and sequence_parallel:
-                what = "a row layer whose input is" if style == "rowwise_split_input" else "experts whose input is"
-                raise ValueError(f"plan[{pattern!r}]: {name!r}: {style!r} ({what} whole) does not go with "
-                                 "sequence_parallel=True")
+            if style == "rowwise_split_input" and sequence_parallel:
+                raise ValueError(f"plan[{pattern!r}]: {name!r}: {style!r} (a row layer whose input is whole) does not "
+                                 "go with sequence_parallel=True")
             # (a column's or a vocabulary's rows are padded)
             if STYLES[style][1] is RowParallelLinear and m.in_features % p:
                 raise ValueError(f"plan[{pattern!r}]: {name!r} ({style}) has in_features={m.in_features}, which the "
