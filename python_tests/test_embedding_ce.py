@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 import tp_kernels
 from tp_kernels import mappings
-from helpers import assert_close, block, fingerprints_set, held_rows, padded_block, rank_world
+from helpers import assert_close, assert_dense_grads, block, fingerprints_set, held_rows, padded_block, rank_world
 
 
 def check_embedding(padding_idx):
@@ -154,6 +155,118 @@ def check_scaled_embedding(dtype_name, sequence_parallel):
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_scaled_embedding(world, dtype, sequence_parallel):
     world.run(check_scaled_embedding, dtype, sequence_parallel)
+
+
+def check_embedding_dim_split(scaled):
+    """``"embedding_colwise"`` (``shard_embedding_dim``): each rank keeps its columns of every row
+    of the table, and the ranks' lookups are gathered along the last dim: the output is the dense
+    embedding's bit for bit (a padding row and Gemma's scaled subclass too), the weight's gradient
+    (joined) the dense one's, and so are the state dict and the norm; the rest of the model is
+    untouched. With fingerprints on, ranks looking up different shapes raise together."""
+    r, p = rank_world()
+    torch.manual_seed(0)
+    table = ScaledEmbedding(11, 8, padding_idx=3) if scaled else nn.Embedding(11, 8, padding_idx=3)
+    dense = nn.Sequential(table.double(), nn.Linear(8, 5, dtype=torch.float64))
+    par = tp_kernels.parallelize(copy.deepcopy(dense), {"0": "embedding_colwise"})
+    assert type(par[0]) is type(dense[0]) and par[0].embedding_dim == 8, par[0]
+    assert torch.equal(par[0].weight, block(dense[0].weight.detach(), 1, r, p))
+    ids = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
+    ids[0, 0] = 3
+    assert torch.equal(par[0](ids), dense[0](ids))
+    want, got = dense(ids), par(ids)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    assert_dense_grads(par, dense, 1e-12)
+    total = torch.linalg.vector_norm(torch.stack([q.grad.norm() for q in dense.parameters()]))
+    torch.testing.assert_close(tp_kernels.clip_grad_norm_(par, 1e9), total, rtol=1e-12, atol=0)
+    full = tp_kernels.full_state_dict(par)
+    assert all(torch.equal(full[k], v) for k, v in dense.state_dict().items())
+    fresh = tp_kernels.parallelize(copy.deepcopy(dense).apply(lambda m: [q.data.zero_() for q in m.parameters(False)]),
+                                   {"0": "embedding_colwise"})
+    tp_kernels.load_full_state_dict(fresh, dense.state_dict())
+    assert torch.equal(fresh(ids), got.detach())
+    if p > 1:
+        with fingerprints_set(True), pytest.raises(RuntimeError, match=r"disagree.*rank 0: .*input \[4, 5\] int64.*"
+                                                                        r"rank 1: .*input \[3, 5\] int64"):
+            par(ids[: 4 - min(r, 1)])
+        assert torch.equal(par(ids), got.detach())  # (the group works afterwards)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaled"])
+def test_embedding_dim_split(world, scaled):
+    world.run(check_embedding_dim_split, scaled)
+
+
+def check_hugging_face_split_embedding_dim():
+    """transformers' Qwen4-Exp by its own plan, whose per-layer n-gram embedding (a table of tens of
+    GB at full size) is ``"embedding_colwise"``: each rank holds its columns of it, and the logits
+    and every gradient are the dense model's in float64."""
+    import transformers
+
+    _, p = rank_world()
+    config = transformers.Qwen4ExpTextConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts_per_tok=2, num_experts=4,
+        layer_types=["linear_attention", "full_attention"], hc_lowrank=8, ple_layer_ids=[1], ple_embed_dim=16,
+        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=16, indexer_compress_ratio=4,
+        ngram_vocab_size_base=100, heads_per_ngram=2, split_ngram_parts=2, make_ngram_vocab_size_divisible_by=8,
+        max_position_embeddings=64, eos_token_id=2, pad_token_id=0, bos_token_id=1, attn_implementation="eager",
+        experts_implementation="eager")
+    torch.manual_seed(0)
+    dense = transformers.AutoModelForCausalLM.from_config(config).double()
+    plan = dict(dense.tp_plan)
+    table = "model.layers.*.ple.ple_embedding.ngram_embedding"
+    assert plan[table] == "embedding_colwise", plan
+    par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+    ngram = par.get_submodule(table.replace("*", "0"))
+    assert ngram.weight.shape[1] == dense.get_submodule(table.replace("*", "0")).embedding_dim // p
+    ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(1))
+    want, got = dense(ids, labels=ids), par(ids, labels=ids)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-12)
+    want.loss.backward()
+    got.loss.backward()
+    for model in (dense, par):  # (what this small model leaves unused: no gradient in either)
+        for q in model.parameters():
+            q.grad = torch.zeros_like(q) if q.grad is None else q.grad
+    assert_dense_grads(par, dense, 1e-12)
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_hugging_face_split_embedding_dim(world):
+    pytest.importorskip("transformers")
+    world.run(check_hugging_face_split_embedding_dim)
+
+
+def check_embedding_dim_split_errors():
+    """What ``"embedding_colwise"`` cannot split is a ValueError naming the module, before anything
+    changes."""
+    from tp_kernels.embedding import shard_embedding_dim
+
+    _, p = rank_world()
+    cases = [(nn.Embedding(5, 4 * p, max_norm=1.0), {}, r"'0': max_norm=1.0 renormalizes each whole row"),
+             (NormedEmbedding(5, 4 * p), {}, r"NormedEmbedding is an nn.Embedding with a forward of its own"),
+             (nn.Embedding(5, 4 * p), {"sequence_parallel": True}, r"'embedding_colwise' \(an embedding whose "
+                                                                    r"output is whole\) does not go with sequence")]
+    if p > 1:
+        cases.append((nn.Embedding(5, 4 * p + 1), {}, rf"embedding_dim={4 * p + 1}, which the tensor-parallel size "
+                                                      rf"{p} does not divide"))
+    for table, options, message in cases:
+        model = nn.Sequential(table)
+        weight = table.weight.detach().clone()
+        with pytest.raises(ValueError, match=message):
+            tp_kernels.parallelize(model, {"0": "embedding_colwise"}, **options)
+        assert torch.equal(model[0].weight, weight) and "parameter_splits" not in table.__dict__
+    split = shard_embedding_dim(nn.Embedding(5, 4 * p))
+    with pytest.raises(ValueError, match="embedding: this Embedding is split already"):
+        shard_embedding_dim(split)
+
+
+@pytest.mark.parametrize("world", [1, 2], indirect=True)
+def test_embedding_dim_split_errors(world):
+    world.run(check_embedding_dim_split_errors)
 
 
 def check_cross_entropy(dtype_name, label_smoothing, scale):

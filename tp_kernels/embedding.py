@@ -1,4 +1,4 @@
-"""Embedding split along the vocabulary."""
+"""Embedding split along the vocabulary (or, :func:`shard_embedding_dim`, along its embedding dim)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from . import _collectives as coll
 from ._agreement import agree, describe
 from ._checks import check_divisible, check_float_dtype, check_int, check_replaceable, check_tensor
 from ._data_parallel import copy_rows_
-from .layers import ShareGroupOnCopy, block_of, split_block
-from .mappings import reduce_from, reduce_scatter_dim0
+from .layers import ParameterSplit, ShareGroupOnCopy, block_of, split_block
+from .mappings import gather_last_dim, reduce_from, reduce_scatter_dim0
 
-__all__ = ["ID_DTYPES", "VocabParallelEmbedding", "check_embedding", "check_index_range"]
+__all__ = ["ID_DTYPES", "VocabParallelEmbedding", "check_embedding", "check_embedding_dim", "check_index_range",
+           "shard_embedding_dim"]
 
 #: The dtypes of ids the embedding (``F.embedding``) takes.
 ID_DTYPES = (torch.int64, torch.int32)
@@ -79,6 +80,60 @@ def check_embedding(name: str, embedding: nn.Module) -> Optional[float]:
         scale = found
     check_replaceable(name, embedding, nn.Embedding, own_forward=scale is not None)
     return None if scale == 1.0 else scale
+
+
+def check_embedding_dim(name: str, embedding: nn.Module, p: int) -> None:
+    """What :func:`shard_embedding_dim` checks before it changes anything: a ``ValueError`` naming
+    ``name`` unless ``embedding`` is an ``nn.Embedding`` whose columns it can split over ``p``
+    ranks (a subclass as :func:`check_embedding` takes it; no ``max_norm``, which renormalizes each
+    whole row; an ``embedding_dim`` p divides; not split already)."""
+    if isinstance(embedding, nn.Module) and "parameter_splits" in embedding.__dict__:
+        raise ValueError(f"{name}: this {type(embedding).__name__} is split already")
+    check_embedding(name, embedding)
+    if embedding.max_norm is not None:
+        raise ValueError(f"{name}: max_norm={embedding.max_norm} renormalizes each whole row, of which a rank "
+                         "holds columns: split it by rows (a vocabulary split) or drop max_norm")
+    if embedding.embedding_dim % p:
+        raise ValueError(f"{name}: embedding_dim={embedding.embedding_dim}, which the tensor-parallel size {p} does "
+                         "not divide")
+
+
+def shard_embedding_dim(embedding: nn.Module, group=None) -> nn.Module:
+    """Split ``embedding``, an ``nn.Embedding``, along its embedding dim, in place: rank r keeps
+    columns ``[r D/p, (r+1) D/p)`` of every row, looks up its columns of the ids' rows, and the
+    ranks' columns are all-gathered along the last dim, so every rank returns the whole embedding
+    ``[..., D]`` (its gradient split back: each rank's columns of the table's). A table too large
+    for one device thus holds ``1/p`` of its bytes on each, with no id range to mask and no sum
+    (fairscale's ``ParallelEmbedding``; transformers' ``embedding_colwise``, which
+    :func:`tp_kernels.parallelize` takes). The weight becomes this rank's columns, a
+    :class:`tp_kernels.layers.ParameterSplit` along dim 1 in ``parameter_splits``, so the state
+    dicts, :func:`tp_kernels.clip_grad_norm_` and the checkpoints treat it as a layer's weight.
+    Checked first (:func:`check_embedding_dim`); with fingerprints on, each call is agreed with the
+    group (the ids' shape and dtype). Returns ``embedding``; with one rank nothing changes but
+    ``parameter_splits``."""
+    group = coll.resolve_group(group)
+    p = coll.group_size(group)
+    check_embedding_dim("embedding", embedding, p)
+    split = ParameterSplit(group, (embedding.embedding_dim,))
+    embedding.parameter_splits = {"weight": (1, split)}  # (read by tp_kernels.layers.sharded_blocks)
+    if p == 1:
+        return embedding
+    weight = embedding.weight
+    with torch.no_grad():
+        columns = block_of(weight.detach(), 1, split).clone()
+    embedding.weight = nn.Parameter(columns, requires_grad=weight.requires_grad)  # (embedding_dim stays D: its output's)
+    call = f"{type(embedding).__name__} (split along its embedding dim by shard_embedding_dim)"
+
+    def before(mod, args):
+        ids = args[0] if args else None
+        agree(call, group, lambda: None, lambda _: f"input {describe(ids)}", hint=ids)
+
+    def after(mod, args, output):
+        return gather_last_dim(output, group)
+
+    embedding.register_forward_pre_hook(before)
+    embedding.register_forward_hook(after)
+    return embedding
 
 
 class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):

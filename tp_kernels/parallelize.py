@@ -14,7 +14,7 @@ from . import _collectives as coll
 from . import _data_parallel as dp
 from ._agreement import agree, exchange_views
 from ._checks import check_replaceable
-from .embedding import VocabParallelEmbedding, check_embedding
+from .embedding import VocabParallelEmbedding, check_embedding, check_embedding_dim, shard_embedding_dim
 from .experts import PARAMETER_STYLES, check_styles, shard_experts, shard_parameters, share_identity_expert
 from .grads import sum_grads_over_group, sum_output_grads_over_group
 from .layers import ColumnParallelLinear, RowParallelLinear, check_output_sizes
@@ -29,6 +29,9 @@ STYLES = {
     "rowwise": (nn.Linear, RowParallelLinear),
     "rowwise_split_input": (nn.Linear, RowParallelLinear),  # input_is_parallel=False
     "vocab": (nn.Embedding, VocabParallelEmbedding),
+    # kept as it is, its weight split along the embedding dim, its output's columns gathered
+    # (embedding.shard_embedding_dim): a table too large for one device (transformers' name)
+    "embedding_colwise": (nn.Embedding, None),
     # kept as it is, the gradients of its parameters summed over the group (grads.sum_grads_over_group)
     "replicated_with_grad_allreduce": (nn.Module, None),
     # kept as it is, the expert weights the plan names by parameter (experts.PARAMETER_STYLES) split,
@@ -98,6 +101,8 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     parallel), ``"rowwise_split_input"`` (the same, its input whole on every rank, split here,
     ``input_is_parallel=False``), ``"vocab"`` (``nn.Embedding`` →
     :class:`VocabParallelEmbedding`; Hugging Face's ``"embedding_rowwise"`` too),
+    ``"embedding_colwise"`` (an ``nn.Embedding`` kept, its table split along the embedding dim,
+    its output's columns gathered: :func:`tp_kernels.embedding.shard_embedding_dim`),
     ``"replicated_with_grad_allreduce"`` (any module, kept as it is, its parameters' gradients
     summed over the group in every backward: a per-head norm, a layer norm under sequence
     parallelism; :func:`tp_kernels.grads.sum_grads_over_group`), ``"packed_colwise"`` (an
@@ -217,6 +222,8 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
             sum_output_grads_over_group(m, style_of[id(m)][2], group)
         elif style == "moe_identity_expert":
             share_identity_expert(m, group)
+        elif style == "embedding_colwise":
+            shard_embedding_dim(m, group)
         elif style == "replicated_with_grad_allreduce":
             sum_grads_over_group(m, group)
     return module
@@ -270,13 +277,16 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
             try:
                 if style == "vocab":  # (a subclass whose replacement would lose something; Gemma's scaled one taken)
                     check_embedding(repr(name), m)
+                elif style == "embedding_colwise":
+                    check_embedding_dim(repr(name), m, p)
                 elif STYLES[style][1] is not None:
                     check_replaceable(repr(name), m, expected)  # a subclass whose replacement would lose something
             except ValueError as exc:
                 raise ValueError(f"plan[{pattern!r}]: {exc}") from None
-            if style == "rowwise_split_input" and sequence_parallel:
-                raise ValueError(f"plan[{pattern!r}]: {name!r}: {style!r} (a row layer whose input is whole) does not "
-                                 "go with sequence_parallel=True")
+            if style in ("rowwise_split_input", "embedding_colwise") and sequence_parallel:
+                what = "a row layer whose input is" if style == "rowwise_split_input" else "an embedding whose output is"
+                raise ValueError(f"plan[{pattern!r}]: {name!r}: {style!r} ({what} whole) does not go with "
+                                 "sequence_parallel=True")
             # (a column's or a vocabulary's rows are padded)
             if STYLES[style][1] is RowParallelLinear and m.in_features % p:
                 raise ValueError(f"plan[{pattern!r}]: {name!r} ({style}) has in_features={m.in_features}, which the "
