@@ -102,6 +102,53 @@ def test_experts_against_dense(world, split):
     world.run(check_experts_against_dense, split)
 
 
+class _SharedExperts(nn.Module):
+    """Shared experts kept as 3-D parameters and run on every token with a per-token gate each
+    (Inkling's): ``gate_proj`` and ``up_proj`` ``[n, I, H]``, ``down_proj`` ``[n, H, I]``."""
+
+    def __init__(self, n=2):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.randn(n, I, H, dtype=torch.float64) / H ** 0.5)
+        self.up_proj = nn.Parameter(torch.randn(n, I, H, dtype=torch.float64) / H ** 0.5)
+        self.down_proj = nn.Parameter(torch.randn(n, H, I, dtype=torch.float64) / I ** 0.5)
+
+    def forward(self, hidden, gammas):
+        x = hidden.unsqueeze(0).expand(self.gate_proj.shape[0], -1, -1)
+        activated = F.silu(torch.bmm(x, self.gate_proj.transpose(1, 2))) * torch.bmm(x, self.up_proj.transpose(1, 2))
+        return torch.bmm(activated * gammas.t().unsqueeze(-1), self.down_proj.transpose(1, 2)).sum(0)
+
+
+def check_all_reduce_style():
+    """transformers' ``"all_reduce"`` (Inkling's shared experts: 3-D weights split by parameter
+    name, each rank's output a partial sum) is what ``"moe_tp_experts"`` does: the output and the
+    gradients of the hidden states, of the gates and of the weights are the dense module's; on a
+    module holding parameters the plan does not split, it is refused."""
+    torch.manual_seed(0)
+    dense = nn.ModuleDict({"shared": _SharedExperts()})
+    plan = {"shared": "all_reduce", "shared.gate_proj": "colwise", "shared.up_proj": "colwise",
+            "shared.down_proj": "rowwise"}
+    par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+    outs = []
+    for model in (dense, par):
+        hidden, _, _, _ = routed(1)
+        gammas = torch.rand(TOKENS, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        gammas.requires_grad_()
+        y = model["shared"](hidden, gammas)
+        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+        outs.append((y.detach(), hidden.grad, gammas.grad))
+    for name, want, got in zip(("output", "hidden.grad", "gammas.grad"), *outs):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13, msg=lambda m: f"{name}: {m}")
+    assert_dense_grads(par, dense, 1e-12)
+    with pytest.raises(ValueError, match=r"plan: 'shared' \('moe_tp_experts'\): styles: _SharedExperts also holds "
+                                         r"\['down_proj'\]"):
+        tp_kernels.parallelize(copy.deepcopy(dense), {k: v for k, v in plan.items() if k != "shared.down_proj"})
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_all_reduce_style(world):
+    world.run(check_all_reduce_style)
+
+
 def check_experts_sequence_parallel(split, device="cpu"):
     """Under sequence parallelism each rank holds a block of the tokens, and the router's ids and
     weights for it (a router run on its sequence block): the experts, split either way, gather

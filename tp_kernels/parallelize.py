@@ -61,7 +61,10 @@ _OWNERS = ("moe_tp_experts", "moe_ep_experts", "local_params")
 #: the styles of a mixture's experts, shard_experts' modules
 _EXPERTS = ("moe_tp_experts", "moe_ep_experts")
 #: other names of a style: Hugging Face's, so that a transformers model's own ``tp_plan`` is a plan
-ALIASES = {"embedding_rowwise": "vocab", "ep_dispatch_experts": "moe_ep_experts", "grouped_gemm": "experts"}
+#: ("all_reduce": a module whose output is each rank's partial sum, by its parameters the plan splits
+#: by name, Inkling's shared experts: what "moe_tp_experts" does)
+ALIASES = {"embedding_rowwise": "vocab", "ep_dispatch_experts": "moe_ep_experts", "grouped_gemm": "experts",
+           "all_reduce": "moe_tp_experts"}
 
 
 def _style(pattern: str, value) -> tuple:
