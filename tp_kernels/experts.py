@@ -107,7 +107,8 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
         return module
     by_expert = _by_expert(styles)
     local = module.num_experts // p if by_expert else None  # (this rank's experts)
-    routing = _routing_arguments(module) if by_expert else None
+    signature = _routing_arguments(module) if by_expert else None  # (made once: bound on every call)
+    routing = tuple(signature.parameters)[:3] if by_expert else None  # (hidden states, expert ids, weights)
     if by_expert:
         module.num_experts = local
         if hasattr(module, "_is_expert_parallel"):  # (transformers' grouped GEMMs then skip the sentinel rows)
@@ -132,7 +133,7 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
             if len(rows) > 1 or None in rows:
                 raise ValueError(f"{call}: every tensor argument must be this rank's block of the tokens, along "
                                  f"dim 0, but they are {', '.join(f'{where} {describe(t)}' for where, t in given)}")
-        return _bind_routing(call, routing, args, kwargs) if by_expert else None
+        return _bind_routing(call, signature, args, kwargs) if by_expert else None
 
     def before(mod, args, kwargs):
         given = tensors(args, kwargs)
@@ -191,26 +192,28 @@ def _by_expert(styles: Mapping[str, str]) -> bool:
     return bool(whole)
 
 
-def _routing_arguments(module: nn.Module) -> tuple:
-    """The names of the first three parameters of ``module``'s forward, which expert parallelism
-    reads as ``(hidden_states, top_k_index, top_k_weights)``."""
+def _routing_arguments(module: nn.Module) -> inspect.Signature:
+    """The first three parameters of ``module``'s forward, which expert parallelism reads as
+    ``(hidden_states, top_k_index, top_k_weights)``, as a signature that binds a call's arguments
+    (whatever follows them too), made once."""
     names = [name for name, q in inspect.signature(module.forward).parameters.items()
              if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)][:3]
     if len(names) < 3:
         raise ValueError(f"module: expert parallelism calls {type(module).__name__} as transformers' experts are, "
                          f"(hidden_states, top_k_index, top_k_weights), but its forward takes {names}")
-    return tuple(names)
+    return inspect.Signature([inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in names]
+                             + [inspect.Parameter("rest", inspect.Parameter.VAR_POSITIONAL),
+                                inspect.Parameter("options", inspect.Parameter.VAR_KEYWORD)])
 
 
-def _bind_routing(call: str, routing: tuple, args, kwargs) -> inspect.BoundArguments:
-    """The call's arguments, bound, after checking that the routing ones are what expert
-    parallelism remaps: integer expert ids and floating-point weights of the same shape."""
+def _bind_routing(call: str, signature: inspect.Signature, args, kwargs) -> inspect.BoundArguments:
+    """The call's arguments, bound by :func:`_routing_arguments`' ``signature``, after checking that
+    the routing ones are what expert parallelism remaps: integer expert ids and floating-point
+    weights of the same shape."""
+    routing = tuple(signature.parameters)[:3]
     hidden, index, weights = routing
-    bound = inspect.Signature([inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in routing]
-                              + [inspect.Parameter("rest", inspect.Parameter.VAR_POSITIONAL),
-                                 inspect.Parameter("options", inspect.Parameter.VAR_KEYWORD)])
     try:
-        bound = bound.bind(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
     except TypeError as exc:
         raise ValueError(f"{call}: expected ({', '.join(routing)}, ...): {exc}") from None
     got = [bound.arguments[name] for name in routing]
