@@ -431,6 +431,10 @@ def check_expert_plan_errors():
                             r"\['gate_up_proj'\] split whole experts \('experts'\) and \['down_proj'\] each"),
         "ep_without_parameters": ({k: v for k, v in ep_plan.items() if not k.startswith(f"{experts}.")},
                                   r"moe_ep_experts', but .*gate_up_proj': 'experts'"),
+        "gate_up_unpacked": ({**plan, f"{experts}.gate_up_proj": "colwise"},
+                             r"styles\['gate_up_proj'\]: MixtralExperts keeps its gate's and its up projection's "
+                             r"rows one after the other .* 'colwise' would give a rank gate rows or up rows.*"
+                             r"use 'packed_colwise'"),
         "identity_outside_experts": ({**ep_plan, "model.layers.*.mlp.gate": "moe_identity_expert"},
                                      r"mlp.gate' \('moe_identity_expert'\) divides its input .*it is inside none"),
     }

@@ -182,6 +182,15 @@ def share_identity_expert(module: nn.Module, group=None) -> nn.Module:
     return module
 
 
+def _packed_dim(module: nn.Module, name: str) -> Optional[int]:
+    """The dim of ``module``'s ``name`` that holds a gate's and an up projection's outputs one after
+    the other, as transformers' experts say of their ``gate_up_proj`` (``has_gate`` and
+    ``is_concatenated``: dim 1, or 2 with ``is_transposed``); None where nothing says so."""
+    if name != "gate_up_proj" or not (getattr(module, "has_gate", False) and getattr(module, "is_concatenated", False)):
+        return None
+    return 2 if getattr(module, "is_transposed", False) else 1
+
+
 def _by_expert(styles: Mapping[str, str]) -> bool:
     """Whether ``styles`` split whole experts (expert parallelism), checked to be all or none."""
     whole = [name for name, style in styles.items() if style == WHOLE_EXPERTS]
@@ -282,6 +291,12 @@ def check_styles(module: nn.Module, styles: Mapping[str, str], p: int, *, every:
                              f"{name!r} has shape {list(param.shape)}")
         dim = dims[param.dim()]
         size = param.shape[dim]
+        if parts == 1 and param.dim() == 3 and dim == _packed_dim(module, name):
+            what = "rows" if dim == 1 else "columns"
+            raise ValueError(f"styles[{name!r}]: {type(module).__name__} keeps its gate's and its up projection's "
+                             f"{what} one after the other in {name!r} (transformers' has_gate and is_concatenated), "
+                             f"so {style!r} would give a rank gate {what} or up {what}, not its block of each: use "
+                             f"{'packed_' + style!r}")
         if size % (parts * p):
             raise ValueError(f"styles[{name!r}]: dim {dim} of {name!r} ({size}"
                              f"{f', {parts} packed parts of {size / parts:g}' if parts > 1 else ''}) cannot be split "
