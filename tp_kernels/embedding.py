@@ -13,7 +13,7 @@ from . import _collectives as coll
 from ._agreement import agree, describe
 from ._checks import check_divisible, check_float_dtype, check_int, check_replaceable, check_tensor
 from ._data_parallel import copy_rows_
-from .layers import ParameterSplit, ShareGroupOnCopy, block_of, split_block
+from .layers import ParameterSplit, ShareGroupOnCopy, block_of, split_block, split_in_place
 from .mappings import gather_last_dim, reduce_from, reduce_scatter_dim0
 
 __all__ = ["ID_DTYPES", "VocabParallelEmbedding", "check_embedding", "check_embedding_dim", "check_index_range",
@@ -114,14 +114,10 @@ def shard_embedding_dim(embedding: nn.Module, group=None) -> nn.Module:
     group = coll.resolve_group(group)
     p = coll.group_size(group)
     check_embedding_dim("embedding", embedding, p)
-    split = ParameterSplit(group, (embedding.embedding_dim,))
-    embedding.parameter_splits = {"weight": (1, split)}  # (read by tp_kernels.layers.sharded_blocks)
+    # (this rank's columns; embedding_dim stays D, its output's)
+    split_in_place(embedding, {"weight": (1, ParameterSplit(group, (embedding.embedding_dim,)))})
     if p == 1:
         return embedding
-    weight = embedding.weight
-    with torch.no_grad():
-        columns = block_of(weight.detach(), 1, split).clone()
-    embedding.weight = nn.Parameter(columns, requires_grad=weight.requires_grad)  # (embedding_dim stays D: its output's)
     call = f"{type(embedding).__name__} (split along its embedding dim by shard_embedding_dim)"
 
     def before(mod, args):

@@ -30,16 +30,15 @@ this rank's heads (an attention's per-head sinks, ``[heads]``): transformers' ``
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional
-
 import inspect
+from typing import Dict, Mapping, Optional
 
 import torch
 import torch.nn as nn
 
 from . import _collectives as coll
 from ._agreement import agree, describe
-from .layers import ParameterSplit, block_of
+from .layers import ParameterSplit, split_in_place
 from .mappings import all_gather_op, copy_to, gather_dim0, reduce_from, reduce_scatter_dim0
 
 __all__ = ["PARAMETER_STYLES", "WHOLE_EXPERTS", "check_styles", "shard_experts", "shard_parameters",
@@ -106,11 +105,11 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
     if p == 1:  # (nothing to sum)
         return module
     by_expert = _by_expert(styles)
-    local = module.num_experts // p if by_expert else None  # (this rank's experts)
-    signature = _routing_arguments(module) if by_expert else None  # (made once: bound on every call)
-    routing = tuple(signature.parameters)[:3] if by_expert else None  # (hidden states, expert ids, weights)
+    local = signature = routing = None
     if by_expert:
-        module.num_experts = local
+        local = module.num_experts = module.num_experts // p  # (this rank's experts)
+        signature = _routing_arguments(module)  # (made once: it binds every call)
+        routing = tuple(signature.parameters)[:3]  # (hidden states, expert ids, weights)
         if hasattr(module, "_is_expert_parallel"):  # (transformers' grouped GEMMs then skip the sentinel rows)
             module._is_expert_parallel = True
     call = (f"{type(module).__name__} (experts sharded by shard_experts"
@@ -133,7 +132,7 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
             if len(rows) > 1 or None in rows:
                 raise ValueError(f"{call}: every tensor argument must be this rank's block of the tokens, along "
                                  f"dim 0, but they are {', '.join(f'{where} {describe(t)}' for where, t in given)}")
-        return _bind_routing(call, signature, args, kwargs) if by_expert else None
+        return _bind_routing(call, signature, routing, args, kwargs) if by_expert else None
 
     def before(mod, args, kwargs):
         given = tensors(args, kwargs)
@@ -215,11 +214,10 @@ def _routing_arguments(module: nn.Module) -> inspect.Signature:
                                 inspect.Parameter("options", inspect.Parameter.VAR_KEYWORD)])
 
 
-def _bind_routing(call: str, signature: inspect.Signature, args, kwargs) -> inspect.BoundArguments:
+def _bind_routing(call: str, signature: inspect.Signature, routing: tuple, args, kwargs) -> inspect.BoundArguments:
     """The call's arguments, bound by :func:`_routing_arguments`' ``signature``, after checking that
-    the routing ones are what expert parallelism remaps: integer expert ids and floating-point
-    weights of the same shape."""
-    routing = tuple(signature.parameters)[:3]
+    the routing ones (``routing``, its first three names) are what expert parallelism remaps:
+    integer expert ids and floating-point weights of the same shape."""
     hidden, index, weights = routing
     try:
         bound = signature.bind(*args, **kwargs)
@@ -246,16 +244,8 @@ def shard_parameters(module: nn.Module, styles: Mapping[str, str], group=None, *
     ``module``; with one rank, its parameters stay the same objects."""
     group = coll.resolve_group(group)
     p = coll.group_size(group)
-    splits = {name: (dim, ParameterSplit(group, parts))
-              for name, (dim, parts) in check_styles(module, styles, p, every=every).items()}
-    module.parameter_splits = splits  # (read by tp_kernels.layers.sharded_blocks)
-    if p == 1:  # (each rank's block is the whole parameter)
-        return module
-    for name, (dim, split) in splits.items():
-        param = module._parameters[name]
-        with torch.no_grad():
-            block = block_of(param.detach(), dim, split).clone()
-        module._parameters[name] = nn.Parameter(block, requires_grad=param.requires_grad)
+    split_in_place(module, {name: (dim, ParameterSplit(group, parts))
+                            for name, (dim, parts) in check_styles(module, styles, p, every=every).items()})
     return module
 
 

@@ -590,6 +590,22 @@ class ParameterSplit:
         self.split_blocks = (self.tp_size,) * len(self.split_parts)
 
 
+def split_in_place(module: nn.Module, splits: Dict[str, tuple]) -> None:
+    """Record ``splits`` (``{name: (dim, ParameterSplit)}``) as ``module.parameter_splits``, which
+    :func:`sharded_blocks` reads, and replace each parameter they name by this rank's block of it
+    (a copy; whether it requires a gradient kept). With one rank, the parameters stay the same
+    objects. The callers check first: :func:`tp_kernels.experts.shard_parameters`,
+    :func:`tp_kernels.embedding.shard_embedding_dim`."""
+    module.parameter_splits = splits
+    for name, (dim, split) in splits.items():
+        if split.tp_size == 1:  # (the block is the whole parameter)
+            continue
+        param = module._parameters[name]
+        with torch.no_grad():
+            block = block_of(param.detach(), dim, split).clone()
+        module._parameters[name] = nn.Parameter(block, requires_grad=param.requires_grad)
+
+
 def sharded_blocks(module: nn.Module) -> Tuple[Dict[str, tuple], object, Optional[str]]:
     """The parameters of ``module`` of which each rank holds a block, by state-dict name (a module
     reachable under several names under each): ``(parameter, the dim it is split along, its
