@@ -59,16 +59,20 @@ def _op_call(op, what, backend):
     dtype = torch.float64 if odd and what == "dtype" else torch.float32
     chunks = 3 if odd and what == "num_chunks" else 2
     chosen = ("reference" if backend == "pipelined" else "pipelined") if odd and what == "backend" else backend
-    x = torch.randn(rows // p if op == "all_gather_matmul" else rows, k, dtype=dtype)
+    # "dim": the same [rows, 2p, k] on every rank, gathered or scattered along dim 1 on rank 1 only
+    # (the same bytes: without fingerprints, a wrong result)
+    x = torch.randn(rows // p if op == "all_gather_matmul" else rows, *([2 * p] if what == "dim" else []), k,
+                    dtype=dtype)
     w = torch.randn(n, k, dtype=dtype)
-    return lambda: getattr(ops, op)(x, w, backend=chosen, num_chunks=chunks)
+    dim = {f"{'gather' if op == 'all_gather_matmul' else 'scatter'}_dim": int(odd)} if what == "dim" else {}
+    return lambda: getattr(ops, op)(x, w, backend=chosen, num_chunks=chunks, **dim)
 
 
 @fingerprints
 def check_inputs_that_differ(op, backend):
     r, p = rank_world()
     messages = {}
-    for what in ("batch", "width", "dtype", "num_chunks", "backend"):
+    for what in ("batch", "width", "dtype", "num_chunks", "backend") + (("dim",) if op != "matmul_all_reduce" else ()):
         start = time.monotonic()
         kind, message = _raises(_op_call(op, what, backend))
         assert kind == "RuntimeError" and "disagree on this call, so none of it ran" in message, (what, message)

@@ -50,6 +50,12 @@ def shared_gpu_world(request):
         yield world
 
 
+def test_ops_along_another_dim_with_several_nccl_ranks_on_one_gpu(shared_gpu_world):
+    """``gather_dim`` / ``scatter_dim`` 1 and -2 (batch-first sequence parallelism) in float32,
+    the pipelined backend on the native path, against float64."""
+    shared_gpu_world.run(test_ops.check_gather_and_scatter_dims, device="cuda", dtype=torch.float32)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("backend", ["reference", "pipelined"])
 @pytest.mark.parametrize("kind", ["column", "row"])

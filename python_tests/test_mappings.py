@@ -81,3 +81,40 @@ def check_mappings():
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
 def test_mappings_exact(world):
     world.run(check_mappings)
+
+
+def check_sequence_dim_mappings():
+    """The sequence-parallel mappings along ``sequence_dim`` (a batch-first ``[b, s, h]``: 1, or
+    -2): each is the dim-0 mapping of the tensor with that dim moved first, forward and backward,
+    and gives a contiguous tensor in the caller's layout; a dim that is the last one, or that p
+    does not divide, is a ValueError naming it."""
+    r, p = rank_world()
+    g = torch.Generator().manual_seed(r)  # (different data on each rank)
+    x = torch.randn(3, 2 * p, 4, generator=g, dtype=torch.float64)
+    dy_full, dy_block = torch.randn(3, 2 * p, 4, generator=g, dtype=torch.float64), torch.randn(3, 2, 4, generator=g,
+                                                                                                dtype=torch.float64)
+    front = lambda t: t.transpose(0, 1).contiguous()  # noqa: E731
+    cases = [(M.scatter_to_sequence_parallel_region, x, dy_block, {}),
+             (M.gather_from_sequence_parallel_region, x[:, :2].contiguous(), dy_full, {}),
+             (M.gather_from_sequence_parallel_region, x[:, :2].contiguous(), dy_full,
+              {"tensor_parallel_output_grad": False}),
+             (M.reduce_scatter_to_sequence_parallel_region, x, dy_block, {})]
+    for f, inp, dy, kw in cases:
+        for dim in (1, -2):
+            mine, ref = _leaf(inp), _leaf(front(inp))
+            y, want = f(mine, sequence_dim=dim, **kw), f(ref, **kw)
+            assert y.is_contiguous() and torch.equal(y, want.transpose(0, 1)), (f.__name__, kw, dim)
+            y.backward(dy)
+            want.backward(front(dy))
+            assert torch.equal(mine.grad, ref.grad.transpose(0, 1)), (f.__name__, kw, dim)
+    with pytest.raises(ValueError, match=r"sequence_dim: expected a dim of input other than its last, in \[-3, 1\] "
+                                         r"for input of shape \(3, 4, 4\), got 2"):
+        M.scatter_to_sequence_parallel_region(torch.zeros(3, 4, 4), sequence_dim=2)
+    if p > 1:
+        with pytest.raises(ValueError, match=rf"input.shape\[1\] \({2 * p + 1}\) is not divisible"):
+            M.reduce_scatter_to_sequence_parallel_region(torch.zeros(3, 2 * p + 1, 4), sequence_dim=1)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_sequence_dim_mappings(world):
+    world.run(check_sequence_dim_mappings)

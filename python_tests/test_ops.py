@@ -88,6 +88,57 @@ def test_ops_against_float64(world, op, dtype, backend):
     world.run(check_against_float64, op, dtype, backend)
 
 
+def check_gather_and_scatter_dims(device="cpu", dtype=torch.float64):
+    """``gather_dim`` / ``scatter_dim`` other than 0 (a batch-first ``[b, s/p, k]``, and a dim
+    inside a 4-D input, counted from either end): each rank's output is the dense product's block
+    of that dim (in float64, of the same rounded inputs), contiguous, and so are the gradients, on
+    both backends; the dim is checked, on every rank, before anything moves."""
+    r, p = rank_world()
+    g = torch.Generator().manual_seed(0)
+
+    def draw(*shape):  # (rounded to dtype, held in float64)
+        return torch.randn(shape, generator=g).to(dtype).double()
+
+    for shape, dim in [((3, 2 * p, 5), 1), ((2, 3, 2 * p, 5), -2), ((1, 2 * p, 5), 1)]:
+        d = dim % len(shape)
+        x_col, w_col, b_col = draw(*shape), draw(4 * p, 5), draw(4 * p)
+        x_row, w_row, b_row = draw(*shape[:-1], 3 * p), draw(4, 3 * p), draw(4)
+        cases = [("all_gather_matmul", (block(x_col, d, r, p), block(w_col, 0, r, p), block(b_col, 0, r, p)),
+                  (x_col, w_col, b_col), {"gather_dim": dim}, (lambda t: block(t, -1, r, p)),
+                  (lambda gx, gw, gb: (block(gx, d, r, p), block(gw, 0, r, p), block(gb, 0, r, p)))),
+                 ("matmul_reduce_scatter", (block(x_row, -1, r, p), block(w_row, 1, r, p), b_row),
+                  (x_row, w_row, b_row), {"scatter_dim": dim}, (lambda t: block(t, d, r, p)),
+                  (lambda gx, gw, gb: (block(gx, -1, r, p), block(gw, 1, r, p), gb)))]
+        for op, mine, full, kw, out_block, grad_blocks in cases:
+            dense = [t.clone().requires_grad_() for t in full]
+            want = F.linear(*dense)
+            dy = draw(*want.shape)
+            want.backward(dy)
+            for backend in ("reference", "pipelined"):
+                leaves = [t.to(device, dtype, copy=True).requires_grad_() for t in mine]
+                y = getattr(ops, op)(*leaves, backend=backend, **kw)
+                what = f"{op} {shape} dim {dim} {backend}"
+                assert y.is_contiguous(), what
+                assert_close(f"{what} y", y, out_block(want.detach()).to(device))
+                y.backward(out_block(dy).to(device, dtype))
+                for name, leaf, grad in zip(("x", "weight", "bias"), leaves, grad_blocks(*(t.grad for t in dense))):
+                    assert_close(f"{what} d{name}", leaf.grad, grad.to(device))
+    x, w = torch.randn(3, 2, 5, device=device), torch.randn(4, 5, device=device)
+    for bad in (2, -1, 3, -4, True, 1.0):
+        with pytest.raises(ValueError, match=r"gather_dim: expected a dim of x other than its last, in \[-3, 1\] "
+                                             rf"for x of shape \(3, 2, 5\), got {bad!r}"):
+            ops.all_gather_matmul(x, w, gather_dim=bad)
+    if p > 1:
+        odd = torch.randn(2, 2 * p + 1, 5, device=device)
+        with pytest.raises(ValueError, match=rf"x.shape\[1\] \({2 * p + 1}\) is not divisible"):
+            ops.matmul_reduce_scatter(odd, w, scatter_dim=1)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_gather_and_scatter_dims(world):
+    world.run(check_gather_and_scatter_dims)
+
+
 def check_empty_and_frozen(op):
     """m = 0 rows works; a frozen weight gets no gradient and costs no re-gather."""
     args, _ = _case(op, 0, 11, 7, torch.float32)

@@ -40,6 +40,17 @@ def check_divisible(name: str, value: int, p: int) -> int:
     return value // p
 
 
+def check_split_dim(name: str, dim, x, x_name: str = "input") -> int:
+    """``dim`` as a dim of ``x`` other than its last (the one a linear layer multiplies), counted
+    from 0 (a negative ``dim`` counts from the end, as in torch): the dim a block of the sequence is
+    split along (``[b, s/p, h]``: 1). A ``ValueError`` naming ``name`` otherwise."""
+    d = dim + x.dim() if isinstance(dim, int) and not isinstance(dim, bool) and dim < 0 else dim
+    if isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= d < x.dim() - 1:
+        raise ValueError(f"{name}: expected a dim of {x_name} other than its last, in [{-x.dim()}, {x.dim() - 2}] "
+                         f"for {x_name} of shape {tuple(x.shape)}, got {dim!r}")
+    return d
+
+
 def check_replaceable(name: str, module, base: type, *, own_forward: bool = False) -> None:
     """A ``ValueError`` naming ``name`` unless ``module`` is a ``base`` (``nn.Linear``,
     ``nn.Embedding``) that a parallel layer can stand for: ``base`` itself, or a subclass with

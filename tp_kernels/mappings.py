@@ -1,7 +1,8 @@
 """Megatron's communication mappings as autograd functions.
 
 Each is the identity when the group has one rank. "Tensor-parallel region" functions act on
-the last dim; "sequence-parallel region" functions act on dim 0 (Megatron's ``[s, b, h]``).
+the last dim; "sequence-parallel region" functions act on dim 0 (Megatron's ``[s, b, h]``), or on
+the dim ``sequence_dim`` names (``[b, s, h]``: 1).
 Each checks its input and agrees on the call with the group's other ranks before any collective
 (:mod:`tp_kernels._agreement`).
 
@@ -27,7 +28,7 @@ import torch
 from . import _collectives as coll
 from . import _library
 from ._agreement import agree, describe
-from ._checks import check_divisible, check_tensor, differentiable_once
+from ._checks import check_divisible, check_split_dim, check_tensor, differentiable_once
 
 __all__ = [
     "copy_to_tensor_model_parallel_region",
@@ -38,6 +39,29 @@ __all__ = [
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
 ]
+
+
+#: a reshape that autograd does not track as a view (aten's, with which torch.matmul ends)
+UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+
+
+def to_front(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` with its ``dim`` moved to dim 0 (a view; ``x`` itself for 0), for a collective along
+    dim 0."""
+    return x.movedim(dim, 0) if dim else x
+
+
+def from_front(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` with its dim 0 moved to ``dim``, contiguous: what a collective along dim 0 of
+    ``x.movedim(dim, 0)`` gives back in the caller's layout (``[s, b, h]`` as ``[b, s, h]``). A copy
+    unless the dims before ``dim`` are all 1, and then not a view of a contiguous ``x`` (FSDP2 warns
+    of a module whose output is one)."""
+    if not dim:
+        return x
+    moved = x.movedim(0, dim)
+    if not moved.is_contiguous():
+        return moved.contiguous()
+    return UNSAFE_VIEW(x, moved.shape) if x.is_contiguous() else moved
 
 
 # The collectives run as the custom ops of the plain collectives (torch.ops.tp_kernels.*, on
@@ -152,8 +176,12 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
 # --- what the layers call (their arguments already checked and agreed with the group) ---------------
 
 
-def _on(function, x, group, *args):
-    return x if coll.group_size(group) == 1 else function.apply(x, group, *args)
+def _on(function, x, group, *args, dim: int = 0):
+    """``function`` (a mapping's autograd function) of ``x``, along ``dim`` for a dim-0 one (moved
+    first, and back); ``x`` itself on one rank."""
+    if coll.group_size(group) == 1:
+        return x
+    return from_front(function.apply(to_front(x, dim), group, *args), dim)
 
 
 def copy_to(x, group):
@@ -184,9 +212,11 @@ def gather_dim0(x, group):
 # --- the public mappings: checked, and agreed with the group, before any collective -----------------
 
 
-def _agreed(name: str, x, group, *, last_dim=False, dim0=False, flags: str = ""):
-    """The group a public mapping of ``x`` runs on, once ``x`` is checked and the call agreed with
-    the group's other ranks (:func:`tp_kernels._agreement.agree`)."""
+def _agreed(name: str, x, group, *, last_dim=False, sequence_dim=None, divisible=False, flags: str = ""):
+    """The group a public mapping of ``x`` runs on, and the dim it acts on (``sequence_dim``
+    checked: a dim of ``x`` other than its last, whose size p divides if ``divisible``), once ``x``
+    is checked and the call agreed with the group's other ranks
+    (:func:`tp_kernels._agreement.agree`)."""
     group = coll.resolve_group(group)
 
     def check():
@@ -194,53 +224,68 @@ def _agreed(name: str, x, group, *, last_dim=False, dim0=False, flags: str = "")
         p = coll.group_size(group)
         if last_dim:
             check_divisible("input.shape[-1]", x.shape[-1], p)
-        if dim0:
-            check_divisible("input.shape[0]", x.shape[0], p)
+        if sequence_dim is None:
+            return None
+        d = 0 if type(sequence_dim) is int and sequence_dim == 0 else check_split_dim("sequence_dim", sequence_dim, x)
+        if divisible:
+            check_divisible(f"input.shape[{d}]", x.shape[d], p)
+        return d
 
-    agree(name, group, check, lambda _: f"input {describe(x)}{flags}", hint=x)
-    return group
+    d = agree(name, group, check, lambda d: f"input {describe(x)}{'' if not d else f', sequence_dim {d}'}{flags}",
+              hint=x)
+    return group, d
 
 
 def copy_to_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward. ``[...] -> [...]``."""
-    return copy_to(input_, _agreed("copy_to_tensor_model_parallel_region", input_, group))
+    return copy_to(input_, _agreed("copy_to_tensor_model_parallel_region", input_, group)[0])
 
 
 def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """All-reduce (sum) forward, on a copy; identity backward. ``[...] -> [...]``."""
-    return reduce_from(input_, _agreed("reduce_from_tensor_model_parallel_region", input_, group))
+    return reduce_from(input_, _agreed("reduce_from_tensor_model_parallel_region", input_, group)[0])
 
 
 def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """This rank's block of the last dim forward, all-gather backward. ``[..., d] -> [..., d/p]``."""
-    return scatter_last_dim(input_, _agreed("scatter_to_tensor_model_parallel_region", input_, group, last_dim=True))
+    return scatter_last_dim(input_, _agreed("scatter_to_tensor_model_parallel_region", input_, group,
+                                            last_dim=True)[0])
 
 
 def gather_from_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """All-gather of the last dim forward, split backward. ``[..., d/p] -> [..., d]``."""
-    return gather_last_dim(input_, _agreed("gather_from_tensor_model_parallel_region", input_, group))
+    return gather_last_dim(input_, _agreed("gather_from_tensor_model_parallel_region", input_, group)[0])
 
 
-def scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
-    """This rank's block of dim 0 forward, all-gather backward. ``[s, ...] -> [s/p, ...]``."""
-    group = _agreed("scatter_to_sequence_parallel_region", input_, group, dim0=True)
-    return _on(_ScatterToSequenceRegion, input_, group)
+def scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None, *, sequence_dim: int = 0) -> torch.Tensor:
+    """This rank's block of dim 0 forward, all-gather backward. ``[s, ...] -> [s/p, ...]``.
+
+    ``sequence_dim``: the dim to split instead (``[b, s, h] -> [b, s/p, h]`` with 1)."""
+    group, d = _agreed("scatter_to_sequence_parallel_region", input_, group, sequence_dim=sequence_dim,
+                       divisible=True)
+    return _on(_ScatterToSequenceRegion, input_, group, dim=d)
 
 
 def gather_from_sequence_parallel_region(
-    input_: torch.Tensor, tensor_parallel_output_grad: bool = True, group=None
+    input_: torch.Tensor, tensor_parallel_output_grad: bool = True, group=None, *, sequence_dim: int = 0
 ) -> torch.Tensor:
     """All-gather of dim 0 forward. ``[s/p, ...] -> [s, ...]``.
 
     Backward reduce-scatters the gradient (the consumer is tensor-parallel, so each rank holds a
     partial gradient), or just splits it when ``tensor_parallel_output_grad=False``.
+    ``sequence_dim``: the dim to gather instead (``[b, s/p, h] -> [b, s, h]`` with 1).
     """
     reduce = bool(tensor_parallel_output_grad)
-    group = _agreed("gather_from_sequence_parallel_region", input_, group,
-                    flags=f", tensor_parallel_output_grad {reduce}")
-    return _on(_GatherFromSequenceRegion, input_, group, reduce)
+    group, d = _agreed("gather_from_sequence_parallel_region", input_, group, sequence_dim=sequence_dim,
+                       flags=f", tensor_parallel_output_grad {reduce}")
+    return _on(_GatherFromSequenceRegion, input_, group, reduce, dim=d)
 
 
-def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
-    """Reduce-scatter of dim 0 forward, all-gather backward. ``[s, ...] -> [s/p, ...]``."""
-    return reduce_scatter_dim0(input_, _agreed("reduce_scatter_to_sequence_parallel_region", input_, group, dim0=True))
+def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None, *,
+                                               sequence_dim: int = 0) -> torch.Tensor:
+    """Reduce-scatter of dim 0 forward, all-gather backward. ``[s, ...] -> [s/p, ...]``.
+
+    ``sequence_dim``: the dim to reduce-scatter instead (``[b, s, h] -> [b, s/p, h]`` with 1)."""
+    group, d = _agreed("reduce_scatter_to_sequence_parallel_region", input_, group, sequence_dim=sequence_dim,
+                       divisible=True)
+    return _on(_ReduceScatterToSequenceRegion, input_, group, dim=d)

@@ -1,6 +1,7 @@
 """The three tensor-parallel primitives, differentiable, on any backend.
 
-With ``p`` ranks in ``group`` and dim 0 gathered/scattered rank-major:
+With ``p`` ranks in ``group`` and dim 0 gathered/scattered rank-major (or the dim ``gather_dim`` /
+``scatter_dim`` names: a batch-first ``[b, s/p, k]``'s 1, moved first and back):
 
 =========================  =====================  ==========================================
 op                         math                   shapes (leading dims after the first kept)
@@ -36,14 +37,12 @@ import torch.nn.functional as F
 from . import _collectives as coll
 from . import _library
 from ._agreement import agree, describe
-from ._checks import check_choice, check_divisible, check_linear_args
+from ._checks import check_choice, check_divisible, check_linear_args, check_split_dim
 from ._op_table import OPS
 from .dispatch import resolve, select_backend
+from .mappings import UNSAFE_VIEW, from_front, to_front
 from .schedule import resolve_num_chunks
 from .settings import BACKEND_NAMES
-
-#: a reshape that autograd does not track as a view (aten's, with which torch.matmul ends)
-_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
 
 __all__ = [
     "BACKEND_NAMES",
@@ -67,32 +66,39 @@ def _out_lead(op: str, x_shape, p: int) -> list:
 
 
 def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int], x_name: str = "x",
-        prepare: Optional[Callable] = None) -> torch.Tensor:
+        prepare: Optional[Callable] = None, dim=0, dim_name: str = "dim") -> torch.Tensor:
     """Check the tensors (errors name the input ``x_name``) and agree on the call with the group
     (:func:`tp_kernels._agreement.agree`) before any communication, decide the implementation once
     (:func:`tp_kernels.dispatch.resolve`), run ``torch.ops.tp_kernels.<op>``
     (:func:`tp_kernels._library.op`) on the input as 2-D ``[rows, k]`` and restore its leading
     dims. ``group`` was resolved by the caller; ``prepare(x)``, the caller's own checks (of
     ``backend`` and ``num_chunks`` by the public ops below; the layers check theirs once, when
-    they are made) and preparation of ``x``, runs first, in the agreement too."""
+    they are made) and preparation of ``x``, runs first, in the agreement too. ``dim`` (checked as
+    the argument ``dim_name``): the dim of ``x`` gathered or scattered, when not 0: the op runs on
+    ``x.movedim(dim, 0)``, and its output is moved back (:func:`tp_kernels.mappings.from_front`)."""
 
     p = coll.group_size(group)
 
     def check():
         x_ = prepare(x) if prepare is not None else x
         checked = check_linear_args(x_, weight, bias, x_name=x_name, min_dim=OPS[op].min_dim)
+        d = 0 if type(dim) is int and dim == 0 else check_split_dim(dim_name, dim, checked[0], x_name)
         if op == "matmul_reduce_scatter":
-            check_divisible(f"{x_name}.shape[0]", checked[0].shape[0], p)
-        return checked
+            check_divisible(f"{x_name}.shape[{d}]", checked[0].shape[d], p)
+        return (*checked, d)
 
     def fingerprint(checked) -> str:
-        x_, w, b = checked
+        x_, w, b, d = checked
         return (f"{x_name} {describe(x_)}, weight {describe(w)}, bias {describe(b)}, backend {backend}, "
-                f"num_chunks {num_chunks}")
+                f"num_chunks {num_chunks}" + (f", {dim_name} {d}" if d else ""))
 
-    x, weight, bias = agree(op, group, check, fingerprint, hint=x)
+    x, weight, bias, dim = agree(op, group, check, fingerprint, hint=x)
+    if p == 1 and dim:  # (nothing gathered or scattered: the dim is the caller's layout alone)
+        dim, lead = 0, x
+    else:
+        lead = to_front(x, dim)  # (a view: the reshape below copies it)
     # 2-D as it is: a reshape costs ~2 µs of host time
-    x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    x2d = lead if lead.dim() == 2 else lead.reshape(-1, lead.shape[-1])
     impl = resolve(op, backend, x2d, p, group, weight, bias, num_chunks)
     if p == 1 and impl == "reference":
         # one rank and nothing to overlap: the op is the linear layer itself, as nn.Linear is
@@ -101,13 +107,13 @@ def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int]
     out = _library.op(op)(x2d, weight, bias, coll.group_name(group), impl)
     if x2d is x:
         return out
-    shape = (*_out_lead(op, x.shape, p), weight.shape[0])
+    shape = (*_out_lead(op, lead.shape, p), weight.shape[0])
     # not a view of the 2-D result, which is ours alone (FSDP2 warns of a module whose output is a
     # view, as a language model's head's is)
-    return _UNSAFE_VIEW(out, shape) if out.is_contiguous() else out.reshape(shape)
+    return from_front(UNSAFE_VIEW(out, shape) if out.is_contiguous() else out.reshape(shape), dim)
 
 
-def _public(op: str, x, weight, bias, group, backend, num_chunks) -> torch.Tensor:
+def _public(op: str, x, weight, bias, group, backend, num_chunks, dim=0, dim_name: str = "dim") -> torch.Tensor:
     """A public op's call: :func:`run`, its options checked with its tensors."""
     group = coll.resolve_group(group)
 
@@ -116,7 +122,7 @@ def _public(op: str, x, weight, bias, group, backend, num_chunks) -> torch.Tenso
         resolve_num_chunks(OPS[op].primitive, num_chunks)  # validates
         return x
 
-    return run(op, x, weight, bias, group, backend, num_chunks, prepare=check_options)
+    return run(op, x, weight, bias, group, backend, num_chunks, prepare=check_options, dim=dim, dim_name=dim_name)
 
 
 def all_gather_matmul(
@@ -127,6 +133,7 @@ def all_gather_matmul(
     group=None,
     backend: str = "auto",
     num_chunks: Optional[int] = None,
+    gather_dim: int = 0,
 ) -> torch.Tensor:
     """``Y = AG(X) Wᵀ + b``: all-gather dim 0, then multiply by this rank's weight shard.
 
@@ -134,10 +141,13 @@ def all_gather_matmul(
         x: ``[m/p, ..., k]``, this rank's block of dim 0 (rank-major).
         weight: ``[n/p, k]``, this rank's rows of the full ``[n, k]`` weight.
         bias: ``[n/p]`` or None.
+        gather_dim: the dim of ``x`` to gather, if not 0 (any but the last; ``[b, s/p, k]`` →
+            ``[b, s, n/p]`` with 1): the op runs on ``x`` with that dim moved first, which copies
+            ``x`` and the output unless the dims before it are all 1.
     Returns:
         ``[m, ..., n/p]``.
     """
-    return _public("all_gather_matmul", x, weight, bias, group, backend, num_chunks)
+    return _public("all_gather_matmul", x, weight, bias, group, backend, num_chunks, gather_dim, "gather_dim")
 
 
 def matmul_reduce_scatter(
@@ -148,6 +158,7 @@ def matmul_reduce_scatter(
     group=None,
     backend: str = "auto",
     num_chunks: Optional[int] = None,
+    scatter_dim: int = 0,
 ) -> torch.Tensor:
     """``Y = RS(X Wᵀ) + b``: multiply by this rank's input-dim shard, reduce-scatter dim 0.
 
@@ -155,10 +166,13 @@ def matmul_reduce_scatter(
         x: ``[m, ..., k/p]``, this rank's block of the last dim; ``m`` divisible by p.
         weight: ``[n, k/p]``, this rank's columns of the full ``[n, k]`` weight.
         bias: ``[n]`` (full) or None; added once, after the reduction.
+        scatter_dim: the dim of the output to scatter, if not 0 (any but the last; ``[b, s, k/p]``
+            → ``[b, s/p, n]`` with 1), its size divisible by p: the op runs on ``x`` with that dim
+            moved first, which copies ``x`` and the output unless the dims before it are all 1.
     Returns:
         ``[m/p, ..., n]``: rows ``[r*m/p, (r+1)*m/p)`` of dim 0 on rank r.
     """
-    return _public("matmul_reduce_scatter", x, weight, bias, group, backend, num_chunks)
+    return _public("matmul_reduce_scatter", x, weight, bias, group, backend, num_chunks, scatter_dim, "scatter_dim")
 
 
 def matmul_all_reduce(
