@@ -120,6 +120,100 @@ def test_parallelized_block_matches_dense(world, sequence_parallel):
     world.run(check_block, sequence_parallel)
 
 
+class _BatchFirstBlock(nn.Module):
+    """A pre-norm block of causal attention and a gated MLP on batch-first ``[b, s, h]``, which
+    takes the sequence length and its heads from the column layers' outputs (TorchTitan's do)."""
+
+    def __init__(self, hidden, heads, ffn):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        # (no key bias: its gradient is zero but for rounding, softmax ignoring a shift)
+        self.q, self.v = nn.Linear(hidden, heads * HEAD_DIM), nn.Linear(hidden, heads * HEAD_DIM)
+        self.k = nn.Linear(hidden, heads * HEAD_DIM, bias=False)
+        self.o = nn.Linear(heads * HEAD_DIM, hidden)
+        self.gate, self.up = nn.Linear(hidden, ffn, bias=False), nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden)
+
+    def forward(self, x):
+        h = self.norm1(x)
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        b, s = q.shape[:2]
+        q, k, v = (t.view(b, s, -1, HEAD_DIM).transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(att.transpose(1, 2).reshape(b, s, -1))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class _BatchFirstLM(nn.Module):
+    """A small batch-first language model of our own (ids ``[b, s]``)."""
+
+    def __init__(self, vocab, hidden, heads, ffn):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(_BatchFirstBlock(hidden, heads, ffn) for _ in range(2))
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.blocks:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+BATCH_FIRST_PLAN = {"embed": "vocab", "blocks.*.[qkv]": "colwise", "blocks.*.o": "rowwise",
+                    "blocks.*.gate": "colwise", "blocks.*.up": "colwise", "blocks.*.down": "rowwise",
+                    "blocks.*.norm[12]": "replicated_with_grad_allreduce", "norm": "replicated_with_grad_allreduce",
+                    "head": "colwise_gather_output"}
+
+
+def check_batch_first_sequence_parallel(backend):
+    """``parallelize(..., sequence_parallel=True, sequence_dim=1)`` of a batch-first language
+    model: the embedding returns each rank's block of dim 1 of the dense embedding, the column
+    layers gather it and the row layers reduce-scatter it back, so the logits are the dense
+    model's, and so is every gradient (the norms', on the sequence blocks, summed over the group)
+    and the loss after an SGD step; a vocabulary p does not divide is padded. A sequence p does not
+    divide, and ``sequence_dim`` without sequence parallelism, are ``ValueError``s naming them."""
+    r, p = rank_world()
+    vocab, hidden, heads, ffn, b, s = 4 * p + 3, 8, 2 * p, 3 * p, 3, 2 * p
+    torch.manual_seed(0)
+    dense = _BatchFirstLM(vocab, hidden, heads, ffn).double()
+    par = tp_kernels.parallelize(copy.deepcopy(dense), BATCH_FIRST_PLAN, sequence_parallel=True, sequence_dim=1)
+    for layer in (par.embed, par.blocks[0].q, par.blocks[0].o):
+        assert layer.sequence_dim == 1 and "sequence_dim=1" in repr(layer)
+    for m in par.modules():
+        if isinstance(m, (tp_kernels.ColumnParallelLinear, tp_kernels.RowParallelLinear)):
+            m.backend = backend
+    ids = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(par.embed(ids), block(dense.embed(ids), 1, r, p), rtol=0, atol=0)
+    models = (dense, par)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]
+    for step in range(2):
+        want, got = dense(ids), par(ids)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=lambda m: f"step {step} logits: {m}")
+        for m, logits in zip(models, (want, got)):
+            F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+        assert_dense_grads(par, dense, 1e-12)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    if p > 1:
+        with pytest.raises(ValueError, match=rf"input.shape\[1\] \({2 * p + 1}\) is not divisible"):
+            par(torch.zeros(b, 2 * p + 1, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"sequence_dim: 1 splits the sequence, which only sequence_parallel=True"):
+        tp_kernels.parallelize(copy.deepcopy(dense), BATCH_FIRST_PLAN, sequence_dim=1)
+    for bad in (-1, True, "1"):
+        with pytest.raises(ValueError, match=r"sequence_dim: expected an int >= 0"):
+            tp_kernels.ColumnParallelLinear(4, 2 * p, sequence_parallel=True, sequence_dim=bad)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("backend", ["reference", "pipelined"])
+def test_batch_first_sequence_parallel(world, backend):
+    world.run(check_batch_first_sequence_parallel, backend)
+
+
 def check_vocab_plan_and_shared_modules():
     r, p = rank_world()
     torch.manual_seed(0)

@@ -26,13 +26,16 @@ class OpSpec:
     primitive: str
     #: the fewest dims its input ``x`` may have
     min_dim: int
+    #: whether it gathers or scatters a dim of ``x`` (dim 0, or the one its call names): the ops of
+    #: sequence parallelism
+    splits_rows: bool
 
 
 OPS = {spec.name: spec for spec in (
-    OpSpec(ALL_GATHER_MATMUL, ALL_GATHER_MATMUL, 2),
-    OpSpec(MATMUL_REDUCE_SCATTER, MATMUL_REDUCE_SCATTER, 2),
-    OpSpec(MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE, 1),
-    OpSpec("linear_with_grad_all_reduce", MATMUL_ALL_REDUCE, 1),
+    OpSpec(ALL_GATHER_MATMUL, ALL_GATHER_MATMUL, 2, True),
+    OpSpec(MATMUL_REDUCE_SCATTER, MATMUL_REDUCE_SCATTER, 2, True),
+    OpSpec(MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE, 1, False),
+    OpSpec("linear_with_grad_all_reduce", MATMUL_ALL_REDUCE, 1, False),
 )}
 
 

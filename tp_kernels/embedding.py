@@ -13,8 +13,8 @@ from . import _collectives as coll
 from ._agreement import agree, describe
 from ._checks import check_divisible, check_float_dtype, check_int, check_replaceable, check_tensor
 from ._data_parallel import copy_rows_
-from .layers import ParameterSplit, ShareGroupOnCopy, block_of, split_block, split_in_place
-from .mappings import gather_last_dim, reduce_from, reduce_scatter_dim0
+from .layers import ParameterSplit, ShareGroupOnCopy, block_of, check_sequence_dim, split_block, split_in_place
+from .mappings import from_front, gather_last_dim, reduce_from, reduce_scatter_dim0, to_front
 
 __all__ = ["ID_DTYPES", "VocabParallelEmbedding", "check_embedding", "check_embedding_dim", "check_index_range",
            "shard_embedding_dim"]
@@ -140,8 +140,9 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
     up (Megatron-LM's and vLLM's padded vocabulary; the embedding is unchanged). Each rank looks
     up the ids in its range, zeroes the others, and the results are all-reduced, so every rank
     returns the full embedding; with ``sequence_parallel=True`` they are reduce-scattered along
-    dim 0 instead (Megatron's sequence-parallel embedding, half the bytes of the all-reduce), so
-    each rank returns its block of the sequence, as the sequence-parallel layers take it.
+    dim 0 instead (Megatron's sequence-parallel embedding, half the bytes of the all-reduce), or
+    along ``sequence_dim``, so each rank returns its block of the sequence, as the
+    sequence-parallel layers take it.
 
     Args:
         num_embeddings: vocabulary size ``V``.
@@ -149,6 +150,9 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
         padding_idx: as in ``nn.Embedding`` (that row gets no gradient and starts at zero).
         sequence_parallel: return this rank's block of dim 0 (the sequence, ``[s, b]`` ids first)
             of the embedding, ``[s/p, ..., D]``; dim 0 of the ids must be divisible by p.
+        sequence_dim: with ``sequence_parallel``, the dim of the ids that is the sequence instead
+            of dim 0: 1 for batch-first ids ``[b, s]``, whose embedding is then ``[b, s/p, D]``
+            (its block copied out unless the dims before it are 1).
         group: process group (default: the tensor-parallel group).
         init_method: ``f(full_weight)`` initializing the full ``[V, D]`` table in place;
             default: ``nn.Embedding``'s (standard normal). Seed every rank alike.
@@ -157,7 +161,8 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
             scaled word embedding, ``sqrt(hidden)``; :meth:`from_embedding` finds it); None: none.
 
     Shapes: input ``[...]`` integer ids in ``[0, V)``; ``weight`` ``[ceil(V/p), D]``; output ``[..., D]``
-    (``[s/p, ..., D]`` for ids ``[s, ...]`` with sequence parallelism).
+    (``[s/p, ..., D]`` for ids ``[s, ...]`` with sequence parallelism; ``[b, s/p, D]`` for ids ``[b, s]``
+    with ``sequence_dim=1``).
     """
 
     #: the parameters of which each rank holds a block, and the dim they are split along
@@ -166,9 +171,10 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, padding_idx: Optional[int] = None,
                  sequence_parallel: bool = False, group=None,
                  init_method: Optional[Callable[[torch.Tensor], object]] = None, device=None, dtype=None,
-                 output_scale: Optional[float] = None):
+                 output_scale: Optional[float] = None, sequence_dim: int = 0):
         super().__init__()
         check_int("num_embeddings", num_embeddings)
+        check_sequence_dim(sequence_dim, sequence_parallel)
         check_int("embedding_dim", embedding_dim)
         check_float_dtype("dtype", dtype)
         if padding_idx is not None:
@@ -181,6 +187,7 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
         self.tp_rank = coll.group_rank(self.group)
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         self.sequence_parallel = bool(sequence_parallel)
+        self.sequence_dim = sequence_dim
         if output_scale is not None and (isinstance(output_scale, bool) or not isinstance(output_scale, (int, float))):
             raise ValueError(f"output_scale: expected a number or None, got {output_scale!r}")
         self.output_scale = output_scale
@@ -246,9 +253,10 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
         return layer
 
     def _check(self, input_) -> None:
-        check_tensor("input", input_, min_dim=1 if self.sequence_parallel else 0)
+        d = self.sequence_dim
+        check_tensor("input", input_, min_dim=d + 1 if self.sequence_parallel else 0)
         if self.sequence_parallel:
-            check_divisible("input.shape[0]", input_.shape[0], self.tp_size)
+            check_divisible(f"input.shape[{d}]", input_.shape[d], self.tp_size)
         if input_.dtype not in ID_DTYPES:
             raise ValueError(f"input: expected ids of dtype torch.int64 or torch.int32, got {input_.dtype}")
         if input_.device != self.weight.device:
@@ -258,16 +266,19 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         agree("VocabParallelEmbedding", self.group, lambda: self._check(input_),
               lambda _: f"input {describe(input_)}, weight {describe(self.weight)}, vocabulary {self.num_embeddings}, "
-                        f"sequence_parallel {self.sequence_parallel}",
+                        f"sequence_parallel {self.sequence_parallel}"
+                        + (f", sequence_dim {self.sequence_dim}" if self.sequence_dim else ""),
               hint=self.weight)
         if self.tp_size == 1:
             return self._scaled(F.embedding(input_, self.weight, self.padding_idx))
+        if self.sequence_parallel:  # (the ids moved: their lookup's copy is [s, ..., D])
+            input_ = to_front(input_, self.sequence_dim)
         outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
         local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight, self._local_padding_idx)  # [..., D], this rank's rows
         out = self._scaled(out.masked_fill(outside.unsqueeze(-1), 0))
-        if self.sequence_parallel:
-            return reduce_scatter_dim0(out, self.group)  # sum over ranks, this rank's block: [s/p, ..., D]
+        if self.sequence_parallel:  # sum over ranks, this rank's block: [s/p, ..., D] (moved back)
+            return from_front(reduce_scatter_dim0(out, self.group), self.sequence_dim)
         return reduce_from(out, self.group)  # sum over ranks: [..., D]
 
     def _scaled(self, rows: torch.Tensor) -> torch.Tensor:
@@ -280,4 +291,5 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
         s = f"{self.num_embeddings}, {self.embedding_dim}, tp_size={self.tp_size}"
         s += f", output_scale={self.output_scale}" if self.output_scale is not None else ""
         s += f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
-        return s + (", sequence_parallel=True" if self.sequence_parallel else "")
+        s += ", sequence_parallel=True" if self.sequence_parallel else ""
+        return s + (f", sequence_dim={self.sequence_dim}" if self.sequence_dim else "")

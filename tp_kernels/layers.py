@@ -9,8 +9,8 @@
   products are summed across ranks, then the full bias ``[out]`` is added once.
 
 With ``sequence_parallel=True`` the activations outside the layer pair are split along dim 0
-(Megatron's ``[s, b, h]``): the column layer all-gathers its input and the row layer
-reduce-scatters its output, through :mod:`tp_kernels.ops`.
+(Megatron's ``[s, b, h]``), or along ``sequence_dim`` (``[b, s, h]``: 1): the column layer
+all-gathers its input and the row layer reduce-scatters its output, through :mod:`tp_kernels.ops`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from . import ops
 from ._checks import (check_choice, check_divisible, check_float_dtype, check_int, check_linear_args, check_replaceable,
                       check_tensor, differentiable_once)
 from ._data_parallel import copy_rows_
+from ._op_table import OPS
 from .mappings import all_reduce_op, copy_to, gather_last_dim, scatter_last_dim
 from .settings import BACKEND_NAMES
 
@@ -90,7 +91,8 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
     """What both layers share: group, sharded parameters, initialization and loading."""
 
     def __init__(self, in_features, out_features, bias, *, sequence_parallel, skip_bias_add,
-                 group, init_method, device, dtype, backend, num_chunks, output_sizes=None, head_size=None):
+                 group, init_method, device, dtype, backend, num_chunks, output_sizes=None, head_size=None,
+                 sequence_dim=0):
         super().__init__()
         check_int("in_features", in_features)
         check_int("out_features", out_features)
@@ -98,11 +100,14 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
         check_choice("backend", backend, BACKEND_NAMES)
         if num_chunks is not None:
             check_int("num_chunks", num_chunks)
+        check_sequence_dim(sequence_dim, sequence_parallel)
         self.group = coll.resolve_group(group)
         self.tp_size = coll.group_size(self.group)
         self.tp_rank = coll.group_rank(self.group)
         self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel = bool(sequence_parallel)
+        #: the dim of the activations that sequence parallelism splits (checked against each input)
+        self.sequence_dim = sequence_dim
         self.skip_bias_add = bool(skip_bias_add)
         self.backend, self.num_chunks = backend, num_chunks
         self._init_method = init_method
@@ -216,13 +221,16 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"tp_size={self.tp_size}, sequence_parallel={self.sequence_parallel}, backend={self.backend!r}"
+            + (f", sequence_dim={self.sequence_dim}" if self.sequence_dim else "")
         )
 
     def _op(self, op: str, input_, weight, bias, prepare=None):
         """Run ``op`` on this rank's weight; argument errors name ``input_``; ``prepare(input_)``
-        checks and prepares the input first (agreed with the group as the op's own checks are)."""
+        checks and prepares the input first (agreed with the group as the op's own checks are).
+        The ops of sequence parallelism gather or scatter ``sequence_dim``."""
+        dim = self.sequence_dim if OPS[op].splits_rows else 0
         return ops.run(op, input_, weight, bias, self.group, self.backend, self.num_chunks, x_name="input",
-                       prepare=prepare)
+                       prepare=prepare, dim=dim, dim_name="sequence_dim")
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -251,6 +259,10 @@ class ColumnParallelLinear(_ParallelLinear):
             heads). Its gradient is summed over those ranks in backward, so they stay alike.
         sequence_parallel: the input is this rank's block of dim 0, ``[s/p, ..., in]``; it is
             all-gathered (overlapped with the GEMM) to give ``[s, ..., out/p]``.
+        sequence_dim: with ``sequence_parallel``, the dim of the input that is split instead of
+            dim 0, any but the last: 1 for a batch-first ``[b, s/p, in]`` (torch's ``Shard(1)``),
+            gathered to ``[b, s, out/p]``. The GEMMs run on the input with that dim moved first,
+            which costs a copy of the input and of the output unless the dims before it are 1.
         skip_bias_add: return ``(Y without bias, bias)`` for a later fused add. With
             ``gather_output`` the returned bias is the full ``[out]``.
         group: process group (default: the tensor-parallel group).
@@ -273,12 +285,12 @@ class ColumnParallelLinear(_ParallelLinear):
                  sequence_parallel: bool = False, skip_bias_add: bool = False, group=None,
                  init_method: Optional[InitMethod] = None, device=None, dtype=None, backend: str = "auto",
                  num_chunks: Optional[int] = None, output_sizes: Optional[Sequence[int]] = None,
-                 head_size: Optional[int] = None):
+                 head_size: Optional[int] = None, sequence_dim: int = 0):
         self.gather_output = bool(gather_output)
         super().__init__(in_features, out_features, bias, sequence_parallel=sequence_parallel,
                          skip_bias_add=skip_bias_add, group=group, init_method=init_method, device=device,
                          dtype=dtype, backend=backend, num_chunks=num_chunks, output_sizes=output_sizes,
-                         head_size=head_size)
+                         head_size=head_size, sequence_dim=sequence_dim)
 
     def forward(self, input_: torch.Tensor):
         weight, full_bias = self.weight, self.bias
@@ -364,6 +376,9 @@ class RowParallelLinear(_ParallelLinear):
             ``[..., in]`` and this rank's block is taken here.
         sequence_parallel: reduce-scatter the output along dim 0 instead of all-reducing it:
             ``[s, ..., in/p] -> [s/p, ..., out]``. Requires ``input_is_parallel``.
+        sequence_dim: with ``sequence_parallel``, the dim of the output that is scattered instead
+            of dim 0, any but the last: 1 for a batch-first ``[b, s, in/p] -> [b, s/p, out]``
+            (torch's ``Shard(1)``), its size divisible by p; copies as the column layer's does.
         skip_bias_add: return ``(Y without bias, bias)``. Under sequence parallelism the returned
             bias carries an all-reduce in backward, so its gradient is still complete when added
             to this rank's sequence block.
@@ -387,7 +402,7 @@ class RowParallelLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, input_is_parallel: bool = True,
                  sequence_parallel: bool = False, skip_bias_add: bool = False, group=None,
                  init_method: Optional[InitMethod] = None, device=None, dtype=None, backend: str = "auto",
-                 num_chunks: Optional[int] = None, reduce_results: bool = True):
+                 num_chunks: Optional[int] = None, reduce_results: bool = True, sequence_dim: int = 0):
         if sequence_parallel and not input_is_parallel:
             raise ValueError(
                 "sequence_parallel: requires input_is_parallel=True (the input must already be "
@@ -400,7 +415,7 @@ class RowParallelLinear(_ParallelLinear):
         self.reduce_results = bool(reduce_results)
         super().__init__(in_features, out_features, bias, sequence_parallel=sequence_parallel,
                          skip_bias_add=skip_bias_add, group=group, init_method=init_method, device=device,
-                         dtype=dtype, backend=backend, num_chunks=num_chunks)
+                         dtype=dtype, backend=backend, num_chunks=num_chunks, sequence_dim=sequence_dim)
 
     def _split_input(self, input_: torch.Tensor) -> torch.Tensor:
         """The full input ``[..., in]`` (``input_is_parallel=False``) as this rank's ``[..., in/p]``."""
@@ -448,6 +463,15 @@ class RowParallelLinear(_ParallelLinear):
     def extra_repr(self) -> str:
         unreduced = "" if self.reduce_results else ", reduce_results=False"
         return super().extra_repr() + f", input_is_parallel={self.input_is_parallel}" + unreduced
+
+
+def check_sequence_dim(sequence_dim, sequence_parallel) -> None:
+    """A layer's ``sequence_dim``: a non-negative int (the input's dims are known at each call,
+    which checks it against them), not 0 only with ``sequence_parallel``."""
+    if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int) or sequence_dim < 0:
+        raise ValueError(f"sequence_dim: expected an int >= 0 (1 for a batch-first [b, s, h]), got {sequence_dim!r}")
+    if sequence_dim and not sequence_parallel:
+        raise ValueError(f"sequence_dim: {sequence_dim} splits the sequence, which only sequence_parallel=True does")
 
 
 def check_output_sizes(output_sizes, out_features: int, p: int,

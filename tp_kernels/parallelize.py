@@ -17,7 +17,7 @@ from ._checks import check_replaceable
 from .embedding import VocabParallelEmbedding, check_embedding, check_embedding_dim, shard_embedding_dim
 from .experts import PARAMETER_STYLES, check_styles, shard_experts, shard_parameters, share_identity_expert
 from .grads import sum_grads_over_group, sum_output_grads_over_group
-from .layers import ColumnParallelLinear, RowParallelLinear, check_output_sizes
+from .layers import ColumnParallelLinear, RowParallelLinear, check_output_sizes, check_sequence_dim
 
 __all__ = ["ALIASES", "STYLES", "parallelize"]
 
@@ -93,7 +93,7 @@ def _known(pattern: str, style: str) -> str:
 
 
 def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
-                sequence_parallel: bool = False, strict: bool = True) -> nn.Module:
+                sequence_parallel: bool = False, strict: bool = True, sequence_dim: int = 0) -> nn.Module:
     """Replace, in place, the submodules of ``module`` that ``plan`` names by parallel layers.
 
     ``plan`` maps ``fnmatch`` patterns over qualified submodule names (``"layers.*.mlp.fc1"``)
@@ -147,6 +147,10 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     the tokens, gather them and reduce-scatter their output (see
     :func:`tp_kernels.experts.shard_experts`); the parameters every rank holds whole and applies to
     its block (the norms, a router) then need :func:`tp_kernels.allreduce_sequence_parallel_grads`.
+    ``sequence_dim=1`` splits dim 1 instead, for a batch-first model (``[b, s/p, ...]``, ids
+    ``[b, s]``: torch's ``Shard(1)``); the experts take their tokens in any layout. A model whose
+    own code takes the sequence length or the positions from the embedding's output (transformers'
+    models do) needs them from the ids instead.
 
     A parameter that several modules hold (an embedding tied to the output layer) stays one
     parameter: the plan must replace every module holding it and split it alike (``"vocab"`` and
@@ -179,9 +183,10 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     # others a RuntimeError naming it, and ranks given different plans all raise, before anything
     # is replaced; then that every rank holds the same dense weights)
     named, chosen, style_of, split_styles, ties = agree(
-        "parallelize", group, lambda: _resolve(module, plan, p, strict, sequence_parallel),
+        "parallelize", group, lambda: _resolve(module, plan, p, strict, sequence_parallel, sequence_dim),
         lambda _: f"plan {_digest(repr([(str(k), repr(v)) for k, v in plan.items()]))}, "
-                  f"sequence_parallel {sequence_parallel}, strict {strict}, {type(module).__name__}",
+                  f"sequence_parallel {sequence_parallel}, sequence_dim {sequence_dim!r}, strict {strict}, "
+                  f"{type(module).__name__}",
         hint=hint, always=True)
     if p > 1:
         _agree_on_weights(module, group, hint)
@@ -189,6 +194,7 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     # Build each replacement once, then swap every name under which the module is reachable
     # (a module shared under two names must not stay dense under the one the plan missed).
     replaced: Dict[int, nn.Module] = {}
+    sequence = {"sequence_parallel": sequence_parallel, **({"sequence_dim": sequence_dim} if sequence_parallel else {})}
     for name, (style, outputs) in chosen.items():
         old = module.get_submodule(name)
         if id(old) in replaced:
@@ -197,15 +203,15 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
         if build is None:  # kept (its gradients summed, or its experts split, once all is built)
             replaced[id(old)] = old
         elif style == "vocab":
-            replaced[id(old)] = build.from_embedding(old, group=group, sequence_parallel=sequence_parallel)
+            replaced[id(old)] = build.from_embedding(old, group=group, **sequence)
         elif style in ("colwise", "colwise_gather_output", "packed_colwise"):
             sizes, head_size = outputs or (None, None)
-            replaced[id(old)] = build.from_linear(old, group=group, sequence_parallel=sequence_parallel,
+            replaced[id(old)] = build.from_linear(old, group=group, **sequence,
                                                   output_sizes=sizes, head_size=head_size,
                                                   gather_output=style == "colwise_gather_output")
         else:
             replaced[id(old)] = build.from_linear(
-                old, group=group, sequence_parallel=sequence_parallel, input_is_parallel=style == "rowwise"
+                old, group=group, **sequence, input_is_parallel=style == "rowwise"
             )
     for name, m in named:
         if id(m) in replaced:
@@ -232,7 +238,8 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     return module
 
 
-def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool, sequence_parallel: bool):
+def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool, sequence_parallel: bool,
+             sequence_dim):
     """:func:`parallelize`'s checks, which change nothing: ``(named, chosen, style_of, split_styles,
     ties)``, what it replaces and keeps (``split_styles``: ``{id(module): {attribute: style}}``, the
     parameters the plan splits by name), or a ``ValueError`` naming the pattern and the module."""
@@ -242,6 +249,7 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
         raise ValueError(f"plan: expected a non-empty mapping of name patterns to styles, got {plan!r}")
     if not isinstance(strict, bool):
         raise ValueError(f"strict: expected a bool, got {strict!r}")
+    check_sequence_dim(sequence_dim, sequence_parallel)
     named = [(name, m) for name, m in module.named_modules(remove_duplicate=False) if name]
     # each parameter by its qualified name: (name, its module's name, its module, its attribute)
     params = [(f"{name}.{attr}" if name else attr, name, m, attr)
