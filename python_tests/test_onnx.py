@@ -25,6 +25,7 @@ import onnx  # noqa: E402
 import tp_kernels  # noqa: E402
 import tp_kernels.onnx  # noqa: E402
 from helpers import assert_close, block, held_rows, padded_block, rank_world  # noqa: E402
+from test_parallelize import BATCH_FIRST_PLAN, _BatchFirstLM  # noqa: E402
 from test_parallelize import PLAN as BLOCK_PLAN  # noqa: E402
 from test_parallelize import Block  # noqa: E402
 
@@ -144,6 +145,30 @@ def test_exported_per_rank_models_match_the_dense_model(world, case):
 @pytest.mark.parametrize("case", ["mlp", "block"])
 def test_exported_sequence_parallel_models_match_the_dense_model(world, case):
     world.run(check_export, case, True, deadline_s=DEADLINE_S)
+
+
+def check_export_batch_first_sequence_parallel():
+    """A batch-first language model parallelized with sequence parallelism along dim 1, exported:
+    the moves of the sequence to dim 0 and back are plain ONNX nodes around the collectives, and
+    this rank's model's logits are the dense model's."""
+    r, p = rank_world()
+    torch.manual_seed(0)
+    dense = _BatchFirstLM(4 * p + 3, 8, 2 * p, 3 * p).eval()
+    par = tp_kernels.parallelize(copy.deepcopy(dense), BATCH_FIRST_PLAN, sequence_parallel=True, sequence_dim=1)
+    ids = torch.randint(0, 4 * p + 3, (3, 2 * p), generator=torch.Generator().manual_seed(1))
+    proto = tp_kernels.onnx.export(par, (ids,))
+    onnx.checker.check_model(proto)
+    # per block one all-gather for q, k, v and one for gate, up, a reduce-scatter for o and down; the
+    # embedding's reduce-scatter; the head's two all-gathers (the sequence, then its columns)
+    assert _collectives(proto) == sorted(["AllGather"] * 6 + ["ReduceScatter"] * 5), _collectives(proto)
+    with torch.no_grad():
+        want = dense.double()(ids)
+    assert_close(f"batch-first sequence-parallel lm exported, rank {r} of {p}", _run(proto, ids), want)
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_exported_batch_first_sequence_parallel_model(world):
+    world.run(check_export_batch_first_sequence_parallel, deadline_s=DEADLINE_S)
 
 
 def _dense_onnx(model, x) -> onnx.ModelProto:
