@@ -1262,3 +1262,9 @@ def test_hugging_face_style_names_and_their_errors():
                                          r"layer '0.1'"):
         tp_kernels.parallelize(other, {"0": "replicated_with_grad_allreduce", "0.1": "colwise"})
     assert isinstance(other[0][1], nn.Linear)  # untouched
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(4, 2), nn.Linear(2, 3))
+    rep = tp_kernels.parallelize(copy.deepcopy(dense), {"0": "colwise_rep", "1": "rowwise_rep"})  # (transformers')
+    assert rep[0].gather_output and not rep[1].input_is_parallel
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(rep(x), dense(x))

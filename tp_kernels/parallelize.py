@@ -62,9 +62,11 @@ _OWNERS = ("moe_tp_experts", "moe_ep_experts", "local_params")
 _EXPERTS = ("moe_tp_experts", "moe_ep_experts")
 #: other names of a style: Hugging Face's, so that a transformers model's own ``tp_plan`` is a plan
 #: ("all_reduce": a module whose output is each rank's partial sum, by its parameters the plan splits
-#: by name, Inkling's shared experts: what "moe_tp_experts" does)
+#: by name, Inkling's shared experts: what "moe_tp_experts" does; "colwise_rep" and "rowwise_rep",
+#: transformers' names for a column layer's output gathered and a row layer's input whole)
 ALIASES = {"embedding_rowwise": "vocab", "ep_dispatch_experts": "moe_ep_experts", "grouped_gemm": "experts",
-           "all_reduce": "moe_tp_experts"}
+           "all_reduce": "moe_tp_experts", "colwise_rep": "colwise_gather_output",
+           "rowwise_rep": "rowwise_split_input"}
 
 
 def _style(pattern: str, value) -> tuple:
