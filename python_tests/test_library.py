@@ -49,14 +49,18 @@ class _Recorder:
         return gm.forward
 
 
-def check_compiled_mlp(sequence_parallel, backend, device="cpu"):
+def check_compiled_mlp(sequence_parallel, backend, device="cpu", sequence_dim=0):
+    """A column-row pair compiled (each op one opaque node; with ``sequence_dim=1``, batch-first,
+    the moves of the sequence plain aten around them) gives the eager output and gradients."""
     r, p = rank_world()
     torch.manual_seed(0)
-    fc1 = tp_kernels.ColumnParallelLinear(8, 6 * p, sequence_parallel=sequence_parallel, device=device)
-    fc2 = tp_kernels.RowParallelLinear(6 * p, 8, sequence_parallel=sequence_parallel, device=device)
+    sequence = {"sequence_parallel": sequence_parallel, "sequence_dim": sequence_dim}
+    fc1 = tp_kernels.ColumnParallelLinear(8, 6 * p, device=device, **sequence)
+    fc2 = tp_kernels.RowParallelLinear(6 * p, 8, device=device, **sequence)
     model = nn.Sequential(fc1, nn.GELU(), fc2)
-    x_full = torch.randn(2 * p, 3, 8, generator=torch.Generator().manual_seed(1)).to(device)
-    x_in = block(x_full, 0, r, p) if sequence_parallel else x_full
+    shape = (3, 2 * p, 8) if sequence_dim else (2 * p, 3, 8)
+    x_full = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(device)
+    x_in = block(x_full, sequence_dim, r, p) if sequence_parallel else x_full
 
     def run(m):
         x = x_in.clone().requires_grad_()
@@ -81,10 +85,10 @@ def check_compiled_mlp(sequence_parallel, backend, device="cpu"):
         assert_close(f"compiled result {i}", c, e.double())
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("sequence_parallel, sequence_dim", [(False, 0), (True, 0), (True, 1)])
 @pytest.mark.parametrize("backend", ["record", "inductor"])
-def test_compiled_mlp_matches_eager(world2, sequence_parallel, backend):
-    world2.run(check_compiled_mlp, sequence_parallel, backend, deadline_s=600)
+def test_compiled_mlp_matches_eager(world2, sequence_parallel, sequence_dim, backend):
+    world2.run(check_compiled_mlp, sequence_parallel, backend, sequence_dim=sequence_dim, deadline_s=600)
 
 
 def check_eager_calls_skip_the_dispatcher(op_name):
