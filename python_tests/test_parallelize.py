@@ -214,6 +214,216 @@ def test_batch_first_sequence_parallel(world, backend):
     world.run(check_batch_first_sequence_parallel, backend)
 
 
+class _TitanAttention(nn.Module):
+    """Attention as TorchTitan's Llama writes it: the sequence length taken from its input, which
+    its plan gathers whole (``PrepareModuleInput``); a second argument left as it is."""
+
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.wq, self.wk, self.wv = (nn.Linear(hidden, heads * HEAD_DIM, bias=False) for _ in range(3))
+        self.wo = nn.Linear(heads * HEAD_DIM, hidden, bias=False)
+
+    def forward(self, x, scale):
+        bs, seqlen, _ = x.shape
+        q, k, v = (proj(x).view(bs, seqlen, -1, HEAD_DIM).transpose(1, 2) for proj in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+
+class _TitanFeedForward(nn.Module):
+    def __init__(self, hidden, ffn):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(hidden, ffn, bias=False), nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class _TitanBlock(nn.Module):
+    def __init__(self, hidden, heads, ffn):
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(hidden), nn.RMSNorm(hidden)
+        self.attention, self.feed_forward = _TitanAttention(hidden, heads), _TitanFeedForward(hidden, ffn)
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x), HEAD_DIM ** -0.5)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class _TitanLM(nn.Module):
+    """A small language model in TorchTitan's Llama's shape and names (batch-first)."""
+
+    def __init__(self, vocab, hidden, heads, ffn):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleDict({str(i): _TitanBlock(hidden, heads, ffn) for i in range(2)})
+        self.norm = nn.RMSNorm(hidden)
+        self.output = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids):
+        h = self.tok_embeddings(ids)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def _titan_plan(sequence_parallel: bool) -> dict:
+    """TorchTitan's tensor-parallel plan of its Llama (torch's style objects), with or without
+    sequence parallelism (its ``Shard(1)``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    if not sequence_parallel:
+        return {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+                "output": ColwiseParallel(output_layouts=Replicate()),
+                **{f"layers.*.{name}": ColwiseParallel() for name in ("attention.w[qkv]", "feed_forward.w[13]")},
+                **{f"layers.*.{name}": RowwiseParallel() for name in ("attention.wo", "feed_forward.w2")}}
+    gather = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+    return {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+            "layers.*.attention_norm": SequenceParallel(),
+            "layers.*.attention": gather,
+            "layers.*.attention.w[qkv]": ColwiseParallel(),
+            "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "layers.*.ffn_norm": SequenceParallel(),
+            "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "layers.*.feed_forward.w[13]": ColwiseParallel(),
+            "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))}
+
+
+def check_torch_parallel_styles(sequence_parallel):
+    """A plan of torch's styles (TorchTitan's for its Llama, with and without sequence
+    parallelism), given with a one-dim DeviceMesh, parallelizes a model of TorchTitan's shape with
+    tp_kernels' layers: its logits, every gradient and two SGD steps are the dense model's in
+    float64, and so are those of torch's own ``parallelize_module`` with the same plan (DTensors)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    r, p = rank_world()
+    mesh = init_device_mesh("cpu", (p,))
+    vocab, hidden, heads, ffn, b, s = 4 * p, 8, 2 * p, 3 * p, 3, 2 * p
+    torch.manual_seed(0)
+    dense = _TitanLM(vocab, hidden, heads, ffn).double()
+    ours = tp_kernels.parallelize(copy.deepcopy(dense), _titan_plan(sequence_parallel), group=mesh)
+    theirs = parallelize_module(copy.deepcopy(dense), mesh, _titan_plan(sequence_parallel))
+    assert isinstance(ours.layers["0"].attention.wq, tp_kernels.ColumnParallelLinear)
+    assert ours.layers["0"].attention.wo.sequence_parallel == sequence_parallel
+    assert ours.output.sequence_parallel == sequence_parallel and ours.output.gather_output
+    ids = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(1))
+    if sequence_parallel:
+        torch.testing.assert_close(ours.tok_embeddings(ids), block(dense.tok_embeddings(ids), 1, r, p), rtol=0, atol=0)
+    models = (dense, ours, theirs)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]
+    for step in range(2):
+        logits = [m(ids) for m in models]
+        for name, got in zip(("tp_kernels", "torch"), logits[1:]):
+            torch.testing.assert_close(got, logits[0], rtol=1e-12, atol=1e-12,
+                                       msg=lambda m: f"step {step}: {name}'s logits: {m}")
+        for out in logits:
+            F.cross_entropy(out.flatten(0, 1), ids.flatten()).backward()
+        assert_dense_grads(ours, dense, 1e-12)
+        for name, q in theirs.named_parameters():
+            grad = q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad
+            torch.testing.assert_close(grad, dense.get_parameter(name).grad, rtol=0,
+                                       atol=1e-12 * grad.abs().max().item(), msg=lambda m: f"torch's {name}: {m}")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_torch_parallel_styles(world, sequence_parallel):
+    world.run(check_torch_parallel_styles, sequence_parallel)
+
+
+class _Middle(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+def check_torch_prepare_module_input_output():
+    """torch's ``PrepareModuleInputOutput`` (a module run on each rank's block of the sequence:
+    its input split, its output gathered) and ``ColwiseParallel(output_layouts=Replicate())`` on
+    an embedding (its table split along the embedding dim): the model's logits and gradients are
+    the dense model's."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput, SequenceParallel
+
+    r, p = rank_world()
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Embedding(11, 4 * p), _Middle(4 * p), nn.Linear(4 * p, 5)).double()
+    plan = {"0": ColwiseParallel(output_layouts=Replicate()),
+            "1": PrepareModuleInputOutput(input_layouts=Replicate(), desired_input_layouts=Shard(1),
+                                          output_layouts=Shard(1), desired_output_layouts=Replicate()),
+            "1.norm": SequenceParallel()}
+    par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+    assert par[0].weight.shape == (11, 4) and type(par[1]) is _Middle
+    ids = torch.randint(0, 11, (3, 2 * p), generator=torch.Generator().manual_seed(1))
+    want, got = dense(ids), par(ids)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    assert_dense_grads(par, dense, 1e-12)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_torch_prepare_module_input_output(world):
+    world.run(check_torch_prepare_module_input_output)
+
+
+def check_torch_parallel_style_errors():
+    """What tp_kernels cannot take of torch's styles is a ValueError naming the pattern, before
+    anything is replaced: DTensor outputs, an embedding's columns left split, a row layer's whole
+    input with a sequence-split output, a move between two shardings, a style on a parameter, and
+    a DeviceMesh of two dims."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    _, p = rank_world()
+    torch.manual_seed(0)
+    model = _TitanLM(4 * p, 8, 2 * p, 3 * p)
+    dense = copy.deepcopy(model)
+    cases = [
+        ({"output": ColwiseParallel(use_local_output=False)}, r"plan\['output'\]: ColwiseParallel: "
+         r"use_local_output=False hands on DTensors .* tp_kernels.vocab_parallel_cross_entropy"),
+        ({"tok_embeddings": ColwiseParallel()}, r"ColwiseParallel: on an nn.Embedding leaves each rank its columns"),
+        ({"layers.*.attention.wo": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))},
+         r"RowwiseParallel: input_layouts=Replicate\(\) with a sequence-sharded output"),
+        ({"layers.*.attention": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Shard(2))},
+         r"PrepareModuleInput: input 0: from Shard\(1\) to Shard\(2\), which tp_kernels does not move"),
+        ({"output.weight": ColwiseParallel()}, r"ColwiseParallel applies to a module, but 'output.weight' is a parameter"),
+        ({"layers.*.attention": ColwiseParallel()}, r"applies to nn.Linear or nn.Embedding, but the module is a "
+                                                    r"_TitanAttention"),
+        ({"output": ColwiseParallel(input_layouts=Shard(-1))}, r"input_layouts=Shard\(-1\): expected Replicate\(\) "
+                                                                r"or the sequence"),
+        ({"layers.*.attention": "redistribute"}, r"'redistribute' moves a module's inputs or outputs between layouts"),
+    ]
+    for plan, match in cases:
+        with pytest.raises(ValueError, match=match):
+            tp_kernels.parallelize(model, plan)
+    mesh = init_device_mesh("cpu", (1, p), mesh_dim_names=("dp", "tp"))
+    with pytest.raises(ValueError, match=r"group: a DeviceMesh of 2 dims \(\('dp', 'tp'\)\); pass its tensor-parallel "
+                                         r"dim, mesh\['tp'\]"):
+        tp_kernels.parallelize(model, {"output": ColwiseParallel()}, group=mesh)
+    for (name, q), (_, want) in zip(model.named_parameters(), dense.named_parameters()):
+        assert type(q) is nn.Parameter and torch.equal(q, want), name  # nothing replaced
+    tp_kernels.parallelize(model, {"output": ColwiseParallel()}, group=mesh["tp"])
+    assert isinstance(model.output, tp_kernels.ColumnParallelLinear)
+
+
+def test_torch_parallel_style_errors(world2):
+    world2.run(check_torch_parallel_style_errors)
+
+
 def check_vocab_plan_and_shared_modules():
     r, p = rank_world()
     torch.manual_seed(0)

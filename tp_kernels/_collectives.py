@@ -103,8 +103,14 @@ def _pg_reduce_scatter(out: torch.Tensor, x: torch.Tensor, group):
 
 
 def resolve_group(group):
-    """The process group an API call runs on, or ``None`` for "this process alone"."""
+    """The process group an API call runs on, or ``None`` for "this process alone". ``group`` may
+    be a one-dim ``DeviceMesh`` (torch's tensor-parallel mesh, ``mesh["tp"]``): its group."""
     if group is not None:
+        if not isinstance(group, dist.ProcessGroup) and type(group).__name__ == "DeviceMesh":
+            if group.ndim != 1:
+                raise ValueError(f"group: a DeviceMesh of {group.ndim} dims ({group.mesh_dim_names}); pass its "
+                                 "tensor-parallel dim, mesh['tp']")
+            group = group.get_group()
         # A ProcessGroup object exists only in its members (torch gives the others a sentinel).
         if not isinstance(group, dist.ProcessGroup) and dist.get_rank(group) < 0:
             raise ValueError(

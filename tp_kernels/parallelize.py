@@ -17,6 +17,7 @@ from ._checks import check_replaceable
 from .embedding import VocabParallelEmbedding, check_embedding, check_embedding_dim, shard_embedding_dim
 from .experts import PARAMETER_STYLES, check_styles, shard_experts, shard_parameters, share_identity_expert
 from .grads import sum_grads_over_group, sum_output_grads_over_group
+from ._torch_styles import describe, is_torch_style, redistribute, translate
 from .layers import ColumnParallelLinear, RowParallelLinear, check_output_sizes, check_sequence_dim
 
 __all__ = ["ALIASES", "STYLES", "parallelize"]
@@ -51,6 +52,10 @@ STYLES = {
     "local_params": (nn.Module, None),
     # kept as it is: every rank holds it whole and runs it alike (the same as leaving it out)
     "replicate": (nn.Module, None),
+    # kept as it is, its inputs and outputs moved between layouts before and after its forward
+    # (gathered or split along a dim: _torch_styles.redistribute): torch's PrepareModuleInput /
+    # PrepareModuleOutput, which a plan gives as those objects
+    "redistribute": (nn.Module, None),
     # kept as it is, the gradient of its output's last columns (DeepSeek's rotary key) summed over
     # the group (grads.sum_output_grads_over_group); ("mla_kv_a_proj", columns), or the model's
     # config.qk_rope_head_dim columns
@@ -73,7 +78,11 @@ def _style(pattern: str, value) -> tuple:
     """A plan's value as ``(style, outputs)``: a style (outputs None), or ``("colwise",
     output_sizes)`` or ``("colwise", output_sizes, head_size)`` (outputs ``(output_sizes,
     head_size or None)``, the column layer's arguments), or ``("mla_kv_a_proj", columns)``
-    (outputs the columns)."""
+    (outputs the columns). (torch's styles are read for each module they apply to:
+    :func:`tp_kernels._torch_styles.translate`.)"""
+    if value == "redistribute":
+        raise ValueError(f"plan[{pattern!r}]: 'redistribute' moves a module's inputs or outputs between layouts, "
+                         "which a plan says with torch's PrepareModuleInput or PrepareModuleOutput")
     if isinstance(value, str):
         return _known(pattern, value), None
     if isinstance(value, (tuple, list)) and len(value) == 2 and value[0] == "mla_kv_a_proj":
@@ -186,7 +195,7 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     # is replaced; then that every rank holds the same dense weights)
     named, chosen, style_of, split_styles, ties = agree(
         "parallelize", group, lambda: _resolve(module, plan, p, strict, sequence_parallel, sequence_dim),
-        lambda _: f"plan {_digest(repr([(str(k), repr(v)) for k, v in plan.items()]))}, "
+        lambda _: f"plan {_digest(repr([(str(k), describe(v)) for k, v in plan.items()]))}, "
                   f"sequence_parallel {sequence_parallel}, sequence_dim {sequence_dim!r}, strict {strict}, "
                   f"{type(module).__name__}",
         hint=hint, always=True)
@@ -196,12 +205,12 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     # Build each replacement once, then swap every name under which the module is reachable
     # (a module shared under two names must not stay dense under the one the plan missed).
     replaced: Dict[int, nn.Module] = {}
-    sequence = {"sequence_parallel": sequence_parallel, **({"sequence_dim": sequence_dim} if sequence_parallel else {})}
-    for name, (style, outputs) in chosen.items():
+    for name, (style, outputs, seq) in chosen.items():
         old = module.get_submodule(name)
         if id(old) in replaced:
             continue
         build = STYLES[style][1]
+        sequence = {"sequence_parallel": seq is not None, **({"sequence_dim": seq} if seq is not None else {})}
         if build is None:  # kept (its gradients summed, or its experts split, once all is built)
             replaced[id(old)] = old
         elif style == "vocab":
@@ -222,7 +231,7 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     for (first, first_attr), *others in ties:  # tied again: one parameter, as in the dense model
         for holder, attr in others:
             setattr(replaced[holder], attr, getattr(replaced[first], first_attr))
-    kept = {id(m): (m, style) for m, style in ((module.get_submodule(name), style) for name, (style, _) in
+    kept = {id(m): (m, style) for m, style in ((module.get_submodule(name), style) for name, (style, _, _) in
                                                 chosen.items() if STYLES[style][1] is None)}
     for m, style in kept.values():  # (each once, under however many names)
         if style in _EXPERTS:
@@ -237,6 +246,8 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
             shard_embedding_dim(m, group)
         elif style == "replicated_with_grad_allreduce":
             sum_grads_over_group(m, group)
+        elif style == "redistribute":
+            redistribute(m, style_of[id(m)][2], group)
     return module
 
 
@@ -256,11 +267,15 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
     # each parameter by its qualified name: (name, its module's name, its module, its attribute)
     params = [(f"{name}.{attr}" if name else attr, name, m, attr)
               for name, m in [("", module)] + named for attr, _ in m.named_parameters(recurse=False)]
-    chosen: Dict[str, tuple] = {}  # name -> (style, outputs: (output_sizes, head_size) or None)
+    # name -> (style, outputs: (output_sizes, head_size) or None, the sequence dim of its sequence
+    # parallelism or None)
+    chosen: Dict[str, tuple] = {}
+    sequence_of: Dict[int, tuple] = {}  # id(module) -> (its sequence dim or None, name)
     style_of: Dict[int, tuple] = {}  # id(module) -> (style, name, outputs): one style per module object
     by_parameter: Dict[int, Dict[str, tuple]] = {}  # id(module) -> {attribute: (style, its name)}
     for pattern, entry in plan.items():
-        style, outputs = _style(pattern, entry)
+        torch_style = is_torch_style(entry)  # (read for each module it applies to)
+        style, outputs = ("replicate", None) if torch_style else _style(pattern, entry)
         hits = [(name, m) for name, m in named if fnmatch.fnmatchcase(name, pattern)]
         matched = {id(m) for _, m in hits}  # (a module it names: not its parameters too)
         parameter_hits = [hit for hit in params if fnmatch.fnmatchcase(hit[0], pattern) and id(hit[2]) not in matched]
@@ -270,6 +285,9 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
             raise ValueError(f"plan: pattern {pattern!r} matches no submodule or parameter of {type(module).__name__} "
                              "(strict=False passes over such patterns)")
         for name, owner_name, owner, attr in parameter_hits:
+            if torch_style:
+                raise ValueError(f"plan[{pattern!r}]: {type(entry).__name__} applies to a module, but {name!r} is a "
+                                 "parameter")
             if outputs is not None or style not in PARAMETER_STYLES:
                 raise ValueError(f"plan[{pattern!r}]: {name!r} is a parameter, which takes one of "
                                  f"{', '.join(map(repr, PARAMETER_STYLES))} (of a module the plan names "
@@ -281,8 +299,11 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
         if hits and style not in STYLES:
             raise ValueError(f"plan[{pattern!r}]: {style!r} splits a parameter (of a module the plan names "
                              f"{' or '.join(map(repr, _OWNERS))}), but {hits[0][0]!r} is a {type(hits[0][1]).__name__}")
-        expected = STYLES.get(style, (None,))[0]
         for name, m in hits:
+            sequence = sequence_dim if sequence_parallel else None
+            if torch_style:
+                style, outputs, sequence = translate(pattern, entry, m)
+            expected = STYLES.get(style, (None,))[0]
             if not isinstance(m, expected):
                 raise ValueError(
                     f"plan[{pattern!r}]: style {style!r} applies to {expected.__name__}, but {name!r} is a {type(m).__name__}"
@@ -296,7 +317,7 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
                     check_replaceable(repr(name), m, expected)  # a subclass whose replacement would lose something
             except ValueError as exc:
                 raise ValueError(f"plan[{pattern!r}]: {exc}") from None
-            if style in ("rowwise_split_input", "embedding_colwise") and sequence_parallel:
+            if style in ("rowwise_split_input", "embedding_colwise") and sequence is not None:
                 what = "a row layer whose input is" if style == "rowwise_split_input" else "an embedding whose output is"
                 raise ValueError(f"plan[{pattern!r}]: {name!r}: {style!r} ({what} whole) does not go with "
                                  "sequence_parallel=True")
@@ -315,7 +336,7 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
                     raise ValueError(f"plan[{pattern!r}]: {name!r} ('packed_colwise': two outputs side by side) has "
                                      f"an odd out_features={m.out_features}")
                 given = ((m.out_features // 2,) * 2, None)
-            if given is not None and style != "mla_kv_a_proj":
+            if given is not None and style not in ("mla_kv_a_proj", "redistribute"):
                 try:
                     check_output_sizes(given[0], m.out_features, p, given[1])
                 except ValueError as exc:
@@ -326,7 +347,12 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
                     f"plan: {name!r} is matched as {_describe(style, given)}, but the same module ({first_name!r}) "
                     f"as {_describe(first_style, first_outputs)}"
                 )
-            chosen[name] = (style, given)
+            first_sequence, first_name = sequence_of.setdefault(id(m), (sequence, name))
+            if first_sequence != sequence:
+                raise ValueError(f"plan: {name!r} is matched with the sequence split along "
+                                 f"{'no dim' if sequence is None else f'dim {sequence}'}, but the same module "
+                                 f"({first_name!r}) along {'no dim' if first_sequence is None else f'dim {first_sequence}'}")
+            chosen[name] = (style, given, sequence)
 
     for name, owner_name, owner, attr in params:  # the modules whose parameters the plan splits, each checked whole
         if id(owner) not in by_parameter:
@@ -338,7 +364,7 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
                              f"{owner_name or 'the model'!r} is a {type(owner).__name__} the plan "
                              f"{'names ' + repr(style_of[id(owner)][0]) if id(owner) in style_of else 'does not name'}")
     split_styles = {owner: {attr: how for attr, (how, _) in held.items()} for owner, held in by_parameter.items()}
-    for name, (style, _) in chosen.items():
+    for name, (style, _, _) in chosen.items():
         if style in _OWNERS:
             m = module.get_submodule(name)
             split = split_styles.get(id(m), {})
@@ -353,7 +379,7 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
             except ValueError as exc:
                 raise ValueError(f"plan: {name!r} ({style!r}): {exc}") from None
 
-    for name, (style, _) in chosen.items():  # a module kept whole holds no parallel layer, now or to be
+    for name, (style, _, _) in chosen.items():  # a module kept whole holds no parallel layer, now or to be
         if style in _EXPERTS:  # (run whole on every rank inside experts whose output is summed: p times)
             identities = [(n, chosen.get(n, (None,))[0]) for n, sub in named
                           if n.startswith(name + ".") and isinstance(sub, nn.Identity)]
@@ -425,7 +451,7 @@ def _describe(style: str, outputs) -> str:
     """A plan's value as it was written (lists for the sizes)."""
     if outputs is None:
         return repr(style)
-    if style == "mla_kv_a_proj":
+    if style in ("mla_kv_a_proj", "redistribute"):
         return repr((style, outputs))
     sizes, head_size = outputs
     sizes = list(sizes) if isinstance(sizes, tuple) else sizes

@@ -1,0 +1,234 @@
+"""torch's tensor-parallel styles as entries of a :func:`tp_kernels.parallelize` plan.
+
+A plan written for ``torch.distributed.tensor.parallel.parallelize_module`` (TorchTitan's, for
+one) maps module names to ``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``,
+``PrepareModuleInput``, ``PrepareModuleOutput`` and ``PrepareModuleInputOutput`` objects, whose
+layouts (``Replicate()``, ``Shard(d)``) say how a module's inputs and outputs lie across the ranks.
+:func:`translate` reads one, for the module it is applied to, as what ``parallelize`` builds: a
+style of :data:`tp_kernels.parallelize.STYLES`, and the sequence dim of a layer's sequence
+parallelism (``Shard(1)``: 1) or None; a ``PrepareModule*`` one as the moves of the module's
+inputs and outputs between layouts, which :func:`redistribute` makes with the mappings. The
+module then computes on plain tensors what it computes on torch's DTensors.
+
+One difference, in the backward only: where a ``PrepareModuleInput`` gathers the sequence for
+column layers inside the module, torch reduce-scatters the sum of their partial input gradients
+once; here each column layer all-reduces its own (as a column layer without sequence parallelism
+does), and the gather's backward keeps this rank's block. The gradients are the same; the
+traffic is larger. ``parallelize``'s own sequence parallelism, in which each column layer gathers
+its input overlapped with its GEMM, needs the model's code to take the sequence length from the
+column layers' outputs, not from the module's input, as TorchTitan's attention does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .mappings import (gather_from_sequence_parallel_region, gather_from_tensor_model_parallel_region,
+                       scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region)
+
+__all__ = ["Moves", "describe", "is_torch_style", "redistribute", "translate"]
+
+#: a move of one tensor between layouts: ("gather" | "scatter", dim), dim -1 the last (the hidden
+#: units), another the sequence
+Move = Tuple[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Moves:
+    """What a ``PrepareModule*`` style moves: positional inputs by index, keyword inputs by
+    name, outputs by index (0 for a module returning one tensor)."""
+    inputs: Tuple[Tuple[int, Move], ...] = ()
+    kwargs: Tuple[Tuple[str, Move], ...] = ()
+    outputs: Tuple[Tuple[int, Move], ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.inputs or self.kwargs or self.outputs)
+
+
+def is_torch_style(value) -> bool:
+    """Whether ``value`` is one of torch's ``ParallelStyle`` objects."""
+    if isinstance(value, (str, tuple, list)):  # (parallelize's own entries: no import)
+        return False
+    try:
+        from torch.distributed.tensor.parallel.style import ParallelStyle
+    except ImportError:  # (a torch without distributed)
+        return False
+    return isinstance(value, ParallelStyle)
+
+
+def describe(value) -> str:
+    """A plan's value as text that is the same on every rank: a torch style by its class and
+    attributes (its own repr carries its address), anything else by its repr."""
+    if not is_torch_style(value):
+        return repr(value)
+    return f"{type(value).__name__}({', '.join(f'{k}={describe(v)}' for k, v in sorted(vars(value).items()))})"
+
+
+def _layout(placement):
+    """A placement as ``("replicate", None)``, ``("shard", dim)`` or ``("other", placement)``;
+    None for None (an input left alone)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if placement is None:
+        return None
+    if type(placement) is Replicate:
+        return "replicate", None
+    if type(placement) is Shard:
+        return "shard", placement.dim
+    return "other", placement
+
+
+def translate(pattern: str, style, module: nn.Module) -> Tuple[str, object, Optional[int]]:
+    """``(style, outputs, sequence)``: torch's ``style`` applied to ``module`` as
+    :func:`tp_kernels.parallelize` takes it (``outputs``: the :class:`Moves` of a
+    ``"redistribute"``, else None; ``sequence``: the sequence dim of a layer under sequence
+    parallelism, else None), or a ``ValueError`` naming ``pattern`` and what cannot be taken."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                                   PrepareModuleOutput, RowwiseParallel, SequenceParallel)
+
+    kind = type(style).__name__
+    where = f"plan[{pattern!r}]: {kind}"
+
+    def refuse(why: str):
+        raise ValueError(f"{where}: {why}")
+
+    if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        if not style.use_local_output:
+            refuse("use_local_output=False hands on DTensors (torch's loss_parallel), which tp_kernels' layers do "
+                   "not make: keep the logits split with a column layer and take the loss with "
+                   "tp_kernels.vocab_parallel_cross_entropy")
+        given, wanted = _layout(style.input_layouts[0]), _layout(style.output_layouts[0])
+        embedding = isinstance(module, nn.Embedding)
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            refuse(f"applies to nn.Linear or nn.Embedding, but the module is a {type(module).__name__}")
+        if embedding and given != ("replicate", None):
+            refuse(f"on an nn.Embedding takes the ids whole, input_layouts=Replicate(), not {style.input_layouts[0]}")
+        if isinstance(style, ColwiseParallel):
+            if embedding:
+                if wanted != ("replicate", None):
+                    refuse("on an nn.Embedding leaves each rank its columns of the lookups, which no tp_kernels "
+                           "layer does: output_layouts=Replicate() gathers them (tp_kernels' 'embedding_colwise')")
+                return "embedding_colwise", None, None
+            sequence = _sequence(given, "input_layouts", refuse)
+            if wanted == ("shard", -1):
+                return "colwise", None, sequence
+            if wanted == ("replicate", None):
+                return "colwise_gather_output", None, sequence
+            refuse(f"output_layouts={style.output_layouts[0]}: a column layer's output is this rank's columns, "
+                   "Shard(-1), or gathered, Replicate()")
+        sequence = _sequence(wanted, "output_layouts", refuse)
+        if embedding:
+            return "vocab", None, sequence
+        if given == ("shard", -1):
+            return "rowwise", None, sequence
+        if given == ("replicate", None):
+            if sequence is not None:
+                refuse("input_layouts=Replicate() with a sequence-sharded output: under sequence parallelism a "
+                       "row layer takes its input split along the last dim, Shard(-1)")
+            return "rowwise_split_input", None, None
+        refuse(f"input_layouts={style.input_layouts[0]}: a row layer takes its input split along the last dim, "
+               "Shard(-1), or whole, Replicate()")
+    if isinstance(style, SequenceParallel):  # (its parameters whole, applied to each rank's block)
+        return "replicated_with_grad_allreduce", None, None
+    if isinstance(style, (PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)):
+        into = style.prepare_module_input if isinstance(style, PrepareModuleInputOutput) else style
+        out_of = style.prepare_module_output if isinstance(style, PrepareModuleInputOutput) else style
+        inputs = kwargs = outputs = ()
+        if not isinstance(style, PrepareModuleOutput):
+            given = into.input_layouts or ()
+            inputs = _moves(given, into.desired_input_layouts or (), refuse, [f"input {i}" for i in range(len(given))])
+            names = list(into.input_kwarg_layouts)
+            kwargs = tuple((names[i], move) for i, move in _moves(
+                [into.input_kwarg_layouts[k] for k in names], [into.desired_input_kwarg_layouts.get(k) for k in names],
+                refuse, [f"input {k!r}" for k in names]) if move is not None)
+        if not isinstance(style, PrepareModuleInput):
+            given = out_of.output_layouts
+            outputs = _moves(given, out_of.desired_output_layouts, refuse, [f"output {i}" for i in range(len(given))])
+        moves = Moves(tuple(m for m in inputs if m[1] is not None), kwargs,
+                      tuple(m for m in outputs if m[1] is not None))
+        return ("redistribute", moves, None) if moves else ("replicate", None, None)
+    refuse("is not one of the styles tp_kernels takes: ColwiseParallel, RowwiseParallel, SequenceParallel, "
+           "PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput")
+
+
+def _shown(layout) -> str:
+    """A layout as torch writes it."""
+    return "Replicate()" if layout[0] == "replicate" else f"Shard({layout[1]})" if layout[0] == "shard" else \
+        repr(layout[1])
+
+
+def _sequence(layout, what: str, refuse) -> Optional[int]:
+    """The sequence dim a layer's ``layout`` (its input's for a column layer, its output's for a
+    row layer) splits, or None for a whole one."""
+    if layout == ("replicate", None):
+        return None
+    if layout[0] == "shard" and layout[1] >= 0:
+        return layout[1]
+    refuse(f"{what}={_shown(layout)}: expected Replicate() or the sequence, Shard(d) with d >= 0 (sequence "
+           "parallelism along d)")
+
+
+def _moves(given, wanted, refuse, labels) -> Tuple[Tuple[int, Optional[Move]], ...]:
+    """``(index, move or None)`` for each pair of layouts (None where nothing moves); ``labels``
+    name them in errors."""
+    moves = []
+    for i, (a, b, label) in enumerate(zip(given, wanted, labels)):
+        a, b = _layout(a), _layout(b)
+        if a is None or b is None or a == b:
+            moves.append((i, None))
+        elif a[0] == "shard" and b == ("replicate", None):
+            moves.append((i, ("gather", a[1])))
+        elif a == ("replicate", None) and b[0] == "shard":
+            moves.append((i, ("scatter", b[1])))
+        else:
+            refuse(f"{label}: from {_shown(a)} to {_shown(b)}, which tp_kernels does not move (it gathers a Shard(d) "
+                   "to Replicate() and splits a Replicate() to Shard(d))")
+    return tuple(moves)
+
+
+def _move(x, move: Move, group, what: str):
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{what}: expected a tensor to move ({move[0]} along dim {move[1]}), got {type(x).__name__}")
+    direction, dim = move
+    if dim == -1:
+        f = gather_from_tensor_model_parallel_region if direction == "gather" else \
+            scatter_to_tensor_model_parallel_region
+        return f(x, group)
+    if direction == "gather":  # (backward: this rank's block; the layers it feeds complete their gradients)
+        return gather_from_sequence_parallel_region(x, False, group, sequence_dim=dim)
+    return scatter_to_sequence_parallel_region(x, group, sequence_dim=dim)
+
+
+def redistribute(module: nn.Module, moves: Moves, group) -> nn.Module:
+    """Register on ``module`` the hooks that move its inputs before its forward and its outputs
+    after it (``moves``), with the mappings: a ``Shard(d)`` gathered to ``Replicate()``
+    (backward: this rank's block), a ``Replicate()`` split to ``Shard(d)`` (backward: gathered)."""
+    name = type(module).__name__
+    if moves.inputs or moves.kwargs:
+        def before(_, args, kwargs):
+            args = list(args)
+            for i, move in moves.inputs:
+                if i < len(args):
+                    args[i] = _move(args[i], move, group, f"{name} input {i}")
+            kwargs = dict(kwargs)
+            for key, move in moves.kwargs:
+                if key in kwargs:
+                    kwargs[key] = _move(kwargs[key], move, group, f"{name} input {key!r}")
+            return tuple(args), kwargs
+
+        module.register_forward_pre_hook(before, with_kwargs=True)
+    if moves.outputs:
+        def after(_, args, output):
+            single = not isinstance(output, (tuple, list))
+            outs = [output] if single else list(output)
+            for i, move in moves.outputs:
+                if i < len(outs):
+                    outs[i] = _move(outs[i], move, group, f"{name} output {i}")
+            return outs[0] if single else type(output)(outs)
+
+        module.register_forward_hook(after)
+    return module
