@@ -1085,6 +1085,60 @@ def test_hugging_face_llama(world):
     world.run(check_hugging_face_llama)
 
 
+def llama_sequence_parallel_plan() -> dict:
+    """A plan of torch's styles that runs a transformers Llama under sequence parallelism, as
+    TorchTitan runs its own: the embedding's output whole (transformers takes the positions and the
+    mask from it), split along the sequence at the first decoder layer; the norms on each rank's
+    block; the sequence gathered at the attention's and the MLP's inputs (their code takes its
+    length from them), their row layers reduce-scattering it back; the head gathering it."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    layers = "model.layers.*"
+    return {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+            "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),)),
+            f"{layers}.input_layernorm": SequenceParallel(), f"{layers}.post_attention_layernorm": SequenceParallel(),
+            f"{layers}.self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                      desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            f"{layers}.self_attn.[qkv]_proj": ColwiseParallel(),
+            f"{layers}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            f"{layers}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            f"{layers}.mlp.gate_proj": ColwiseParallel(), f"{layers}.mlp.up_proj": ColwiseParallel(),
+            f"{layers}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "model.norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+
+
+def check_hugging_face_llama_sequence_parallel():
+    """A transformers Llama (its own code; embeddings tied to the head, an attention mask) under
+    sequence parallelism, by :func:`llama_sequence_parallel_plan`: the decoder layers run on each
+    rank's block of the sequence, and the logits, the loss, every gradient and an SGD step are the
+    dense model's in float64."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    r, p = rank_world()
+    config = LlamaConfig(vocab_size=30, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                         tie_word_embeddings=True, attn_implementation="sdpa", pad_token_id=0)
+    torch.manual_seed(0)
+    dense = LlamaForCausalLM(config).double()
+    par = tp_kernels.parallelize(copy.deepcopy(dense), llama_sequence_parallel_plan())
+    assert par.lm_head.weight is par.model.embed_tokens.weight  # still tied
+    seen = []
+    par.model.layers[1].input_layernorm.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+    ids = torch.randint(1, 30, (2, 8), generator=torch.Generator().manual_seed(1))
+    assert_same_loss_and_backward(dense, par, ids, attention_mask=torch.ones_like(ids))
+    assert seen == [(2, 8 // p, 16)], seen  # each rank's block of the sequence
+    assert_dense_grads(par, dense, 1e-12)
+    _assert_same_sgd_step(dense, par)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_hugging_face_llama_sequence_parallel(world):
+    pytest.importorskip("transformers")
+    world.run(check_hugging_face_llama_sequence_parallel)
+
+
 def check_hugging_face_plans(kind):
     """transformers models parallelized by their own ``tp_plan``, its other styles: Qwen 3's per-head
     ``q_norm`` and ``k_norm`` (``"replicated_with_grad_allreduce"``: each rank's gradient of them is
