@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tp_kernels import mappings as M
-from helpers import rank_world
+from helpers import block, rank_world
 
 
 def _leaf(t):
@@ -118,3 +118,49 @@ def check_sequence_dim_mappings():
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
 def test_sequence_dim_mappings(world):
     world.run(check_sequence_dim_mappings)
+
+
+def check_gather_for_column_layers():
+    """``gather_for_column_layers``: the gathered input of two column layers (which leave their
+    partial input gradients for its one reduce-scatter) and of a computation of its own (an output
+    every rank computes whole, whose gradient is complete on every rank: its backward keeps this
+    rank's block of it), gathered along dim 1: the outputs and the input's gradient are the dense
+    ones, in float64; a ``torch.compile``d call (a plain gather, each column layer then all-reducing
+    its own) gives them too."""
+    import copy
+
+    import tp_kernels
+
+    r, p = rank_world()
+    torch.manual_seed(0)
+    dense_a, dense_b = torch.nn.Linear(4, 2 * p).double(), torch.nn.Linear(4, 3 * p).double()
+    a, b = (tp_kernels.ColumnParallelLinear.from_linear(copy.deepcopy(m)) for m in (dense_a, dense_b))
+    x = torch.randn(3, 2 * p, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def model(g, first, second):
+        return first(g), second(g), g.square() * 3
+
+    full = x.clone().requires_grad_()
+    want = model(full, dense_a, dense_b)
+    g = torch.Generator().manual_seed(2)
+    dys = [torch.randn(t.shape, dtype=torch.float64, generator=g) for t in want]
+    torch.autograd.backward(want, dys)
+    columns = [lambda t: block(t, -1, r, p)] * 2 + [lambda t: t]  # (this rank's columns; the own output whole)
+    for compiled in (False, True):
+        mine = block(x, 1, r, p).clone().requires_grad_()
+
+        def run(m):
+            return model(M.gather_for_column_layers(m, sequence_dim=1), a, b)
+
+        got = torch.compile(run, backend="aot_eager")(mine) if compiled else run(mine)
+        for y, w, part in zip(got, want, columns):
+            torch.testing.assert_close(y, part(w.detach()), rtol=1e-12, atol=1e-12)
+        torch.autograd.backward(got, [part(dy) for dy, part in zip(dys, columns)])
+        torch.testing.assert_close(mine.grad, block(full.grad, 1, r, p), rtol=1e-12, atol=1e-12,
+                                   msg=lambda m: f"compiled {compiled}: {m}")
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_gather_for_column_layers(world):
+    world.run(check_gather_for_column_layers)

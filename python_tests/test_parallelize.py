@@ -3,6 +3,8 @@ forward, backward and two SGD steps."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 import math
 import warnings
@@ -294,6 +296,33 @@ def _titan_plan(sequence_parallel: bool) -> dict:
             "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))}
 
 
+@contextlib.contextmanager
+def _counting_collectives():
+    """Count the all-reduces and reduce-scatters issued inside, by (kind, elements)."""
+    from tp_kernels import _collectives as coll
+
+    counted = collections.Counter()
+    originals = {"all_reduce": coll.all_reduce, "reduce_scatter": coll.reduce_scatter_dim0}
+    inside = []  # (gloo's reduce-scatter is an all-reduce inside: counted as the reduce-scatter alone)
+
+    def counting(kind):
+        def call(x, *args, **kwargs):
+            if not inside:
+                counted[(kind, x.numel())] += 1
+            inside.append(kind)
+            try:
+                return originals[kind](x, *args, **kwargs)
+            finally:
+                inside.pop()
+        return call
+
+    coll.all_reduce, coll.reduce_scatter_dim0 = counting("all_reduce"), counting("reduce_scatter")
+    try:
+        yield counted
+    finally:
+        coll.all_reduce, coll.reduce_scatter_dim0 = originals["all_reduce"], originals["reduce_scatter"]
+
+
 def check_torch_parallel_styles(sequence_parallel):
     """A plan of torch's styles (TorchTitan's for its Llama, with and without sequence
     parallelism), given with a one-dim DeviceMesh, parallelizes a model of TorchTitan's shape with
@@ -322,8 +351,17 @@ def check_torch_parallel_styles(sequence_parallel):
         for name, got in zip(("tp_kernels", "torch"), logits[1:]):
             torch.testing.assert_close(got, logits[0], rtol=1e-12, atol=1e-12,
                                        msg=lambda m: f"step {step}: {name}'s logits: {m}")
-        for out in logits:
+        with _counting_collectives() as counted:
+            F.cross_entropy(logits[1].flatten(0, 1), ids.flatten()).backward()
+        for out in (logits[0], logits[2]):
             F.cross_entropy(out.flatten(0, 1), ids.flatten()).backward()
+        if sequence_parallel and p > 1:
+            # the input gradients of the column layers a PrepareModuleInput's gather fed (q, k, v; w1,
+            # w3), each rank's partial one, reduce-scattered once per gather, as torch does (and by
+            # the head, which gathers its own): no all-reduce of activations
+            activations = b * s * hidden
+            assert counted.get(("all_reduce", activations), 0) == 0, counted
+            assert counted[("reduce_scatter", activations)] == 2 * len(ours.layers) + 1, counted
         assert_dense_grads(ours, dense, 1e-12)
         for name, q in theirs.named_parameters():
             grad = q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad

@@ -10,13 +10,13 @@ parallelism (``Shard(1)``: 1) or None; a ``PrepareModule*`` one as the moves of 
 inputs and outputs between layouts, which :func:`redistribute` makes with the mappings. The
 module then computes on plain tensors what it computes on torch's DTensors.
 
-One difference, in the backward only: where a ``PrepareModuleInput`` gathers the sequence for
-column layers inside the module, torch reduce-scatters the sum of their partial input gradients
-once; here each column layer all-reduces its own (as a column layer without sequence parallelism
-does), and the gather's backward keeps this rank's block. The gradients are the same; the
-traffic is larger. ``parallelize``'s own sequence parallelism, in which each column layer gathers
-its input overlapped with its GEMM, needs the model's code to take the sequence length from the
-column layers' outputs, not from the module's input, as TorchTitan's attention does.
+A ``PrepareModuleInput`` that gathers the sequence gathers it for the column layers inside the
+module (:func:`tp_kernels.mappings.gather_for_column_layers`): they leave their partial input
+gradients for one reduce-scatter, as torch's DTensors reduce-scatter their sum once, rather than
+each all-reducing its own. The gather itself is not overlapped with the GEMMs, as in torch;
+``parallelize``'s own sequence parallelism, in which each column layer gathers its input
+overlapped with its GEMM, needs the model's code to take the sequence length from the column
+layers' outputs, not from the module's input, as TorchTitan's attention and transformers' do.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .mappings import (gather_from_sequence_parallel_region, gather_from_tensor_model_parallel_region,
+from .mappings import (gather_for_column_layers, gather_from_tensor_model_parallel_region,
                        scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region)
 
 __all__ = ["Moves", "describe", "is_torch_style", "redistribute", "translate"]
@@ -198,8 +198,10 @@ def _move(x, move: Move, group, what: str):
         f = gather_from_tensor_model_parallel_region if direction == "gather" else \
             scatter_to_tensor_model_parallel_region
         return f(x, group)
-    if direction == "gather":  # (backward: this rank's block; the layers it feeds complete their gradients)
-        return gather_from_sequence_parallel_region(x, False, group, sequence_dim=dim)
+    if direction == "gather":
+        # (checked and agreed as the public mapping; then gathered for the column layers, which leave
+        # their partial input gradients for one reduce-scatter: mappings.gather_for_column_layers)
+        return gather_for_column_layers(x, group, sequence_dim=dim)
     return scatter_to_sequence_parallel_region(x, group, sequence_dim=dim)
 
 

@@ -29,7 +29,8 @@ from ._checks import (check_choice, check_divisible, check_float_dtype, check_in
                       check_tensor, differentiable_once)
 from ._data_parallel import copy_rows_
 from ._op_table import OPS
-from .mappings import all_reduce_op, copy_to, gather_last_dim, scatter_last_dim
+from ._agreement import agree, describe
+from .mappings import all_reduce_op, copy_to, gather_last_dim, partial_grads_of, scatter_last_dim
 from .settings import BACKEND_NAMES
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
@@ -304,8 +305,11 @@ class ColumnParallelLinear(_ParallelLinear):
             # [s/p, ..., in] -(AG)-> [s, ..., in] x [in, out/p] -> [s, ..., out/p]
             out = self._op("all_gather_matmul", input_, weight, bias)
         else:
-            # [..., in] x [in, out/p] -> [..., out/p]; backward all-reduces d(input)
-            out = self._op("linear_with_grad_all_reduce", input_, weight, bias)
+            x, gathered = partial_grads_of(input_, self.group)
+            if gathered:  # gathered for the column layers (a module's input): d(input) left there, partial
+                out = self._local(x, weight, bias)
+            else:  # [..., in] x [in, out/p] -> [..., out/p]; backward all-reduces d(input)
+                out = self._op("linear_with_grad_all_reduce", input_, weight, bias)
         if self.gather_output:
             out = full_of(gather_last_dim(out, self.group), -1, self)  # [..., out]
         elif self.pad_rows:  # the columns past out_features: no output, -inf (softmax 0, never the argmax)
@@ -317,6 +321,16 @@ class ColumnParallelLinear(_ParallelLinear):
         if out_bias is not None and self.gather_output:
             out_bias = full_of(gather_last_dim(out_bias, self.group), -1, self)
         return out, out_bias
+
+    def _local(self, x, weight, bias):
+        """``x Wᵀ + b`` on this rank's rows, nothing communicated: ``x`` was gathered whole for the
+        column layers (:func:`tp_kernels.mappings.gather_for_column_layers`), whose backward
+        reduces the input gradients they leave there, once for them all."""
+        x, weight, bias = agree(
+            "ColumnParallelLinear", self.group, lambda: check_linear_args(x, weight, bias, x_name="input"),
+            lambda c: f"input {describe(c[0])}, weight {describe(c[1])}, bias {describe(c[2])}, gathered input",
+            hint=x)
+        return F.linear(x, weight, bias)
 
     def extra_repr(self) -> str:
         parts = f", output_sizes={list(self.split_parts)}" if not plain_split(self) or self.head_size is not None else ""

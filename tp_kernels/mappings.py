@@ -18,6 +18,11 @@ function                                        forward                backward
                                                                        (split if
                                                                        ``tensor_parallel_output_grad=False``)
 ``reduce_scatter_to_sequence_parallel_region``  reduce-scatter dim 0   all-gather dim 0
+``gather_for_column_layers``                    all-gather dim 0       reduce-scatter of the
+                                                                       column layers' partial
+                                                                       input gradients, plus
+                                                                       this rank's block of
+                                                                       the rest
 ==============================================  =====================  =====================
 """
 
@@ -32,6 +37,7 @@ from ._checks import check_divisible, check_split_dim, check_tensor, differentia
 
 __all__ = [
     "copy_to_tensor_model_parallel_region",
+    "gather_for_column_layers",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
     "reduce_from_tensor_model_parallel_region",
@@ -171,6 +177,92 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
     @differentiable_once("reduce_scatter_to_sequence_parallel_region")
     def backward(ctx, dy):
         return all_gather_op(dy, ctx.group), None
+
+
+class PartialGrads:
+    """The input gradients that column layers fed by :func:`gather_for_column_layers` leave here,
+    each rank's share of the sum (not all-reduced, as a column layer's own backward would), for
+    the gather's backward to reduce-scatter at once: one reduce-scatter for the query, key and value
+    projections, where each would all-reduce its own."""
+
+    __slots__ = ("group", "grad")
+
+    def __init__(self, group):
+        self.group, self.grad = group, None
+
+    def add(self, grad: torch.Tensor) -> None:
+        self.grad = grad if self.grad is None else self.grad + grad
+
+
+#: the attribute of a gathered tensor that holds its :class:`PartialGrads`
+PARTIAL_GRADS = "_tp_kernels_partial_grads"
+
+
+class _GatherForColumnLayers(torch.autograd.Function):
+    """All-gather along ``dim``; backward: the reduce-scatter of the partial gradients the column
+    layers it fed left (:class:`PartialGrads`), plus this rank's block of the gradient that
+    reached it by autograd (complete on every rank: what no column layer took)."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, partial):
+        ctx.set_materialize_grads(False)
+        ctx.group, ctx.dim, ctx.partial = group, dim, partial
+        return from_front(all_gather_op(to_front(x, dim), group), dim)
+
+    @staticmethod
+    @differentiable_once("gather_for_column_layers")
+    def backward(ctx, dy):
+        partial, ctx.partial.grad = ctx.partial.grad, None
+        dx = None
+        if partial is not None:
+            dx = from_front(reduce_scatter_op(to_front(partial, ctx.dim), ctx.group), ctx.dim)
+        if dy is not None:
+            mine = from_front(coll.split(to_front(dy, ctx.dim), 0, ctx.group), ctx.dim)
+            dx = mine if dx is None else dx + mine
+        return dx, None, None, None
+
+
+class _IntoPartialGrads(torch.autograd.Function):
+    """Identity forward; backward: the gradient left in a :class:`PartialGrads`, none passed on."""
+
+    @staticmethod
+    def forward(ctx, x, partial):
+        ctx.partial = partial
+        return x.view_as(x)
+
+    @staticmethod
+    @differentiable_once("a column layer fed by gather_for_column_layers")
+    def backward(ctx, dx):
+        ctx.partial.add(dx)
+        return None, None
+
+
+def gather_for_column_layers(x, group=None, *, sequence_dim: int = 0):
+    """``x``, this rank's block of ``sequence_dim``, gathered whole (checked and agreed as the
+    public mappings are), for column layers without sequence parallelism to take: those it reaches
+    as it is leave their partial input gradients for one reduce-scatter here
+    (:class:`PartialGrads`, :func:`partial_grads_of`), anything else its gradient by autograd, of
+    which the backward keeps this rank's block. (Traced by torch.compile: a plain gather, each
+    column layer then all-reducing its own.)"""
+    group, d = _agreed("gather_for_column_layers", x, group, sequence_dim=sequence_dim)
+    if coll.group_size(group) == 1:
+        return x
+    if torch.compiler.is_compiling():
+        return _on(_GatherFromSequenceRegion, x, group, False, dim=d)
+    partial = PartialGrads(group)
+    out = _GatherForColumnLayers.apply(x, group, d, partial)
+    setattr(out, PARTIAL_GRADS, partial)
+    return out
+
+
+def partial_grads_of(x, group):
+    """``x`` as a column layer of ``group`` takes it: where it is a :func:`gather_for_column_layers`
+    output of that group, a view that leaves its gradient there (and True), else ``x`` (and
+    False)."""
+    partial = getattr(x, PARTIAL_GRADS, None)
+    if partial is None or partial.group is not group:
+        return x, False
+    return _IntoPartialGrads.apply(x, partial), True
 
 
 # --- what the layers call (their arguments already checked and agreed with the group) ---------------
