@@ -56,6 +56,18 @@ def test_ops_along_another_dim_with_several_nccl_ranks_on_one_gpu(shared_gpu_wor
     shared_gpu_world.run(test_ops.check_gather_and_scatter_dims, device="cuda", dtype=torch.float32)
 
 
+def test_batch_first_sequence_parallel_with_several_nccl_ranks_on_one_gpu(shared_gpu_world):
+    """A batch-first language model under sequence parallelism along dim 1 (float64: the
+    portable schedule), against the dense model."""
+    shared_gpu_world.run(test_parallelize.check_batch_first_sequence_parallel, "pipelined", device="cuda")
+
+
+def test_torch_parallel_styles_with_several_nccl_ranks_on_one_gpu(shared_gpu_world):
+    """TorchTitan's plan of torch's styles, with sequence parallelism, on CUDA tensors over NCCL:
+    against the dense model and torch's own parallelize_module, one reduce-scatter per gather."""
+    shared_gpu_world.run(test_parallelize.check_torch_parallel_styles, True, device="cuda")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("backend", ["reference", "pipelined"])
 @pytest.mark.parametrize("kind", ["column", "row"])

@@ -170,7 +170,7 @@ BATCH_FIRST_PLAN = {"embed": "vocab", "blocks.*.[qkv]": "colwise", "blocks.*.o":
                     "head": "colwise_gather_output"}
 
 
-def check_batch_first_sequence_parallel(backend):
+def check_batch_first_sequence_parallel(backend, device="cpu"):
     """``parallelize(..., sequence_parallel=True, sequence_dim=1)`` of a batch-first language
     model: the embedding returns each rank's block of dim 1 of the dense embedding, the column
     layers gather it and the row layers reduce-scatter it back, so the logits are the dense
@@ -180,14 +180,14 @@ def check_batch_first_sequence_parallel(backend):
     r, p = rank_world()
     vocab, hidden, heads, ffn, b, s = 4 * p + 3, 8, 2 * p, 3 * p, 3, 2 * p
     torch.manual_seed(0)
-    dense = _BatchFirstLM(vocab, hidden, heads, ffn).double()
+    dense = _BatchFirstLM(vocab, hidden, heads, ffn).double().to(device)
     par = tp_kernels.parallelize(copy.deepcopy(dense), BATCH_FIRST_PLAN, sequence_parallel=True, sequence_dim=1)
     for layer in (par.embed, par.blocks[0].q, par.blocks[0].o):
         assert layer.sequence_dim == 1 and "sequence_dim=1" in repr(layer)
     for m in par.modules():
         if isinstance(m, (tp_kernels.ColumnParallelLinear, tp_kernels.RowParallelLinear)):
             m.backend = backend
-    ids = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(1)).to(device)
     torch.testing.assert_close(par.embed(ids), block(dense.embed(ids), 1, r, p), rtol=0, atol=0)
     models = (dense, par)
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]
@@ -202,7 +202,7 @@ def check_batch_first_sequence_parallel(backend):
             opt.zero_grad()
     if p > 1:
         with pytest.raises(ValueError, match=rf"input.shape\[1\] \({2 * p + 1}\) is not divisible"):
-            par(torch.zeros(b, 2 * p + 1, dtype=torch.long))
+            par(torch.zeros(b, 2 * p + 1, dtype=torch.long, device=device))
     with pytest.raises(ValueError, match=r"sequence_dim: 1 splits the sequence, which only sequence_parallel=True"):
         tp_kernels.parallelize(copy.deepcopy(dense), BATCH_FIRST_PLAN, sequence_dim=1)
     for bad in (-1, True, "1"):
@@ -323,25 +323,25 @@ def _counting_collectives():
         coll.all_reduce, coll.reduce_scatter_dim0 = originals["all_reduce"], originals["reduce_scatter"]
 
 
-def check_torch_parallel_styles(sequence_parallel):
+def check_torch_parallel_styles(sequence_parallel, device="cpu"):
     """A plan of torch's styles (TorchTitan's for its Llama, with and without sequence
     parallelism), given with a one-dim DeviceMesh, parallelizes a model of TorchTitan's shape with
     tp_kernels' layers: its logits, every gradient and two SGD steps are the dense model's in
     float64, and so are those of torch's own ``parallelize_module`` with the same plan (DTensors)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     r, p = rank_world()
-    mesh = init_device_mesh("cpu", (p,))
+    mesh = DeviceMesh.from_group(torch.distributed.group.WORLD, device)  # (sets no device, as init_device_mesh can)
     vocab, hidden, heads, ffn, b, s = 4 * p, 8, 2 * p, 3 * p, 3, 2 * p
     torch.manual_seed(0)
-    dense = _TitanLM(vocab, hidden, heads, ffn).double()
+    dense = _TitanLM(vocab, hidden, heads, ffn).double().to(device)
     ours = tp_kernels.parallelize(copy.deepcopy(dense), _titan_plan(sequence_parallel), group=mesh)
     theirs = parallelize_module(copy.deepcopy(dense), mesh, _titan_plan(sequence_parallel))
     assert isinstance(ours.layers["0"].attention.wq, tp_kernels.ColumnParallelLinear)
     assert ours.layers["0"].attention.wo.sequence_parallel == sequence_parallel
     assert ours.output.sequence_parallel == sequence_parallel and ours.output.gather_output
-    ids = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(1)).to(device)
     if sequence_parallel:
         torch.testing.assert_close(ours.tok_embeddings(ids), block(dense.tok_embeddings(ids), 1, r, p), rtol=0, atol=0)
     models = (dense, ours, theirs)
