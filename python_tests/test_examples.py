@@ -52,3 +52,12 @@ def test_the_hugging_face_example_generates_the_dense_models_tokens(experts, pla
     for r in range(2):
         assert (f"rank {r}/2 (cpu, torch.float32): MixtralForCausalLM by its {plans} generated 8 tokens per "
                 "sequence, the dense model's") in out.stdout, out.stdout
+
+
+@pytest.mark.skipif(not os.path.exists(EXAMPLES), reason="examples/ is not in this checkout")
+def test_the_torch_plan_example_trains_as_the_dense_model():
+    out = _torchrun_on_two_cpu_processes(os.path.join(EXAMPLES, "torch_plan.py"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    for r in range(2):
+        assert f"rank {r}/2 (cpu): losses" in out.stdout and "against the dense model's; ColumnParallelLinear" \
+            in out.stdout, out.stdout
