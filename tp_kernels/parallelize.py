@@ -163,6 +163,13 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     own code takes the sequence length or the positions from the embedding's output (transformers'
     models do) needs them from the ids instead.
 
+    A plan written for torch's ``parallelize_module`` is a plan too: a value may be one of torch's
+    style objects (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``,
+    ``PrepareModuleInput``, ``PrepareModuleOutput``, ``PrepareModuleInputOutput``: TorchTitan's
+    plans), read for the module it applies to with its own sequence parallelism, whatever
+    ``sequence_parallel`` says (:mod:`tp_kernels._torch_styles`); ``group`` may be a one-dim
+    ``DeviceMesh``.
+
     A parameter that several modules hold (an embedding tied to the output layer) stays one
     parameter: the plan must replace every module holding it and split it alike (``"vocab"`` and
     ``"colwise"`` both split dim 0 of ``[V, D]``), and the replacements then hold one block.
