@@ -378,6 +378,44 @@ def test_torch_parallel_styles(world, sequence_parallel):
     world.run(check_torch_parallel_styles, sequence_parallel)
 
 
+def check_torch_checkpoints_interoperate(path):
+    """A ``dcp`` checkpoint of torch's own tensor-parallel model (``parallelize_module`` by
+    TorchTitan's plan: DTensor parameters) loads, through ``sharded_state_dict``, into the model
+    tp_kernels makes by the same plan, which then holds the dense weights; and a checkpoint of that
+    one loads into torch's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    _, p = rank_world()
+    mesh = DeviceMesh.from_group(torch.distributed.group.WORLD, "cpu")
+
+    def model(seed):
+        torch.manual_seed(seed)
+        return _TitanLM(4 * p, 8, 2 * p, 3 * p).double()
+
+    dense = model(0)
+    dcp.save(parallelize_module(copy.deepcopy(dense), mesh, _titan_plan(True)).state_dict(),
+             checkpoint_id=f"{path}/torch")
+    ours = tp_kernels.parallelize(model(1), _titan_plan(True), group=mesh)
+    dcp.load(tp_kernels.sharded_state_dict(ours), checkpoint_id=f"{path}/torch")
+    full = tp_kernels.full_state_dict(ours)
+    for key, value in dense.state_dict().items():
+        assert torch.equal(full[key], value), key
+    dcp.save(tp_kernels.sharded_state_dict(ours), checkpoint_id=f"{path}/ours")
+    theirs = parallelize_module(model(2), mesh, _titan_plan(True))
+    state = theirs.state_dict()
+    dcp.load(state, checkpoint_id=f"{path}/ours")
+    for key, value in dense.state_dict().items():
+        got = state[key].full_tensor() if hasattr(state[key], "full_tensor") else state[key]
+        assert torch.equal(got, value), key
+
+
+@pytest.mark.parametrize("world", [2, 4], indirect=True)
+def test_torch_checkpoints_interoperate(world, tmp_path):
+    world.run(check_torch_checkpoints_interoperate, str(tmp_path))
+
+
 class _Middle(nn.Module):
     def __init__(self, hidden):
         super().__init__()
