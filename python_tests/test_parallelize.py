@@ -416,6 +416,48 @@ def test_torch_checkpoints_interoperate(world, tmp_path):
     world.run(check_torch_checkpoints_interoperate, str(tmp_path))
 
 
+def check_torchtitan_composition():
+    """TorchTitan's composition on 4 ranks: a (dp 2, tp 2) DeviceMesh, tensor parallelism by its
+    plan over ``mesh["tp"]`` (sequence parallelism included), then FSDP2's ``fully_shard`` of each
+    block and of the model over ``mesh["dp"]``, each data-parallel rank taking half the batch: two
+    SGD steps with momentum, clipped by the whole model's norm, give the dense model's weights on
+    the whole batch in float64."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    r, p = rank_world()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("titan_dp", "titan_tp"))
+    dp, tp = mesh["titan_dp"], mesh["titan_tp"]
+    vocab, hidden, heads, ffn = 8, 8, 4, 6
+    torch.manual_seed(0)
+    dense = _TitanLM(vocab, hidden, heads, ffn).double()
+    model = tp_kernels.parallelize(copy.deepcopy(dense), _titan_plan(True), group=tp)
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=dp)
+    fully_shard(model, mesh=dp)
+    wq = model.layers["0"].attention.wq.weight  # [heads * HEAD_DIM / tp, hidden], its rows over dp
+    assert type(wq).__name__ == "DTensor" and wq.to_local().shape == (heads * HEAD_DIM // 4, hidden), wq.shape
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (dense, model)]
+    g = torch.Generator().manual_seed(1)
+    mine = slice(2 * dp.get_local_rank(), 2 * dp.get_local_rank() + 2)  # this data-parallel rank's half
+    for _ in range(2):
+        ids = torch.randint(0, vocab, (4, 4), generator=g)
+        F.cross_entropy(dense(ids).flatten(0, 1), ids.flatten()).backward()
+        F.cross_entropy(model(ids[mine]).flatten(0, 1), ids[mine].flatten()).backward()  # (FSDP2 averages)
+        torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.5)
+        tp_kernels.clip_grad_norm_(model, 0.5)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    full = tp_kernels.full_state_dict(model)
+    for key, value in dense.state_dict().items():
+        torch.testing.assert_close(full[key], value, rtol=1e-10, atol=1e-12, msg=lambda m: f"{key}: {m}")
+
+
+def test_torchtitan_composition(world4):
+    world4.run(check_torchtitan_composition)
+
+
 class _Middle(nn.Module):
     def __init__(self, hidden):
         super().__init__()
