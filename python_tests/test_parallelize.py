@@ -270,22 +270,25 @@ class _TitanLM(nn.Module):
         return self.output(self.norm(h))
 
 
-def _titan_plan(sequence_parallel: bool) -> dict:
+def _titan_plan(sequence_parallel: bool, loss_parallel: bool = False) -> dict:
     """TorchTitan's tensor-parallel plan of its Llama (torch's style objects), with or without
-    sequence parallelism (its ``Shard(1)``)."""
+    sequence parallelism (its ``Shard(1)``), its logits gathered or, with ``loss_parallel``, handed
+    on split as a DTensor (for torch's ``loss_parallel``)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel)
 
+    logits = {"output_layouts": Shard(-1), "use_local_output": False} if loss_parallel else \
+        {"output_layouts": Replicate()}
     if not sequence_parallel:
         return {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-                "output": ColwiseParallel(output_layouts=Replicate()),
+                "output": ColwiseParallel(**logits),
                 **{f"layers.*.{name}": ColwiseParallel() for name in ("attention.w[qkv]", "feed_forward.w[13]")},
                 **{f"layers.*.{name}": RowwiseParallel() for name in ("attention.wo", "feed_forward.w2")}}
     gather = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
     return {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(),
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+            "output": ColwiseParallel(input_layouts=Shard(1), **logits),
             "layers.*.attention_norm": SequenceParallel(),
             "layers.*.attention": gather,
             "layers.*.attention.w[qkv]": ColwiseParallel(),
@@ -323,12 +326,15 @@ def _counting_collectives():
         coll.all_reduce, coll.reduce_scatter_dim0 = originals["all_reduce"], originals["reduce_scatter"]
 
 
-def check_torch_parallel_styles(sequence_parallel, device="cpu"):
+def check_torch_parallel_styles(sequence_parallel, device="cpu", loss_parallel=False):
     """A plan of torch's styles (TorchTitan's for its Llama, with and without sequence
-    parallelism), given with a one-dim DeviceMesh, parallelizes a model of TorchTitan's shape with
-    tp_kernels' layers: its logits, every gradient and two SGD steps are the dense model's in
-    float64, and so are those of torch's own ``parallelize_module`` with the same plan (DTensors)."""
+    parallelism; its logits gathered, or with ``loss_parallel`` a DTensor that torch's
+    ``loss_parallel`` takes the loss of), given with a one-dim DeviceMesh, parallelizes a model of
+    TorchTitan's shape with tp_kernels' layers: its logits, every gradient and two SGD steps are the
+    dense model's in float64, and so are those of torch's own ``parallelize_module`` with the same
+    plan (DTensors)."""
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import loss_parallel as parallel_loss
     from torch.distributed.tensor.parallel import parallelize_module
 
     r, p = rank_world()
@@ -336,11 +342,19 @@ def check_torch_parallel_styles(sequence_parallel, device="cpu"):
     vocab, hidden, heads, ffn, b, s = 4 * p, 8, 2 * p, 3 * p, 3, 2 * p
     torch.manual_seed(0)
     dense = _TitanLM(vocab, hidden, heads, ffn).double().to(device)
-    ours = tp_kernels.parallelize(copy.deepcopy(dense), _titan_plan(sequence_parallel), group=mesh)
-    theirs = parallelize_module(copy.deepcopy(dense), mesh, _titan_plan(sequence_parallel))
+    ours = tp_kernels.parallelize(copy.deepcopy(dense), _titan_plan(sequence_parallel, loss_parallel), group=mesh)
+    theirs = parallelize_module(copy.deepcopy(dense), mesh, _titan_plan(sequence_parallel, loss_parallel))
     assert isinstance(ours.layers["0"].attention.wq, tp_kernels.ColumnParallelLinear)
     assert ours.layers["0"].attention.wo.sequence_parallel == sequence_parallel
-    assert ours.output.sequence_parallel == sequence_parallel and ours.output.gather_output
+    assert ours.output.sequence_parallel == sequence_parallel and ours.output.gather_output != loss_parallel
+
+    def backward(logits):  # (under loss_parallel, backward too; the dense logits a plain tensor, which it refuses)
+        with parallel_loss() if hasattr(logits, "full_tensor") else contextlib.nullcontext():
+            F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+
+    def whole(logits):
+        return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+
     ids = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(1)).to(device)
     if sequence_parallel:
         torch.testing.assert_close(ours.tok_embeddings(ids), block(dense.tok_embeddings(ids), 1, r, p), rtol=0, atol=0)
@@ -348,13 +362,14 @@ def check_torch_parallel_styles(sequence_parallel, device="cpu"):
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in models]
     for step in range(2):
         logits = [m(ids) for m in models]
+        assert type(logits[1]).__name__ == ("DTensor" if loss_parallel else "Tensor")
         for name, got in zip(("tp_kernels", "torch"), logits[1:]):
-            torch.testing.assert_close(got, logits[0], rtol=1e-12, atol=1e-12,
+            torch.testing.assert_close(whole(got), logits[0], rtol=1e-12, atol=1e-12,
                                        msg=lambda m: f"step {step}: {name}'s logits: {m}")
         with _counting_collectives() as counted:
-            F.cross_entropy(logits[1].flatten(0, 1), ids.flatten()).backward()
+            backward(logits[1])
         for out in (logits[0], logits[2]):
-            F.cross_entropy(out.flatten(0, 1), ids.flatten()).backward()
+            backward(out)
         if sequence_parallel and p > 1:
             # the input gradients of the column layers a PrepareModuleInput's gather fed (q, k, v; w1,
             # w3), each rank's partial one, reduce-scattered once per gather, as torch does (and by
@@ -373,9 +388,9 @@ def check_torch_parallel_styles(sequence_parallel, device="cpu"):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_torch_parallel_styles(world, sequence_parallel):
-    world.run(check_torch_parallel_styles, sequence_parallel)
+@pytest.mark.parametrize("sequence_parallel, loss_parallel", [(False, False), (True, False), (True, True)])
+def test_torch_parallel_styles(world, sequence_parallel, loss_parallel):
+    world.run(check_torch_parallel_styles, sequence_parallel, loss_parallel=loss_parallel)
 
 
 def check_torch_checkpoints_interoperate(path):
@@ -511,8 +526,9 @@ def check_torch_parallel_style_errors():
     model = _TitanLM(4 * p, 8, 2 * p, 3 * p)
     dense = copy.deepcopy(model)
     cases = [
-        ({"output": ColwiseParallel(use_local_output=False)}, r"plan\['output'\]: ColwiseParallel: "
-         r"use_local_output=False hands on DTensors .* tp_kernels.vocab_parallel_cross_entropy"),
+        ({"output": ColwiseParallel(output_layouts=Replicate(), use_local_output=False)},
+         r"plan\['output'\]: ColwiseParallel: use_local_output=False: tp_kernels hands on a DTensor only as a "
+         r"column layer's output split along its last dim, evenly"),
         ({"tok_embeddings": ColwiseParallel()}, r"ColwiseParallel: on an nn.Embedding leaves each rank its columns"),
         ({"layers.*.attention.wo": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))},
          r"RowwiseParallel: input_layouts=Replicate\(\) with a sequence-sharded output"),

@@ -8,7 +8,9 @@ layouts (``Replicate()``, ``Shard(d)``) say how a module's inputs and outputs li
 style of :data:`tp_kernels.parallelize.STYLES`, and the sequence dim of a layer's sequence
 parallelism (``Shard(1)``: 1) or None; a ``PrepareModule*`` one as the moves of the module's
 inputs and outputs between layouts, which :func:`redistribute` makes with the mappings. The
-module then computes on plain tensors what it computes on torch's DTensors.
+module then computes on plain tensors what it computes on torch's DTensors; a column layer whose
+style keeps its output a DTensor (``use_local_output=False``: the logits of torch's
+``loss_parallel``) hands it on as one (:func:`output_as_dtensor`).
 
 A ``PrepareModuleInput`` that gathers the sequence gathers it for the column layers inside the
 module (:func:`tp_kernels.mappings.gather_for_column_layers`): they leave their partial input
@@ -30,7 +32,7 @@ import torch.nn as nn
 from .mappings import (gather_for_column_layers, gather_from_tensor_model_parallel_region,
                        scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region)
 
-__all__ = ["Moves", "describe", "is_torch_style", "redistribute", "translate"]
+__all__ = ["Moves", "describe", "is_torch_style", "output_as_dtensor", "redistribute", "translate"]
 
 #: a move of one tensor between layouts: ("gather" | "scatter", dim), dim -1 the last (the hidden
 #: units), another the sequence
@@ -82,11 +84,13 @@ def _layout(placement):
     return "other", placement
 
 
-def translate(pattern: str, style, module: nn.Module) -> Tuple[str, object, Optional[int]]:
-    """``(style, outputs, sequence)``: torch's ``style`` applied to ``module`` as
-    :func:`tp_kernels.parallelize` takes it (``outputs``: the :class:`Moves` of a
+def translate(pattern: str, style, module: nn.Module, p: int) -> Tuple[str, object, Optional[int], bool]:
+    """``(style, outputs, sequence, as_dtensor)``: torch's ``style`` applied to ``module`` (on
+    ``p`` ranks) as :func:`tp_kernels.parallelize` takes it (``outputs``: the :class:`Moves` of a
     ``"redistribute"``, else None; ``sequence``: the sequence dim of a layer under sequence
-    parallelism, else None), or a ``ValueError`` naming ``pattern`` and what cannot be taken."""
+    parallelism, else None; ``as_dtensor``: a column layer's output handed on as a DTensor,
+    ``use_local_output=False``, for torch's ``loss_parallel``: :func:`output_as_dtensor`), or a
+    ``ValueError`` naming ``pattern`` and what cannot be taken."""
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
                                                    PrepareModuleOutput, RowwiseParallel, SequenceParallel)
 
@@ -97,11 +101,14 @@ def translate(pattern: str, style, module: nn.Module) -> Tuple[str, object, Opti
         raise ValueError(f"{where}: {why}")
 
     if isinstance(style, (ColwiseParallel, RowwiseParallel)):
-        if not style.use_local_output:
-            refuse("use_local_output=False hands on DTensors (torch's loss_parallel), which tp_kernels' layers do "
-                   "not make: keep the logits split with a column layer and take the loss with "
-                   "tp_kernels.vocab_parallel_cross_entropy")
         given, wanted = _layout(style.input_layouts[0]), _layout(style.output_layouts[0])
+        as_dtensor = not style.use_local_output
+        if as_dtensor and not (isinstance(style, ColwiseParallel) and isinstance(module, nn.Linear)
+                               and wanted == ("shard", -1) and module.out_features % p == 0):
+            refuse("use_local_output=False: tp_kernels hands on a DTensor only as a column layer's output split "
+                   "along its last dim, evenly (torch's loss_parallel: ColwiseParallel(output_layouts=Shard(-1), "
+                   "use_local_output=False) on an nn.Linear whose out_features the group's size divides); "
+                   "elsewhere keep the outputs local")
         embedding = isinstance(module, nn.Embedding)
         if not isinstance(module, (nn.Linear, nn.Embedding)):
             refuse(f"applies to nn.Linear or nn.Embedding, but the module is a {type(module).__name__}")
@@ -112,28 +119,28 @@ def translate(pattern: str, style, module: nn.Module) -> Tuple[str, object, Opti
                 if wanted != ("replicate", None):
                     refuse("on an nn.Embedding leaves each rank its columns of the lookups, which no tp_kernels "
                            "layer does: output_layouts=Replicate() gathers them (tp_kernels' 'embedding_colwise')")
-                return "embedding_colwise", None, None
+                return "embedding_colwise", None, None, False
             sequence = _sequence(given, "input_layouts", refuse)
             if wanted == ("shard", -1):
-                return "colwise", None, sequence
+                return "colwise", None, sequence, as_dtensor
             if wanted == ("replicate", None):
-                return "colwise_gather_output", None, sequence
+                return "colwise_gather_output", None, sequence, False
             refuse(f"output_layouts={style.output_layouts[0]}: a column layer's output is this rank's columns, "
                    "Shard(-1), or gathered, Replicate()")
         sequence = _sequence(wanted, "output_layouts", refuse)
         if embedding:
-            return "vocab", None, sequence
+            return "vocab", None, sequence, False
         if given == ("shard", -1):
-            return "rowwise", None, sequence
+            return "rowwise", None, sequence, False
         if given == ("replicate", None):
             if sequence is not None:
                 refuse("input_layouts=Replicate() with a sequence-sharded output: under sequence parallelism a "
                        "row layer takes its input split along the last dim, Shard(-1)")
-            return "rowwise_split_input", None, None
+            return "rowwise_split_input", None, None, False
         refuse(f"input_layouts={style.input_layouts[0]}: a row layer takes its input split along the last dim, "
                "Shard(-1), or whole, Replicate()")
     if isinstance(style, SequenceParallel):  # (its parameters whole, applied to each rank's block)
-        return "replicated_with_grad_allreduce", None, None
+        return "replicated_with_grad_allreduce", None, None, False
     if isinstance(style, (PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)):
         into = style.prepare_module_input if isinstance(style, PrepareModuleInputOutput) else style
         out_of = style.prepare_module_output if isinstance(style, PrepareModuleInputOutput) else style
@@ -150,7 +157,7 @@ def translate(pattern: str, style, module: nn.Module) -> Tuple[str, object, Opti
             outputs = _moves(given, out_of.desired_output_layouts, refuse, [f"output {i}" for i in range(len(given))])
         moves = Moves(tuple(m for m in inputs if m[1] is not None), kwargs,
                       tuple(m for m in outputs if m[1] is not None))
-        return ("redistribute", moves, None) if moves else ("replicate", None, None)
+        return ("redistribute", moves, None, False) if moves else ("replicate", None, None, False)
     refuse("is not one of the styles tp_kernels takes: ColwiseParallel, RowwiseParallel, SequenceParallel, "
            "PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput")
 
@@ -203,6 +210,22 @@ def _move(x, move: Move, group, what: str):
         # their partial input gradients for one reduce-scatter: mappings.gather_for_column_layers)
         return gather_for_column_layers(x, group, sequence_dim=dim)
     return scatter_to_sequence_parallel_region(x, group, sequence_dim=dim)
+
+
+def output_as_dtensor(layer: nn.Module, group) -> nn.Module:
+    """Register on the column layer ``layer`` a hook that hands its output on as a DTensor over
+    ``group``'s mesh, ``Shard(-1)`` (each rank's columns: the layer's own output, no copy), as
+    torch's ``ColwiseParallel(use_local_output=False)`` does, for torch's ``loss_parallel``."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = DeviceMesh.from_group(group, layer.weight.device.type)
+
+    def after(_, args, output):
+        return DTensor.from_local(output, mesh, (Shard(output.dim() - 1),), run_check=False)
+
+    layer.register_forward_hook(after)
+    return layer
 
 
 def redistribute(module: nn.Module, moves: Moves, group) -> nn.Module:

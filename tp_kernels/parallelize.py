@@ -17,7 +17,7 @@ from ._checks import check_replaceable
 from .embedding import VocabParallelEmbedding, check_embedding, check_embedding_dim, shard_embedding_dim
 from .experts import PARAMETER_STYLES, check_styles, shard_experts, shard_parameters, share_identity_expert
 from .grads import sum_grads_over_group, sum_output_grads_over_group
-from ._torch_styles import describe, is_torch_style, redistribute, translate
+from ._torch_styles import describe, is_torch_style, output_as_dtensor, redistribute, translate
 from .layers import ColumnParallelLinear, RowParallelLinear, check_output_sizes, check_sequence_dim
 
 __all__ = ["ALIASES", "STYLES", "parallelize"]
@@ -200,7 +200,7 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     # (agreed, as initialize_model_parallel is: a rank whose plan fails raises its ValueError, the
     # others a RuntimeError naming it, and ranks given different plans all raise, before anything
     # is replaced; then that every rank holds the same dense weights)
-    named, chosen, style_of, split_styles, ties = agree(
+    named, chosen, style_of, split_styles, ties, as_dtensor = agree(
         "parallelize", group, lambda: _resolve(module, plan, p, strict, sequence_parallel, sequence_dim),
         lambda _: f"plan {_digest(repr([(str(k), describe(v)) for k, v in plan.items()]))}, "
                   f"sequence_parallel {sequence_parallel}, sequence_dim {sequence_dim!r}, strict {strict}, "
@@ -238,6 +238,9 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     for (first, first_attr), *others in ties:  # tied again: one parameter, as in the dense model
         for holder, attr in others:
             setattr(replaced[holder], attr, getattr(replaced[first], first_attr))
+    # (torch's loss_parallel: a column layer's output a DTensor; each layer once, however many names)
+    for layer in {id(m): m for m in (module.get_submodule(name) for name in as_dtensor)}.values():
+        output_as_dtensor(layer, group)
     kept = {id(m): (m, style) for m, style in ((module.get_submodule(name), style) for name, (style, _, _) in
                                                 chosen.items() if STYLES[style][1] is None)}
     for m, style in kept.values():  # (each once, under however many names)
@@ -278,6 +281,7 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
     # parallelism or None)
     chosen: Dict[str, tuple] = {}
     sequence_of: Dict[int, tuple] = {}  # id(module) -> (its sequence dim or None, name)
+    as_dtensor = []  # the names of the column layers whose output is handed on as a DTensor
     style_of: Dict[int, tuple] = {}  # id(module) -> (style, name, outputs): one style per module object
     by_parameter: Dict[int, Dict[str, tuple]] = {}  # id(module) -> {attribute: (style, its name)}
     for pattern, entry in plan.items():
@@ -307,9 +311,9 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
             raise ValueError(f"plan[{pattern!r}]: {style!r} splits a parameter (of a module the plan names "
                              f"{' or '.join(map(repr, _OWNERS))}), but {hits[0][0]!r} is a {type(hits[0][1]).__name__}")
         for name, m in hits:
-            sequence = sequence_dim if sequence_parallel else None
+            sequence, dtensor = sequence_dim if sequence_parallel else None, False
             if torch_style:
-                style, outputs, sequence = translate(pattern, entry, m)
+                style, outputs, sequence, dtensor = translate(pattern, entry, m, p)
             expected = STYLES.get(style, (None,))[0]
             if not isinstance(m, expected):
                 raise ValueError(
@@ -360,6 +364,8 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
                                  f"{'no dim' if sequence is None else f'dim {sequence}'}, but the same module "
                                  f"({first_name!r}) along {'no dim' if first_sequence is None else f'dim {first_sequence}'}")
             chosen[name] = (style, given, sequence)
+            if dtensor and name not in as_dtensor:
+                as_dtensor.append(name)
 
     for name, owner_name, owner, attr in params:  # the modules whose parameters the plan splits, each checked whole
         if id(owner) not in by_parameter:
@@ -411,7 +417,7 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
                                  "modules whose parameters every rank holds whole")
 
     ties = _ties(module, named, style_of)
-    return named, chosen, style_of, split_styles, ties
+    return named, chosen, style_of, split_styles, ties, as_dtensor
 
 
 def _digest(text: str) -> str:
