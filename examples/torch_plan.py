@@ -1,6 +1,7 @@
 """A model in TorchTitan's Llama's shape, parallelized by TorchTitan's plan (torch's style objects,
-sequence parallelism included) with tp_kernels' layers where torch's DTensors would be, on
-whatever this machine has: one process per GPU with NCCL, else processes on the CPU with gloo.
+sequence parallelism and loss parallelism included) with tp_kernels' layers where torch's DTensors
+would be, on whatever this machine has: one process per GPU with NCCL, else processes on the CPU
+with gloo.
 
     torchrun --nproc-per-node 2 examples/torch_plan.py     # CPU, gloo
     torchrun --nproc-per-node 8 examples/torch_plan.py     # 8 GPUs, NCCL
@@ -9,6 +10,7 @@ Each rank trains the parallel model three SGD steps beside the dense model (the 
 both the same weights) and checks that their losses agree.
 """
 
+import contextlib
 import copy
 
 import torch
@@ -17,7 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                               loss_parallel)
 
 import tp_kernels
 
@@ -73,11 +76,12 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
 
-# TorchTitan's plan for its Llama (parallelize_llama's apply_tp), the patterns over the whole model
+# TorchTitan's plan for its Llama (parallelize_llama's apply_tp), the patterns over the whole model;
+# the logits stay split, a DTensor, for torch's loss_parallel (TorchTitan's default)
 PLAN = {
     "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
     "norm": SequenceParallel(),
-    "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     "layers.*.attention_norm": SequenceParallel(),
     "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
     "layers.*.attention.w[qkv]": ColwiseParallel(),
@@ -106,8 +110,10 @@ losses = {"dense": [], "tp_kernels": []}
 for name, m in (("dense", dense), ("tp_kernels", model)):
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     for _ in range(3):
-        loss = F.cross_entropy(m(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten())  # the next token
-        loss.backward()
+        # the cross-entropy over each rank's columns of the logits, backward included (the dense model's: plain)
+        with loss_parallel() if m is model else contextlib.nullcontext():
+            loss = F.cross_entropy(m(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten())  # the next token
+            loss.backward()
         opt.step()
         opt.zero_grad()
         losses[name].append(loss.item())
