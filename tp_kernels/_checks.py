@@ -43,7 +43,10 @@ def check_divisible(name: str, value: int, p: int) -> int:
 def check_split_dim(name: str, dim, x, x_name: str = "input") -> int:
     """``dim`` as a dim of ``x`` other than its last (the one a linear layer multiplies), counted
     from 0 (a negative ``dim`` counts from the end, as in torch): the dim a block of the sequence is
-    split along (``[b, s/p, h]``: 1). A ``ValueError`` naming ``name`` otherwise."""
+    split along (``[b, s/p, h]``: 1); 0, the default, whatever ``x`` is (its rows). A ``ValueError``
+    naming ``name`` otherwise."""
+    if type(dim) is int and dim == 0:
+        return 0
     d = dim + x.dim() if isinstance(dim, int) and not isinstance(dim, bool) and dim < 0 else dim
     if isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= d < x.dim() - 1:
         raise ValueError(f"{name}: expected a dim of {x_name} other than its last, in [{-x.dim()}, {x.dim() - 2}] "

@@ -318,7 +318,7 @@ def _agreed(name: str, x, group, *, last_dim=False, sequence_dim=None, divisible
             check_divisible("input.shape[-1]", x.shape[-1], p)
         if sequence_dim is None:
             return None
-        d = 0 if type(sequence_dim) is int and sequence_dim == 0 else check_split_dim("sequence_dim", sequence_dim, x)
+        d = check_split_dim("sequence_dim", sequence_dim, x)
         if divisible:
             check_divisible(f"input.shape[{d}]", x.shape[d], p)
         return d

@@ -82,7 +82,7 @@ def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int]
     def check():
         x_ = prepare(x) if prepare is not None else x
         checked = check_linear_args(x_, weight, bias, x_name=x_name, min_dim=OPS[op].min_dim)
-        d = 0 if type(dim) is int and dim == 0 else check_split_dim(dim_name, dim, checked[0], x_name)
+        d = check_split_dim(dim_name, dim, checked[0], x_name)
         if op == "matmul_reduce_scatter":
             check_divisible(f"{x_name}.shape[{d}]", checked[0].shape[d], p)
         return (*checked, d)
