@@ -25,11 +25,11 @@ import torch.nn.functional as F
 
 from . import _collectives as coll
 from . import ops
+from ._agreement import agree, describe
 from ._checks import (check_choice, check_divisible, check_float_dtype, check_int, check_linear_args, check_replaceable,
                       check_tensor, differentiable_once)
 from ._data_parallel import copy_rows_
 from ._op_table import OPS
-from ._agreement import agree, describe
 from .mappings import all_reduce_op, copy_to, gather_last_dim, partial_grads_of, scatter_last_dim
 from .settings import BACKEND_NAMES
 
