@@ -393,6 +393,28 @@ def test_torch_parallel_styles(world, sequence_parallel, loss_parallel):
     world.run(check_torch_parallel_styles, sequence_parallel, loss_parallel=loss_parallel)
 
 
+def check_torch_parallel_styles_compiled():
+    """TorchTitan's plan with sequence parallelism, the model compiled whole (``fullgraph=True``:
+    the hooks of its ``PrepareModuleInput`` gathers traced, each a plain gather there): the logits
+    and every gradient are the dense model's in float64."""
+    _, p = rank_world()
+    torch.manual_seed(0)
+    dense = _TitanLM(4 * p, 8, 2 * p, 3 * p).double()
+    ours = tp_kernels.parallelize(copy.deepcopy(dense), _titan_plan(True))
+    ids = torch.randint(0, 4 * p, (3, 2 * p), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    got, want = torch.compile(ours, backend="aot_eager", fullgraph=True)(ids), dense(ids)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for logits in (got, want):
+        F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+    assert_dense_grads(ours, dense, 1e-12)
+    torch._dynamo.reset()
+
+
+def test_torch_parallel_styles_compiled(world2):
+    world2.run(check_torch_parallel_styles_compiled)
+
+
 def check_torch_checkpoints_interoperate(path):
     """A ``dcp`` checkpoint of torch's own tensor-parallel model (``parallelize_module`` by
     TorchTitan's plan: DTensor parameters) loads, through ``sharded_state_dict``, into the model
