@@ -453,20 +453,25 @@ def check_parallelize_that_differs(case):
         plan = {"0": "colwise_gather_output", "2": "rowwise_split_input"}
     if case == "one rank's plan" and r == 1:
         plan = {"0": "colwise", "3": "rowwise"}  # (matches nothing here)
+    if case == "torch's styles":  # (the same on both ranks, but for one layout: no address in the digests)
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel(output_layouts=Shard(0) if r == 1 else Replicate())}
     kind, message = _raises(lambda: tp_kernels.parallelize(model, plan))
     assert type(model[0]) is nn.Linear and type(model[2]) is nn.Linear  # nothing replaced
     _still_works()
     return kind, message
 
 
-@pytest.mark.parametrize("case", ["weights", "plans", "one rank's plan"])
+@pytest.mark.parametrize("case", ["weights", "plans", "one rank's plan", "torch's styles"])
 def test_parallelize_that_differs_between_ranks(world2, case):
     results = world2.run(check_parallelize_that_differs, case, deadline_s=DEADLINE_S)
     if case == "weights":
         for kind, message in results:
             assert kind == "RuntimeError" and "hold different dense models" in message, message
             assert "seed every rank alike" in message and "rank 0: " in message and "rank 1: " in message, message
-    elif case == "plans":
+    elif case in ("plans", "torch's styles"):
         for kind, message in results:
             assert kind == "RuntimeError" and "disagree" in message and "rank 0: parallelize: plan" in message, message
     else:
