@@ -574,6 +574,13 @@ def check_torch_parallel_style_errors():
         assert type(q) is nn.Parameter and torch.equal(q, want), name  # nothing replaced
     tp_kernels.parallelize(model, {"output": ColwiseParallel()}, group=mesh["tp"])
     assert isinstance(model.output, tp_kernels.ColumnParallelLinear)
+    # a layout given by name for an input the model passes by position: an error at the call, on every rank
+    misnamed = PrepareModuleInput(input_kwarg_layouts={"x": Shard(1)}, desired_input_kwarg_layouts={"x": Replicate()})
+    fresh = tp_kernels.parallelize(copy.deepcopy(dense), {"layers.*.attention": misnamed})
+    with pytest.raises(ValueError, match=r"_TitanAttention: its PrepareModule style moves input 'x', which this call "
+                                         r"does not have \(2 positional, keywords \[\]\): give the layout of an "
+                                         r"input passed by keyword in input_kwarg_layouts"):
+        fresh(torch.zeros(2, 2 * p, dtype=torch.long))
 
 
 def test_torch_parallel_style_errors(world2):

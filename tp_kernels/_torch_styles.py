@@ -230,19 +230,32 @@ def output_as_dtensor(layer: nn.Module, group) -> nn.Module:
 
 def redistribute(module: nn.Module, moves: Moves, group) -> nn.Module:
     """Register on ``module`` the hooks that move its inputs before its forward and its outputs
-    after it (``moves``), with the mappings: a ``Shard(d)`` gathered to ``Replicate()``
-    (backward: this rank's block), a ``Replicate()`` split to ``Shard(d)`` (backward: gathered)."""
+    after it (``moves``), with the mappings: a ``Shard(d)`` gathered to ``Replicate()`` (for the
+    column layers it feeds: :func:`tp_kernels.mappings.gather_for_column_layers`), a
+    ``Replicate()`` split to ``Shard(d)`` (backward: gathered). An input or output a move names that
+    the call does not have (an input passed by keyword where its layout was given by position, or
+    the other way round) is a ``ValueError`` on every rank, before anything moves: left where it
+    is, it would reach the module in the wrong layout."""
     name = type(module).__name__
+
+    def missing(what: str, have: str, hint: str = "give the layout of an input passed by keyword in "
+                "input_kwarg_layouts, of one passed by position in input_layouts"):
+        raise ValueError(f"{name}: its PrepareModule style moves {what}, which this call does not have ({have}): "
+                         f"{hint}")
+
     if moves.inputs or moves.kwargs:
         def before(_, args, kwargs):
-            args = list(args)
+            for i, _move_ in moves.inputs:
+                if i >= len(args):
+                    missing(f"input {i}", f"{len(args)} positional, keywords {sorted(kwargs)}")
+            for key, _move_ in moves.kwargs:
+                if key not in kwargs:
+                    missing(f"input {key!r}", f"{len(args)} positional, keywords {sorted(kwargs)}")
+            args, kwargs = list(args), dict(kwargs)
             for i, move in moves.inputs:
-                if i < len(args):
-                    args[i] = _move(args[i], move, group, f"{name} input {i}")
-            kwargs = dict(kwargs)
+                args[i] = _move(args[i], move, group, f"{name} input {i}")
             for key, move in moves.kwargs:
-                if key in kwargs:
-                    kwargs[key] = _move(kwargs[key], move, group, f"{name} input {key!r}")
+                kwargs[key] = _move(kwargs[key], move, group, f"{name} input {key!r}")
             return tuple(args), kwargs
 
         module.register_forward_pre_hook(before, with_kwargs=True)
@@ -250,9 +263,11 @@ def redistribute(module: nn.Module, moves: Moves, group) -> nn.Module:
         def after(_, args, output):
             single = not isinstance(output, (tuple, list))
             outs = [output] if single else list(output)
+            for i, _move_ in moves.outputs:
+                if i >= len(outs):
+                    missing(f"output {i}", f"{len(outs)} outputs", "output_layouts counts the module's outputs")
             for i, move in moves.outputs:
-                if i < len(outs):
-                    outs[i] = _move(outs[i], move, group, f"{name} output {i}")
+                outs[i] = _move(outs[i], move, group, f"{name} output {i}")
             return outs[0] if single else type(output)(outs)
 
         module.register_forward_hook(after)
