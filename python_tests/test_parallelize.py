@@ -1273,19 +1273,28 @@ def llama_sequence_parallel_plan() -> dict:
 
 
 def check_hugging_face_llama_sequence_parallel():
-    """A transformers Llama (its own code; embeddings tied to the head, an attention mask) under
-    sequence parallelism, by :func:`llama_sequence_parallel_plan`: the decoder layers run on each
-    rank's block of the sequence, and the logits, the loss, every gradient and an SGD step are the
-    dense model's in float64."""
+    """A transformers Llama (its own code; embeddings tied to the head, an attention mask, 2
+    key/value heads) under sequence parallelism, by :func:`llama_sequence_parallel_plan`; on 4
+    ranks its key and value projections by tp_kernels' own entries, a head replicated on two ranks
+    (which torch's styles cannot say), inside the gathered attention. The decoder layers run on
+    each rank's block of the sequence, and the logits, the loss, every gradient and an SGD step are
+    the dense model's in float64."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     r, p = rank_world()
+    d = 4
     config = LlamaConfig(vocab_size=30, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=True, attn_implementation="sdpa", pad_token_id=0)
     torch.manual_seed(0)
     dense = LlamaForCausalLM(config).double()
-    par = tp_kernels.parallelize(copy.deepcopy(dense), llama_sequence_parallel_plan())
+    plan = llama_sequence_parallel_plan()
+    if p > 2:  # (2 key/value heads: one each, replicated on two ranks)
+        query = plan.pop("model.layers.*.self_attn.[qkv]_proj")
+        plan["model.layers.*.self_attn.q_proj"] = query
+        for name in ("k_proj", "v_proj"):
+            plan[f"model.layers.*.self_attn.{name}"] = ("colwise", [2 * d], d)
+    par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
     assert par.lm_head.weight is par.model.embed_tokens.weight  # still tied
     seen = []
     par.model.layers[1].input_layernorm.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
