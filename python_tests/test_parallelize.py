@@ -203,6 +203,11 @@ def check_batch_first_sequence_parallel(backend, device="cpu"):
     if p > 1:
         with pytest.raises(ValueError, match=rf"input.shape\[1\] \({2 * p + 1}\) is not divisible"):
             par(torch.zeros(b, 2 * p + 1, dtype=torch.long, device=device))
+    with pytest.raises(ValueError, match=r"input: expected at least 2 dims, got shape \(6,\)"):
+        par.embed(torch.zeros(6, dtype=torch.long, device=device))  # (ids without their batch dim)
+    with pytest.raises(ValueError, match=r"sequence_dim: expected a dim of input other than its last, in \[-2, 0\] "
+                                         r"for input of shape \(6, 8\), got 1"):
+        par.blocks[0].q(torch.zeros(6, 8, dtype=torch.float64, device=device))
     with pytest.raises(ValueError, match=r"sequence_dim: 1 splits the sequence, which only sequence_parallel=True"):
         tp_kernels.parallelize(copy.deepcopy(dense), BATCH_FIRST_PLAN, sequence_dim=1)
     for bad in (-1, True, "1"):
