@@ -104,11 +104,10 @@ def translate(pattern: str, style, module: nn.Module, p: int) -> Tuple[str, obje
         given, wanted = _layout(style.input_layouts[0]), _layout(style.output_layouts[0])
         as_dtensor = not style.use_local_output
         if as_dtensor and not (isinstance(style, ColwiseParallel) and isinstance(module, nn.Linear)
-                               and wanted == ("shard", -1) and module.out_features % p == 0):
+                               and wanted == ("shard", -1)):
             refuse("use_local_output=False: tp_kernels hands on a DTensor only as a column layer's output split "
-                   "along its last dim, evenly (torch's loss_parallel: ColwiseParallel(output_layouts=Shard(-1), "
-                   "use_local_output=False) on an nn.Linear whose out_features the group's size divides); "
-                   "elsewhere keep the outputs local")
+                   "along its last dim (torch's loss_parallel: ColwiseParallel(output_layouts=Shard(-1), "
+                   "use_local_output=False) on an nn.Linear); elsewhere keep the outputs local")
         embedding = isinstance(module, nn.Embedding)
         if not isinstance(module, (nn.Linear, nn.Embedding)):
             refuse(f"applies to nn.Linear or nn.Embedding, but the module is a {type(module).__name__}")
@@ -215,14 +214,22 @@ def _move(x, move: Move, group, what: str):
 def output_as_dtensor(layer: nn.Module, group) -> nn.Module:
     """Register on the column layer ``layer`` a hook that hands its output on as a DTensor over
     ``group``'s mesh, ``Shard(-1)`` (each rank's columns: the layer's own output, no copy), as
-    torch's ``ColwiseParallel(use_local_output=False)`` does, for torch's ``loss_parallel``."""
+    torch's ``ColwiseParallel(use_local_output=False)`` does, for torch's ``loss_parallel``. Where p
+    does not divide ``out_features`` (a padded vocabulary), the columns this rank holds, its padding
+    left out: the DTensor is split unevenly, as ``torch.chunk`` splits."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
     mesh = DeviceMesh.from_group(group, layer.weight.device.type)
+    held = layer.out_features_per_partition - layer.pad_rows
 
     def after(_, args, output):
-        return DTensor.from_local(output, mesh, (Shard(output.dim() - 1),), run_check=False)
+        shape = (*output.shape[:-1], layer.out_features)
+        if layer.pad_rows:
+            output = output.narrow(-1, 0, held)
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(output, mesh, (Shard(output.dim() - 1),), run_check=False, shape=shape,
+                                  stride=stride)
 
     layer.register_forward_hook(after)
     return layer
