@@ -556,7 +556,7 @@ def check_torch_parallel_style_errors():
     cases = [
         ({"output": ColwiseParallel(output_layouts=Replicate(), use_local_output=False)},
          r"plan\['output'\]: ColwiseParallel: use_local_output=False: tp_kernels hands on a DTensor only as a "
-         r"column layer's output split along its last dim, evenly"),
+         r"column layer's output split along its last dim \(torch's loss_parallel"),
         ({"tok_embeddings": ColwiseParallel()}, r"ColwiseParallel: on an nn.Embedding leaves each rank its columns"),
         ({"layers.*.attention.wo": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))},
          r"RowwiseParallel: input_layouts=Replicate\(\) with a sequence-sharded output"),

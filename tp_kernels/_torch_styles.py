@@ -84,9 +84,9 @@ def _layout(placement):
     return "other", placement
 
 
-def translate(pattern: str, style, module: nn.Module, p: int) -> Tuple[str, object, Optional[int], bool]:
-    """``(style, outputs, sequence, as_dtensor)``: torch's ``style`` applied to ``module`` (on
-    ``p`` ranks) as :func:`tp_kernels.parallelize` takes it (``outputs``: the :class:`Moves` of a
+def translate(pattern: str, style, module: nn.Module) -> Tuple[str, object, Optional[int], bool]:
+    """``(style, outputs, sequence, as_dtensor)``: torch's ``style`` applied to ``module`` as
+    :func:`tp_kernels.parallelize` takes it (``outputs``: the :class:`Moves` of a
     ``"redistribute"``, else None; ``sequence``: the sequence dim of a layer under sequence
     parallelism, else None; ``as_dtensor``: a column layer's output handed on as a DTensor,
     ``use_local_output=False``, for torch's ``loss_parallel``: :func:`output_as_dtensor`), or a

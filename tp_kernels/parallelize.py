@@ -313,7 +313,7 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
         for name, m in hits:
             sequence, dtensor = sequence_dim if sequence_parallel else None, False
             if torch_style:
-                style, outputs, sequence, dtensor = translate(pattern, entry, m, p)
+                style, outputs, sequence, dtensor = translate(pattern, entry, m)
             expected = STYLES.get(style, (None,))[0]
             if not isinstance(m, expected):
                 raise ValueError(
