@@ -1317,6 +1317,30 @@ def test_hugging_face_llama_sequence_parallel(world):
     world.run(check_hugging_face_llama_sequence_parallel)
 
 
+def check_hugging_face_qwen3_sequence_parallel():
+    """Qwen 3 under sequence parallelism by the same plan, its per-head ``q_norm`` and ``k_norm``
+    (inside the gathered attention, on each rank's heads) by transformers' own style for them,
+    ``"replicated_with_grad_allreduce"``, beside torch's styles: the logits, the loss and every
+    gradient are the dense model's in float64."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=4, max_position_embeddings=64,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    dense = Qwen3ForCausalLM(config).double()
+    plan = {**llama_sequence_parallel_plan(), "model.layers.*.self_attn.[qk]_norm": "replicated_with_grad_allreduce"}
+    par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    assert_same_loss_and_backward(dense, par, ids)
+    assert_dense_grads(par, dense, 1e-12)
+
+
+def test_hugging_face_qwen3_sequence_parallel(world2):
+    pytest.importorskip("transformers")
+    world2.run(check_hugging_face_qwen3_sequence_parallel)
+
+
 def check_hugging_face_plans(kind):
     """transformers models parallelized by their own ``tp_plan``, its other styles: Qwen 3's per-head
     ``q_norm`` and ``k_norm`` (``"replicated_with_grad_allreduce"``: each rank's gradient of them is
