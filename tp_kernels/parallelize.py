@@ -160,8 +160,9 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     its block (the norms, a router) then need :func:`tp_kernels.allreduce_sequence_parallel_grads`.
     ``sequence_dim=1`` splits dim 1 instead, for a batch-first model (``[b, s/p, ...]``, ids
     ``[b, s]``: torch's ``Shard(1)``); the experts take their tokens in any layout. A model whose
-    own code takes the sequence length or the positions from the embedding's output (transformers'
-    models do) needs them from the ids instead.
+    own code takes the sequence length or the positions from the embedding's output, or a module's
+    sequence length from its input (transformers' models do), needs a plan of torch's styles
+    instead, which gathers the sequence at such a module's input (below).
 
     A plan written for torch's ``parallelize_module`` is a plan too: a value may be one of torch's
     style objects (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``,
@@ -264,8 +265,10 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
 def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool, sequence_parallel: bool,
              sequence_dim):
     """:func:`parallelize`'s checks, which change nothing: ``(named, chosen, style_of, split_styles,
-    ties)``, what it replaces and keeps (``split_styles``: ``{id(module): {attribute: style}}``, the
-    parameters the plan splits by name), or a ``ValueError`` naming the pattern and the module."""
+    ties, as_dtensor)``, what it replaces and keeps (``chosen``: ``{name: (style, outputs, sequence
+    dim or None)}``; ``split_styles``: ``{id(module): {attribute: style}}``, the parameters the plan
+    splits by name; ``as_dtensor``: the column layers whose output is handed on as a DTensor), or
+    a ``ValueError`` naming the pattern and the module."""
     if not isinstance(module, nn.Module):
         raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
     if not isinstance(plan, Mapping) or not plan:
