@@ -20,6 +20,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tp_kernels
 from tp_kernels import settings
@@ -37,6 +38,29 @@ def fingerprints_set(enabled: bool):
         yield
     finally:
         settings.set_fingerprints(None)
+
+
+class CopiedBytes(TorchDispatchMode):
+    """Within the block, the bytes that aten's copies write (``clone``, ``copy_``, ``_to_copy``,
+    which ``contiguous``, ``reshape`` and ``to`` call), floating-point and other tensors apart:
+    ``floating`` and ``other``."""
+
+    COPIES = (torch.ops.aten.clone.default, torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default)
+
+    def __init__(self):
+        super().__init__()
+        self.floating = self.other = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.COPIES:
+            written = args[0] if func is torch.ops.aten.copy_.default else out
+            size = written.numel() * written.element_size()
+            if written.is_floating_point():
+                self.floating += size
+            else:
+                self.other += size
+        return out
 
 
 def block(t: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 import tp_kernels
 from tp_kernels import mappings
-from helpers import assert_close, assert_dense_grads, block, fingerprints_set, held_rows, padded_block, rank_world
+from helpers import (CopiedBytes, assert_close, assert_dense_grads, block, fingerprints_set, held_rows, padded_block,
+                     rank_world)
 
 
 def check_embedding(padding_idx):
@@ -55,8 +56,10 @@ def test_embedding_matches_dense(world, padding_idx):
 
 def check_sequence_parallel_embedding():
     """With sequence_parallel=True each rank returns its block of dim 0 of the dense embedding
-    (reduce-scattered), and the gradient of its rows is the dense one; ids whose dim 0 p does not
-    divide are refused on every rank before anything moves."""
+    (reduce-scattered), and the gradient of its rows is the dense one; with ``sequence_dim=1``, its
+    block of dim 1 of batch-first ids' lookup, copying no more floats than along dim 0 (the ids'
+    blocks are stacked first); ids whose dim 0 p does not divide are refused on every rank before
+    anything moves."""
     r, p = rank_world()
     vocab, dim, s = 5 * p, 4, 3 * p
     torch.manual_seed(0)
@@ -76,6 +79,23 @@ def check_sequence_parallel_embedding():
         assert torch.equal(y, block(ref, 0, r, p))  # one nonzero term per output: exact
         y.backward(block(dy, 0, r, p))
         assert_close("sequence-parallel embedding dW", par.weight.grad, block(dense.weight.grad, 0, r, p))
+    batch_first = tp_kernels.VocabParallelEmbedding.from_embedding(dense, sequence_parallel=True, sequence_dim=1)
+    ids = torch.randint(0, vocab, (2, s), generator=g)
+    dy = torch.randn(2, s, dim, generator=g, dtype=torch.float64)
+    dense.zero_grad()
+    dense(ids).backward(dy)
+    copied = []
+    for layer, ids_, dy_ in ((batch_first, ids, block(dy, 1, r, p)), (par, ids.t(), block(dy, 1, r, p).transpose(0, 1))):
+        layer.zero_grad()
+        with CopiedBytes() as forward:
+            y = layer(ids_)
+        with CopiedBytes() as backward:
+            y.backward(dy_)
+        copied.append((forward.floating, backward.floating))
+        if layer is batch_first:
+            assert y.is_contiguous() and torch.equal(y, block(dense(ids), 1, r, p))
+            assert_close("batch-first embedding dW", layer.weight.grad, block(dense.weight.grad, 0, r, p))
+    assert copied[0] == copied[1], f"batch-first: copied {copied[0]} bytes of floats (forward, backward), dim 0 {copied[1]}"
     if p > 1:
         with pytest.raises(ValueError, match=r"input.shape\[0\] \(" + str(s + 1) + r"\) is not divisible"):
             par(torch.zeros(s + 1, dtype=torch.long))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tp_kernels import mappings as M
-from helpers import block, rank_world
+from helpers import CopiedBytes, block, rank_world
 
 
 def _leaf(t):
@@ -86,27 +86,38 @@ def test_mappings_exact(world):
 def check_sequence_dim_mappings():
     """The sequence-parallel mappings along ``sequence_dim`` (a batch-first ``[b, s, h]``: 1, or
     -2): each is the dim-0 mapping of the tensor with that dim moved first, forward and backward,
-    and gives a contiguous tensor in the caller's layout; a dim that is the last one, or that p
-    does not divide, is a ValueError naming it."""
+    and gives a contiguous tensor in the caller's layout, copying at most the whole tensor once
+    each way beyond what the dim-0 mapping copies (the blocks joined after a gather, stacked before
+    a reduce-scatter; a split's block); a dim that is the last one, or that p does not divide, is a ValueError
+    naming it."""
     r, p = rank_world()
     g = torch.Generator().manual_seed(r)  # (different data on each rank)
     x = torch.randn(3, 2 * p, 4, generator=g, dtype=torch.float64)
     dy_full, dy_block = torch.randn(3, 2 * p, 4, generator=g, dtype=torch.float64), torch.randn(3, 2, 4, generator=g,
                                                                                                 dtype=torch.float64)
     front = lambda t: t.transpose(0, 1).contiguous()  # noqa: E731
-    cases = [(M.scatter_to_sequence_parallel_region, x, dy_block, {}),
-             (M.gather_from_sequence_parallel_region, x[:, :2].contiguous(), dy_full, {}),
+    whole = 0 if p == 1 else x.numel() * x.element_size()  # (bytes; one rank copies nothing)
+    # (mapping, input, output gradient, options, bytes copied beyond the dim-0 mapping's: forward, backward)
+    cases = [(M.scatter_to_sequence_parallel_region, x, dy_block, {}, (whole // p, whole)),  # (dim 0's block: a view)
+             (M.gather_from_sequence_parallel_region, x[:, :2].contiguous(), dy_full, {}, (whole, whole)),
              (M.gather_from_sequence_parallel_region, x[:, :2].contiguous(), dy_full,
-              {"tensor_parallel_output_grad": False}),
-             (M.reduce_scatter_to_sequence_parallel_region, x, dy_block, {})]
-    for f, inp, dy, kw in cases:
+              {"tensor_parallel_output_grad": False}, (whole, whole // p)),
+             (M.reduce_scatter_to_sequence_parallel_region, x, dy_block, {}, (whole, whole))]
+    for f, inp, dy, kw, extra in cases:
         for dim in (1, -2):
             mine, ref = _leaf(inp), _leaf(front(inp))
-            y, want = f(mine, sequence_dim=dim, **kw), f(ref, **kw)
+            outs, copied = [], []
+            for leaf, grad, options in ((mine, dy, {"sequence_dim": dim}), (ref, front(dy), {})):
+                with CopiedBytes() as forward:
+                    outs.append(f(leaf, **options, **kw))
+                with CopiedBytes() as backward:
+                    outs[-1].backward(grad)
+                copied.append((forward.floating, backward.floating))
+            y, want = outs
             assert y.is_contiguous() and torch.equal(y, want.transpose(0, 1)), (f.__name__, kw, dim)
-            y.backward(dy)
-            want.backward(front(dy))
             assert torch.equal(mine.grad, ref.grad.transpose(0, 1)), (f.__name__, kw, dim)
+            more = tuple(a - b for a, b in zip(*copied))
+            assert more == extra, f"{f.__name__} {kw} dim {dim}: copied {more} bytes more than dim 0, not {extra}"
     with pytest.raises(ValueError, match=r"sequence_dim: expected a dim of input other than its last, in \[-3, 1\] "
                                          r"for input of shape \(3, 4, 4\), got 2"):
         M.scatter_to_sequence_parallel_region(torch.zeros(3, 4, 4), sequence_dim=2)

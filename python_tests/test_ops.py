@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tp_kernels import ops
-from helpers import assert_close, block, rank_world
+from helpers import CopiedBytes, assert_close, block, rank_world
 
 
 def _case(op, m_per_rank, k, n, dtype, seed=0, device="cpu"):
@@ -137,6 +137,37 @@ def check_gather_and_scatter_dims(device="cpu", dtype=torch.float64):
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
 def test_gather_and_scatter_dims(world):
     world.run(check_gather_and_scatter_dims)
+
+
+def check_dims_copy_once():
+    """Along dim 1 of a batch-first ``[b, s, k]`` (b > 1), each op copies one tensor in the forward,
+    the gathered output (``all_gather_matmul``: its blocks joined) or the scattered input
+    (``matmul_reduce_scatter``: its blocks stacked), and one in the backward, that tensor's
+    gradient: the bytes counted beyond the same call's along dim 0 of ``[s, b, k]``."""
+    r, p = rank_world()
+    b, s, k, n = 3, 2 * p, 5, 4
+    for op, rows, dim_name in (("all_gather_matmul", s // p, "gather_dim"), ("matmul_reduce_scatter", s, "scatter_dim")):
+        for backend in ("reference", "pipelined"):
+            copied = {}
+            for dim in (0, 1):
+                g = torch.Generator().manual_seed(r)
+                x = torch.randn(rows, b, k, generator=g)
+                x = (x.transpose(0, 1).contiguous() if dim else x).requires_grad_()
+                w = torch.randn(n, k, generator=g, requires_grad=True)
+                with CopiedBytes() as forward:
+                    y = getattr(ops, op)(x, w, backend=backend, **{dim_name: dim})
+                with CopiedBytes() as backward:
+                    torch.autograd.grad(y, (x, w), torch.ones_like(y))
+                copied[dim] = forward.floating, backward.floating
+            one = 4 * (y.numel() if op == "all_gather_matmul" else x.numel())
+            extra = tuple(a - b for a, b in zip(copied[1], copied[0]))
+            assert extra == (one, one), f"{op} {backend}: dim 1 copied {extra} bytes (forward, backward) more than " \
+                                        f"dim 0, not one tensor of {one} each way"
+
+
+@pytest.mark.parametrize("world", [2, 4], indirect=True)
+def test_gather_and_scatter_dims_copy_once(world):
+    world.run(check_dims_copy_once)
 
 
 def check_empty_and_frozen(op):

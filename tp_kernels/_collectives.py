@@ -13,7 +13,9 @@ Everything that talks to ``torch.distributed`` goes through here:
   library-wide timeout (:func:`tp_kernels.settings.get_timeout`) and turns a stuck collective
   into an error naming the operation.
 
-The helpers take and return contiguous tensors and never touch autograd.
+The helpers take and return contiguous tensors and never touch autograd; the layout helpers
+(:func:`blocks_first`, :func:`join_blocks`) are aten views and copies, which autograd
+differentiates as it does any.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ from . import parallel_state, schedule
 from .settings import get_timeout
 
 __all__ = [
+    "UNSAFE_VIEW",
     "Pending",
     "all_gather_bytes",
     "all_gather_dim0",
     "all_reduce",
+    "blocks_first",
     "broadcast",
     "check_alive",
     "gather",
@@ -41,6 +45,7 @@ __all__ = [
     "group_name",
     "group_rank",
     "group_size",
+    "join_blocks",
     "recv",
     "reduce_scatter_dim0",
     "resolve_group",
@@ -445,6 +450,37 @@ def recv(out: torch.Tensor, src: int, group) -> Pending:
     what = _about("recv", out, "from rank", src)
     work = _issue(what, group, out, lambda: dist.irecv(out, src=dist.get_global_rank(group, src), group=group))
     return Pending(out, (work,), what, group)
+
+
+#: a reshape that autograd does not track as a view (aten's, with which torch.matmul ends)
+UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+
+
+def blocks_first(x: torch.Tensor, dim: int, p: int) -> torch.Tensor:
+    """``x`` with its ``dim`` cut into ``p`` blocks and the blocks stacked along dim 0, rank-major:
+    ``[b, s, h] -> [p*b, s/p, h]`` for 1, block r at rows ``[r*b, (r+1)*b)``. What a collective or
+    op along dim 0 then scatters as the blocks of ``dim`` (the inverse of :func:`join_blocks`). A
+    contiguous copy unless ``dim`` is 0 or the dims before it are all 1 (then a view); ``x`` itself
+    for 0."""
+    if not dim:
+        return x
+    return x.unflatten(dim, (p, -1)).movedim(dim, 0).flatten(0, 1).contiguous()
+
+
+def join_blocks(x: torch.Tensor, dim: int, p: int) -> torch.Tensor:
+    """``x``'s dim 0 holding ``p`` blocks rank-major, the blocks joined along ``dim`` of one
+    (``[p*b, s/p, h] -> [b, s, h]`` for 1; negative counts from the end): what a collective or op
+    along dim 0 gathered gives back as a gather of ``dim``. Contiguous: a copy unless the dims
+    before ``dim`` are all 1, and then not a view of a contiguous ``x`` (FSDP2 warns of a module
+    whose output is a view, as a language model's head's is); ``x`` itself for 0."""
+    dim %= x.dim()
+    if not dim:
+        return x
+    moved = x.unflatten(0, (p, -1)).movedim(0, dim)  # [b, p, s/p, h]
+    shape = (*moved.shape[:dim], moved.shape[dim] * moved.shape[dim + 1], *moved.shape[dim + 2:])
+    if moved.is_contiguous() and x.is_contiguous():
+        return UNSAFE_VIEW(x, shape)
+    return moved.reshape(shape)
 
 
 def split(x: torch.Tensor, dim: int, group) -> torch.Tensor:

@@ -14,7 +14,7 @@ from ._agreement import agree, describe
 from ._checks import check_divisible, check_float_dtype, check_int, check_replaceable, check_tensor
 from ._data_parallel import copy_rows_
 from .layers import ParameterSplit, ShareGroupOnCopy, block_of, check_sequence_dim, split_block, split_in_place
-from .mappings import from_front, gather_last_dim, reduce_from, reduce_scatter_dim0, to_front
+from .mappings import gather_last_dim, reduce_from, reduce_scatter_dim0
 
 __all__ = ["ID_DTYPES", "VocabParallelEmbedding", "check_embedding", "check_embedding_dim", "check_index_range",
            "shard_embedding_dim"]
@@ -271,14 +271,14 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
               hint=self.weight)
         if self.tp_size == 1:
             return self._scaled(F.embedding(input_, self.weight, self.padding_idx))
-        if self.sequence_parallel:  # (the ids moved: their lookup's copy is [s, ..., D])
-            input_ = to_front(input_, self.sequence_dim)
+        if self.sequence_parallel:  # (the ids' blocks stacked first: the lookup is then scattered along dim 0)
+            input_ = coll.blocks_first(input_, self.sequence_dim, self.tp_size)
         outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
         local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight, self._local_padding_idx)  # [..., D], this rank's rows
         out = self._scaled(out.masked_fill(outside.unsqueeze(-1), 0))
-        if self.sequence_parallel:  # sum over ranks, this rank's block: [s/p, ..., D] (moved back)
-            return from_front(reduce_scatter_dim0(out, self.group), self.sequence_dim)
+        if self.sequence_parallel:  # sum over ranks, this rank's block: [..., s/p, ..., D]
+            return reduce_scatter_dim0(out, self.group)
         return reduce_from(out, self.group)  # sum over ranks: [..., D]
 
     def _scaled(self, rows: torch.Tensor) -> torch.Tensor:

@@ -262,8 +262,8 @@ class ColumnParallelLinear(_ParallelLinear):
             all-gathered (overlapped with the GEMM) to give ``[s, ..., out/p]``.
         sequence_dim: with ``sequence_parallel``, the dim of the input that is split instead of
             dim 0, any but the last: 1 for a batch-first ``[b, s/p, in]`` (torch's ``Shard(1)``),
-            gathered to ``[b, s, out/p]``. The GEMMs run on the input with that dim moved first,
-            which costs a copy of the input and of the output unless the dims before it are 1.
+            gathered to ``[b, s, out/p]``. The GEMMs run on the input as it is; the gathered
+            output's blocks are joined along that dim, a copy unless the dims before it are 1.
         skip_bias_add: return ``(Y without bias, bias)`` for a later fused add. With
             ``gather_output`` the returned bias is the full ``[out]``.
         group: process group (default: the tensor-parallel group).

@@ -47,29 +47,6 @@ __all__ = [
 ]
 
 
-#: a reshape that autograd does not track as a view (aten's, with which torch.matmul ends)
-UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
-
-
-def to_front(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """``x`` with its ``dim`` moved to dim 0 (a view; ``x`` itself for 0), for a collective along
-    dim 0."""
-    return x.movedim(dim, 0) if dim else x
-
-
-def from_front(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """``x`` with its dim 0 moved to ``dim``, contiguous: what a collective along dim 0 of
-    ``x.movedim(dim, 0)`` gives back in the caller's layout (``[s, b, h]`` as ``[b, s, h]``). A copy
-    unless the dims before ``dim`` are all 1, and then not a view of a contiguous ``x`` (FSDP2 warns
-    of a module whose output is one)."""
-    if not dim:
-        return x
-    moved = x.movedim(0, dim)
-    if not moved.is_contiguous():
-        return moved.contiguous()
-    return UNSAFE_VIEW(x, moved.shape) if x.is_contiguous() else moved
-
-
 # The collectives run as the custom ops of the plain collectives (torch.ops.tp_kernels.*, on
 # torch.distributed), so that torch.compile and torch.export see each as one node (the
 # cross-entropy's too).
@@ -79,19 +56,20 @@ def all_reduce_op(x, group):
     return _library.op("all_reduce")(x.contiguous(), coll.group_name(group), "reference")
 
 
-def all_gather_op(x, group):
-    """``[m, ...] -(AG)-> [p*m, ...]``, rank-major along dim 0."""
-    return _library.op("all_gather")(x.contiguous(), coll.group_name(group), "reference")
+def all_gather_op(x, group, dim: int = 0):
+    """``[..., m, ...] -(AG)-> [..., p*m, ...]`` along ``dim`` (negative counts from the end),
+    rank-major: the blocks gathered along dim 0 and joined along ``dim``
+    (:func:`tp_kernels._collectives.join_blocks`: one copy, none for dim 0)."""
+    stacked = _library.op("all_gather")(x.contiguous(), coll.group_name(group), "reference")
+    return coll.join_blocks(stacked, dim, coll.group_size(group))
 
 
-def reduce_scatter_op(x, group):
-    return _library.op("reduce_scatter")(x.contiguous(), coll.group_name(group), "reference")
-
-
-def _gather_last_dim(x, group):
-    """``[..., d/p] -> [..., d]``, rank-major along the last dim."""
-    stacked = all_gather_op(x.unsqueeze(0), group)  # [p, ..., d/p]
-    return stacked.movedim(0, -2).reshape(*x.shape[:-1], x.shape[-1] * coll.group_size(group))
+def reduce_scatter_op(x, group, dim: int = 0):
+    """``[..., p*m, ...] -(RS)-> [..., m, ...]`` along ``dim``: this rank's block of the sum, the
+    blocks stacked along dim 0 first (:func:`tp_kernels._collectives.blocks_first`: one copy, none
+    for dim 0)."""
+    stacked = coll.blocks_first(x, dim, coll.group_size(group))
+    return _library.op("reduce_scatter")(stacked.contiguous(), coll.group_name(group), "reference")
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -126,14 +104,14 @@ class _ScatterToRegion(torch.autograd.Function):
     @staticmethod
     @differentiable_once("scatter_to_tensor_model_parallel_region")
     def backward(ctx, dy):
-        return _gather_last_dim(dy, ctx.group), None
+        return all_gather_op(dy, ctx.group, -1), None
 
 
 class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _gather_last_dim(x, group)
+        return all_gather_op(x, group, -1)
 
     @staticmethod
     @differentiable_once("gather_from_tensor_model_parallel_region")
@@ -143,40 +121,40 @@ class _GatherFromRegion(torch.autograd.Function):
 
 class _ScatterToSequenceRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return coll.split(x, 0, group)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return coll.split(x, dim, group)
 
     @staticmethod
     @differentiable_once("scatter_to_sequence_parallel_region")
     def backward(ctx, dy):
-        return all_gather_op(dy, ctx.group), None
+        return all_gather_op(dy, ctx.group, ctx.dim), None, None
 
 
 class _GatherFromSequenceRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, tensor_parallel_output_grad):
-        ctx.group, ctx.reduce = group, tensor_parallel_output_grad
-        return all_gather_op(x, group)
+    def forward(ctx, x, group, tensor_parallel_output_grad, dim):
+        ctx.group, ctx.reduce, ctx.dim = group, tensor_parallel_output_grad, dim
+        return all_gather_op(x, group, dim)
 
     @staticmethod
     @differentiable_once("gather_from_sequence_parallel_region")
     def backward(ctx, dy):
         if ctx.reduce:
-            return reduce_scatter_op(dy, ctx.group), None, None
-        return coll.split(dy, 0, ctx.group), None, None
+            return reduce_scatter_op(dy, ctx.group, ctx.dim), None, None, None
+        return coll.split(dy, ctx.dim, ctx.group), None, None, None
 
 
 class _ReduceScatterToSequenceRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_op(x, group)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter_op(x, group, dim)
 
     @staticmethod
     @differentiable_once("reduce_scatter_to_sequence_parallel_region")
     def backward(ctx, dy):
-        return all_gather_op(dy, ctx.group), None
+        return all_gather_op(dy, ctx.group, ctx.dim), None, None
 
 
 class PartialGrads:
@@ -207,7 +185,7 @@ class _GatherForColumnLayers(torch.autograd.Function):
     def forward(ctx, x, group, dim, partial):
         ctx.set_materialize_grads(False)
         ctx.group, ctx.dim, ctx.partial = group, dim, partial
-        return from_front(all_gather_op(to_front(x, dim), group), dim)
+        return all_gather_op(x, group, dim)
 
     @staticmethod
     @differentiable_once("gather_for_column_layers")
@@ -215,9 +193,9 @@ class _GatherForColumnLayers(torch.autograd.Function):
         partial, ctx.partial.grad = ctx.partial.grad, None
         dx = None
         if partial is not None:
-            dx = from_front(reduce_scatter_op(to_front(partial, ctx.dim), ctx.group), ctx.dim)
+            dx = reduce_scatter_op(partial, ctx.group, ctx.dim)
         if dy is not None:
-            mine = from_front(coll.split(to_front(dy, ctx.dim), 0, ctx.group), ctx.dim)
+            mine = coll.split(dy, ctx.dim, ctx.group)
             dx = mine if dx is None else dx + mine
         return dx, None, None, None
 
@@ -248,7 +226,7 @@ def gather_for_column_layers(x, group=None, *, sequence_dim: int = 0):
     if coll.group_size(group) == 1:
         return x
     if torch.compiler.is_compiling():
-        return _on(_GatherFromSequenceRegion, x, group, False, dim=d)
+        return _on(_GatherFromSequenceRegion, x, group, False, d)
     partial = PartialGrads(group)
     out = _GatherForColumnLayers.apply(x, group, d, partial)
     setattr(out, PARTIAL_GRADS, partial)
@@ -268,12 +246,11 @@ def partial_grads_of(x, group):
 # --- what the layers call (their arguments already checked and agreed with the group) ---------------
 
 
-def _on(function, x, group, *args, dim: int = 0):
-    """``function`` (a mapping's autograd function) of ``x``, along ``dim`` for a dim-0 one (moved
-    first, and back); ``x`` itself on one rank."""
+def _on(function, x, group, *args):
+    """``function`` (a mapping's autograd function) of ``x``; ``x`` itself on one rank."""
     if coll.group_size(group) == 1:
         return x
-    return from_front(function.apply(to_front(x, dim), group, *args), dim)
+    return function.apply(x, group, *args)
 
 
 def copy_to(x, group):
@@ -292,13 +269,15 @@ def gather_last_dim(x, group):
     return _on(_GatherFromRegion, x, group)
 
 
-def reduce_scatter_dim0(x, group):
-    return _on(_ReduceScatterToSequenceRegion, x, group)
+def reduce_scatter_dim0(x, group, dim: int = 0):
+    """This rank's block of dim 0 (or ``dim``) of the sum over the group, its gradient gathered."""
+    return _on(_ReduceScatterToSequenceRegion, x, group, dim)
 
 
-def gather_dim0(x, group):
-    """Every rank's block of dim 0, its gradient reduce-scattered back (a tensor-parallel consumer)."""
-    return _on(_GatherFromSequenceRegion, x, group, True)
+def gather_dim0(x, group, dim: int = 0):
+    """Every rank's block of dim 0 (or ``dim``), its gradient reduce-scattered back (a
+    tensor-parallel consumer)."""
+    return _on(_GatherFromSequenceRegion, x, group, True, dim)
 
 
 # --- the public mappings: checked, and agreed with the group, before any collective -----------------
@@ -355,7 +334,7 @@ def scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None, *, seq
     ``sequence_dim``: the dim to split instead (``[b, s, h] -> [b, s/p, h]`` with 1)."""
     group, d = _agreed("scatter_to_sequence_parallel_region", input_, group, sequence_dim=sequence_dim,
                        divisible=True)
-    return _on(_ScatterToSequenceRegion, input_, group, dim=d)
+    return _on(_ScatterToSequenceRegion, input_, group, d)
 
 
 def gather_from_sequence_parallel_region(
@@ -370,7 +349,7 @@ def gather_from_sequence_parallel_region(
     reduce = bool(tensor_parallel_output_grad)
     group, d = _agreed("gather_from_sequence_parallel_region", input_, group, sequence_dim=sequence_dim,
                        flags=f", tensor_parallel_output_grad {reduce}")
-    return _on(_GatherFromSequenceRegion, input_, group, reduce, dim=d)
+    return _on(_GatherFromSequenceRegion, input_, group, reduce, d)
 
 
 def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None, *,
@@ -380,4 +359,4 @@ def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None,
     ``sequence_dim``: the dim to reduce-scatter instead (``[b, s, h] -> [b, s/p, h]`` with 1)."""
     group, d = _agreed("reduce_scatter_to_sequence_parallel_region", input_, group, sequence_dim=sequence_dim,
                        divisible=True)
-    return _on(_ReduceScatterToSequenceRegion, input_, group, dim=d)
+    return _on(_ReduceScatterToSequenceRegion, input_, group, d)

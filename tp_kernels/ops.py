@@ -1,7 +1,7 @@
 """The three tensor-parallel primitives, differentiable, on any backend.
 
 With ``p`` ranks in ``group`` and dim 0 gathered/scattered rank-major (or the dim ``gather_dim`` /
-``scatter_dim`` names: a batch-first ``[b, s/p, k]``'s 1, moved first and back):
+``scatter_dim`` names: a batch-first ``[b, s/p, k]``'s 1, its blocks stacked along dim 0):
 
 =========================  =====================  ==========================================
 op                         math                   shapes (leading dims after the first kept)
@@ -40,7 +40,6 @@ from ._agreement import agree, describe
 from ._checks import check_choice, check_divisible, check_linear_args, check_split_dim
 from ._op_table import OPS
 from .dispatch import resolve, select_backend
-from .mappings import UNSAFE_VIEW, from_front, to_front
 from .schedule import resolve_num_chunks
 from .settings import BACKEND_NAMES
 
@@ -74,8 +73,12 @@ def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int]
     dims. ``group`` was resolved by the caller; ``prepare(x)``, the caller's own checks (of
     ``backend`` and ``num_chunks`` by the public ops below; the layers check theirs once, when
     they are made) and preparation of ``x``, runs first, in the agreement too. ``dim`` (checked as
-    the argument ``dim_name``): the dim of ``x`` gathered or scattered, when not 0: the op runs on
-    ``x.movedim(dim, 0)``, and its output is moved back (:func:`tp_kernels.mappings.from_front`)."""
+    the argument ``dim_name``): the dim of ``x`` gathered or scattered, when not 0. The op runs on
+    rows that are the blocks of that dim stacked rank-major: a gathered shard as it is, its output's
+    blocks then joined along ``dim`` (:func:`tp_kernels._collectives.join_blocks`); a scattered
+    input's blocks stacked first (:func:`tp_kernels._collectives.blocks_first`), the output this
+    rank's block as it comes. One copy either way (none when the dims before ``dim`` are all 1), and
+    one of the gradient in the backward."""
 
     p = coll.group_size(group)
 
@@ -93,10 +96,11 @@ def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int]
                 f"num_chunks {num_chunks}" + (f", {dim_name} {d}" if d else ""))
 
     x, weight, bias, dim = agree(op, group, check, fingerprint, hint=x)
-    if p == 1 and dim:  # (nothing gathered or scattered: the dim is the caller's layout alone)
-        dim, lead = 0, x
-    else:
-        lead = to_front(x, dim)  # (a view: the reshape below copies it)
+    if p == 1:  # (nothing gathered or scattered: the dim is the caller's layout alone)
+        dim = 0
+    # the op's rows, rank-major along dim 0: a gathered shard is one block as it is; the p blocks
+    # of a scattered dim are stacked first
+    lead = coll.blocks_first(x, dim, p) if op == "matmul_reduce_scatter" else x
     # 2-D as it is: a reshape costs ~2 µs of host time
     x2d = lead if lead.dim() == 2 else lead.reshape(-1, lead.shape[-1])
     impl = resolve(op, backend, x2d, p, group, weight, bias, num_chunks)
@@ -110,7 +114,8 @@ def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int]
     shape = (*_out_lead(op, lead.shape, p), weight.shape[0])
     # not a view of the 2-D result, which is ours alone (FSDP2 warns of a module whose output is a
     # view, as a language model's head's is)
-    return from_front(UNSAFE_VIEW(out, shape) if out.is_contiguous() else out.reshape(shape), dim)
+    out = coll.UNSAFE_VIEW(out, shape) if out.is_contiguous() else out.reshape(shape)
+    return coll.join_blocks(out, dim, p) if op == "all_gather_matmul" else out
 
 
 def _public(op: str, x, weight, bias, group, backend, num_chunks, dim=0, dim_name: str = "dim") -> torch.Tensor:
@@ -142,8 +147,8 @@ def all_gather_matmul(
         weight: ``[n/p, k]``, this rank's rows of the full ``[n, k]`` weight.
         bias: ``[n/p]`` or None.
         gather_dim: the dim of ``x`` to gather, if not 0 (any but the last; ``[b, s/p, k]`` →
-            ``[b, s, n/p]`` with 1): the op runs on ``x`` with that dim moved first, which copies
-            ``x`` and the output unless the dims before it are all 1.
+            ``[b, s, n/p]`` with 1): the GEMMs run on ``x`` as it is, and the gathered blocks of
+            the output are joined along that dim, a copy unless the dims before it are all 1.
     Returns:
         ``[m, ..., n/p]``.
     """
@@ -167,8 +172,9 @@ def matmul_reduce_scatter(
         weight: ``[n, k/p]``, this rank's columns of the full ``[n, k]`` weight.
         bias: ``[n]`` (full) or None; added once, after the reduction.
         scatter_dim: the dim of the output to scatter, if not 0 (any but the last; ``[b, s, k/p]``
-            → ``[b, s/p, n]`` with 1), its size divisible by p: the op runs on ``x`` with that dim
-            moved first, which copies ``x`` and the output unless the dims before it are all 1.
+            → ``[b, s/p, n]`` with 1), its size divisible by p: the GEMMs run on ``x`` with the
+            blocks of that dim stacked first, a copy unless the dims before it are all 1; the
+            output is this rank's block as it comes.
     Returns:
         ``[m/p, ..., n]``: rows ``[r*m/p, (r+1)*m/p)`` of dim 0 on rank r.
     """
