@@ -103,9 +103,10 @@ def check_against_torch_distributed(backend="auto", device="cpu", dtypes=DTYPES)
             if not sums:
                 continue
             y = _data(SHAPE[:dim % 3] + (SHAPE[dim % 3] * p,) + SHAPE[dim % 3 + 1:], dtype, device, seed=r + 100)
-            # torch's reduce-scatter of dim `dim`: over the tensor with that dim moved first (gloo's
-            # ring sums each element in an order that depends on where it lies in the buffer)
-            want = _torch_sum(y.movedim(dim, 0).contiguous()).chunk(p)[r].movedim(0, dim)
+            # torch's reduce-scatter of dim `dim`, as its functional reduce_scatter_tensor scatters
+            # one: over the dim's blocks stacked first (gloo's ring sums each element in an order
+            # that depends on where it lies in the buffer)
+            want = _torch_sum(y.unflatten(dim, (p, -1)).movedim(dim % 3, 0).contiguous())[r]
             _sum_matches(f"reduce_scatter dim {dim} {name}", comm.reduce_scatter(y, dim=dim), y, want, exact,
                          lambda t, d=dim: t.chunk(p, dim=d)[r])
         for src in {0, p - 1}:

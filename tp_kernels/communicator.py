@@ -246,7 +246,7 @@ class Communicator:
         d = self._agree("all_gather", x, lambda: self._dim(self._tensor("x", x), dim),
                         lambda d: f"x {describe(x)} dim {d}")
         stacked = self._dim0("all_gather", x, d)
-        return self._undo_dim0(stacked, x.shape, d)
+        return self._undo_dim0(stacked, d)
 
     def gather(self, x: torch.Tensor, dst: int = 0, dim: int = -1) -> Optional[torch.Tensor]:
         """:meth:`all_gather` on rank ``dst`` only; None on the other ranks."""
@@ -256,7 +256,7 @@ class Communicator:
 
         d = self._agree("gather", x, check, lambda d: f"x {describe(x)} dim {d} dst {dst}")
         stacked = self._dim0("gather", x, d, dst)
-        return self._undo_dim0(stacked, x.shape, d) if self.rank_in_group == dst else None
+        return self._undo_dim0(stacked, d) if self.rank_in_group == dst else None
 
     def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """This rank's block of dim ``dim`` of the sum of ``x`` over the ranks: ``[..., p*d, ...]``
@@ -269,10 +269,9 @@ class Communicator:
             return d
 
         d = self._agree("reduce_scatter", x, check, lambda d: f"x {describe(x)} dim {d}")
-        moved = x.movedim(d, 0).contiguous()
-        impl = self._impl("reduce_scatter", moved)
-        out = _library.op("reduce_scatter")(moved, coll.group_name(self.group), impl)
-        return out.movedim(0, d).contiguous() if d else out
+        stacked = coll.blocks_first(x, d, self.world_size).contiguous()  # (dim d's blocks along dim 0)
+        impl = self._impl("reduce_scatter", stacked)
+        return _library.op("reduce_scatter")(stacked, coll.group_name(self.group), impl)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s ``x`` into ``x`` on every rank (in place); returns ``x``."""
@@ -445,13 +444,9 @@ class Communicator:
             return _library.op("gather")(stacked_in, peer, name, impl)
         return _library.op("all_gather")(stacked_in, name, impl)
 
-    def _undo_dim0(self, stacked: torch.Tensor, shape, d: int) -> torch.Tensor:
+    def _undo_dim0(self, stacked: torch.Tensor, d: int) -> torch.Tensor:
         """``[p, *shape]`` (rank-major) as ``shape`` with dim ``d`` p times as long."""
-        out_shape = list(shape)
-        out_shape[d] *= self.world_size
-        if d == 0:
-            return stacked.reshape(out_shape)
-        return stacked.movedim(0, d).reshape(out_shape)
+        return coll.join_blocks(stacked.flatten(0, 1), d, self.world_size)
 
 
 #: (group key) -> (group, Communicator) for the module functions
