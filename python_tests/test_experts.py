@@ -240,25 +240,26 @@ def test_parallelize_moe_sequence_parallel(world, split):
     world.run(check_parallelize_moe_sequence_parallel, split)
 
 
-def _moe_model(kind: str, moe_intermediate: int = 8):
-    """A small transformers mixture of experts, float64, its experts run by transformers' plain
-    loop (``experts_implementation="eager"``: its grouped GEMM takes no float64)."""
+def _moe_model(kind: str, moe_intermediate: int = 8, experts: int = 4):
+    """A small transformers mixture of experts of ``experts`` routed experts, float64, its experts
+    run by transformers' plain loop (``experts_implementation="eager"``: its grouped GEMM takes no
+    float64)."""
     import transformers
 
     common = dict(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                   max_position_embeddings=64, attn_implementation="sdpa", experts_implementation="eager")
     if kind == "mixtral":
-        config = transformers.MixtralConfig(intermediate_size=moe_intermediate, num_local_experts=4,
+        config = transformers.MixtralConfig(intermediate_size=moe_intermediate, num_local_experts=experts,
                                             num_experts_per_tok=2, **common)
         model_class = transformers.MixtralForCausalLM
     elif kind == "qwen3_moe":  # (its first layer a dense MLP)
         config = transformers.Qwen3MoeConfig(intermediate_size=24, moe_intermediate_size=moe_intermediate,
-                                             num_experts=4, num_experts_per_tok=2, head_dim=4, mlp_only_layers=[0],
+                                             num_experts=experts, num_experts_per_tok=2, head_dim=4, mlp_only_layers=[0],
                                              **common)
         model_class = transformers.Qwen3MoeForCausalLM
     elif kind == "deepseek_v2":  # multi-head latent attention split over the ranks, its rotary key shared
         config = transformers.DeepseekV2Config(
-            intermediate_size=24, moe_intermediate_size=moe_intermediate, n_routed_experts=4, num_experts_per_tok=2,
+            intermediate_size=24, moe_intermediate_size=moe_intermediate, n_routed_experts=experts, num_experts_per_tok=2,
             n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4,
             qk_nope_head_dim=4, v_head_dim=4, **common)
         model_class = transformers.DeepseekV2ForCausalLM
@@ -270,7 +271,7 @@ def _moe_model(kind: str, moe_intermediate: int = 8):
         model_class = transformers.LongcatFlashForCausalLM
     else:  # DeepSeek-V3: a dense first layer, a shared expert beside the routed ones
         config = transformers.DeepseekV3Config(
-            intermediate_size=24, moe_intermediate_size=moe_intermediate, n_routed_experts=4, num_experts_per_tok=2,
+            intermediate_size=24, moe_intermediate_size=moe_intermediate, n_routed_experts=experts, num_experts_per_tok=2,
             n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=8, kv_lora_rank=8,
             qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, **common)
         model_class = transformers.DeepseekV3ForCausalLM
@@ -289,9 +290,10 @@ def _plan(model: nn.Module, parallelism: str) -> dict:
     return plan
 
 
-def check_hugging_face_moe(kind, parallelism="tp"):
+def check_hugging_face_moe(kind, parallelism="tp", experts=4):
     """A transformers mixture of experts parallelized by its own plan (:func:`_plan`: its experts
-    split by hidden units, or whole experts a rank): the logits and loss are the dense model's in
+    split by hidden units, or whole experts a rank, ``ceil(experts/p)`` of them, padded with zero
+    experts where p does not divide ``experts``): the logits and loss are the dense model's in
     float64, so is the gradient of every parameter and the norm ``clip_grad_norm_`` takes of it,
     and greedy generation gives the dense model's tokens.
 
@@ -306,15 +308,25 @@ def check_hugging_face_moe(kind, parallelism="tp"):
     experts too (``"moe_identity_expert"``: their input divided by p, for the sum over the
     group)."""
     r, p = rank_world()
-    dense = _moe_model(kind)
+    dense = _moe_model(kind, experts=experts)
     plan = _plan(dense, parallelism)
     par = tp_kernels.parallelize(copy.deepcopy(dense), plan, strict=kind != "deepseek_v2")
+    if parallelism == "ep" and p > 1:  # (rank r: experts [r c, (r+1) c) of the dense model's, then zero ones)
+        c = -(-experts // p)
+        for dense_layer, layer in zip(dense.model.layers, par.model.layers):
+            if hasattr(layer.mlp, "experts"):
+                assert layer.mlp.experts.num_experts == c
+                for name, q in layer.mlp.experts.named_parameters():
+                    want = dense_layer.mlp.experts.get_parameter(name)[r * c:(r + 1) * c]
+                    assert torch.equal(q[:len(want)], want) and not q[len(want):].any(), name
     ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
     identity_tokens = []  # (LongCat's identity experts drew tokens: what their style is for)
     for layer in dense.model.layers if kind == "longcat_flash" else ():
         layer.mlp.experts.identity_expert.register_forward_hook(lambda m, a, out: identity_tokens.append(len(out)))
     assert_same_loss_and_backward(dense, par, ids)
     assert sum(identity_tokens) > 0 or kind != "longcat_flash", identity_tokens
+    for name, q in par.named_parameters():  # (a rank whose experts no route reached too: zeros, as the dense model's)
+        assert q.grad is not None, f"{name}: no gradient on rank {r}"
     eps = 1e-12 if kind == "qwen3_moe" else 4 * torch.finfo(torch.float32).eps
     total = torch.linalg.vector_norm(torch.stack([q.grad.norm() for q in dense.parameters()]))
     torch.testing.assert_close(tp_kernels.clip_grad_norm_(par, 1e9), total, rtol=eps, atol=0)
@@ -346,19 +358,28 @@ def test_hugging_face_moe_expert_parallel(world, kind):
     world.run(check_hugging_face_moe, kind, "ep")
 
 
-def check_moe_checkpoint_across_sizes(path, parallelism="tp"):
+@pytest.mark.parametrize("world", [2, 4], indirect=True)
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_hugging_face_moe_uneven_experts(world, kind):
+    """5 experts: 3 and 2 on 2 ranks (the second's block padded by a zero expert); 2, 2, 1 and none
+    on 4 (the last rank's block all padding, so it holds no expert of the model)."""
+    world.run(check_hugging_face_moe, kind, "ep", 5)
+
+
+def check_moe_checkpoint_across_sizes(path, parallelism="tp", experts=4):
     """A mixture of experts parallelized over every rank takes an Adam step and saves
     ``sharded_state_dict`` and ``sharded_optimizer_state_dict`` with torch.distributed.checkpoint
     (each packed expert weight, and its moments, as its gate's and its up projection's entries,
     ``"...gate_up_proj[dim1][0]"`` and ``[1]``; whole experts a rank, ``"ep"``, as one entry of
-    which each rank holds rows); offline, ``dense_state_dict`` of the checkpoint is the dense
+    which each rank holds rows, without the padding that ends the last ranks' blocks where p does
+    not divide ``experts``); offline, ``dense_state_dict`` of the checkpoint is the dense
     model's weights and Adam moments; the same model over half the ranks loads both and holds the
     dense weights and moments. (Qwen 3 MoE: its gradients are float64's throughout.)"""
     import torch.distributed as dist
     from test_parallelize import _assert_dense_checkpoint, _assert_dense_moments, _load_with_dcp, _save_with_dcp
 
     r, p = rank_world()
-    dense = _moe_model("qwen3_moe")
+    dense = _moe_model("qwen3_moe", experts=experts)
     plan = _plan(dense, parallelism)
     wide = tp_kernels.parallelize(copy.deepcopy(dense), plan)
     packed = "model.layers.1.mlp.experts.gate_up_proj"
@@ -377,7 +398,7 @@ def check_moe_checkpoint_across_sizes(path, parallelism="tp"):
     tp_kernels.initialize_model_parallel(max(p // 2, 1))
     try:
         torch.manual_seed(1)
-        narrow = tp_kernels.parallelize(_moe_model("qwen3_moe").apply(_reset), plan)
+        narrow = tp_kernels.parallelize(_moe_model("qwen3_moe", experts=experts).apply(_reset), plan)
         narrow_opt = _load_with_dcp(narrow, f"{path}/moe")
         full = tp_kernels.full_state_dict(narrow)
         for key, value in dense.state_dict().items():
@@ -395,9 +416,9 @@ def _reset(m: nn.Module) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 4], indirect=True)
-@pytest.mark.parametrize("parallelism", ["tp", "ep"])
-def test_moe_checkpoint_across_sizes(world, tmp_path, parallelism):
-    world.run(check_moe_checkpoint_across_sizes, str(tmp_path), parallelism)
+@pytest.mark.parametrize("parallelism, experts", [("tp", 4), ("ep", 4), ("ep", 5)])
+def test_moe_checkpoint_across_sizes(world, tmp_path, parallelism, experts):
+    world.run(check_moe_checkpoint_across_sizes, str(tmp_path), parallelism, experts)
 
 
 def check_expert_plan_errors():
@@ -476,9 +497,8 @@ def check_expert_plan_errors():
     with pytest.raises(ValueError, match="sharded already"):
         shard_experts(experts, STYLES[False])
     whole = SPLITS["experts"][2]
-    with pytest.raises(ValueError, match=r"styles\['gate_up_proj'\]: dim 0 of 'gate_up_proj' \(4\) cannot be split "
-                                         r"into 8 equal blocks"):
-        check_styles(Experts(bias=True), whole, 8)
+    # (whole experts that p does not divide: split all the same, the last blocks padded)
+    assert check_styles(Experts(bias=True), whole, 8)["gate_up_proj"] == (0, (4,))
     unnumbered = Experts(bias=True)
     unnumbered.num_experts = 2
     with pytest.raises(ValueError, match=r"module: expert parallelism .* its num_experts must be its number of "

@@ -12,13 +12,15 @@ Megatron-LM's tensor-parallel experts, and transformers' ``moe_tp_experts`` styl
 
 Or the ranks split the experts themselves (expert parallelism over the tensor-parallel group,
 ``"experts"`` for every parameter: transformers' ``ep_dispatch_experts`` with ``grouped_gemm``,
-``DistributedConfig(ep_implementation="all_reduce")``): each rank holds ``E/p`` whole experts and
-runs them on the tokens routed to them, of the tokens every rank holds alike; a route to an expert
-held elsewhere reaches this rank's experts as the expert id ``E/p`` with weight 0, which
+``DistributedConfig(ep_implementation="all_reduce")``): each rank holds ``c = ceil(E/p)`` whole
+experts and runs them on the tokens routed to them, of the tokens every rank holds alike; a route
+to an expert held elsewhere reaches this rank's experts as the expert id ``c`` with weight 0, which
 transformers' experts skip, and the ranks' outputs are summed as above. No token moves, so no
 count is read back to the host; each expert's matrices stay whole (a GEMM as large as the dense
-model's), and an expert count p divides is all it needs, where the hidden-unit split needs each
-expert's hidden units divided.
+model's), and any expert count will do (where p does not divide it, the last ranks' blocks end in
+zero experts that no route reaches, as ``torch.chunk`` and a ``DTensor``'s ``Shard`` split it:
+Qwen1.5-MoE's 60 over 8 ranks), where the hidden-unit split needs each expert's hidden units
+divided.
 
 The router stays whole on every rank (it must route alike: it sees the same tokens and holds the
 same weights). In the backward, the gradients of the experts' floating-point inputs (the hidden
@@ -38,7 +40,7 @@ import torch.nn as nn
 
 from . import _collectives as coll
 from ._agreement import agree, describe
-from .layers import ParameterSplit, split_in_place
+from .layers import ParameterSplit, split_block, split_in_place
 from .mappings import all_gather_op, copy_to, gather_dim0, reduce_from, reduce_scatter_dim0
 
 __all__ = ["PARAMETER_STYLES", "WHOLE_EXPERTS", "check_styles", "shard_experts", "shard_parameters",
@@ -74,11 +76,13 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
     ranks that routed different token counts raise together, before the sum.
 
     With ``"experts"`` for every parameter (expert parallelism: a 3-D weight's or a 2-D
-    ``[experts, out]`` bias's dim 0), each rank holds experts ``[r E/p, (r+1) E/p)`` whole and
-    ``module.num_experts`` becomes ``E/p``. ``module`` is called as transformers' experts are,
+    ``[experts, out]`` bias's dim 0), each rank holds experts ``[r c, (r+1) c)`` whole, ``c =
+    ceil(E/p)`` (where p does not divide E, the last ranks' blocks end in zero experts, which no
+    route reaches and whose gradients are zero), and ``module.num_experts`` becomes ``c``.
+    ``module`` is called as transformers' experts are,
     ``(hidden_states, top_k_index, top_k_weights)`` (its forward's first three parameters, by
     position or name), the expert ids global; it gets this rank's local ids, and for a route to an
-    expert held elsewhere the id ``E/p`` with weight 0, which it must skip (transformers' experts
+    expert held elsewhere the id ``c`` with weight 0, which it must skip (transformers' experts
     do: their loop's ``expert_idx == self.num_experts``, and the grouped GEMMs' sentinel rows, which
     ``_is_expert_parallel``, set here, turns on). Its output is summed as above, and the gradient of
     each routing weight comes from the rank holding its expert.
@@ -92,7 +96,8 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
     whole and applies to its block) then needs :func:`tp_kernels.allreduce_sequence_parallel_grads`.
 
     Every parameter ``module`` holds must be named (a parameter every rank held whole, an
-    expert's output bias, would be added p times) and its parts must divide by the group's size;
+    expert's output bias, would be added p times) and its parts must divide by the group's size
+    (but for whole experts);
     each is checked (:func:`check_styles`), with the ``ValueError`` naming it, before anything
     changes. Returns ``module``; with one rank, its parameters stay the same objects, and nothing
     is hooked.
@@ -107,7 +112,7 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
     by_expert = _by_expert(styles)
     local = signature = routing = None
     if by_expert:
-        local = module.num_experts = module.num_experts // p  # (this rank's experts)
+        local = module.num_experts = split_block(module.num_experts, p, r)[0]  # (this rank's experts, padding too)
         signature = _routing_arguments(module)  # (made once: it binds every call)
         routing = tuple(signature.parameters)[:3]  # (hidden states, expert ids, weights)
         if hasattr(module, "_is_expert_parallel"):  # (transformers' grouped GEMMs then skip the sentinel rows)
@@ -152,11 +157,48 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
         if not isinstance(output, torch.Tensor):
             raise TypeError(f"tp_kernels: {call} returned a {type(output).__name__}; its output must be one tensor, "
                             "the sum of its experts' outputs, which is summed over the group")
-        return reduce_scatter_dim0(output, group) if sequence_parallel else reduce_from(output, group)
+        summed = reduce_scatter_dim0(output, group) if sequence_parallel else reduce_from(output, group)
+        if by_expert and torch.is_grad_enabled():  # (args: what before gave the module; see _AfterInputs)
+            params = tuple(q for q in mod.parameters() if q.requires_grad)
+            inputs = [t for _, t in tensors(args, kwargs) if t.requires_grad]
+            return _AfterInputs.apply(summed, params, *params, *inputs)
+        return summed
 
     module.register_forward_pre_hook(before, with_kwargs=True)
     module.register_forward_hook(after, with_kwargs=True)
     return module
+
+
+class _AfterInputs(torch.autograd.Function):
+    """``output`` itself, made to depend on ``inputs`` (after the experts' ``params``): backward,
+    its gradient, and a zero one for each input. Under expert parallelism a rank whose experts no
+    route reached computes its output without its inputs or its experts' weights, so the backward
+    of the inputs' collectives (the sum of their gradients over the group) would not run there
+    while it runs on the other ranks; through this it runs on every rank, in the same order. And
+    the ``params`` the backward accumulates into but that get no gradient get zeros, at its end, as
+    the dense model's weight of every expert has a gradient (zero for an expert no token reached):
+    an optimizer's momentum and weight decay then step them as they step the dense model's."""
+
+    @staticmethod
+    def forward(ctx, output, params, *inputs):
+        ctx.params, ctx.inputs = params, [(t.shape, t.dtype, t.device) for t in inputs[len(params):]]
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, dy):
+        # (the parameters are inputs too, gradient None, only so that the engine says whether it
+        # accumulates into them: not for torch.autograd.grad of other tensors)
+        accumulated = [q for q in ctx.params
+                       if torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(q).node)]
+
+        def zeros_where_none():
+            for q in accumulated:
+                if q.grad is None:
+                    q.grad = torch.zeros_like(q)
+
+        torch.autograd.Variable._execution_engine.queue_callback(zeros_where_none)
+        return (dy, None, *(None for _ in ctx.params),
+                *(torch.zeros((), dtype=dtype, device=device).expand(shape) for shape, dtype, device in ctx.inputs))
 
 
 def share_identity_expert(module: nn.Module, group=None) -> nn.Module:
@@ -287,7 +329,7 @@ def check_styles(module: nn.Module, styles: Mapping[str, str], p: int, *, every:
                              f"{what} one after the other in {name!r} (transformers' has_gate and is_concatenated), "
                              f"so {style!r} would give a rank gate {what} or up {what}, not its block of each: use "
                              f"{'packed_' + style!r}")
-        if size % (parts * p):
+        if size % (parts * p) and style != WHOLE_EXPERTS:  # (whole experts: the last blocks padded)
             raise ValueError(f"styles[{name!r}]: dim {dim} of {name!r} ({size}"
                              f"{f', {parts} packed parts of {size / parts:g}' if parts > 1 else ''}) cannot be split "
                              f"into {p} equal blocks{' each' if parts > 1 else ''} for the tensor-parallel size {p}")

@@ -613,12 +613,13 @@ def full_of(blocks: torch.Tensor, dim: int, layer: nn.Module) -> torch.Tensor:
 class ParameterSplit:
     """How a parameter sharded in place, outside the parallel layers, is split (an expert weight of
     a mixture of experts, :func:`tp_kernels.experts.shard_experts`): the attributes of a parallel
-    layer that :func:`block_of`, :func:`full_of` and :func:`own_pieces` read. ``parts``: the sizes of
-    the parts its split dim is made of (one; two for a packed ``[gate; up]``), each split into
-    ``p`` equal blocks, none padded, none replicated."""
+    layer that :func:`block_of`, :func:`full_of`, :func:`own_pieces` and the checkpoints read.
+    ``parts``: the sizes of the parts its split dim is made of (one; two for a packed ``[gate;
+    up]``), each split into ``p`` blocks, none replicated; one part p does not divide (whole
+    experts) is split as :func:`split_block` says, this rank's block ending in ``pad_rows`` rows of
+    padding."""
 
     head_size = None
-    pad_rows = 0
 
     def __init__(self, group, parts: Sequence[int]):
         self.group = group
@@ -626,6 +627,7 @@ class ParameterSplit:
         self.tp_rank = coll.group_rank(group)
         self.split_parts = tuple(parts)
         self.split_blocks = (self.tp_size,) * len(self.split_parts)
+        self.pad_rows = split_block(parts[0], self.tp_size, self.tp_rank)[1] if len(parts) == 1 else 0
 
 
 def split_in_place(module: nn.Module, splits: Dict[str, tuple]) -> None:

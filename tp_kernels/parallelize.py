@@ -39,7 +39,7 @@ STYLES = {
     # its output summed over the group (experts.shard_experts)
     "moe_tp_experts": (nn.Module, None),
     # kept as it is, its expert weights, named "experts" by parameter, split into whole experts (each
-    # rank E/p of them), the routes to other ranks' experts skipped, its output summed over the group
+    # rank ceil(E/p) of them), the routes to other ranks' experts skipped, its output summed over the group
     # (experts.shard_experts): transformers' ep_dispatch_experts with DistributedConfig's
     # ep_implementation="all_reduce", over the tensor-parallel group
     "moe_ep_experts": (nn.Module, None),
@@ -125,7 +125,7 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     parameter-name entries of the plan, ``"layers.*.experts.gate_up_proj": "packed_colwise"``, in
     the styles of :data:`tp_kernels.experts.PARAMETER_STYLES`, and their output summed over the
     group: :func:`tp_kernels.experts.shard_experts`) or ``"moe_ep_experts"`` (the same, its
-    experts split whole, ``E/p`` a rank, by ``"experts"`` entries for its weights: expert
+    experts split whole, ``ceil(E/p)`` a rank, by ``"experts"`` entries for its weights: expert
     parallelism over the group, transformers' ``ep_dispatch_experts`` and ``grouped_gemm``, so that
     ``{**model.tp_plan, **model.ep_plan}`` is a plan), ``"moe_identity_expert"`` (an identity
     expert inside ``"moe_tp_experts"`` experts, LongCat-Flash's, kept, its input divided by p for
