@@ -50,6 +50,23 @@ class Experts(nn.Module):
         return out
 
 
+class RoutedExperts(Experts):
+    """:class:`Experts` that run only the experts some token is routed to, as transformers' loop
+    does (its ``expert_hit``): where no route reaches them, neither their weights nor the tokens are
+    used."""
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        for e in top_k_index.unique().tolist():
+            if e == self.num_experts:  # (a route to an expert held elsewhere)
+                continue
+            token, slot = torch.where(top_k_index == e)
+            gate, up = F.linear(hidden[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e], self.down_bias[e]) * top_k_weights[token, slot, None]
+            out = out.index_add(0, token, y)
+        return out
+
+
 STYLES = {False: {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"},
           True: {"gate_up_proj": "packed_rowwise", "down_proj": "colwise"}}
 #: each split: (the module's layout, transposed; whether it has an output bias; the styles)
@@ -100,6 +117,45 @@ def check_experts_against_dense(split, device="cpu"):
 @pytest.mark.parametrize("split", list(SPLITS))
 def test_experts_against_dense(world, split):
     world.run(check_experts_against_dense, split)
+
+
+def check_rank_without_routes():
+    """Expert parallelism where every token is routed to rank 0's experts, and the other ranks'
+    experts, which run only the experts routed to (:class:`RoutedExperts`), use neither their
+    weights nor the tokens: the backward still sums the hidden states' and routing weights'
+    gradients on every rank (without which the ranks' collectives no longer match, and the group
+    aborts), and every rank's expert weights get a gradient, zero where no route reached them, as
+    the dense module's; the output and every gradient are the dense module's, and an SGD step with
+    momentum and weight decay gives its weights."""
+    r, p = rank_world()
+    torch.manual_seed(0)
+    dense = RoutedExperts(bias=True)
+    par = shard_experts(copy.deepcopy(dense), SPLITS["experts"][2])
+    c = -(-E // p)
+    outs = []
+    for model in (dense, par):
+        hidden, logits, _, _ = routed(1)
+        weights, index = logits[:, :c].softmax(-1).topk(min(TOP, c), dim=-1)  # (experts [0, c): rank 0's)
+        y = model(hidden, index, weights)
+        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+        outs.append((y.detach(), hidden.grad, logits.grad))
+    for name, want, got in zip(("output", "hidden.grad", "logits.grad"), *outs):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13, msg=lambda m: f"{name}: {m}")
+    for name, q in par.named_parameters():
+        assert q.grad is not None, f"{name}: no gradient on rank {r}"
+    grads = full_grads(par)
+    for name, q in dense.named_parameters():
+        torch.testing.assert_close(grads[name], q.grad, rtol=1e-12, atol=1e-13, msg=lambda m: f"{name}.grad: {m}")
+    for model in (dense, par):
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1).step()
+    full = tp_kernels.full_state_dict(par)
+    for name, q in dense.named_parameters():
+        torch.testing.assert_close(full[name], q.detach(), rtol=1e-12, atol=1e-13, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("world", [2, 4], indirect=True)
+def test_rank_without_routes(world):
+    world.run(check_rank_without_routes)
 
 
 class _SharedExperts(nn.Module):

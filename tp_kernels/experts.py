@@ -159,9 +159,9 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
                             "the sum of its experts' outputs, which is summed over the group")
         summed = reduce_scatter_dim0(output, group) if sequence_parallel else reduce_from(output, group)
         if by_expert and torch.is_grad_enabled():  # (args: what before gave the module; see _AfterInputs)
-            params = tuple(q for q in mod.parameters() if q.requires_grad)
-            inputs = [t for _, t in tensors(args, kwargs) if t.requires_grad]
-            return _AfterInputs.apply(summed, params, *params, *inputs)
+            inputs = [q for q in mod.parameters() if q.requires_grad]
+            inputs += [t for _, t in tensors(args, kwargs) if t.requires_grad]
+            return _AfterInputs.apply(summed, *inputs)
         return summed
 
     module.register_forward_pre_hook(before, with_kwargs=True)
@@ -170,35 +170,25 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
 
 
 class _AfterInputs(torch.autograd.Function):
-    """``output`` itself, made to depend on ``inputs`` (after the experts' ``params``): backward,
-    its gradient, and a zero one for each input. Under expert parallelism a rank whose experts no
-    route reached computes its output without its inputs or its experts' weights, so the backward
-    of the inputs' collectives (the sum of their gradients over the group) would not run there
-    while it runs on the other ranks; through this it runs on every rank, in the same order. And
-    the ``params`` the backward accumulates into but that get no gradient get zeros, at its end, as
-    the dense model's weight of every expert has a gradient (zero for an expert no token reached):
-    an optimizer's momentum and weight decay then step them as they step the dense model's."""
+    """``output`` itself, made to depend on ``inputs`` (the experts' parameters and the tensors
+    they were called with): backward, its gradient, and a zero one for each input. Under expert
+    parallelism a rank whose experts no route reached computes its output without its inputs or its
+    experts' weights, so the backward of the inputs' collectives (the sum of their gradients over
+    the group) would not run there while it runs on the other ranks, and its weights would get no
+    gradient. Through this the collectives run on every rank, in the same order, and every weight
+    gets a gradient, zero for an expert no token reached, as the dense model's weight of every
+    expert has: an optimizer's momentum and weight decay step it as they step the dense model's,
+    and FSDP2 reduce-scatters it on every data-parallel rank. (The cost: a zero added to each
+    weight's gradient, a pass over its memory.)"""
 
     @staticmethod
-    def forward(ctx, output, params, *inputs):
-        ctx.params, ctx.inputs = params, [(t.shape, t.dtype, t.device) for t in inputs[len(params):]]
+    def forward(ctx, output, *inputs):
+        ctx.inputs = [(t.shape, t.dtype, t.device) for t in inputs]
         return output.view_as(output)
 
     @staticmethod
     def backward(ctx, dy):
-        # (the parameters are inputs too, gradient None, only so that the engine says whether it
-        # accumulates into them: not for torch.autograd.grad of other tensors)
-        accumulated = [q for q in ctx.params
-                       if torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(q).node)]
-
-        def zeros_where_none():
-            for q in accumulated:
-                if q.grad is None:
-                    q.grad = torch.zeros_like(q)
-
-        torch.autograd.Variable._execution_engine.queue_callback(zeros_where_none)
-        return (dy, None, *(None for _ in ctx.params),
-                *(torch.zeros((), dtype=dtype, device=device).expand(shape) for shape, dtype, device in ctx.inputs))
+        return (dy, *(torch.zeros((), dtype=dtype, device=device).expand(shape) for shape, dtype, device in ctx.inputs))
 
 
 def share_identity_expert(module: nn.Module, group=None) -> nn.Module:
