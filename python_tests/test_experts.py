@@ -313,6 +313,11 @@ def _moe_model(kind: str, moe_intermediate: int = 8, experts: int = 4):
                                              num_experts=experts, num_experts_per_tok=2, head_dim=4, mlp_only_layers=[0],
                                              **common)
         model_class = transformers.Qwen3MoeForCausalLM
+    elif kind == "qwen2_moe":  # (a shared expert beside the routed ones, its output gated; a dense first layer)
+        config = transformers.Qwen2MoeConfig(intermediate_size=24, moe_intermediate_size=moe_intermediate,
+                                             shared_expert_intermediate_size=12, num_experts=experts,
+                                             num_experts_per_tok=2, mlp_only_layers=[0], **common)
+        model_class = transformers.Qwen2MoeForCausalLM
     elif kind == "deepseek_v2":  # multi-head latent attention split over the ranks, its rotary key shared
         config = transformers.DeepseekV2Config(
             intermediate_size=24, moe_intermediate_size=moe_intermediate, n_routed_experts=experts, num_experts_per_tok=2,
@@ -403,7 +408,7 @@ def check_hugging_face_moe(kind, parallelism="tp", experts=4):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3", "longcat_flash"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "longcat_flash"])
 def test_hugging_face_moe(world, kind):
     world.run(check_hugging_face_moe, kind)
 
@@ -415,10 +420,11 @@ def test_hugging_face_moe_expert_parallel(world, kind):
 
 
 @pytest.mark.parametrize("world", [2, 4], indirect=True)
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_hugging_face_moe_uneven_experts(world, kind):
-    """5 experts: 3 and 2 on 2 ranks (the second's block padded by a zero expert); 2, 2, 1 and none
-    on 4 (the last rank's block all padding, so it holds no expert of the model)."""
+    """5 experts (Qwen2-MoE's 60 do not divide by 8 either): 3 and 2 on 2 ranks (the second's block
+    padded by a zero expert); 2, 2, 1 and none on 4 (the last rank's block all padding, so it holds
+    no expert of the model)."""
     world.run(check_hugging_face_moe, kind, "ep", 5)
 
 
