@@ -119,7 +119,7 @@ def test_experts_against_dense(world, split):
     world.run(check_experts_against_dense, split)
 
 
-def check_rank_without_routes():
+def check_rank_without_routes(device="cpu"):
     """Expert parallelism where every token is routed to rank 0's experts, and the other ranks'
     experts, which run only the experts routed to (:class:`RoutedExperts`), use neither their
     weights nor the tokens: the backward still sums the hidden states' and routing weights'
@@ -129,15 +129,15 @@ def check_rank_without_routes():
     momentum and weight decay gives its weights."""
     r, p = rank_world()
     torch.manual_seed(0)
-    dense = RoutedExperts(bias=True)
+    dense = RoutedExperts(bias=True).to(device)
     par = shard_experts(copy.deepcopy(dense), SPLITS["experts"][2])
     c = -(-E // p)
     outs = []
     for model in (dense, par):
-        hidden, logits, _, _ = routed(1)
+        hidden, logits, _, _ = routed(1, device)
         weights, index = logits[:, :c].softmax(-1).topk(min(TOP, c), dim=-1)  # (experts [0, c): rank 0's)
         y = model(hidden, index, weights)
-        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype, device=device).view_as(y)).sum().backward()
         outs.append((y.detach(), hidden.grad, logits.grad))
     for name, want, got in zip(("output", "hidden.grad", "logits.grad"), *outs):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13, msg=lambda m: f"{name}: {m}")

@@ -930,6 +930,13 @@ def test_experts_with_several_nccl_ranks(shared_gpu_world, split):
     shared_gpu_world.run(test_experts.check_experts_against_dense, split, "cuda")
 
 
+def test_experts_rank_without_routes_with_several_nccl_ranks(shared_gpu_world):
+    """Whole experts a rank, every token routed to rank 0's, over NCCL ranks sharing the GPU: the
+    other ranks' backward still sums the inputs' gradients (where NCCL would wait for it until the
+    timeout), and their weights get zero gradients."""
+    shared_gpu_world.run(test_experts.check_rank_without_routes, "cuda")
+
+
 @pytest.mark.parametrize("split", ["packed_colwise", "experts"])
 def test_experts_sequence_parallel_with_several_nccl_ranks(shared_gpu_world, split):
     """The experts under sequence parallelism over NCCL ranks sharing the GPU (the tokens gathered,
