@@ -160,6 +160,36 @@ def test_vectors_scalars_and_empty_tensors(world):
     world.run(check_vectors_scalars_and_empty_tensors, deadline_s=DEADLINE_S)
 
 
+def check_variable_sizes(device="cpu"):
+    """``all_gatherv`` and ``reduce_scatterv`` along dims 0, 1 and -1, with sizes that differ from
+    rank to rank (some 0; all 0 on one rank) and equal ones, in int64 and float64 (integer values:
+    every sum exact): the gathered tensor is every rank's joined in rank order, and each rank's
+    block of the sum is its ``sizes[r]`` elements, exactly, on every rank."""
+    r, p = rank_world()
+    comm = Communicator(device=device)
+    for sizes in ([i % 3 for i in range(p)], [2] * p):
+        for dim in (0, 1, -1):
+            for dtype in (torch.int64, torch.float64):
+                def data(rank, size):
+                    shape = list(SHAPE)
+                    shape[dim] = size
+                    g = torch.Generator().manual_seed(100 * rank + size)
+                    return torch.randint(-1000, 1000, shape, generator=g).to(device, dtype)
+
+                what = f"sizes {sizes} dim {dim} {dtype}"
+                got = comm.all_gatherv(data(r, sizes[r]), sizes, dim=dim)
+                _same(f"all_gatherv {what}", got, torch.cat([data(q, n) for q, n in enumerate(sizes)], dim))
+                got = comm.reduce_scatterv(data(r, sum(sizes)), sizes, dim=dim)
+                total = sum(data(q, sum(sizes)) for q in range(p))
+                _same(f"reduce_scatterv {what}", got, total.split(sizes, dim)[r].contiguous())
+                assert got.is_contiguous(), what
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_variable_sizes(world):
+    world.run(check_variable_sizes, deadline_s=DEADLINE_S)
+
+
 # --- bad inputs: the same on every rank, so every rank raises its own ValueError ---------------------
 
 #: (call on a communicator, the ValueError's message); every rank makes the same bad call
@@ -179,6 +209,13 @@ BAD_CALLS = [
     (lambda c, p: c.reduce_scatter(torch.ones(2, 3 * p + 1), dim=1),
      r"x: dim 1 of \[2, \d+\] \(\d+\) is not divisible by the group's \d+ ranks"),
     (lambda c, p: c.reduce_scatter(torch.ones(2, dtype=torch.complex64)), r"x: expected a real number dtype"),
+    (lambda c, p: c.all_gatherv(torch.ones(2, 3), [2] * (p + 1)), r"sizes: expected a list of \d+ non-negative ints"),
+    (lambda c, p: c.all_gatherv(torch.ones(2, 3), [-1] + [2] * (p - 1)), r"sizes: expected a list of .*got \[-1"),
+    (lambda c, p: c.all_gatherv(torch.ones(2, 3), [3] * p, dim=1.0), r"dim: expected an int, got 1.0"),
+    (lambda c, p: c.all_gatherv(torch.ones(2, 3), [2] * p, dim=1),
+     r"x: dim 1 of \[2, 3\] is 3, but sizes\[\d\] \(this rank's\) is 2"),
+    (lambda c, p: c.reduce_scatterv(torch.ones(2, 3), [2] * p, dim=1), r"x: dim 1 of \[2, 3\] is 3, but sizes \[2.*\] sum to \d"),
+    (lambda c, p: c.reduce_scatterv(torch.ones(p, dtype=torch.bool), [1] * p), r"x: expected a real number dtype"),
     (lambda c, p: c.broadcast(torch.ones(2), src=p), r"src: expected a rank of the group's \d+, got \d+"),
     (lambda c, p: c.send(torch.ones(2), dst=dist.get_rank()), r"dst: expected (another rank|a rank)"),
     (lambda c, p: c.recv((2,), torch.float32, src=dist.get_rank()), r"src: expected (another rank|a rank)"),
@@ -349,6 +386,8 @@ DISAGREEMENTS = {
     "root": lambda c, r: c.broadcast(torch.ones(2), src=1 if r == 1 else 0),
     "collective": lambda c, r: c.all_reduce(torch.ones(2)) if r == 1 else c.broadcast(torch.ones(2)),
     "bad on one rank": lambda c, r: c.reduce_scatter(torch.ones(5 if r == 1 else 4 * dist.get_world_size())),
+    "sizes": lambda c, r: c.all_gatherv(torch.ones(1, 2), [2 if q != r and r == 1 else 1
+                                                           for q in range(dist.get_world_size())]),
     "dict root": lambda c, r: c.broadcast_tensor_dict({"x": torch.ones(2)}, src=1 if r == 1 else 0),
 }
 
@@ -562,7 +601,9 @@ def check_compiled_communicator(device="cpu"):
         out = torch.empty_like(y)
         comm.all_reduce(y - 1, out=out)  # into another tensor
         z = comm.all_gather(y + out, dim=-1)
-        return comm.reduce_scatter(z.relu(), dim=-1) + 1
+        sizes = [q % 2 + 1 for q in range(p)]  # (rows that differ from rank to rank)
+        v = comm.reduce_scatterv(comm.all_gatherv(y[:sizes[r]], sizes) * 3, sizes)
+        return comm.reduce_scatter(z.relu(), dim=-1) + 1, v
 
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(r)).to(device)
     eager = step(x)
@@ -574,7 +615,7 @@ def check_compiled_communicator(device="cpu"):
         return gm.forward
 
     compiled = torch.compile(step, backend=record, fullgraph=True)(x)
-    assert torch.equal(compiled, eager)
+    assert all(torch.equal(c, e) for c, e in zip(compiled, eager))
     ops = torch.ops.tp_kernels
     assert {ops.all_reduce, ops.all_gather, ops.reduce_scatter} <= set(targets), targets  # one node each
     assert all(any(name in str(t) for t in targets) for name in ("all_reduce_inplace", "all_reduce_out")), targets

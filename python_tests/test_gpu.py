@@ -621,6 +621,11 @@ def test_communicator_against_torch_distributed_on_one_gpu(shared_gpu_world, bac
     shared_gpu_world.run(test_communicator.check_against_torch_distributed, backend, "cuda", COMM_DTYPES)
 
 
+def test_variable_sizes_with_several_nccl_ranks(shared_gpu_world):
+    """``all_gatherv`` and ``reduce_scatterv`` over NCCL ranks sharing the GPU, exact."""
+    shared_gpu_world.run(test_communicator.check_variable_sizes, "cuda")
+
+
 def test_broadcast_tensor_dict_with_several_nccl_ranks(shared_gpu_world):
     """GPU tensors over NCCL and host tensors beside them (over the default group's host twin)."""
     shared_gpu_world.run(test_communicator.check_broadcast_tensor_dict, "cuda")

@@ -3,7 +3,8 @@
 Inference engines (vLLM, SGLang) call a communicator rather than layers: ``all_reduce`` after a
 row-parallel projection, ``all_gather`` / ``gather`` of the logits, ``broadcast`` of a tensor
 and ``broadcast_tensor_dict`` of the batch's inputs, ``send`` / ``recv`` between pipeline
-stages. :class:`Communicator` has those methods, with the dimension handling such engines expect
+stages, ``all_gatherv`` / ``reduce_scatterv`` of data-parallel ranks' different token counts.
+:class:`Communicator` has those methods, with the dimension handling such engines expect
 (any dim, any leading shape), over any process group, and the module functions
 :func:`tensor_model_parallel_all_reduce`, ``..._all_gather``, ``..._gather``,
 ``..._reduce_scatter`` and :func:`broadcast_tensor_dict` use the tensor-parallel group's.
@@ -201,6 +202,28 @@ class Communicator:
             raise ValueError(f"{name}: expected another rank than this one ({rank})")
         return rank
 
+    def _agree_sizes(self, call: str, x, sizes, dim, own: bool) -> int:
+        """``x``'s dim ``dim`` of :meth:`all_gatherv` (``own``: ``sizes[r]`` is this rank's) or
+        :meth:`reduce_scatterv` (their sum), checked with ``sizes``, a size per rank, and the call
+        agreed with the group (``x``'s size along that dim differs from rank to rank in the first)."""
+        def check():
+            d = self._dim(self._tensor("x", x, reduces=not own), dim)
+            if not (isinstance(sizes, (list, tuple)) and len(sizes) == self.world_size
+                    and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes)):
+                raise ValueError(f"sizes: expected a list of {self.world_size} non-negative ints (one per rank of "
+                                 f"the group), got {sizes!r}")
+            r = self.rank_in_group
+            if own and x.shape[d] != sizes[r]:
+                raise ValueError(f"x: dim {d} of {list(x.shape)} is {x.shape[d]}, but sizes[{r}] (this rank's) is "
+                                 f"{sizes[r]}")
+            if not own and x.shape[d] != sum(sizes):
+                raise ValueError(f"x: dim {d} of {list(x.shape)} is {x.shape[d]}, but sizes {list(sizes)} sum to "
+                                 f"{sum(sizes)}")
+            return d
+
+        return self._agree(call, x, check, lambda d: f"x {_shape_but(x, d) if own else describe(x)} dim {d} "
+                                                     f"sizes {list(sizes)}")
+
     def _agree(self, call: str, x, check, describe_call):
         return agree(f"Communicator.{call}", self.group, check, describe_call, hint=x)
 
@@ -272,6 +295,41 @@ class Communicator:
         stacked = coll.blocks_first(x, d, self.world_size).contiguous()  # (dim d's blocks along dim 0)
         impl = self._impl("reduce_scatter", stacked)
         return _library.op("reduce_scatter")(stacked, coll.group_name(self.group), impl)
+
+    def all_gatherv(self, x: torch.Tensor, sizes: Sequence[int], dim: int = 0) -> torch.Tensor:
+        """:meth:`all_gather` of tensors whose ``dim`` differs from rank to rank, rank r's
+        ``sizes[r]`` (vLLM's ``all_gatherv``: data-parallel ranks of different token counts):
+        ``[..., sizes[r], ...]`` -> ``[..., sum(sizes), ...]``, rank-major, the same on every rank.
+        ``sizes`` is the same list on every rank. It runs as the all-gather of ``x`` padded to
+        ``max(sizes)`` along ``dim`` (on the path :meth:`all_gather` would take for that): a copy in,
+        the padding on the wire, and the ranks' parts joined, a copy out."""
+        d = self._agree_sizes("all_gatherv", x, sizes, dim, own=True)
+        widest = max(sizes)
+        if not widest:  # (nothing to gather)
+            return x.clone()
+        padded = x.new_zeros((*x.shape[:d], widest, *x.shape[d + 1:]))
+        padded.narrow(d, 0, x.shape[d]).copy_(x)
+        stacked = self._dim0("all_gather", padded, d)  # [p, ..., widest, ...]
+        return torch.cat([stacked[r].narrow(d, 0, size) for r, size in enumerate(sizes)], d)
+
+    def reduce_scatterv(self, x: torch.Tensor, sizes: Sequence[int], dim: int = 0) -> torch.Tensor:
+        """:meth:`reduce_scatter` into blocks of different sizes: rank r keeps elements
+        ``[sum(sizes[:r]), sum(sizes[:r + 1]))`` of ``dim`` of the sum of ``x`` over the ranks
+        (vLLM's ``reduce_scatterv``): ``[..., sum(sizes), ...]`` -> ``[..., sizes[r], ...]``.
+        ``sizes`` is the same list on every rank. It runs as the reduce-scatter of the blocks each
+        padded to ``max(sizes)``: a copy in, the padding on the wire and in the sum."""
+        d = self._agree_sizes("reduce_scatterv", x, sizes, dim, own=False)
+        widest = max(sizes)
+        if not widest:  # (nothing to scatter)
+            return x.clone()
+        stacked = x.new_zeros((self.world_size, *x.shape[:d], widest, *x.shape[d + 1:]))
+        for r, block in enumerate(x.split(list(sizes), d)):
+            stacked[r].narrow(d, 0, block.shape[d]).copy_(block)
+        stacked = stacked.flatten(0, 1)  # (rank r's block, padded, at rows [r*b, (r+1)*b))
+        impl = self._impl("reduce_scatter", stacked)
+        out = _library.op("reduce_scatter")(stacked, coll.group_name(self.group), impl)
+        mine = out.narrow(d, 0, sizes[self.rank_in_group])
+        return mine if mine.is_contiguous() else mine.contiguous()
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s ``x`` into ``x`` on every rank (in place); returns ``x``."""
@@ -447,6 +505,12 @@ class Communicator:
     def _undo_dim0(self, stacked: torch.Tensor, d: int) -> torch.Tensor:
         """``[p, *shape]`` (rank-major) as ``shape`` with dim ``d`` p times as long."""
         return coll.join_blocks(stacked.flatten(0, 1), d, self.world_size)
+
+
+def _shape_but(x: torch.Tensor, d: int) -> str:
+    """``x``'s shape with dim ``d`` as ``*`` (its size differs from rank to rank), and dtype."""
+    return f"[{', '.join('*' if i == d else str(n) for i, n in enumerate(x.shape))}] " \
+           f"{str(x.dtype).rpartition('.')[2]} {x.device.type}"
 
 
 #: (group key) -> (group, Communicator) for the module functions
