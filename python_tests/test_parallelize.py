@@ -514,25 +514,31 @@ def check_torch_prepare_module_input_output():
     """torch's ``PrepareModuleInputOutput`` (a module run on each rank's block of the sequence:
     its input split, its output gathered) and ``ColwiseParallel(output_layouts=Replicate())`` on
     an embedding (its table split along the embedding dim): the model's logits and gradients are
-    the dense model's."""
+    the dense model's; so they are with the input's layout given by its name in the module's
+    forward (``input_kwarg_layouts``), which the model passes by position."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput, SequenceParallel
 
     r, p = rank_world()
     torch.manual_seed(0)
     dense = nn.Sequential(nn.Embedding(11, 4 * p), _Middle(4 * p), nn.Linear(4 * p, 5)).double()
-    plan = {"0": ColwiseParallel(output_layouts=Replicate()),
-            "1": PrepareModuleInputOutput(input_layouts=Replicate(), desired_input_layouts=Shard(1),
-                                          output_layouts=Shard(1), desired_output_layouts=Replicate()),
-            "1.norm": SequenceParallel()}
-    par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
-    assert par[0].weight.shape == (11, 4) and type(par[1]) is _Middle
-    ids = torch.randint(0, 11, (3, 2 * p), generator=torch.Generator().manual_seed(1))
-    want, got = dense(ids), par(ids)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    want.square().sum().backward()
-    got.square().sum().backward()
-    assert_dense_grads(par, dense, 1e-12)
+    outputs = {"output_layouts": Shard(1), "desired_output_layouts": Replicate()}
+    for middle in (PrepareModuleInputOutput(input_layouts=Replicate(), desired_input_layouts=Shard(1), **outputs),
+                   PrepareModuleInputOutput(input_kwarg_layouts={"x": Replicate()},
+                                            desired_input_kwarg_layouts={"x": Shard(1)}, **outputs)):
+        plan = {"0": ColwiseParallel(output_layouts=Replicate()), "1": middle, "1.norm": SequenceParallel()}
+        par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+        assert par[0].weight.shape == (11, 4) and type(par[1]) is _Middle
+        seen = []
+        par[1].norm.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+        ids = torch.randint(0, 11, (3, 2 * p), generator=torch.Generator().manual_seed(1))
+        dense.zero_grad()
+        want, got = dense(ids), par(ids)
+        assert seen == [(3, 2, 4 * p)], seen  # (each rank's block of the sequence)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        want.square().sum().backward()
+        got.square().sum().backward()
+        assert_dense_grads(par, dense, 1e-12)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
@@ -580,13 +586,20 @@ def check_torch_parallel_style_errors():
         assert type(q) is nn.Parameter and torch.equal(q, want), name  # nothing replaced
     tp_kernels.parallelize(model, {"output": ColwiseParallel()}, group=mesh["tp"])
     assert isinstance(model.output, tp_kernels.ColumnParallelLinear)
-    # a layout given by name for an input the model passes by position: an error at the call, on every rank
-    misnamed = PrepareModuleInput(input_kwarg_layouts={"x": Shard(1)}, desired_input_kwarg_layouts={"x": Replicate()})
+    # a layout given by a name the forward's signature does not have: an error at the call, on every rank
+    misnamed = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                  desired_input_kwarg_layouts={"hidden_states": Replicate()})
     fresh = tp_kernels.parallelize(copy.deepcopy(dense), {"layers.*.attention": misnamed})
-    with pytest.raises(ValueError, match=r"_TitanAttention: its PrepareModule style moves input 'x', which this call "
-                                         r"does not have \(2 positional, keywords \[\]\): give the layout of an "
-                                         r"input passed by keyword in input_kwarg_layouts"):
+    with pytest.raises(ValueError, match=r"_TitanAttention: its PrepareModule style moves input 'hidden_states', "
+                                         r"which this call does not have \(2 positional, keywords \[\]\): its "
+                                         r"forward's signature has no such input"):
         fresh(torch.zeros(2, 2 * p, dtype=torch.long))
+    # two layouts of one input (by position, and by its name in the forward's signature) that differ
+    twice = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
+                               input_kwarg_layouts={"x": Replicate()}, desired_input_kwarg_layouts={"x": Shard(1)})
+    with pytest.raises(ValueError, match=r"_TitanAttention: its PrepareModule style gives input 0 \('x' in its "
+                                         r"forward\) two layouts"):
+        tp_kernels.parallelize(copy.deepcopy(dense), {"layers.*.attention": twice})
 
 
 def test_torch_parallel_style_errors(world2):

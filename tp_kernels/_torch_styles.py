@@ -24,6 +24,7 @@ layers' outputs, not from the module's input, as TorchTitan's attention and tran
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Optional, Tuple
 
 import torch
@@ -235,34 +236,65 @@ def output_as_dtensor(layer: nn.Module, group) -> nn.Module:
     return layer
 
 
+def _positional_names(module: nn.Module) -> Tuple[str, ...]:
+    """The names of ``module``'s forward's parameters that a call may pass by position, in order
+    (up to a ``*args``; none where its signature cannot be read)."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    names = []
+    for q in parameters:
+        if q.kind is q.VAR_POSITIONAL or q.kind not in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD):
+            break
+        names.append(q.name)
+    return tuple(names)
+
+
 def redistribute(module: nn.Module, moves: Moves, group) -> nn.Module:
     """Register on ``module`` the hooks that move its inputs before its forward and its outputs
     after it (``moves``), with the mappings: a ``Shard(d)`` gathered to ``Replicate()`` (for the
     column layers it feeds: :func:`tp_kernels.mappings.gather_for_column_layers`), a
-    ``Replicate()`` split to ``Shard(d)`` (backward: gathered). An input or output a move names that
-    the call does not have (an input passed by keyword where its layout was given by position, or
-    the other way round) is a ``ValueError`` on every rank, before anything moves: left where it
-    is, it would reach the module in the wrong layout."""
+    ``Replicate()`` split to ``Shard(d)`` (backward: gathered). An input's layout applies to it
+    however the call passes it: one given by position (``input_layouts``) to the parameter of the
+    forward's signature at that position passed by keyword too, one given by name
+    (``input_kwarg_layouts``) to that parameter passed by position too (where torch's styles pass
+    such an input over, and the module would get it in the wrong layout). Two layouts for one
+    parameter that differ are a ``ValueError`` here; an input or output a move names that the call
+    does not have, a ``ValueError`` on every rank, before anything moves."""
     name = type(module).__name__
+    names = _positional_names(module)
+    for i, move in moves.inputs:
+        other = dict(moves.kwargs).get(names[i]) if i < len(names) else None
+        if other is not None and other != move:
+            raise ValueError(f"{name}: its PrepareModule style gives input {i} ({names[i]!r} in its forward) two "
+                             f"layouts, by position and by name, that move it differently: {move} and {other}")
 
-    def missing(what: str, have: str, hint: str = "give the layout of an input passed by keyword in "
-                "input_kwarg_layouts, of one passed by position in input_layouts"):
+    def missing(what: str, have: str, hint: str = "its forward's signature has no such input, or the call left it "
+                "out"):
         raise ValueError(f"{name}: its PrepareModule style moves {what}, which this call does not have ({have}): "
                          f"{hint}")
 
     if moves.inputs or moves.kwargs:
         def before(_, args, kwargs):
-            for i, _move_ in moves.inputs:
-                if i >= len(args):
-                    missing(f"input {i}", f"{len(args)} positional, keywords {sorted(kwargs)}")
-            for key, _move_ in moves.kwargs:
-                if key not in kwargs:
-                    missing(f"input {key!r}", f"{len(args)} positional, keywords {sorted(kwargs)}")
-            args, kwargs = list(args), dict(kwargs)
+            where = {}  # (the input each move takes, by position or by name: each once)
             for i, move in moves.inputs:
-                args[i] = _move(args[i], move, group, f"{name} input {i}")
+                slot = i if i < len(args) else names[i] if i < len(names) and names[i] in kwargs else None
+                if slot is None:
+                    missing(f"input {i}", f"{len(args)} positional, keywords {sorted(kwargs)}")
+                where[slot] = move
             for key, move in moves.kwargs:
-                kwargs[key] = _move(kwargs[key], move, group, f"{name} input {key!r}")
+                at = names.index(key) if key in names else None
+                slot = key if key in kwargs else at if at is not None and at < len(args) else None
+                if slot is None:
+                    missing(f"input {key!r}", f"{len(args)} positional, keywords {sorted(kwargs)}")
+                where[slot] = move
+            args, kwargs = list(args), dict(kwargs)
+            for slot, move in where.items():
+                if isinstance(slot, int):
+                    args[slot] = _move(args[slot], move, group, f"{name} input {slot}")
+                else:
+                    kwargs[slot] = _move(kwargs[slot], move, group, f"{name} input {slot!r}")
             return tuple(args), kwargs
 
         module.register_forward_pre_hook(before, with_kwargs=True)
