@@ -33,8 +33,8 @@ LAYERS = [
     ("backends", ["backends", "backends.*"]),
     ("decision and custom ops", ["autotune", "dispatch", "_library"]),
     ("ops and mappings", ["ops", "mappings", "communicator"]),
-    ("layers", ["layers", "embedding", "cross_entropy", "experts", "parallelize", "_torch_styles", "grads",
-                "checkpoints", "rng"]),
+    ("layers", ["layers", "embedding", "cross_entropy", "experts", "parallelize", "_torch_styles", "_sequence_plan",
+                "grads", "checkpoints", "rng"]),
     ("tools", ["testing", "testing.*", "perf_model", "bench", "bench.*", "onnx", "onnx.*"]),
     ("package", [""]),
 ]

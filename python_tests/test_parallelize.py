@@ -1267,35 +1267,11 @@ def test_hugging_face_llama(world):
     world.run(check_hugging_face_llama)
 
 
-def llama_sequence_parallel_plan() -> dict:
-    """A plan of torch's styles that runs a transformers Llama under sequence parallelism, as
-    TorchTitan runs its own: the embedding's output whole (transformers takes the positions and the
-    mask from it), split along the sequence at the first decoder layer; the norms on each rank's
-    block; the sequence gathered at the attention's and the MLP's inputs (their code takes its
-    length from them), their row layers reduce-scattering it back; the head gathering it."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
-
-    layers = "model.layers.*"
-    return {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-            "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),)),
-            f"{layers}.input_layernorm": SequenceParallel(), f"{layers}.post_attention_layernorm": SequenceParallel(),
-            f"{layers}.self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                                      desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-            f"{layers}.self_attn.[qkv]_proj": ColwiseParallel(),
-            f"{layers}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            f"{layers}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            f"{layers}.mlp.gate_proj": ColwiseParallel(), f"{layers}.mlp.up_proj": ColwiseParallel(),
-            f"{layers}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-            "model.norm": SequenceParallel(),
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
-
-
 def check_hugging_face_llama_sequence_parallel():
     """A transformers Llama (its own code; embeddings tied to the head, an attention mask, 2
-    key/value heads) under sequence parallelism, by :func:`llama_sequence_parallel_plan`; on 4
-    ranks its key and value projections by tp_kernels' own entries, a head replicated on two ranks
-    (which torch's styles cannot say), inside the gathered attention. The decoder layers run on
+    key/value heads) under sequence parallelism, by :func:`tp_kernels.sequence_parallel_plan` of
+    its own ``tp_plan``; on 4 ranks its key and value projections by tp_kernels' own entries, a
+    head replicated on two ranks (which torch's styles cannot say), inside the gathered attention. The decoder layers run on
     each rank's block of the sequence, and the logits, the loss, every gradient and an SGD step are
     the dense model's in float64."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -1307,10 +1283,8 @@ def check_hugging_face_llama_sequence_parallel():
                          tie_word_embeddings=True, attn_implementation="sdpa", pad_token_id=0)
     torch.manual_seed(0)
     dense = LlamaForCausalLM(config).double()
-    plan = llama_sequence_parallel_plan()
+    plan = tp_kernels.sequence_parallel_plan(dense)
     if p > 2:  # (2 key/value heads: one each, replicated on two ranks)
-        query = plan.pop("model.layers.*.self_attn.[qkv]_proj")
-        plan["model.layers.*.self_attn.q_proj"] = query
         for name in ("k_proj", "v_proj"):
             plan[f"model.layers.*.self_attn.{name}"] = ("colwise", [2 * d], d)
     par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
@@ -1331,10 +1305,10 @@ def test_hugging_face_llama_sequence_parallel(world):
 
 
 def check_hugging_face_qwen3_sequence_parallel():
-    """Qwen 3 under sequence parallelism by the same plan, its per-head ``q_norm`` and ``k_norm``
-    (inside the gathered attention, on each rank's heads) by transformers' own style for them,
-    ``"replicated_with_grad_allreduce"``, beside torch's styles: the logits, the loss and every
-    gradient are the dense model's in float64."""
+    """Qwen 3 under sequence parallelism by :func:`tp_kernels.sequence_parallel_plan`, its per-head
+    ``q_norm`` and ``k_norm`` (inside the gathered attention, on each rank's heads) by its
+    ``tp_plan``'s own style for them, ``"replicated_with_grad_allreduce"``, kept beside torch's
+    styles: the logits, the loss and every gradient are the dense model's in float64."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -1342,7 +1316,8 @@ def check_hugging_face_qwen3_sequence_parallel():
                          attn_implementation="sdpa")
     torch.manual_seed(0)
     dense = Qwen3ForCausalLM(config).double()
-    plan = {**llama_sequence_parallel_plan(), "model.layers.*.self_attn.[qk]_norm": "replicated_with_grad_allreduce"}
+    plan = tp_kernels.sequence_parallel_plan(dense)
+    assert plan["model.layers.*.self_attn.q_norm"] == "replicated_with_grad_allreduce", plan
     par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
     ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
     assert_same_loss_and_backward(dense, par, ids)
@@ -1352,6 +1327,68 @@ def check_hugging_face_qwen3_sequence_parallel():
 def test_hugging_face_qwen3_sequence_parallel(world2):
     pytest.importorskip("transformers")
     world2.run(check_hugging_face_qwen3_sequence_parallel)
+
+
+def check_sequence_parallel_plans(kind):
+    """transformers' Gemma 3 (four norms a layer, a scaled embedding, per-head norms, sliding
+    windows), Mistral and Qwen 2 under sequence parallelism by :func:`tp_kernels.sequence_parallel_plan`
+    of their own ``tp_plan``: the decoder layers see each rank's block of the sequence, and the
+    logits, the loss and every gradient are the dense model's in float64 (Gemma 3's norms, computed
+    in float32, to float32's precision of their size)."""
+    import transformers
+
+    _, p = rank_world()
+    config, model_class = {"gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "mistral": ("MistralConfig",
+                           "MistralForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[kind]
+    config = getattr(transformers, config)(
+        vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=4, max_position_embeddings=64, attn_implementation="sdpa", pad_token_id=0,
+        **({"sliding_window": 4} if kind == "gemma3" else {}))
+    torch.manual_seed(0)
+    dense = getattr(transformers, model_class)(config).double()
+    par = tp_kernels.parallelize(copy.deepcopy(dense), tp_kernels.sequence_parallel_plan(dense))
+    seen = []
+    par.model.layers[1].register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+    ids = torch.randint(1, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    assert_same_loss_and_backward(dense, par, ids)
+    assert seen == [(2, 8 // p, 16)], seen  # each rank's block of the sequence
+    assert_dense_grads(par, dense, 8 * torch.finfo(torch.float32).eps if kind == "gemma3" else 1e-12)
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "mistral", "qwen2"])
+def test_sequence_parallel_plans(world2, kind):
+    pytest.importorskip("transformers")
+    world2.run(check_sequence_parallel_plans, kind)
+
+
+def test_sequence_parallel_plan_errors():
+    """What :func:`tp_kernels.sequence_parallel_plan` cannot write is a ValueError naming it: a
+    mixture of experts, a module whose entries hold no row layer (Phi 3's fused projections,
+    ``"colwise_rep"`` and ``"rowwise_rep"``), a plan of torch's styles, entries outside the decoder
+    layers, a model without a ``tp_plan``, a module beside the layers that is not a norm."""
+    transformers = pytest.importorskip("transformers")
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    common = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=64, pad_token_id=0)
+    mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=4, **common))
+    phi3 = transformers.Phi3ForCausalLM(transformers.Phi3Config(**common))
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    plan = dict(llama.tp_plan)
+    cases = [
+        (mixtral, None, r"plan\[model.layers.\*.mlp.experts.*\]: a mixture of experts'"),
+        (phi3, None, r"plan: model.layers.\*.self_attn holds .*'colwise_gather_output'.* but no 'rowwise' layer"),
+        (llama, {**plan, "lm_head": ColwiseParallel()}, r"plan\['lm_head'\]: a style of torch's"),
+        (llama, {**plan, "model.norm": "replicated_with_grad_allreduce"}, r"plan\['model.norm'\]: outside the decoder"),
+        (nn.Linear(2, 2), None, r"plan: Linear has no tp_plan"),
+        (llama, {"lm_head": "colwise"}, r"plan: expected the entries of one list of decoder layers"),
+    ]
+    for model, given, match in cases:
+        with pytest.raises(ValueError, match=match):
+            tp_kernels.sequence_parallel_plan(model, given)
+    llama.model.extra = nn.Linear(16, 16)  # (beside the layers, holding parameters, not a norm)
+    with pytest.raises(ValueError, match=r"model: model.extra \(Linear\) holds parameters the plan leaves whole"):
+        tp_kernels.sequence_parallel_plan(llama)
 
 
 def check_hugging_face_plans(kind):

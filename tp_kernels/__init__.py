@@ -17,7 +17,8 @@ Public API (see docs/api.md):
   :class:`VocabParallelEmbedding`, :func:`vocab_parallel_cross_entropy`,
   :func:`vocab_parallel_entropy`, :func:`vocab_parallel_argmax`, :func:`vocab_parallel_topk`,
   :func:`vocab_parallel_sample`, :func:`parallelize` (a Hugging Face model's ``tp_plan`` too;
-  a mixture's expert weights by :func:`tp_kernels.experts.shard_experts`),
+  a mixture's expert weights by :func:`tp_kernels.experts.shard_experts`; under sequence
+  parallelism by :func:`sequence_parallel_plan`),
   and for training :func:`allreduce_sequence_parallel_grads`, :func:`clip_grad_norm_`,
   :func:`full_state_dict`, :func:`load_full_state_dict`, :func:`sharded_state_dict` and the
   optimizer's (:func:`sharded_optimizer_state_dict`, :func:`load_sharded_optimizer_state_dict`),
@@ -74,6 +75,7 @@ from .checkpoints import (
     sharded_state_dict,
 )
 from .grads import allreduce_sequence_parallel_grads, clip_grad_norm_
+from ._sequence_plan import sequence_parallel_plan
 from .parallelize import parallelize
 from .rng import get_rng_tracker, model_parallel_manual_seed
 
@@ -118,6 +120,7 @@ __all__ = [
     "parallelize",
     "rng",
     "schedule",
+    "sequence_parallel_plan",
     "set_comm_stream_priority",
     "set_timeout",
     "settings",

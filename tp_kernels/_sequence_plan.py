@@ -1,0 +1,165 @@
+"""A transformers decoder model's plan under sequence parallelism, made from its tensor-parallel plan.
+
+transformers' models take the positions and the attention mask from the embedding's output, and
+their attention takes the sequence length from its input, so ``parallelize``'s own sequence
+parallelism (each column layer gathering its input) does not fit them. TorchTitan runs its models
+otherwise, and so can they: the embedding's output whole, the sequence split at the first decoder
+layer, the norms run on each rank's block of it, the sequence gathered at the input of each module
+that holds the plan's layers (the attention, the MLP) and reduce-scattered by its row layer, the
+head gathering it. :func:`sequence_parallel_plan` writes that plan, of torch's styles beside the
+plan's own entries, for :func:`tp_kernels.parallelize`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Dict, Mapping, Optional
+
+import torch.nn as nn
+
+from ._torch_styles import is_torch_style
+from .parallelize import ALIASES
+
+__all__ = ["sequence_parallel_plan"]
+
+#: what the module holding the plan's row layer runs on: its input gathered
+_ROW = "rowwise"
+#: the styles of a head whose output is gathered (the logits whole on every rank)
+_GATHERED_HEADS = ("colwise_gather_output", "colwise_rep")
+
+
+def _first_input(module: nn.Module) -> str:
+    """The name of ``module``'s forward's first parameter (transformers' ``hidden_states``), which
+    the plan moves, however the call passes it."""
+    for q in inspect.signature(module.forward).parameters.values():
+        if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD):
+            return q.name
+    raise ValueError(f"model: {type(module).__name__}'s forward takes no input by position, which the plan would move")
+
+
+def _style_name(value) -> str:
+    """The style of a plan's value (a tuple's first item), by its own name."""
+    name = value[0] if isinstance(value, (tuple, list)) and value else value
+    return ALIASES.get(name, name) if isinstance(name, str) else repr(name)
+
+
+def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]] = None) -> Dict[str, object]:
+    """The plan that runs ``model``, a transformers decoder model (its decoder layers one
+    ``nn.ModuleList``), under sequence parallelism along dim 1 (its ``[b, s, h]``), made from its
+    tensor-parallel ``plan`` (default: ``model.tp_plan``), as TorchTitan runs its models:
+
+    * the embedding as the plan has it, its output whole (transformers takes the positions and
+      the mask from it);
+    * the first decoder layer's input split along the sequence (``PrepareModuleInput``), so that
+      each rank runs the decoder layers on its block, ``[b, s/p, h]``;
+    * each module of a decoder layer that holds a row layer of the plan (the attention, the MLP):
+      its input gathered (``PrepareModuleInput``: the module's code sees the whole sequence), the
+      plan's other entries inside it kept, and the row layer reduce-scattering its output back
+      (``RowwiseParallel(output_layouts=Shard(1))``);
+    * every other module of a decoder layer, and of the model beside the layers and the
+      embedding, that holds parameters (the norms): run on each rank's block, its gradients summed
+      (``SequenceParallel``);
+    * the head gathering the sequence (``ColwiseParallel(input_layouts=Shard(1))``), its output
+      gathered too where the plan's head gathers it; a head the plan leaves whole takes the gathered
+      sequence.
+
+    Returns the plan (torch's style objects beside the plan's own entries, which the caller may
+    change: the key/value projections' entries where the group's size exceeds their heads), for
+    ``tp_kernels.parallelize(model, plan, group=...)``. Each module is moved by its forward's first
+    input, by position or by name. A ``ValueError`` names what it cannot write so: a plan with
+    torch's styles already; entries outside the decoder layers other than the embedding's and the
+    head's; a module of the layers whose entries hold no row layer (its output would be whole,
+    where the sequence is split: OLMo 2's ``"rowwise_split_input"``) or that are a mixture of
+    experts'; no decoder layers; a module beside them that holds parameters and is not a norm (by
+    its class's name: what the ranks may run on their blocks of the sequence alone)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model: expected an nn.Module, got {type(model).__name__}")
+    if plan is None:
+        plan = getattr(model, "tp_plan", None)
+        if not plan:
+            raise ValueError(f"plan: {type(model).__name__} has no tp_plan; pass the tensor-parallel plan")
+    if not isinstance(plan, Mapping):
+        raise ValueError(f"plan: expected a mapping of module names to styles, got {type(plan).__name__}")
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    for pattern, value in plan.items():
+        if is_torch_style(value):
+            raise ValueError(f"plan[{pattern!r}]: a style of torch's; this writes the plan of torch's styles from a "
+                             "plan of tp_kernels' (or transformers') own entries")
+    prefixes = {pattern.split(".*.")[0] for pattern in plan if ".*." in pattern}
+    if len(prefixes) != 1:
+        raise ValueError(f"plan: expected the entries of one list of decoder layers ('<layers>.*.<name>'), got "
+                         f"{sorted(prefixes) or 'none'}")
+    layers_name = prefixes.pop()
+    layers = model.get_submodule(layers_name)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise ValueError(f"plan: {layers_name!r} is not a list of decoder layers (an nn.ModuleList)")
+    names = {id(m): name for name, m in model.named_modules()}
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    embedding_name = names.get(id(embedding)) if embedding is not None else None
+    head_name = names.get(id(head)) if head is not None else None
+
+    def moved(module: nn.Module, given, wanted) -> PrepareModuleInput:
+        name = _first_input(module)
+        return PrepareModuleInput(input_kwarg_layouts={name: given}, desired_input_kwarg_layouts={name: wanted})
+
+    inside: Dict[str, Dict[str, object]] = {}  # a decoder layer's module -> its entries (relative names)
+    out: Dict[str, object] = {}
+    for pattern, value in plan.items():
+        if pattern.startswith(f"{layers_name}.*."):
+            relative = pattern[len(layers_name) + 3:]
+            owner = relative.split(".")[0]
+            if owner == relative:
+                raise ValueError(f"plan[{pattern!r}]: a module of the decoder layer itself; the plan's layers must "
+                                 "lie inside its modules (the attention, the MLP)")
+            inside.setdefault(owner, {})[relative] = value
+        elif pattern == embedding_name:
+            out[pattern] = value
+        elif pattern != head_name:
+            raise ValueError(f"plan[{pattern!r}]: outside the decoder layers, the embedding and the head, where the "
+                             "sequence parallelism this plan writes does not say what it becomes")
+    first = layers[0]
+    for owner, entries in inside.items():
+        styles = {relative: _style_name(value) for relative, value in entries.items()}
+        experts = [relative for relative, style in styles.items() if "experts" in style]
+        if experts:
+            raise ValueError(f"plan[{layers_name}.*.{experts[0]}]: a mixture of experts' ({styles[experts[0]]!r}), "
+                             "which this plan does not write (its output is summed whole: split it with a "
+                             "PrepareModuleOutput of your own)")
+        rows = [relative for relative, style in styles.items() if style == _ROW]
+        if not rows:
+            raise ValueError(f"plan: {layers_name}.*.{owner} holds {sorted(styles.items())} but no 'rowwise' layer, "
+                             "which would scatter its output back along the sequence")
+        module = first.get_submodule(owner)
+        out[f"{layers_name}.*.{owner}"] = moved(module, Shard(1), Replicate())
+        for relative, value in entries.items():
+            out[f"{layers_name}.*.{relative}"] = RowwiseParallel(output_layouts=Shard(1)) if relative in rows else value
+    out[f"{layers_name}.0"] = moved(first, Replicate(), Shard(1))
+    def norm(name: str, module: nn.Module) -> bool:
+        """Whether ``module`` holds parameters, and then that it is a norm (run on each rank's block)."""
+        if not any(True for _ in module.parameters()):
+            return False
+        if "norm" not in type(module).__name__.lower():
+            raise ValueError(f"model: {name} ({type(module).__name__}) holds parameters the plan leaves whole and is "
+                             "not a norm, which the ranks could run on their blocks of the sequence alone")
+        return True
+
+    norms = sorted({name for layer in layers for name, child in layer.named_children()
+                    if name not in inside and norm(f"{layers_name}.*.{name}", child)})
+    for name in norms:
+        out[f"{layers_name}.*.{name}"] = SequenceParallel()
+    base_name, _, _ = layers_name.rpartition(".")
+    base = model.get_submodule(base_name) if base_name else model
+    for name, child in base.named_children():
+        full = f"{base_name}.{name}" if base_name else name
+        if all(child is not m for m in (layers, embedding, head)) and norm(full, child):
+            out[full] = SequenceParallel()
+    if head_name is not None:
+        if head_name in plan:
+            gathered = _style_name(plan[head_name]) in _GATHERED_HEADS
+            out[head_name] = ColwiseParallel(input_layouts=Shard(1),
+                                             **({"output_layouts": Replicate()} if gathered else {}))
+        else:
+            out[head_name] = moved(head, Shard(1), Replicate())
+    return out
