@@ -9,7 +9,9 @@
 #   TP_KERNELS_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_suite.sh tests [PYTEST_ARGS...]
 #       the GPU tests (python_tests -m gpu), a per-test timeout so a hang costs seconds, the
 #       tracebacks and the slowest tests in the log: gpu-tests-<commit>.json. PYTEST_ARGS select
-#       some of them (e.g. -k native_linear); the record then says which ("selection")
+#       some of them (e.g. -k native_linear); the record then says which ("selection"). With
+#       --shard I/N (python_tests/conftest.py: every N-th selected test from the I-th), the I-th of
+#       N runs that together run them all, each recorded in gpu-tests-<commit>-IofN.json
 #   ... bash bench/gpu_suite.sh bench
 #       the main job (on one GPU with the per-rank costs, the fused path on virtual ranks and the
 #       calibrated projection), the fused path's sweeps, the pytest-benchmark suite and the host

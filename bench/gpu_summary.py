@@ -5,7 +5,8 @@ the commit and the date:
     python bench/gpu_summary.py bench    LOGS RESULTS COMMIT   # LOGS/{bench,extension,fused,host}/*.json, LOGS/status.txt
     python bench/gpu_summary.py sanitize LOGS RESULTS COMMIT   # LOGS/status.txt, LOGS/sanitize-*.log
 
-It writes ``RESULTS/gpu-<part>-<COMMIT>.json`` and prints one line saying what it holds. Exit
+It writes ``RESULTS/gpu-<part>-<COMMIT>.json`` (the tests of ``--shard I/N``:
+``gpu-tests-<COMMIT>-IofN.json``, each part's its own) and prints one line saying what it holds. Exit
 status: 0 when the part is green (every test selected ran and passed, and none was skipped for
 lack of something this machine has; every step finished; the sanitizers found nothing), 1 otherwise.
 """
@@ -129,6 +130,18 @@ def sanitize(logs: str) -> Dict:
 PARTS = {"tests": tests, "bench": bench, "sanitize": sanitize}
 
 
+def _shard(selection) -> str:
+    """``"1of2"`` where the tests were selected with ``--shard 1/2`` (python_tests/conftest.py),
+    which names the record (each part's its own), else ``""``."""
+    selection = list(selection or ())
+    for i, arg in enumerate(selection):
+        value = arg.partition("=")[2] if arg.startswith("--shard=") else \
+            selection[i + 1] if arg == "--shard" and i + 1 < len(selection) else None
+        if value:
+            return value.replace("/", "of")
+    return ""
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 4 or argv[0] not in PARTS:
@@ -139,7 +152,8 @@ def main(argv=None) -> int:
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               **PARTS[part](logs)}
     os.makedirs(results, exist_ok=True)
-    path = os.path.join(results, f"gpu-{part}-{commit}.json")
+    part_of = _shard(record.get("selection"))
+    path = os.path.join(results, f"gpu-{part}-{commit}{f'-{part_of}' if part_of else ''}.json")
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
     summary = {"tests": lambda r: f"{r['counts']}" + (f", selected by {r['selection']}" if r["selection"] else ""),

@@ -44,6 +44,35 @@ def world8():
     return get_world(8)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run the I-th of N interleaved parts of the selected tests (every N-th, from the I-th): "
+                          "the GPU suite in several runs, bench/gpu_suite.sh tests --shard 1/2")
+
+
+def shard(count: int, spec: str) -> range:
+    """The indices of the tests of part ``spec`` (``"I/N"``: the I-th of N, from 1) of ``count``
+    selected tests, every N-th from the I-th (interleaved: a slow test's parametrizations, side by
+    side, fall into every part), or a ValueError naming ``--shard``."""
+    part, _, parts = spec.partition("/")
+    if not (part.isdigit() and parts.isdigit() and 1 <= int(part) <= int(parts)):
+        raise ValueError(f"--shard: expected I/N with 1 <= I <= N, got {spec!r}")
+    return range(int(part) - 1, count, int(parts))
+
+
+@pytest.hookimpl(trylast=True)  # (after -m and -k have deselected theirs: a part of what they select)
+def pytest_collection_modifyitems(config, items):
+    spec = config.getoption("--shard")
+    if spec is None:
+        return
+    try:
+        keep = set(shard(len(items), spec))
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i not in keep])
+    items[:] = [item for i, item in enumerate(items) if i in keep]
+
+
 def pytest_collection_finish(session):
     """With ``TP_KERNELS_COLLECTED_FILE`` set (bench/gpu_suite.sh sets it), the ids of the tests
     selected, one a line: the suite's record names those a stopped run never reached."""

@@ -407,6 +407,29 @@ def test_the_gpu_tests_record_counts_failures_skips_and_durations(tmp_path):
     assert summary.main(["tests", str(logs), str(results), "abc1234"]) == 1  # a skip on a GPU machine: not green
 
 
+def test_the_gpu_tests_in_parts(tmp_path):
+    """``--shard I/N`` selects every N-th test from the I-th (the parts together select each test
+    once; a bad part is refused), and each part's record has its own name."""
+    import json
+
+    from conftest import shard
+
+    parts = [list(shard(10, f"{i}/3")) for i in (1, 2, 3)]
+    assert parts == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    for bad in ("0/2", "3/2", "1", "a/b", "1/0"):
+        with pytest.raises(ValueError, match="--shard: expected I/N"):
+            shard(10, bad)
+    summary = _gpu_summary()
+    logs, results = tmp_path / "logs", tmp_path / "results"
+    logs.mkdir()
+    (logs / "gpu-tests.xml").write_text(JUNIT.format(b="", c=""))
+    for selection, name in ((["-k", "x", "--shard", "1/2"], "gpu-tests-abc1234-1of2.json"),
+                            (["--shard=2/2"], "gpu-tests-abc1234-2of2.json"), (["-k", "x"], "gpu-tests-abc1234.json")):
+        (logs / "gpu-tests-selection.txt").write_text("\n".join(selection) + "\n")
+        assert summary.main(["tests", str(logs), str(results), "abc1234"]) == 0
+        assert json.load(open(results / name))["selection"] == selection
+
+
 def test_the_gpu_tests_record_names_the_tests_a_stopped_run_never_reached(tmp_path):
     """A real pytest run stopped early (-x here, as --session-timeout or SIGINT stop it) with the
     suite's conftest hook: the record lists the selected tests that never ran, in junit's names
