@@ -1361,22 +1361,47 @@ def test_sequence_parallel_plans(world2, kind):
     world2.run(check_sequence_parallel_plans, kind)
 
 
+def check_moe_sequence_parallel_plan(kind, parallelism):
+    """transformers' mixtures of experts under sequence parallelism by
+    :func:`tp_kernels.sequence_parallel_plan` of their own plans (``"ep"``: ``{**tp_plan,
+    **ep_plan}``, whole experts a rank), the experts' module gathered, its output summed and
+    split; Qwen 3 MoE's first layer a dense MLP under the same name: the decoder layers see each
+    rank's block of the sequence, and the logits, the loss and every gradient are the dense
+    model's in float64 (the routers' softmax in float32: to float32's precision)."""
+    from test_experts import _moe_model, _plan
+
+    _, p = rank_world()
+    dense = _moe_model(kind)
+    par = tp_kernels.parallelize(copy.deepcopy(dense), tp_kernels.sequence_parallel_plan(dense, _plan(dense, parallelism)))
+    seen = []
+    par.model.layers[1].register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
+    assert_same_loss_and_backward(dense, par, ids)
+    assert seen == [(2, 6 // p, 16)], seen
+    assert_dense_grads(par, dense, 1e-12 if kind == "qwen3_moe" else 4 * torch.finfo(torch.float32).eps)
+
+
+@pytest.mark.parametrize("kind, parallelism", [("mixtral", "tp"), ("qwen3_moe", "tp"), ("qwen3_moe", "ep"),
+                                               ("qwen2_moe", "tp")])
+def test_moe_sequence_parallel_plan(world2, kind, parallelism):
+    pytest.importorskip("transformers")
+    world2.run(check_moe_sequence_parallel_plan, kind, parallelism)
+
+
 def test_sequence_parallel_plan_errors():
     """What :func:`tp_kernels.sequence_parallel_plan` cannot write is a ValueError naming it: a
-    mixture of experts, a module whose entries hold no row layer (Phi 3's fused projections,
-    ``"colwise_rep"`` and ``"rowwise_rep"``), a plan of torch's styles, entries outside the decoder
-    layers, a model without a ``tp_plan``, a module beside the layers that is not a norm."""
+    module whose entries hold no row layer (Phi 3's fused projections, ``"colwise_rep"`` and
+    ``"rowwise_rep"``), a plan of torch's styles, entries outside the decoder layers, a model
+    without a ``tp_plan``, a module beside the layers that is not a norm."""
     transformers = pytest.importorskip("transformers")
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     common = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=4,
                   num_key_value_heads=4, max_position_embeddings=64, pad_token_id=0)
-    mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=4, **common))
     phi3 = transformers.Phi3ForCausalLM(transformers.Phi3Config(**common))
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     plan = dict(llama.tp_plan)
     cases = [
-        (mixtral, None, r"plan\[model.layers.\*.mlp.experts.*\]: a mixture of experts'"),
         (phi3, None, r"plan: model.layers.\*.self_attn holds .*'colwise_gather_output'.* but no 'rowwise' layer"),
         (llama, {**plan, "lm_head": ColwiseParallel()}, r"plan\['lm_head'\]: a style of torch's"),
         (llama, {**plan, "model.norm": "replicated_with_grad_allreduce"}, r"plan\['model.norm'\]: outside the decoder"),

@@ -5,14 +5,13 @@ their attention takes the sequence length from its input, so ``parallelize``'s o
 parallelism (each column layer gathering its input) does not fit them. TorchTitan runs its models
 otherwise, and so can they: the embedding's output whole, the sequence split at the first decoder
 layer, the norms run on each rank's block of it, the sequence gathered at the input of each module
-that holds the plan's layers (the attention, the MLP) and reduce-scattered by its row layer, the
-head gathering it. :func:`sequence_parallel_plan` writes that plan, of torch's styles beside the
+that holds the plan's layers (the attention, the MLP) and reduce-scattered by its row layer (a
+mixture of experts' output summed, then split), the head gathering it. :func:`sequence_parallel_plan` writes that plan, of torch's styles beside the
 plan's own entries, for :func:`tp_kernels.parallelize`.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Dict, Mapping, Optional
 
 import torch.nn as nn
@@ -26,15 +25,6 @@ __all__ = ["sequence_parallel_plan"]
 _ROW = "rowwise"
 #: the styles of a head whose output is gathered (the logits whole on every rank)
 _GATHERED_HEADS = ("colwise_gather_output", "colwise_rep")
-
-
-def _first_input(module: nn.Module) -> str:
-    """The name of ``module``'s forward's first parameter (transformers' ``hidden_states``), which
-    the plan moves, however the call passes it."""
-    for q in inspect.signature(module.forward).parameters.values():
-        if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD):
-            return q.name
-    raise ValueError(f"model: {type(module).__name__}'s forward takes no input by position, which the plan would move")
 
 
 def _style_name(value) -> str:
@@ -56,6 +46,11 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
       its input gathered (``PrepareModuleInput``: the module's code sees the whole sequence), the
       plan's other entries inside it kept, and the row layer reduce-scattering its output back
       (``RowwiseParallel(output_layouts=Shard(1))``);
+    * a module holding a mixture of experts (the plan's ``"moe_tp_experts"`` or
+      ``"moe_ep_experts"``, and the dense MLPs of the same name in other layers): its input
+      gathered, its entries kept (the router runs on every token on every rank alike, the experts'
+      output is summed whole), and its output split (``PrepareModuleInputOutput``): an all-reduce
+      and a split where a reduce-scatter would do;
     * every other module of a decoder layer, and of the model beside the layers and the
       embedding, that holds parameters (the norms): run on each rank's block, its gradients summed
       (``SequenceParallel``);
@@ -68,10 +63,11 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
     ``tp_kernels.parallelize(model, plan, group=...)``. Each module is moved by its forward's first
     input, by position or by name. A ``ValueError`` names what it cannot write so: a plan with
     torch's styles already; entries outside the decoder layers other than the embedding's and the
-    head's; a module of the layers whose entries hold no row layer (its output would be whole,
-    where the sequence is split: OLMo 2's ``"rowwise_split_input"``) or that are a mixture of
-    experts'; no decoder layers; a module beside them that holds parameters and is not a norm (by
-    its class's name: what the ranks may run on their blocks of the sequence alone)."""
+    head's; a module of the layers whose entries hold no row layer and no experts (its output would
+    be whole, where the sequence is split: OLMo 2's ``"rowwise_split_input"``); no decoder layers;
+    a module beside them that holds parameters and is not a norm (by its class's name: what the
+    ranks may run on their blocks of the sequence alone; DeepSeek-V3's attention, which its plan
+    leaves whole)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model: expected an nn.Module, got {type(model).__name__}")
     if plan is None:
@@ -81,7 +77,8 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
     if not isinstance(plan, Mapping):
         raise ValueError(f"plan: expected a mapping of module names to styles, got {type(plan).__name__}")
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                                   RowwiseParallel, SequenceParallel)
 
     for pattern, value in plan.items():
         if is_torch_style(value):
@@ -100,9 +97,10 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
     embedding_name = names.get(id(embedding)) if embedding is not None else None
     head_name = names.get(id(head)) if head is not None else None
 
-    def moved(module: nn.Module, given, wanted) -> PrepareModuleInput:
-        name = _first_input(module)
-        return PrepareModuleInput(input_kwarg_layouts={name: given}, desired_input_kwarg_layouts={name: wanted})
+    def moved(given, wanted) -> PrepareModuleInput:
+        # (by position: the first input of each module it applies to, passed by position or by its
+        # name, whatever that is: Qwen 3 MoE's dense MLP takes x, its experts' block hidden_states)
+        return PrepareModuleInput(input_layouts=(given,), desired_input_layouts=(wanted,))
 
     inside: Dict[str, Dict[str, object]] = {}  # a decoder layer's module -> its entries (relative names)
     out: Dict[str, object] = {}
@@ -119,23 +117,23 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
         elif pattern != head_name:
             raise ValueError(f"plan[{pattern!r}]: outside the decoder layers, the embedding and the head, where the "
                              "sequence parallelism this plan writes does not say what it becomes")
-    first = layers[0]
     for owner, entries in inside.items():
         styles = {relative: _style_name(value) for relative, value in entries.items()}
-        experts = [relative for relative, style in styles.items() if "experts" in style]
-        if experts:
-            raise ValueError(f"plan[{layers_name}.*.{experts[0]}]: a mixture of experts' ({styles[experts[0]]!r}), "
-                             "which this plan does not write (its output is summed whole: split it with a "
-                             "PrepareModuleOutput of your own)")
+        if any("experts" in style for style in styles.values()):
+            # a mixture of experts: its experts' output summed whole, then each rank's block of it
+            out[f"{layers_name}.*.{owner}"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), output_layouts=Replicate(),
+                desired_output_layouts=Shard(1))
+            out.update({f"{layers_name}.*.{relative}": value for relative, value in entries.items()})
+            continue
         rows = [relative for relative, style in styles.items() if style == _ROW]
         if not rows:
             raise ValueError(f"plan: {layers_name}.*.{owner} holds {sorted(styles.items())} but no 'rowwise' layer, "
                              "which would scatter its output back along the sequence")
-        module = first.get_submodule(owner)
-        out[f"{layers_name}.*.{owner}"] = moved(module, Shard(1), Replicate())
+        out[f"{layers_name}.*.{owner}"] = moved(Shard(1), Replicate())
         for relative, value in entries.items():
             out[f"{layers_name}.*.{relative}"] = RowwiseParallel(output_layouts=Shard(1)) if relative in rows else value
-    out[f"{layers_name}.0"] = moved(first, Replicate(), Shard(1))
+    out[f"{layers_name}.0"] = moved(Replicate(), Shard(1))
     def norm(name: str, module: nn.Module) -> bool:
         """Whether ``module`` holds parameters, and then that it is a norm (run on each rank's block)."""
         if not any(True for _ in module.parameters()):
@@ -161,5 +159,5 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
             out[head_name] = ColwiseParallel(input_layouts=Shard(1),
                                              **({"output_layouts": Replicate()} if gathered else {}))
         else:
-            out[head_name] = moved(head, Shard(1), Replicate())
+            out[head_name] = moved(Shard(1), Replicate())
     return out
