@@ -328,8 +328,7 @@ class Communicator:
         stacked = stacked.flatten(0, 1)  # (rank r's block, padded, at rows [r*b, (r+1)*b))
         impl = self._impl("reduce_scatter", stacked)
         out = _library.op("reduce_scatter")(stacked, coll.group_name(self.group), impl)
-        mine = out.narrow(d, 0, sizes[self.rank_in_group])
-        return mine if mine.is_contiguous() else mine.contiguous()
+        return out.narrow(d, 0, sizes[self.rank_in_group]).contiguous()
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s ``x`` into ``x`` on every rank (in place); returns ``x``."""
