@@ -55,6 +55,16 @@ def test_the_hugging_face_example_generates_the_dense_models_tokens(experts, pla
 
 
 @pytest.mark.skipif(not os.path.exists(EXAMPLES), reason="examples/ is not in this checkout")
+def test_the_hugging_face_example_under_sequence_parallelism():
+    pytest.importorskip("transformers")
+    out = _torchrun_on_two_cpu_processes(os.path.join(EXAMPLES, "hugging_face.py"), "--sequence-parallel")
+    assert out.returncode == 0, out.stderr[-3000:]
+    for r in range(2):
+        assert (f"rank {r}/2 (cpu, torch.float32): MixtralForCausalLM by its tp_plan under sequence parallelism: "
+                "loss ") in out.stdout and ", the dense model's (" in out.stdout, out.stdout
+
+
+@pytest.mark.skipif(not os.path.exists(EXAMPLES), reason="examples/ is not in this checkout")
 def test_the_torch_plan_example_trains_as_the_dense_model():
     out = _torchrun_on_two_cpu_processes(os.path.join(EXAMPLES, "torch_plan.py"))
     assert out.returncode == 0, out.stderr[-3000:]
