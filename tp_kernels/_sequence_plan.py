@@ -6,8 +6,9 @@ parallelism (each column layer gathering its input) does not fit them. TorchTita
 otherwise, and so can they: the embedding's output whole, the sequence split at the first decoder
 layer, the norms run on each rank's block of it, the sequence gathered at the input of each module
 that holds the plan's layers (the attention, the MLP) and reduce-scattered by its row layer (a
-mixture of experts' output summed, then split), the head gathering it. :func:`sequence_parallel_plan` writes that plan, of torch's styles beside the
-plan's own entries, for :func:`tp_kernels.parallelize`.
+mixture of experts' output summed, then split), the head gathering it.
+:func:`sequence_parallel_plan` writes that plan, of torch's styles beside the plan's own entries,
+for :func:`tp_kernels.parallelize`.
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
         for relative, value in entries.items():
             out[f"{layers_name}.*.{relative}"] = RowwiseParallel(output_layouts=Shard(1)) if relative in rows else value
     out[f"{layers_name}.0"] = moved(Replicate(), Shard(1))
+
     def norm(name: str, module: nn.Module) -> bool:
         """Whether ``module`` holds parameters, and then that it is a norm (run on each rank's block)."""
         if not any(True for _ in module.parameters()):

@@ -263,9 +263,9 @@ def redistribute(module: nn.Module, moves: Moves, group) -> nn.Module:
     parameter that differ are a ``ValueError`` here; an input or output a move names that the call
     does not have, a ``ValueError`` on every rank, before anything moves."""
     name = type(module).__name__
-    names = _positional_names(module)
+    names, by_name = _positional_names(module), dict(moves.kwargs)
     for i, move in moves.inputs:
-        other = dict(moves.kwargs).get(names[i]) if i < len(names) else None
+        other = by_name.get(names[i]) if i < len(names) else None
         if other is not None and other != move:
             raise ValueError(f"{name}: its PrepareModule style gives input {i} ({names[i]!r} in its forward) two "
                              f"layouts, by position and by name, that move it differently: {move} and {other}")
