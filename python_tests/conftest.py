@@ -75,9 +75,10 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     """With ``TP_KERNELS_COLLECTED_FILE`` set (bench/gpu_suite.sh sets it), the ids of the tests
-    selected, one a line: the suite's record names those a stopped run never reached."""
+    selected, one a line: the suite's record names those a stopped run never reached. Under
+    pytest-xdist every worker collects them all (the controller none): the first worker writes."""
     path = os.environ.get("TP_KERNELS_COLLECTED_FILE")
-    if path:
+    if path and os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0":
         with open(path, "w") as f:
             f.writelines(item.nodeid + "\n" for item in session.items)
 
