@@ -1,11 +1,13 @@
-# The steps of a GPU suite part (sourced by bench/gpu_suite.sh), each under its own time limit and
-# under the part's budget, so that a part ends, its record written, inside the call that runs it:
+# The steps of the GPU suite (sourced by bench/gpu_suite.sh), each under its own time limit and
+# under the call's budget, so that a call ends, its records written, inside the call that runs it:
 #
-#   budget_s   seconds the whole part may take, counted by bash's SECONDS from the part's start
-#   reserve_s  seconds kept back at the end for the record and the copy of the logs
-#   logs       the folder of the logs: LOGS/NAME.log per step, LOGS/status.txt a line per step
-#   OUT        when set, the logs are copied there (as LOGS_TARBALL) after every step, so that a
-#              call stopped from outside still returns what ran
+#   budget_s     seconds the whole call may take, counted by bash's SECONDS from its start
+#   reserve_s    seconds kept back at the end for the records and the copy of the logs
+#   logs         the folder of the part's logs: LOGS/NAME.log per step, LOGS/status.txt a line
+#                per step ("NAME STATUS SECONDS")
+#   LOGS_ROOT    the folder of every part's logs (LOGS itself when unset)
+#   OUT          when set, the logs are copied there (as LOGS_TARBALL) after every step, so that a
+#                call stopped from outside still returns what ran
 #
 # The exit statuses a step records are its command's, or 124 (stopped at its limit) or 125 (not
 # started: the budget was spent).
@@ -33,25 +35,26 @@ step() {
   local left
   left=$(seconds_left)
   if [ "$left" -lt 5 ]; then
-    echo "== $name: not started, the part's budget of ${budget_s} s is spent" >&2
-    echo "$name $NOT_STARTED" >>"$logs/status.txt"
+    echo "== $name: not started, the call's budget of ${budget_s} s is spent" >&2
+    echo "$name $NOT_STARTED 0" >>"$logs/status.txt"
     save_logs
     return 0
   fi
   limit=$(step_limit "$limit")
   echo "== $name (at most ${limit} s; ${SECONDS} s so far)"
+  local start=$SECONDS
   timeout -s INT --kill-after=15 "$limit" "$@" 2>&1 | tee "$logs/$name.log"
   local status=${PIPESTATUS[0]}
-  echo "$name $status" >>"$logs/status.txt"
+  echo "$name $status $((SECONDS - start))" >>"$logs/status.txt"
   [ "$status" -eq 124 ] && echo "$name: stopped after ${limit} s" >&2
   save_logs
   return 0
 }
 
-# save_logs: the logs so far, as one tarball in OUT (when OUT is set)
+# save_logs: the logs so far, every part's, as one tarball in OUT (when OUT is set)
 save_logs() {
   if [ -n "${OUT:-}" ]; then
-    tar -czf "$OUT/$LOGS_TARBALL" -C "$logs" .
+    tar -czf "$OUT/$LOGS_TARBALL" -C "${LOGS_ROOT:-$logs}" .
   fi
   return 0
 }

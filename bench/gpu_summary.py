@@ -1,12 +1,14 @@
 """The record of one part of the GPU suite (bench/gpu_suite.sh), written as JSON with the device,
 the commit and the date:
 
-    python bench/gpu_summary.py tests    LOGS RESULTS COMMIT   # LOGS/gpu-tests.xml (junit), LOGS/gpu-tests-{collected,selection}.txt
-    python bench/gpu_summary.py bench    LOGS RESULTS COMMIT   # LOGS/{bench,extension,fused,host}/*.json, LOGS/status.txt
-    python bench/gpu_summary.py sanitize LOGS RESULTS COMMIT   # LOGS/status.txt, LOGS/sanitize-*.log
+    python bench/gpu_summary.py tests    LOGS RESULTS COMMIT [COPY_TO]  # LOGS/gpu-tests.xml (junit), LOGS/gpu-tests-{collected,selection}.txt
+    python bench/gpu_summary.py bench    LOGS RESULTS COMMIT [COPY_TO]  # LOGS/{bench,extension,fused,host}/*.json, LOGS/status.txt
+    python bench/gpu_summary.py sanitize LOGS RESULTS COMMIT [COPY_TO]  # LOGS/status.txt, LOGS/sanitize-*.log
 
 It writes ``RESULTS/gpu-<part>-<COMMIT>.json`` (the tests of ``--shard I/N``:
-``gpu-tests-<COMMIT>-IofN.json``, each part's its own) and prints one line saying what it holds. Exit
+``gpu-tests-<COMMIT>-IofN.json``, each part's its own), a copy of it in the folder COPY_TO when one
+is given (the suite's ``$OUT``), and prints one line saying what it holds. ``LOGS/status.txt`` has a
+line a step, ``NAME STATUS SECONDS`` (bench/gpu_steps.sh); the record keeps both. Exit
 status: 0 when the part is green (every test selected ran and passed, and none was skipped for
 lack of something this machine has; every step finished; the sanitizers found nothing), 1 otherwise.
 """
@@ -18,6 +20,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import sys
 import xml.etree.ElementTree as ET
 from typing import Dict, List
@@ -37,12 +40,19 @@ def _machine() -> Dict:
     return {"device": device, **versions}
 
 
-def _steps(logs: str) -> Dict[str, int]:
-    """``LOGS/status.txt``: one ``<step> <exit status>`` line per step the part ran."""
+def _status_lines(logs: str) -> List[List[str]]:
     path = os.path.join(logs, "status.txt")
-    if not os.path.exists(path):
-        return {}
-    return {line.split()[0]: int(line.split()[1]) for line in open(path) if line.strip()}
+    return [line.split() for line in open(path) if line.strip()] if os.path.exists(path) else []
+
+
+def _steps(logs: str) -> Dict[str, int]:
+    """``LOGS/status.txt``: each step's exit status, by name."""
+    return {fields[0]: int(fields[1]) for fields in _status_lines(logs)}
+
+
+def _step_seconds(logs: str) -> Dict[str, int]:
+    """``LOGS/status.txt``: the seconds each step took (0: not started), by name."""
+    return {fields[0]: int(fields[2]) for fields in _status_lines(logs) if len(fields) > 2}
 
 
 def _junit_name(nodeid: str) -> str:
@@ -90,7 +100,8 @@ def tests(logs: str) -> Dict:
              and all(s["test"] in ALLOWED_SKIPS for s in skipped))
     selection_path = os.path.join(logs, "gpu-tests-selection.txt")
     selection = open(selection_path).read().splitlines() if os.path.exists(selection_path) else None
-    return {"counts": counts, "selection": selection, "exit_status": exit_status, "junit_xml": os.path.exists(xml),
+    return {"counts": counts, "selection": selection, "exit_status": exit_status,
+            "wall_seconds": _step_seconds(logs).get("gpu-tests"), "junit_xml": os.path.exists(xml),
             "failed": failed, "errors": errors, "skipped": skipped, "not_reached": (not_reached or [])[:200],
             "seconds": round(sum(durations.values()), 1), "slowest": slowest, "durations": durations, "green": green}
 
@@ -106,7 +117,8 @@ def bench(logs: str) -> Dict:
             record.pop("measurements", None)
             records[f"{part}/{os.path.basename(path)}"] = record
     steps = _steps(logs)
-    return {"steps": steps, "records": records, "green": bool(steps) and not any(steps.values())}
+    return {"steps": steps, "step_seconds": _step_seconds(logs), "records": records,
+            "green": bool(steps) and not any(steps.values())}
 
 
 #: compute-sanitizer's last line, e.g. "========= ERROR SUMMARY: 0 errors"
@@ -117,12 +129,12 @@ def sanitize(logs: str) -> Dict:
     """Per tool: the exit status (0 clean, 9 errors found, 3 a device wait timed out, 1 a wrong
     result, 124 out of time, 125 not started: bench/gpu_steps.sh) and the error count of its
     summary line."""
-    steps = _steps(logs)
+    seconds = _step_seconds(logs)
     tools = {}
-    for tool, status in steps.items():
+    for tool, status in _steps(logs).items():
         path = os.path.join(logs, f"sanitize-{tool}.log")
         found = _SUMMARY.findall(open(path, errors="replace").read()) if os.path.exists(path) else []
-        tools[tool] = {"exit_status": status, "errors": int(found[-1]) if found else None}
+        tools[tool] = {"exit_status": status, "errors": int(found[-1]) if found else None, "seconds": seconds.get(tool)}
     green = bool(tools) and all(t["exit_status"] == 0 and t["errors"] == 0 for t in tools.values())
     return {"tools": tools, "green": green}
 
@@ -144,10 +156,10 @@ def _shard(selection) -> str:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 4 or argv[0] not in PARTS:
-        print(f"usage: python bench/gpu_summary.py {{{','.join(PARTS)}}} LOGS RESULTS COMMIT", file=sys.stderr)
+    if len(argv) not in (4, 5) or argv[0] not in PARTS:
+        print(f"usage: python bench/gpu_summary.py {{{','.join(PARTS)}}} LOGS RESULTS COMMIT [COPY_TO]", file=sys.stderr)
         return 2
-    part, logs, results, commit = argv
+    part, logs, results, commit = argv[:4]
     record = {**_machine(), "part": part, "commit": commit,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               **PARTS[part](logs)}
@@ -156,6 +168,8 @@ def main(argv=None) -> int:
     path = os.path.join(results, f"gpu-{part}-{commit}{f'-{part_of}' if part_of else ''}.json")
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
+    if len(argv) == 5:
+        shutil.copy(path, argv[4])
     summary = {"tests": lambda r: f"{r['counts']}" + (f", selected by {r['selection']}" if r["selection"] else ""),
                "bench": lambda r: f"steps {r['steps']}",
                "sanitize": lambda r: f"{r['tools']}"}[part](record)

@@ -470,6 +470,47 @@ def test_the_gpu_tests_record_names_the_tests_a_stopped_run_never_reached(tmp_pa
     assert record["counts"]["tests"] == 0 and record["counts"]["not_reached"] == 5 and not record["junit_xml"]
 
 
+def test_the_gpu_tests_on_several_workers(tmp_path):
+    """The suite's tests on pytest-xdist workers (bench/gpu_suite.sh), with the suite's conftest
+    hooks: the list of the tests selected is written once, whole, though every worker collects
+    them; the record of the run counts each test once and is green; ``--shard`` selects alike on
+    every worker."""
+    import json
+    import subprocess
+    import sys
+
+    summary = _gpu_summary()
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    conftest = os.path.join(os.path.dirname(__file__), "conftest.py")
+    (tests / "conftest.py").write_text(
+        f"import runpy\nhooks = runpy.run_path({conftest!r})\n"
+        "pytest_addoption = hooks['pytest_addoption']\n"
+        "pytest_collection_modifyitems = hooks['pytest_collection_modifyitems']\n"
+        "pytest_collection_finish = hooks['pytest_collection_finish']\n")
+    (tests / "test_x.py").write_text(  # each test writes down the worker that ran it
+        "import os, pytest\n@pytest.mark.parametrize('v', range(7))\ndef test_param(v):\n"
+        "    open(f'ran-{v}', 'w').write(os.environ['PYTEST_XDIST_WORKER'])\n")
+    for args, expected in (([], [f"test_x::test_param[{v}]" for v in range(7)]),
+                           (["--shard", "2/3"], ["test_x::test_param[1]", "test_x::test_param[4]"])):
+        logs, results = tmp_path / f"logs{len(args)}", tmp_path / f"results{len(args)}"
+        logs.mkdir()
+        out = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-q", "-p", "no:cacheprovider",
+                              str(tests / "test_x.py"), f"--junitxml={logs / 'gpu-tests.xml'}", f"--rootdir={tests}",
+                              *args], cwd=tests, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "TP_KERNELS_COLLECTED_FILE": str(logs / "gpu-tests-collected.txt")})
+        assert out.returncode == 0, out.stdout + out.stderr
+        ran = {path.name: path.read_text() for path in tests.glob("ran-*")}
+        assert len(ran) == len(expected) and set(ran.values()) <= {"gw0", "gw1"}, ran
+        for path in tests.glob("ran-*"):
+            path.unlink()
+        collected = (logs / "gpu-tests-collected.txt").read_text().splitlines()
+        assert [summary._junit_name(line) for line in collected] == expected
+        assert summary.main(["tests", str(logs), str(results), "abc1234"]) == 0
+        record = json.load(open(results / "gpu-tests-abc1234.json"))
+        assert sorted(record["durations"]) == sorted(expected) and record["counts"]["not_reached"] == 0
+
+
 def test_the_gpu_suite_steps_keep_to_the_parts_budget(tmp_path):
     """bench/gpu_steps.sh: a step is cut to what the part's budget leaves (and stopped there with
     SIGINT, status 124), a step with no time left is not started (125), and the logs so far are in
@@ -487,10 +528,83 @@ def test_the_gpu_suite_steps_keep_to_the_parts_budget(tmp_path):
     start = time.monotonic()
     done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
     assert time.monotonic() - start < 25, "the step ran past the part's budget"
-    assert (logs / "status.txt").read_text() == "slow 124\nlate 125\n", done.stdout + done.stderr
-    assert "late: not started, the part's budget of 8 s is spent" in done.stderr
+    lines = [line.split() for line in (logs / "status.txt").read_text().splitlines()]
+    assert [line[:2] for line in lines] == [["slow", "124"], ["late", "125"]], done.stdout + done.stderr
+    assert 7 <= int(lines[0][2]) <= 9 and lines[1][2] == "0"  # the seconds each took
+    assert "late: not started, the call's budget of 8 s is spent" in done.stderr
     with tarfile.open(out / "logs.tar.gz") as tar:
         assert {"./status.txt", "./slow.log"} <= set(tar.getnames())
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# python3 as bench/gpu_suite.sh calls it, without a GPU: each call noted in CALLS; the build, the
+# GPU tests (one passing test in the junit XML) and the benchmarks faked; the rest the real python
+echo "$*" >>"$CALLS"
+case "$*" in
+  "-c import torch; print(torch.version.cuda.split('.')[0])") echo 13 ;;
+  "-m pip install"*) echo fake build ;;
+  "-m pytest python_tests -m gpu"*)
+    for arg in "$@"; do
+      case "$arg" in --junitxml=*) echo '<testsuites><testsuite><testcase classname="python_tests.test_gpu" name="test_a" time="0.5"/></testsuite></testsuites>' >"${arg#--junitxml=}" ;; esac
+    done
+    echo python_tests/test_gpu.py::test_a >"$TP_KERNELS_COLLECTED_FILE" ;;
+  "-m tp_kernels.bench"*) echo fake benchmark ;;
+  *) exec "$REAL_PYTHON" "$@" ;;
+esac
+"""
+
+
+def test_the_gpu_suite_runs_all_its_parts_in_one_call(tmp_path):
+    """bench/gpu_suite.sh all (a copy, with a fake python and compute-sanitizer): one build, then the
+    tests (on workers, a per-test and a session timeout inside their share of the budget), the
+    sanitizers, the benchmarks (the main job --quick with 20 samples a figure) in that order; a
+    record per part in bench/results and in OUT, with one tarball of every part's logs; green."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import tarfile
+
+    here = os.path.join(os.path.dirname(__file__), "..", "bench")
+    repo, out, fakes = tmp_path / "repo", tmp_path / "out", tmp_path / "bin"
+    for folder in (repo / "bench", out, fakes):
+        folder.mkdir(parents=True)
+    for name in ("gpu_suite.sh", "gpu_steps.sh", "gpu_summary.py"):
+        shutil.copy(os.path.join(here, name), repo / "bench" / name)
+    (fakes / "python").write_text(FAKE_PYTHON)
+    (fakes / "compute-sanitizer").write_text('#!/usr/bin/env bash\necho "$*" >>"$CALLS"\n'
+                                             'echo "========= ERROR SUMMARY: 0 errors"\n')
+    for fake in fakes.iterdir():
+        fake.chmod(0o755)
+    calls = tmp_path / "calls.txt"
+    env = {**os.environ, "PYTHON": str(fakes / "python"), "REAL_PYTHON": sys.executable, "CALLS": str(calls),
+           "PATH": f"{fakes}:{os.environ['PATH']}", "OUT": str(out), "TP_KERNELS_COMMIT": "abc1234",
+           "TP_KERNELS_SUITE_BUDGET_S": "400"}
+    done = subprocess.run(["bash", str(repo / "bench" / "gpu_suite.sh"), "all"], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = calls.read_text().splitlines()
+    builds = [i for i, line in enumerate(lines) if line.startswith("-m pip install")]
+    tests = [i for i, line in enumerate(lines) if line.startswith("-m pytest python_tests -m gpu")]
+    sanitizers = [i for i, line in enumerate(lines) if line.startswith("--tool")]
+    benches = [i for i, line in enumerate(lines) if line.startswith("-m tp_kernels.bench")]
+    assert len(builds) == 1 and len(tests) == 1 and len(sanitizers) == 2 and len(benches) == 4, lines
+    assert builds[0] < tests[0] < sanitizers[0] < sanitizers[1] < benches[0], lines  # correctness first
+    pytest_args = lines[tests[0]].split()
+    assert "--timeout" in pytest_args and pytest_args[pytest_args.index("-n") + 1] == "4"
+    session = int(pytest_args[pytest_args.index("--session-timeout") + 1])
+    assert 150 <= session <= 210  # inside the tests' 240 s
+    assert [lines[i].split()[1] for i in sanitizers] == ["memcheck", "racecheck"]
+    assert "--quick --iters 20" in lines[benches[0]] and not any("-m pytest bench" in line for line in lines)
+    records = {name: json.load(open(out / f"gpu-{name}-abc1234.json")) for name in ("tests", "sanitize", "bench")}
+    assert all(r["green"] and r["commit"] == "abc1234" for r in records.values())
+    assert records["tests"]["counts"]["passed"] == 1 and records["tests"]["counts"]["not_reached"] == 0
+    assert set(records["sanitize"]["tools"]) == {"memcheck", "racecheck"}
+    assert list(records["bench"]["steps"]) == ["bench", "fused", "host", "host-peers"]
+    assert sorted(os.listdir(repo / "bench" / "results")) == sorted(f"gpu-{n}-abc1234.json" for n in records)
+    with tarfile.open(out / "gpu-all-abc1234-logs.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {"./build.log", "./tests/status.txt", "./sanitize/sanitize-memcheck.log", "./bench/bench.log"} <= names
 
 
 def test_the_gpu_sanitize_and_bench_records(tmp_path):
@@ -499,18 +613,22 @@ def test_the_gpu_sanitize_and_bench_records(tmp_path):
     summary = _gpu_summary()
     logs, results = tmp_path / "logs", tmp_path / "results"
     logs.mkdir()
-    (logs / "status.txt").write_text("memcheck 0\nracecheck 9\n")
+    (logs / "status.txt").write_text("memcheck 0 31\nracecheck 9 40\n")
     (logs / "sanitize-memcheck.log").write_text("wrong: none\n========= ERROR SUMMARY: 0 errors\n")
     (logs / "sanitize-racecheck.log").write_text("========= ERROR SUMMARY: 2 errors\n")
-    assert summary.main(["sanitize", str(logs), str(results), "c0ffee"]) == 1
+    out = tmp_path / "out"  # the suite's $OUT: a copy of the record there too
+    out.mkdir()
+    assert summary.main(["sanitize", str(logs), str(results), "c0ffee", str(out)]) == 1
     tools = json.load(open(results / "gpu-sanitize-c0ffee.json"))["tools"]
-    assert tools == {"memcheck": {"exit_status": 0, "errors": 0}, "racecheck": {"exit_status": 9, "errors": 2}}
-    (logs / "status.txt").write_text("bench 0\nextension 124\n")
+    assert tools == {"memcheck": {"exit_status": 0, "errors": 0, "seconds": 31},
+                     "racecheck": {"exit_status": 9, "errors": 2, "seconds": 40}}
+    assert json.load(open(out / "gpu-sanitize-c0ffee.json"))["tools"] == tools
+    (logs / "status.txt").write_text("bench 0 120\nextension 124 60\n")
     (logs / "bench").mkdir()
     (logs / "bench" / "h100.json").write_text(json.dumps({"device": "H100", "measurements": [1, 2], "rows": [3]}))
     assert summary.main(["bench", str(logs), str(results), "c0ffee"]) == 1  # a step out of time
     record = json.load(open(results / "gpu-bench-c0ffee.json"))
-    assert record["steps"] == {"bench": 0, "extension": 124}
+    assert record["steps"] == {"bench": 0, "extension": 124} and record["step_seconds"] == {"bench": 120, "extension": 60}
     assert record["records"] == {"bench/h100.json": {"device": "H100", "rows": [3]}}
     assert summary.main(["nonsense", str(logs), str(results), "c0ffee"]) == 2
 
@@ -520,9 +638,10 @@ def test_the_gpu_suite_script_names_its_parts():
 
     script = os.path.join(os.path.dirname(__file__), "..", "bench", "gpu_suite.sh")
     out = subprocess.run(["bash", script, "everything"], capture_output=True, text=True, timeout=30)
-    assert out.returncode == 2 and "usage: bash bench/gpu_suite.sh {tests [PYTEST_ARGS...]|bench|sanitize}" in out.stderr
-    out = subprocess.run(["bash", script, "bench", "-k", "x"], capture_output=True, text=True, timeout=30)
-    assert out.returncode == 2 and "bench/gpu_suite.sh bench takes no arguments" in out.stderr
+    assert out.returncode == 2 and "usage: bash bench/gpu_suite.sh {all|tests [PYTEST_ARGS...]|bench|sanitize}" in out.stderr
+    for part in ("bench", "all"):
+        out = subprocess.run(["bash", script, part, "-k", "x"], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 2 and f"bench/gpu_suite.sh {part} takes no arguments" in out.stderr
 
 
 # --- the main job on one GPU: its report's layout, from made-up measurements -------------------------
