@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -117,6 +118,45 @@ def check_experts_against_dense(split, device="cpu"):
 @pytest.mark.parametrize("split", list(SPLITS))
 def test_experts_against_dense(world, split):
     world.run(check_experts_against_dense, split)
+
+
+def check_experts_partial_output(split):
+    """``partial_output=True``: each rank's output is its partial sum, which the group's sum makes
+    the dense module's output, and with the output's gradient whole on every rank the gradients of
+    the hidden states, of the router's logits and of the expert weights are the dense module's;
+    with sequence parallelism, or not a bool, it is a ValueError."""
+    r, p = rank_world()
+    transposed, bias, styles = SPLITS[split]
+    torch.manual_seed(0)
+    dense = Experts(transposed, bias)
+    par = shard_experts(copy.deepcopy(dense), styles, partial_output=True)
+    outs = []
+    for model in (dense, par):
+        hidden, logits, index, weights = routed(1)
+        y = model(hidden, index, weights)
+        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+        outs.append((y.detach(), hidden.grad, logits.grad))
+    summed = outs[1][0].clone()
+    if p > 1:
+        dist.all_reduce(summed)
+        assert not torch.allclose(outs[1][0], outs[0][0]), "each rank's output is the whole sum"
+    for name, want, got in zip(("output", "hidden.grad", "logits.grad"), outs[0], (summed, *outs[1][1:])):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13, msg=lambda m: f"{name}: {m}")
+    grads = full_grads(par)
+    for name in styles:
+        torch.testing.assert_close(grads[name], getattr(dense, name).grad, rtol=1e-12, atol=1e-13,
+                                   msg=lambda m: f"{name}.grad: {m}")
+    with pytest.raises(ValueError, match=r"partial_output: experts under sequence parallelism reduce-scatter their "
+                                         r"output themselves"):
+        shard_experts(copy.deepcopy(dense), styles, partial_output=True, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"partial_output: expected a bool, got 'yes'"):
+        shard_experts(copy.deepcopy(dense), styles, partial_output="yes")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("split", ["packed_colwise", "experts"])
+def test_experts_partial_output(world, split):
+    world.run(check_experts_partial_output, split)
 
 
 def check_rank_without_routes(device="cpu"):
@@ -520,6 +560,9 @@ def check_expert_plan_errors():
                              r"use 'packed_colwise'"),
         "identity_outside_experts": ({**ep_plan, "model.layers.*.mlp.gate": "moe_identity_expert"},
                                      r"mlp.gate' \('moe_identity_expert'\) divides its input .*it is inside none"),
+        "experts_output_unknown": ({**plan, experts: ("moe_tp_experts", "sum")},
+                                   r"experts take \('moe_tp_experts', 'partial'\) \(their output left each rank's "
+                                   r"partial sum\) or 'moe_tp_experts' alone \(summed\), got \('moe_tp_experts', 'sum'\)"),
     }
     for case, (bad_plan, message) in bad.items():
         if case == "gate_up_proj" and p == 1:
@@ -555,6 +598,10 @@ def check_expert_plan_errors():
         tp_kernels.parallelize(longcat, {k: v for k, v in longcat.tp_plan.items() if v != "moe_identity_expert"})
     with pytest.raises(ValueError, match=r"sequence_parallel: expected a bool, got 'yes'"):
         shard_experts(Experts(), STYLES[False], sequence_parallel="yes")
+    with pytest.raises(ValueError, match=r"mlp.experts': experts whose output is left partial, \('moe_tp_experts', 'partial'\), do not go with "
+                                         r"sequence_parallel=True, under which they reduce-scatter it themselves"):
+        tp_kernels.parallelize(copy.deepcopy(dense), {**plan, experts: ("moe_tp_experts", "partial")},
+                               sequence_parallel=True)
     shard_experts(experts := Experts(), STYLES[False])
     with pytest.raises(ValueError, match="sharded already"):
         shard_experts(experts, STYLES[False])

@@ -546,6 +546,52 @@ def test_torch_prepare_module_input_output(world):
     world.run(check_torch_prepare_module_input_output)
 
 
+class _Scaled(nn.Module):
+    """``x`` times a factor: each rank's partial sum of ``x`` times the factors' sum."""
+
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x):
+        return x * self.factor
+
+
+def check_torch_partial_outputs():
+    """A module whose output is each rank's partial sum, ``PrepareModuleOutput(output_layouts=
+    Partial())``: summed whole (``desired_output_layouts=Replicate()``) or reduce-scattered along
+    the sequence (``Shard(1)``), the gradient of the input its factor times the output's gradient,
+    whole (gathered back from the blocks); a Partial() moved elsewhere is a ValueError."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleOutput
+
+    r, p = rank_world()
+    total = p * (p + 1) // 2  # (the factors r + 1 summed)
+    x = torch.randn(3, 2 * p, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    grad = torch.randn(3, 2 * p, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for wanted, keep in ((Replicate(), lambda t: t), (Shard(1), lambda t: block(t, 1, r, p))):
+        model = tp_kernels.parallelize(nn.Sequential(_Scaled(r + 1)), {
+            "0": PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=wanted)})
+        given = x.clone().requires_grad_()
+        out = model(given)
+        torch.testing.assert_close(out, keep(x * total), rtol=1e-15, atol=0)
+        out.backward(keep(grad))
+        torch.testing.assert_close(given.grad, grad * (r + 1), rtol=1e-15, atol=0)
+    for wanted, shown in ((Shard(-1), r"Shard\(-1\)"), (Shard(1), None)):
+        given = Partial("max") if shown is None else Partial()
+        with pytest.raises(ValueError, match=r"plan\['0'\]: PrepareModuleOutput: output 0: from "
+                                             + (r"Partial\(\) to " + shown if shown else r"Partial\(.*max") +
+                                             r".*, which tp_kernels does not move .* sums a Partial\(\) to "
+                                             r"Replicate\(\) or, reduce-scattered, to Shard\(d\) with d >= 0"):
+            tp_kernels.parallelize(nn.Sequential(_Scaled(1)), {
+                "0": PrepareModuleOutput(output_layouts=given, desired_output_layouts=wanted)})
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_torch_partial_outputs(world):
+    world.run(check_torch_partial_outputs)
+
+
 def check_torch_parallel_style_errors():
     """What tp_kernels cannot take of torch's styles is a ValueError naming the pattern, before
     anything is replaced: DTensor outputs, an embedding's columns left split, a row layer's whole
@@ -1364,11 +1410,17 @@ def test_sequence_parallel_plans(world2, kind):
 def check_moe_sequence_parallel_plan(kind, parallelism):
     """transformers' mixtures of experts under sequence parallelism by
     :func:`tp_kernels.sequence_parallel_plan` of their own plans (``"ep"``: ``{**tp_plan,
-    **ep_plan}``, whole experts a rank), the experts' module gathered, its output summed and
-    split; Qwen 3 MoE's first layer a dense MLP under the same name: the decoder layers see each
-    rank's block of the sequence, and the logits, the loss and every gradient are the dense
-    model's in float64 (the routers' softmax in float32: to float32's precision)."""
+    **ep_plan}``, whole experts a rank), the experts' module gathered and its output, the experts'
+    partial sums, reduce-scattered once (Qwen 2 MoE's, its shared expert whole on every rank,
+    summed and split); Qwen 3 and Qwen 2 MoE's first layer a dense MLP under the same name, its row
+    layer reduce-scattering: the decoder layers see each rank's block of the sequence, the
+    forward moves each layer's activations by one reduce-scatter a module (but Qwen 2 MoE's
+    experts' sum), and the logits, the loss and every gradient are the dense model's in float64
+    (the routers' softmax in float32: to float32's precision)."""
+    from unittest import mock
+
     from test_experts import _moe_model, _plan
+    from tp_kernels import _collectives as coll
 
     _, p = rank_world()
     dense = _moe_model(kind)
@@ -1379,6 +1431,26 @@ def check_moe_sequence_parallel_plan(kind, parallelism):
     assert_same_loss_and_backward(dense, par, ids)
     assert seen == [(2, 6 // p, 16)], seen
     assert_dense_grads(par, dense, 1e-12 if kind == "qwen3_moe" else 4 * torch.finfo(torch.float32).eps)
+
+    moved, inside = [], []  # the forward's sums of whole activations, [b, s, h] (on the CPU a reduce-scatter is
+    # an all-reduce inside: the outer call counts)
+
+    def counted(name, collective):
+        def call(x, *args, **kwargs):
+            if x.numel() == ids.numel() * 16 and not inside:
+                moved.append(name)
+            inside.append(name)
+            try:
+                return collective(x, *args, **kwargs)
+            finally:
+                inside.pop()
+        return call
+
+    with mock.patch.object(coll, "all_reduce", counted("AR", coll.all_reduce)), \
+            mock.patch.object(coll, "reduce_scatter_dim0", counted("RS", coll.reduce_scatter_dim0)), torch.no_grad():
+        par(ids)
+    # the embedding's sum; each layer's attention, then its MLP or experts
+    assert moved == ["AR", "RS", "RS", "RS", "AR" if kind == "qwen2_moe" else "RS"], moved
 
 
 @pytest.mark.parametrize("kind, parallelism", [("mixtral", "tp"), ("qwen3_moe", "tp"), ("qwen3_moe", "ep"),

@@ -6,19 +6,21 @@ parallelism (each column layer gathering its input) does not fit them. TorchTita
 otherwise, and so can they: the embedding's output whole, the sequence split at the first decoder
 layer, the norms run on each rank's block of it, the sequence gathered at the input of each module
 that holds the plan's layers (the attention, the MLP) and reduce-scattered by its row layer (a
-mixture of experts' output summed, then split), the head gathering it.
+mixture of experts' output, its experts' partial sums, by the module's output), the head
+gathering it.
 :func:`sequence_parallel_plan` writes that plan, of torch's styles beside the plan's own entries,
 for :func:`tp_kernels.parallelize`.
 """
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Dict, Mapping, Optional
 
 import torch.nn as nn
 
 from ._torch_styles import is_torch_style
-from .parallelize import ALIASES
+from .parallelize import _EXPERTS, ALIASES
 
 __all__ = ["sequence_parallel_plan"]
 
@@ -32,6 +34,49 @@ def _style_name(value) -> str:
     """The style of a plan's value (a tuple's first item), by its own name."""
     name = value[0] if isinstance(value, (tuple, list)) and value else value
     return ALIASES.get(name, name) if isinstance(name, str) else repr(name)
+
+
+def _matches(layer: nn.Module, relative: str):
+    """The modules of ``layer`` whose names (relative to it) a plan's entry matches."""
+    return [m for name, m in layer.named_modules() if name and fnmatch.fnmatchcase(name, relative)]
+
+
+def _kind(layer: nn.Module, experts, rows) -> str:
+    """How ``layer``'s module ``owner`` runs under the sequence plan: ``"moe"`` (it holds experts),
+    ``"dense"`` (a row layer of the plan, which reduce-scatters its output), else ``"summed"`` (whole
+    on every rank, its output split)."""
+    if any(_matches(layer, relative) for relative in experts):
+        return "moe"
+    return "dense" if any(_matches(layer, relative) for relative in rows) else "summed"
+
+
+def _partial_ok(layer: nn.Module, owner: str, entries, experts, hidden) -> bool:
+    """Whether the output of ``layer``'s mixture of experts ``owner`` is its experts' output alone,
+    so that their partial sums may go to one reduce-scatter: the plan names nothing inside it but
+    the experts, and every other module of it that holds parameters is a router (its weight
+    ``[E, hidden]``, and any other parameter ``[E]``: its scores go to the routing, not to the
+    output). A shared expert held whole (Qwen 2 MoE's) adds to the output what the ranks compute
+    alike, which a reduce-scatter would count p times: then the experts' output is summed."""
+    block = layer.get_submodule(owner)
+    inner = {id(m) for relative in experts for m in _matches(layer, relative)}
+    for relative in entries:
+        if relative not in experts and not any(relative.startswith(e + ".") for e in experts) and \
+                _matches(layer, relative):
+            return False
+    sizes = {q.shape[0] for m in block.modules() if id(m) in inner for q in m.parameters(recurse=False)
+             if q.dim() == 3}  # (the experts' count: their 3-D weights' first dim)
+    if len(sizes) != 1 or hidden is None or any(True for _ in block.parameters(recurse=False)):
+        return False
+    count = sizes.pop()
+    for child in block.children():
+        if id(child) in inner or not any(True for _ in child.parameters()):
+            continue
+        own = [q.shape for q in child.parameters(recurse=False)]
+        router = (len(own) == len(list(child.parameters())) and (count, hidden) in own
+                  and all(shape in ((count, hidden), (count,)) for shape in own))
+        if not router:
+            return False
+    return True
 
 
 def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]] = None) -> Dict[str, object]:
@@ -48,10 +93,17 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
       plan's other entries inside it kept, and the row layer reduce-scattering its output back
       (``RowwiseParallel(output_layouts=Shard(1))``);
     * a module holding a mixture of experts (the plan's ``"moe_tp_experts"`` or
-      ``"moe_ep_experts"``, and the dense MLPs of the same name in other layers): its input
-      gathered, its entries kept (the router runs on every token on every rank alike, the experts'
-      output is summed whole), and its output split (``PrepareModuleInputOutput``): an all-reduce
-      and a split where a reduce-scatter would do;
+      ``"moe_ep_experts"``): its input gathered, its entries kept (the router runs on every token
+      on every rank alike, so the routing, and a load-balancing loss from the router's logits, are
+      the dense model's), the experts' output left each rank's partial sum (``(style,
+      "partial")``), and the module's output reduce-scattered (``PrepareModuleInputOutput(...,
+      output_layouts=Partial(), desired_output_layouts=Shard(1))``), one move. That needs the
+      experts' output to be all the module adds up: where it holds another module with parameters
+      besides its router (whose weight is ``[E, hidden]``), Qwen 2 MoE's shared expert run whole,
+      or a plan entry besides the experts', the experts' output is summed whole and the module's
+      split, an all-reduce and a split. The same module name in other layers holding a dense MLP
+      (Qwen 3 MoE's first layers) is moved as the MLP is above (the owner's entries then per
+      layer, ``layers.0.mlp``);
     * every other module of a decoder layer, and of the model beside the layers and the
       embedding, that holds parameters (the norms): run on each rank's block, its gradients summed
       (``SequenceParallel``);
@@ -77,7 +129,7 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
             raise ValueError(f"plan: {type(model).__name__} has no tp_plan; pass the tensor-parallel plan")
     if not isinstance(plan, Mapping):
         raise ValueError(f"plan: expected a mapping of module names to styles, got {type(plan).__name__}")
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
                                                    RowwiseParallel, SequenceParallel)
 
@@ -118,22 +170,38 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
         elif pattern != head_name:
             raise ValueError(f"plan[{pattern!r}]: outside the decoder layers, the embedding and the head, where the "
                              "sequence parallelism this plan writes does not say what it becomes")
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    gathered = {  # a module of a decoder layer: how it moves its input and output
+        "dense": moved(Shard(1), Replicate()),  # (its row layers reduce-scatter their outputs)
+        "partial": PrepareModuleInputOutput(  # (its experts' partial sums reduce-scattered: one move)
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), output_layouts=Partial(),
+            desired_output_layouts=Shard(1)),
+        "summed": PrepareModuleInputOutput(  # (its output whole on every rank: each rank's block of it)
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), output_layouts=Replicate(),
+            desired_output_layouts=Shard(1))}
     for owner, entries in inside.items():
         styles = {relative: _style_name(value) for relative, value in entries.items()}
-        if any("experts" in style for style in styles.values()):
-            # a mixture of experts: its experts' output summed whole, then each rank's block of it
-            out[f"{layers_name}.*.{owner}"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), output_layouts=Replicate(),
-                desired_output_layouts=Shard(1))
-            out.update({f"{layers_name}.*.{relative}": value for relative, value in entries.items()})
-            continue
-        rows = [relative for relative, style in styles.items() if style == _ROW]
-        if not rows:
+        experts = [relative for relative, style in styles.items() if style in _EXPERTS]
+        rows = [relative for relative, style in styles.items()
+                if style == _ROW and not any(relative.startswith(e + ".") for e in experts)]
+        if not experts and not rows:
             raise ValueError(f"plan: {layers_name}.*.{owner} holds {sorted(styles.items())} but no 'rowwise' layer, "
                              "which would scatter its output back along the sequence")
-        out[f"{layers_name}.*.{owner}"] = moved(Shard(1), Replicate())
+        kinds = [_kind(layer, experts, rows) for layer in layers]
+        if "moe" in kinds:  # (every mixture of experts of the owner alike: leave their sums partial, or not)
+            moe = "partial" if all(kind != "moe" or _partial_ok(layer, owner, entries, experts, hidden)
+                                   for layer, kind in zip(layers, kinds)) else "summed"
+            kinds = [moe if kind == "moe" else kind for kind in kinds]
+        if len(set(kinds)) == 1:
+            out[f"{layers_name}.*.{owner}"] = gathered[kinds[0]]
+        else:  # (Qwen 3 MoE's dense first layers: a module of the same name, moved otherwise)
+            out.update({f"{layers_name}.{i}.{owner}": gathered[kind] for i, kind in enumerate(kinds)})
         for relative, value in entries.items():
-            out[f"{layers_name}.*.{relative}"] = RowwiseParallel(output_layouts=Shard(1)) if relative in rows else value
+            if relative in rows:
+                value = RowwiseParallel(output_layouts=Shard(1))
+            elif relative in experts and "partial" in kinds:
+                value = (styles[relative], "partial")
+            out[f"{layers_name}.*.{relative}"] = value
     out[f"{layers_name}.0"] = moved(Replicate(), Shard(1))
 
     def norm(name: str, module: nn.Module) -> bool:

@@ -3,7 +3,8 @@
 A plan written for ``torch.distributed.tensor.parallel.parallelize_module`` (TorchTitan's, for
 one) maps module names to ``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``,
 ``PrepareModuleInput``, ``PrepareModuleOutput`` and ``PrepareModuleInputOutput`` objects, whose
-layouts (``Replicate()``, ``Shard(d)``) say how a module's inputs and outputs lie across the ranks.
+layouts (``Replicate()``, ``Shard(d)``, ``Partial()``: each rank's partial sum) say how a module's
+inputs and outputs lie across the ranks.
 :func:`translate` reads one, for the module it is applied to, as what ``parallelize`` builds: a
 style of :data:`tp_kernels.parallelize.STYLES`, and the sequence dim of a layer's sequence
 parallelism (``Shard(1)``: 1) or None; a ``PrepareModule*`` one as the moves of the module's
@@ -31,13 +32,15 @@ import torch
 import torch.nn as nn
 
 from .mappings import (gather_for_column_layers, gather_from_tensor_model_parallel_region,
+                       reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
                        scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region)
 
 __all__ = ["Moves", "describe", "is_torch_style", "output_as_dtensor", "redistribute", "translate"]
 
 #: a move of one tensor between layouts: ("gather" | "scatter", dim), dim -1 the last (the hidden
-#: units), another the sequence
-Move = Tuple[str, int]
+#: units), another the sequence; ("reduce_scatter", dim) of a partial sum, dim the sequence; or
+#: ("all_reduce", None)
+Move = Tuple[str, Optional[int]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +75,9 @@ def describe(value) -> str:
 
 
 def _layout(placement):
-    """A placement as ``("replicate", None)``, ``("shard", dim)`` or ``("other", placement)``;
-    None for None (an input left alone)."""
-    from torch.distributed.tensor import Replicate, Shard
+    """A placement as ``("replicate", None)``, ``("shard", dim)``, ``("partial", None)`` (a sum)
+    or ``("other", placement)``; None for None (an input left alone)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
 
     if placement is None:
         return None
@@ -82,6 +85,8 @@ def _layout(placement):
         return "replicate", None
     if type(placement) is Shard:
         return "shard", placement.dim
+    if type(placement) is Partial and placement.reduce_op == "sum":
+        return "partial", None
     return "other", placement
 
 
@@ -165,7 +170,7 @@ def translate(pattern: str, style, module: nn.Module) -> Tuple[str, object, Opti
 def _shown(layout) -> str:
     """A layout as torch writes it."""
     return "Replicate()" if layout[0] == "replicate" else f"Shard({layout[1]})" if layout[0] == "shard" else \
-        repr(layout[1])
+        "Partial()" if layout[0] == "partial" else repr(layout[1])
 
 
 def _sequence(layout, what: str, refuse) -> Optional[int]:
@@ -191,9 +196,14 @@ def _moves(given, wanted, refuse, labels) -> Tuple[Tuple[int, Optional[Move]], .
             moves.append((i, ("gather", a[1])))
         elif a == ("replicate", None) and b[0] == "shard":
             moves.append((i, ("scatter", b[1])))
+        elif a == ("partial", None) and b == ("replicate", None):
+            moves.append((i, ("all_reduce", None)))
+        elif a == ("partial", None) and b[0] == "shard" and b[1] >= 0:
+            moves.append((i, ("reduce_scatter", b[1])))
         else:
             refuse(f"{label}: from {_shown(a)} to {_shown(b)}, which tp_kernels does not move (it gathers a Shard(d) "
-                   "to Replicate() and splits a Replicate() to Shard(d))")
+                   "to Replicate(), splits a Replicate() to Shard(d), and sums a Partial() to Replicate() or, "
+                   "reduce-scattered, to Shard(d) with d >= 0, the sequence)")
     return tuple(moves)
 
 
@@ -201,6 +211,10 @@ def _move(x, move: Move, group, what: str):
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{what}: expected a tensor to move ({move[0]} along dim {move[1]}), got {type(x).__name__}")
     direction, dim = move
+    if direction == "all_reduce":
+        return reduce_from_tensor_model_parallel_region(x, group)
+    if direction == "reduce_scatter":
+        return reduce_scatter_to_sequence_parallel_region(x, group, sequence_dim=dim)
     if dim == -1:
         f = gather_from_tensor_model_parallel_region if direction == "gather" else \
             scatter_to_tensor_model_parallel_region
@@ -255,7 +269,9 @@ def redistribute(module: nn.Module, moves: Moves, group) -> nn.Module:
     """Register on ``module`` the hooks that move its inputs before its forward and its outputs
     after it (``moves``), with the mappings: a ``Shard(d)`` gathered to ``Replicate()`` (for the
     column layers it feeds: :func:`tp_kernels.mappings.gather_for_column_layers`), a
-    ``Replicate()`` split to ``Shard(d)`` (backward: gathered). An input's layout applies to it
+    ``Replicate()`` split to ``Shard(d)`` (backward: gathered), a ``Partial()`` (each rank's partial
+    sum: experts that leave their output so) summed to ``Replicate()`` or reduce-scattered to
+    ``Shard(d)`` (backward: the gradient as it is, or gathered). An input's layout applies to it
     however the call passes it: one given by position (``input_layouts``) to the parameter of the
     forward's signature at that position passed by keyword too, one given by name
     (``input_kwarg_layouts``) to that parameter passed by position too (where torch's styles pass

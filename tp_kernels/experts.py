@@ -60,7 +60,7 @@ WHOLE_EXPERTS = "experts"
 
 
 def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
-                  sequence_parallel: bool = False) -> nn.Module:
+                  sequence_parallel: bool = False, partial_output: bool = False) -> nn.Module:
     """Shard the expert weights of ``module`` in place, and make its forward tensor-parallel.
 
     ``styles`` maps each parameter of ``module`` (its own, by name: ``{"gate_up_proj":
@@ -95,6 +95,12 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
     Megatron-LM's experts under sequence parallelism. A router (any parameter every rank holds
     whole and applies to its block) then needs :func:`tp_kernels.allreduce_sequence_parallel_grads`.
 
+    With ``partial_output=True`` (not with ``sequence_parallel``) the output is left each rank's
+    partial sum, its gradient taken as it comes (whole on every rank), for a module around
+    ``module`` that sums it with the rest of its output: a torch style's ``Partial()`` output,
+    reduce-scattered along the sequence (``PrepareModuleOutput(output_layouts=Partial(),
+    desired_output_layouts=Shard(1))``), one move where a sum and a split would be two.
+
     Every parameter ``module`` holds must be named (a parameter every rank held whole, an
     expert's output bias, would be added p times) and its parts must divide by the group's size
     (but for whole experts);
@@ -106,6 +112,11 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
     p, r = coll.group_size(group), coll.group_rank(group)
     if not isinstance(sequence_parallel, bool):
         raise ValueError(f"sequence_parallel: expected a bool, got {sequence_parallel!r}")
+    if not isinstance(partial_output, bool):
+        raise ValueError(f"partial_output: expected a bool, got {partial_output!r}")
+    if partial_output and sequence_parallel:
+        raise ValueError("partial_output: experts under sequence parallelism reduce-scatter their output "
+                         "themselves; leave it partial only without sequence_parallel")
     shard_parameters(module, styles, group, every=True)
     if p == 1:  # (nothing to sum)
         return module
@@ -118,7 +129,7 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
         if hasattr(module, "_is_expert_parallel"):  # (transformers' grouped GEMMs then skip the sentinel rows)
             module._is_expert_parallel = True
     call = (f"{type(module).__name__} (experts sharded by shard_experts"
-            f"{', sequence parallel' if sequence_parallel else ''})")
+            f"{', sequence parallel' if sequence_parallel else ', output partial' if partial_output else ''})")
 
     def tensors(args, kwargs):
         return [(f"args[{i}]", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)] + \
@@ -157,7 +168,8 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
         if not isinstance(output, torch.Tensor):
             raise TypeError(f"tp_kernels: {call} returned a {type(output).__name__}; its output must be one tensor, "
                             "the sum of its experts' outputs, which is summed over the group")
-        summed = reduce_scatter_dim0(output, group) if sequence_parallel else reduce_from(output, group)
+        summed = output if partial_output else reduce_scatter_dim0(output, group) if sequence_parallel else \
+            reduce_from(output, group)
         if by_expert and torch.is_grad_enabled():  # (args: what before gave the module; see _AfterInputs)
             inputs = [q for q in mod.parameters() if q.requires_grad]
             inputs += [t for _, t in tensors(args, kwargs) if t.requires_grad]

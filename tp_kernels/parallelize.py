@@ -78,8 +78,9 @@ def _style(pattern: str, value) -> tuple:
     """A plan's value as ``(style, outputs)``: a style (outputs None), or ``("colwise",
     output_sizes)`` or ``("colwise", output_sizes, head_size)`` (outputs ``(output_sizes,
     head_size or None)``, the column layer's arguments), or ``("mla_kv_a_proj", columns)``
-    (outputs the columns). (torch's styles are read for each module they apply to:
-    :func:`tp_kernels._torch_styles.translate`.)"""
+    (outputs the columns), or experts' ``("moe_tp_experts", "partial")`` (outputs ``"partial"``:
+    their output left each rank's partial sum). (torch's styles are read for each module they
+    apply to: :func:`tp_kernels._torch_styles.translate`.)"""
     if value == "redistribute":
         raise ValueError(f"plan[{pattern!r}]: 'redistribute' moves a module's inputs or outputs between layouts, "
                          "which a plan says with torch's PrepareModuleInput or PrepareModuleOutput")
@@ -87,12 +88,18 @@ def _style(pattern: str, value) -> tuple:
         return _known(pattern, value), None
     if isinstance(value, (tuple, list)) and len(value) == 2 and value[0] == "mla_kv_a_proj":
         return value[0], value[1]
+    if isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[0], str) and \
+            ALIASES.get(value[0], value[0]) in _EXPERTS:
+        if value[1] != "partial":
+            raise ValueError(f"plan[{pattern!r}]: experts take ({value[0]!r}, 'partial') (their output left each "
+                             f"rank's partial sum) or {value[0]!r} alone (summed), got {value!r}")
+        return ALIASES.get(value[0], value[0]), "partial"
     if isinstance(value, (tuple, list)) and len(value) in (2, 3) and value[0] in ("colwise", "colwise_gather_output"):
         sizes = tuple(value[1]) if isinstance(value[1], (tuple, list)) else value[1]
         return value[0], (sizes, value[2] if len(value) == 3 else None)
     raise ValueError(f"plan[{pattern!r}]: expected a style ({', '.join(map(repr, STYLES))}), ('colwise', "
                      "output_sizes) or ('colwise', output_sizes, head_size) (or 'colwise_gather_output' so), "
-                     f"or ('mla_kv_a_proj', columns), got {value!r}")
+                     f"('mla_kv_a_proj', columns) or ('moe_tp_experts', 'partial'), got {value!r}")
 
 
 def _known(pattern: str, style: str) -> str:
@@ -127,7 +134,11 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     group: :func:`tp_kernels.experts.shard_experts`) or ``"moe_ep_experts"`` (the same, its
     experts split whole, ``ceil(E/p)`` a rank, by ``"experts"`` entries for its weights: expert
     parallelism over the group, transformers' ``ep_dispatch_experts`` and ``grouped_gemm``, so that
-    ``{**model.tp_plan, **model.ep_plan}`` is a plan), ``"moe_identity_expert"`` (an identity
+    ``{**model.tp_plan, **model.ep_plan}`` is a plan; either as ``(style, "partial")``, their
+    output left each rank's partial sum, for a module around them whose torch style reduces it,
+    ``PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Shard(1))``: one
+    reduce-scatter where a sum and a split would be two moves, as :func:`sequence_parallel_plan`
+    writes it), ``"moe_identity_expert"`` (an identity
     expert inside ``"moe_tp_experts"`` experts, LongCat-Flash's, kept, its input divided by p for
     the experts' sum: :func:`tp_kernels.experts.share_identity_expert`; an ``nn.Identity`` inside
     experts without it is an error) or ``"mla_kv_a_proj"`` (DeepSeek's
@@ -242,11 +253,13 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     # (torch's loss_parallel: a column layer's output a DTensor; each layer once, however many names)
     for layer in {id(m): m for m in (module.get_submodule(name) for name in as_dtensor)}.values():
         output_as_dtensor(layer, group)
-    kept = {id(m): (m, style) for m, style in ((module.get_submodule(name), style) for name, (style, _, _) in
-                                                chosen.items() if STYLES[style][1] is None)}
-    for m, style in kept.values():  # (each once, under however many names)
+    kept = {id(m): (m, style, outputs) for m, style, outputs in
+            ((module.get_submodule(name), style, outputs) for name, (style, outputs, _) in chosen.items()
+             if STYLES[style][1] is None)}
+    for m, style, outputs in kept.values():  # (each once, under however many names)
         if style in _EXPERTS:
-            shard_experts(m, split_styles[id(m)], group, sequence_parallel=sequence_parallel)
+            shard_experts(m, split_styles[id(m)], group, sequence_parallel=sequence_parallel,
+                          partial_output=outputs == "partial")
         elif style == "local_params" and split_styles.get(id(m)):
             shard_parameters(m, split_styles[id(m)], group)
         elif style == "mla_kv_a_proj":
@@ -350,7 +363,11 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
                     raise ValueError(f"plan[{pattern!r}]: {name!r} ('packed_colwise': two outputs side by side) has "
                                      f"an odd out_features={m.out_features}")
                 given = ((m.out_features // 2,) * 2, None)
-            if given is not None and style not in ("mla_kv_a_proj", "redistribute"):
+            if style in _EXPERTS and given == "partial" and sequence is not None:
+                raise ValueError(f"plan[{pattern!r}]: {name!r}: experts whose output is left partial, "
+                                 f"{_describe(style, given)}, do not go with sequence_parallel=True, under which "
+                                 "they reduce-scatter it themselves")
+            if given is not None and style not in ("mla_kv_a_proj", "redistribute", *_EXPERTS):
                 try:
                     check_output_sizes(given[0], m.out_features, p, given[1])
                 except ValueError as exc:
@@ -467,7 +484,7 @@ def _describe(style: str, outputs) -> str:
     """A plan's value as it was written (lists for the sizes)."""
     if outputs is None:
         return repr(style)
-    if style in ("mla_kv_a_proj", "redistribute"):
+    if style in ("mla_kv_a_proj", "redistribute", *_EXPERTS):
         return repr((style, outputs))
     sizes, head_size = outputs
     sizes = list(sizes) if isinstance(sizes, tuple) else sizes
