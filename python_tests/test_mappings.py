@@ -135,9 +135,11 @@ def check_gather_for_column_layers():
     """``gather_for_column_layers``: the gathered input of two column layers (which leave their
     partial input gradients for its one reduce-scatter) and of a computation of its own (an output
     every rank computes whole, whose gradient is complete on every rank: its backward keeps this
-    rank's block of it), gathered along dim 1: the outputs and the input's gradient are the dense
-    ones, in float64; a ``torch.compile``d call (a plain gather, each column layer then all-reducing
-    its own) gives them too."""
+    rank's block of it), gathered along dim 1, the second layer taking it reshaped (``view(-1, h)``,
+    as a mixture of experts' block hands its experts the tokens): the outputs and the input's
+    gradient are the dense ones, in float64; a ``torch.compile``d call (a plain gather, each column
+    layer then all-reducing its own) gives them too. A part of it, or another order of it, is not
+    taken as it (its gradient then comes by autograd)."""
     import copy
 
     import tp_kernels
@@ -149,7 +151,7 @@ def check_gather_for_column_layers():
     x = torch.randn(3, 2 * p, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
 
     def model(g, first, second):
-        return first(g), second(g), g.square() * 3
+        return first(g), second(g.view(-1, 4)).view(*g.shape[:-1], -1), g.square() * 3
 
     full = x.clone().requires_grad_()
     want = model(full, dense_a, dense_b)
@@ -170,6 +172,13 @@ def check_gather_for_column_layers():
         torch.testing.assert_close(mine.grad, block(full.grad, 1, r, p), rtol=1e-12, atol=1e-12,
                                    msg=lambda m: f"compiled {compiled}: {m}")
         torch._dynamo.reset()
+    if p > 1:
+        group = tp_kernels._collectives.resolve_group(None)
+        gathered = M.gather_for_column_layers(block(x, 1, r, p).clone().requires_grad_(), sequence_dim=1)
+        assert M.partial_grads_of(gathered, group)[1] and M.partial_grads_of(gathered.view(-1, 4), group)[1]
+        assert not M.partial_grads_of(gathered[:, :1], group)[1]
+        assert not M.partial_grads_of(gathered.transpose(0, 1), group)[1]
+        assert not M.partial_grads_of(gathered.view(-1)[4:].view(-1, 4), group)[1]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)

@@ -1414,8 +1414,9 @@ def check_moe_sequence_parallel_plan(kind, parallelism):
     partial sums, reduce-scattered once (Qwen 2 MoE's, its shared expert whole on every rank,
     summed and split); Qwen 3 and Qwen 2 MoE's first layer a dense MLP under the same name, its row
     layer reduce-scattering: the decoder layers see each rank's block of the sequence, the
-    forward moves each layer's activations by one reduce-scatter a module (but Qwen 2 MoE's
-    experts' sum), and the logits, the loss and every gradient are the dense model's in float64
+    forward moves each layer's activations by one gather and one reduce-scatter a module (but Qwen
+    2 MoE's experts' sum), the backward by as many (the experts' input gradients left for the
+    module's reduce-scatter), and the logits, the loss and every gradient are the dense model's in float64
     (the routers' softmax in float32: to float32's precision)."""
     from unittest import mock
 
@@ -1432,12 +1433,12 @@ def check_moe_sequence_parallel_plan(kind, parallelism):
     assert seen == [(2, 6 // p, 16)], seen
     assert_dense_grads(par, dense, 1e-12 if kind == "qwen3_moe" else 4 * torch.finfo(torch.float32).eps)
 
-    moved, inside = [], []  # the forward's sums of whole activations, [b, s, h] (on the CPU a reduce-scatter is
-    # an all-reduce inside: the outer call counts)
+    moved, inside = [], []  # the collectives of whole activations, [b, s, h] (on the CPU a reduce-scatter is an
+    # all-reduce inside: the outer call counts), and of each rank's block of them
 
     def counted(name, collective):
         def call(x, *args, **kwargs):
-            if x.numel() == ids.numel() * 16 and not inside:
+            if x.numel() * (p if name == "AG" else 1) == ids.numel() * 16 and not inside:
                 moved.append(name)
             inside.append(name)
             try:
@@ -1447,10 +1448,15 @@ def check_moe_sequence_parallel_plan(kind, parallelism):
         return call
 
     with mock.patch.object(coll, "all_reduce", counted("AR", coll.all_reduce)), \
-            mock.patch.object(coll, "reduce_scatter_dim0", counted("RS", coll.reduce_scatter_dim0)), torch.no_grad():
-        par(ids)
-    # the embedding's sum; each layer's attention, then its MLP or experts
-    assert moved == ["AR", "RS", "RS", "RS", "AR" if kind == "qwen2_moe" else "RS"], moved
+            mock.patch.object(coll, "reduce_scatter_dim0", counted("RS", coll.reduce_scatter_dim0)), \
+            mock.patch.object(coll, "all_gather_dim0", counted("AG", coll.all_gather_dim0)):
+        loss = par(ids).logits.square().sum()
+        # the embedding's sum; each layer's attention, then its MLP or experts; the head's gather
+        assert moved == ["AR", "AG", "RS", "AG", "RS", "AG", "RS", "AG", "AR" if kind == "qwen2_moe" else "RS",
+                         "AG"], moved
+        moved.clear()
+        loss.backward()  # each gather's gradient reduce-scattered (the experts' too), no sum of a whole one
+    assert sorted(moved) == ["AG"] * 6 + ["RS"] * 5, moved
 
 
 @pytest.mark.parametrize("kind, parallelism", [("mixtral", "tp"), ("qwen3_moe", "tp"), ("qwen3_moe", "ep"),

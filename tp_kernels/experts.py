@@ -41,7 +41,7 @@ import torch.nn as nn
 from . import _collectives as coll
 from ._agreement import agree, describe
 from .layers import ParameterSplit, split_block, split_in_place
-from .mappings import all_gather_op, copy_to, gather_dim0, reduce_from, reduce_scatter_dim0
+from .mappings import all_gather_op, copy_to, gather_dim0, partial_grads_of, reduce_from, reduce_scatter_dim0
 
 __all__ = ["PARAMETER_STYLES", "WHOLE_EXPERTS", "check_styles", "shard_experts", "shard_parameters",
            "share_identity_expert"]
@@ -140,7 +140,11 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
             return x
         if sequence_parallel:
             return gather_dim0(x, group) if x.is_floating_point() else all_gather_op(x, group)
-        return copy_to(x, group) if x.is_floating_point() else x
+        if not x.is_floating_point():
+            return x
+        # (the tokens a torch style gathered for the module: their gradient left for its one reduce-scatter)
+        x, left = partial_grads_of(x, group)
+        return x if left else copy_to(x, group)
 
     def check(args, kwargs, given):
         if sequence_parallel:  # (every tensor argument a block of the same tokens)

@@ -201,18 +201,19 @@ class _GatherForColumnLayers(torch.autograd.Function):
 
 
 class _IntoPartialGrads(torch.autograd.Function):
-    """Identity forward; backward: the gradient left in a :class:`PartialGrads`, none passed on."""
+    """Identity forward; backward: the gradient left in a :class:`PartialGrads` (in the gathered
+    tensor's ``shape``), none passed on."""
 
     @staticmethod
-    def forward(ctx, x, partial):
-        ctx.partial = partial
+    def forward(ctx, x, partial, shape):
+        ctx.partial, ctx.shape = partial, shape
         return x.view_as(x)
 
     @staticmethod
     @differentiable_once("a column layer fed by gather_for_column_layers")
     def backward(ctx, dx):
-        ctx.partial.add(dx)
-        return None, None
+        ctx.partial.add(dx.reshape(ctx.shape))
+        return None, None, None
 
 
 def gather_for_column_layers(x, group=None, *, sequence_dim: int = 0):
@@ -234,13 +235,18 @@ def gather_for_column_layers(x, group=None, *, sequence_dim: int = 0):
 
 
 def partial_grads_of(x, group):
-    """``x`` as a column layer of ``group`` takes it: where it is a :func:`gather_for_column_layers`
-    output of that group, a view that leaves its gradient there (and True), else ``x`` (and
-    False)."""
-    partial = getattr(x, PARTIAL_GRADS, None)
+    """``x`` as a column layer (or experts) of ``group`` takes it: where it is a
+    :func:`gather_for_column_layers` output of that group, or that output reshaped (a mixture of
+    experts' ``hidden_states.view(-1, h)``: a view of all of it, in its order), a view that leaves
+    its gradient there (and True), else ``x`` (and False)."""
+    gathered = x
+    if not hasattr(x, PARTIAL_GRADS) and x._base is not None and x._base.numel() == x.numel() and \
+            x.is_contiguous() and x._base.is_contiguous() and x.storage_offset() == x._base.storage_offset():
+        gathered = x._base
+    partial = getattr(gathered, PARTIAL_GRADS, None)
     if partial is None or partial.group is not group:
         return x, False
-    return _IntoPartialGrads.apply(x, partial), True
+    return _IntoPartialGrads.apply(x, partial, gathered.shape), True
 
 
 # --- what the layers call (their arguments already checked and agreed with the group) ---------------
