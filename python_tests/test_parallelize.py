@@ -1425,7 +1425,8 @@ def check_moe_sequence_parallel_plan(kind, parallelism):
 
     _, p = rank_world()
     dense = _moe_model(kind)
-    par = tp_kernels.parallelize(copy.deepcopy(dense), tp_kernels.sequence_parallel_plan(dense, _plan(dense, parallelism)))
+    par = tp_kernels.parallelize(copy.deepcopy(dense), tp_kernels.sequence_parallel_plan(dense, _plan(dense, parallelism)),
+                                 strict=kind != "deepseek_v2")  # (its plan names both of DeepSeek-V2's query paths)
     seen = []
     par.model.layers[1].register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
     ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
@@ -1452,15 +1453,20 @@ def check_moe_sequence_parallel_plan(kind, parallelism):
             mock.patch.object(coll, "all_gather_dim0", counted("AG", coll.all_gather_dim0)):
         loss = par(ids).logits.square().sum()
         # the embedding's sum; each layer's attention, then its MLP or experts; the head's gather
-        assert moved == ["AR", "AG", "RS", "AG", "RS", "AG", "RS", "AG", "AR" if kind == "qwen2_moe" else "RS",
-                         "AG"], moved
+        # the embedding's sum, each layer's attention and MLP or mixture, the head's gather: a module moved
+        # by a gather and a reduce-scatter; Qwen 2 MoE's mixture (its shared expert whole), DeepSeek's (their
+        # shared experts' sum) summed whole, and split; DeepSeek-V3's attention (whole) gathered, split
+        dense, summed = ["AG", "RS"], ["AG", "AR"] + ["AR"] * kind.startswith("deepseek")
+        attention = ["AG"] if kind == "deepseek_v3" else dense
+        mixture = summed if kind in ("qwen2_moe", "deepseek_v2", "deepseek_v3") else dense
+        assert moved == ["AR", *attention, *dense, *attention, *mixture, "AG"], moved
         moved.clear()
-        loss.backward()  # each gather's gradient reduce-scattered (the experts' too), no sum of a whole one
-    assert sorted(moved) == ["AG"] * 6 + ["RS"] * 5, moved
+        loss.backward()  # the gathers' gradients reduce-scattered (the experts' too), no sum of a whole one
+    assert "AR" not in moved and sorted(moved) == ["AG"] * 6 + ["RS"] * (3 if kind.startswith("deepseek") else 5), moved
 
 
 @pytest.mark.parametrize("kind, parallelism", [("mixtral", "tp"), ("qwen3_moe", "tp"), ("qwen3_moe", "ep"),
-                                               ("qwen2_moe", "tp")])
+                                               ("qwen2_moe", "tp"), ("deepseek_v2", "tp"), ("deepseek_v3", "tp")])
 def test_moe_sequence_parallel_plan(world2, kind, parallelism):
     pytest.importorskip("transformers")
     world2.run(check_moe_sequence_parallel_plan, kind, parallelism)
@@ -1470,7 +1476,9 @@ def test_sequence_parallel_plan_errors():
     """What :func:`tp_kernels.sequence_parallel_plan` cannot write is a ValueError naming it: a
     module whose entries hold no row layer (Phi 3's fused projections, ``"colwise_rep"`` and
     ``"rowwise_rep"``), a plan of torch's styles, entries outside the decoder layers, a model
-    without a ``tp_plan``, a module beside the layers that is not a norm."""
+    without a ``tp_plan``, a module beside the layers that is not a norm, a module of the layers
+    that is a norm in some of them only, a row layer's entry that would reduce-scatter in one layer
+    and sum its output whole in another."""
     transformers = pytest.importorskip("transformers")
     from torch.distributed.tensor.parallel import ColwiseParallel
 
@@ -1492,6 +1500,16 @@ def test_sequence_parallel_plan_errors():
     llama.model.extra = nn.Linear(16, 16)  # (beside the layers, holding parameters, not a norm)
     with pytest.raises(ValueError, match=r"model: model.extra \(Linear\) holds parameters the plan leaves whole"):
         tp_kernels.sequence_parallel_plan(llama)
+    two = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**common, "num_hidden_layers": 2}))
+    two.model.layers[1].input_layernorm = nn.Linear(16, 16)  # (a norm in one layer, not in the other)
+    with pytest.raises(ValueError, match=r"model: model.layers.\*.input_layernorm is a norm in some layers and not"):
+        tp_kernels.sequence_parallel_plan(two)
+    from test_experts import _moe_model, _plan
+
+    deepseek = _moe_model("deepseek_v3")  # (a row entry of the dense MLP's and, inside the mixture, of its shared experts')
+    with pytest.raises(ValueError, match=r"plan: model.layers.\*.mlp.down_proj is a row layer of a module of some "
+                                         r"layers whose output must be whole"):
+        tp_kernels.sequence_parallel_plan(deepseek, {**_plan(deepseek, "tp"), "model.layers.*.mlp.*down_proj": "rowwise"})
 
 
 def check_hugging_face_plans(kind):

@@ -41,13 +41,15 @@ def _matches(layer: nn.Module, relative: str):
     return [m for name, m in layer.named_modules() if name and fnmatch.fnmatchcase(name, relative)]
 
 
-def _kind(layer: nn.Module, experts, rows) -> str:
-    """How ``layer``'s module ``owner`` runs under the sequence plan: ``"moe"`` (it holds experts),
-    ``"dense"`` (a row layer of the plan, which reduce-scatters its output), else ``"summed"`` (whole
-    on every rank, its output split)."""
+def _kind(layer: nn.Module, experts, rows, kept) -> str:
+    """How a module of ``layer`` that holds plan entries runs under the sequence plan: ``"moe"``
+    (it holds experts), ``"dense"`` (row layers of the plan, each reduce-scattering its output:
+    none of those ``kept`` summing theirs whole), else ``"summed"`` (its output whole on every
+    rank, then split)."""
     if any(_matches(layer, relative) for relative in experts):
         return "moe"
-    return "dense" if any(_matches(layer, relative) for relative in rows) else "summed"
+    matched = {relative for relative in rows if _matches(layer, relative)}
+    return "dense" if matched and not matched & kept else "summed"
 
 
 def _partial_ok(layer: nn.Module, owner: str, entries, experts, hidden) -> bool:
@@ -101,12 +103,16 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
       experts' output to be all the module adds up: where it holds another module with parameters
       besides its router (whose weight is ``[E, hidden]``), Qwen 2 MoE's shared expert run whole,
       or a plan entry besides the experts', the experts' output is summed whole and the module's
-      split, an all-reduce and a split. The same module name in other layers holding a dense MLP
+      split, an all-reduce and a split (a row layer inside it, DeepSeek's shared experts', sums its
+      output whole, as the plan has it). The same module name in other layers holding a dense MLP
       (Qwen 3 MoE's first layers) is moved as the MLP is above (the owner's entries then per
       layer, ``layers.0.mlp``);
     * every other module of a decoder layer, and of the model beside the layers and the
-      embedding, that holds parameters (the norms): run on each rank's block, its gradients summed
-      (``SequenceParallel``);
+      embedding, that holds parameters, a norm (by its class's name): run on each rank's block,
+      its gradients summed (``SequenceParallel``);
+    * any other module of a decoder layer holding parameters the plan leaves whole (DeepSeek-V3's
+      attention): run whole on every rank, as the plan has it, on the gathered sequence, its output
+      split (``PrepareModuleInputOutput``);
     * the head gathering the sequence (``ColwiseParallel(input_layouts=Shard(1))``), its output
       gathered too where the plan's head gathers it; a head the plan leaves whole takes the gathered
       sequence.
@@ -119,8 +125,9 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
     head's; a module of the layers whose entries hold no row layer and no experts (its output would
     be whole, where the sequence is split: OLMo 2's ``"rowwise_split_input"``); no decoder layers;
     a module beside them that holds parameters and is not a norm (by its class's name: what the
-    ranks may run on their blocks of the sequence alone; DeepSeek-V3's attention, which its plan
-    leaves whole)."""
+    ranks may run on their blocks of the sequence alone); a module of the layers that is a norm in
+    some and not in others; a row layer's entry that would have to reduce-scatter in some layers
+    and sum its output whole in others."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model: expected an nn.Module, got {type(model).__name__}")
     if plan is None:
@@ -171,7 +178,7 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
             raise ValueError(f"plan[{pattern!r}]: outside the decoder layers, the embedding and the head, where the "
                              "sequence parallelism this plan writes does not say what it becomes")
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-    gathered = {  # a module of a decoder layer: how it moves its input and output
+    moves_of = {  # a module of a decoder layer, by how it runs: how its input and output move
         "dense": moved(Shard(1), Replicate()),  # (its row layers reduce-scatter their outputs)
         "partial": PrepareModuleInputOutput(  # (its experts' partial sums reduce-scattered: one move)
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), output_layouts=Partial(),
@@ -187,36 +194,58 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
         if not experts and not rows:
             raise ValueError(f"plan: {layers_name}.*.{owner} holds {sorted(styles.items())} but no 'rowwise' layer, "
                              "which would scatter its output back along the sequence")
-        kinds = [_kind(layer, experts, rows) for layer in layers]
+        # (a row layer inside a mixture of experts, DeepSeek's shared experts', sums its output whole, as the
+        # plan has it: the mixture's output is whole)
+        mixtures = [layer for layer in layers if any(_matches(layer, e) for e in experts)]
+        kept = {row for row in rows if any(_matches(layer, row) for layer in mixtures)}
+        kinds = [_kind(layer, experts, rows, kept) for layer in layers]
+        for row in set(rows) - kept:
+            if any(kind != "dense" and _matches(layer, row) for layer, kind in zip(layers, kinds)):
+                raise ValueError(f"plan: {layers_name}.*.{row} is a row layer of a module of some layers whose "
+                                 "output must be whole (with another row layer that is inside a mixture of experts), "
+                                 "and of others whose output it would reduce-scatter: write those layers' entries "
+                                 "apart")
         if "moe" in kinds:  # (every mixture of experts of the owner alike: leave their sums partial, or not)
             moe = "partial" if all(kind != "moe" or _partial_ok(layer, owner, entries, experts, hidden)
                                    for layer, kind in zip(layers, kinds)) else "summed"
             kinds = [moe if kind == "moe" else kind for kind in kinds]
         if len(set(kinds)) == 1:
-            out[f"{layers_name}.*.{owner}"] = gathered[kinds[0]]
+            out[f"{layers_name}.*.{owner}"] = moves_of[kinds[0]]
         else:  # (Qwen 3 MoE's dense first layers: a module of the same name, moved otherwise)
-            out.update({f"{layers_name}.{i}.{owner}": gathered[kind] for i, kind in enumerate(kinds)})
+            out.update({f"{layers_name}.{i}.{owner}": moves_of[kind] for i, kind in enumerate(kinds)})
         for relative, value in entries.items():
-            if relative in rows:
+            if relative in rows and relative not in kept:
                 value = RowwiseParallel(output_layouts=Shard(1))
             elif relative in experts and "partial" in kinds:
                 value = (styles[relative], "partial")
             out[f"{layers_name}.*.{relative}"] = value
     out[f"{layers_name}.0"] = moved(Replicate(), Shard(1))
 
-    def norm(name: str, module: nn.Module) -> bool:
-        """Whether ``module`` holds parameters, and then that it is a norm (run on each rank's block)."""
+    def norm(name: str, module: nn.Module, whole_ok: bool = False) -> bool:
+        """Whether ``module`` holds parameters and is a norm (run on each rank's block); a module
+        holding parameters that is not one: False where ``whole_ok`` (it runs whole), else a
+        ValueError."""
         if not any(True for _ in module.parameters()):
             return False
-        if "norm" not in type(module).__name__.lower():
-            raise ValueError(f"model: {name} ({type(module).__name__}) holds parameters the plan leaves whole and is "
-                             "not a norm, which the ranks could run on their blocks of the sequence alone")
-        return True
+        if "norm" in type(module).__name__.lower():
+            return True
+        if whole_ok:
+            return False
+        raise ValueError(f"model: {name} ({type(module).__name__}) holds parameters the plan leaves whole and is "
+                         "not a norm, which the ranks could run on their blocks of the sequence alone")
 
-    norms = sorted({name for layer in layers for name, child in layer.named_children()
-                    if name not in inside and norm(f"{layers_name}.*.{name}", child)})
-    for name in norms:
-        out[f"{layers_name}.*.{name}"] = SequenceParallel()
+    for name in sorted({name for layer in layers for name, child in layer.named_children() if name not in inside}):
+        children = [layer.get_submodule(name) for layer in layers if hasattr(layer, name)]
+        held = [child for child in children if any(True for _ in child.parameters())]
+        if not held:
+            continue
+        if all(norm(f"{layers_name}.*.{name}", child, whole_ok=True) for child in held):
+            out[f"{layers_name}.*.{name}"] = SequenceParallel()
+        elif any(norm(f"{layers_name}.*.{name}", child, whole_ok=True) for child in held):
+            raise ValueError(f"model: {layers_name}.*.{name} is a norm in some layers and not in others")
+        else:  # (a module the plan leaves whole, DeepSeek-V3's attention: run whole on every rank, as the plan has
+            # it, on the gathered sequence, its output split)
+            out[f"{layers_name}.*.{name}"] = moves_of["summed"]
     base_name, _, _ = layers_name.rpartition(".")
     base = model.get_submodule(base_name) if base_name else model
     for name, child in base.named_children():
