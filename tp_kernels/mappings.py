@@ -240,6 +240,8 @@ def partial_grads_of(x, group):
     experts' ``hidden_states.view(-1, h)``: a view of all of it, in its order), a view that leaves
     its gradient there (and True), else ``x`` (and False)."""
     gathered = x
+    if torch.compiler.is_compiling():  # (traced, the gather is a plain one: nothing is left in it)
+        return x, False
     if not hasattr(x, PARTIAL_GRADS) and x._base is not None and x._base.numel() == x.numel() and \
             x.is_contiguous() and x._base.is_contiguous() and x.storage_offset() == x._base.storage_offset():
         gathered = x._base
