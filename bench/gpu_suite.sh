@@ -15,8 +15,11 @@
 #       the GPU tests (python_tests -m gpu) on TP_KERNELS_SUITE_WORKERS pytest-xdist workers
 #       sharing the GPU (4 by default; 0, or without pytest-xdist: one process), a per-test
 #       timeout so a hang costs seconds, the tracebacks and the slowest tests in the log:
-#       gpu-tests-<commit>.json. PYTEST_ARGS select some of them (e.g. -k native_linear, or a
-#       rerun's --lf-like list of ids); the record then says which ("selection"). With --shard I/N
+#       gpu-tests-<commit>.json. PYTEST_ARGS select some of them (e.g. -k native_linear); the
+#       record then says which ("selection"). With --select-from LIST, those LIST names (node ids,
+#       one a line): a first run's failed and unreached tests, from
+#       `python3 bench/gpu_summary.py rerun bench/results/gpu-tests-<commit>.json > LIST`, run again
+#       on the machine still held, recorded in gpu-tests-<commit>-rerun.json. With --shard I/N
 #       (python_tests/conftest.py: every N-th selected test from the I-th), the I-th of N runs that
 #       together run them all, each recorded in gpu-tests-<commit>-IofN.json
 #   ... bash bench/gpu_suite.sh bench

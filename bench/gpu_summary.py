@@ -6,11 +6,18 @@ the commit and the date:
     python bench/gpu_summary.py sanitize LOGS RESULTS COMMIT [COPY_TO]  # LOGS/status.txt, LOGS/sanitize-*.log
 
 It writes ``RESULTS/gpu-<part>-<COMMIT>.json`` (the tests of ``--shard I/N``:
-``gpu-tests-<COMMIT>-IofN.json``, each part's its own), a copy of it in the folder COPY_TO when one
-is given (the suite's ``$OUT``), and prints one line saying what it holds. ``LOGS/status.txt`` has a
-line a step, ``NAME STATUS SECONDS`` (bench/gpu_steps.sh); the record keeps both. Exit
-status: 0 when the part is green (every test selected ran and passed, and none was skipped for
-lack of something this machine has; every step finished; the sanitizers found nothing), 1 otherwise.
+``gpu-tests-<COMMIT>-IofN.json``, of ``--select-from``: ``gpu-tests-<COMMIT>-rerun.json``, each run's
+its own), a copy of it in the folder COPY_TO when one is given (the suite's ``$OUT``), and prints
+one line saying what it holds. ``LOGS/status.txt`` has a line a step, ``NAME STATUS SECONDS``
+(bench/gpu_steps.sh); the record keeps both. Exit status: 0 when the part is green (every test
+selected ran and passed, and none was skipped for lack of something this machine has; every step
+finished; the sanitizers found nothing), 1 otherwise.
+
+    python bench/gpu_summary.py rerun RECORD... > LIST
+
+prints the node ids of the tests that failed, erred or were never reached in the tests records
+given, one a line, for a second run of those alone on the machine still held:
+``bash bench/gpu_suite.sh tests --select-from LIST``.
 """
 
 from __future__ import annotations
@@ -102,7 +109,7 @@ def tests(logs: str) -> Dict:
     selection = open(selection_path).read().splitlines() if os.path.exists(selection_path) else None
     return {"counts": counts, "selection": selection, "exit_status": exit_status,
             "wall_seconds": _step_seconds(logs).get("gpu-tests"), "junit_xml": os.path.exists(xml),
-            "failed": failed, "errors": errors, "skipped": skipped, "not_reached": (not_reached or [])[:200],
+            "failed": failed, "errors": errors, "skipped": skipped, "not_reached": not_reached or [],
             "seconds": round(sum(durations.values()), 1), "slowest": slowest, "durations": durations, "green": green}
 
 
@@ -142,29 +149,65 @@ def sanitize(logs: str) -> Dict:
 PARTS = {"tests": tests, "bench": bench, "sanitize": sanitize}
 
 
-def _shard(selection) -> str:
-    """``"1of2"`` where the tests were selected with ``--shard 1/2`` (python_tests/conftest.py),
-    which names the record (each part's its own), else ``""``."""
+def _option(selection, name: str):
+    """The value of the pytest option ``name`` among the arguments ``selection`` (``--name V`` or
+    ``--name=V``), or None."""
     selection = list(selection or ())
     for i, arg in enumerate(selection):
-        value = arg.partition("=")[2] if arg.startswith("--shard=") else \
-            selection[i + 1] if arg == "--shard" and i + 1 < len(selection) else None
-        if value:
-            return value.replace("/", "of")
-    return ""
+        if arg.startswith(f"{name}="):
+            return arg.partition("=")[2]
+        if arg == name and i + 1 < len(selection):
+            return selection[i + 1]
+    return None
+
+
+def _part_name(selection) -> str:
+    """What names the record of tests selected by ``selection`` (python_tests/conftest.py), each
+    run its own: ``"rerun"`` with ``--select-from``, ``"1of2"`` with ``--shard 1/2`` (both:
+    ``"rerun-1of2"``), else ``""``."""
+    shard = _option(selection, "--shard")
+    names = ["rerun"] if _option(selection, "--select-from") is not None else []
+    return "-".join(names + ([shard.replace("/", "of")] if shard else []))
+
+
+def _node_id(name: str) -> str:
+    """A test as the record names it (junit's ``classname::name``) as pytest's node id, for
+    ``--select-from``: ``python_tests.test_gpu::test_a[x]`` -> ``python_tests/test_gpu.py::test_a[x]``
+    (a class: the parts of the class name after the first that names a file here)."""
+    classname, _, test = name.partition("::")
+    parts = classname.split(".")
+    for k in range(1, len(parts) + 1):
+        if os.path.exists(os.path.join(*parts[:k]) + ".py"):
+            break
+    return "::".join(["/".join(parts[:k]) + ".py", *parts[k:], test])
+
+
+def rerun(records: List[str]) -> List[str]:
+    """The node ids of the tests that failed, erred or were never reached in the tests ``records``
+    (each a ``gpu-tests-*.json``), for ``pytest --select-from``."""
+    ids = []
+    for path in records:
+        record = json.load(open(path))
+        names = [t["test"] for t in record["failed"] + record["errors"]] + list(record["not_reached"])
+        ids += [_node_id(name) for name in names]
+    return list(dict.fromkeys(ids))
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["rerun"] and len(argv) > 1:
+        print("\n".join(rerun(argv[1:])))
+        return 0
     if len(argv) not in (4, 5) or argv[0] not in PARTS:
-        print(f"usage: python bench/gpu_summary.py {{{','.join(PARTS)}}} LOGS RESULTS COMMIT [COPY_TO]", file=sys.stderr)
+        print(f"usage: python bench/gpu_summary.py {{{','.join(PARTS)}}} LOGS RESULTS COMMIT [COPY_TO]\n"
+              "       python bench/gpu_summary.py rerun RECORD...", file=sys.stderr)
         return 2
     part, logs, results, commit = argv[:4]
     record = {**_machine(), "part": part, "commit": commit,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               **PARTS[part](logs)}
     os.makedirs(results, exist_ok=True)
-    part_of = _shard(record.get("selection"))
+    part_of = _part_name(record.get("selection"))
     path = os.path.join(results, f"gpu-{part}-{commit}{f'-{part_of}' if part_of else ''}.json")
     with open(path, "w") as f:
         json.dump(record, f, indent=1)

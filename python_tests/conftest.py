@@ -48,6 +48,9 @@ def pytest_addoption(parser):
     parser.addoption("--shard", default=None, metavar="I/N",
                      help="run the I-th of N interleaved parts of the selected tests (every N-th, from the I-th): "
                           "the GPU suite in several runs, bench/gpu_suite.sh tests --shard 1/2")
+    parser.addoption("--select-from", default=None, metavar="FILE",
+                     help="run only the tests FILE lists, one node id a line (python_tests/test_gpu.py::test_a[x]): "
+                          "a GPU run's failed and unreached tests again, from python bench/gpu_summary.py rerun RECORD")
 
 
 def shard(count: int, spec: str) -> range:
@@ -60,15 +63,35 @@ def shard(count: int, spec: str) -> range:
     return range(int(part) - 1, count, int(parts))
 
 
+def listed(path: str) -> list:
+    """The node ids ``path`` lists, one a line (blank lines passed over), or a ValueError naming
+    ``--select-from``."""
+    try:
+        with open(path) as f:
+            return [line.strip() for line in f if line.strip()]
+    except OSError as exc:
+        raise ValueError(f"--select-from: cannot read {path!r}: {exc.strerror}") from None
+
+
 @pytest.hookimpl(trylast=True)  # (after -m and -k have deselected theirs: a part of what they select)
 def pytest_collection_modifyitems(config, items):
-    spec = config.getoption("--shard")
-    if spec is None:
-        return
+    path, spec = config.getoption("--select-from"), config.getoption("--shard")
     try:
-        keep = set(shard(len(items), spec))
+        if path is not None:
+            wanted = listed(path)
+            missing = sorted(set(wanted) - {item.nodeid for item in items})
+            if missing:
+                raise ValueError(f"--select-from: {len(missing)} of the tests {path!r} lists are not among those "
+                                 f"selected: {', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}")
+            _keep(config, items, {i for i, item in enumerate(items) if item.nodeid in set(wanted)})
+        if spec is not None:
+            _keep(config, items, set(shard(len(items), spec)))
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
+
+
+def _keep(config, items, keep) -> None:
+    """Keep the ``items`` at the indices ``keep``, the rest deselected."""
     config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i not in keep])
     items[:] = [item for i, item in enumerate(items) if i in keep]
 

@@ -424,7 +424,9 @@ def test_the_gpu_tests_in_parts(tmp_path):
     logs.mkdir()
     (logs / "gpu-tests.xml").write_text(JUNIT.format(b="", c=""))
     for selection, name in ((["-k", "x", "--shard", "1/2"], "gpu-tests-abc1234-1of2.json"),
-                            (["--shard=2/2"], "gpu-tests-abc1234-2of2.json"), (["-k", "x"], "gpu-tests-abc1234.json")):
+                            (["--shard=2/2"], "gpu-tests-abc1234-2of2.json"), (["-k", "x"], "gpu-tests-abc1234.json"),
+                            (["--select-from", "list.txt"], "gpu-tests-abc1234-rerun.json"),
+                            (["--select-from=list.txt", "--shard", "1/2"], "gpu-tests-abc1234-rerun-1of2.json")):
         (logs / "gpu-tests-selection.txt").write_text("\n".join(selection) + "\n")
         assert summary.main(["tests", str(logs), str(results), "abc1234"]) == 0
         assert json.load(open(results / name))["selection"] == selection
@@ -468,6 +470,61 @@ def test_the_gpu_tests_record_names_the_tests_a_stopped_run_never_reached(tmp_pa
     assert summary.main(["tests", str(logs), str(results), "abc1234"]) == 1
     record = json.load(open(results / "gpu-tests-abc1234.json"))
     assert record["counts"]["tests"] == 0 and record["counts"]["not_reached"] == 5 and not record["junit_xml"]
+
+
+def test_the_gpu_tests_run_again_from_a_record(tmp_path, monkeypatch, capsys):
+    """``gpu_summary.py rerun RECORD`` lists the node ids of the tests a run failed or never
+    reached (a class's test too), and ``--select-from`` that list runs exactly those, recorded as
+    the rerun; a list naming a test not collected is a usage error naming it."""
+    import json
+    import subprocess
+    import sys
+
+    summary = _gpu_summary()
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    conftest = os.path.join(os.path.dirname(__file__), "conftest.py")
+    (tests / "conftest.py").write_text(
+        f"import runpy\nhooks = runpy.run_path({conftest!r})\n"
+        "pytest_addoption = hooks['pytest_addoption']\n"
+        "pytest_collection_modifyitems = hooks['pytest_collection_modifyitems']\n"
+        "pytest_collection_finish = hooks['pytest_collection_finish']\n")
+    (tests / "test_x.py").write_text(
+        "import pytest\n"
+        "def test_passes():\n    pass\n"
+        "def test_fails():\n    assert False\n"
+        "class TestLater:\n    def test_never(self):\n        pass\n"
+        "@pytest.mark.parametrize('v', [1, 2])\ndef test_param(v):\n    pass\n")
+
+    def run(logs, *args):
+        logs.mkdir()
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_x.py",
+                               f"--junitxml={logs / 'gpu-tests.xml'}", f"--rootdir={tests}", *args], cwd=tests,
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "TP_KERNELS_COLLECTED_FILE": str(logs / "gpu-tests-collected.txt")})
+
+    first, again, results = tmp_path / "first", tmp_path / "again", tmp_path / "results"
+    assert run(first, "-x").returncode == 1  # (stopped at the failure: three never reached)
+    summary.main(["tests", str(first), str(results), "abc1234"])
+    monkeypatch.chdir(tests)  # (where the node ids' files are)
+    ids = summary.rerun([str(results / "gpu-tests-abc1234.json")])
+    assert ids == ["test_x.py::test_fails", "test_x.py::TestLater::test_never", "test_x.py::test_param[1]",
+                   "test_x.py::test_param[2]"]
+    capsys.readouterr()
+    assert summary.main(["rerun", str(results / "gpu-tests-abc1234.json")]) == 0  # (the command line's)
+    (tmp_path / "list.txt").write_text(capsys.readouterr().out)
+    assert (tmp_path / "list.txt").read_text().split() == ids
+    out = run(again, "--select-from", str(tmp_path / "list.txt"))
+    assert out.returncode == 1, out.stdout + out.stderr  # (test_fails fails again)
+    (again / "gpu-tests-selection.txt").write_text(f"--select-from\n{tmp_path / 'list.txt'}\n")
+    summary.main(["tests", str(again), str(results), "abc1234"])
+    record = json.load(open(results / "gpu-tests-abc1234-rerun.json"))
+    assert sorted(record["durations"]) == sorted(["test_x::test_fails", "test_x.TestLater::test_never",
+                                                  "test_x::test_param[1]", "test_x::test_param[2]"])
+    assert record["counts"]["failed"] == 1 and record["counts"]["not_reached"] == 0
+    (tmp_path / "list.txt").write_text("test_x.py::test_gone\n")
+    out = run(tmp_path / "bad", "--select-from", str(tmp_path / "list.txt"))
+    assert out.returncode == 4 and "--select-from: 1 of the tests" in out.stderr and "test_x.py::test_gone" in out.stderr
 
 
 def test_the_gpu_tests_on_several_workers(tmp_path):
