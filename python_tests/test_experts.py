@@ -561,8 +561,9 @@ def check_expert_plan_errors():
         "identity_outside_experts": ({**ep_plan, "model.layers.*.mlp.gate": "moe_identity_expert"},
                                      r"mlp.gate' \('moe_identity_expert'\) divides its input .*it is inside none"),
         "experts_output_unknown": ({**plan, experts: ("moe_tp_experts", "sum")},
-                                   r"experts take \('moe_tp_experts', 'partial'\) \(their output left each rank's "
-                                   r"partial sum\) or 'moe_tp_experts' alone \(summed\), got \('moe_tp_experts', 'sum'\)"),
+                                   r"'moe_tp_experts' takes \('moe_tp_experts', 'partial'\) \(its output left each "
+                                   r"rank's partial sum\) or 'moe_tp_experts' alone \(summed\), got "
+                                   r"\('moe_tp_experts', 'sum'\)"),
     }
     for case, (bad_plan, message) in bad.items():
         if case == "gate_up_proj" and p == 1:
@@ -599,7 +600,7 @@ def check_expert_plan_errors():
     with pytest.raises(ValueError, match=r"sequence_parallel: expected a bool, got 'yes'"):
         shard_experts(Experts(), STYLES[False], sequence_parallel="yes")
     with pytest.raises(ValueError, match=r"mlp.experts': experts whose output is left partial, \('moe_tp_experts', 'partial'\), do not go with "
-                                         r"sequence_parallel=True, under which they reduce-scatter it themselves"):
+                                         r"sequence parallelism, under which the output is reduce-scattered there"):
         tp_kernels.parallelize(copy.deepcopy(dense), {**plan, experts: ("moe_tp_experts", "partial")},
                                sequence_parallel=True)
     shard_experts(experts := Experts(), STYLES[False])

@@ -587,6 +587,58 @@ def check_torch_partial_outputs():
                 "0": PrepareModuleOutput(output_layouts=given, desired_output_layouts=wanted)})
 
 
+class _MLP(nn.Module):
+    def __init__(self, hidden, inner):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(hidden, inner), nn.Linear(inner, hidden)
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x).relu())
+
+
+def check_row_layers_with_partial_outputs():
+    """A row layer whose output is left each rank's partial sum (torch's
+    ``RowwiseParallel(output_layouts=Partial())``, or ``("rowwise", "partial")``), reduced by the
+    module around it (``PrepareModuleOutput(output_layouts=Partial())``), reduce-scattered along the
+    sequence or summed whole: the output (its bias once) and every gradient are the dense MLP's;
+    with sequence parallelism, or a whole input, it is a ValueError."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel
+
+    r, p = rank_world()
+    torch.manual_seed(0)
+    dense = nn.Sequential(_MLP(4, 3 * p)).double()
+    x = torch.randn(2, 2 * p, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for row, wanted, keep in ((RowwiseParallel(output_layouts=Partial()), Shard(1), lambda t: block(t, 1, r, p)),
+                              (("rowwise", "partial"), Replicate(), lambda t: t)):
+        par = tp_kernels.parallelize(copy.deepcopy(dense), {
+            "0.fc1": ColwiseParallel(), "0.fc2": row,
+            "0": PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=wanted)})
+        assert not par[0].fc2.reduce_results
+        dense.zero_grad()
+        want, got = dense(x), par(x)
+        torch.testing.assert_close(got, keep(want), rtol=1e-12, atol=1e-12)
+        grad = torch.randn(want.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        want.backward(grad)
+        got.backward(keep(grad))
+        assert_dense_grads(par, dense, 1e-12)
+    with pytest.raises(ValueError, match=r"plan\['0.fc2'\]: RowwiseParallel: output_layouts=Partial\(\) takes the "
+                                         r"input split along the last dim, input_layouts=Shard\(-1\), not Replicate"):
+        tp_kernels.parallelize(copy.deepcopy(dense), {
+            "0.fc2": RowwiseParallel(input_layouts=Replicate(), output_layouts=Partial())})
+    with pytest.raises(ValueError, match=r"plan\['0.fc2'\]: '0.fc2': a row layer whose output is left partial, "
+                                         r"\('rowwise', 'partial'\), do not go with sequence parallelism"):
+        tp_kernels.parallelize(copy.deepcopy(dense), {"0.fc1": "colwise", "0.fc2": ("rowwise", "partial")},
+                               sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"plan\['0.fc2'\]: 'rowwise' takes \('rowwise', 'partial'\)"):
+        tp_kernels.parallelize(copy.deepcopy(dense), {"0.fc2": ("rowwise", "sum")})
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_row_layers_with_partial_outputs(world):
+    world.run(check_row_layers_with_partial_outputs)
+
+
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
 def test_torch_partial_outputs(world):
     world.run(check_torch_partial_outputs)
@@ -1454,11 +1506,12 @@ def check_moe_sequence_parallel_plan(kind, parallelism):
         loss = par(ids).logits.square().sum()
         # the embedding's sum; each layer's attention, then its MLP or experts; the head's gather
         # the embedding's sum, each layer's attention and MLP or mixture, the head's gather: a module moved
-        # by a gather and a reduce-scatter; Qwen 2 MoE's mixture (its shared expert whole), DeepSeek's (their
-        # shared experts' sum) summed whole, and split; DeepSeek-V3's attention (whole) gathered, split
-        dense, summed = ["AG", "RS"], ["AG", "AR"] + ["AR"] * kind.startswith("deepseek")
+        # by a gather and a reduce-scatter (DeepSeek's mixtures too, their shared experts' row layer leaving
+        # its term of the sum); Qwen 2 MoE's mixture (its shared expert whole) summed whole, and split;
+        # DeepSeek-V3's attention (whole) gathered, split
+        dense = ["AG", "RS"]
         attention = ["AG"] if kind == "deepseek_v3" else dense
-        mixture = summed if kind in ("qwen2_moe", "deepseek_v2", "deepseek_v3") else dense
+        mixture = ["AG", "AR"] if kind == "qwen2_moe" else dense
         assert moved == ["AR", *attention, *dense, *attention, *mixture, "AG"], moved
         moved.clear()
         loss.backward()  # the gathers' gradients reduce-scattered (the experts' too), no sum of a whole one

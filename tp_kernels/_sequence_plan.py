@@ -52,29 +52,42 @@ def _kind(layer: nn.Module, experts, rows, kept) -> str:
     return "dense" if matched and not matched & kept else "summed"
 
 
-def _partial_ok(layer: nn.Module, owner: str, entries, experts, hidden) -> bool:
-    """Whether the output of ``layer``'s mixture of experts ``owner`` is its experts' output alone,
-    so that their partial sums may go to one reduce-scatter: the plan names nothing inside it but
-    the experts, and every other module of it that holds parameters is a router (its weight
-    ``[E, hidden]``, and any other parameter ``[E]``: its scores go to the routing, not to the
-    output). A shared expert held whole (Qwen 2 MoE's) adds to the output what the ranks compute
-    alike, which a reduce-scatter would count p times: then the experts' output is summed."""
+#: the styles of the layers a mixture of experts may hold beside its experts, for its output to be
+#: partial sums: column layers (the gathered tokens their input) and row layers (their outputs left
+#: each rank's term: RowwiseParallel(output_layouts=Partial()))
+_PARTIAL_SUMMANDS = ("colwise", "packed_colwise", _ROW)
+
+
+def _partial_ok(layer: nn.Module, owner: str, styles, experts, hidden) -> bool:
+    """Whether the output of ``layer``'s mixture of experts ``owner`` is a sum of terms each rank
+    computes its share of, so that the ranks' partial sums may go to one reduce-scatter: the plan
+    names nothing inside it but the experts and column and row layers (DeepSeek's shared experts:
+    their row layer's output left partial), and every other module of it that holds parameters is
+    a router (its weight ``[E, hidden]``, and any other parameter ``[E]``: its scores go to the
+    routing, not to the output). A module held whole that adds to the output (Qwen 2 MoE's shared
+    expert) adds what the ranks compute alike, which a reduce-scatter would count p times: then
+    the experts' output is summed."""
     block = layer.get_submodule(owner)
-    inner = {id(m) for relative in experts for m in _matches(layer, relative)}
-    for relative in entries:
-        if relative not in experts and not any(relative.startswith(e + ".") for e in experts) and \
-                _matches(layer, relative):
+    inner = {id(m) for relative in experts for top in _matches(layer, relative) for m in top.modules()}
+    planned = set()
+    for relative, style in styles.items():
+        if relative in experts or any(relative.startswith(e + ".") for e in experts):
+            continue
+        hits = _matches(layer, relative)
+        if hits and style not in _PARTIAL_SUMMANDS:
             return False
+        planned.update(id(m) for m in hits)
     sizes = {q.shape[0] for m in block.modules() if id(m) in inner for q in m.parameters(recurse=False)
              if q.dim() == 3}  # (the experts' count: their 3-D weights' first dim)
-    if len(sizes) != 1 or hidden is None or any(True for _ in block.parameters(recurse=False)):
+    if len(sizes) != 1 or hidden is None:
         return False
     count = sizes.pop()
-    for child in block.children():
-        if id(child) in inner or not any(True for _ in child.parameters()):
+    children = {id(child) for child in block.children()}
+    for m in block.modules():
+        own = [q.shape for q in m.parameters(recurse=False)]
+        if not own or id(m) in inner or id(m) in planned:
             continue
-        own = [q.shape for q in child.parameters(recurse=False)]
-        router = (len(own) == len(list(child.parameters())) and (count, hidden) in own
+        router = (id(m) in children and len(own) == len(list(m.parameters())) and (count, hidden) in own
                   and all(shape in ((count, hidden), (count,)) for shape in own))
         if not router:
             return False
@@ -99,12 +112,14 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
       on every rank alike, so the routing, and a load-balancing loss from the router's logits, are
       the dense model's), the experts' output left each rank's partial sum (``(style,
       "partial")``), and the module's output reduce-scattered (``PrepareModuleInputOutput(...,
-      output_layouts=Partial(), desired_output_layouts=Shard(1))``), one move. That needs the
-      experts' output to be all the module adds up: where it holds another module with parameters
-      besides its router (whose weight is ``[E, hidden]``), Qwen 2 MoE's shared expert run whole,
-      or a plan entry besides the experts', the experts' output is summed whole and the module's
-      split, an all-reduce and a split (a row layer inside it, DeepSeek's shared experts', sums its
-      output whole, as the plan has it). The same module name in other layers holding a dense MLP
+      output_layouts=Partial(), desired_output_layouts=Shard(1))``), one move; a row layer of the
+      plan inside it (DeepSeek's shared experts') leaves its output partial too
+      (``RowwiseParallel(output_layouts=Partial())``). That needs the module's output to be a sum
+      of such terms: where it holds another module with parameters besides its router (whose
+      weight is ``[E, hidden]``), Qwen 2 MoE's shared expert run whole, or a plan entry but a
+      column or row layer, the experts' output is summed whole and the module's split, an
+      all-reduce and a split (its row layers' outputs summed whole, as the plan has them). The
+      same module name in other layers holding a dense MLP
       (Qwen 3 MoE's first layers) is moved as the MLP is above (the owner's entries then per
       layer, ``layers.0.mlp``);
     * every other module of a decoder layer, and of the model beside the layers and the
@@ -194,8 +209,8 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
         if not experts and not rows:
             raise ValueError(f"plan: {layers_name}.*.{owner} holds {sorted(styles.items())} but no 'rowwise' layer, "
                              "which would scatter its output back along the sequence")
-        # (a row layer inside a mixture of experts, DeepSeek's shared experts', sums its output whole, as the
-        # plan has it: the mixture's output is whole)
+        # (a row layer inside a mixture of experts, DeepSeek's shared experts', leaves its term of the
+        # mixture's partial sum, or sums its output whole where the mixture's is whole)
         mixtures = [layer for layer in layers if any(_matches(layer, e) for e in experts)]
         kept = {row for row in rows if any(_matches(layer, row) for layer in mixtures)}
         kinds = [_kind(layer, experts, rows, kept) for layer in layers]
@@ -205,10 +220,12 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
                                  "output must be whole (with another row layer that is inside a mixture of experts), "
                                  "and of others whose output it would reduce-scatter: write those layers' entries "
                                  "apart")
-        if "moe" in kinds:  # (every mixture of experts of the owner alike: leave their sums partial, or not)
-            moe = "partial" if all(kind != "moe" or _partial_ok(layer, owner, entries, experts, hidden)
-                                   for layer, kind in zip(layers, kinds)) else "summed"
-            kinds = [moe if kind == "moe" else kind for kind in kinds]
+        if "moe" in kinds:  # (every mixture of experts of the owner alike: leave their sums partial, or not; not
+            # where a row layer of theirs sums its output whole in another layer)
+            partial = all(kind != "moe" or _partial_ok(layer, owner, styles, experts, hidden)
+                          for layer, kind in zip(layers, kinds)) and \
+                not any(kind != "moe" and _matches(layer, row) for row in kept for layer, kind in zip(layers, kinds))
+            kinds = [("partial" if partial else "summed") if kind == "moe" else kind for kind in kinds]
         if len(set(kinds)) == 1:
             out[f"{layers_name}.*.{owner}"] = moves_of[kinds[0]]
         else:  # (Qwen 3 MoE's dense first layers: a module of the same name, moved otherwise)
@@ -216,6 +233,8 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
         for relative, value in entries.items():
             if relative in rows and relative not in kept:
                 value = RowwiseParallel(output_layouts=Shard(1))
+            elif relative in kept and "partial" in kinds:  # (a mixture's row layer: its term of the sum)
+                value = RowwiseParallel(output_layouts=Partial())
             elif relative in experts and "partial" in kinds:
                 value = (styles[relative], "partial")
             out[f"{layers_name}.*.{relative}"] = value

@@ -93,7 +93,8 @@ def _layout(placement):
 def translate(pattern: str, style, module: nn.Module) -> Tuple[str, object, Optional[int], bool]:
     """``(style, outputs, sequence, as_dtensor)``: torch's ``style`` applied to ``module`` as
     :func:`tp_kernels.parallelize` takes it (``outputs``: the :class:`Moves` of a
-    ``"redistribute"``, else None; ``sequence``: the sequence dim of a layer under sequence
+    ``"redistribute"``, ``"partial"`` for a row layer whose output is left each rank's partial sum,
+    ``RowwiseParallel(output_layouts=Partial())``, else None; ``sequence``: the sequence dim of a layer under sequence
     parallelism, else None; ``as_dtensor``: a column layer's output handed on as a DTensor,
     ``use_local_output=False``, for torch's ``loss_parallel``: :func:`output_as_dtensor`), or a
     ``ValueError`` naming ``pattern`` and what cannot be taken."""
@@ -132,6 +133,11 @@ def translate(pattern: str, style, module: nn.Module) -> Tuple[str, object, Opti
                 return "colwise_gather_output", None, sequence, False
             refuse(f"output_layouts={style.output_layouts[0]}: a column layer's output is this rank's columns, "
                    "Shard(-1), or gathered, Replicate()")
+        if wanted == ("partial", None) and not embedding:  # (its output each rank's term of the sum, not reduced)
+            if given != ("shard", -1):
+                refuse(f"output_layouts=Partial() takes the input split along the last dim, input_layouts=Shard(-1), "
+                       f"not {_shown(given)}")
+            return "rowwise", "partial", None, False
         sequence = _sequence(wanted, "output_layouts", refuse)
         if embedding:
             return "vocab", None, sequence, False

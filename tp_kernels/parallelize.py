@@ -65,6 +65,9 @@ STYLES = {
 _OWNERS = ("moe_tp_experts", "moe_ep_experts", "local_params")
 #: the styles of a mixture's experts, shard_experts' modules
 _EXPERTS = ("moe_tp_experts", "moe_ep_experts")
+#: the styles whose output a plan may leave each rank's partial sum, (style, "partial"), for a
+#: torch style around them to reduce (Partial())
+_PARTIAL_OUTPUTS = (*_EXPERTS, "rowwise")
 #: other names of a style: Hugging Face's, so that a transformers model's own ``tp_plan`` is a plan
 #: ("all_reduce": a module whose output is each rank's partial sum, by its parameters the plan splits
 #: by name, Inkling's shared experts: what "moe_tp_experts" does; "colwise_rep" and "rowwise_rep",
@@ -78,9 +81,10 @@ def _style(pattern: str, value) -> tuple:
     """A plan's value as ``(style, outputs)``: a style (outputs None), or ``("colwise",
     output_sizes)`` or ``("colwise", output_sizes, head_size)`` (outputs ``(output_sizes,
     head_size or None)``, the column layer's arguments), or ``("mla_kv_a_proj", columns)``
-    (outputs the columns), or experts' ``("moe_tp_experts", "partial")`` (outputs ``"partial"``:
-    their output left each rank's partial sum). (torch's styles are read for each module they
-    apply to: :func:`tp_kernels._torch_styles.translate`.)"""
+    (outputs the columns), or experts' ``("moe_tp_experts", "partial")`` or a row layer's
+    ``("rowwise", "partial")`` (outputs ``"partial"``: the output left each rank's partial sum).
+    (torch's styles are read for each module they apply to:
+    :func:`tp_kernels._torch_styles.translate`.)"""
     if value == "redistribute":
         raise ValueError(f"plan[{pattern!r}]: 'redistribute' moves a module's inputs or outputs between layouts, "
                          "which a plan says with torch's PrepareModuleInput or PrepareModuleOutput")
@@ -89,9 +93,9 @@ def _style(pattern: str, value) -> tuple:
     if isinstance(value, (tuple, list)) and len(value) == 2 and value[0] == "mla_kv_a_proj":
         return value[0], value[1]
     if isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[0], str) and \
-            ALIASES.get(value[0], value[0]) in _EXPERTS:
+            ALIASES.get(value[0], value[0]) in _PARTIAL_OUTPUTS:
         if value[1] != "partial":
-            raise ValueError(f"plan[{pattern!r}]: experts take ({value[0]!r}, 'partial') (their output left each "
+            raise ValueError(f"plan[{pattern!r}]: {value[0]!r} takes ({value[0]!r}, 'partial') (its output left each "
                              f"rank's partial sum) or {value[0]!r} alone (summed), got {value!r}")
         return ALIASES.get(value[0], value[0]), "partial"
     if isinstance(value, (tuple, list)) and len(value) in (2, 3) and value[0] in ("colwise", "colwise_gather_output"):
@@ -99,7 +103,8 @@ def _style(pattern: str, value) -> tuple:
         return value[0], (sizes, value[2] if len(value) == 3 else None)
     raise ValueError(f"plan[{pattern!r}]: expected a style ({', '.join(map(repr, STYLES))}), ('colwise', "
                      "output_sizes) or ('colwise', output_sizes, head_size) (or 'colwise_gather_output' so), "
-                     f"('mla_kv_a_proj', columns) or ('moe_tp_experts', 'partial'), got {value!r}")
+                     f"('mla_kv_a_proj', columns), ('moe_tp_experts', 'partial') or ('rowwise', 'partial'), got "
+                     f"{value!r}")
 
 
 def _known(pattern: str, style: str) -> str:
@@ -119,7 +124,9 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     ``"colwise_gather_output"`` (the same, its output gathered whole on every rank,
     ``gather_output=True``: an output layer whose logits the model's own code, a generation loop,
     takes whole), ``"rowwise"`` (``nn.Linear`` → :class:`RowParallelLinear`, input already
-    parallel), ``"rowwise_split_input"`` (the same, its input whole on every rank, split here,
+    parallel; ``("rowwise", "partial")``: its output left each rank's partial sum,
+    ``reduce_results=False``, for a torch style around it to reduce, ``Partial()``),
+    ``"rowwise_split_input"`` (the same, its input whole on every rank, split here,
     ``input_is_parallel=False``), ``"vocab"`` (``nn.Embedding`` →
     :class:`VocabParallelEmbedding`; Hugging Face's ``"embedding_rowwise"`` too),
     ``"embedding_colwise"`` (an ``nn.Embedding`` kept, its table split along the embedding dim,
@@ -239,10 +246,10 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
             replaced[id(old)] = build.from_linear(old, group=group, **sequence,
                                                   output_sizes=sizes, head_size=head_size,
                                                   gather_output=style == "colwise_gather_output")
-        else:
+        else:  # (a row layer; with its output left partial, ("rowwise", "partial"), not reduced)
             replaced[id(old)] = build.from_linear(
-                old, group=group, **sequence, input_is_parallel=style == "rowwise"
-            )
+                old, group=group, **sequence, input_is_parallel=style == "rowwise",
+                **({"reduce_results": False} if outputs == "partial" else {}))
     for name, m in named:
         if id(m) in replaced:
             parent_name, _, attr = name.rpartition(".")
@@ -363,11 +370,11 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
                     raise ValueError(f"plan[{pattern!r}]: {name!r} ('packed_colwise': two outputs side by side) has "
                                      f"an odd out_features={m.out_features}")
                 given = ((m.out_features // 2,) * 2, None)
-            if style in _EXPERTS and given == "partial" and sequence is not None:
-                raise ValueError(f"plan[{pattern!r}]: {name!r}: experts whose output is left partial, "
-                                 f"{_describe(style, given)}, do not go with sequence_parallel=True, under which "
-                                 "they reduce-scatter it themselves")
-            if given is not None and style not in ("mla_kv_a_proj", "redistribute", *_EXPERTS):
+            if given == "partial" and sequence is not None:
+                raise ValueError(f"plan[{pattern!r}]: {name!r}: {'experts' if style in _EXPERTS else 'a row layer'} "
+                                 f"whose output is left partial, {_describe(style, given)}, do not go with sequence "
+                                 "parallelism, under which the output is reduce-scattered there")
+            if given is not None and given != "partial" and style not in ("mla_kv_a_proj", "redistribute"):
                 try:
                     check_output_sizes(given[0], m.out_features, p, given[1])
                 except ValueError as exc:
@@ -484,7 +491,7 @@ def _describe(style: str, outputs) -> str:
     """A plan's value as it was written (lists for the sizes)."""
     if outputs is None:
         return repr(style)
-    if style in ("mla_kv_a_proj", "redistribute", *_EXPERTS):
+    if style in ("mla_kv_a_proj", "redistribute") or outputs == "partial":
         return repr((style, outputs))
     sizes, head_size = outputs
     sizes = list(sizes) if isinstance(sizes, tuple) else sizes
