@@ -375,6 +375,25 @@ def _gpu_summary():
     return module
 
 
+#: a test module of five tests: one passing, one failing, then a class's and two parametrized ones
+SOME_TESTS = ("import pytest\n"
+              "def test_passes():\n    pass\n"
+              "def test_fails():\n    assert False\n"
+              "class TestLater:\n    def test_never(self):\n        pass\n"
+              "@pytest.mark.parametrize('v', [1, 2])\ndef test_param(v):\n    pass\n")
+
+
+def _with_suite_hooks(folder) -> None:
+    """A conftest.py in ``folder`` that takes python_tests/conftest.py's hooks for the GPU suite:
+    ``--shard``, ``--select-from`` and the list of the tests selected."""
+    conftest = os.path.join(os.path.dirname(__file__), "conftest.py")
+    (folder / "conftest.py").write_text(
+        f"import runpy\nhooks = runpy.run_path({conftest!r})\n"
+        "pytest_addoption = hooks['pytest_addoption']\n"
+        "pytest_collection_modifyitems = hooks['pytest_collection_modifyitems']\n"
+        "pytest_collection_finish = hooks['pytest_collection_finish']\n")
+
+
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="4">
 <testcase classname="python_tests.test_gpu" name="test_a" time="1.5"/>
 <testcase classname="python_tests.test_gpu" name="test_b[x]" time="12.25">{b}</testcase>
@@ -444,15 +463,8 @@ def test_the_gpu_tests_record_names_the_tests_a_stopped_run_never_reached(tmp_pa
     tests, logs, results = tmp_path / "tests", tmp_path / "logs", tmp_path / "results"
     tests.mkdir()
     logs.mkdir()
-    conftest = os.path.join(os.path.dirname(__file__), "conftest.py")
-    (tests / "conftest.py").write_text(
-        f"import runpy\npytest_collection_finish = runpy.run_path({conftest!r})['pytest_collection_finish']\n")
-    (tests / "test_x.py").write_text(
-        "import pytest\n"
-        "def test_passes():\n    pass\n"
-        "def test_fails():\n    assert False\n"
-        "class TestLater:\n    def test_never(self):\n        pass\n"
-        "@pytest.mark.parametrize('v', [1, 2])\ndef test_param(v):\n    pass\n")
+    _with_suite_hooks(tests)
+    (tests / "test_x.py").write_text(SOME_TESTS)
     out = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", str(tests / "test_x.py"),
                           f"--junitxml={logs / 'gpu-tests.xml'}", f"--rootdir={tests}"], cwd=tests, capture_output=True,
                          text=True, timeout=120, env={**os.environ, "TP_KERNELS_COLLECTED_FILE": str(logs / "gpu-tests-collected.txt")})
@@ -483,18 +495,8 @@ def test_the_gpu_tests_run_again_from_a_record(tmp_path, monkeypatch, capsys):
     summary = _gpu_summary()
     tests = tmp_path / "tests"
     tests.mkdir()
-    conftest = os.path.join(os.path.dirname(__file__), "conftest.py")
-    (tests / "conftest.py").write_text(
-        f"import runpy\nhooks = runpy.run_path({conftest!r})\n"
-        "pytest_addoption = hooks['pytest_addoption']\n"
-        "pytest_collection_modifyitems = hooks['pytest_collection_modifyitems']\n"
-        "pytest_collection_finish = hooks['pytest_collection_finish']\n")
-    (tests / "test_x.py").write_text(
-        "import pytest\n"
-        "def test_passes():\n    pass\n"
-        "def test_fails():\n    assert False\n"
-        "class TestLater:\n    def test_never(self):\n        pass\n"
-        "@pytest.mark.parametrize('v', [1, 2])\ndef test_param(v):\n    pass\n")
+    _with_suite_hooks(tests)
+    (tests / "test_x.py").write_text(SOME_TESTS)
 
     def run(logs, *args):
         logs.mkdir()
@@ -539,12 +541,7 @@ def test_the_gpu_tests_on_several_workers(tmp_path):
     summary = _gpu_summary()
     tests = tmp_path / "tests"
     tests.mkdir()
-    conftest = os.path.join(os.path.dirname(__file__), "conftest.py")
-    (tests / "conftest.py").write_text(
-        f"import runpy\nhooks = runpy.run_path({conftest!r})\n"
-        "pytest_addoption = hooks['pytest_addoption']\n"
-        "pytest_collection_modifyitems = hooks['pytest_collection_modifyitems']\n"
-        "pytest_collection_finish = hooks['pytest_collection_finish']\n")
+    _with_suite_hooks(tests)
     (tests / "test_x.py").write_text(  # each test writes down the worker that ran it
         "import os, pytest\n@pytest.mark.parametrize('v', range(7))\ndef test_param(v):\n"
         "    open(f'ran-{v}', 'w').write(os.environ['PYTEST_XDIST_WORKER'])\n")

@@ -84,6 +84,14 @@ def routed(seed: int, device="cpu"):
     return hidden, logits, index, weights
 
 
+def _assert_expert_grads(par, dense, styles) -> None:
+    """The full gradients of ``par``'s split expert weights (``styles``) are ``dense``'s."""
+    grads = full_grads(par)
+    for name in styles:
+        torch.testing.assert_close(grads[name], getattr(dense, name).grad, rtol=1e-12, atol=1e-13,
+                                   msg=lambda m: f"{name}.grad: {m}")
+
+
 def check_experts_against_dense(split, device="cpu"):
     """Each rank holds its block of every expert (of the gate and of the up projection each, packed
     in one parameter), or (``"experts"``) whole experts of its own, ``E/p`` of them, with their
@@ -107,11 +115,10 @@ def check_experts_against_dense(split, device="cpu"):
         outs.append((y.detach(), hidden.grad, logits.grad))
     for name, want, got in zip(("output", "hidden.grad", "logits.grad"), *outs):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13, msg=lambda m: f"{name}: {m}")
-    full, grads = tp_kernels.full_state_dict(par), full_grads(par)
+    full = tp_kernels.full_state_dict(par)
     for name in styles:
         assert torch.equal(full[name], getattr(dense, name).detach()), name
-        torch.testing.assert_close(grads[name], getattr(dense, name).grad, rtol=1e-12, atol=1e-13,
-                                   msg=lambda m: f"{name}.grad: {m}")
+    _assert_expert_grads(par, dense, styles)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
@@ -142,10 +149,7 @@ def check_experts_partial_output(split):
         assert not torch.allclose(outs[1][0], outs[0][0]), "each rank's output is the whole sum"
     for name, want, got in zip(("output", "hidden.grad", "logits.grad"), outs[0], (summed, *outs[1][1:])):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13, msg=lambda m: f"{name}: {m}")
-    grads = full_grads(par)
-    for name in styles:
-        torch.testing.assert_close(grads[name], getattr(dense, name).grad, rtol=1e-12, atol=1e-13,
-                                   msg=lambda m: f"{name}.grad: {m}")
+    _assert_expert_grads(par, dense, styles)
     with pytest.raises(ValueError, match=r"partial_output: experts under sequence parallelism reduce-scatter their "
                                          r"output themselves"):
         shard_experts(copy.deepcopy(dense), styles, partial_output=True, sequence_parallel=True)
@@ -271,10 +275,7 @@ def check_experts_sequence_parallel(split, device="cpu"):
         outs.append((y.detach(), x.grad, z.grad))
     for name, want, got in zip(("output", "hidden.grad", "logits.grad"), *outs):
         torch.testing.assert_close(got, want[mine], rtol=1e-12, atol=1e-13, msg=lambda m: f"{name}: {m}")
-    grads = full_grads(par)
-    for name in styles:
-        torch.testing.assert_close(grads[name], getattr(dense, name).grad, rtol=1e-12, atol=1e-13,
-                                   msg=lambda m: f"{name}.grad: {m}")
+    _assert_expert_grads(par, dense, styles)
     with pytest.raises(ValueError, match=r"every tensor argument must be this rank's block of the tokens, along "
                                          r"dim 0, but they are args\[0\] \[3, 6\] .*args\[1\] \[2, 2\]"):
         par(hidden[mine], index[:2], weights[:2])
