@@ -46,6 +46,7 @@ __all__ = [
     "group_rank",
     "group_size",
     "join_blocks",
+    "join_stacked",
     "recv",
     "reduce_scatter_dim0",
     "resolve_group",
@@ -476,11 +477,18 @@ def join_blocks(x: torch.Tensor, dim: int, p: int) -> torch.Tensor:
     dim %= x.dim()
     if not dim:
         return x
-    moved = x.unflatten(0, (p, -1)).movedim(0, dim)  # [b, p, s/p, h]
-    shape = (*moved.shape[:dim], moved.shape[dim] * moved.shape[dim + 1], *moved.shape[dim + 2:])
-    if moved.is_contiguous() and x.is_contiguous():
-        return UNSAFE_VIEW(x, shape)
-    return moved.reshape(shape)
+    return join_stacked(x.unflatten(0, (p, -1)), dim)
+
+
+def join_stacked(stacked: torch.Tensor, dim: int) -> torch.Tensor:
+    """``stacked``, ``[p, *shape]`` (rank-major: what an all-gather into a leading dim gives), as
+    ``shape`` with dim ``dim`` (of ``shape``, not 0) p times as long: :func:`join_blocks` of the
+    blocks already apart, without the views that would flatten and cut them again."""
+    shape = list(stacked.shape[1:])
+    shape[dim] *= stacked.shape[0]
+    if stacked.shape[1:dim + 1].numel() == 1 and stacked.is_contiguous():  # (the dims before dim all 1: the
+        return UNSAFE_VIEW(stacked, shape)  # blocks side by side already)
+    return stacked.movedim(0, dim).reshape(*shape)  # ([b, p, s/p, h] -> [b, s, h]: a copy)
 
 
 def split(x: torch.Tensor, dim: int, group) -> torch.Tensor:

@@ -503,7 +503,8 @@ class Communicator:
 
     def _undo_dim0(self, stacked: torch.Tensor, d: int) -> torch.Tensor:
         """``[p, *shape]`` (rank-major) as ``shape`` with dim ``d`` p times as long."""
-        return coll.join_blocks(stacked.flatten(0, 1), d, self.world_size)
+        d %= stacked.dim() - 1
+        return coll.join_stacked(stacked, d) if d else stacked.flatten(0, 1)
 
 
 def _shape_but(x: torch.Tensor, d: int) -> str:
