@@ -1519,7 +1519,8 @@ def check_moe_sequence_parallel_plan(kind, parallelism):
 
 
 @pytest.mark.parametrize("kind, parallelism", [("mixtral", "tp"), ("qwen3_moe", "tp"), ("qwen3_moe", "ep"),
-                                               ("qwen2_moe", "tp"), ("deepseek_v2", "tp"), ("deepseek_v3", "tp")])
+                                               ("qwen2_moe", "tp"), ("deepseek_v2", "tp"), ("deepseek_v3", "tp"),
+                                               ("deepseek_v3", "ep")])
 def test_moe_sequence_parallel_plan(world2, kind, parallelism):
     pytest.importorskip("transformers")
     world2.run(check_moe_sequence_parallel_plan, kind, parallelism)
