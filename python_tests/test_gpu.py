@@ -949,6 +949,15 @@ def test_experts_sequence_parallel_with_several_nccl_ranks(shared_gpu_world, spl
     shared_gpu_world.run(test_experts.check_experts_sequence_parallel, split, "cuda")
 
 
+@pytest.mark.parametrize("kind, parallelism", [("mixtral", "tp"), ("deepseek_v3", "ep")])
+def test_moe_sequence_parallel_plan_with_several_nccl_ranks(shared_gpu_world, kind, parallelism):
+    """A mixture of experts under sequence_parallel_plan on NCCL ranks: its experts' partial sums
+    reduce-scattered once, DeepSeek's shared experts' row layer's term with them, against the dense
+    model in float64 (test_parallelize.check_moe_sequence_parallel_plan)."""
+    pytest.importorskip("transformers")
+    shared_gpu_world.run(test_parallelize.check_moe_sequence_parallel_plan, kind, parallelism, "cuda")
+
+
 @pytest.mark.parametrize("parallelism", ["tp", "ep"])
 def test_hugging_face_moe_grouped_gemm_with_several_nccl_ranks(shared_gpu_world, parallelism):
     """Mixtral by its plan (or whole experts a rank, by its ep_plan over it), its experts through

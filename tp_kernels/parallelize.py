@@ -93,7 +93,7 @@ def _style(pattern: str, value) -> tuple:
     if isinstance(value, (tuple, list)) and len(value) == 2 and value[0] == "mla_kv_a_proj":
         return value[0], value[1]
     if isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[0], str) and \
-            ALIASES.get(value[0], value[0]) in _PARTIAL_OUTPUTS:
+            isinstance(value[1], str) and ALIASES.get(value[0], value[0]) in _PARTIAL_OUTPUTS:
         if value[1] != "partial":
             raise ValueError(f"plan[{pattern!r}]: {value[0]!r} takes ({value[0]!r}, 'partial') (its output left each "
                              f"rank's partial sum) or {value[0]!r} alone (summed), got {value!r}")
