@@ -36,6 +36,16 @@ def _style_name(value) -> str:
     return ALIASES.get(name, name) if isinstance(name, str) else repr(name)
 
 
+def _holds_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a norm, by its class's name: what the ranks may run on their blocks
+    of the sequence alone."""
+    return "norm" in type(module).__name__.lower()
+
+
 def _matches(layer: nn.Module, relative: str):
     """The modules of ``layer`` whose names (relative to it) a plan's entry matches."""
     return [m for name, m in layer.named_modules() if name and fnmatch.fnmatchcase(name, relative)]
@@ -240,37 +250,27 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
             out[f"{layers_name}.*.{relative}"] = value
     out[f"{layers_name}.0"] = moved(Replicate(), Shard(1))
 
-    def norm(name: str, module: nn.Module, whole_ok: bool = False) -> bool:
-        """Whether ``module`` holds parameters and is a norm (run on each rank's block); a module
-        holding parameters that is not one: False where ``whole_ok`` (it runs whole), else a
-        ValueError."""
-        if not any(True for _ in module.parameters()):
-            return False
-        if "norm" in type(module).__name__.lower():
-            return True
-        if whole_ok:
-            return False
-        raise ValueError(f"model: {name} ({type(module).__name__}) holds parameters the plan leaves whole and is "
-                         "not a norm, which the ranks could run on their blocks of the sequence alone")
-
     for name in sorted({name for layer in layers for name, child in layer.named_children() if name not in inside}):
-        children = [layer.get_submodule(name) for layer in layers if hasattr(layer, name)]
-        held = [child for child in children if any(True for _ in child.parameters())]
-        if not held:
-            continue
-        if all(norm(f"{layers_name}.*.{name}", child, whole_ok=True) for child in held):
+        held = [child for child in (layer.get_submodule(name) for layer in layers if hasattr(layer, name))
+                if _holds_parameters(child)]
+        norms = {_is_norm(child) for child in held}
+        if norms == {True}:
             out[f"{layers_name}.*.{name}"] = SequenceParallel()
-        elif any(norm(f"{layers_name}.*.{name}", child, whole_ok=True) for child in held):
-            raise ValueError(f"model: {layers_name}.*.{name} is a norm in some layers and not in others")
-        else:  # (a module the plan leaves whole, DeepSeek-V3's attention: run whole on every rank, as the plan has
-            # it, on the gathered sequence, its output split)
+        elif norms == {False}:  # (a module the plan leaves whole, DeepSeek-V3's attention: run whole on every
+            # rank, as the plan has it, on the gathered sequence, its output split)
             out[f"{layers_name}.*.{name}"] = moves_of["summed"]
+        elif norms:
+            raise ValueError(f"model: {layers_name}.*.{name} is a norm in some layers and not in others")
     base_name, _, _ = layers_name.rpartition(".")
     base = model.get_submodule(base_name) if base_name else model
     for name, child in base.named_children():
         full = f"{base_name}.{name}" if base_name else name
-        if all(child is not m for m in (layers, embedding, head)) and norm(full, child):
-            out[full] = SequenceParallel()
+        if any(child is m for m in (layers, embedding, head)) or not _holds_parameters(child):
+            continue
+        if not _is_norm(child):
+            raise ValueError(f"model: {full} ({type(child).__name__}) holds parameters the plan leaves whole and is "
+                             "not a norm, which the ranks could run on their blocks of the sequence alone")
+        out[full] = SequenceParallel()
     if head_name is not None:
         if head_name in plan:
             gathered = _style_name(plan[head_name]) in _GATHERED_HEADS
