@@ -72,8 +72,8 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
     states, the routing weights) pass unchanged (their gradients summed over the group in the
     backward; the hidden states a torch style gathered for the module around them,
     :func:`tp_kernels.mappings.gather_for_column_layers`, as they are or reshaped whole, leave
-    theirs for that gather's one reduce-scatter), and its output, each rank's partial sum over its blocks of the hidden units, is
-    summed over the group. With fingerprints on (:func:`tp_kernels.settings.set_fingerprints`),
+    theirs for that gather's one reduce-scatter), and its output, each rank's partial sum over
+    its blocks of the hidden units, is summed over the group. With fingerprints on (:func:`tp_kernels.settings.set_fingerprints`),
     the call is agreed with the group first (the shapes and dtypes of every tensor argument), so
     ranks that routed different token counts raise together, before the sum.
 
