@@ -1429,7 +1429,9 @@ def test_hugging_face_qwen3_sequence_parallel(world2):
 
 def check_sequence_parallel_plans(kind):
     """transformers' Gemma 3 (four norms a layer, a scaled embedding, per-head norms, sliding
-    windows), Mistral and Qwen 2 under sequence parallelism by :func:`tp_kernels.sequence_parallel_plan`
+    windows), Mistral, Qwen 2, Phi 3 and OLMo 2 (their projections' outputs gathered whole,
+    ``"colwise_rep"`` and ``"rowwise_rep"``: their modules' outputs whole, then split) under sequence
+    parallelism by :func:`tp_kernels.sequence_parallel_plan`
     of their own ``tp_plan``: the decoder layers see each rank's block of the sequence, and the
     logits, the loss and every gradient are the dense model's in float64 (Gemma 3's norms, computed
     in float32, to float32's precision of their size)."""
@@ -1437,7 +1439,8 @@ def check_sequence_parallel_plans(kind):
 
     _, p = rank_world()
     config, model_class = {"gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "mistral": ("MistralConfig",
-                           "MistralForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[kind]
+                           "MistralForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                           "phi3": ("Phi3Config", "Phi3ForCausalLM"), "olmo2": ("Olmo2Config", "Olmo2ForCausalLM")}[kind]
     config = getattr(transformers, config)(
         vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=4, max_position_embeddings=64, attn_implementation="sdpa", pad_token_id=0,
@@ -1453,7 +1456,7 @@ def check_sequence_parallel_plans(kind):
     assert_dense_grads(par, dense, 8 * torch.finfo(torch.float32).eps if kind == "gemma3" else 1e-12)
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["gemma3", "mistral", "qwen2", "phi3", "olmo2"])
 def test_sequence_parallel_plans(world2, kind):
     pytest.importorskip("transformers")
     world2.run(check_sequence_parallel_plans, kind)
@@ -1529,8 +1532,8 @@ def test_moe_sequence_parallel_plan(world2, kind, parallelism):
 
 def test_sequence_parallel_plan_errors():
     """What :func:`tp_kernels.sequence_parallel_plan` cannot write is a ValueError naming it: a
-    module whose entries hold no row layer (Phi 3's fused projections, ``"colwise_rep"`` and
-    ``"rowwise_rep"``), a plan of torch's styles, entries outside the decoder layers, a model
+    module whose entries leave its output split along the hidden units and hold no row layer, a
+    plan of torch's styles, entries outside the decoder layers, a model
     without a ``tp_plan``, a module beside the layers that is not a norm, a module of the layers
     that is a norm in some of them only, a row layer's entry that would reduce-scatter in one layer
     and sum its output whole in another."""
@@ -1539,11 +1542,12 @@ def test_sequence_parallel_plan_errors():
 
     common = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=4,
                   num_key_value_heads=4, max_position_embeddings=64, pad_token_id=0)
-    phi3 = transformers.Phi3ForCausalLM(transformers.Phi3Config(**common))
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     plan = dict(llama.tp_plan)
     cases = [
-        (phi3, None, r"plan: model.layers.\*.self_attn holds .*'colwise_gather_output'.* but no 'rowwise' layer"),
+        (llama, {"model.layers.*.self_attn.q_proj": "colwise"},
+         r"plan: model.layers.0.self_attn holds 'self_attn.q_proj' \('colwise'\), whose output is split along the "
+         r"hidden units, but no 'rowwise' layer"),
         (llama, {**plan, "lm_head": ColwiseParallel()}, r"plan\['lm_head'\]: a style of torch's"),
         (llama, {**plan, "model.norm": "replicated_with_grad_allreduce"}, r"plan\['model.norm'\]: outside the decoder"),
         (nn.Linear(2, 2), None, r"plan: Linear has no tp_plan"),

@@ -51,15 +51,31 @@ def _matches(layer: nn.Module, relative: str):
     return [m for name, m in layer.named_modules() if name and fnmatch.fnmatchcase(name, relative)]
 
 
-def _kind(layer: nn.Module, experts, rows, kept) -> str:
-    """How a module of ``layer`` that holds plan entries runs under the sequence plan: ``"moe"``
-    (it holds experts), ``"dense"`` (row layers of the plan, each reduce-scattering its output:
-    none of those ``kept`` summing theirs whole), else ``"summed"`` (its output whole on every
-    rank, then split)."""
+#: the styles of the layers that leave their output whole on every rank: a module whose plan
+#: entries are all such (Phi 3's and OLMo 2's gathered projections, "colwise_rep" and "rowwise_rep")
+#: computes its output whole, which the sequence plan then splits
+_WHOLE_OUTPUTS = ("colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce", "replicate",
+                  "mla_kv_a_proj")
+
+
+def _kind(layer: nn.Module, name: str, styles, experts, rows, kept) -> str:
+    """How the module ``name`` of ``layer`` (its entries' ``styles``) runs under the sequence plan:
+    ``"moe"`` (it holds experts), ``"dense"`` (row layers of the plan, each reduce-scattering its
+    output: none of those ``kept`` summing theirs whole), else ``"summed"`` (its output whole on
+    every rank, then split), which, where it holds no row layer, each layer of the plan it holds
+    must leave whole: a ``ValueError`` naming one that leaves its output split along the hidden
+    units."""
     if any(_matches(layer, relative) for relative in experts):
         return "moe"
     matched = {relative for relative in rows if _matches(layer, relative)}
-    return "dense" if matched and not matched & kept else "summed"
+    if matched:  # (a row layer kept summing its output whole: the module's output whole)
+        return "summed" if matched & kept else "dense"
+    for relative, style in styles.items():
+        if style not in _WHOLE_OUTPUTS and _matches(layer, relative):
+            raise ValueError(f"plan: {name} holds {relative!r} ({style!r}), whose output is split along the hidden "
+                             "units, but no 'rowwise' layer, which would scatter the module's output back along the "
+                             "sequence")
+    return "summed"
 
 
 #: the styles of the layers a mixture of experts may hold beside its experts, for its output to be
@@ -132,6 +148,9 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
       same module name in other layers holding a dense MLP
       (Qwen 3 MoE's first layers) is moved as the MLP is above (the owner's entries then per
       layer, ``layers.0.mlp``);
+    * a module whose entries leave their outputs whole (Phi 3's and OLMo 2's ``"colwise_rep"`` and
+      ``"rowwise_rep"`` projections: gathered outputs, a split input's output summed): its input
+      gathered, its output, whole on every rank, split (``PrepareModuleInputOutput``);
     * every other module of a decoder layer, and of the model beside the layers and the
       embedding, that holds parameters, a norm (by its class's name): run on each rank's block,
       its gradients summed (``SequenceParallel``);
@@ -147,8 +166,8 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
     ``tp_kernels.parallelize(model, plan, group=...)``. Each module is moved by its forward's first
     input, by position or by name. A ``ValueError`` names what it cannot write so: a plan with
     torch's styles already; entries outside the decoder layers other than the embedding's and the
-    head's; a module of the layers whose entries hold no row layer and no experts (its output would
-    be whole, where the sequence is split: OLMo 2's ``"rowwise_split_input"``); no decoder layers;
+    head's; a module of the layers whose entries hold no row layer and no experts and leave its
+    output split along the hidden units (a plan of column layers alone); no decoder layers;
     a module beside them that holds parameters and is not a norm (by its class's name: what the
     ranks may run on their blocks of the sequence alone); a module of the layers that is a norm in
     some and not in others; a row layer's entry that would have to reduce-scatter in some layers
@@ -216,14 +235,12 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
         experts = [relative for relative, style in styles.items() if style in _EXPERTS]
         rows = [relative for relative, style in styles.items()
                 if style == _ROW and not any(relative.startswith(e + ".") for e in experts)]
-        if not experts and not rows:
-            raise ValueError(f"plan: {layers_name}.*.{owner} holds {sorted(styles.items())} but no 'rowwise' layer, "
-                             "which would scatter its output back along the sequence")
         # (a row layer inside a mixture of experts, DeepSeek's shared experts', leaves its term of the
         # mixture's partial sum, or sums its output whole where the mixture's is whole)
         mixtures = [layer for layer in layers if any(_matches(layer, e) for e in experts)]
         kept = {row for row in rows if any(_matches(layer, row) for layer in mixtures)}
-        kinds = [_kind(layer, experts, rows, kept) for layer in layers]
+        kinds = [_kind(layer, f"{layers_name}.{i}.{owner}", styles, experts, rows, kept)
+                 for i, layer in enumerate(layers)]
         for row in set(rows) - kept:
             if any(kind != "dense" and _matches(layer, row) for layer, kind in zip(layers, kinds)):
                 raise ValueError(f"plan: {layers_name}.*.{row} is a row layer of a module of some layers whose "
