@@ -78,12 +78,12 @@ def pytest_collection_modifyitems(config, items):
     path, spec = config.getoption("--select-from"), config.getoption("--shard")
     try:
         if path is not None:
-            wanted = listed(path)
-            missing = sorted(set(wanted) - {item.nodeid for item in items})
+            wanted = set(listed(path))
+            missing = sorted(wanted - {item.nodeid for item in items})
             if missing:
                 raise ValueError(f"--select-from: {len(missing)} of the tests {path!r} lists are not among those "
                                  f"selected: {', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}")
-            _keep(config, items, {i for i, item in enumerate(items) if item.nodeid in set(wanted)})
+            _keep(config, items, {i for i, item in enumerate(items) if item.nodeid in wanted})
         if spec is not None:
             _keep(config, items, set(shard(len(items), spec)))
     except ValueError as exc:

@@ -93,9 +93,9 @@ def _layout(placement):
 def translate(pattern: str, style, module: nn.Module) -> Tuple[str, object, Optional[int], bool]:
     """``(style, outputs, sequence, as_dtensor)``: torch's ``style`` applied to ``module`` as
     :func:`tp_kernels.parallelize` takes it (``outputs``: the :class:`Moves` of a
-    ``"redistribute"``, ``"partial"`` for a row layer whose output is left each rank's partial sum,
-    ``RowwiseParallel(output_layouts=Partial())``, else None; ``sequence``: the sequence dim of a layer under sequence
-    parallelism, else None; ``as_dtensor``: a column layer's output handed on as a DTensor,
+    ``"redistribute"``, ``"partial"`` for a row layer whose output is left each rank's partial
+    sum, ``RowwiseParallel(output_layouts=Partial())``, else None; ``sequence``: the sequence dim
+    of a layer under sequence parallelism, else None; ``as_dtensor``: a column layer's output handed on as a DTensor,
     ``use_local_output=False``, for torch's ``loss_parallel``: :func:`output_as_dtensor`), or a
     ``ValueError`` naming ``pattern`` and what cannot be taken."""
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
