@@ -175,6 +175,13 @@ def _not_measurable(x: torch.Tensor) -> Optional[str]:
     return None
 
 
+def _variant_set(variants: Sequence[str]) -> Tuple[str, ...]:
+    """The variants as a class's key holds them: sorted, as their order is only which runs
+    unmeasured, and it changes once the class is measured (the fused all-reduce's first variant
+    is the algorithm measured fastest for the size class)."""
+    return tuple(sorted(variants))
+
+
 def choose(op: str, variants: Sequence[str], x: torch.Tensor, weight: torch.Tensor, bias, group) -> str:
     """The implementation among ``variants`` (implementation names, in the order of preference)
     that runs this call of ``op``: measured on the first call of its shape class (see the module
@@ -183,7 +190,7 @@ def choose(op: str, variants: Sequence[str], x: torch.Tensor, weight: torch.Tens
         return variants[0]
     primitive, a, w, b = _operands(op, x, weight, bias)
     m, n, k = communicated_problem(op, x.shape[0], weight.shape)
-    key = (op, coll.group_key(group, x.device), x.dtype, size_class(m), n, k, b is not None, tuple(variants))
+    key = (op, coll.group_key(group, x.device), x.dtype, size_class(m), n, k, b is not None, _variant_set(variants))
     return _measured(key, op, variants, x, group, m, n, k, b is not None,
                      lambda v: _run_variant(primitive, v, a, w, b, group))
 
@@ -196,7 +203,7 @@ def choose_collective(collective: str, variants: Sequence[str], x: torch.Tensor,
     if len(variants) == 1 or not autotune_enabled() or collective in POINT_TO_POINT:
         return variants[0]
     numel, p = x.numel(), coll.group_size(group)
-    key = (collective, coll.group_key(group, x.device), x.dtype, size_class(numel), peer, tuple(variants))
+    key = (collective, coll.group_key(group, x.device), x.dtype, size_class(numel), peer, _variant_set(variants))
     scratch: dict = {}
 
     def run(variant: str):
