@@ -3,7 +3,8 @@ every other rank by CUDA IPC, and whether a group can have one at all.
 
 Every rank of a group owns one buffer (``cudaMalloc``: one IPC handle), laid out as
 ``[control block][export][inbox][export2]`` (``_C.REGIONS``; ``csrc/include/tp_kernels/peer.h``).
-The handles are exchanged over the torch group and opened in every other rank; a
+The handles are exchanged over the group's host route (its gloo twin where it has one:
+:func:`tp_kernels._collectives.host_route`) and opened in every other rank; a
 ``_C.PeerContext`` is this rank's table of the p buffers, which the fused ops take.
 
 * :func:`topology_reason`: whether the group is on one node with peer access, decided once per
@@ -106,7 +107,8 @@ def topology_reason(group, device: torch.device) -> Optional[str]:
         return ("the group's peer access is checked by its first fused call, which cannot run inside "
                 "torch.compile tracing or a CUDA graph capture: run the op once eagerly first")
     p = coll.group_size(group)
-    infos = coll.all_gather_bytes(host_id() + device.index.to_bytes(4, "little"), group, device)
+    route = coll.host_route(group, device)
+    infos = coll.all_gather_bytes(host_id() + device.index.to_bytes(4, "little"), *route)
     devices = [int.from_bytes(i[16:], "little") for i in infos]
     reason = None
     if len({i[:16] for i in infos}) > 1:
@@ -114,7 +116,7 @@ def topology_reason(group, device: torch.device) -> Optional[str]:
     else:
         me = device.index
         ok = all(d == me or torch.cuda.can_device_access_peer(me, d) for d in devices)
-        verdicts = coll.all_gather_bytes(bytes([ok]), group, device)
+        verdicts = coll.all_gather_bytes(bytes([ok]), *route)
         bad = [q for q in range(p) if verdicts[q] != b"\x01"]
         if bad:
             reason = f"rank {bad[0]} of the group cannot reach every peer's GPU by peer access"
@@ -126,7 +128,7 @@ def agree_on_growth(op: str, regions: Sequence[int], call: str, group, device: t
     """Return when every rank of ``group`` grows its workspace to the same ``regions`` for the
     same ``call``; else raise the same ``RuntimeError`` on every rank, listing each rank's call. One
     bounded all-gather, so it is also a barrier."""
-    views = exchange_views(f"{call}, growing the regions to {list(regions)}", group, device)
+    views = exchange_views(f"{call}, growing the regions to {list(regions)}", *coll.host_route(group, device))
     if len(set(views)) > 1:
         listing = "; ".join(f"rank {q}: {v}" for q, v in enumerate(views))
         raise RuntimeError(
@@ -169,7 +171,8 @@ class _GroupWorkspace:
         base = C.workspace_alloc(C.CONTROL_BYTES + sum(regions), dev)
         try:
             C.workspace_init(base, dev)
-            handles = coll.all_gather_bytes(C.ipc_handle(base, dev), self.group, self.device)
+            torch.cuda.synchronize(self.device)  # its control block written before a peer can map it
+            handles = coll.all_gather_bytes(C.ipc_handle(base, dev), *coll.host_route(self.group, self.device))
             bases = [base if q == self.rank else C.ipc_open(h, dev) for q, h in enumerate(handles)]
         except BaseException:
             C.workspace_free(base, dev)
@@ -185,7 +188,7 @@ class _GroupWorkspace:
         C, dev = _extension.require(), self.device.index
         torch.cuda.synchronize(self.device)
         if barrier:
-            coll.all_gather_bytes(b"\x01", self.group, self.device)
+            coll.all_gather_bytes(b"\x01", *coll.host_route(self.group, self.device))
         self.ctx = None
         for q, b in enumerate(self.bases):
             if q != self.rank:

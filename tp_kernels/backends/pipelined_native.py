@@ -86,9 +86,10 @@ def communicator(group, device: torch.device):
     if entry is None:
         p, r = coll.group_size(group), coll.group_rank(group)
         with torch.cuda.device(device):
-            # Rank 0's id reaches the others through a bounded all-gather over the torch group.
+            # Rank 0's id reaches the others through a bounded all-gather over the group's host
+            # route (its gloo twin where it has one: no wait for the GPU).
             uid = C.nccl_unique_id() if r == 0 else bytes(C.NCCL_UNIQUE_ID_BYTES)
-            uid = coll.all_gather_bytes(uid, group, device)[0]
+            uid = coll.all_gather_bytes(uid, *coll.host_route(group, device))[0]
             comm = C.Communicator(uid, r, p, device.index, settings.get_comm_stream_priority(), settings.get_timeout())
         entry = _communicators[key] = (group, comm)
     comm = entry[1]
