@@ -381,12 +381,22 @@ def _moe_model(kind: str, moe_intermediate: int = 8, experts: int = 4):
     return model_class(config).double()
 
 
+def _ep_plan(model: nn.Module) -> dict:
+    """A transformers model's expert-parallel plan: its ``ep_plan``, or in transformers versions
+    without that property (5.17), its ``_ep_plan`` over its config's base-model entries."""
+    if hasattr(type(model), "ep_plan"):
+        return dict(model.ep_plan)
+    config_plan = getattr(model.config, "base_model_ep_plan", None) or {}
+    return {**{f"{model.base_model_prefix}.{k}": v for k, v in config_plan.items()},
+            **(getattr(model, "_ep_plan", None) or {})}
+
+
 def _plan(model: nn.Module, parallelism: str) -> dict:
     """A transformers model's own plan: ``"tp"``, its ``tp_plan`` (its experts ``"moe_tp_experts"``,
     their ``gate_up_proj`` ``"packed_colwise"`` and ``down_proj`` ``"rowwise"`` by parameter name);
     ``"ep"``, its ``ep_plan`` over it (its experts ``"ep_dispatch_experts"``, their weights
     ``"grouped_gemm"``: whole experts a rank)."""
-    plan = dict(model.tp_plan) if parallelism == "tp" else {**model.tp_plan, **model.ep_plan}
+    plan = dict(model.tp_plan) if parallelism == "tp" else {**model.tp_plan, **_ep_plan(model)}
     want = {"tp": {"moe_tp_experts", "packed_colwise", "rowwise"}, "ep": {"ep_dispatch_experts", "grouped_gemm"}}
     assert want[parallelism] <= {plan[k] for k in plan if ".experts" in k}, plan
     return plan

@@ -44,10 +44,28 @@ def nccl_world():
         yield world
 
 
+_GPU_WORLDS = {}
+
+
 @pytest.fixture(scope="module", params=[2, 4])
-def shared_gpu_world(request):
-    with World(request.param, backend="nccl", timeout_s=120.0, env=ONE_GPU_RANKS_ENV, cuda_device=0) as world:
-        yield world
+def gpu_world_size(request):
+    """The size of the module's worlds of NCCL ranks sharing the GPU (closed when it is done)."""
+    yield request.param
+    world = _GPU_WORLDS.pop(request.param, None)
+    if world is not None:
+        world.close()
+
+
+@pytest.fixture
+def shared_gpu_world(gpu_world_size):
+    """NCCL ranks sharing the GPU, spawned once per size and reused; a world that a failed test
+    closed is replaced by the next test's, so one failure fails one test (as conftest's gloo
+    worlds are)."""
+    world = _GPU_WORLDS.get(gpu_world_size)
+    if world is None or not world.alive:
+        world = _GPU_WORLDS[gpu_world_size] = World(gpu_world_size, backend="nccl", timeout_s=120.0,
+                                                    env=ONE_GPU_RANKS_ENV, cuda_device=0)
+    return world
 
 
 def test_ops_along_another_dim_with_several_nccl_ranks_on_one_gpu(shared_gpu_world):
@@ -821,6 +839,8 @@ def check_fused_ranks_that_disagree_without_fingerprints():
     mine = torch.ones(8 if r != p - 1 else 4, k, device="cuda")
     x = torch.ones(8, k, device="cuda")
     expected = torch.full((8, n), float(k * p), device="cuda")
+    torch.cuda.synchronize()
+    peer_memory.destroy_workspaces(group)  # a workspace an earlier test of this world grew
     settings.set_fingerprints(False)
     try:
         with pytest.raises(RuntimeError, match="disagree on this call, so none of it ran and the group keeps"):
