@@ -395,10 +395,20 @@ def _plan(model: nn.Module, parallelism: str) -> dict:
     """A transformers model's own plan: ``"tp"``, its ``tp_plan`` (its experts ``"moe_tp_experts"``,
     their ``gate_up_proj`` ``"packed_colwise"`` and ``down_proj`` ``"rowwise"`` by parameter name);
     ``"ep"``, its ``ep_plan`` over it (its experts ``"ep_dispatch_experts"``, their weights
-    ``"grouped_gemm"``: whole experts a rank)."""
-    plan = dict(model.tp_plan) if parallelism == "tp" else {**model.tp_plan, **_ep_plan(model)}
-    want = {"tp": {"moe_tp_experts", "packed_colwise", "rowwise"}, "ep": {"ep_dispatch_experts", "grouped_gemm"}}
+    ``"grouped_gemm"``: whole experts a rank; in transformers 5.17, the experts' tp_plan entry kept
+    and their router ``"ep_router"``); ``"ep_router"``, that 5.17 form whatever the version."""
+    if parallelism == "tp":
+        plan = dict(model.tp_plan)
+    else:
+        plan = {**model.tp_plan, **_ep_plan(model)}
+        for pattern, style in list(plan.items()):
+            if parallelism == "ep_router" and style == "ep_dispatch_experts":
+                plan[pattern] = model.tp_plan[pattern]
+                plan[pattern.rpartition(".")[0] + ".gate"] = "ep_router"
+    want = {"tp": {"moe_tp_experts", "packed_colwise", "rowwise"}, "ep": {"grouped_gemm"},
+            "ep_router": {"moe_tp_experts", "grouped_gemm"}}
     assert want[parallelism] <= {plan[k] for k in plan if ".experts" in k}, plan
+    assert parallelism != "ep_router" or "ep_router" in plan.values(), plan
     return plan
 
 
@@ -465,9 +475,12 @@ def test_hugging_face_moe(world, kind):
 
 
 @pytest.mark.parametrize("world", [2, 4], indirect=True)
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "deepseek_v3"])
-def test_hugging_face_moe_expert_parallel(world, kind):
-    world.run(check_hugging_face_moe, kind, "ep")
+@pytest.mark.parametrize("kind, parallelism", [("mixtral", "ep"), ("qwen3_moe", "ep"), ("deepseek_v3", "ep"),
+                                               ("mixtral", "ep_router"), ("deepseek_v3", "ep_router")])
+def test_hugging_face_moe_expert_parallel(world, kind, parallelism):
+    """Whole experts a rank, by the model's ep_plan over its tp_plan, or by that plan in the form of
+    transformers 5.17 (its experts' tp_plan entry kept, their router "ep_router")."""
+    world.run(check_hugging_face_moe, kind, parallelism)
 
 
 @pytest.mark.parametrize("world", [2, 4], indirect=True)
@@ -557,8 +570,10 @@ def check_expert_plan_errors():
         "rope_dim_out_of_range": ({**plan, "model.layers.*.self_attn.k_proj": ("mla_kv_a_proj", 16)},
                                   r"k_proj' \('mla_kv_a_proj'\): the rotary key's columns must be an int in \[1, 16\)"),
         "nothing_matched": ({**plan, "model.nothing.*": "colwise"}, r"'model.nothing.\*' matches no submodule.*strict"),
-        "experts_under_tp": ({**plan, f"{experts}.gate_up_proj": "grouped_gemm", f"{experts}.down_proj": "experts"},
-                             r"\('moe_tp_experts'\): styles: these parameters are split by hidden units or heads, not by 'experts'"),
+        "experts_split_both_ways_under_tp": ({**plan, f"{experts}.gate_up_proj": "grouped_gemm",
+                                              f"{experts}.down_proj": "colwise"},
+                                             r"\('moe_tp_experts'\): styles: \['gate_up_proj'\] split whole experts "
+                                             r"\('experts'\) and \['down_proj'\] each"),
         "hidden_units_under_ep": ({**ep_plan, f"{experts}.down_proj": "colwise", f"{experts}.gate_up_proj": "rowwise"},
                                   r"\('moe_ep_experts'\): styles: expert parallelism splits whole experts: every style must be 'experts'"),
         "split_both_ways": ({**ep_plan, f"{experts}.down_proj": "colwise"},

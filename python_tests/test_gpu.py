@@ -969,7 +969,7 @@ def test_experts_sequence_parallel_with_several_nccl_ranks(shared_gpu_world, spl
     shared_gpu_world.run(test_experts.check_experts_sequence_parallel, split, "cuda")
 
 
-@pytest.mark.parametrize("kind, parallelism", [("mixtral", "tp"), ("deepseek_v3", "ep")])
+@pytest.mark.parametrize("kind, parallelism", [("mixtral", "tp"), ("deepseek_v3", "ep"), ("mixtral", "ep_router")])
 def test_moe_sequence_parallel_plan_with_several_nccl_ranks(shared_gpu_world, kind, parallelism):
     """A mixture of experts under sequence_parallel_plan on NCCL ranks: its experts' partial sums
     reduce-scattered once, DeepSeek's shared experts' row layer's term with them, against the dense

@@ -1524,7 +1524,7 @@ def check_moe_sequence_parallel_plan(kind, parallelism, device="cpu"):
 
 @pytest.mark.parametrize("kind, parallelism", [("mixtral", "tp"), ("qwen3_moe", "tp"), ("qwen3_moe", "ep"),
                                                ("qwen2_moe", "tp"), ("deepseek_v2", "tp"), ("deepseek_v3", "tp"),
-                                               ("deepseek_v3", "ep")])
+                                               ("deepseek_v3", "ep"), ("deepseek_v3", "ep_router")])
 def test_moe_sequence_parallel_plan(world2, kind, parallelism):
     pytest.importorskip("transformers")
     world2.run(check_moe_sequence_parallel_plan, kind, parallelism)

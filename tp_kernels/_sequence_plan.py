@@ -20,7 +20,7 @@ from typing import Dict, Mapping, Optional
 import torch.nn as nn
 
 from ._torch_styles import is_torch_style
-from .parallelize import _EXPERTS, ALIASES
+from .parallelize import _EXPERTS, ALIASES, read_expert_parallelism
 
 __all__ = ["sequence_parallel_plan"]
 
@@ -87,9 +87,9 @@ _PARTIAL_SUMMANDS = ("colwise", "packed_colwise", _ROW)
 def _partial_ok(layer: nn.Module, owner: str, styles, experts, hidden) -> bool:
     """Whether the output of ``layer``'s mixture of experts ``owner`` is a sum of terms each rank
     computes its share of, so that the ranks' partial sums may go to one reduce-scatter: the plan
-    names nothing inside it but the experts and column and row layers (DeepSeek's shared experts:
-    their row layer's output left partial), and every other module of it that holds parameters is
-    a router (its weight ``[E, hidden]``, and any other parameter ``[E]``: its scores go to the
+    names nothing inside it but the experts, column and row layers (DeepSeek's shared experts:
+    their row layer's output left partial) and modules it keeps whole, and every other module of it
+    that holds parameters is a router (its weight ``[E, hidden]``, and any other parameter ``[E]``: its scores go to the
     routing, not to the output). A module held whole that adds to the output (Qwen 2 MoE's shared
     expert) adds what the ranks compute alike, which a reduce-scatter would count p times: then
     the experts' output is summed."""
@@ -97,8 +97,8 @@ def _partial_ok(layer: nn.Module, owner: str, styles, experts, hidden) -> bool:
     inner = {id(m) for relative in experts for top in _matches(layer, relative) for m in top.modules()}
     planned = set()
     for relative, style in styles.items():
-        if relative in experts or any(relative.startswith(e + ".") for e in experts):
-            continue
+        if relative in experts or any(relative.startswith(e + ".") for e in experts) or style == "replicate":
+            continue  # (a module kept whole, transformers' "ep_router": a router, or not, as below)
         hits = _matches(layer, relative)
         if hits and style not in _PARTIAL_SUMMANDS:
             return False
@@ -180,6 +180,7 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
             raise ValueError(f"plan: {type(model).__name__} has no tp_plan; pass the tensor-parallel plan")
     if not isinstance(plan, Mapping):
         raise ValueError(f"plan: expected a mapping of module names to styles, got {type(plan).__name__}")
+    plan = read_expert_parallelism(plan)
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
                                                    RowwiseParallel, SequenceParallel)

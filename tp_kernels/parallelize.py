@@ -74,7 +74,28 @@ _PARTIAL_OUTPUTS = (*_EXPERTS, "rowwise")
 #: transformers' names for a column layer's output gathered and a row layer's input whole)
 ALIASES = {"embedding_rowwise": "vocab", "ep_dispatch_experts": "moe_ep_experts", "grouped_gemm": "experts",
            "all_reduce": "moe_tp_experts", "colwise_rep": "colwise_gather_output",
-           "rowwise_rep": "rowwise_split_input"}
+           "rowwise_rep": "rowwise_split_input", "ep_router": "replicate"}
+#: ("ep_router": transformers' router of experts split into whole experts, in its versions whose
+#: ep_plan leaves the experts "moe_tp_experts", 5.17: it skips the routes to other ranks' experts,
+#: which "moe_ep_experts" skips itself, so the router is kept whole: see read_expert_parallelism)
+
+
+def read_expert_parallelism(plan: Mapping[str, object]) -> Dict[str, object]:
+    """``plan``, its experts named ``"moe_tp_experts"`` (or ``("moe_tp_experts", "partial")``)
+    whose weights it names all ``"experts"`` (``"grouped_gemm"``: whole experts a rank) named
+    ``"moe_ep_experts"``, which is what those entries mean together: transformers' ep_plan over its
+    tp_plan in its versions (5.17) that keep the experts' tp_plan entry and put the routing to this
+    rank's experts in an ``"ep_router"`` router. Every other entry as it is."""
+    read = dict(plan)
+    for pattern, value in plan.items():
+        name = value[0] if isinstance(value, (tuple, list)) and len(value) == 2 and value[1] == "partial" else value
+        if not isinstance(pattern, str) or not isinstance(name, str) or ALIASES.get(name, name) != "moe_tp_experts":
+            continue
+        weights = [v for k, v in plan.items()
+                   if isinstance(k, str) and k.startswith(pattern + ".") and "." not in k[len(pattern) + 1:]]
+        if weights and all(isinstance(v, str) and ALIASES.get(v, v) == "experts" for v in weights):
+            read[pattern] = "moe_ep_experts" if isinstance(value, str) else ("moe_ep_experts", "partial")
+    return read
 
 
 def _style(pattern: str, value) -> tuple:
@@ -141,7 +162,9 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     group: :func:`tp_kernels.experts.shard_experts`) or ``"moe_ep_experts"`` (the same, its
     experts split whole, ``ceil(E/p)`` a rank, by ``"experts"`` entries for its weights: expert
     parallelism over the group, transformers' ``ep_dispatch_experts`` and ``grouped_gemm``, so that
-    ``{**model.tp_plan, **model.ep_plan}`` is a plan; either as ``(style, "partial")``, their
+    ``{**model.tp_plan, **model.ep_plan}`` is a plan; ``"moe_tp_experts"`` experts whose weights
+    the plan names all ``"grouped_gemm"``, their router ``"ep_router"`` (kept whole), are
+    ``"moe_ep_experts"``: transformers 5.17's form of that plan, :func:`read_expert_parallelism`); either as ``(style, "partial")``, their
     output left each rank's partial sum, for a module around them whose torch style reduces it,
     ``PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Shard(1))``: one
     reduce-scatter where a sum and a split would be two moves, as :func:`sequence_parallel_plan`
@@ -296,6 +319,7 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
     if not isinstance(strict, bool):
         raise ValueError(f"strict: expected a bool, got {strict!r}")
     check_sequence_dim(sequence_dim, sequence_parallel)
+    plan = read_expert_parallelism(plan)
     named = [(name, m) for name, m in module.named_modules(remove_duplicate=False) if name]
     # each parameter by its qualified name: (name, its module's name, its module, its attribute)
     params = [(f"{name}.{attr}" if name else attr, name, m, attr)
