@@ -128,8 +128,9 @@ def bench(logs: str) -> Dict:
             "green": bool(steps) and not any(steps.values())}
 
 
-#: compute-sanitizer's last line, e.g. "========= ERROR SUMMARY: 0 errors"
-_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
+#: compute-sanitizer's last line: memcheck's (and initcheck's, synccheck's) "========= ERROR SUMMARY:
+#: 0 errors", racecheck's "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"
+_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) error")
 
 
 def sanitize(logs: str) -> Dict:
@@ -141,7 +142,8 @@ def sanitize(logs: str) -> Dict:
     for tool, status in _steps(logs).items():
         path = os.path.join(logs, f"sanitize-{tool}.log")
         found = _SUMMARY.findall(open(path, errors="replace").read()) if os.path.exists(path) else []
-        tools[tool] = {"exit_status": status, "errors": int(found[-1]) if found else None, "seconds": seconds.get(tool)}
+        tools[tool] = {"exit_status": status, "errors": int("".join(found[-1])) if found else None,
+                       "seconds": seconds.get(tool)}
     green = bool(tools) and all(t["exit_status"] == 0 and t["errors"] == 0 for t in tools.values())
     return {"tools": tools, "green": green}
 

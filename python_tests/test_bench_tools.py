@@ -677,6 +677,12 @@ def test_the_gpu_sanitize_and_bench_records(tmp_path):
     assert tools == {"memcheck": {"exit_status": 0, "errors": 0, "seconds": 31},
                      "racecheck": {"exit_status": 9, "errors": 2, "seconds": 40}}
     assert json.load(open(out / "gpu-sanitize-c0ffee.json"))["tools"] == tools
+    (logs / "status.txt").write_text("memcheck 0 6\nracecheck 0 6\n")  # racecheck's own summary line
+    (logs / "sanitize-racecheck.log").write_text("wrong: none\n========= RACECHECK SUMMARY: 0 hazards displayed "
+                                                 "(0 errors, 0 warnings)\n")
+    assert summary.main(["sanitize", str(logs), str(results), "c0ffee"]) == 0
+    assert json.load(open(results / "gpu-sanitize-c0ffee.json"))["tools"]["racecheck"] == {
+        "exit_status": 0, "errors": 0, "seconds": 6}
     (logs / "status.txt").write_text("bench 0 120\nextension 124 60\n")
     (logs / "bench").mkdir()
     (logs / "bench" / "h100.json").write_text(json.dumps({"device": "H100", "measurements": [1, 2], "rows": [3]}))
