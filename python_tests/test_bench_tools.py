@@ -754,7 +754,19 @@ def test_one_gpu_report_reads_every_figure_against_its_target():
     assert not verdicts["fused matmul_reduce_scatter, GEMMs beside the copies"]  # 4 % > 3 %
     (decode,) = [c for c in rep["checks"] if c["target"] == "decode_all_reduce_us"]
     # the worst row of at most 64 KiB (m = 4), its best algorithm (one_shot 0.0164 ms, two_shot 0.018): 6.4 us
-    assert decode["value"] == pytest.approx(6.4) and decode["meets"] and "one_shot, m = 4)" in decode["what"]
+    assert decode["value"] == pytest.approx(6.4) and decode["meets"]
+    assert "(one_shot, m = 4, op minus GEMMs, eager)" in decode["what"]
+    # with the all-reduce alone replayed from a graph, that figure: the worst row's best (m = 4: two_shot 9.0 us;
+    # a capture that failed names its error and is passed over)
+    measured = _fake_one_gpu_measurements()
+    for row, replayed in zip(measured["fused"]["all_reduce_latency"], (
+            {"one_shot": 5.0, "two_shot": 7.0, "scatter_gather": "error: capture failed"},
+            {"one_shot": 11.0, "two_shot": 9.0}, {"one_shot": 50.0})):  # (m = 16: 256 KiB, over 64 KiB)
+        row["all_reduce_graph_us"] = replayed
+    (decode,) = [c for c in one_gpu.report(measured, rows, "FakeGPU")["checks"] if c["target"] == "decode_all_reduce_us"]
+    assert decode["value"] == 9.0 and not decode["meets"]
+    assert "(two_shot, m = 4, alone, graph-replayed)" in decode["what"]
+    assert "scatter_gather (error: capture failed)" in one_gpu.format_report(one_gpu.report(measured, rows, "FakeGPU"))
     costs = rep["per_rank_costs"]
     assert [(c["backend"], round(c["added_us"], 3)) for c in costs] == [("reference", 2.5), ("pipelined", 1.0)]
     text = one_gpu.format_report(rep)

@@ -19,7 +19,10 @@ against):
 2. **Small all-reduce latency** (decode: m in 1, 4, 16, 64, 256; k = 28672/8, n = 8192):
    ``matmul_all_reduce`` with each algorithm at p = 2 and --p, against the GEMMs alone, the
    NCCL all-reduce of the same bytes on a one-rank group and the reference path (GEMM, then that
-   all-reduce).
+   all-reduce); and the all-reduce alone (``VirtualRanks.all_reduce`` of ``[m, n]`` partials)
+   by each algorithm, replayed from a CUDA graph of :data:`GRAPH_CALLS` calls, so that the
+   host's launches (p ranks' kernels from one thread) stay out of its figure (``"all_reduce_graph_us"``:
+   microseconds a call, or the error that stopped its capture).
 
 3. **Crossovers**: each all-reduce algorithm over output sizes 16 KiB .. 64 MiB at p = 2 and
    --p, and the thresholds they imply (the fastest algorithm per size).
@@ -43,13 +46,14 @@ import torch
 from .. import _extension
 from ..backends import fused
 from ..testing import VirtualRanks
-from .extension import gpu_time_ms
+from .extension import gpu_time_ms, graph_time_us
 from .records import default_out_dir, gpu_record, save_record
 from .targets import TARGETS
 
 LLAMA70B_TP8 = {"all_gather_matmul": (8192, 8192, 28672 // 8), "matmul_reduce_scatter": (8192, 28672 // 8, 8192)}
 ALL_REDUCE_M = (1, 4, 16, 64, 256)  # the decode rows: 16 KiB to 4 MiB at n = 8192 bf16 (m <= 4: <= 64 KiB)
 SWEEP_BYTES = tuple(2**e for e in range(14, 27, 2))  # 16 KiB .. 64 MiB
+GRAPH_CALLS = 20  # all-reduces a graph replays, for the all-reduce alone's latency
 
 
 def overlap_efficiency(t_gemm: float, t_comm: float, t_overlap: float) -> float:
@@ -164,6 +168,16 @@ def _nccl_one_rank():
     return dist
 
 
+def _replayed_us(fn: Callable[[], object], iters: int):
+    """Microseconds a call of ``fn`` replayed from a CUDA graph, or the error that stopped it (in
+    the record, so that a figure missing says why)."""
+    try:
+        return graph_time_us(fn, GRAPH_CALLS, iters)
+    except RuntimeError as exc:
+        torch.cuda.synchronize()
+        return f"error: {exc}"
+
+
 def all_reduce_latency(ps: Sequence[int], iters: int, verbose: bool = True) -> List[Dict]:
     dist = _nccl_one_rank()
     k, n, dtype = 28672 // 8, 8192, torch.bfloat16
@@ -183,6 +197,9 @@ def all_reduce_latency(ps: Sequence[int], iters: int, verbose: bool = True) -> L
                            lambda: dist.all_reduce(torch.nn.functional.linear(xs[0], ws[0])), iters)}
                 row["algorithms_ms"] = {algo: gpu_time_ms(lambda: vr.matmul_all_reduce(xs, ws, algorithm=algo), iters)
                                         for algo in fused.algorithms() if algo != "scatter_gather" or m >= p}
+                partials = [torch.randn(m, n, device="cuda", dtype=dtype) for _ in range(p)]
+                row["all_reduce_graph_us"] = {algo: _replayed_us(lambda: vr.all_reduce(partials, algo), iters)
+                                              for algo in fused.algorithms()}
                 rows.append(row)
                 if verbose:
                     print(f"all-reduce latency: {json.dumps(row)}", flush=True)

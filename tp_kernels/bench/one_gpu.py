@@ -130,19 +130,25 @@ def measure(iters: int) -> dict:
 
 
 def _decode_all_reduce_us(latency: List[dict]) -> Optional[dict]:
-    """The best algorithm's all-reduce part (its time minus the GEMMs alone) over the decode rows
-    of at most 64 KiB: ``{"us", "algorithm", "m", "bytes"}`` of the worst such row."""
+    """The decode all-reduce's latency over the rows of at most 64 KiB, its best algorithm's:
+    the all-reduce alone replayed from a CUDA graph where the row has it (``"all_reduce_graph_us"``),
+    else its part of ``matmul_all_reduce`` (that op's time minus the GEMMs alone, eager: the
+    host's launches in it); ``{"us", "algorithm", "m", "bytes", "how"}`` of the worst such row."""
     worst = None
     for row in latency:
         if row["bytes"] > 64 * 1024:
             continue
-        algos = row["algorithms_ms"]
-        if not algos:
+        replayed = {a: us for a, us in row.get("all_reduce_graph_us", {}).items() if isinstance(us, (int, float))}
+        if replayed:
+            times, how = replayed, "alone, graph-replayed"
+        else:
+            times = {a: (ms - row["gemms_ms"]) * 1e3 for a, ms in row["algorithms_ms"].items()}
+            how = "op minus GEMMs, eager"
+        if not times:
             continue
-        best = min(algos, key=algos.get)
-        us = (algos[best] - row["gemms_ms"]) * 1e3
-        if worst is None or us > worst["us"]:
-            worst = {"us": us, "algorithm": best, "m": row["m"], "bytes": row["bytes"]}
+        best = min(times, key=times.get)
+        if worst is None or times[best] > worst["us"]:
+            worst = {"us": times[best], "algorithm": best, "m": row["m"], "bytes": row["bytes"], "how": how}
     return worst
 
 
@@ -177,7 +183,8 @@ def report(measured: dict, rows: List[dict], device: str) -> dict:
             check("gemm_slowdown", f"fused {op}, GEMMs beside the copies", o["gemm_slowdown"])
         decode = _decode_all_reduce_us(fused_fig["all_reduce_latency"])
         check("decode_all_reduce_us", "decode all-reduce part, <= 64 KiB, best algorithm"
-              + (f" ({decode['algorithm']}, m = {decode['m']})" if decode else ""), decode and decode["us"])
+              + (f" ({decode['algorithm']}, m = {decode['m']}, {decode['how']})" if decode else ""),
+              decode and decode["us"])
     gemm_times = {(m, n, k, d): t for m, n, k, d, t in measured.get("projection_gemm_s", [])}
     return {"device": device, "checks": checks, "per_rank_costs": per_rank_costs(rows),
             "skipped": {k: v["skipped"] for k, v in measured.items() if isinstance(v, dict) and "skipped" in v},
@@ -217,8 +224,11 @@ def format_report(rep: dict) -> str:
     elif rep["fused"]:
         for row in rep["fused"]["all_reduce_latency"]:
             algos = ", ".join(f"{a} {ms * 1e3:.1f}" for a, ms in row["algorithms_ms"].items())
+            replayed = ", ".join(f"{a} {us:.1f}" if isinstance(us, (int, float)) else f"{a} ({us})"
+                                 for a, us in row.get("all_reduce_graph_us", {}).items())
             lines.append(f"  decode m = {row['m']:>4} ({row['bytes'] // 1024} KiB): GEMMs {row['gemms_ms'] * 1e3:.1f} "
-                         f"us; with the all-reduce: {algos} us")
+                         f"us; with the all-reduce: {algos} us" +
+                         (f"; the all-reduce alone, graph-replayed: {replayed} us" if replayed else ""))
     proj = rep["projection"]
     lines.append("# 3. " + (proj["label"] if proj else "PROJECTION: not computed (no GEMM time was measured)"))
     if proj:
