@@ -81,19 +81,22 @@ def test_unsupported_reasons_in_order(monkeypatch):
 
 @pytest.mark.parametrize("case", ["one_node", "two_hosts", "no_peer_access"])
 def test_peer_topology_is_decided_alike_on_every_rank(monkeypatch, case):
-    """Two all-gathers: host ids and devices, then every rank's verdict on its peer access."""
-    g = FakeGroup()
+    """Two all-gathers over the group's host route: host ids and devices, then every rank's verdict
+    on its peer access."""
+    g, twin = FakeGroup(), FakeGroup()
     me = peer_memory.host_id()
     other = me if case != "two_hosts" else bytes(16)
     rounds = []
 
     def all_gather_bytes(payload, group, device):
+        assert group is twin and device == torch.device("cpu")  # (the host twin: no wait for the GPU)
         rounds.append(payload)
         if len(rounds) == 1:
             return [me + (0).to_bytes(4, "little"), other + (1).to_bytes(4, "little")]
         return [payload, b"\x00" if case == "no_peer_access" else b"\x01"]  # rank 1's verdict
 
     monkeypatch.setattr(_collectives, "all_gather_bytes", all_gather_bytes)
+    monkeypatch.setattr(_collectives, "host_route", lambda group, hint=None: (twin, torch.device("cpu")))
     monkeypatch.setattr(_collectives, "group_size", lambda group: 2)
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: (a, b) == (0, 1))
     monkeypatch.setattr(peer_memory, "_topology", {})
