@@ -78,6 +78,34 @@ def test_candidates_when_the_fast_paths_are_supported(monkeypatch):
     assert dispatch.candidates(x, x, None, 2)[0] == ["fused", "native"]
 
 
+def test_auto_measures_the_native_path_in_several_chunk_counts(monkeypatch):
+    """Unless the call names its chunks, the native path of an op split by rows is measured in the
+    schedule's default count first, then each other count of NATIVE_CHUNK_CHOICES that splits its
+    rows otherwise; the all-gather's ring as it is."""
+    def variants(op, m, p, named=False):
+        x, w = torch.empty(m, 16, device="meta"), torch.empty(8, 16, device="meta")
+        return dispatch._variants("native", op, x, w, p, DEFAULT_NUM_CHUNKS.get(op, 4), named)
+
+    assert dispatch.NATIVE_CHUNK_CHOICES[0] == DEFAULT_NUM_CHUNKS["matmul_all_reduce"]
+    assert variants("matmul_all_reduce", 8, 2) == ["native:4", "native:2", "native:1"]
+    assert variants("matmul_all_reduce", 2, 2) == ["native:4", "native:1"]  # (4 chunks of 2 rows are 2)
+    assert variants("matmul_all_reduce", 1, 2) == ["native:4"]
+    assert variants("matmul_reduce_scatter", 8, 2) == ["native:4", "native:2", "native:1"]  # 4 rows a block
+    assert variants("matmul_reduce_scatter", 4, 2) == ["native:4", "native:1"]
+    assert variants("linear_with_grad_all_reduce", 8, 2) == ["native:4", "native:2", "native:1"]
+    assert variants("all_gather_matmul", 8, 2) == ["native:1"]
+    assert variants("matmul_all_reduce", 8, 2, named=True) == ["native:4"]
+    # through resolve: what auto hands the measurement, with and without num_chunks
+    monkeypatch.setattr(pipelined_native, "unsupported_reason", lambda x, w, g: None)
+    monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "1")
+    measured = []
+    monkeypatch.setattr(autotune, "choose", lambda op, v, *args: measured.append(list(v)) or v[-1])
+    x, w = torch.randn(8, 16), torch.randn(8, 16)
+    assert dispatch.resolve("matmul_all_reduce", "auto", x, 2, None, w) == "reference"
+    assert dispatch.resolve("matmul_all_reduce", "auto", x, 2, None, w, num_chunks=2) == "reference"
+    assert measured == [["native:4", "native:2", "native:1", "reference"], ["native:2", "reference"]]
+
+
 @pytest.mark.parametrize("bad", [[], ["reference", "reference"], ["naive"], "reference"])
 def test_bad_candidates_are_named(bad):
     with pytest.raises(ValueError, match=r"names: expected distinct names among \('fused', 'pipelined', "

@@ -614,8 +614,8 @@ def test_fused_ops_with_several_processes_against_float64(shared_gpu_world, op, 
 @native_built
 def test_auto_measures_fused_native_and_reference_on_one_gpu(shared_gpu_world):
     """backend="auto" with every backend named: each op measured per size class over the fused
-    path (each all-reduce algorithm), the native one and the reference, alike on every rank,
-    and right whichever wins."""
+    path (each all-reduce algorithm), the native one (in each chunk count, for the ops it splits by
+    rows) and the reference, alike on every rank, and right whichever wins."""
     per_rank = shared_gpu_world.run(test_autotune.check_measured_choice, ("fused", "pipelined", "reference"), "cuda")
     assert all(r == per_rank[0] for r in per_rank)
     for op, m_class, _, _, variants, _, _ in per_rank[0]:
@@ -623,8 +623,10 @@ def test_auto_measures_fused_native_and_reference_on_one_gpu(shared_gpu_world):
         chunks = DEFAULT_NUM_CHUNKS["matmul_all_reduce" if reduces else op]
         fused_variants = ({"fused:one_shot", "fused:two_shot", "fused:scatter_gather"} if reduces
                           else {f"fused:{chunks}"})
-        assert set(variants[:-2]) == fused_variants and len(variants) == len(fused_variants) + 2, (op, m_class, variants)
-        assert list(variants[-2:]) == [f"native:{chunks}", "reference"], (op, m_class, variants)
+        native = ([f"native:{chunks}"] if op == "all_gather_matmul"
+                  else [f"native:{c}" for c in dispatch.NATIVE_CHUNK_CHOICES])  # (every case has rows for each)
+        assert set(variants[:len(fused_variants)]) == fused_variants, (op, m_class, variants)
+        assert list(variants[len(fused_variants):]) == native + ["reference"], (op, m_class, variants)
 
 
 # --- tp_kernels.Communicator: its paths on processes sharing the GPU, and the fused all-reduce alone

@@ -149,16 +149,34 @@ def _name(impl: str, op: str, x, weight, p: int, num_chunks: int, algorithm: Opt
     return impl_name(impl, num_chunks)
 
 
-def _variants(impl: str, op: str, x, weight, p: int, num_chunks: int) -> List[str]:
+#: The chunk counts ``"auto"`` measures of the native path of the ops whose GEMM it splits by rows
+#: (the reduce-scatter's and the all-reduce's), where the call names none: the schedule's default
+#: first (what runs unmeasured), then fewer. Each chunk is a GEMM of its own: on an H100 four
+#: chunks of a Llama-3-70B TP8 GEMM ran up to 12 % slower than the whole one (docs/benchmarks.md),
+#: as much as hiding the collective behind them wins, so the fastest count depends on the shape.
+NATIVE_CHUNK_CHOICES = (4, 2, 1)
+
+
+def _variants(impl: str, op: str, x, weight, p: int, num_chunks: int, chunks_named: bool = True) -> List[str]:
     """What ``"auto"`` measures of candidate ``impl``, the one it runs unmeasured first: for the
     fused all-reduce, each algorithm that can run the call (unless ``TP_KERNELS_FUSED_ALL_REDUCE``
-    forces one), the one :func:`fused_all_reduce_algorithm` picks first; else the one name."""
+    forces one), the one :func:`fused_all_reduce_algorithm` picks first; for the native path of an
+    op split by rows, unless the call named its chunks, ``num_chunks`` and the other counts of
+    :data:`NATIVE_CHUNK_CHOICES` that split its rows otherwise; else the one name."""
     first = _name(impl, op, x, weight, p, num_chunks)
-    if (impl == "fused" and OPS[op].primitive == "matmul_all_reduce"
+    primitive = OPS[op].primitive
+    if (impl == "fused" and primitive == "matmul_all_reduce"
             and settings.forced_all_reduce_algorithm(fused.algorithms()) is None):
         m = communicated_problem(op, x.shape[0], weight.shape)[0]
         others = [impl_name("fused", algorithm=a) for a in fused.algorithms() if a != "scatter_gather" or m >= p]
         return [first] + [v for v in others if v != first]
+    if impl == "native" and not chunks_named and primitive != "all_gather_matmul":
+        m = communicated_problem(op, x.shape[0], weight.shape)[0]
+        rows = m // p if primitive == "matmul_reduce_scatter" else m  # (the rows each chunk splits)
+        counts = {min(num_chunks, rows): num_chunks}
+        for c in NATIVE_CHUNK_CHOICES:
+            counts.setdefault(min(c, rows), c)  # (a count past the rows splits them as the rows' count does)
+        return [first] + [impl_name("native", c) for c in counts.values() if c != num_chunks]
     return [first]
 
 
@@ -222,7 +240,7 @@ def resolve(op: str, backend: str, x: torch.Tensor, p: int, group=None, weight: 
                      tuple(x.shape), x.dtype, x.device.type, impls, "; ".join(why))
     if len(impls) == 1:
         return _name(impls[0], op, x, w, p, chunks)
-    variants = [v for impl in impls for v in _variants(impl, op, x, w, p, chunks)]
+    variants = [v for impl in impls for v in _variants(impl, op, x, w, p, chunks, num_chunks is not None)]
     choice = parse(autotune.choose(op, variants, x, w, bias, group))
     if choice.algorithm is not None:  # the measured class's algorithm, valid for these rows
         return _name("fused", op, x, w, p, chunks, choice.algorithm)
