@@ -10,7 +10,7 @@
 #   TP_KERNELS_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_suite.sh all
 #       the three parts below in one call, correctness first: the tests (at most 240 s), the
 #       sanitizers (60 s each), then the benchmarks in what is left (the main job --quick, with
-#       20 samples a figure, then the fused path's sweeps and the host times)
+#       20 samples a figure, then the fused path's sweeps, its timeline and the host times)
 #   ... bash bench/gpu_suite.sh tests [PYTEST_ARGS...]
 #       the GPU tests (python_tests -m gpu) on TP_KERNELS_SUITE_WORKERS pytest-xdist workers
 #       sharing the GPU (4 by default; 0, or without pytest-xdist: one process), a per-test
@@ -24,7 +24,7 @@
 #       together run them all, each recorded in gpu-tests-<commit>-IofN.json
 #   ... bash bench/gpu_suite.sh bench
 #       the main job (on one GPU with the per-rank costs, the fused path on virtual ranks and the
-#       calibrated projection), the fused path's sweeps, the pytest-benchmark suite and the host
+#       calibrated projection), the fused path's sweeps and timeline, the pytest-benchmark suite and the host
 #       time of a call at 1, 2 and 8 ranks of a fake group and on 2 NCCL ranks sharing the GPU,
 #       each under its own time limit: gpu-bench-<commit>.json,
 #       and the main job's JSON/CSV/PNG and the other benchmarks' JSON next to it
@@ -135,6 +135,8 @@ run_bench() {
   # and the projection's GEMMs (tp_kernels.bench.one_gpu); the fused benchmark adds the sweeps.
   step bench "$bench_main_s" "$PY" -m tp_kernels.bench "${bench_main_args[@]}" --out-dir "$logs/bench" --tag "$commit"
   step fused 100 "$PY" -m tp_kernels.bench.fused --out-dir "$logs/fused" --tag "$commit"
+  # one fused call of each overlap op on 8 virtual ranks under torch.profiler: where its time went
+  step timeline 40 "$PY" -m tp_kernels.bench.timeline --out-dir "$logs/fused" --tag "$commit"
   if $pytest_bench; then
     step pytest-bench 60 "$PY" -m pytest bench -q -p no:cacheprovider --tp-m 16,8192 --tp-rounds 5 \
       --benchmark-json="$logs/pytest-bench.json"

@@ -331,6 +331,53 @@ def test_fused_bench_without_a_gpu_says_so(capsys):
         fused.main(["--p", "9"])
 
 
+def test_timeline_summary_of_a_trace():
+    """Where a traced call's GPU time went, from chrome-trace events: busy time per kind (the union
+    over streams), summed durations, the copies' time beside a GEMM, the top names; host events and
+    other phases passed over."""
+    from tp_kernels.bench import timeline
+
+    def event(name, cat, ts, dur, tid=7, ph="X"):
+        return {"name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid, "ph": ph}
+
+    events = [
+        event("nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NNT", "kernel", 0.0, 10.0, tid=7),
+        event("sm90_xmma_gemm_bf16bf16_bf16f32", "kernel", 5.0, 10.0, tid=8),  # 5 us beside the first
+        event("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 12.0, 6.0, tid=9),  # 3 of its 6 us beside a GEMM
+        event("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 30.0, 2.0, tid=9),  # none
+        event("tpk_wait_flags", "kernel", 20.0, 4.0, tid=9),
+        event("tpk_reduce_partials_bfloat16", "kernel", 40.0, 5.0, tid=7),
+        event("Memset (Device)", "gpu_memset", 46.0, 1.0, tid=7),
+        event("aten::linear", "cpu_op", 0.0, 100.0, tid=1),  # the host's: not a GPU activity
+        event("nvjet_hsh", "kernel", 0.0, 1.0, ph="i"),  # an instant, not a span
+    ]
+    out = timeline.summarize(events, top=2)
+    assert out["activities"] == 7 and out["streams"] == 3 and out["span_us"] == 47.0
+    assert out["busy_us"] == {"gemms": 15.0, "copies": 8.0, "waits": 4.0, "other": 6.0}
+    assert out["kernel_us"] == {"gemms": 20.0, "copies": 8.0, "waits": 4.0, "other": 6.0}
+    assert out["count"] == {"gemms": 2, "copies": 2, "waits": 1, "other": 2}
+    assert out["copies_beside_gemms_us"] == 3.0 and out["copies_beside_gemms"] == pytest.approx(3.0 / 8.0)
+    assert [name for name, _, _ in out["top"]] == ["nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NNT",
+                                                   "sm90_xmma_gemm_bf16bf16_bf16f32"]
+    assert timeline.summarize([event("aten::mm", "cpu_op", 0.0, 1.0)]) == {"activities": 0}
+    # a real trace of host work (torch.profiler's export): no GPU activity in it
+    x = torch.randn(64, 64)
+    trace = timeline.traced(lambda: x @ x)
+    assert any(e.get("cat") == "cpu_op" for e in trace) or torch.cuda.is_available()
+    if not torch.cuda.is_available():
+        assert timeline.summarize(trace) == {"activities": 0}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_timeline_without_a_gpu_says_so(capsys):
+    from tp_kernels.bench import timeline
+
+    assert timeline.main(["--out-dir", "unused"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        timeline.main(["--p", "1"])
+
+
 def test_fused_bench_overlap_efficiency():
     from tp_kernels.bench.fused import overlap_efficiency
 
@@ -642,7 +689,7 @@ def test_the_gpu_suite_runs_all_its_parts_in_one_call(tmp_path):
     tests = [i for i, line in enumerate(lines) if line.startswith("-m pytest python_tests -m gpu")]
     sanitizers = [i for i, line in enumerate(lines) if line.startswith("--tool")]
     benches = [i for i, line in enumerate(lines) if line.startswith("-m tp_kernels.bench")]
-    assert len(builds) == 1 and len(tests) == 1 and len(sanitizers) == 2 and len(benches) == 4, lines
+    assert len(builds) == 1 and len(tests) == 1 and len(sanitizers) == 2 and len(benches) == 5, lines
     assert builds[0] < tests[0] < sanitizers[0] < sanitizers[1] < benches[0], lines  # correctness first
     pytest_args = lines[tests[0]].split()
     assert "--timeout" in pytest_args and pytest_args[pytest_args.index("-n") + 1] == "4"
@@ -654,7 +701,7 @@ def test_the_gpu_suite_runs_all_its_parts_in_one_call(tmp_path):
     assert all(r["green"] and r["commit"] == "abc1234" for r in records.values())
     assert records["tests"]["counts"]["passed"] == 1 and records["tests"]["counts"]["not_reached"] == 0
     assert set(records["sanitize"]["tools"]) == {"memcheck", "racecheck"}
-    assert list(records["bench"]["steps"]) == ["bench", "fused", "host", "host-peers"]
+    assert list(records["bench"]["steps"]) == ["bench", "fused", "timeline", "host", "host-peers"]
     assert sorted(os.listdir(repo / "bench" / "results")) == sorted(f"gpu-{n}-abc1234.json" for n in records)
     with tarfile.open(out / "gpu-all-abc1234-logs.tar.gz") as tar:
         names = set(tar.getnames())

@@ -1,0 +1,190 @@
+"""A fused call's GPU timeline on virtual ranks, from torch.profiler's trace: where the time went.
+
+``python -m tp_kernels.bench.timeline [--p 8] [--out-dir DIR] [--tag TAG]`` runs one warmed-up
+call of the fused ``all_gather_matmul`` and ``matmul_reduce_scatter`` at the Llama-3-70B TP8
+shapes on p virtual ranks under ``torch.profiler`` (CUDA activities: kernels, copies, memsets,
+each with its stream), and writes ``timeline-<device>[-<tag>].json``: per op, the time from the
+first GPU activity to the last, the busy time (the union of the intervals) of the GEMMs, of the
+copies, of the flag waits (``tpk_wait_flags``) and of the rest, and how much of the copies' busy
+time ran while a GEMM ran (:func:`summarize`). Where the overlap benchmark says how much of the
+communication was hidden (``tp_kernels.bench.fused``), this says why: copies that ran beside the
+GEMMs or after them, and the waits between. Needs a CUDA device and the built extension; exits
+with status 2 and says why otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import _extension
+from ..testing import VirtualRanks
+from .fused import LLAMA70B_TP8, _fork_join
+from .records import default_out_dir, gpu_record, save_record
+
+#: substrings of the GEMM kernels' names (cuBLASLt's Hopper kernels and CUTLASS's), and of the
+#: fused path's flag waits; every other kernel (the reduction, torch's copies) is "other"
+GEMM_KERNELS = ("gemm", "nvjet", "xmma", "cutlass")
+WAIT_KERNELS = ("tpk_wait_flags",)
+KINDS = ("gemms", "copies", "waits", "other")
+
+
+def kind_of(event: dict) -> Optional[str]:
+    """The kind of a trace event (chrome-trace format, as ``torch.profiler`` exports it): a GPU
+    activity's (``"gemms"``, ``"copies"``, ``"waits"``, ``"other"``), None for anything else."""
+    category, name = str(event.get("cat", "")).lower(), str(event.get("name", "")).lower()
+    if category == "gpu_memcpy":
+        return "copies"
+    if category == "gpu_memset":
+        return "other"
+    if category != "kernel":
+        return None
+    if any(w in name for w in WAIT_KERNELS):
+        return "waits"
+    return "gemms" if any(g in name for g in GEMM_KERNELS) else "other"
+
+
+def _merged(intervals: Iterable[Tuple[float, float]]) -> List[List[float]]:
+    out: List[List[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return out
+
+
+def _length(merged: Sequence[Sequence[float]]) -> float:
+    return sum(end - start for start, end in merged)
+
+
+def _common(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> float:
+    """The length of the intersection of two merged interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def summarize(events: Iterable[dict], top: int = 8) -> Dict:
+    """Where a traced call's GPU time went: ``span_us`` (first GPU activity to last), per kind the
+    busy time (``busy_us``: the union of its intervals over every stream), the summed durations
+    (``kernel_us``) and counts, the copies' busy time that a GEMM ran beside
+    (``copies_beside_gemms_us``, and its share of the copies' busy time), and the ``top`` kernels
+    and copies by summed duration (name, count, microseconds)."""
+    spans: Dict[str, List[Tuple[float, float]]] = {k: [] for k in KINDS}
+    streams, by_name = set(), {}
+    for event in events:
+        kind = kind_of(event) if event.get("ph") == "X" else None
+        if kind is None:
+            continue
+        start, length = float(event["ts"]), float(event.get("dur", 0.0))
+        spans[kind].append((start, start + length))
+        streams.add(event.get("tid"))
+        count, total = by_name.get(event.get("name", ""), (0, 0.0))
+        by_name[event.get("name", "")] = (count + 1, total + length)
+    every = [interval for intervals in spans.values() for interval in intervals]
+    if not every:
+        return {"activities": 0}
+    merged = {k: _merged(v) for k, v in spans.items()}
+    copies = _length(merged["copies"])
+    beside = _common(merged["copies"], merged["gemms"])
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
+    return {"activities": len(every), "streams": len(streams),
+            "span_us": max(end for _, end in every) - min(start for start, _ in every),
+            "busy_us": {k: _length(v) for k, v in merged.items()},
+            "kernel_us": {k: sum(end - start for start, end in v) for k, v in spans.items()},
+            "count": {k: len(v) for k, v in spans.items()},
+            "copies_beside_gemms_us": beside, "copies_beside_gemms": beside / copies if copies else None,
+            "top": [[name[:100], count, total] for name, (count, total) in ranked]}
+
+
+def traced(fn: Callable[[], object]) -> List[dict]:
+    """The chrome-trace events of one call of ``fn`` under ``torch.profiler`` (CUDA activities)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f).get("traceEvents", [])
+
+
+def timeline(op: str, p: int) -> Dict:
+    """One fused call of ``op`` (``all_gather_matmul`` or ``matmul_reduce_scatter``) at its 70B
+    TP8 shape on p virtual ranks, traced and summarized, beside the same GEMMs alone (every rank's
+    on its own stream); ``gemm_kernel_inflation``: the GEMM kernels' summed time in the fused call
+    over theirs alone, minus 1 (how much the copies beside them slowed them)."""
+    m, k, n = LLAMA70B_TP8[op]
+    dtype, mp = torch.bfloat16, m // p
+    streams = [torch.cuda.Stream() for _ in range(p)]
+    with VirtualRanks(p) as vr:
+        ws = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(p)]
+        if op == "all_gather_matmul":
+            xs = [torch.randn(mp, k, device="cuda", dtype=dtype) for _ in range(p)]
+            rows = [torch.cat(xs) for _ in range(p)]  # each rank's gathered rows
+
+            def fused_op():
+                vr.all_gather_matmul(xs, ws)
+        else:
+            xs = [torch.randn(m, k, device="cuda", dtype=dtype) for _ in range(p)]
+            rows = xs
+
+            def fused_op():
+                vr.matmul_reduce_scatter(xs, ws)
+
+        def gemms(q, s):
+            for d in range(p):
+                _extension.linear(rows[q][d * mp:(d + 1) * mp], ws[q])
+
+        for _ in range(3):  # warm: the workspace, cuBLASLt's plans, the kernels' modules
+            fused_op()
+            _fork_join(streams, gemms)
+        fused_summary = summarize(traced(fused_op))
+        alone = summarize(traced(lambda: _fork_join(streams, gemms)))
+        vr.check()
+    gemm_us = [s.get("kernel_us", {}).get("gemms") for s in (fused_summary, alone)]
+    return {"shape": {"m": m, "k": k, "n": n}, "p": p, "dtype": "bfloat16", "fused": fused_summary,
+            "gemms_alone": alone,
+            "gemm_kernel_inflation": gemm_us[0] / gemm_us[1] - 1.0 if all(gemm_us) else None}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tp_kernels.bench.timeline", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--p", type=int, default=8, help="virtual ranks (2..8)")
+    ap.add_argument("--out-dir", default=default_out_dir(), help="default: %(default)s")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+    if not 2 <= args.p <= 8:
+        ap.error(f"--p: expected 2..8, got {args.p}")
+    record = gpu_record("tp_kernels.bench.timeline")
+    if record is None:
+        return 2
+    record["virtual_ranks"] = args.p
+    record["timelines"] = {}
+    for op in LLAMA70B_TP8:
+        record["timelines"][op] = timeline(op, args.p)
+        print(f"timeline {op}: {json.dumps(record['timelines'][op])}", flush=True)
+    save_record(record, args.out_dir, "timeline", args.tag)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
