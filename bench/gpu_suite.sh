@@ -143,12 +143,12 @@ run_bench() {
   fi
   # The host time of a call at 1, 2 and 8 ranks of a fake group (no communication): the reference
   # and auto on the reference, which is what a fake group can run (hence AUTO_NATIVE off here).
-  step host 20 env TP_KERNELS_AUTO_NATIVE=0 "$PY" -m tp_kernels.bench.host --samples 20 --out-dir "$logs/host" \
-    --tag "$commit"
+  step host 20 env TP_KERNELS_AUTO_NATIVE=0 "$PY" -m tp_kernels.bench.host --samples 20 --profile 50 \
+    --out-dir "$logs/host" --tag "$commit"
   # The same on two NCCL ranks sharing the GPU, where the native and fused paths run (and auto
   # may choose them): the host time of issuing a call with real peers.
   step host-peers 60 env TP_KERNELS_AUTO_NATIVE=1 TP_KERNELS_AUTO_FUSED=1 "$PY" -m tp_kernels.bench.host --peers \
-    --ranks 2 --samples 20 --out-dir "$logs/host" --tag "$commit"
+    --ranks 2 --samples 20 --profile 20 --out-dir "$logs/host" --tag "$commit"
   cp "$logs"/bench/* "$logs"/fused/*.json "$logs"/host/*.json "$results/" 2>/dev/null
 }
 

@@ -306,7 +306,7 @@ def test_host_time_bench_with_peers(tmp_path):
     sharing the GPU on one), rank 0's figures and every rank's added time in the record; p = 1
     has no peers and is left out."""
     out = subprocess.run([sys.executable, "-m", "tp_kernels.bench.host", "--peers", "--ranks", "1,2", "--samples", "2",
-                          "--device", "cpu", "--out-dir", str(tmp_path), "--tag", "t"],
+                          "--device", "cpu", "--profile", "5", "--out-dir", str(tmp_path), "--tag", "t"],
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     record = json.load(open(tmp_path / "host-peers-cpu-t.json"))
@@ -316,9 +316,33 @@ def test_host_time_bench_with_peers(tmp_path):
     assert all(0 < t["min_us"] <= t["median_us"] for t in run["times"].values())
     assert len(run["per_rank_added_us"]) == 2 and run["per_rank_added_us"][0] == run["added_us"]
     assert all(set(added) == HOST_CALLS - HOST_PLAIN for added in run["per_rank_added_us"])
+    # --profile: each call's functions by own time (cProfile), tp_kernels' own among the op's
+    assert set(run["profile"]) == HOST_CALLS
+    assert any("tp_kernels/ops.py" in where for where, *_ in run["profile"]["matmul_all_reduce/reference"])
     from tp_kernels.bench import host
     with pytest.raises(SystemExit):
         host.main(["--peers", "--ranks", "1"])
+    with pytest.raises(SystemExit):
+        host.main(["--profile", "-1"])
+
+
+def test_host_profile_ranks_a_calls_functions_by_their_own_time():
+    import time
+
+    from tp_kernels.bench import host
+
+    def slow():
+        time.sleep(0.002)
+
+    def call():
+        slow()
+        sum(range(10))
+
+    rows = host.profiled(call, 5, cuda=False, top=3)
+    assert len(rows) == 3 and all(len(row) == 4 for row in rows)
+    where, per_call, own_us, cumulative_us = rows[0]  # time.sleep's own time: about 2 ms a call
+    assert "sleep" in where and per_call == 1.0 and own_us > 1000 and cumulative_us >= own_us
+    assert any("test_bench_tools.py" in w and "(slow)" in w for w, *_ in host.profiled(call, 5, cuda=False))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")

@@ -1,8 +1,8 @@
 """Host time of one eager call: what tp_kernels' Python adds over plain PyTorch doing the same
 work, at p ranks, with the communication itself taken out.
 
-    python -m tp_kernels.bench.host [--ranks 1,2,8] [--device cpu|cuda] [--peers] [--samples N] [--out-dir DIR]
-                                    [--tag T]
+    python -m tp_kernels.bench.host [--ranks 1,2,8] [--device cpu|cuda] [--peers] [--samples N] [--profile CALLS]
+                                    [--out-dir DIR] [--tag T]
 
 For each p this process joins a one-process *fake* world of p ranks (torch's ``fake`` backend,
 ``torch.testing._internal.distributed.fake_pg``: every collective completes at once and moves
@@ -41,7 +41,10 @@ calls timed in turns (on a GPU the device is synchronised between samples only, 
 waits for it; 200 calls stay under CUDA's launch queue depth). The fastest, not the median: what
 disturbs a host's timing (other processes, interrupts, a shared VM's neighbours) only adds to it,
 so the fastest sample is the call's own cost (the median is in the record too).
-``added_us`` is a call's figure minus its plain counterpart's. The
+``added_us`` is a call's figure minus its plain counterpart's. With ``--profile CALLS`` each
+call also runs CALLS times under cProfile, and the record lists, per call, the functions its host
+time goes to (:func:`profiled`: their own and cumulative µs a call, inflated alike by the
+profiler). The
 target (``tp_kernels.bench.targets``: ``host_overhead_us``) is read against the GPU host's
 figures. Fingerprints are off here: on a fake group they would compare garbage, and
 ``python -m tp_kernels.bench.fingerprints`` measures their cost. Writes ``host-<device>[-<tag>].json``.
@@ -71,6 +74,8 @@ CALLS_PER_SAMPLE = 200
 #: calls per sample with real peers (--peers): with their kernels, events and NCCL launches, they
 #: stay under CUDA's launch queue depth
 PEER_CALLS_PER_SAMPLE = 20
+#: the functions :func:`profiled` lists a call
+PROFILE_TOP = 12
 #: (m, k, n) of the timed GEMM: the decode GEMM of tp_kernels.bench.extension on a GPU, a tiny one on the CPU
 SHAPES = {"cuda": (16, 28672 // 8, 8192), "cpu": (16, 64, 64)}
 
@@ -105,6 +110,37 @@ def host_times_us(fns: Dict[str, Callable[[], object]], samples: int, cuda: bool
             if cuda:
                 torch.cuda.synchronize()
     return {name: {"median_us": statistics.median(t), "min_us": min(t)} for name, t in times.items()}
+
+
+def profiled(fn: Callable[[], object], calls: int, cuda: bool, top: int = PROFILE_TOP) -> List[list]:
+    """The ``top`` functions by their own time over ``calls`` calls of ``fn`` under cProfile, as
+    ``[function, its calls a call, own µs a call, cumulative µs a call]``: where a call's host time
+    goes. (cProfile's own cost inflates every function's time: the rows rank the path's parts,
+    the timings above time it.)"""
+    import cProfile
+    import gc
+    import pstats
+
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    collecting = gc.isenabled()
+    gc.disable()  # (a collection's pause is no part of a call's path; it would land on whichever ran)
+    try:
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+    finally:
+        if collecting:
+            gc.enable()
+    if cuda:
+        torch.cuda.synchronize()
+    rows = sorted(pstats.Stats(prof).stats.items(), key=lambda item: -item[1][2])[:top]
+    return [[f"{'/'.join(path.replace(chr(92), '/').split('/')[-2:])}:{line}({name})", count / calls,
+             own / calls * 1e6, cumulative / calls * 1e6]
+            for (path, line, name), (_, count, own, cumulative, _) in rows]
 
 
 def _all_reduced(y: torch.Tensor, group) -> torch.Tensor:
@@ -215,38 +251,42 @@ def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("referenc
     return calls, skipped
 
 
-def _timed(p: int, device: torch.device, samples: int, calls_per_sample: int, **which) -> Dict:
+def _timed(p: int, device: torch.device, samples: int, calls_per_sample: int, profile: int = 0, **which) -> Dict:
     """Every call of :func:`_calls` (``which``: its backends and ``why_not``) timed on this
-    process's group, and what each adds over its plain counterpart."""
+    process's group, and what each adds over its plain counterpart; with ``profile``, each call's
+    :func:`profiled` rows over that many calls."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cuda = device.type == "cuda"
     calls, skipped = _calls(p, device, dtype, **which)
-    times = host_times_us({name: fn for name, (fn, _) in calls.items()}, samples, device.type == "cuda",
-                          calls_per_sample)
+    times = host_times_us({name: fn for name, (fn, _) in calls.items()}, samples, cuda, calls_per_sample)
     added = {name: times[name]["min_us"] - times[base]["min_us"]
              for name, (_, base) in calls.items() if base is not None}
-    return {"p": p, "times": times, "added_us": added, "skipped": skipped}
+    run = {"p": p, "times": times, "added_us": added, "skipped": skipped}
+    if profile:
+        run["profile"] = {name: profiled(fn, profile, cuda) for name, (fn, _) in calls.items()}
+    return run
 
 
-def measure(p: int, device: torch.device, samples: int) -> Dict:
+def measure(p: int, device: torch.device, samples: int, profile: int = 0) -> Dict:
     """Every call's host time at ``p`` ranks (a fake world of this process), and what each adds
     over its plain counterpart."""
     fake_world(p)
-    return _timed(p, device, samples, CALLS_PER_SAMPLE)
+    return _timed(p, device, samples, CALLS_PER_SAMPLE, profile)
 
 
-def _peer_rank(p: int, device_type: str, samples: int) -> Dict:
+def _peer_rank(p: int, device_type: str, samples: int, profile: int = 0) -> Dict:
     """:func:`_timed` on one rank of a :class:`~tp_kernels.testing.World` (every rank the same
     calls in the same order), with the fused path among the backends."""
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     if device_type == "cpu":
         torch.set_num_threads(1)
     settings.set_fingerprints(False)
-    return _timed(p, device, samples, PEER_CALLS_PER_SAMPLE, why_not=lambda impl: None,
+    return _timed(p, device, samples, PEER_CALLS_PER_SAMPLE, profile, why_not=lambda impl: None,
                   backends=("reference", "pipelined", "fused", "auto") if device_type == "cuda" else
                   ("reference", "pipelined", "auto"))
 
 
-def measure_with_peers(p: int, device: torch.device, samples: int) -> Dict:
+def measure_with_peers(p: int, device: torch.device, samples: int, profile: int = 0) -> Dict:
     """Every call's host time on rank 0 of ``p`` processes of a real group (NCCL ranks sharing
     ``device``, or gloo ranks on the CPU), and what each adds over its plain counterpart on every
     rank (``per_rank_added_us``)."""
@@ -255,7 +295,7 @@ def measure_with_peers(p: int, device: torch.device, samples: int) -> Dict:
     cuda = device.type == "cuda"
     with World(p, backend="nccl" if cuda else "gloo", timeout_s=120.0, threads=1,
                env=ONE_GPU_RANKS_ENV if cuda else None, cuda_device=device.index if cuda else None) as world:
-        runs = world.run(_peer_rank, p, device.type, samples, deadline_s=300.0)
+        runs = world.run(_peer_rank, p, device.type, samples, profile, deadline_s=300.0)
     return {**runs[0], "per_rank_added_us": [run["added_us"] for run in runs]}
 
 
@@ -267,6 +307,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="time the calls on p processes of a real group (each p >= 2 of --ranks; on a GPU, NCCL "
                          "ranks sharing it), where the native and fused paths run too")
     ap.add_argument("--samples", type=int, default=50, help="timed samples per figure (default: %(default)s)")
+    ap.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                    help="also profile each call over CALLS calls (cProfile): the functions its host time goes to "
+                         "(default: %(default)s, none)")
     ap.add_argument("--out-dir", default=default_out_dir(), help="default: %(default)s")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
@@ -278,6 +321,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error(f"--ranks: expected group sizes >= 1, got {args.ranks!r}")
     if args.samples < 1:
         ap.error(f"--samples: expected at least 1, got {args.samples}")
+    if args.profile < 0:
+        ap.error(f"--profile: expected a number of calls >= 0, got {args.profile}")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("python -m tp_kernels.bench.host: --device cuda, but no CUDA device is visible", file=sys.stderr)
         return 2
@@ -291,8 +336,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             ap.error(f"--peers: expected a group size >= 2 in --ranks, got {args.ranks!r}")
     settings.set_fingerprints(False)
     try:
-        runs = [measure_with_peers(p, device, args.samples) if args.peers else measure(p, device, args.samples)
-                for p in ranks]
+        runs = [measure_with_peers(p, device, args.samples, args.profile) if args.peers else
+                measure(p, device, args.samples, args.profile) for p in ranks]
     finally:
         settings.set_fingerprints(None)
         torch.set_num_threads(threads)
@@ -314,6 +359,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("  added: " + ", ".join(f"{name} {v:+.2f} us" for name, v in run["added_us"].items()))
         for name, why in run["skipped"].items():
             print(f"  skipped {name}: {why}")
+        for name, rows in run.get("profile", {}).items():
+            print(f"  {name}, the functions by own time a call (us, under cProfile): " +
+                  "; ".join(f"{where} {own:.2f}" for where, _, own, _ in rows[:5]))
     save_record(record, args.out_dir, "host-peers" if args.peers else "host", args.tag)
     print(json.dumps({run["p"]: run["added_us"] for run in runs}))
     return 0
