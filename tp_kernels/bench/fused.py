@@ -25,7 +25,9 @@ against):
    microseconds a call, or the error that stopped its capture).
 
 3. **Crossovers**: each all-reduce algorithm over output sizes 16 KiB .. 64 MiB at p = 2 and
-   --p, and the thresholds they imply (the fastest algorithm per size).
+   --p, and the thresholds they imply (the fastest algorithm per size): of ``matmul_all_reduce``,
+   eager, and of the all-reduce alone replayed from a CUDA graph (``"all_reduce_graph_us"``,
+   ``"graph_thresholds"``), whose figures carry no host launches.
 
 Virtual ranks share one GPU: their GEMMs share its SMs and the copies between their buffers go
 through its own memory rather than over NVLink, so these figures measure the schedule and the
@@ -211,15 +213,21 @@ def crossovers(ps: Sequence[int], iters: int) -> Dict:
     n, k, dtype = 4096, 256, torch.bfloat16  # a small k: the all-reduce dominates
     for p in ps:
         sweep: Dict[str, Dict[int, float]] = {a: {} for a in fused.algorithms()}
+        replayed: Dict[str, Dict[int, object]] = {a: {} for a in fused.algorithms()}
         with VirtualRanks(p) as vr:
             for nbytes in SWEEP_BYTES:
                 m = max(p, nbytes // (n * 2))
                 xs = [torch.randn(m, k, device="cuda", dtype=dtype) for _ in range(p)]
                 ws = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(p)]
+                partials = [torch.randn(m, n, device="cuda", dtype=dtype) for _ in range(p)]
                 for algo in fused.algorithms():
                     sweep[algo][m * n * 2] = gpu_time_ms(lambda: vr.matmul_all_reduce(xs, ws, algorithm=algo), iters)
+                    replayed[algo][m * n * 2] = _replayed_us(lambda: vr.all_reduce(partials, algo), iters)
+        measured = all(isinstance(t, float) for s in replayed.values() for t in s.values())
         out[str(p)] = {"n": n, "k": k, "ms": {a: {str(b): t for b, t in s.items()} for a, s in sweep.items()},
-                       **thresholds(sweep)}
+                       **thresholds(sweep),
+                       "all_reduce_graph_us": {a: {str(b): t for b, t in s.items()} for a, s in replayed.items()},
+                       "graph_thresholds": thresholds(replayed) if measured else None}
         print(f"crossovers p={p}: {json.dumps(out[str(p)])}", flush=True)
     return out
 
