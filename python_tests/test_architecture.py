@@ -20,6 +20,7 @@ import torch
 import tp_kernels
 from helpers import rank_world
 from tp_kernels import _extension, _op_table, schedule
+from tp_kernels.backends import backward_name
 
 PACKAGE = pathlib.Path(tp_kernels.__file__).parent
 
@@ -138,7 +139,8 @@ def test_the_lower_layers_know_nothing_of_the_upper_ones():
 def check_one_decision_per_call(kind, sequence_parallel, backend):
     """Forward and backward of a layer: the implementation is resolved once, its options are not
     checked again, each fast path's capability is asked at most once, and every custom op of the
-    call (forward and backward) runs the implementation the forward resolved."""
+    call runs the implementation the forward resolved (an all-gather's or reduce-scatter's backward,
+    the other primitive, in that primitive's own chunks: backends.backward_name)."""
     from tp_kernels import _library, dispatch, ops
     from tp_kernels.backends import fused, pipelined_native
 
@@ -161,7 +163,7 @@ def check_one_decision_per_call(kind, sequence_parallel, backend):
     wrap(dispatch, "check_choice", lambda a: counts.update(["option checked"]))
     wrap(pipelined_native, "unsupported_reason", lambda a: counts.update(["native asked"]))
     wrap(fused, "unsupported_reason", lambda a: counts.update(["fused asked"]))
-    wrap(_library, "run", lambda a: ran.append(a[1]))
+    wrap(_library, "run", lambda a: ran.append((a[0], a[1])))
     try:
         torch.manual_seed(0)
         cls = tp_kernels.ColumnParallelLinear if kind == "column" else tp_kernels.RowParallelLinear
@@ -186,9 +188,11 @@ def test_a_layer_call_is_decided_once(world2, backend):
             case = f"{kind} sequence_parallel={sp} backend={backend}"
             assert counts.get("resolve") == 1 and "option checked" not in counts, (case, counts)
             assert counts.get("native asked", 0) <= 1 and counts.get("fused asked", 0) <= 1, (case, counts)
-            assert ran and len(set(ran)) == 1, (case, ran)  # forward and backward: one implementation
-            assert ran[0] == ("reference" if backend != "pipelined" else
-                              f"pipelined:{schedule.DEFAULT_NUM_CHUNKS[_forward_primitive(kind, sp)]}"), (case, ran)
+            forward = ("reference" if backend != "pipelined" else
+                       f"pipelined:{schedule.DEFAULT_NUM_CHUNKS[_forward_primitive(kind, sp)]}")
+            assert ran and ran[0] == (_forward_primitive(kind, sp), forward), (case, ran)
+            # forward and backward: the one implementation, each primitive in its own default chunks
+            assert all(name == backward_name(forward, primitive) for primitive, name in ran), (case, ran)
 
 
 def _forward_primitive(kind, sequence_parallel):

@@ -110,6 +110,18 @@ def test_implementation_names():
         assert parse("fused:two_shot").name == "fused:two_shot"
 
 
+def test_backward_names():
+    """The all-gather's and reduce-scatter's backward (the other primitive) runs on the forward's
+    backend in that primitive's own default chunks; the reference, and a named algorithm, as they are."""
+    from tp_kernels.backends import backward_name
+
+    assert backward_name("native:4", "all_gather_matmul") == "native:1"  # a reduce-scatter's backward
+    assert backward_name("native:1", "matmul_reduce_scatter") == "native:4"  # an all-gather's
+    assert backward_name("pipelined:2", "matmul_reduce_scatter") == "pipelined:4"
+    assert backward_name("fused:4", "all_gather_matmul") == "fused:1"
+    assert backward_name("reference", "all_gather_matmul") == "reference"
+
+
 def test_every_implementation_has_the_three_primitives():
     for name, impl in IMPLEMENTATIONS.items():
         for op in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):

@@ -59,6 +59,36 @@ def test_pipelined_matches_reference(world, op, m_per_rank):
     world.run(check_pipelined_matches_reference, op, m_per_rank)
 
 
+def check_backward_chunks():
+    """The backward of an all-gather + GEMM (a GEMM + reduce-scatter) and of a GEMM +
+    reduce-scatter (an all-gather + GEMM) runs on the forward's backend in its own primitive's
+    default chunks, whatever the forward's; the grads are the reference's."""
+    from unittest import mock
+
+    from tp_kernels import _library
+
+    ran, real = [], _library.run
+
+    def recording(primitive, name, *args):
+        ran.append((primitive, name))
+        return real(primitive, name, *args)
+
+    for op in ("all_gather_matmul", "matmul_reduce_scatter"):
+        args, _ = _case(op, 2, 5, 4, torch.float32)
+        dy = torch.randn(getattr(ops, op)(*args, backend="reference").shape, generator=torch.Generator().manual_seed(2))
+        _, grads_ref = _run(op, args, dy, backend="reference")
+        with mock.patch.object(_library, "run", recording):
+            _, grads = _run(op, args, dy, backend="pipelined", num_chunks=3)
+        for name, g, g_ref in zip(("dx", "dw", "db"), grads, grads_ref):
+            assert_close(f"{op} {name}", g, g_ref.double())
+    assert ran == [("all_gather_matmul", "pipelined:3"), ("matmul_reduce_scatter", "pipelined:4"),
+                   ("matmul_reduce_scatter", "pipelined:3"), ("all_gather_matmul", "pipelined:1")], ran
+
+
+def test_backward_runs_in_its_own_primitives_chunks(world2):
+    world2.run(check_backward_chunks)
+
+
 def check_against_float64(op, dtype_name, backend, device="cpu"):
     r, p = rank_world()
     dtype = getattr(torch, dtype_name)

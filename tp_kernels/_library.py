@@ -7,7 +7,10 @@ call's body without the dispatcher. Each op has a fake (meta) implementation, so
 registered with ``register_autograd`` as another custom op. The ops take 2-D tensors, the group
 by name (``""``: this process alone) and an implementation name (``"native:4"``,
 ``"fused:two_shot"``: :mod:`tp_kernels.backends`), decided before the call by
-:func:`tp_kernels.dispatch.select_backend`; the backward runs on the same implementation. :mod:`tp_kernels.ops` checks the arguments and decides before calling them.
+:func:`tp_kernels.dispatch.select_backend`; the backward runs on the same implementation (an
+all-gather's or reduce-scatter's backward primitive in its own chunks:
+:func:`tp_kernels.backends.backward_name`). :mod:`tp_kernels.ops` checks the arguments and decides
+before calling them.
 
 Backward ops return an empty tensor for a gradient that is not needed (a custom op cannot
 return None); the autograd wrappers turn those back into None.
@@ -35,7 +38,7 @@ from torch.fx.node import has_side_effect
 from . import _collectives as coll
 from ._checks import differentiable_once
 from ._op_table import collective_output_shape
-from .backends import run, run_collective
+from .backends import backward_name, run, run_collective
 
 __all__: list = []  # the ops are torch.ops.tp_kernels.*
 
@@ -279,7 +282,8 @@ def all_gather_matmul_backward(dy: Tensor, x: Tensor, weight: Tensor, group: str
     # Kick off the re-gather of x first, so that it travels while dx multiplies.
     gather = coll.all_gather_dim0(x, g) if need_dw else None
     # dx: (m, n/p) x (n/p, k) -(RS)-> (m/p, k)
-    dx = run("matmul_reduce_scatter", impl, dy, weight.t(), None, g) if need_dx else None
+    dx = run("matmul_reduce_scatter", backward_name(impl, "matmul_reduce_scatter"), dy, weight.t(), None, g) \
+        if need_dx else None
     # dW: (n/p, m) x (m, k) -> (n/p, k), overlapping the tail of dx's reduce-scatter
     dw = dy.t().mm(gather.wait()) if need_dw else weight.new_empty(0)
     db = dy.sum(0) if need_db else dy.new_empty(0)
@@ -313,7 +317,7 @@ def matmul_reduce_scatter_backward(dy: Tensor, x: Tensor, weight: Tensor, group:
     dy = dy.contiguous()
     if need_dx:
         # dx: (m/p, n) -(AG)-> (m, n) x (n, k/p) -> (m, k/p); keeps AG(dy) for dW and db
-        dx, dy_full = run("all_gather_matmul", impl, dy, weight.t(), None, g)
+        dx, dy_full = run("all_gather_matmul", backward_name(impl, "all_gather_matmul"), dy, weight.t(), None, g)
     else:
         dx, dy_full = x.new_empty(0), coll.all_gather_dim0(dy, g).wait()
     dw = dy_full.t().mm(x) if need_dw else weight.new_empty(0)  # (n, m) x (m, k/p)

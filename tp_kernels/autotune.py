@@ -33,7 +33,8 @@ The plain collectives of :class:`tp_kernels.Communicator` are measured the same 
 (:func:`choose_collective`): per size class (collective, group, dtype, the element count rounded
 up to a power of two, the root), each variant run on the call's input into a scratch output.
 
-The forward decides: the backward of a call runs on the implementation its forward chose.
+The forward decides: the backward of a call runs on the implementation its forward chose (the
+all-gather's and reduce-scatter's backward primitive in its own chunks: ``backends.backward_name``).
 Nothing is measured while ``torch.compile`` traces or a CUDA graph is captured: the class's
 decision is used if there is one, else the first candidate in the order fused, pipelined,
 reference, and nothing is remembered. ``TP_KERNELS_AUTOTUNE=0`` (:func:`set_autotune`) always

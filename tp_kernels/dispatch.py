@@ -5,8 +5,9 @@ implementation name (:mod:`tp_kernels.backends`: ``"reference"``, ``"pipelined:4
 ``"native:4"``, ``"fused:1"``, ``"fused:two_shot"``) after every check: what each backend can run
 here (their ``unsupported_reason``), what ``"auto"`` may choose (:func:`candidates`), its measured
 choice (:func:`tp_kernels.autotune.choose`) and the fused all-reduce algorithm. The custom ops
-carry that name down; the backward of a call runs on the implementation its forward chose, and
-nothing below decides or checks again.
+carry that name down; the backward of a call runs on the implementation its forward chose (the
+all-gather's and reduce-scatter's backward primitive in its own chunks:
+:func:`tp_kernels.backends.backward_name`), and nothing below decides or checks again.
 
 :func:`resolve_collective` is the same decision for the plain collectives of
 :class:`tp_kernels.Communicator` (``"reference"``, ``"native:1"``, ``"fused:one_shot"``), with

@@ -357,7 +357,9 @@ def layer_tasks(kind: str, sp: bool, m: int, k: int, n: int, p: int, dtype: str,
     wgrad. Row+SP forward is GEMM+reduce-scatter; its backward is the ring (dgrad) then
     wgrad. Without SP: column backward is dgrad+all-reduce in chunks then wgrad; row forward
     is GEMM+all-reduce. ``schedule="naive"`` runs the same GEMMs and collectives one after the
-    other, unchunked.
+    other, unchunked. ``num_chunks`` (None: the defaults) is the chunks of each call's own
+    primitive, which a user names; the backward of an all-gather or reduce-scatter runs the other
+    primitive in its own default chunks, as the library does (``backends.backward_name``).
     """
     eb = DTYPE_BYTES[dtype]
     g = _Graph()
@@ -385,23 +387,25 @@ def layer_tasks(kind: str, sp: bool, m: int, k: int, n: int, p: int, dtype: str,
         return _serial(g.tasks)
     if kind == "column":
         nl = n // p
-        c_rs = num_chunks or DEFAULT_NUM_CHUNKS["matmul_reduce_scatter" if sp else "matmul_all_reduce"]
         if sp:
             fwd = _ag_gemm(g, gemm, link, m, k, nl, p, dtype, num_chunks or DEFAULT_NUM_CHUNKS["all_gather_matmul"])
             regather = g.add("all-gather x", "link", link.time("all_gather", m * k * eb, p), deps=(fwd[-1],))
-            _gemm_coll(g, gemm, link, "reduce_scatter", m, nl, k, p, dtype, c_rs, after=fwd[-1])
+            # backward: dgrad and its reduce-scatter in the reduce-scatter's own chunks (backends.backward_name)
+            _gemm_coll(g, gemm, link, "reduce_scatter", m, nl, k, p, dtype, DEFAULT_NUM_CHUNKS["matmul_reduce_scatter"],
+                       after=fwd[-1])
             g.add("wgrad", "compute", gemm(nl, k, m, dtype), deps=(regather,))
         else:
             fwd = g.add("fwd", "compute", gemm(m, nl, k, dtype))
-            _gemm_coll(g, gemm, link, "all_reduce", m, nl, k, p, dtype, c_rs, after=fwd)
+            c_ar = num_chunks or DEFAULT_NUM_CHUNKS["matmul_all_reduce"]  # (the op's own all-reduce, in backward)
+            _gemm_coll(g, gemm, link, "all_reduce", m, nl, k, p, dtype, c_ar, after=fwd)
             g.add("wgrad", "compute", gemm(nl, k, m, dtype))
         return g.tasks
     kl = k // p
     if sp:
         c = num_chunks or DEFAULT_NUM_CHUNKS["matmul_reduce_scatter"]
         colls = _gemm_coll(g, gemm, link, "reduce_scatter", m, kl, n, p, dtype, c)
-        # backward: the ring on dy (m/p, n) with the same number of pieces, then wgrad
-        bwd = _ag_gemm(g, gemm, link, m, n, kl, p, dtype, c, after=colls[-1])
+        # backward: the ring on dy (m/p, n) in the all-gather's own chunks (backends.backward_name), then wgrad
+        bwd = _ag_gemm(g, gemm, link, m, n, kl, p, dtype, DEFAULT_NUM_CHUNKS["all_gather_matmul"], after=colls[-1])
         g.add("wgrad", "compute", gemm(n, kl, m, dtype), deps=(bwd[-1],))
     else:
         c = num_chunks or DEFAULT_NUM_CHUNKS["matmul_all_reduce"]

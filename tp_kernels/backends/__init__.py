@@ -39,9 +39,11 @@ from typing import Optional
 import torch
 
 from .. import _collectives as coll
+from ..schedule import DEFAULT_NUM_CHUNKS
 from . import fused, peer_memory, pipelined, pipelined_native, reference
 
-__all__ = ["IMPLEMENTATIONS", "Impl", "impl_name", "parse", "prepare_capture", "run", "run_collective"]
+__all__ = ["IMPLEMENTATIONS", "Impl", "backward_name", "impl_name", "parse", "prepare_capture", "run",
+           "run_collective"]
 
 #: implementation name -> module
 IMPLEMENTATIONS = {"reference": reference, "pipelined": pipelined, "native": pipelined_native, "fused": fused}
@@ -92,6 +94,21 @@ def parse(name: str) -> Impl:
     if backend == "fused" and param in fused.algorithms():
         return Impl(backend, algorithm=param)
     raise bad
+
+
+@functools.lru_cache(maxsize=None)
+def backward_name(name: str, primitive: str) -> str:
+    """The implementation that ``primitive``, the backward of a call whose forward ran on ``name``,
+    runs on: the all-gather + GEMM of a reduce-scatter's backward, the GEMM + reduce-scatter of an
+    all-gather's. The forward's backend, in ``primitive``'s own chunks (``DEFAULT_NUM_CHUNKS``): the
+    forward's count splits another GEMM. A reduce-scatter's 4 chunks would cut its backward's ring
+    into p × 4 GEMMs of m/(4p) rows (on an H100, [256 × 8192] × [8192 × 1024] ran at 137 TFLOP/s,
+    the whole [8192 × 8192] × [8192 × 1024] at 662), and an all-gather's one piece a shard would
+    leave its backward's reduce-scatter in one piece, nothing overlapped."""
+    impl = parse(name)
+    if impl.backend == "reference" or impl.algorithm is not None:
+        return name
+    return impl_name(impl.backend, DEFAULT_NUM_CHUNKS[primitive])
 
 
 def run(primitive: str, name: str, x, weight, bias, group):
