@@ -232,16 +232,24 @@ def crossovers(ps: Sequence[int], iters: int) -> Dict:
     return out
 
 
-def main(argv=None) -> int:
-
-    ap = argparse.ArgumentParser(prog="python -m tp_kernels.bench.fused", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--p", type=int, default=8, help="virtual ranks for the overlap figures (2..8)")
-    ap.add_argument("--iters", type=int, default=10, help="timed samples per figure")
+def virtual_ranks_args(prog: str, doc: str, argv, p_help: str, iters: bool) -> argparse.Namespace:
+    """The arguments of a benchmark on virtual ranks: ``--p`` (2..8), ``--iters`` (with
+    ``iters``), ``--out-dir`` and ``--tag``."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    ap.add_argument("--p", type=int, default=8, help=p_help)
+    if iters:
+        ap.add_argument("--iters", type=int, default=10, help="timed samples per figure")
     ap.add_argument("--out-dir", default=default_out_dir(), help="default: %(default)s")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     if not 2 <= args.p <= 8:
         ap.error(f"--p: expected 2..8, got {args.p}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = virtual_ranks_args("python -m tp_kernels.bench.fused", __doc__, argv,
+                              "virtual ranks for the overlap figures (2..8)", iters=True)
     record = gpu_record("tp_kernels.bench.fused")
     if record is None:
         return 2

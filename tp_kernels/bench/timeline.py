@@ -14,7 +14,6 @@ with status 2 and says why otherwise.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -25,8 +24,8 @@ import torch
 
 from .. import _extension
 from ..testing import VirtualRanks
-from .fused import LLAMA70B_TP8, _fork_join
-from .records import default_out_dir, gpu_record, save_record
+from .fused import LLAMA70B_TP8, _fork_join, virtual_ranks_args
+from .records import gpu_record, save_record
 
 #: substrings of the GEMM kernels' names (cuBLASLt's Hopper kernels and CUTLASS's), and of the
 #: fused path's flag waits; every other kernel (the reduction, torch's copies) is "other"
@@ -167,13 +166,8 @@ def timeline(op: str, p: int) -> Dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tp_kernels.bench.timeline", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--p", type=int, default=8, help="virtual ranks (2..8)")
-    ap.add_argument("--out-dir", default=default_out_dir(), help="default: %(default)s")
-    ap.add_argument("--tag", default="")
-    args = ap.parse_args(argv)
-    if not 2 <= args.p <= 8:
-        ap.error(f"--p: expected 2..8, got {args.p}")
+    args = virtual_ranks_args("python -m tp_kernels.bench.timeline", __doc__, argv, "virtual ranks (2..8)",
+                              iters=False)
     record = gpu_record("tp_kernels.bench.timeline")
     if record is None:
         return 2
