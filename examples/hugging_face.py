@@ -59,7 +59,10 @@ else:
 dense = dense.to(device).eval()
 plan = dict(dense.tp_plan)  # transformers' own: "colwise", "rowwise", "moe_tp_experts", "packed_colwise", ...
 if args.experts == "whole":
-    plan.update(dense.ep_plan)  # the experts' entries: "ep_dispatch_experts", "grouped_gemm"
+    # the experts' entries: "ep_dispatch_experts", "grouped_gemm" (transformers 5.17 has no ep_plan
+    # property: its _ep_plan names the router "ep_router" and leaves the experts "moe_tp_experts",
+    # which parallelize reads as the same plan)
+    plan.update(dense.ep_plan if hasattr(type(dense), "ep_plan") else dense._ep_plan)
 if args.sequence_parallel:  # the same plan under sequence parallelism (torch's styles beside its entries)
     plan = tp_kernels.sequence_parallel_plan(dense, plan)
 model = tp_kernels.parallelize(copy.deepcopy(dense), plan, strict=False)  # (a plan may name what a model lacks)
