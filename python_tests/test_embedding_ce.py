@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import re
 
 import pytest
@@ -675,6 +676,19 @@ def check_padded_vocabulary(vocab_of_p, device="cpu"):
                                                 vocab_size=vocab)
     with pytest.raises(ValueError, match=f"input: index {vocab} is out of range"):
         emb(torch.tensor([vocab], device=device))
+    os.environ["TP_KERNELS_CHECK_IDS"] = "0"  # (no host sync: unchecked, an id out of range is looked up by none)
+    try:
+        far = torch.tensor([vocab + 1000], device=device)  # (past every rank's block, padding included)
+        if p > 1:  # every rank masks it: zeros
+            assert torch.equal(emb(far), torch.zeros(1, dim, dtype=torch.float64, device=device))
+        elif device == "cpu":  # one rank: torch's embedding sees it
+            with pytest.raises(IndexError):
+                emb(far)
+        os.environ["TP_KERNELS_CHECK_IDS"] = "2"
+        with pytest.raises(ValueError, match="TP_KERNELS_CHECK_IDS: expected 0 or 1, got '2'"):
+            emb(ids)
+    finally:
+        del os.environ["TP_KERNELS_CHECK_IDS"]
     if p > 1:
         with pytest.raises(ValueError, match=re.escape(f"vocab_size: {rows * p + 1} classes make blocks {rows + 1} "
                                                        f"wide on {p} ranks (ceil(V/p)), but logits' blocks are {rows} "

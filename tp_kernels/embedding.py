@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import _collectives as coll
+from . import settings
 from ._agreement import agree, describe
 from ._checks import check_divisible, check_float_dtype, check_int, check_replaceable, check_tensor
 from ._data_parallel import copy_rows_
@@ -33,9 +34,11 @@ def _can_sync(t: torch.Tensor) -> bool:
 def check_index_range(name: str, ids: torch.Tensor, size: int, allowed: Optional[int] = None) -> None:
     """Raise ValueError unless every entry of ``ids`` is in ``[0, size)`` (or equals ``allowed``).
 
-    Skipped while compiling or capturing a CUDA graph, where it would need a host sync.
+    Skipped while compiling or capturing a CUDA graph, where it would need a host sync, and with
+    ``TP_KERNELS_CHECK_IDS=0`` (:func:`tp_kernels.settings.ids_checked`), where its host sync is
+    not wanted.
     """
-    if ids.numel() == 0 or not _can_sync(ids):
+    if ids.numel() == 0 or not settings.ids_checked() or not _can_sync(ids):
         return
     bad = (ids < 0) | (ids >= size)
     if allowed is not None:

@@ -25,6 +25,15 @@ environment variable                   setter (wins over it)       meaning, defa
                                                                    what it does before any payload moves
                                                                    (1) or not (0); default 0 (its cost:
                                                                    docs/api.md, "When ranks disagree")
+``TP_KERNELS_CHECK_IDS``               (0/1)                       an eager call checks its embedding ids and
+                                                                   cross-entropy targets against the
+                                                                   vocabulary (1: on CUDA a host sync, the
+                                                                   GPU's work so far waited for) or not (0:
+                                                                   on several ranks an id out of range then
+                                                                   embeds to zeros and a target out of range
+                                                                   gives a wrong loss, unsaid; on one,
+                                                                   torch's own embedding sees the id);
+                                                                   default 1
 =====================================  ==========================  ===========================================
 
 Environment values are read when used, so a change takes effect at the next call; a malformed
@@ -53,6 +62,7 @@ __all__ = [
     "auto_native",
     "autotune_enabled",
     "fingerprints_enabled",
+    "ids_checked",
     "forced_all_reduce_algorithm",
     "get_auto_candidates",
     "get_comm_stream_priority",
@@ -78,8 +88,9 @@ MAX_TIMEOUT_S = 86400.0
 #: The default priority asks for the device's highest (the native side clamps it).
 HIGHEST_PRIORITY = -(2**31)
 #: Whether ``"auto"`` may pick the native pipelined path / the fused path without being asked.
-#: Both stay off until the GPU suite (``bench/gpu_suite.sh``) has passed with them and measured
-#: them against the reference: ``"auto"`` must never be wrong or slower.
+#: Both stay off until the GPU suite (``bench/gpu_suite.sh``) has measured them faster than the
+#: reference on several ranks (docs/benchmarks.md, Measured: GPU): ``"auto"`` must never be wrong
+#: or slower.
 AUTO_NATIVE_DEFAULT = False
 AUTO_FUSED_DEFAULT = False
 
@@ -262,9 +273,18 @@ def fingerprints_enabled() -> bool:
 _FINGERPRINTS = _switch("TP_KERNELS_FINGERPRINTS", FINGERPRINTS_DEFAULT)
 
 
+def ids_checked() -> bool:
+    """Whether an eager call checks its embedding ids and cross-entropy targets against the
+    vocabulary (``TP_KERNELS_CHECK_IDS``, default on)."""
+    return _CHECK_IDS.get()
+
+
+_CHECK_IDS = _switch("TP_KERNELS_CHECK_IDS", True)
+
+
 #: Why the native pipelined path is no default candidate of ``"auto"`` (while it is not).
-AUTO_NATIVE_OFF = ("the native path is not yet chosen automatically (it has not passed the GPU suite); "
-                   "use backend='pipelined', or set TP_KERNELS_AUTO_NATIVE=1")
+AUTO_NATIVE_OFF = ("the native path is not yet chosen automatically (no GPU figure shows it faster than the "
+                   "reference yet: docs/benchmarks.md); use backend='pipelined', or set TP_KERNELS_AUTO_NATIVE=1")
 AUTO_FUSED_OFF = "not switched on for 'auto' (TP_KERNELS_AUTO_FUSED=1 or set_auto_candidates)"
 
 
