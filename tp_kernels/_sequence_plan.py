@@ -88,9 +88,9 @@ def _partial_ok(layer: nn.Module, owner: str, styles, experts, hidden) -> bool:
     """Whether the output of ``layer``'s mixture of experts ``owner`` is a sum of terms each rank
     computes its share of, so that the ranks' partial sums may go to one reduce-scatter: the plan
     names nothing inside it but the experts, column and row layers (DeepSeek's shared experts:
-    their row layer's output left partial) and modules it keeps whole, and every other module of it
-    that holds parameters is a router (its weight ``[E, hidden]``, and any other parameter ``[E]``: its scores go to the
-    routing, not to the output). A module held whole that adds to the output (Qwen 2 MoE's shared
+    their row layer's output left partial) and modules it keeps whole, and every other module of
+    it that holds parameters is a router (its weight ``[E, hidden]``, and any other parameter
+    ``[E]``: its scores go to the routing, not to the output). A module held whole that adds to the output (Qwen 2 MoE's shared
     expert) adds what the ranks compute alike, which a reduce-scatter would count p times: then
     the experts' output is summed."""
     block = layer.get_submodule(owner)

@@ -164,11 +164,11 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     parallelism over the group, transformers' ``ep_dispatch_experts`` and ``grouped_gemm``, so that
     ``{**model.tp_plan, **model.ep_plan}`` is a plan; ``"moe_tp_experts"`` experts whose weights
     the plan names all ``"grouped_gemm"``, their router ``"ep_router"`` (kept whole), are
-    ``"moe_ep_experts"``: transformers 5.17's form of that plan, :func:`read_expert_parallelism`); either as ``(style, "partial")``, their
-    output left each rank's partial sum, for a module around them whose torch style reduces it,
-    ``PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Shard(1))``: one
-    reduce-scatter where a sum and a split would be two moves, as :func:`sequence_parallel_plan`
-    writes it), ``"moe_identity_expert"`` (an identity
+    ``"moe_ep_experts"`` (transformers 5.17's form of that plan: :func:`read_expert_parallelism`);
+    either as ``(style, "partial")``, their output left each rank's partial sum, for a module
+    around them whose torch style reduces it, ``PrepareModuleOutput(output_layouts=Partial(),
+    desired_output_layouts=Shard(1))``: one reduce-scatter where a sum and a split would be two
+    moves, as :func:`sequence_parallel_plan` writes it), ``"moe_identity_expert"`` (an identity
     expert inside ``"moe_tp_experts"`` experts, LongCat-Flash's, kept, its input divided by p for
     the experts' sum: :func:`tp_kernels.experts.share_identity_expert`; an ``nn.Identity`` inside
     experts without it is an error) or ``"mla_kv_a_proj"`` (DeepSeek's
