@@ -5,6 +5,7 @@ dense module in float64, on 1, 2 and 4 gloo ranks."""
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 import tp_kernels
 from helpers import (assert_close, assert_dense_grads, assert_same_loss_and_backward, fingerprints_set,
                      full_grads, rank_world)
+from tp_kernels import experts as experts_module
 from tp_kernels.experts import shard_experts
 
 E, H, I, TOKENS, TOP = 4, 6, 8, 10, 2  # experts, hidden, each expert's hidden units, tokens, experts per token
@@ -337,14 +339,18 @@ def test_parallelize_moe_sequence_parallel(world, split):
     world.run(check_parallelize_moe_sequence_parallel, split)
 
 
-def _moe_model(kind: str, moe_intermediate: int = 8, experts: int = 4):
+def _moe_model(kind: str, moe_intermediate: int = 8, experts: int = 4, implementation: Optional[str] = None):
     """A small transformers mixture of experts of ``experts`` routed experts, float64, its experts
     run by transformers' plain loop (``experts_implementation="eager"``: its grouped GEMM takes no
-    float64)."""
+    float64) where that loop skips the routes to experts held elsewhere, as expert parallelism needs
+    (transformers 5.18 on), else by its batched GEMM (``"batched_mm"``); or by ``implementation``."""
     import transformers
 
+    if implementation is None:
+        implementation = "eager" if experts_module._transformers_version() >= \
+            experts_module.LOOP_SKIPS_ELSEWHERE_SINCE else "batched_mm"
     common = dict(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                  max_position_embeddings=64, attn_implementation="sdpa", experts_implementation="eager")
+                  max_position_embeddings=64, attn_implementation="sdpa", experts_implementation=implementation)
     if kind == "mixtral":
         config = transformers.MixtralConfig(intermediate_size=moe_intermediate, num_local_experts=experts,
                                             num_experts_per_tok=2, **common)
@@ -472,6 +478,40 @@ def check_hugging_face_moe(kind, parallelism="tp", experts=4):
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "longcat_flash"])
 def test_hugging_face_moe(world, kind):
     world.run(check_hugging_face_moe, kind)
+
+
+def check_plain_loop_without_the_skip():
+    """Whole experts a rank run by transformers' plain loop in a version whose loop does not skip
+    the id of a route to an expert held elsewhere (the installed version read as 5.17 here): the
+    plan is a ValueError naming the experts and the implementations that skip it, before anything
+    changes; experts sharded under one of those and switched to the loop afterwards, a ValueError on
+    every rank at the call, before the loop runs (where on a GPU its out-of-range id is a device-side
+    assert that ends the process's CUDA context). The batched GEMM then gives the dense logits."""
+    from unittest import mock
+
+    dense = _moe_model("mixtral", implementation="eager")
+    model = copy.deepcopy(dense)
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
+    with mock.patch.object(experts_module, "_transformers_version", return_value=(5, 17)):
+        with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.experts'.*MixtralExperts runs transformers "
+                                             r".*plain loop.*'eager'.*'batched_mm' or 'grouped_mm'.*5\.18 or later"):
+            tp_kernels.parallelize(model, _plan(dense, "ep"))
+        experts = model.model.layers[0].mlp.experts
+        assert experts.num_experts == 4 and experts.gate_up_proj.shape[0] == 4  # (unchanged)
+        model.set_experts_implementation("batched_mm")
+        par = tp_kernels.parallelize(model, _plan(dense, "ep"))
+        assert_close("logits", par(ids).logits, dense(ids).logits)
+        par.set_experts_implementation("eager")
+        with pytest.raises(ValueError, match=r"MixtralExperts \(experts sharded by shard_experts\): MixtralExperts "
+                                             r"runs transformers .*plain loop"):
+            par(ids)
+        par.set_experts_implementation("batched_mm")
+        assert_close("logits", par(ids).logits, dense(ids).logits)
+
+
+def test_plain_loop_without_the_skip(world2):
+    pytest.importorskip("transformers")
+    world2.run(check_plain_loop_without_the_skip)
 
 
 @pytest.mark.parametrize("world", [2, 4], indirect=True)
@@ -718,7 +758,7 @@ def check_hugging_face_moe_grouped_gemm(device="cpu", dtype="float32", paralleli
     model's own error (float32: to 1e-6 of their size). 32 hidden units an expert: each rank's
     block of them is rows of at least 16 bytes at p = 4, as the grouped GEMM needs. Whole experts a
     rank (``"ep"``), the routes to other ranks' experts reach these kernels as their sentinel rows."""
-    ref = _moe_model("mixtral", moe_intermediate=32).to(device)  # float64, the plain loop: the reference
+    ref = _moe_model("mixtral", moe_intermediate=32, implementation="eager").to(device)  # float64, the plain loop
     plain = copy.deepcopy(ref).to(getattr(torch, dtype))
     plain.config._experts_implementation = implementation  # (grouped_mm: transformers' default, where it runs)
     par = tp_kernels.parallelize(copy.deepcopy(plain), _plan(plain, parallelism))

@@ -15,7 +15,8 @@ Or the ranks split the experts themselves (expert parallelism over the tensor-pa
 ``DistributedConfig(ep_implementation="all_reduce")``): each rank holds ``c = ceil(E/p)`` whole
 experts and runs them on the tokens routed to them, of the tokens every rank holds alike; a route
 to an expert held elsewhere reaches this rank's experts as the expert id ``c`` with weight 0, which
-transformers' experts skip, and the ranks' outputs are summed as above. No token moves, so no
+transformers' experts skip (their plain loop from transformers 5.18 on; before, it is an error
+naming the implementations that do), and the ranks' outputs are summed as above. No token moves, so no
 count is read back to the host; each expert's matrices stay whole (a GEMM as large as the dense
 model's), and any expert count will do (where p does not divide it, the last ranks' blocks end in
 zero experts that no route reaches, as ``torch.chunk`` and a ``DTensor``'s ``Shard`` split it:
@@ -33,6 +34,7 @@ this rank's heads (an attention's per-head sinks, ``[heads]``): transformers' ``
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Dict, Mapping, Optional
 
 import torch
@@ -86,8 +88,9 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
     position or name), the expert ids global; it gets this rank's local ids, and for a route to an
     expert held elsewhere the id ``c`` with weight 0, which it must skip (transformers' experts
     do: their loop's ``expert_idx == self.num_experts``, and the grouped GEMMs' sentinel rows, which
-    ``_is_expert_parallel``, set here, turns on). Its output is summed as above, and the gradient of
-    each routing weight comes from the rank holding its expert.
+    ``_is_expert_parallel``, set here, turns on; their plain loop before transformers 5.18 does not,
+    and is a ``ValueError`` here and on each call: :func:`unskipped_elsewhere`). Its output is
+    summed as above, and the gradient of each routing weight comes from the rank holding its expert.
 
     With ``sequence_parallel=True`` each rank calls ``module`` with its own block of the tokens
     (dim 0 of every tensor argument: the hidden states ``[T/p, ...]``, the expert ids and routing
@@ -154,7 +157,12 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
             if len(rows) > 1 or None in rows:
                 raise ValueError(f"{call}: every tensor argument must be this rank's block of the tokens, along "
                                  f"dim 0, but they are {', '.join(f'{where} {describe(t)}' for where, t in given)}")
-        return _bind_routing(call, signature, routing, args, kwargs) if by_expert else None
+        if not by_expert:
+            return None
+        unskipped = unskipped_elsewhere(module)
+        if unskipped:
+            raise ValueError(f"{call}: {unskipped}")
+        return _bind_routing(call, signature, routing, args, kwargs)
 
     def before(mod, args, kwargs):
         given = tensors(args, kwargs)
@@ -248,6 +256,41 @@ def _by_expert(styles: Mapping[str, str]) -> bool:
         raise ValueError(f"styles: {whole} split whole experts ({WHOLE_EXPERTS!r}) and {others} each expert's hidden "
                          "units; the parameters of one module's experts are split one way")
     return bool(whole)
+
+
+#: The first transformers version whose experts' plain loop (``experts_implementation="eager"``)
+#: skips the id ``num_experts``: before it, the loop counts ``num_experts`` classes in its
+#: ``one_hot``, so that id is out of range there (a RuntimeError on the CPU, on a GPU a device-side
+#: assert, after which the process's CUDA context is lost). Its other implementations skip it.
+LOOP_SKIPS_ELSEWHERE_SINCE = (5, 18)
+
+
+def _transformers_version() -> tuple:
+    import transformers
+
+    return tuple(int(part) for part in re.findall(r"\d+", transformers.__version__)[:2])
+
+
+def unskipped_elsewhere(module: nn.Module) -> Optional[str]:
+    """Why ``module`` cannot skip the routes to experts held elsewhere (the id ``num_experts``,
+    which expert parallelism hands it), or ``None``: the experts of a transformers model whose plain
+    loop (:data:`LOOP_SKIPS_ELSEWHERE_SINCE`) runs them. Read on each call (a model's
+    ``set_experts_implementation`` changes it); any other module is taken to skip that id, as
+    :func:`shard_experts` says it must."""
+    cls = type(module)
+    if not cls.__module__.startswith("transformers.") or not hasattr(cls.forward, "__wrapped__"):
+        return None  # (not transformers' experts, whose forward dispatches on the implementation)
+    implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    if implementation not in (None, "eager") or _transformers_version() >= LOOP_SKIPS_ELSEWHERE_SINCE:
+        return None
+    import transformers
+
+    since = ".".join(map(str, LOOP_SKIPS_ELSEWHERE_SINCE))
+    return (f"{cls.__name__} runs transformers {transformers.__version__}'s plain loop of experts "
+            f"(experts_implementation={implementation!r}), which does not skip the routes to experts held "
+            f"elsewhere (the id num_experts: its one_hot counts num_experts classes); run expert parallelism "
+            f"with experts_implementation='batched_mm' or 'grouped_mm' (model.set_experts_implementation), or "
+            f"with transformers {since} or later")
 
 
 def _routing_arguments(module: nn.Module) -> inspect.Signature:
@@ -356,6 +399,9 @@ def check_styles(module: nn.Module, styles: Mapping[str, str], p: int, *, every:
                              "its num_experts for an expert held elsewhere, so its num_experts must be its number "
                              f"of experts, dim 0 of every parameter ({sorted(experts)}); got {count!r}")
         _routing_arguments(module)
+        unskipped = unskipped_elsewhere(module)
+        if unskipped:
+            raise ValueError(f"module: {unskipped}")
     whole = sorted(set(held) - set(splits))
     if whole and every:
         raise ValueError(f"styles: {type(module).__name__} also holds {whole}, which every rank would hold whole "
