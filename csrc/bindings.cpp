@@ -366,6 +366,16 @@ PYBIND11_MODULE(_C, m) {
       py::arg("flag"), py::arg("value"), py::arg("stream"),
       "Write `value` to the 32-bit flag on `stream` (stream memory operation, fenced).");
   m.def(
+      "write_flags",
+      [](std::vector<uintptr_t> flags, std::vector<uint32_t> values, uintptr_t stream) {
+        if (flags.size() != values.size()) throw tp_kernels::ArgumentError("values: one value per flag");
+        std::vector<uint32_t*> ptrs;
+        for (uintptr_t f : flags) ptrs.push_back(ptr<uint32_t>(f));
+        tp_kernels::write_flags(ptrs.data(), values.data(), static_cast<int>(ptrs.size()), stream_ptr(stream));
+      },
+      py::arg("flags"), py::arg("values"), py::arg("stream"),
+      "Write values[i] to each 32-bit flag on `stream`, in one kernel launch (fenced system-wide first).");
+  m.def(
       "wait_flags",
       [](std::vector<uintptr_t> flags, std::vector<uint32_t> codes, uint64_t timeout_ns, uintptr_t error_word,
          uintptr_t stream, std::vector<uint32_t> expect) {

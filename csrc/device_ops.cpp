@@ -16,6 +16,21 @@ void write_flag(uint32_t* flag, uint32_t value, cudaStream_t stream) {
   stream_write_value32(flag, value, stream);
 }
 
+void write_flags(uint32_t* const* flags, const uint32_t* values, int count, cudaStream_t stream) {
+  if (count < 0 || count > kMaxRanks)
+    throw ArgumentError("flags: write_flags takes 0 to " + std::to_string(kMaxRanks) + " flags, got " +
+                        std::to_string(count));
+  FlagWrites list{};
+  for (int i = 0; i < count; ++i) {
+    if (flags[i] == nullptr) throw ArgumentError("flags: write_flags got a null flag " + std::to_string(i));
+    list.flag[i] = flags[i];
+    list.value[i] = values[i];
+  }
+  if (count == 0) return;
+  void* args[] = {&list, &count};
+  launch(Kernel::kSetFlags, 1, 32, args, stream);  // one thread per flag: kMaxRanks <= 32
+}
+
 void wait_flags(uint32_t* const* flags, const uint32_t* codes, const uint32_t* expect, int count, uint64_t timeout_ns,
                 uint32_t* error_word, cudaStream_t stream) {
   if (count < 0 || count > kMaxRanks)

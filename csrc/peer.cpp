@@ -142,7 +142,14 @@ void PeerContext::signal(int q, Region c, bool release, cudaStream_t stream) {
 }
 
 void PeerContext::signal_all(Region c, bool release, cudaStream_t stream) {
-  for (int q : others()) signal(q, c, release, stream);
+  uint32_t* flags[kMaxRanks];
+  uint32_t values[kMaxRanks];
+  int count = 0;
+  for (int q : others()) {  // one launch for them all (a stream write each would be p - 1 operations)
+    flags[count] = flag(q, flag_index(c, release, rank_));
+    values[count++] = release ? 1u : call_word_;
+  }
+  write_flags(flags, values, count, stream);
 }
 
 void PeerContext::wait(const std::vector<int>& peers, Region c, bool release, Primitive op, cudaStream_t stream) {

@@ -341,6 +341,16 @@ def test_flags_and_bounded_waits():
     torch.cuda.synchronize()
     assert error.item() == 0 and flag.tolist() == [0, 0, 0, 0] and marker.item() == 2
     # a flag nobody sets ends the wait with its code, within about the timeout; the set one is consumed
+    # several flags set in one launch (what a rank's signal to all its peers runs), after the stream's
+    # earlier work, each to its own value
+    with torch.cuda.stream(writer):
+        torch.cuda._sleep(50_000_000)
+    C.write_flags([ptr[0], ptr[2]], [0x51, 0x52], writer.cuda_stream)
+    C.wait_flags([ptr[0], ptr[2]], [12, 13], 10_000_000_000, error.data_ptr(), waiter.cuda_stream, [0x51, 0x52])
+    waiter.synchronize()
+    assert error.item() == 0 and flag.tolist() == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match="values: one value per flag"):
+        C.write_flags([ptr[0]], [1, 2], writer.cuda_stream)
     C.write_flag(ptr[3], 1, writer.cuda_stream)
     writer.synchronize()
     start = time.monotonic()

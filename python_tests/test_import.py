@@ -149,6 +149,7 @@ def test_the_kernel_images_hold_every_kernel_for_every_architecture_of_the_build
             # the parameter structs as the host lays them out (kernel_params.h: 64-bit pointers)
             p = _C.MAX_RANKS
             assert f".b8 tpk_wait_flags_param_0[{8 * p + 4 * p + 4 * p}]" in text  # FlagList
+            assert f".b8 tpk_set_flags_param_0[{8 * p + 4 * p}]" in text  # FlagWrites
             assert f".b8 tpk_reduce_partials_float32_param_0[{8 * p}]" in text  # PartialPtrs
         else:
             data = im["data"]

@@ -252,6 +252,13 @@ def test_device_ops_check_arguments_before_touching_the_gpu():
     with pytest.raises(ValueError, match="takes 0 to 8 flags, got 9"):
         C.wait_flags([8] * 9, [5] * 9, 1000, 64, 0)
     C.wait_flags([], [], 1000, 64, 0)  # nothing to wait for: no device needed
+    with pytest.raises(ValueError, match="values: one value per flag"):
+        C.write_flags([8, 16], [1], 0)
+    with pytest.raises(ValueError, match="null flag 1"):
+        C.write_flags([8, 0], [1, 1], 0)
+    with pytest.raises(ValueError, match="write_flags takes 0 to 8 flags, got 9"):
+        C.write_flags([8] * 9, [1] * 9, 0)
+    C.write_flags([], [], 0)  # nothing to write: no device needed
 
 
 @built

@@ -68,6 +68,18 @@ extern "C" __global__ void tpk_wait_flags(tp_kernels::FlagList list, int count, 
   __threadfence_system();  // the clear (and an error) is visible before anything this stream does next
 }
 
+// Thread i writes value[i] to flag[i] (a peer's word, or this rank's), after a system-wide fence:
+// one launch for the p - 1 flags a rank sets, where one stream write each would be p - 1
+// operations. What the stream did before this kernel is complete (stream order), so a peer that
+// sees the flag sees it too.
+extern "C" __global__ void tpk_set_flags(tp_kernels::FlagWrites list, int count) {
+  const int i = threadIdx.x;
+  if (i >= count) return;
+  __threadfence_system();
+  *static_cast<volatile unsigned int*>(list.flag[i]) = list.value[i];
+  __threadfence_system();
+}
+
 extern "C" __global__ void tpk_reduce_partials_float32(tp_kernels::PartialPtrs ptrs, int p, void* out, long long count) {
   reduce_partials<float>(ptrs, p, out, count);
 }

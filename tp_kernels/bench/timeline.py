@@ -5,8 +5,8 @@ call of the fused ``all_gather_matmul`` and ``matmul_reduce_scatter`` at the Lla
 shapes on p virtual ranks under ``torch.profiler`` (CUDA activities: kernels, copies, memsets,
 each with its stream), and writes ``timeline-<device>[-<tag>].json``: per op, the time from the
 first GPU activity to the last, the busy time (the union of the intervals) of the GEMMs, of the
-copies, of the flag waits (``tpk_wait_flags``) and of the rest, and how much of the copies' busy
-time ran while a GEMM ran (:func:`summarize`). Where the overlap benchmark says how much of the
+copies, of the flag kernels (the waits, ``tpk_wait_flags``, and the writes, ``tpk_set_flags``) and
+of the rest, and how much of the copies' busy time ran while a GEMM ran (:func:`summarize`). Where the overlap benchmark says how much of the
 communication was hidden (``tp_kernels.bench.fused``), this says why: copies that ran beside the
 GEMMs or after them, and the waits between. Needs a CUDA device and the built extension; exits
 with status 2 and says why otherwise.
@@ -28,9 +28,10 @@ from .fused import LLAMA70B_TP8, _fork_join, virtual_ranks_args
 from .records import gpu_record, save_record
 
 #: substrings of the GEMM kernels' names (cuBLASLt's Hopper kernels and CUTLASS's), and of the
-#: fused path's flag waits; every other kernel (the reduction, torch's copies) is "other"
+#: fused path's flag kernels (their waits and their writes: "waits"); every other kernel (the
+#: reduction, torch's copies) is "other"
 GEMM_KERNELS = ("gemm", "nvjet", "xmma", "cutlass")
-WAIT_KERNELS = ("tpk_wait_flags",)
+WAIT_KERNELS = ("tpk_wait_flags", "tpk_set_flags")
 KINDS = ("gemms", "copies", "waits", "other")
 
 

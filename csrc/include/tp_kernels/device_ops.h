@@ -33,6 +33,11 @@ namespace tp_kernels {
 // visible first.
 void write_flag(uint32_t* flag, uint32_t value, cudaStream_t stream);
 
+// Writes values[i] to each of flags[0..count) (count <= kMaxRanks; local or a peer's words) on
+// `stream` in one kernel launch, after all prior work of the stream, with a system-wide fence
+// first: what write_flag does for one flag, for the p - 1 flags a rank sets at once.
+void write_flags(uint32_t* const* flags, const uint32_t* values, int count, cudaStream_t stream);
+
 // Makes `stream` wait until each of flags[0..count) (count <= kMaxRanks) is nonzero, and clears
 // each one it saw set. A flag still clear after `timeout_ns`, or the error word already set, ends
 // the wait: codes[i] of the first flag that timed out goes to *error_word (if it is still 0) and

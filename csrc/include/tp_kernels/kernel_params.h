@@ -16,6 +16,12 @@ struct FlagList {
   unsigned int expect[kMaxRanks];
 };
 
+// tpk_set_flags: value[i] is written to flag[i] (i < count), a local or a peer's word.
+struct FlagWrites {
+  unsigned int* flag[kMaxRanks];
+  unsigned int value[kMaxRanks];
+};
+
 // Added to a flag's error code when the flag was set to another value than the one expected.
 constexpr unsigned int kMismatchBit = 0x40000000u;
 

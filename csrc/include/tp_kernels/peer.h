@@ -109,7 +109,7 @@ class PeerContext {
   // Sets flag (c, release, rank()) in rank q's control block, on `stream` after its prior work:
   // a ready flag to the call word, a release flag to 1.
   void signal(int q, Region c, bool release, cudaStream_t stream);
-  // Sets it in every other rank's control block.
+  // Sets it in every other rank's control block, in one kernel launch (write_flags).
   void signal_all(Region c, bool release, cudaStream_t stream);
   // Makes `stream` consume this rank's flags (c, release, q) for each q in `peers` (bounded; a
   // ready flag must carry the call word).
