@@ -1,4 +1,5 @@
-"""Helpers used inside the ranks: rank info, shards and tolerance checks.
+"""Helpers of the tests: rank info, shards and tolerance checks (used inside the ranks), and which
+transformers plans a test can read (:func:`skip_unless_own_plan`).
 
 Tolerances follow one rule. Every result is compared with a float64 reference computed from
 the same (already rounded) inputs.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -146,3 +148,19 @@ def assert_same_loss_and_backward(dense, par, ids, **kwargs) -> None:
     torch.testing.assert_close(got.loss, want.loss, rtol=1e-12, atol=0)
     want.loss.backward()
     got.loss.backward()
+
+
+def skip_unless_own_plan(config_class: str, entry: str, style: str, plan: str = "base_model_tp_plan") -> None:
+    """Skip where the installed transformers has no ``config_class``, or where its models' own
+    plan (the config's ``plan``: ``base_model_tp_plan``, or ``base_model_ep_plan``) does not give
+    ``entry`` the ``style`` a test of that plan reads (transformers 5.17's Qwen2-MoE plan splits no experts, its Granite SWA plan
+    leaves the attention sinks whole): another version's plan, which ``parallelize`` applies as
+    it is."""
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, config_class, None)
+    if config is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {config_class}")
+    given = (getattr(config, plan, None) or {}).get(entry)
+    if given != style:
+        pytest.skip(f"transformers {transformers.__version__}: {config_class}'s {plan} gives {entry!r} {given!r}, "
+                    f"not {style!r}")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import tp_kernels
 from tp_kernels import mappings
 from helpers import (CopiedBytes, assert_close, assert_dense_grads, block, fingerprints_set, held_rows, padded_block,
-                     rank_world)
+                     rank_world, skip_unless_own_plan)
 
 
 def check_embedding(padding_idx):
@@ -257,7 +257,7 @@ def check_hugging_face_split_embedding_dim():
 
 @pytest.mark.parametrize("world", [2], indirect=True)
 def test_hugging_face_split_embedding_dim(world):
-    pytest.importorskip("transformers")
+    skip_unless_own_plan("Qwen4ExpTextConfig", "layers.*.ple.ple_embedding.ngram_embedding", "embedding_colwise")
     world.run(check_hugging_face_split_embedding_dim)
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import tp_kernels
 from helpers import (assert_close, assert_dense_grads, assert_same_loss_and_backward, fingerprints_set,
-                     full_grads, rank_world)
+                     full_grads, rank_world, skip_unless_own_plan)
 from tp_kernels import experts as experts_module
 from tp_kernels.experts import shard_experts
 
@@ -387,22 +387,6 @@ def _moe_model(kind: str, moe_intermediate: int = 8, experts: int = 4, implement
     return model_class(config).double()
 
 
-def skip_unless_own_plan(config_class: str, entry: str, style: str) -> None:
-    """Skip where the installed transformers has no ``config_class``, or where its models' own
-    plan (the config's ``base_model_tp_plan``) does not give ``entry`` the ``style`` a test of
-    that plan reads (transformers 5.17's Qwen2-MoE plan splits no experts, its Granite SWA plan
-    leaves the attention sinks whole): another version's plan, which ``parallelize`` applies as
-    it is."""
-    transformers = pytest.importorskip("transformers")
-    config = getattr(transformers, config_class, None)
-    if config is None:
-        pytest.skip(f"transformers {transformers.__version__} has no {config_class}")
-    given = (getattr(config, "base_model_tp_plan", None) or {}).get(entry)
-    if given != style:
-        pytest.skip(f"transformers {transformers.__version__}: {config_class}'s plan gives {entry!r} {given!r}, "
-                    f"not {style!r}")
-
-
 def _ep_plan(model: nn.Module) -> dict:
     """A transformers model's expert-parallel plan: its ``ep_plan``, or in transformers versions
     without that property (5.17), its ``_ep_plan`` over its config's base-model entries."""
@@ -532,6 +516,37 @@ def test_plain_loop_without_the_skip(world2):
     world2.run(check_plain_loop_without_the_skip)
 
 
+def check_gpt_oss_loop_without_the_skip():
+    """GPT-OSS's experts (their biases too) whole a rank by its own plans, ``{**tp_plan,
+    **ep_plan}``: its plain loop, which in every version so far counts ``num_experts`` classes in
+    its one_hot, is a ValueError naming it before anything changes; its batched GEMM gives the
+    dense logits in float64."""
+    import transformers
+
+    config = transformers.GptOssConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=4, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        attn_implementation="eager", experts_implementation="eager", sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    dense = transformers.GptOssForCausalLM(config).double()
+    plan = {**dense.tp_plan, **_ep_plan(dense)}
+    model = copy.deepcopy(dense)
+    with pytest.raises(ValueError, match=r"GptOssExperts's plain loop of experts \(experts_implementation='eager'\) "
+                                         r"does not skip .*'batched_mm' or 'grouped_mm'"):
+        tp_kernels.parallelize(model, plan)
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4  # (unchanged)
+    model.set_experts_implementation("batched_mm")
+    par = tp_kernels.parallelize(model, plan)
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
+    assert_close("logits", par(ids).logits, dense(ids).logits)
+
+
+def test_gpt_oss_loop_without_the_skip(world2):
+    skip_unless_own_plan("GptOssConfig", "layers.*.mlp.experts", "ep_dispatch_experts", plan="base_model_ep_plan")
+    world2.run(check_gpt_oss_loop_without_the_skip)
+
+
 @pytest.mark.parametrize("world", [2, 4], indirect=True)
 @pytest.mark.parametrize("kind, parallelism", [("mixtral", "ep"), ("qwen3_moe", "ep"), ("deepseek_v3", "ep"),
                                                ("mixtral", "ep_router"), ("deepseek_v3", "ep_router")])
@@ -612,8 +627,10 @@ def check_expert_plan_errors():
 
     _, p = rank_world()
     dense = _moe_model("mixtral", moe_intermediate=3)  # (3 hidden units: not split over 2 ranks)
-    plan, ep_plan = _plan(dense, "tp"), _plan(dense, "ep")
-    experts = "model.layers.*.mlp.experts"
+    plan, experts = _plan(dense, "tp"), "model.layers.*.mlp.experts"
+    # (whole experts as the ep_plan of transformers 5.18 on writes them, whatever the version)
+    ep_plan = {**plan, experts: "ep_dispatch_experts", f"{experts}.gate_up_proj": "grouped_gemm",
+               f"{experts}.down_proj": "grouped_gemm"}
     bad = {
         "gate_up_proj": ({**plan, f"{experts}.gate_up_proj": "packed_colwise"}, r"gate_up_proj.*3.*2 equal blocks"),
         "no_parameters": ({k: v for k, v in plan.items() if not k.startswith(f"{experts}.")},

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import tp_kernels
 from helpers import (assert_close, assert_dense_grads, assert_same_loss_and_backward, block, fingerprints_set,
-                     padded_block, rank_world)
+                     padded_block, rank_world, skip_unless_own_plan)
 
 HEAD_DIM = 5
 
@@ -1531,8 +1531,6 @@ def check_moe_sequence_parallel_plan(kind, parallelism, device="cpu"):
 def test_moe_sequence_parallel_plan(world2, kind, parallelism):
     pytest.importorskip("transformers")
     if kind == "qwen2_moe":
-        from test_experts import skip_unless_own_plan
-
         skip_unless_own_plan("Qwen2MoeConfig", "layers.*.mlp.experts", "moe_tp_experts")
     world2.run(check_moe_sequence_parallel_plan, kind, parallelism)
 

@@ -263,6 +263,9 @@ def _by_expert(styles: Mapping[str, str]) -> bool:
 #: ``one_hot``, so that id is out of range there (a RuntimeError on the CPU, on a GPU a device-side
 #: assert, after which the process's CUDA context is lost). Its other implementations skip it.
 LOOP_SKIPS_ELSEWHERE_SINCE = (5, 18)
+#: transformers' experts whose plain loop does not skip that id in the versions since either
+#: (5.24): GPT-OSS's one_hot counts num_experts classes, Nemotron-H's loop indexes past its experts.
+LOOPS_WITHOUT_SKIP = ("GptOssExperts", "NemotronHExperts")
 
 
 def _transformers_version() -> tuple:
@@ -273,24 +276,32 @@ def _transformers_version() -> tuple:
 
 def unskipped_elsewhere(module: nn.Module) -> Optional[str]:
     """Why ``module`` cannot skip the routes to experts held elsewhere (the id ``num_experts``,
-    which expert parallelism hands it), or ``None``: the experts of a transformers model whose plain
-    loop (:data:`LOOP_SKIPS_ELSEWHERE_SINCE`) runs them. Read on each call (a model's
-    ``set_experts_implementation`` changes it); any other module is taken to skip that id, as
-    :func:`shard_experts` says it must."""
+    which expert parallelism hands it), or ``None``: the experts of a transformers model run by
+    a plain loop that does not (every one before :data:`LOOP_SKIPS_ELSEWHERE_SINCE`, and those of
+    :data:`LOOPS_WITHOUT_SKIP`). Read on each call (a model's ``set_experts_implementation``
+    changes it); any other module is taken to skip that id, as :func:`shard_experts` says it
+    must."""
     cls = type(module)
     if not cls.__module__.startswith("transformers.") or not hasattr(cls.forward, "__wrapped__"):
         return None  # (not transformers' experts, whose forward dispatches on the implementation)
     implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
-    if implementation not in (None, "eager") or _transformers_version() >= LOOP_SKIPS_ELSEWHERE_SINCE:
+    if implementation not in (None, "eager"):
         return None
     import transformers
 
+    fix = ("run expert parallelism with experts_implementation='batched_mm' or 'grouped_mm' "
+           "(model.set_experts_implementation)")
+    if cls.__name__ in LOOPS_WITHOUT_SKIP:
+        return (f"{cls.__name__}'s plain loop of experts (experts_implementation={implementation!r}) does not skip "
+                f"the routes to experts held elsewhere (the id num_experts) in transformers "
+                f"{transformers.__version__}; {fix}")
+    if _transformers_version() >= LOOP_SKIPS_ELSEWHERE_SINCE:
+        return None
     since = ".".join(map(str, LOOP_SKIPS_ELSEWHERE_SINCE))
     return (f"{cls.__name__} runs transformers {transformers.__version__}'s plain loop of experts "
             f"(experts_implementation={implementation!r}), which does not skip the routes to experts held "
-            f"elsewhere (the id num_experts: its one_hot counts num_experts classes); run expert parallelism "
-            f"with experts_implementation='batched_mm' or 'grouped_mm' (model.set_experts_implementation), or "
-            f"with transformers {since} or later")
+            f"elsewhere (the id num_experts: its one_hot counts num_experts classes); {fix}, or use transformers "
+            f"{since} or later")
 
 
 def _routing_arguments(module: nn.Module) -> inspect.Signature:
