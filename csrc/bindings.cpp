@@ -292,6 +292,19 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("stream", [](const Communicator& c) { return reinterpret_cast<uintptr_t>(c.stream()); })
       .def_property("timeout_s", &Communicator::timeout_s, &Communicator::set_timeout_s)
       .def("check", &Communicator::check, "Raise the error that ended this communicator, if any.")
+      .def(
+          "progress",
+          [](const Communicator& c) {
+            const Communicator::Progress s = c.progress();
+            py::dict d;
+            d["calls"] = s.calls;
+            d["in_progress"] = s.in_progress;
+            d["polls"] = s.polls;
+            d["polling_us"] = static_cast<double>(s.polling_ns) / 1e3;
+            return d;
+          },
+          "Since the communicator was made: the NCCL calls completed, how many returned ncclInProgress (it is "
+          "nonblocking), the polls of those and the host time spent polling them (us), as a dict.")
       .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>(),
            "Flush outstanding work and destroy the NCCL communicator.");
 

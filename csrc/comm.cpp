@@ -106,10 +106,17 @@ void Communicator::fail_locked(const std::string& message) {
   }
 }
 
+Communicator::Progress Communicator::progress() const {
+  return {finished_.load(), in_progress_.load(), polls_.load(), polling_ns_.load()};
+}
+
 void Communicator::finish(ncclResult_t result, const char* call, const std::string& what) {
   const Clock::time_point start = Clock::now();
   const std::string where = " on rank " + std::to_string(rank_) + " of " + std::to_string(size_);
-  for (int polls = 0; result == ncclInProgress; ++polls) {
+  finished_.fetch_add(1, std::memory_order_relaxed);
+  if (result == ncclInProgress) in_progress_.fetch_add(1, std::memory_order_relaxed);
+  int polls = 0;
+  for (; result == ncclInProgress; ++polls) {
     double limit = timeout_s_.load();
     if (seconds_since(start) > limit) {
       fail_locked("tp_kernels: " + what + ": " + call + " did not complete within " + format_seconds(limit) + " s" +
@@ -125,6 +132,12 @@ void Communicator::finish(ncclResult_t result, const char* call, const std::stri
     if (comm_ == nullptr) break;
     ncclResult_t query = ncclCommGetAsyncError(comm_, &result);
     if (query != ncclSuccess) result = query;
+  }
+  if (polls > 0) {
+    polls_.fetch_add(static_cast<uint64_t>(polls), std::memory_order_relaxed);
+    polling_ns_.fetch_add(static_cast<uint64_t>(
+                              std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count()),
+                          std::memory_order_relaxed);
   }
   if (result != ncclSuccess) {
     const char* detail = comm_ != nullptr ? ncclGetLastError(comm_) : nullptr;

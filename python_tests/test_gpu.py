@@ -106,6 +106,24 @@ def test_native_ops_with_several_nccl_ranks_against_float64(shared_gpu_world, op
     shared_gpu_world.run(test_ops.check_against_float64, op, dtype, "pipelined", device="cuda")
 
 
+@native_built
+def test_nccl_progress_with_several_nccl_ranks(shared_gpu_world):
+    shared_gpu_world.run(check_nccl_progress)
+
+
+def check_nccl_progress():
+    """The host benchmark's count of what the pipelined path's NCCL calls cost the host on the
+    nonblocking communicator: a matmul_all_reduce in its default chunks makes an NCCL call a
+    chunk at least, at most all of them in progress, and polling them takes no negative time."""
+    from tp_kernels.bench import host
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    got = host.nccl_progress(device, calls=host.PEER_CALLS_PER_SAMPLE)
+    assert set(got) == {"calls", "in_progress", "polls", "polling_us"}, got
+    assert got["calls"] >= DEFAULT_NUM_CHUNKS["matmul_all_reduce"], got
+    assert 0 <= got["in_progress"] <= got["calls"] and got["polls"] >= 0 and got["polling_us"] >= 0, got
+
+
 def check_native_routing_and_result(op):
     """On CUDA, "pipelined" (and "auto" with several ranks) run the native extension, which
     matches the reference for every chunk count; with several ranks it made the group's NCCL

@@ -33,8 +33,11 @@ With ``--peers`` the calls run instead on p processes of a real group (each p >=
 that the native and fused paths run too, with ``fused`` among the backends: there, the host never
 waits for the communication, and a figure is still the host time of issuing a call (rank 0's; every
 rank's ``added_us`` is in the record). A sample is then 20 calls, which stay under the launch
-queue's depth with their chunks' kernels and events. On the CPU the ranks are gloo processes
-whose waits include the transfer itself: a check of the tool, not a figure.
+queue's depth with their chunks' kernels and events. On a GPU the record also holds, per rank,
+what the pipelined path's NCCL calls cost the host (``nccl_progress``: the calls a
+``matmul_all_reduce`` makes on the nonblocking communicator, how many return in progress, and
+the µs spent polling them). On the CPU the ranks are gloo processes whose waits include the
+transfer itself: a check of the tool, not a figure.
 
 Each figure is the fastest of ``--samples`` samples, each the mean host time of 200 calls, the
 calls timed in turns (on a GPU the device is synchronised between samples only, so issuing never
@@ -274,16 +277,45 @@ def measure(p: int, device: torch.device, samples: int, profile: int = 0) -> Dic
     return _timed(p, device, samples, CALLS_PER_SAMPLE, profile)
 
 
+def nccl_progress(device: torch.device, calls: int = 10 * PEER_CALLS_PER_SAMPLE) -> Dict[str, float]:
+    """Per call of the native pipelined ``matmul_all_reduce`` at the timed shape, on this
+    process's group (real peers, CUDA): what its NCCL calls cost the host on the group's
+    nonblocking communicator (``Communicator.progress``): the NCCL calls the op made, how many of
+    them returned ``ncclInProgress``, their polls, and the µs spent polling them; the device
+    synchronised every :data:`PEER_CALLS_PER_SAMPLE` calls, as the timed samples are."""
+    from ..backends import pipelined_native
+
+    group = dist.group.WORLD
+    m, k, n = SHAPES["cuda"]
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+    ops.matmul_all_reduce(x, w, group=group, backend="pipelined")  # (the communicator made, the path warm)
+    torch.cuda.synchronize(device)
+    comm = pipelined_native.communicator(group, device)
+    before = comm.progress()
+    for i in range(calls):
+        ops.matmul_all_reduce(x, w, group=group, backend="pipelined")
+        if i % PEER_CALLS_PER_SAMPLE == PEER_CALLS_PER_SAMPLE - 1:
+            torch.cuda.synchronize(device)
+    torch.cuda.synchronize(device)
+    after = comm.progress()
+    return {key: (after[key] - before[key]) / calls for key in after}
+
+
 def _peer_rank(p: int, device_type: str, samples: int, profile: int = 0) -> Dict:
     """:func:`_timed` on one rank of a :class:`~tp_kernels.testing.World` (every rank the same
-    calls in the same order), with the fused path among the backends."""
+    calls in the same order), with the fused path among the backends; on a GPU also the pipelined
+    path's :func:`nccl_progress`."""
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     if device_type == "cpu":
         torch.set_num_threads(1)
     settings.set_fingerprints(False)
-    return _timed(p, device, samples, PEER_CALLS_PER_SAMPLE, profile, why_not=lambda impl: None,
-                  backends=("reference", "pipelined", "fused", "auto") if device_type == "cuda" else
-                  ("reference", "pipelined", "auto"))
+    run = _timed(p, device, samples, PEER_CALLS_PER_SAMPLE, profile, why_not=lambda impl: None,
+                 backends=("reference", "pipelined", "fused", "auto") if device_type == "cuda" else
+                 ("reference", "pipelined", "auto"))
+    if device_type == "cuda":
+        run["nccl_progress"] = nccl_progress(device)
+    return run
 
 
 def measure_with_peers(p: int, device: torch.device, samples: int, profile: int = 0) -> Dict:
@@ -359,6 +391,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("  added: " + ", ".join(f"{name} {v:+.2f} us" for name, v in run["added_us"].items()))
         for name, why in run["skipped"].items():
             print(f"  skipped {name}: {why}")
+        if "nccl_progress" in run:
+            print("  matmul_all_reduce/pipelined, its NCCL calls a call: " +
+                  ", ".join(f"{key} {v:.1f}" for key, v in run["nccl_progress"].items()))
         for name, rows in run.get("profile", {}).items():
             print(f"  {name}, the functions by own time a call (us, under cProfile): " +
                   "; ".join(f"{where} {own:.2f}" for where, _, own, _ in rows[:5]))

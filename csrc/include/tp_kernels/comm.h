@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <mutex>
 #include <string>
@@ -55,6 +56,13 @@ class Communicator {
   // error or after the timeout (the communicator is then aborted).
   void finish(ncclResult_t result, const char* call, const std::string& what);
 
+  // What finish() has seen since the communicator was made: the NCCL calls it completed, how many
+  // of them returned ncclInProgress, its polls of those, and the host time it spent polling them.
+  struct Progress {
+    uint64_t calls, in_progress, polls, polling_ns;
+  };
+  Progress progress() const;
+
   // After an op has enqueued its last communication on `stream`: unless the stream is being
   // captured in a CUDA graph, the watchdog checks that this work completes within the timeout.
   void watch(cudaStream_t stream, const std::string& what);
@@ -86,6 +94,7 @@ class Communicator {
   mutable std::mutex error_mutex_;
   std::string error_;
   std::atomic<double> timeout_s_;
+  std::atomic<uint64_t> finished_{0}, in_progress_{0}, polls_{0}, polling_ns_{0};  // progress()
 
   std::mutex watch_mutex_;  // queue_, free_events_, stop_
   std::condition_variable watch_cv_;
