@@ -15,9 +15,9 @@ Or the ranks split the experts themselves (expert parallelism over the tensor-pa
 ``DistributedConfig(ep_implementation="all_reduce")``): each rank holds ``c = ceil(E/p)`` whole
 experts and runs them on the tokens routed to them, of the tokens every rank holds alike; a route
 to an expert held elsewhere reaches this rank's experts as the expert id ``c`` with weight 0, which
-transformers' experts skip (their plain loop from transformers 5.18 on; before, it is an error
-naming the implementations that do), and the ranks' outputs are summed as above. No token moves, so no
-count is read back to the host; each expert's matrices stay whole (a GEMM as large as the dense
+transformers' experts skip (where a plain loop of theirs does not, an error names the
+implementations that do: :func:`unskipped_elsewhere`), and the ranks' outputs are summed as
+above. No token moves, so no count is read back to the host; each expert's matrices stay whole (a GEMM as large as the dense
 model's), and any expert count will do (where p does not divide it, the last ranks' blocks end in
 zero experts that no route reaches, as ``torch.chunk`` and a ``DTensor``'s ``Shard`` split it:
 Qwen1.5-MoE's 60 over 8 ranks), where the hidden-unit split needs each expert's hidden units
@@ -33,6 +33,7 @@ this rank's heads (an attention's per-head sinks, ``[heads]``): transformers' ``
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from typing import Dict, Mapping, Optional
@@ -88,9 +89,10 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
     position or name), the expert ids global; it gets this rank's local ids, and for a route to an
     expert held elsewhere the id ``c`` with weight 0, which it must skip (transformers' experts
     do: their loop's ``expert_idx == self.num_experts``, and the grouped GEMMs' sentinel rows, which
-    ``_is_expert_parallel``, set here, turns on; their plain loop before transformers 5.18 does not,
-    and is a ``ValueError`` here and on each call: :func:`unskipped_elsewhere`). Its output is
-    summed as above, and the gradient of each routing weight comes from the rank holding its expert.
+    ``_is_expert_parallel``, set here, turns on; their plain loops before transformers 5.18, and
+    GPT-OSS's and Nemotron-H's, do not, and are a ``ValueError`` here and on each call:
+    :func:`unskipped_elsewhere`). Its output is summed as above, and the gradient of each routing
+    weight comes from the rank holding its expert.
 
     With ``sequence_parallel=True`` each rank calls ``module`` with its own block of the tokens
     (dim 0 of every tensor argument: the hidden states ``[T/p, ...]``, the expert ids and routing
@@ -268,7 +270,9 @@ LOOP_SKIPS_ELSEWHERE_SINCE = (5, 18)
 LOOPS_WITHOUT_SKIP = ("GptOssExperts", "NemotronHExperts")
 
 
+@functools.lru_cache(maxsize=None)
 def _transformers_version() -> tuple:
+    """The installed transformers' (major, minor), read once."""
     import transformers
 
     return tuple(int(part) for part in re.findall(r"\d+", transformers.__version__)[:2])
@@ -285,7 +289,8 @@ def unskipped_elsewhere(module: nn.Module) -> Optional[str]:
     if not cls.__module__.startswith("transformers.") or not hasattr(cls.forward, "__wrapped__"):
         return None  # (not transformers' experts, whose forward dispatches on the implementation)
     implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
-    if implementation not in (None, "eager"):
+    if implementation not in (None, "eager") or (
+            cls.__name__ not in LOOPS_WITHOUT_SKIP and _transformers_version() >= LOOP_SKIPS_ELSEWHERE_SINCE):
         return None
     import transformers
 
@@ -295,8 +300,6 @@ def unskipped_elsewhere(module: nn.Module) -> Optional[str]:
         return (f"{cls.__name__}'s plain loop of experts (experts_implementation={implementation!r}) does not skip "
                 f"the routes to experts held elsewhere (the id num_experts) in transformers "
                 f"{transformers.__version__}; {fix}")
-    if _transformers_version() >= LOOP_SKIPS_ELSEWHERE_SINCE:
-        return None
     since = ".".join(map(str, LOOP_SKIPS_ELSEWHERE_SINCE))
     return (f"{cls.__name__} runs transformers {transformers.__version__}'s plain loop of experts "
             f"(experts_implementation={implementation!r}), which does not skip the routes to experts held "
