@@ -193,13 +193,19 @@ def _runs_on_a_fake_group(impl: str) -> Optional[str]:
     return f"runs {impl}, which needs real peers"
 
 
+def _operands(device: torch.device, dtype: torch.dtype):
+    """The timed GEMM's input and weight (:data:`SHAPES`), ``[m, k]`` and ``[n, k]``."""
+    m, k, n = SHAPES[device.type]
+    return torch.randn(m, k, device=device, dtype=dtype), torch.randn(n, k, device=device, dtype=dtype)
+
+
 def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("reference", "pipelined", "auto"),
            why_not: Callable[[str], Optional[str]] = _runs_on_a_fake_group):
     """The timed calls at ``p`` ranks: name -> (function, its plain counterpart's name), and the
     skipped ones: name -> why (``why_not(impl)``, or why ``backend`` cannot run here at all)."""
     group = dist.group.WORLD
     m, k, n = SHAPES[device.type]
-    x, w = torch.randn(m, k, device=device, dtype=dtype), torch.randn(n, k, device=device, dtype=dtype)
+    x, w = _operands(device, dtype)
     plain = PlainRowParallel(k, n, group, device, dtype)
     row = RowParallelLinear(k * p, n, group=group, device=device, dtype=dtype).requires_grad_(False)
 
@@ -286,9 +292,7 @@ def nccl_progress(device: torch.device, calls: int = 10 * PEER_CALLS_PER_SAMPLE)
     from ..backends import pipelined_native
 
     group = dist.group.WORLD
-    m, k, n = SHAPES["cuda"]
-    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+    x, w = _operands(device, torch.bfloat16)
     ops.matmul_all_reduce(x, w, group=group, backend="pipelined")  # (the communicator made, the path warm)
     torch.cuda.synchronize(device)
     comm = pipelined_native.communicator(group, device)
