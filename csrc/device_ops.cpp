@@ -16,14 +16,27 @@ void write_flag(uint32_t* flag, uint32_t value, cudaStream_t stream) {
   stream_write_value32(flag, value, stream);
 }
 
-void write_flags(uint32_t* const* flags, const uint32_t* values, int count, cudaStream_t stream) {
+namespace {
+
+// The checks of a list of `count` flags that `fn` (write_flags, wait_flags) takes.
+void check_flag_count(const char* fn, int count) {
   if (count < 0 || count > kMaxRanks)
-    throw ArgumentError("flags: write_flags takes 0 to " + std::to_string(kMaxRanks) + " flags, got " +
+    throw ArgumentError(std::string("flags: ") + fn + " takes 0 to " + std::to_string(kMaxRanks) + " flags, got " +
                         std::to_string(count));
+}
+
+uint32_t* checked_flag(const char* fn, uint32_t* const* flags, int i) {
+  if (flags[i] == nullptr) throw ArgumentError(std::string("flags: ") + fn + " got a null flag " + std::to_string(i));
+  return flags[i];
+}
+
+}  // namespace
+
+void write_flags(uint32_t* const* flags, const uint32_t* values, int count, cudaStream_t stream) {
+  check_flag_count("write_flags", count);
   FlagWrites list{};
   for (int i = 0; i < count; ++i) {
-    if (flags[i] == nullptr) throw ArgumentError("flags: write_flags got a null flag " + std::to_string(i));
-    list.flag[i] = flags[i];
+    list.flag[i] = checked_flag("write_flags", flags, i);
     list.value[i] = values[i];
   }
   if (count == 0) return;
@@ -33,17 +46,14 @@ void write_flags(uint32_t* const* flags, const uint32_t* values, int count, cuda
 
 void wait_flags(uint32_t* const* flags, const uint32_t* codes, const uint32_t* expect, int count, uint64_t timeout_ns,
                 uint32_t* error_word, cudaStream_t stream) {
-  if (count < 0 || count > kMaxRanks)
-    throw ArgumentError("flags: wait_flags takes 0 to " + std::to_string(kMaxRanks) + " flags, got " +
-                        std::to_string(count));
+  check_flag_count("wait_flags", count);
   if (error_word == nullptr) throw ArgumentError("error_word: wait_flags got a null error word");
   FlagList list{};
   for (int i = 0; i < count; ++i) {
-    if (flags[i] == nullptr) throw ArgumentError("flags: wait_flags got a null flag " + std::to_string(i));
+    list.flag[i] = checked_flag("wait_flags", flags, i);
     if (codes[i] == 0 || (codes[i] & kMismatchBit) != 0)
       throw ArgumentError("codes: wait_flags' error code " + std::to_string(i) +
                           " must be nonzero, with MISMATCH_BIT (0x40000000) clear");
-    list.flag[i] = flags[i];
     list.code[i] = codes[i];
     list.expect[i] = expect == nullptr ? 0 : expect[i];
   }
