@@ -346,13 +346,17 @@ def test_host_profile_ranks_a_calls_functions_by_their_own_time():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
-def test_fused_bench_without_a_gpu_says_so(capsys):
-    from tp_kernels.bench import fused
+@pytest.mark.parametrize("bench, bad_p", [("fused", "9"), ("timeline", "1")])
+def test_virtual_rank_bench_without_a_gpu_says_so(capsys, bench, bad_p):
+    """The fused benchmark and the timeline without a GPU: exit status 2 and why; a rank count
+    out of range is an argument error."""
+    import importlib
 
-    assert fused.main(["--out-dir", "unused"]) == 2
+    module = importlib.import_module(f"tp_kernels.bench.{bench}")
+    assert module.main(["--out-dir", "unused"]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        fused.main(["--p", "9"])
+        module.main(["--p", bad_p])
 
 
 def test_timeline_summary_of_a_trace():
@@ -370,16 +374,17 @@ def test_timeline_summary_of_a_trace():
         event("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 12.0, 6.0, tid=9),  # 3 of its 6 us beside a GEMM
         event("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 30.0, 2.0, tid=9),  # none
         event("tpk_wait_flags", "kernel", 20.0, 4.0, tid=9),
+        event("tpk_set_flags", "kernel", 25.0, 1.0, tid=9),  # the flag writes: with the waits
         event("tpk_reduce_partials_bfloat16", "kernel", 40.0, 5.0, tid=7),
         event("Memset (Device)", "gpu_memset", 46.0, 1.0, tid=7),
         event("aten::linear", "cpu_op", 0.0, 100.0, tid=1),  # the host's: not a GPU activity
         event("nvjet_hsh", "kernel", 0.0, 1.0, ph="i"),  # an instant, not a span
     ]
     out = timeline.summarize(events, top=2)
-    assert out["activities"] == 7 and out["streams"] == 3 and out["span_us"] == 47.0
-    assert out["busy_us"] == {"gemms": 15.0, "copies": 8.0, "waits": 4.0, "other": 6.0}
-    assert out["kernel_us"] == {"gemms": 20.0, "copies": 8.0, "waits": 4.0, "other": 6.0}
-    assert out["count"] == {"gemms": 2, "copies": 2, "waits": 1, "other": 2}
+    assert out["activities"] == 8 and out["streams"] == 3 and out["span_us"] == 47.0
+    assert out["busy_us"] == {"gemms": 15.0, "copies": 8.0, "waits": 5.0, "other": 6.0}
+    assert out["kernel_us"] == {"gemms": 20.0, "copies": 8.0, "waits": 5.0, "other": 6.0}
+    assert out["count"] == {"gemms": 2, "copies": 2, "waits": 2, "other": 2}
     assert out["copies_beside_gemms_us"] == 3.0 and out["copies_beside_gemms"] == pytest.approx(3.0 / 8.0)
     assert [name for name, _, _ in out["top"]] == ["nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NNT",
                                                    "sm90_xmma_gemm_bf16bf16_bf16f32"]
@@ -390,16 +395,6 @@ def test_timeline_summary_of_a_trace():
     assert any(e.get("cat") == "cpu_op" for e in trace) or torch.cuda.is_available()
     if not torch.cuda.is_available():
         assert timeline.summarize(trace) == {"activities": 0}
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
-def test_timeline_without_a_gpu_says_so(capsys):
-    from tp_kernels.bench import timeline
-
-    assert timeline.main(["--out-dir", "unused"]) == 2
-    assert "needs a CUDA device" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        timeline.main(["--p", "1"])
 
 
 def test_fused_bench_overlap_efficiency():
