@@ -2,6 +2,7 @@
 // deterministic reduction (device_ops.h), over the driver and the NVRTC-built kernels (driver.h).
 #include "tp_kernels/device_ops.h"
 
+#include <algorithm>
 #include <string>
 
 #include "tp_kernels/check.h"
@@ -81,6 +82,43 @@ void reduce_partials(const void* const* in, int p, void* out, int64_t count, DTy
   if (blocks > cap) blocks = cap;
   long long n = count;
   void* args[] = {&ptrs, &p, &out, &n};
+  launch(kernel, static_cast<unsigned>(blocks), threads, args, stream);
+}
+
+void one_shot_all_reduce(const OneShotParams& params, DType dtype, cudaStream_t stream) {
+  const OneShotParams& a = params;
+  if (a.p < 1 || a.p > kMaxRanks || a.rank < 0 || a.rank >= a.p)
+    throw ArgumentError("one_shot_all_reduce: rank " + std::to_string(a.rank) + " of " + std::to_string(a.p) +
+                        " ranks, expected 0 <= rank < p <= " + std::to_string(kMaxRanks));
+  if (a.count < 0) throw ArgumentError("one_shot_all_reduce: negative count");
+  if (a.stages < kStagePublish || a.stages > (kStagePublish | kStageReduce))
+    throw ArgumentError("one_shot_all_reduce: stages must be kStagePublish, kStageReduce or both");
+  if (a.error_word == nullptr || a.arrivals == nullptr || a.src == nullptr || a.out == nullptr)
+    throw ArgumentError("one_shot_all_reduce: null error word, counters, src or out");
+  for (int q = 0; q < a.p; ++q)
+    if (a.exports.in[q] == nullptr) throw ArgumentError("one_shot_all_reduce: null export region " + std::to_string(q));
+  for (int i = 0; i < a.p - 1; ++i) {
+    if (a.release.flag[i] == nullptr || a.ready.flag[i] == nullptr || a.signal_ready.flag[i] == nullptr ||
+        a.signal_release.flag[i] == nullptr)
+      throw ArgumentError("one_shot_all_reduce: a null flag of peer " + std::to_string(i));
+    for (uint32_t code : {a.release.code[i], a.ready.code[i]})
+      if (code == 0 || (code & kMismatchBit) != 0)
+        throw ArgumentError("one_shot_all_reduce: error codes must be nonzero, with MISMATCH_BIT clear");
+  }
+  Kernel kernel;
+  switch (dtype) {
+    case DType::kFloat32: kernel = Kernel::kOneShotFloat32; break;
+    case DType::kFloat16: kernel = Kernel::kOneShotFloat16; break;
+    case DType::kBFloat16: kernel = Kernel::kOneShotBFloat16; break;
+    default: throw Error(std::string("one_shot_all_reduce: no reduction in ") + dtype_name(dtype));
+  }
+  const int threads = kOneShotThreads;
+  const int64_t per = static_cast<int64_t>(16 / dtype_size(dtype));  // elements a thread moves at once
+  const int64_t items = (a.count + per - 1) / per;
+  int64_t blocks = std::max<int64_t>(1, (items + threads - 1) / threads);
+  blocks = std::min<int64_t>(blocks, std::max(1, std::min(32, multiprocessor_count() / a.p)));
+  OneShotParams copy = a;
+  void* args[] = {&copy};
   launch(kernel, static_cast<unsigned>(blocks), threads, args, stream);
 }
 

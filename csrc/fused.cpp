@@ -186,6 +186,13 @@ void all_reduce(PeerContext& ctx, const OverlapArgs& a, AllReduceAlgo algo, int 
       need_region(ctx, Region::kExport2, per * es, op + " (two-shot slice of " + std::to_string(per) + ")");
     auto lo = [&](int q) { return std::min<int64_t>(q * per, count); };
     auto len = [&](int q) { return std::min<int64_t>((q + 1) * per, count) - lo(q); };
+    if (algo == AllReduceAlgo::kOneShot) {  // the partial into out, then one kernel a phase (one_shot)
+      if (runs(phase, 0) && a.w != nullptr && m > 0) gemm(a, a.x, a.out, m, nullptr);
+      const void* partial = a.w != nullptr ? a.out : a.x;  // the all-reduce alone: x is the partial
+      const int stages = phase == kAllPhases ? kStagePublish | kStageReduce : phase == 0 ? kStagePublish : kStageReduce;
+      ctx.one_shot(partial, a.out, count, a.dtype, stages, id, a.stream);
+      return;
+    }
     const void* in[kMaxRanks];
     if (runs(phase, 0)) {  // every rank's partial in its export region
       ctx.wait(peers, Region::kExport, true, id, a.stream);
@@ -194,12 +201,6 @@ void all_reduce(PeerContext& ctx, const OverlapArgs& a, AllReduceAlgo algo, int 
     }
     if (runs(phase, 1)) {
       ctx.wait(peers, Region::kExport, false, id, a.stream);
-      if (algo == AllReduceAlgo::kOneShot) {
-        for (int q = 0; q < p; ++q) in[q] = ctx.region(q, Region::kExport);
-        reduce_partials(in, p, a.out, count, a.dtype, a.stream);
-        ctx.signal_all(Region::kExport, true, a.stream);
-        return;
-      }
       // Sum this rank's slice of everyone's partial into export2 ...
       ctx.wait(peers, Region::kExport2, true, id, a.stream);
       for (int q = 0; q < p; ++q) in[q] = static_cast<const char*>(ctx.region(q, Region::kExport)) + lo(r) * es;

@@ -133,6 +133,11 @@ cudaEvent_t PeerContext::event(size_t i) {
   return events_[i];
 }
 
+uint64_t PeerContext::timeout_ns() const {
+  const double ns = timeout_s_.load() * 1e9;
+  return ns > 1.8e19 ? UINT64_MAX : static_cast<uint64_t>(ns);
+}
+
 uint32_t* PeerContext::flag(int q, int index) const {
   return reinterpret_cast<uint32_t*>(bases_[q]) + index;
 }
@@ -162,8 +167,37 @@ void PeerContext::wait(const std::vector<int>& peers, Region c, bool release, Pr
     expect[count] = release ? 0u : call_word_;
     codes[count++] = wait_code(op, index);
   }
-  const double ns = timeout_s_.load() * 1e9;
-  wait_flags(flags, codes, expect, count, ns > 1.8e19 ? UINT64_MAX : static_cast<uint64_t>(ns), error_word_, stream);
+  wait_flags(flags, codes, expect, count, timeout_ns(), error_word_, stream);
+}
+
+void PeerContext::one_shot(const void* src, void* out, int64_t count, DType dtype, int stages, Primitive op,
+                           cudaStream_t stream) {
+  OneShotParams a{};
+  int i = 0;
+  for (int q : others()) {  // entry i of every list: the same peer
+    const int release = flag_index(Region::kExport, true, q), ready = flag_index(Region::kExport, false, q);
+    a.release.flag[i] = flag(rank_, release);
+    a.release.code[i] = wait_code(op, release);
+    a.ready.flag[i] = flag(rank_, ready);
+    a.ready.code[i] = wait_code(op, ready);
+    a.ready.expect[i] = call_word_;
+    a.signal_ready.flag[i] = flag(q, flag_index(Region::kExport, false, rank_));
+    a.signal_ready.value[i] = call_word_;
+    a.signal_release.flag[i] = flag(q, flag_index(Region::kExport, true, rank_));
+    a.signal_release.value[i] = 1u;
+    ++i;
+  }
+  for (int q = 0; q < size_; ++q) a.exports.in[q] = region(q, Region::kExport);
+  a.src = src;
+  a.out = out;
+  a.count = count;
+  a.rank = rank_;
+  a.p = size_;
+  a.stages = stages;
+  a.timeout_ns = timeout_ns();
+  a.error_word = error_word_;
+  a.arrivals = flag(rank_, kArrivalIndex);
+  one_shot_all_reduce(a, dtype, stream);
 }
 
 std::vector<int> PeerContext::others() const {

@@ -278,7 +278,8 @@ def test_control_block_starts_with_every_release_flag_set():
     C = _extension._C
     words = C.initial_control_block()
     assert len(words) == C.CONTROL_BYTES // 4
-    # per region (export, inbox, export2): 8 ready flags (clear) then 8 release flags (set)
+    # per region (export, inbox, export2): 8 ready flags (clear) then 8 release flags (set); the rest
+    # (the one-shot kernel's block counters among it) zero
     expected = ([0] * C.MAX_RANKS + [1] * C.MAX_RANKS) * len(C.REGIONS)
     assert words[:len(expected)] == expected and not any(words[len(expected):])
 

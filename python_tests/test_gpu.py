@@ -711,6 +711,34 @@ def test_fused_all_reduce_alone_is_the_rank_order_sum_for_every_algorithm(p, dty
 
 
 @native_built
+@pytest.mark.parametrize("p", [2, 8])
+def test_fused_one_shot_in_one_launch_a_rank(p):
+    """The one-shot all-reduce as a rank that is a process of its own runs it (every phase at once:
+    one kernel), here for p virtual ranks on their streams, interleaved with two-shot calls that
+    share its export region and flags: the rank-order sum on every rank, call after call."""
+    dtype = torch.bfloat16
+    with VirtualRanks(p, timeout_s=10.0) as vr:
+        for count in (7, 4096, 65537, 2**20 + 8):
+            g = torch.Generator().manual_seed(count)
+            xs = [torch.randn(count, generator=g).to("cuda", dtype) for _ in range(p)]
+            want = _rank_order_sum(xs, dtype)
+            vr.all_reduce(xs, "two_shot")  # the workspace for this count, and the flags' other user
+            outs = [torch.full_like(x, float("nan")) for x in xs]
+            current = torch.cuda.current_stream()
+            for s in vr.streams:
+                s.wait_stream(current)
+            for q, s in enumerate(vr.streams):
+                fused.rank_all_reduce(vr.contexts[q], xs[q], outs[q], "one_shot", s).enqueue(None)
+            for s in vr.streams:
+                current.wait_stream(s)
+            for q, out in enumerate(outs):
+                assert torch.equal(out, want), f"count {count} rank {q}"
+            for q, out in enumerate(vr.all_reduce(xs, "two_shot")):
+                assert torch.equal(out, want), f"two-shot after one-shot, count {count} rank {q}"
+        vr.check()
+
+
+@native_built
 @pytest.mark.parametrize("p", [2, 4])
 def test_fused_all_reduce_alone_graph_replay_equals_eager(p):
     dtype = torch.bfloat16

@@ -1,5 +1,5 @@
-// The device code of tp_kernels._C: the bounded flag wait and the deterministic reduction of the
-// peer-memory path (device_ops.h says what each does). Compiled at build time by NVRTC
+// The device code of tp_kernels._C: the bounded flag wait, the flag writes, the deterministic
+// reduction and the one-shot all-reduce of the peer-memory path (device_ops.h says what each does). Compiled at build time by NVRTC
 // (_build/compile_kernels.py) into a cubin per architecture and a PTX, which driver.cpp loads and
 // launches by the extern "C" names below (driver.h's kernel list).
 #include <cuda_bf16.h>
@@ -37,6 +37,135 @@ __device__ __forceinline__ void reduce_partials(const tp_kernels::PartialPtrs& p
     float acc = to_float(static_cast<const T*>(ptrs.in[0])[i]);
     for (int q = 1; q < p; ++q) acc += to_float(static_cast<const T*>(ptrs.in[q])[i]);
     out[i] = from_float<T>(acc);
+  }
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0; }
+
+// Thread i (< count) polls flag i of `list` until it is set, without clearing it, bounded like
+// tpk_wait_flags (a timeout or a flag with another value than expect[i] records code i in the error
+// word; an error already there ends the poll). Every thread of the block returns after it.
+__device__ void poll_flags(const tp_kernels::FlagList& list, int count, unsigned long long timeout_ns,
+                           unsigned int* error_word) {
+  const int i = threadIdx.x;
+  if (i < count) {
+    volatile unsigned int* flag = list.flag[i];
+    volatile unsigned int* error = error_word;
+    const unsigned long long start = global_timer_ns();
+    unsigned int seen;
+    while ((seen = *flag) == 0) {
+      if (*error != 0) break;
+      if (global_timer_ns() - start > timeout_ns) {
+        atomicCAS(error_word, 0u, list.code[i]);
+        break;
+      }
+      __nanosleep(32);
+    }
+    if (seen != 0 && list.expect[i] != 0 && seen != list.expect[i])
+      atomicCAS(error_word, 0u, list.code[i] | tp_kernels::kMismatchBit);
+    __threadfence_system();  // what the peer wrote before its flag is read after this
+  }
+  __syncthreads();
+}
+
+// Each block of the grid calls this once, after its share of a stage: true in the last block to
+// arrive, when what every block wrote and read before is complete and visible. The counter is
+// zero again when it returns, for the next launch.
+__device__ bool last_to_arrive(unsigned int* counter) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    if (last) {
+      atomicExch(counter, 0u);
+      __threadfence_system();
+    }
+  }
+  __syncthreads();
+  return last;
+}
+
+// Thread i (< count) clears this rank's flag i of `clear`, then writes peer i's flag of `writes`:
+// the peer sets that flag of this rank again only after it has seen the write.
+__device__ void clear_then_signal(const tp_kernels::FlagList& clear, const tp_kernels::FlagWrites& writes, int count) {
+  const int i = threadIdx.x;
+  if (i >= count) return;
+  *static_cast<volatile unsigned int*>(clear.flag[i]) = 0u;
+  __threadfence_system();
+  *static_cast<volatile unsigned int*>(writes.flag[i]) = writes.value[i];
+  __threadfence_system();
+}
+
+// 16 bytes of T at a time where every pointer and the count allow it, else one element: the same
+// fp32 sums in rank order either way. Peers' data is loaded past L1 (ld.global.cg).
+template <typename T>
+__device__ __forceinline__ void sum_vector(const void* const* parts, int p, void* out, long long i) {
+  constexpr int kPer = 16 / sizeof(T);
+  float acc[kPer];
+  uint4 raw = __ldcg(static_cast<const uint4*>(parts[0]) + i);
+  for (int e = 0; e < kPer; ++e) acc[e] = to_float(reinterpret_cast<const T*>(&raw)[e]);
+#pragma unroll
+  for (int q = 1; q < tp_kernels::kMaxRanks; ++q) {  // unrolled: parts stays in registers
+    if (q >= p) break;
+    raw = __ldcg(static_cast<const uint4*>(parts[q]) + i);
+    for (int e = 0; e < kPer; ++e) acc[e] += to_float(reinterpret_cast<const T*>(&raw)[e]);
+  }
+  for (int e = 0; e < kPer; ++e) reinterpret_cast<T*>(&raw)[e] = from_float<T>(acc[e]);
+  static_cast<uint4*>(out)[i] = raw;
+}
+
+template <typename T>
+__device__ __forceinline__ void sum_element(const void* const* parts, int p, void* out, long long i) {
+  float acc = to_float(__ldcg(static_cast<const T*>(parts[0]) + i));
+#pragma unroll
+  for (int q = 1; q < tp_kernels::kMaxRanks; ++q) {
+    if (q >= p) break;
+    acc += to_float(__ldcg(static_cast<const T*>(parts[q]) + i));
+  }
+  static_cast<T*>(out)[i] = from_float<T>(acc);
+}
+
+// The one-shot all-reduce of rank a.rank (OneShotParams, device_ops.h). A block does its share of
+// the elements (grid-stride, the same share in both stages of one launch) and polls the peers'
+// flags itself; no block waits for another: the last to arrive after a stage clears the flags the
+// stage consumed and writes the ones it gives.
+template <typename T>
+__device__ void one_shot(const tp_kernels::OneShotParams& a) {
+  using tp_kernels::kStagePublish;
+  using tp_kernels::kStageReduce;
+  constexpr int kPer = 16 / sizeof(T);
+  const int peers = a.p - 1;
+  const void* parts[tp_kernels::kMaxRanks];  // the partials read: this rank's own from src
+  bool vec = a.count % kPer == 0 && aligned16(a.src) && aligned16(a.out);
+#pragma unroll
+  for (int q = 0; q < tp_kernels::kMaxRanks; ++q) {
+    parts[q] = q == a.rank ? a.src : a.exports.in[q];
+    if (q < a.p) vec = vec && aligned16(a.exports.in[q]);
+  }
+  const long long items = vec ? a.count / kPer : a.count;
+  const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  if (a.stages & kStagePublish) {
+    poll_flags(a.release, peers, a.timeout_ns, a.error_word);  // the peers have read the last one
+    void* own = const_cast<void*>(a.exports.in[a.rank]);
+    for (long long i = first; i < items; i += stride) {
+      if (vec)
+        static_cast<uint4*>(own)[i] = static_cast<const uint4*>(a.src)[i];
+      else
+        static_cast<T*>(own)[i] = static_cast<const T*>(a.src)[i];
+    }
+    if (last_to_arrive(&a.arrivals[0])) clear_then_signal(a.release, a.signal_ready, peers);
+  }
+  if (a.stages & kStageReduce) {
+    poll_flags(a.ready, peers, a.timeout_ns, a.error_word);  // every peer's partial is in place
+    for (long long i = first; i < items; i += stride) {
+      if (vec)
+        sum_vector<T>(parts, a.p, a.out, i);
+      else
+        sum_element<T>(parts, a.p, a.out, i);
+    }
+    if (last_to_arrive(&a.arrivals[1])) clear_then_signal(a.ready, a.signal_release, peers);
   }
 }
 
@@ -91,4 +220,19 @@ extern "C" __global__ void tpk_reduce_partials_float16(tp_kernels::PartialPtrs p
 extern "C" __global__ void tpk_reduce_partials_bfloat16(tp_kernels::PartialPtrs ptrs, int p, void* out,
                                                         long long count) {
   reduce_partials<__nv_bfloat16>(ptrs, p, out, count);
+}
+
+extern "C" __global__ void __launch_bounds__(tp_kernels::kOneShotThreads)
+    tpk_one_shot_float32(tp_kernels::OneShotParams a) {
+  one_shot<float>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(tp_kernels::kOneShotThreads)
+    tpk_one_shot_float16(tp_kernels::OneShotParams a) {
+  one_shot<__half>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(tp_kernels::kOneShotThreads)
+    tpk_one_shot_bfloat16(tp_kernels::OneShotParams a) {
+  one_shot<__nv_bfloat16>(a);
 }

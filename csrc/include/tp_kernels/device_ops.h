@@ -16,6 +16,8 @@
 //   raise a clear error.
 // * Deterministic reduction: the sum of p partial buffers in fixed rank order 0..p-1 with fp32
 //   accumulation, so the result does not depend on chunking, timing or the run.
+// * The one-shot all-reduce of a rank in one kernel: the flag polls, the copy into its export
+//   region, the flag writes and the reduction that would otherwise be six stream operations.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -51,6 +53,20 @@ void wait_flags(uint32_t* const* flags, const uint32_t* codes, const uint32_t* e
 // elements of `dtype` (1 <= p <= kMaxRanks; the arguments are trusted: boundary.h checks them).
 // Any of in[q] may be a peer's pointer; out may alias one of them.
 void reduce_partials(const void* const* in, int p, void* out, int64_t count, DType dtype, cudaStream_t stream);
+
+// A rank's one-shot all-reduce in one launch (kernels.cu's tpk_one_shot_*), by the stages of
+// params.stages, on the export region's flags (peer.h):
+// * kStagePublish: every block polls this rank's release flags (set, not cleared: the peers have
+//   read its last partial), copies its share of src into this rank's export region; the last block
+//   to finish clears the release flags and sets the peers' ready flags to their values.
+// * kStageReduce: every block polls this rank's ready flags (each must carry its expect value),
+//   sums its share of the p partials (this rank's from src) in rank order in fp32 into out; the
+//   last block clears the ready flags and sets the peers' release flags.
+// No block waits for another, so no launch needs all its blocks resident; each poll is bounded
+// like wait_flags, into the same error word. The grid is at most max(1, min(32, SMs / p)) blocks,
+// so p ranks' launches on one GPU (virtual ranks) fit on it side by side. The sums are
+// reduce_partials' bits.
+void one_shot_all_reduce(const OneShotParams& params, DType dtype, cudaStream_t stream);
 
 // True when the driver provides what these need: stream memory operations, module loading and
 // kernel launch (driver.h; CUDA 12+ drivers do).

@@ -35,7 +35,17 @@ extern const int kKernelImageCount;
 extern const char* const kKernelCompiler;  // "NVRTC 12.1"
 
 // The kernels of kernels.cu, by their extern "C" names in kKernelNames (same order).
-enum class Kernel : int { kWaitFlags, kSetFlags, kReduceFloat32, kReduceFloat16, kReduceBFloat16, kCount };
+enum class Kernel : int {
+  kWaitFlags,
+  kSetFlags,
+  kReduceFloat32,
+  kReduceFloat16,
+  kReduceBFloat16,
+  kOneShotFloat32,
+  kOneShotFloat16,
+  kOneShotBFloat16,
+  kCount
+};
 extern const char* const kKernelNames[static_cast<int>(Kernel::kCount)];
 
 // The image for a device of compute capability major.minor: a cubin of the same major and the

@@ -30,4 +30,29 @@ struct PartialPtrs {
   const void* in[kMaxRanks];
 };
 
+// The stages of tpk_one_shot_* (a launch runs one of them, or both in order).
+constexpr int kStagePublish = 1;  // this rank's partial into its export region, the peers told
+constexpr int kStageReduce = 2;   // the p partials summed into out, the peers told they are read
+
+// The threads of a tpk_one_shot_* block (its launch bound).
+constexpr int kOneShotThreads = 512;
+
+// tpk_one_shot_*: the one-shot all-reduce of a rank (peer.h's protocol on the export region).
+// Entry i of each flag list is peer i of the rank's other ranks (the same peer in all four).
+struct OneShotParams {
+  FlagList release;           // this rank's release(export, peer i): polled, cleared once published
+  FlagList ready;             // this rank's ready(export, peer i): polled (the call word), cleared once read
+  FlagWrites signal_ready;    // peer i's ready(export, rank): the call word
+  FlagWrites signal_release;  // peer i's release(export, rank): 1
+  PartialPtrs exports;        // every rank's export region, in rank order
+  const void* src;            // this rank's partial, `count` elements
+  void* out;                  // the sum (may be src)
+  long long count;
+  int rank, p;
+  int stages;                 // kStagePublish | kStageReduce
+  unsigned long long timeout_ns;
+  unsigned int* error_word;
+  unsigned int* arrivals;     // two counters in this rank's control block (0 between launches)
+};
+
 }  // namespace tp_kernels

@@ -28,6 +28,10 @@
 // flag, with no message beyond the flags the op writes anyway. Release flags are consumed by a
 // later op and carry 1.
 //
+// The one-shot all-reduce keeps this protocol in one kernel a rank (one_shot_all_reduce,
+// device_ops.h): its blocks poll the flags without clearing them and the last block to finish a
+// stage clears them, counting the blocks in two words of the control block after the flags.
+//
 // Every wait is bounded by the context's timeout; a wait that times out, or finds a ready flag
 // with another call word than its own, records which op, flag and peer (and which of the two) in
 // the context's error word, every later wait of the context returns at once, and check() (called
@@ -75,6 +79,10 @@ constexpr int flag_index(Region c, bool release, int peer) {
   return (static_cast<int>(c) * 2 + (release ? 1 : 0)) * kMaxRanks + peer;
 }
 
+// Index of the first of the two block counters of one_shot_all_reduce in a control block.
+constexpr int kArrivalIndex = flag_index(static_cast<Region>(kNumRegions - 1), true, kMaxRanks - 1) + 1;
+static_assert((kArrivalIndex + 2) * 4 <= static_cast<int>(kControlBytes), "the control block holds the counters");
+
 // The control block a new workspace starts with (kControlBytes / 4 words; release flags set).
 std::vector<uint32_t> initial_control_block();
 
@@ -114,6 +122,10 @@ class PeerContext {
   // Makes `stream` consume this rank's flags (c, release, q) for each q in `peers` (bounded; a
   // ready flag must carry the call word).
   void wait(const std::vector<int>& peers, Region c, bool release, Primitive op, cudaStream_t stream);
+  // The one-shot all-reduce of `count` elements of this rank's partial `src` into `out` (may be
+  // src), in one launch on `stream` (one_shot_all_reduce): its `stages` (kStagePublish,
+  // kStageReduce or both) over the export region and its flags, which waits of `op` name.
+  void one_shot(const void* src, void* out, int64_t count, DType dtype, int stages, Primitive op, cudaStream_t stream);
   // The other ranks, in the order r + 1, r + 2, ... (mod p).
   std::vector<int> others() const;
 
@@ -127,6 +139,7 @@ class PeerContext {
 
  private:
   uint32_t* flag(int q, int index) const;
+  uint64_t timeout_ns() const;  // of every device wait
 
   int rank_, size_, device_;
   std::vector<char*> bases_;
@@ -175,7 +188,9 @@ void fused_all_gather_matmul(PeerContext& ctx, const OverlapArgs& args, int phas
 void fused_matmul_reduce_scatter(PeerContext& ctx, const OverlapArgs& args, int phase = kAllPhases);
 
 // out [m, n] = AR(x W^T) by `algo`. bounds: {0, m} for one-/two-shot; the p + 1 block boundaries
-// over m for scatter-gather (scratch [m, n]). Deterministic like the reduce-scatter.
+// over m for scatter-gather (scratch [m, n]). Deterministic like the reduce-scatter. One-shot is
+// the GEMM into out and one PeerContext::one_shot launch (phase 0: the GEMM and the publishing
+// stage; phase 1: the summing stage).
 void fused_matmul_all_reduce(PeerContext& ctx, const OverlapArgs& args, AllReduceAlgo algo,
                              int phase = kAllPhases);
 
