@@ -833,6 +833,20 @@ def test_one_gpu_report_reads_every_figure_against_its_target():
     assert decode["value"] == 9.0 and not decode["meets"]
     assert "(two_shot, m = 4, alone, graph-replayed)" in decode["what"]
     assert "scatter_gather (error: capture failed)" in one_gpu.format_report(one_gpu.report(measured, rows, "FakeGPU"))
+    # with each rank's calls chained on its stream too, that figure is read first, row by row (m = 1 has
+    # only errors there: its forked-and-joined figure stands), and the fork and join alone is shown
+    for row, chained in zip(measured["fused"]["all_reduce_latency"], (
+            {"one_shot": "error: timed out"}, {"one_shot": 4.5, "two_shot": 8.0}, {"one_shot": 30.0})):
+        row["all_reduce_chained_us"] = chained
+        row["harness_graph_us"] = 3.25
+    chained_rep = one_gpu.report(measured, rows, "FakeGPU")
+    (decode,) = [c for c in chained_rep["checks"] if c["target"] == "decode_all_reduce_us"]
+    assert decode["value"] == 5.0 and decode["meets"]  # m = 1's one_shot 5.0 (graph), over m = 4's chained 4.5
+    assert "(one_shot, m = 1, alone, graph-replayed)" in decode["what"]
+    shown = one_gpu.format_report(chained_rep)
+    assert ("; the all-reduce alone, chained, graph-replayed: one_shot 4.5, two_shot 8.0 us; the all-reduce alone, "
+            "graph-replayed: one_shot 11.0, two_shot 9.0 us (the fork and join alone: 3.2 us)") in shown
+    assert "chained, graph-replayed: one_shot (error: timed out) us" in shown
     costs = rep["per_rank_costs"]
     assert [(c["backend"], round(c["added_us"], 3)) for c in costs] == [("reference", 2.5), ("pipelined", 1.0)]
     text = one_gpu.format_report(rep)

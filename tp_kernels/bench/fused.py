@@ -22,7 +22,12 @@ against):
    all-reduce); and the all-reduce alone (``VirtualRanks.all_reduce`` of ``[m, n]`` partials)
    by each algorithm, replayed from a CUDA graph of :data:`GRAPH_CALLS` calls, so that the
    host's launches (p ranks' kernels from one thread) stay out of its figure (``"all_reduce_graph_us"``:
-   microseconds a call, or the error that stopped its capture).
+   microseconds a call, or the error that stopped its capture). Each of those calls forks the
+   ranks' streams and joins them again, so the next call starts only when every rank has
+   finished: ``"harness_graph_us"`` is that fork and join alone (two one-element kernels a rank,
+   as many launches as a one-shot call's), and ``"all_reduce_chained_us"`` the all-reduce with each
+   rank's :data:`GRAPH_CALLS` calls back to back on its own stream (forked and joined once), as a
+   rank that is a process of its own runs them: the figure read against the decode target.
 
 3. **Crossovers**: each all-reduce algorithm over output sizes 16 KiB .. 64 MiB at p = 2 and
    --p, and the thresholds they imply (the fastest algorithm per size): of ``matmul_all_reduce``,
@@ -47,7 +52,7 @@ import torch
 
 from .. import _extension
 from ..backends import fused
-from ..testing import VirtualRanks
+from ..testing import VirtualRanks, phase_order
 from .extension import gpu_time_ms, graph_time_us
 from .records import default_out_dir, gpu_record, save_record
 from .targets import TARGETS
@@ -170,14 +175,47 @@ def _nccl_one_rank():
     return dist
 
 
-def _replayed_us(fn: Callable[[], object], iters: int):
-    """Microseconds a call of ``fn`` replayed from a CUDA graph, or the error that stopped it (in
-    the record, so that a figure missing says why)."""
+def _replayed_us(fn: Callable[[], object], iters: int, calls: int = GRAPH_CALLS):
+    """Microseconds a call of ``fn`` replayed from a CUDA graph of ``calls`` calls, or the error
+    that stopped it (in the record, so that a figure missing says why)."""
     try:
-        return graph_time_us(fn, GRAPH_CALLS, iters)
+        return graph_time_us(fn, calls, iters)
     except RuntimeError as exc:
         torch.cuda.synchronize()
         return f"error: {exc}"
+
+
+def _chained(vr: VirtualRanks, xs, outs, algorithm: str, calls: int) -> None:
+    """``calls`` all-reduces of ``xs`` into ``outs`` by ``algorithm``, each rank's back to back on
+    its own stream, the streams forked from the current one and joined to it once: between two
+    calls of a rank nothing waits for the other ranks but its flags."""
+    current = torch.cuda.current_stream()
+    for s in vr.streams:
+        s.wait_stream(current)
+    for _ in range(calls):
+        ranks = [fused.rank_all_reduce(vr.contexts[q], xs[q], outs[q], algorithm, s) for q, s in enumerate(vr.streams)]
+        for q, phase in phase_order([c.phases for c in ranks]):
+            ranks[q].enqueue(phase)
+    for s in vr.streams:
+        current.wait_stream(s)
+
+
+def _chained_us(vr: VirtualRanks, xs, algorithm: str, iters: int):
+    """Microseconds a call of :func:`_chained`'s, replayed from a CUDA graph of :data:`GRAPH_CALLS`
+    calls a rank (or the error that stopped it)."""
+    vr.all_reduce(xs, algorithm)  # the workspace for these calls, made before the capture
+    outs = [torch.empty_like(x) for x in xs]
+    us = _replayed_us(lambda: _chained(vr, xs, outs, algorithm, GRAPH_CALLS), iters, calls=1)
+    return us / GRAPH_CALLS if isinstance(us, float) else us
+
+
+def _harness_us(p: int, iters: int):
+    """Microseconds a call of the fork and join :meth:`VirtualRanks.all_reduce` wraps each call in,
+    with two one-element kernels a rank in place of the all-reduce's, replayed as its figure is (or
+    the error that stopped it)."""
+    streams = [torch.cuda.Stream() for _ in range(p)]
+    marks = [torch.zeros(1, device="cuda") for _ in range(p)]
+    return _replayed_us(lambda: _fork_join(streams, lambda q, s: (marks[q].zero_(), marks[q].zero_())), iters)
 
 
 def all_reduce_latency(ps: Sequence[int], iters: int, verbose: bool = True) -> List[Dict]:
@@ -185,6 +223,7 @@ def all_reduce_latency(ps: Sequence[int], iters: int, verbose: bool = True) -> L
     k, n, dtype = 28672 // 8, 8192, torch.bfloat16
     rows = []
     for p in ps:
+        harness = _harness_us(p, iters)
         with VirtualRanks(p) as vr:
             streams = [torch.cuda.Stream() for _ in range(p)]
             for m in ALL_REDUCE_M:
@@ -202,6 +241,9 @@ def all_reduce_latency(ps: Sequence[int], iters: int, verbose: bool = True) -> L
                 partials = [torch.randn(m, n, device="cuda", dtype=dtype) for _ in range(p)]
                 row["all_reduce_graph_us"] = {algo: _replayed_us(lambda: vr.all_reduce(partials, algo), iters)
                                               for algo in fused.algorithms()}
+                row["harness_graph_us"] = harness
+                row["all_reduce_chained_us"] = {algo: _chained_us(vr, partials, algo, iters)
+                                                for algo in fused.algorithms()}
                 rows.append(row)
                 if verbose:
                     print(f"all-reduce latency: {json.dumps(row)}", flush=True)

@@ -129,21 +129,35 @@ def measure(iters: int) -> dict:
     return out
 
 
+#: the figures of a decode row that measure the all-reduce alone, the first a row has read first
+#: (tp_kernels.bench.fused: each rank's calls chained on its stream, else each call forked and
+#: joined), graph-replayed
+DECODE_FIGURES = (("all_reduce_chained_us", "alone, chained, graph-replayed"),
+                  ("all_reduce_graph_us", "alone, graph-replayed"))
+
+
+def _times_us(times: dict) -> str:
+    """{algorithm: us, or the error that stopped its figure} as a report shows it."""
+    return ", ".join(f"{a} {us:.1f}" if isinstance(us, (int, float)) else f"{a} ({us})" for a, us in times.items())
+
+
 def _decode_all_reduce_us(latency: List[dict]) -> Optional[dict]:
-    """The decode all-reduce's latency over the rows of at most 64 KiB, its best algorithm's:
-    the all-reduce alone replayed from a CUDA graph where the row has it (``"all_reduce_graph_us"``),
-    else its part of ``matmul_all_reduce`` (that op's time minus the GEMMs alone, eager: the
-    host's launches in it); ``{"us", "algorithm", "m", "bytes", "how"}`` of the worst such row."""
+    """The decode all-reduce's latency over the rows of at most 64 KiB, its best algorithm's: the
+    first of :data:`DECODE_FIGURES` the row has, else its part of ``matmul_all_reduce`` (that op's
+    time minus the GEMMs alone, eager: the host's launches in it); ``{"us", "algorithm", "m",
+    "bytes", "how"}`` of the worst such row."""
     worst = None
     for row in latency:
         if row["bytes"] > 64 * 1024:
             continue
-        replayed = {a: us for a, us in row.get("all_reduce_graph_us", {}).items() if isinstance(us, (int, float))}
-        if replayed:
-            times, how = replayed, "alone, graph-replayed"
+        how = "op minus GEMMs, eager"
+        for key, label in DECODE_FIGURES:
+            times = {a: us for a, us in row.get(key, {}).items() if isinstance(us, (int, float))}
+            if times:
+                how = label
+                break
         else:
             times = {a: (ms - row["gemms_ms"]) * 1e3 for a, ms in row["algorithms_ms"].items()}
-            how = "op minus GEMMs, eager"
         if not times:
             continue
         best = min(times, key=times.get)
@@ -224,11 +238,12 @@ def format_report(rep: dict) -> str:
     elif rep["fused"]:
         for row in rep["fused"]["all_reduce_latency"]:
             algos = ", ".join(f"{a} {ms * 1e3:.1f}" for a, ms in row["algorithms_ms"].items())
-            replayed = ", ".join(f"{a} {us:.1f}" if isinstance(us, (int, float)) else f"{a} ({us})"
-                                 for a, us in row.get("all_reduce_graph_us", {}).items())
+            alone = "".join(f"; the all-reduce {how}: {_times_us(row[key])} us" for key, how in DECODE_FIGURES
+                            if row.get(key))
+            harness = (f" (the fork and join alone: {row['harness_graph_us']:.1f} us)"
+                       if isinstance(row.get("harness_graph_us"), (int, float)) else "")
             lines.append(f"  decode m = {row['m']:>4} ({row['bytes'] // 1024} KiB): GEMMs {row['gemms_ms'] * 1e3:.1f} "
-                         f"us; with the all-reduce: {algos} us" +
-                         (f"; the all-reduce alone, graph-replayed: {replayed} us" if replayed else ""))
+                         f"us; with the all-reduce: {algos} us{alone}{harness}")
     proj = rep["projection"]
     lines.append("# 3. " + (proj["label"] if proj else "PROJECTION: not computed (no GEMM time was measured)"))
     if proj:
