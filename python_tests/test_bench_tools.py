@@ -789,7 +789,10 @@ def _fake_one_gpu_measurements(scale=1.0):
             "host_overhead": {"added_eager_us": {"native_linear": 2.0, "matmul_all_reduce_pipelined": 4.0,
                                                  "matmul_all_reduce_fused": 7.5, "matmul_all_reduce_auto": 3.0},
                               "added_graph_us": {"matmul_all_reduce_pipelined": 0.1, "matmul_all_reduce_fused": 0.2,
-                                                 "matmul_all_reduce_auto": 0.0}},
+                                                 "matmul_all_reduce_auto": 0.0},
+                              "profile": {"matmul_all_reduce_fused": [["tp_kernels/ops.py:67(run)", 1.0, 3.5, 20.0],
+                                                                      ["backends/fused.py:247(_reduction)", 1.0, 2.25,
+                                                                       9.0]]}},
             "chunking": {"column": {"native_vs_f_linear": 1.0, "4_row_chunks": {"vs_unsplit": 0.98}},
                          "row": {"native_vs_f_linear": 0.985, "4_row_chunks": {"vs_unsplit": 0.96}}, "target": 0.97},
         },
@@ -857,6 +860,8 @@ def test_one_gpu_report_reads_every_figure_against_its_target():
     assert any(line.startswith("# 3. PROJECTION for 8 GPUs (model output, not a measurement): GEMM times measured "
                                "on FakeGPU") for line in lines)
     assert "  fused: host time added per call, m = 16: 7.500 (target <= 5) MISSES" in lines
+    assert ("  matmul_all_reduce_fused, the functions by own time a call (us, under cProfile): "
+            "tp_kernels/ops.py:67(run) 3.50; backends/fused.py:247(_reduction) 2.25") in lines
     assert "  fused matmul_reduce_scatter, 8 virtual ranks: 0.900 (target >= 0.95) MISSES" in lines
     assert text.count("(projected)") == 1
     assert "  decode m =   16 (256 KiB): GEMMs 10.0 us; with the all-reduce: one_shot 35.6, two_shot 18.0, " \

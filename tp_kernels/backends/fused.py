@@ -96,7 +96,7 @@ def collective_algorithm(numel: int, p: int, dtype: torch.dtype, measured: Optio
     all-reduce alone runs any of them for any size.)"""
     algo = settings.forced_all_reduce_algorithm(algorithms()) or measured
     if algo is None:
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         algo = next((a for a, most in MAX_BYTES.items() if nbytes <= most), "scatter_gather")
     return algo
 

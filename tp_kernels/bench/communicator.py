@@ -42,7 +42,7 @@ def sweep(dtype: torch.dtype, device: torch.device, group, timer: Timer, quick: 
     same figures: ``{"dtype", "p", "paths", "rows": [{"bytes", "numel", "times_s": {path: s},
     "auto"}], "crossovers"}``."""
     p = coll.group_size(group)
-    element = torch.empty((), dtype=dtype).element_size()
+    element = dtype.itemsize
     previous = settings.get_auto_candidates()
     settings.set_auto_candidates(settings.AUTO_CHOICES)  # every path a candidate of "auto"
     try:

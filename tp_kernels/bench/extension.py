@@ -10,8 +10,9 @@ against):
    row-parallel GEMM): the host time to issue one call (the GPU is never waited for inside the
    timed loop) of ``F.linear``, the native GEMM and ``tp_kernels.matmul_all_reduce`` on the
    ``pipelined``, ``fused`` and ``auto`` backends (one rank: the whole Python path, custom op
-   included, then the GEMM); and the GPU time per call when the same calls are replayed from a CUDA graph (target:
-   at most 5 µs added eagerly, nothing added under replay).
+   included, then the GEMM), with the functions each call's host time goes to (``"profile"``:
+   :func:`tp_kernels.bench.host.profiled`); and the GPU time per call when the same calls are
+   replayed from a CUDA graph (target: at most 5 µs added eagerly, nothing added under replay).
 3. **Chunking cost** at the Llama-3-70B TP8 shapes (m = 8192; column: k = 8192, n = 28672/8;
    row: k = 28672/8, n = 8192): the GEMM split as the schedules split it (4 row chunks; the
    reduce-scatter's 4 batched chunks over 8 destination blocks; the all-gather ring's 8 shards)
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 
 from .. import _extension, ops
 from ..schedule import chunk_bounds
+from .host import profiled
 from .records import default_out_dir, gpu_record, save_record
 from .targets import TARGETS
 
@@ -114,6 +116,8 @@ def host_overhead(iters: int) -> Dict:
     host = {name: host_time_us(fn, 200, iters) for name, fn in calls.items()}
     graph = {name: graph_time_us(fn, 20, iters) for name, fn in calls.items()}
     return {"shape": [m, k, n], "dtype": "bfloat16", "eager_host_us": host, "graph_gpu_us": graph,
+            # where each call's host time goes (tp_kernels.bench.host.profiled)
+            "profile": {name: profiled(fn, 200, True) for name, fn in calls.items() if name != "f_linear"},
             "added_eager_us": {name: host[name] - host["f_linear"] for name in host},
             "added_graph_us": {name: graph[name] - graph["f_linear"] for name in graph},
             "target_us": TARGETS["host_overhead_us"][0]}

@@ -56,7 +56,7 @@ def run_rank(config: dict) -> List[Dict]:
     for c in config["cases"]:
         case = Case(**c)
         (xm, xk), (wn, wk) = case.local(dist.get_world_size())
-        nsets = buffer_sets((xm * xk + wn * wk) * torch.empty((), dtype=dtype).element_size(), cuda)
+        nsets = buffer_sets((xm * xk + wn * wk) * dtype.itemsize, cuda)
         for backend in config["backends"]:
             best = {mode: float("inf") for mode in config["modes"]}
             for mode in config["modes"] * 2:

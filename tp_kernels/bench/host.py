@@ -146,6 +146,12 @@ def profiled(fn: Callable[[], object], calls: int, cuda: bool, top: int = PROFIL
             for (path, line, name), (_, count, own, cumulative, _) in rows]
 
 
+def profile_text(rows: List[list], top: int = 5) -> str:
+    """The first ``top`` of :func:`profiled`'s rows as a report shows them."""
+    return "the functions by own time a call (us, under cProfile): " + "; ".join(
+        f"{where} {own:.2f}" for where, _, own, _ in rows[:top])
+
+
 def _all_reduced(y: torch.Tensor, group) -> torch.Tensor:
     """``y`` summed over ``group`` as plain PyTorch sums it: ``dist.all_reduce`` issued
     asynchronously and waited for (nothing with one rank)."""
@@ -399,8 +405,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print("  matmul_all_reduce/pipelined, its NCCL calls a call: " +
                   ", ".join(f"{key} {v:.1f}" for key, v in run["nccl_progress"].items()))
         for name, rows in run.get("profile", {}).items():
-            print(f"  {name}, the functions by own time a call (us, under cProfile): " +
-                  "; ".join(f"{where} {own:.2f}" for where, _, own, _ in rows[:5]))
+            print(f"  {name}, {profile_text(rows)}")
     save_record(record, args.out_dir, "host-peers" if args.peers else "host", args.tag)
     print(json.dumps({run["p"]: run["added_us"] for run in runs}))
     return 0

@@ -107,7 +107,7 @@ def measure_case(case: Case, backends: List[str], dtype: torch.dtype, device: to
                  timer: Timer, num_chunks: Optional[int]) -> dict:
     """Every timing of one case on this rank (all ranks call it together); seconds."""
     p = coll.group_size(group)
-    esize = torch.empty((), dtype=dtype).element_size()
+    esize = dtype.itemsize
     gemms = _gemms(case, p)
     colls = _collectives(case, p)
     per_set = esize * sum(a * c + b * c + a * b for a, b, c in gemms)

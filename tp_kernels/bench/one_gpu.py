@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 from .. import perf_model
+from .host import profile_text
 from .targets import TARGETS, meets
 
 __all__ = ["PROJECTED", "applies", "format_report", "measure", "per_rank_costs", "project", "projection_shapes",
@@ -203,6 +204,7 @@ def report(measured: dict, rows: List[dict], device: str) -> dict:
     return {"device": device, "checks": checks, "per_rank_costs": per_rank_costs(rows),
             "skipped": {k: v["skipped"] for k, v in measured.items() if isinstance(v, dict) and "skipped" in v},
             "virtual_ranks": VIRTUAL_RANKS, "fused": fused_fig if "skipped" not in fused_fig else None,
+            "host_profile": ext.get("host_overhead", {}).get("profile", {}) if "skipped" not in ext else {},
             "projection": project(gemm_times, device) if gemm_times else None}
 
 
@@ -221,6 +223,8 @@ def format_report(rep: dict) -> str:
     section2 = [c for c in rep["checks"] if c not in section1]
     for c in section1:
         lines.append(_check_line(c))
+    for call, rows in rep["host_profile"].items():
+        lines.append(f"  {call}, {profile_text(rows)}")
     if "extension" in rep["skipped"]:
         lines.append(f"  (the native extension's figures: not measured, {rep['skipped']['extension']})")
     if rep["per_rank_costs"]:
