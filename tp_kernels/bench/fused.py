@@ -61,6 +61,9 @@ LLAMA70B_TP8 = {"all_gather_matmul": (8192, 8192, 28672 // 8), "matmul_reduce_sc
 ALL_REDUCE_M = (1, 4, 16, 64, 256)  # the decode rows: 16 KiB to 4 MiB at n = 8192 bf16 (m <= 4: <= 64 KiB)
 SWEEP_BYTES = tuple(2**e for e in range(14, 27, 2))  # 16 KiB .. 64 MiB
 GRAPH_CALLS = 20  # all-reduces a graph replays, for the all-reduce alone's latency
+#: the device waits' bound of the virtual ranks whose calls are chained (seconds): a chain that
+#: cannot make progress on one GPU costs this, once, instead of tp_kernels' default timeout
+CHAINED_TIMEOUT_S = 5.0
 
 
 def overlap_efficiency(t_gemm: float, t_comm: float, t_overlap: float) -> float:
@@ -203,7 +206,10 @@ def _chained(vr: VirtualRanks, xs, outs, algorithm: str, calls: int) -> None:
 def _chained_us(vr: VirtualRanks, xs, algorithm: str, iters: int):
     """Microseconds a call of :func:`_chained`'s, replayed from a CUDA graph of :data:`GRAPH_CALLS`
     calls a rank (or the error that stopped it)."""
-    vr.all_reduce(xs, algorithm)  # the workspace for these calls, made before the capture
+    try:
+        vr.all_reduce(xs, algorithm)  # the workspace for these calls, made before the capture
+    except RuntimeError as exc:  # (these ranks failed in an earlier figure)
+        return f"error: {exc}"
     outs = [torch.empty_like(x) for x in xs]
     us = _replayed_us(lambda: _chained(vr, xs, outs, algorithm, GRAPH_CALLS), iters, calls=1)
     return us / GRAPH_CALLS if isinstance(us, float) else us
@@ -224,7 +230,9 @@ def all_reduce_latency(ps: Sequence[int], iters: int, verbose: bool = True) -> L
     rows = []
     for p in ps:
         harness = _harness_us(p, iters)
-        with VirtualRanks(p) as vr:
+        # the chained calls on ranks of their own: a failure there (a timed-out wait fails its
+        # ranks for good) leaves the other figures standing
+        with VirtualRanks(p) as vr, VirtualRanks(p, timeout_s=CHAINED_TIMEOUT_S) as chained:
             streams = [torch.cuda.Stream() for _ in range(p)]
             for m in ALL_REDUCE_M:
                 xs = [torch.randn(m, k, device="cuda", dtype=dtype) for _ in range(p)]
@@ -242,7 +250,7 @@ def all_reduce_latency(ps: Sequence[int], iters: int, verbose: bool = True) -> L
                 row["all_reduce_graph_us"] = {algo: _replayed_us(lambda: vr.all_reduce(partials, algo), iters)
                                               for algo in fused.algorithms()}
                 row["harness_graph_us"] = harness
-                row["all_reduce_chained_us"] = {algo: _chained_us(vr, partials, algo, iters)
+                row["all_reduce_chained_us"] = {algo: _chained_us(chained, partials, algo, iters)
                                                 for algo in fused.algorithms()}
                 rows.append(row)
                 if verbose:
