@@ -12,16 +12,14 @@ import os
 
 import pytest
 
+from helpers import reused_world
 from tp_kernels.testing import World
 
 _WORLDS = {}
 
 
 def get_world(size: int) -> World:
-    world = _WORLDS.get(size)
-    if world is None or not world.alive:
-        world = _WORLDS[size] = World(size, backend="gloo", timeout_s=60.0)
-    return world
+    return reused_world(_WORLDS, size, lambda: World(size, backend="gloo", timeout_s=60.0))
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ import test_ops
 import test_parallelize
 import test_rng
 import tp_kernels
-from helpers import assert_close, rank_world
+from helpers import assert_close, rank_world, reused_world
 from tp_kernels import _collectives, _extension, dispatch, ops, settings
 from tp_kernels.backends import fused, parse, peer_memory, pipelined_native
 from tp_kernels.schedule import DEFAULT_NUM_CHUNKS
@@ -58,14 +58,9 @@ def gpu_world_size(request):
 
 @pytest.fixture
 def shared_gpu_world(gpu_world_size):
-    """NCCL ranks sharing the GPU, spawned once per size and reused; a world that a failed test
-    closed is replaced by the next test's, so one failure fails one test (as conftest's gloo
-    worlds are)."""
-    world = _GPU_WORLDS.get(gpu_world_size)
-    if world is None or not world.alive:
-        world = _GPU_WORLDS[gpu_world_size] = World(gpu_world_size, backend="nccl", timeout_s=120.0,
-                                                    env=ONE_GPU_RANKS_ENV, cuda_device=0)
-    return world
+    """NCCL ranks sharing the GPU, spawned once per size and reused as conftest's gloo worlds are."""
+    return reused_world(_GPU_WORLDS, gpu_world_size, lambda: World(gpu_world_size, backend="nccl", timeout_s=120.0,
+                                                                   env=ONE_GPU_RANKS_ENV, cuda_device=0))
 
 
 def test_ops_along_another_dim_with_several_nccl_ranks_on_one_gpu(shared_gpu_world):
