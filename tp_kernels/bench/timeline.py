@@ -8,8 +8,10 @@ first GPU activity to the last, the busy time (the union of the intervals) of th
 copies, of the flag kernels (the waits, ``tpk_wait_flags``, and the writes, ``tpk_set_flags``) and
 of the rest, and how much of the copies' busy time ran while a GEMM ran (:func:`summarize`). Where the overlap benchmark says how much of the
 communication was hidden (``tp_kernels.bench.fused``), this says why: copies that ran beside the
-GEMMs or after them, and the waits between. Needs a CUDA device and the built extension; exits
-with status 2 and says why otherwise.
+GEMMs or after them, and the waits between. It also traces one decode all-reduce alone
+(``"all_reduce"``: 16 KiB, one-shot, eager): the one-shot kernels' own durations (``top``), which
+the graph-replayed figures of ``tp_kernels.bench.fused`` hold together with the launches' gaps.
+Needs a CUDA device and the built extension; exits with status 2 and says why otherwise.
 """
 
 from __future__ import annotations
@@ -166,6 +168,20 @@ def timeline(op: str, p: int) -> Dict:
             "gemm_kernel_inflation": gemm_us[0] / gemm_us[1] - 1.0 if all(gemm_us) else None}
 
 
+def all_reduce_timeline(p: int, numel: int = 8192, algorithm: str = "one_shot") -> Dict:
+    """One fused all-reduce alone of ``numel`` bf16 elements (8192: a decode row of 16 KiB) by
+    ``algorithm`` on p virtual ranks, warmed up, traced and summarized (its kernels' durations in
+    ``top``: per rank, the publishing and the summing launch of the one-shot kernel)."""
+    with VirtualRanks(p) as vr:
+        xs = [torch.randn(numel, device="cuda", dtype=torch.bfloat16) for _ in range(p)]
+        for _ in range(3):  # warm: the workspace, the kernels' module
+            vr.all_reduce(xs, algorithm)
+        summary = summarize(traced(lambda: vr.all_reduce(xs, algorithm)))
+        vr.check()
+    return {"numel": numel, "bytes": numel * 2, "p": p, "dtype": "bfloat16", "algorithm": algorithm,
+            "fused": summary}
+
+
 def main(argv=None) -> int:
     args = virtual_ranks_args("python -m tp_kernels.bench.timeline", __doc__, argv, "virtual ranks (2..8)",
                               iters=False)
@@ -177,6 +193,8 @@ def main(argv=None) -> int:
     for op in LLAMA70B_TP8:
         record["timelines"][op] = timeline(op, args.p)
         print(f"timeline {op}: {json.dumps(record['timelines'][op])}", flush=True)
+    record["all_reduce"] = all_reduce_timeline(args.p)
+    print(f"timeline all_reduce: {json.dumps(record['all_reduce'])}", flush=True)
     save_record(record, args.out_dir, "timeline", args.tag)
     return 0
 
