@@ -26,6 +26,17 @@ void check_flag_count(const char* fn, int count) {
                         std::to_string(count));
 }
 
+// The kernel of a summing family (its float32 member, followed in Kernel by its float16 and
+// bfloat16 ones) for `dtype`; `fn` names the caller in the error for another dtype.
+Kernel summing_kernel(const char* fn, Kernel float32, DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return float32;
+    case DType::kFloat16: return static_cast<Kernel>(static_cast<int>(float32) + 1);
+    case DType::kBFloat16: return static_cast<Kernel>(static_cast<int>(float32) + 2);
+    default: throw Error(std::string(fn) + ": no reduction in " + dtype_name(dtype));
+  }
+}
+
 uint32_t* checked_flag(const char* fn, uint32_t* const* flags, int i) {
   if (flags[i] == nullptr) throw ArgumentError(std::string("flags: ") + fn + " got a null flag " + std::to_string(i));
   return flags[i];
@@ -67,13 +78,7 @@ void wait_flags(uint32_t* const* flags, const uint32_t* codes, const uint32_t* e
 
 void reduce_partials(const void* const* in, int p, void* out, int64_t count, DType dtype, cudaStream_t stream) {
   if (count == 0) return;
-  Kernel kernel;
-  switch (dtype) {
-    case DType::kFloat32: kernel = Kernel::kReduceFloat32; break;
-    case DType::kFloat16: kernel = Kernel::kReduceFloat16; break;
-    case DType::kBFloat16: kernel = Kernel::kReduceBFloat16; break;
-    default: throw Error(std::string("reduce_partials: no reduction in ") + dtype_name(dtype));
-  }
+  const Kernel kernel = summing_kernel("reduce_partials", Kernel::kReduceFloat32, dtype);
   PartialPtrs ptrs{};
   for (int q = 0; q < p; ++q) ptrs.in[q] = in[q];
   const int threads = 256;
@@ -105,13 +110,7 @@ void one_shot_all_reduce(const OneShotParams& params, DType dtype, cudaStream_t 
       if (code == 0 || (code & kMismatchBit) != 0)
         throw ArgumentError("one_shot_all_reduce: error codes must be nonzero, with MISMATCH_BIT clear");
   }
-  Kernel kernel;
-  switch (dtype) {
-    case DType::kFloat32: kernel = Kernel::kOneShotFloat32; break;
-    case DType::kFloat16: kernel = Kernel::kOneShotFloat16; break;
-    case DType::kBFloat16: kernel = Kernel::kOneShotBFloat16; break;
-    default: throw Error(std::string("one_shot_all_reduce: no reduction in ") + dtype_name(dtype));
-  }
+  const Kernel kernel = summing_kernel("one_shot_all_reduce", Kernel::kOneShotFloat32, dtype);
   const int threads = kOneShotThreads;
   const int64_t per = static_cast<int64_t>(16 / dtype_size(dtype));  // elements a thread moves at once
   const int64_t items = (a.count + per - 1) / per;

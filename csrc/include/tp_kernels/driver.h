@@ -34,7 +34,8 @@ extern const KernelImage kKernelImages[];
 extern const int kKernelImageCount;
 extern const char* const kKernelCompiler;  // "NVRTC 12.1"
 
-// The kernels of kernels.cu, by their extern "C" names in kKernelNames (same order).
+// The kernels of kernels.cu, by their extern "C" names in kKernelNames (same order); each summing
+// family's members in the order float32, float16, bfloat16 (device_ops.cpp picks them by it).
 enum class Kernel : int {
   kWaitFlags,
   kSetFlags,
