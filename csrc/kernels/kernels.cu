@@ -1,7 +1,8 @@
 // The device code of tp_kernels._C: the bounded flag wait, the flag writes, the deterministic
-// reduction and the one-shot all-reduce of the peer-memory path (device_ops.h says what each does). Compiled at build time by NVRTC
-// (_build/compile_kernels.py) into a cubin per architecture and a PTX, which driver.cpp loads and
-// launches by the extern "C" names below (driver.h's kernel list).
+// reduction and the one-shot all-reduce of the peer-memory path (device_ops.h says what each
+// does). Compiled at build time by NVRTC (_build/compile_kernels.py) into a cubin per
+// architecture and a PTX, which driver.cpp loads and launches by the extern "C" names below
+// (driver.h's kernel list).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -27,17 +28,42 @@ __device__ __forceinline__ __half from_float<__half>(float v) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
+// 16 bytes of T at a time where every pointer and the count allow it, else one element: the same
+// fp32 sums in rank order either way. Peers' data is loaded past L1 (ld.global.cg).
+template <typename T>
+__device__ __forceinline__ void sum_vector(const void* const* parts, int p, void* out, long long i) {
+  constexpr int kPer = 16 / sizeof(T);
+  float acc[kPer];
+  uint4 raw = __ldcg(static_cast<const uint4*>(parts[0]) + i);
+  for (int e = 0; e < kPer; ++e) acc[e] = to_float(reinterpret_cast<const T*>(&raw)[e]);
+#pragma unroll
+  for (int q = 1; q < tp_kernels::kMaxRanks; ++q) {  // unrolled: parts stays in registers
+    if (q >= p) break;
+    raw = __ldcg(static_cast<const uint4*>(parts[q]) + i);
+    for (int e = 0; e < kPer; ++e) acc[e] += to_float(reinterpret_cast<const T*>(&raw)[e]);
+  }
+  for (int e = 0; e < kPer; ++e) reinterpret_cast<T*>(&raw)[e] = from_float<T>(acc[e]);
+  static_cast<uint4*>(out)[i] = raw;
+}
+
+template <typename T>
+__device__ __forceinline__ void sum_element(const void* const* parts, int p, void* out, long long i) {
+  float acc = to_float(__ldcg(static_cast<const T*>(parts[0]) + i));
+#pragma unroll
+  for (int q = 1; q < tp_kernels::kMaxRanks; ++q) {
+    if (q >= p) break;
+    acc += to_float(__ldcg(static_cast<const T*>(parts[q]) + i));
+  }
+  static_cast<T*>(out)[i] = from_float<T>(acc);
+}
+
 // Each element is summed by one thread, q = 0..p-1 in order: the result is the same bits for
 // every launch configuration and chunking.
 template <typename T>
-__device__ __forceinline__ void reduce_partials(const tp_kernels::PartialPtrs& ptrs, int p, void* out_, long long count) {
-  T* out = static_cast<T*>(out_);
+__device__ __forceinline__ void reduce_partials(const tp_kernels::PartialPtrs& ptrs, int p, void* out, long long count) {
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
-  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
-    float acc = to_float(static_cast<const T*>(ptrs.in[0])[i]);
-    for (int q = 1; q < p; ++q) acc += to_float(static_cast<const T*>(ptrs.in[q])[i]);
-    out[i] = from_float<T>(acc);
-  }
+  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride)
+    sum_element<T>(ptrs.in, p, out, i);
 }
 
 __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0; }
@@ -95,35 +121,6 @@ __device__ void clear_then_signal(const tp_kernels::FlagList& clear, const tp_ke
   __threadfence_system();
   *static_cast<volatile unsigned int*>(writes.flag[i]) = writes.value[i];
   __threadfence_system();
-}
-
-// 16 bytes of T at a time where every pointer and the count allow it, else one element: the same
-// fp32 sums in rank order either way. Peers' data is loaded past L1 (ld.global.cg).
-template <typename T>
-__device__ __forceinline__ void sum_vector(const void* const* parts, int p, void* out, long long i) {
-  constexpr int kPer = 16 / sizeof(T);
-  float acc[kPer];
-  uint4 raw = __ldcg(static_cast<const uint4*>(parts[0]) + i);
-  for (int e = 0; e < kPer; ++e) acc[e] = to_float(reinterpret_cast<const T*>(&raw)[e]);
-#pragma unroll
-  for (int q = 1; q < tp_kernels::kMaxRanks; ++q) {  // unrolled: parts stays in registers
-    if (q >= p) break;
-    raw = __ldcg(static_cast<const uint4*>(parts[q]) + i);
-    for (int e = 0; e < kPer; ++e) acc[e] += to_float(reinterpret_cast<const T*>(&raw)[e]);
-  }
-  for (int e = 0; e < kPer; ++e) reinterpret_cast<T*>(&raw)[e] = from_float<T>(acc[e]);
-  static_cast<uint4*>(out)[i] = raw;
-}
-
-template <typename T>
-__device__ __forceinline__ void sum_element(const void* const* parts, int p, void* out, long long i) {
-  float acc = to_float(__ldcg(static_cast<const T*>(parts[0]) + i));
-#pragma unroll
-  for (int q = 1; q < tp_kernels::kMaxRanks; ++q) {
-    if (q >= p) break;
-    acc += to_float(__ldcg(static_cast<const T*>(parts[q]) + i));
-  }
-  static_cast<T*>(out)[i] = from_float<T>(acc);
 }
 
 // The one-shot all-reduce of rank a.rank (OneShotParams, device_ops.h). A block does its share of
