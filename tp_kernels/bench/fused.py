@@ -44,6 +44,7 @@ extension; exits with status 2 and says why otherwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from typing import Callable, Dict, List, Sequence
@@ -81,15 +82,23 @@ def thresholds(sweep: Dict[str, Dict[int, float]]) -> Dict:
     return {"fastest": {str(b): best[b] for b in sizes}, **last}
 
 
-def _fork_join(streams: Sequence[torch.cuda.Stream], work: Callable[[int, torch.cuda.Stream], None]) -> None:
+@contextlib.contextmanager
+def _forked(streams: Sequence[torch.cuda.Stream]):
+    """``streams`` ordered after the current stream's work on entry, and the current stream after
+    theirs on exit."""
     current = torch.cuda.current_stream()
     for s in streams:
         s.wait_stream(current)
-    for q, s in enumerate(streams):
-        with torch.cuda.stream(s):
-            work(q, s)
+    yield
     for s in streams:
         current.wait_stream(s)
+
+
+def _fork_join(streams: Sequence[torch.cuda.Stream], work: Callable[[int, torch.cuda.Stream], None]) -> None:
+    with _forked(streams):
+        for q, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                work(q, s)
 
 
 def overlap(op: str, p: int, iters: int) -> Dict:
@@ -192,15 +201,12 @@ def _chained(vr: VirtualRanks, xs, outs, algorithm: str, calls: int) -> None:
     """``calls`` all-reduces of ``xs`` into ``outs`` by ``algorithm``, each rank's back to back on
     its own stream, the streams forked from the current one and joined to it once: between two
     calls of a rank nothing waits for the other ranks but its flags."""
-    current = torch.cuda.current_stream()
-    for s in vr.streams:
-        s.wait_stream(current)
-    for _ in range(calls):
-        ranks = [fused.rank_all_reduce(vr.contexts[q], xs[q], outs[q], algorithm, s) for q, s in enumerate(vr.streams)]
-        for q, phase in phase_order([c.phases for c in ranks]):
-            ranks[q].enqueue(phase)
-    for s in vr.streams:
-        current.wait_stream(s)
+    with _forked(vr.streams):
+        for _ in range(calls):
+            ranks = [fused.rank_all_reduce(vr.contexts[q], xs[q], outs[q], algorithm, s)
+                     for q, s in enumerate(vr.streams)]
+            for q, phase in phase_order([c.phases for c in ranks]):
+                ranks[q].enqueue(phase)
 
 
 def _chained_us(vr: VirtualRanks, xs, algorithm: str, iters: int):
