@@ -12,10 +12,18 @@ import os
 
 import pytest
 
-from helpers import reused_world
 from tp_kernels.testing import World
 
 _WORLDS = {}
+
+
+def reused_world(worlds: dict, key, make) -> World:
+    """The world ``worlds[key]``, made by ``make()`` when there is none yet or a failed test closed
+    it: spawned once and reused, and one failure fails one test (test_gpu's NCCL worlds too)."""
+    world = worlds.get(key)
+    if world is None or not world.alive:
+        world = worlds[key] = make()
+    return world
 
 
 def get_world(size: int) -> World:

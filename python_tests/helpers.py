@@ -1,6 +1,5 @@
-"""Helpers of the tests: rank info, shards and tolerance checks (used inside the ranks), which
-transformers plans a test can read (:func:`skip_unless_own_plan`), and the reuse of worlds of
-processes across tests (:func:`reused_world`).
+"""Helpers of the tests: rank info, shards and tolerance checks (used inside the ranks), and which
+transformers plans a test can read (:func:`skip_unless_own_plan`).
 
 Tolerances follow one rule. Every result is compared with a float64 reference computed from
 the same (already rounded) inputs.
@@ -27,15 +26,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tp_kernels
 from tp_kernels import settings
-
-
-def reused_world(worlds: dict, key, make):
-    """The world ``worlds[key]``, made by ``make()`` when there is none yet or a failed test closed
-    it: spawned once and reused, and one failure fails one test."""
-    world = worlds.get(key)
-    if world is None or not world.alive:
-        world = worlds[key] = make()
-    return world
 
 
 def rank_world():

@@ -22,7 +22,8 @@ import test_ops
 import test_parallelize
 import test_rng
 import tp_kernels
-from helpers import assert_close, rank_world, reused_world
+from conftest import reused_world
+from helpers import assert_close, rank_world
 from tp_kernels import _collectives, _extension, dispatch, ops, settings
 from tp_kernels.backends import fused, parse, peer_memory, pipelined_native
 from tp_kernels.schedule import DEFAULT_NUM_CHUNKS
