@@ -163,7 +163,7 @@ def _fake_result():
             "gemm": [[[64, 16, 16], 2e-3], [[16, 16, 16], 0.5e-3]], "gemm_total": 2e-3,
             "comm_total": 1e-3, "gemm_under_comm": 2.5e-3,
             "comm_samples": [["all_reduce", 4096, 1e-3], ["all_reduce", 1024, 0.4e-3]],
-            "resolved": {"reference": "reference", "pipelined": "pipelined"},
+            "resolved": {"reference": "reference", "pipelined": "pipelined:4"},
             "backend": {"reference": 3e-3, "pipelined": 2.4e-3},
         }],
     }
@@ -188,6 +188,37 @@ def test_report_metrics():
     assert [r["backend"] for r in parsed] == ["reference", "pipelined"]
     summary = report.model_error_summary(rows)
     assert summary["reference"]["max_abs_err"] == pytest.approx(0.0, abs=1e-9)
+    assert summary["pipelined"]["cases"] == 1
+
+
+def test_the_model_predicts_what_ran_by_its_implementation_name():
+    assert report.schedule_of("reference") == ("naive", None)
+    assert report.schedule_of("reference (measured)") == ("naive", None)
+    assert report.schedule_of("pipelined:4") == ("pipelined", 4)
+    assert report.schedule_of("native:2") == ("pipelined", 2)  # the native path runs the pipelined schedule
+    for unmodelled in ("fused:one_shot", "native:4+reference (measured)", "measured before", "pipelined"):
+        assert report.schedule_of(unmodelled) == (None, None), unmodelled
+    result = _fake_result()
+    result["cases"][0]["resolved"]["pipelined"] = "native:2"
+    two = {r["backend"]: r for r in report.compute_rows(result, p=2, baseline="reference")}
+    four = {r["backend"]: r for r in report.compute_rows(_fake_result(), p=2, baseline="reference")}
+    assert two["pipelined"]["model_ms"] is not None and two["pipelined"]["model_ms"] != four["pipelined"]["model_ms"]
+    assert report.model_error_summary(list(two.values()))["pipelined"]["cases"] == 1
+    result["cases"][0]["resolved"]["pipelined"] = "fused:one_shot"
+    fused_row = report.compute_rows(result, p=2, baseline="reference")[1]
+    assert fused_row["model_ms"] is None and "pipelined" not in report.model_error_summary([fused_row])
+
+
+def test_the_model_predicts_one_rank_from_the_gemms_alone():
+    """At p = 1 nothing is communicated: the reference is its GEMM, the pipelined schedule its four
+    chunks' GEMMs one after the other, each as measured."""
+    result = _fake_result()
+    c = result["cases"][0]
+    c.update(gemm=[[[64, 16, 32], 2e-3], [[16, 16, 32], 0.5e-3]], comm_total=0.0, gemm_under_comm=2e-3,
+             comm_samples=[], backend={"reference": 2.2e-3, "pipelined": 2.5e-3})  # (k = 32 whole on one rank)
+    ref, pipe = report.compute_rows(result, p=1, baseline="reference")
+    assert ref["model_ms"] == pytest.approx(2.0) and ref["model_err"] == pytest.approx(2.0 / 2.2 - 1)
+    assert pipe["model_ms"] == pytest.approx(4 * 0.5)  # the [16, 16, 32] chunk GEMM, 4 times
 
 
 def test_plot_writes_a_png(tmp_path):

@@ -126,7 +126,7 @@ def measure_case(case: Case, backends: List[str], dtype: torch.dtype, device: to
         out["gemm"][(a, b, c)] = t
         out["gemm_total"] += t
     # chunk-sized GEMMs and collectives for the model (ops only): what the pipelined schedule runs
-    if not case.is_layer and p > 1:
+    if not case.is_layer:
         a, b, c = gemms[0]
         rows = max(1, (case.m // p if case.target == "all_gather_matmul" else case.m) // 4)
         av = [t[:rows] for t in operands[0][0]]

@@ -23,12 +23,14 @@ import io
 import math
 import os
 from collections import defaultdict
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from .. import perf_model
+from ..backends import parse
 from .cases import TARGETS, Case
 
-__all__ = ["CSV_FIELDS", "LEGEND", "compute_rows", "format_table", "model_error_summary", "plot", "to_csv"]
+__all__ = ["CSV_FIELDS", "LEGEND", "compute_rows", "format_table", "model_error_summary", "plot", "schedule_of",
+           "to_csv"]
 
 #: The E axis's range: a point outside it is drawn at the nearer end as a labelled triangle.
 _E_FLOOR, _E_CEILING = -2.0, 1.5
@@ -66,16 +68,37 @@ def _model_inputs(result: dict, dtype: str):
     return gemm, link
 
 
+#: the link of one rank: nothing to communicate (:meth:`tp_kernels.perf_model.Link.time` is 0 at p = 1)
+_ONE_RANK = perf_model.Link("one rank: nothing to communicate", 1.0, 1.0, 0.0, 0.0)
+
+
+def schedule_of(resolved: str) -> Tuple[Optional[str], Optional[int]]:
+    """The schedule :mod:`tp_kernels.perf_model` predicts for what ran (``resolved``: an
+    implementation name, or ``"auto"``'s ``"<name> (measured)"``) and its chunks: ``("naive",
+    None)`` for the reference, ``("pipelined", chunks)`` for the pipelined and native paths, and
+    ``(None, None)`` for what it does not model (the fused path, ``"auto"``'s several choices)."""
+    try:
+        impl = parse(resolved.split(" ")[0])
+    except ValueError:
+        return None, None
+    if impl.backend == "reference":
+        return "naive", None
+    return ("pipelined", impl.num_chunks) if impl.backend in ("pipelined", "native") else (None, None)
+
+
 def _predict(case: Case, p: int, dtype: str, schedule: str, gemm, link, slowdown: float,
              num_chunks: Optional[int]) -> Optional[float]:
-    if link is None or p == 1:
+    if p == 1:  # (the GEMMs alone, as the schedule splits them)
+        link = _ONE_RANK
+    elif link is None:
         return None
-    if case.is_layer:
-        needed = {"all_gather", "reduce_scatter"} if case.sequence_parallel else {"all_reduce"}
     else:
-        needed = {perf_model.OP_COLLECTIVE[case.target]}
-    if not needed <= set(link.fits):
-        return None
+        if case.is_layer:
+            needed = {"all_gather", "reduce_scatter"} if case.sequence_parallel else {"all_reduce"}
+        else:
+            needed = {perf_model.OP_COLLECTIVE[case.target]}
+        if not needed <= set(link.fits):
+            return None
     try:
         if case.is_layer:
             tasks = perf_model.layer_tasks(case.kind, case.sequence_parallel, case.m, case.k, case.n, p, dtype, gemm,
@@ -104,8 +127,9 @@ def compute_rows(result: dict, p: int, baseline: str, num_chunks: Optional[int] 
         for backend, t in c["backend"].items():
             resolved = c["resolved"][backend]
             tflops = case.gemm_flops(p) / t / 1e12
-            schedule = "pipelined" if resolved.split(" ")[0] in ("pipelined", "native") else "naive"
-            model = _predict(case, p, dtype, schedule, gemm, link, slowdown, num_chunks)
+            schedule, chunks = schedule_of(resolved)
+            model = (None if schedule is None else
+                     _predict(case, p, dtype, schedule, gemm, link, slowdown, chunks or num_chunks))
             rows.append({
                 **case.as_dict(), "p": p, "dtype": dtype, "backend": backend, "resolved": resolved,
                 "median_ms": t * 1e3, "tflops": tflops, "pct_peak": 100.0 * tflops / peak,
@@ -153,13 +177,14 @@ def format_table(rows: List[dict]) -> str:
 
 
 def model_error_summary(rows: List[dict]) -> Dict[str, dict]:
-    """Median and worst |model_err| per resolved schedule (``naive`` / ``pipelined``)."""
+    """Median and worst |model_err| of the reference's rows and of the pipelined backend's, each
+    where it ran its own schedule (:func:`schedule_of`: the pipelined backend on the native path too)."""
     out = {}
-    for schedule in ("reference", "pipelined"):
-        errs = sorted(abs(r["model_err"]) for r in rows if r["model_err"] is not None and r["resolved"] == schedule
-                      and r["backend"] == schedule)
+    for backend, schedule in (("reference", "naive"), ("pipelined", "pipelined")):
+        errs = sorted(abs(r["model_err"]) for r in rows if r["model_err"] is not None and r["backend"] == backend
+                      and schedule_of(r["resolved"])[0] == schedule)
         if errs:
-            out[schedule] = {"cases": len(errs), "median_abs_err": errs[len(errs) // 2], "max_abs_err": errs[-1]}
+            out[backend] = {"cases": len(errs), "median_abs_err": errs[len(errs) // 2], "max_abs_err": errs[-1]}
     return out
 
 
