@@ -27,7 +27,7 @@ from helpers import assert_close, rank_world
 from tp_kernels import _collectives, _extension, dispatch, ops, settings
 from tp_kernels.backends import fused, parse, peer_memory, pipelined_native
 from tp_kernels.schedule import DEFAULT_NUM_CHUNKS
-from tp_kernels.testing import ONE_GPU_RANKS_ENV, VirtualRanks, World
+from tp_kernels.testing import ONE_GPU_RANKS_ENV, VirtualRanks, World, forked
 
 pytestmark = [
     pytest.mark.gpu,
@@ -720,13 +720,9 @@ def test_fused_one_shot_in_one_launch_a_rank(p):
             want = _rank_order_sum(xs, dtype)
             vr.all_reduce(xs, "two_shot")  # the workspace for this count, and the flags' other user
             outs = [torch.full_like(x, float("nan")) for x in xs]
-            current = torch.cuda.current_stream()
-            for s in vr.streams:
-                s.wait_stream(current)
-            for q, s in enumerate(vr.streams):
-                fused.rank_all_reduce(vr.contexts[q], xs[q], outs[q], "one_shot", s).enqueue(None)
-            for s in vr.streams:
-                current.wait_stream(s)
+            with forked(vr.streams):
+                for q, s in enumerate(vr.streams):
+                    fused.rank_all_reduce(vr.contexts[q], xs[q], outs[q], "one_shot", s).enqueue(None)
             for q, out in enumerate(outs):
                 assert torch.equal(out, want), f"count {count} rank {q}"
             for q, out in enumerate(vr.all_reduce(xs, "two_shot")):

@@ -44,7 +44,6 @@ extension; exits with status 2 and says why otherwise.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from typing import Callable, Dict, List, Sequence
@@ -53,7 +52,7 @@ import torch
 
 from .. import _extension
 from ..backends import fused
-from ..testing import VirtualRanks, phase_order
+from ..testing import VirtualRanks, forked, phase_order
 from .extension import gpu_time_ms, graph_time_us
 from .records import default_out_dir, gpu_record, save_record
 from .targets import TARGETS
@@ -82,20 +81,8 @@ def thresholds(sweep: Dict[str, Dict[int, float]]) -> Dict:
     return {"fastest": {str(b): best[b] for b in sizes}, **last}
 
 
-@contextlib.contextmanager
-def _forked(streams: Sequence[torch.cuda.Stream]):
-    """``streams`` ordered after the current stream's work on entry, and the current stream after
-    theirs on exit."""
-    current = torch.cuda.current_stream()
-    for s in streams:
-        s.wait_stream(current)
-    yield
-    for s in streams:
-        current.wait_stream(s)
-
-
 def _fork_join(streams: Sequence[torch.cuda.Stream], work: Callable[[int, torch.cuda.Stream], None]) -> None:
-    with _forked(streams):
+    with forked(streams):
         for q, s in enumerate(streams):
             with torch.cuda.stream(s):
                 work(q, s)
@@ -201,7 +188,7 @@ def _chained(vr: VirtualRanks, xs, outs, algorithm: str, calls: int) -> None:
     """``calls`` all-reduces of ``xs`` into ``outs`` by ``algorithm``, each rank's back to back on
     its own stream, the streams forked from the current one and joined to it once: between two
     calls of a rank nothing waits for the other ranks but its flags."""
-    with _forked(vr.streams):
+    with forked(vr.streams):
         for _ in range(calls):
             ranks = [fused.rank_all_reduce(vr.contexts[q], xs[q], outs[q], algorithm, s)
                      for q, s in enumerate(vr.streams)]

@@ -3,6 +3,7 @@ copies are tested and measured on a single GPU."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional, Sequence
 
 import torch
@@ -10,7 +11,20 @@ import torch
 from .. import _extension, settings
 from ..backends import fused, peer_memory
 
-__all__ = ["VirtualRanks", "phase_order"]
+__all__ = ["VirtualRanks", "forked", "phase_order"]
+
+
+@contextlib.contextmanager
+def forked(streams: Sequence[torch.cuda.Stream], device=None):
+    """``streams`` ordered after the work of the current stream (of ``device``; None: the current
+    device) on entry, and that stream after theirs on exit: work enqueued on them inside runs
+    between what the current stream did before and what it does after."""
+    current = torch.cuda.current_stream(device)
+    for s in streams:
+        s.wait_stream(current)
+    yield
+    for s in streams:
+        current.wait_stream(s)
 
 
 def phase_order(phases: Sequence[int]) -> List[tuple]:
@@ -112,18 +126,15 @@ class VirtualRanks:
         waits for.
         """
         current = torch.cuda.current_stream(self.device)
-        for s in self.streams:
-            s.wait_stream(current)
-        calls = []
-        for q, s in enumerate(self.streams):
-            for t in inputs[q]:
-                if t is not None:
-                    t.record_stream(s)
-            calls.append(prepare(q, s))
-        for q, phase in phase_order([c.phases for c in calls]):
-            calls[q].enqueue(phase)
-        for s in self.streams:
-            current.wait_stream(s)
+        with forked(self.streams, self.device):
+            calls = []
+            for q, s in enumerate(self.streams):
+                for t in inputs[q]:
+                    if t is not None:
+                        t.record_stream(s)
+                calls.append(prepare(q, s))
+            for q, phase in phase_order([c.phases for c in calls]):
+                calls[q].enqueue(phase)
         for c in calls:
             for t in (c.result if isinstance(c.result, tuple) else (c.result,)):
                 t.record_stream(current)
