@@ -42,6 +42,14 @@ uint32_t* checked_flag(const char* fn, uint32_t* const* flags, int i) {
   return flags[i];
 }
 
+// Error code i of a flag wait of `fn`: nonzero, with kMismatchBit clear (the kernel sets it).
+uint32_t checked_code(const char* fn, uint32_t code, int i) {
+  if (code == 0 || (code & kMismatchBit) != 0)
+    throw ArgumentError(std::string("codes: ") + fn + "' error code " + std::to_string(i) +
+                        " must be nonzero, with MISMATCH_BIT (0x40000000) clear");
+  return code;
+}
+
 }  // namespace
 
 void write_flags(uint32_t* const* flags, const uint32_t* values, int count, cudaStream_t stream) {
@@ -63,10 +71,7 @@ void wait_flags(uint32_t* const* flags, const uint32_t* codes, const uint32_t* e
   FlagList list{};
   for (int i = 0; i < count; ++i) {
     list.flag[i] = checked_flag("wait_flags", flags, i);
-    if (codes[i] == 0 || (codes[i] & kMismatchBit) != 0)
-      throw ArgumentError("codes: wait_flags' error code " + std::to_string(i) +
-                          " must be nonzero, with MISMATCH_BIT (0x40000000) clear");
-    list.code[i] = codes[i];
+    list.code[i] = checked_code("wait_flags", codes[i], i);
     list.expect[i] = expect == nullptr ? 0 : expect[i];
   }
   if (count == 0) return;
@@ -90,8 +95,7 @@ void reduce_partials(const void* const* in, int p, void* out, int64_t count, DTy
   launch(kernel, static_cast<unsigned>(blocks), threads, args, stream);
 }
 
-void one_shot_all_reduce(const OneShotParams& params, DType dtype, cudaStream_t stream) {
-  const OneShotParams& a = params;
+void one_shot_all_reduce(const OneShotParams& a, DType dtype, cudaStream_t stream) {
   if (a.p < 1 || a.p > kMaxRanks || a.rank < 0 || a.rank >= a.p)
     throw ArgumentError("one_shot_all_reduce: rank " + std::to_string(a.rank) + " of " + std::to_string(a.p) +
                         " ranks, expected 0 <= rank < p <= " + std::to_string(kMaxRanks));
@@ -106,9 +110,8 @@ void one_shot_all_reduce(const OneShotParams& params, DType dtype, cudaStream_t 
     if (a.release.flag[i] == nullptr || a.ready.flag[i] == nullptr || a.signal_ready.flag[i] == nullptr ||
         a.signal_release.flag[i] == nullptr)
       throw ArgumentError("one_shot_all_reduce: a null flag of peer " + std::to_string(i));
-    for (uint32_t code : {a.release.code[i], a.ready.code[i]})
-      if (code == 0 || (code & kMismatchBit) != 0)
-        throw ArgumentError("one_shot_all_reduce: error codes must be nonzero, with MISMATCH_BIT clear");
+    checked_code("one_shot_all_reduce", a.release.code[i], i);
+    checked_code("one_shot_all_reduce", a.ready.code[i], i);
   }
   const Kernel kernel = summing_kernel("one_shot_all_reduce", Kernel::kOneShotFloat32, dtype);
   const int threads = kOneShotThreads;

@@ -142,51 +142,50 @@ uint32_t* PeerContext::flag(int q, int index) const {
   return reinterpret_cast<uint32_t*>(bases_[q]) + index;
 }
 
+FlagWrites PeerContext::signals(const std::vector<int>& peers, Region c, bool release) const {
+  FlagWrites list{};
+  for (size_t i = 0; i < peers.size(); ++i) {
+    list.flag[i] = flag(peers[i], flag_index(c, release, rank_));
+    list.value[i] = release ? 1u : call_word_;
+  }
+  return list;
+}
+
+FlagList PeerContext::waits(const std::vector<int>& peers, Region c, bool release, Primitive op) const {
+  FlagList list{};
+  for (size_t i = 0; i < peers.size(); ++i) {
+    const int index = flag_index(c, release, peers[i]);
+    list.flag[i] = flag(rank_, index);
+    list.code[i] = wait_code(op, index);
+    list.expect[i] = release ? 0u : call_word_;
+  }
+  return list;
+}
+
 void PeerContext::signal(int q, Region c, bool release, cudaStream_t stream) {
-  write_flag(flag(q, flag_index(c, release, rank_)), release ? 1u : call_word_, stream);
+  const FlagWrites list = signals({q}, c, release);
+  write_flag(list.flag[0], list.value[0], stream);
 }
 
 void PeerContext::signal_all(Region c, bool release, cudaStream_t stream) {
-  uint32_t* flags[kMaxRanks];
-  uint32_t values[kMaxRanks];
-  int count = 0;
-  for (int q : others()) {  // one launch for them all (a stream write each would be p - 1 operations)
-    flags[count] = flag(q, flag_index(c, release, rank_));
-    values[count++] = release ? 1u : call_word_;
-  }
-  write_flags(flags, values, count, stream);
+  const std::vector<int> peers = others();  // one launch for them all (a stream write each would be p - 1 operations)
+  const FlagWrites list = signals(peers, c, release);
+  write_flags(list.flag, list.value, static_cast<int>(peers.size()), stream);
 }
 
 void PeerContext::wait(const std::vector<int>& peers, Region c, bool release, Primitive op, cudaStream_t stream) {
-  uint32_t* flags[kMaxRanks];
-  uint32_t codes[kMaxRanks], expect[kMaxRanks];
-  int count = 0;
-  for (int q : peers) {
-    const int index = flag_index(c, release, q);
-    flags[count] = flag(rank_, index);
-    expect[count] = release ? 0u : call_word_;
-    codes[count++] = wait_code(op, index);
-  }
-  wait_flags(flags, codes, expect, count, timeout_ns(), error_word_, stream);
+  const FlagList list = waits(peers, c, release, op);
+  wait_flags(list.flag, list.code, list.expect, static_cast<int>(peers.size()), timeout_ns(), error_word_, stream);
 }
 
 void PeerContext::one_shot(const void* src, void* out, int64_t count, DType dtype, int stages, Primitive op,
                            cudaStream_t stream) {
+  const std::vector<int> peers = others();  // entry i of every list: the same peer
   OneShotParams a{};
-  int i = 0;
-  for (int q : others()) {  // entry i of every list: the same peer
-    const int release = flag_index(Region::kExport, true, q), ready = flag_index(Region::kExport, false, q);
-    a.release.flag[i] = flag(rank_, release);
-    a.release.code[i] = wait_code(op, release);
-    a.ready.flag[i] = flag(rank_, ready);
-    a.ready.code[i] = wait_code(op, ready);
-    a.ready.expect[i] = call_word_;
-    a.signal_ready.flag[i] = flag(q, flag_index(Region::kExport, false, rank_));
-    a.signal_ready.value[i] = call_word_;
-    a.signal_release.flag[i] = flag(q, flag_index(Region::kExport, true, rank_));
-    a.signal_release.value[i] = 1u;
-    ++i;
-  }
+  a.release = waits(peers, Region::kExport, true, op);
+  a.ready = waits(peers, Region::kExport, false, op);
+  a.signal_ready = signals(peers, Region::kExport, false);
+  a.signal_release = signals(peers, Region::kExport, true);
   for (int q = 0; q < size_; ++q) a.exports.in[q] = region(q, Region::kExport);
   a.src = src;
   a.out = out;

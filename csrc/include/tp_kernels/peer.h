@@ -140,6 +140,10 @@ class PeerContext {
  private:
   uint32_t* flag(int q, int index) const;
   uint64_t timeout_ns() const;  // of every device wait
+  // Flag (c, release, rank()) of each of `peers` with the value signal() writes, and this rank's
+  // flags (c, release, q) for each q in `peers` with the codes and values wait() takes, in that order.
+  FlagWrites signals(const std::vector<int>& peers, Region c, bool release) const;
+  FlagList waits(const std::vector<int>& peers, Region c, bool release, Primitive op) const;
 
   int rank_, size_, device_;
   std::vector<char*> bases_;
