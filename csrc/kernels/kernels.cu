@@ -68,27 +68,37 @@ __device__ __forceinline__ void reduce_partials(const tp_kernels::PartialPtrs& p
 
 __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0; }
 
-// Thread i (< count) polls flag i of `list` until it is set, without clearing it, bounded like
-// tpk_wait_flags (a timeout or a flag with another value than expect[i] records code i in the error
-// word; an error already there ends the poll). Every thread of the block returns after it.
+// Waits until flag i of `list` is set (polling every sleep_ns) and returns the value seen, or 0
+// when it gives up: the error word already set (an earlier wait failed: drain the stream), or
+// timeout_ns passed (code i recorded in the error word, if it is still 0). A value other than
+// expect[i] (when that is not 0) records code i | kMismatchBit. The flag is left as it is.
+__device__ unsigned int await_flag(const tp_kernels::FlagList& list, int i, unsigned long long timeout_ns,
+                                   unsigned int* error_word, unsigned int sleep_ns) {
+  volatile unsigned int* flag = list.flag[i];
+  volatile unsigned int* error = error_word;
+  const unsigned long long start = global_timer_ns();
+  unsigned int seen;
+  while ((seen = *flag) == 0) {
+    if (*error != 0) return 0;
+    if (global_timer_ns() - start > timeout_ns) {
+      atomicCAS(error_word, 0u, list.code[i]);
+      __threadfence_system();
+      return 0;
+    }
+    __nanosleep(sleep_ns);
+  }
+  if (list.expect[i] != 0 && seen != list.expect[i])
+    atomicCAS(error_word, 0u, list.code[i] | tp_kernels::kMismatchBit);
+  return seen;
+}
+
+// Thread i (< count) polls flag i of `list` until it is set, without clearing it (await_flag,
+// polling every 32 ns). Every thread of the block returns after it.
 __device__ void poll_flags(const tp_kernels::FlagList& list, int count, unsigned long long timeout_ns,
                            unsigned int* error_word) {
   const int i = threadIdx.x;
   if (i < count) {
-    volatile unsigned int* flag = list.flag[i];
-    volatile unsigned int* error = error_word;
-    const unsigned long long start = global_timer_ns();
-    unsigned int seen;
-    while ((seen = *flag) == 0) {
-      if (*error != 0) break;
-      if (global_timer_ns() - start > timeout_ns) {
-        atomicCAS(error_word, 0u, list.code[i]);
-        break;
-      }
-      __nanosleep(32);
-    }
-    if (seen != 0 && list.expect[i] != 0 && seen != list.expect[i])
-      atomicCAS(error_word, 0u, list.code[i] | tp_kernels::kMismatchBit);
+    await_flag(list, i, timeout_ns, error_word, 32);
     __threadfence_system();  // what the peer wrote before its flag is read after this
   }
   __syncthreads();
@@ -174,23 +184,8 @@ __device__ void one_shot(const tp_kernels::OneShotParams& a) {
 extern "C" __global__ void tpk_wait_flags(tp_kernels::FlagList list, int count, unsigned long long timeout_ns,
                                           unsigned int* error_word) {
   const int i = threadIdx.x;
-  if (i >= count) return;
-  volatile unsigned int* flag = list.flag[i];
-  volatile unsigned int* error = error_word;
-  const unsigned long long start = global_timer_ns();
-  unsigned int seen;
-  while ((seen = *flag) == 0) {
-    if (*error != 0) return;  // an earlier wait failed: drain the stream
-    if (global_timer_ns() - start > timeout_ns) {
-      atomicCAS(error_word, 0u, list.code[i]);
-      __threadfence_system();
-      return;
-    }
-    __nanosleep(256);
-  }
-  *flag = 0;
-  if (list.expect[i] != 0 && seen != list.expect[i])
-    atomicCAS(error_word, 0u, list.code[i] | tp_kernels::kMismatchBit);
+  if (i >= count || await_flag(list, i, timeout_ns, error_word, 256) == 0) return;
+  *static_cast<volatile unsigned int*>(list.flag[i]) = 0u;
   __threadfence_system();  // the clear (and an error) is visible before anything this stream does next
 }
 
