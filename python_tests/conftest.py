@@ -30,6 +30,16 @@ def get_world(size: int) -> World:
     return reused_world(_WORLDS, size, lambda: World(size, backend="gloo", timeout_s=60.0))
 
 
+@pytest.fixture(autouse=True)
+def _resolved_anew():
+    """What ``"auto"`` resolved earlier calls to (``dispatch._resolved``) dropped before each test:
+    tests replace what a decision depends on (a path's ``unsupported_reason``) between calls like
+    one another, which nothing outside a test does."""
+    from tp_kernels import dispatch
+
+    dispatch._resolved.clear()
+
+
 @pytest.fixture
 def world(request):
     return get_world(request.param)

@@ -6,6 +6,7 @@ pipelined schedule (named through set_auto_candidates); the fused and native one
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from types import SimpleNamespace
@@ -247,6 +248,92 @@ def test_no_measurement_while_compiling(monkeypatch):
     measured("reference")
     autotune.set_autotune(False)
     assert autotune.choose("matmul_all_reduce", variants, x, w, None, group) == "pipelined:2"
+
+
+def test_a_call_like_an_earlier_one_is_not_resolved_again(monkeypatch):
+    """Once "auto" has resolved a call, a call like it (the op, shapes, dtype, device, group,
+    bias or not, chunks, the settings of "auto") gets the same name without its candidates or
+    variants made again; a setting changed, a decision made or dropped, another shape: resolved
+    anew. Nothing is kept while torch.compile traces, nor from a choice made while nothing could
+    be measured."""
+    x, w = torch.randn(8, 16), torch.randn(8, 16)
+    group = SimpleNamespace(group_name="g", size=lambda: 2)
+    asked = []
+    monkeypatch.setattr(pipelined_native, "unsupported_reason", lambda *a: asked.append("native") or None)
+    monkeypatch.setattr(autotune, "choose", lambda op, variants, *args: asked.append("choose") or variants[-1])
+    monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "1")
+
+    def resolve(x=x, num_chunks=None, bias=None):
+        asked.clear()
+        return dispatch.resolve("matmul_all_reduce", "auto", x, 2, group, w, bias, num_chunks), list(asked)
+
+    assert resolve() == ("reference", ["native", "choose"])
+    assert resolve() == ("reference", [])  # kept
+    assert resolve(x=torch.randn(9, 16)) == ("reference", ["native", "choose"])  # another m
+    assert resolve(num_chunks=2) == ("reference", ["native", "choose"])
+    assert resolve(bias=torch.randn(8)) == ("reference", ["native", "choose"])
+    assert resolve(x=x.double()) == ("reference", ["native", "choose"])
+    monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "0")  # a setting: at the next call
+    assert resolve() == ("reference", [])  # (nothing to choose among: no candidate asked)
+    monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "1")
+    assert resolve() == ("reference", [])  # the earlier settings' entry
+    monkeypatch.setattr(autotune, "choose", lambda op, variants, *args: asked.append("choose") or variants[0])
+    autotune.forget()  # a decision dropped (or made): everything resolved anew
+    assert resolve() == ("native:4", ["native", "choose"])
+    assert resolve() == ("native:4", [])
+    autotune.set_auto_candidates(["reference", "pipelined"])
+    assert resolve() == ("native:4", ["native", "choose"])
+    autotune.set_auto_candidates(None)
+    # while nothing can be measured, a choice is not kept (a later eager call measures)
+    autotune.forget()
+    monkeypatch.setattr(autotune, "unmeasurable_reason", lambda x: "a CUDA graph is being captured")
+    assert resolve() == ("native:4", ["native", "choose"])
+    assert resolve() == ("native:4", ["native", "choose"])
+
+
+def test_nothing_is_kept_while_compiling_or_saying_why(monkeypatch, caplog):
+    x, w = torch.randn(8, 16), torch.randn(8, 16)
+    group = SimpleNamespace(group_name="g", size=lambda: 2)
+    monkeypatch.setattr(pipelined_native, "unsupported_reason", lambda *a: None)
+    monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "1")
+    monkeypatch.setenv("TP_KERNELS_AUTOTUNE", "0")
+    monkeypatch.setattr(dispatch, "_is_compiling", lambda: True)
+    assert dispatch.resolve("matmul_all_reduce", "auto", x, 2, group, w) == "native:4"
+    assert dispatch._resolved == {}
+    monkeypatch.setattr(dispatch, "_is_compiling", torch.compiler.is_compiling)
+    with caplog.at_level(logging.DEBUG, logger="tp_kernels.dispatch"):
+        for _ in range(2):  # each call says why
+            assert dispatch.resolve("matmul_all_reduce", "auto", x, 2, group, w) == "native:4"
+    assert dispatch._resolved == {}
+    assert sum("candidates ['native', 'reference']" in r.message for r in caplog.records) == 2
+    assert dispatch.resolve("matmul_all_reduce", "auto", x, 2, group, w) == "native:4"
+    assert len(dispatch._resolved) == 1
+    monkeypatch.setattr(dispatch, "RESOLVED_MAX", 1)  # full: dropped, to be resolved again
+    assert dispatch.resolve("matmul_all_reduce", "auto", x[:4], 2, group, w) == "native:4"
+    assert [key[3] for key in dispatch._resolved] == [(4, 16)]
+
+
+def test_a_collective_like_an_earlier_one_is_not_resolved_again(monkeypatch):
+    x = torch.randn(64)
+    group = SimpleNamespace(group_name="g", size=lambda: 2)
+    asked = []
+    monkeypatch.setattr(pipelined_native, "unsupported_collective_reason",
+                        lambda *a: asked.append("native") or None)
+    monkeypatch.setattr(autotune, "choose_collective",
+                        lambda collective, variants, *args: asked.append("choose") or variants[-1])
+    monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "1")
+
+    def resolve(x=x, peer=-1):
+        asked.clear()
+        return dispatch.resolve_collective("broadcast", "auto", x, group, peer), list(asked)
+
+    assert resolve(peer=0) == ("reference", ["native", "choose"])
+    assert resolve(peer=0) == ("reference", [])
+    assert resolve(peer=1) == ("reference", ["native", "choose"])  # another root
+    assert resolve(x=torch.randn(65), peer=0) == ("reference", ["native", "choose"])
+    assert resolve(x=x.view(8, 8), peer=0) == ("reference", [])  # the elements, not the shape
+    autotune.forget()
+    assert resolve(peer=0) == ("reference", ["native", "choose"])
 
 
 # --- on 2 gloo ranks ----------------------------------------------------------------------------

@@ -305,7 +305,8 @@ def test_extension_bench_flop_count():
 #: what python -m tp_kernels.bench.host times on the CPU, and which of those are plain PyTorch
 HOST_PLAIN = {"plain", "plain_layer", "plain_all_reduce", "plain_all_reduce_inplace", "plain_all_gather"}
 HOST_CALLS = HOST_PLAIN | {"RowParallelLinear/auto", "Communicator.all_reduce", "Communicator.all_reduce/in_place",
-                           "Communicator.all_gather"} | {f"matmul_all_reduce/{b}" for b in ("reference", "pipelined", "auto")}
+                           "Communicator.all_gather"} | {f"matmul_all_reduce/{b}" for b in
+                                                          ("reference", "pipelined", "auto", "auto:measured")}
 
 
 def test_host_time_bench_at_one_and_two_ranks(tmp_path):
@@ -327,6 +328,12 @@ def test_host_time_bench_at_one_and_two_ranks(tmp_path):
         assert run["added_us"]["Communicator.all_reduce/in_place"] == pytest.approx(
             run["times"]["Communicator.all_reduce/in_place"]["min_us"]
             - run["times"]["plain_all_reduce_inplace"]["min_us"])
+    # "auto:measured" chose between the two backends that run on a fake group, once, at p = 2 (at
+    # p = 1 there is nothing to overlap: the reference, unmeasured)
+    assert record["runs"][0]["auto_decisions"] == []
+    (decision,) = record["runs"][1]["auto_decisions"]
+    assert decision["variants"] == ["pipelined:4", "reference"] and decision["choice"] in decision["variants"]
+    assert all(t > 0 for t in decision["times_s"])
     with pytest.raises(SystemExit):
         from tp_kernels.bench import host
         host.main(["--ranks", "0"])

@@ -69,11 +69,13 @@ __all__ = [
     "choose_collective",
     "decisions",
     "forget",
+    "generation",
     "get_auto_candidates",
     "measured_algorithm",
     "set_auto_candidates",
     "set_autotune",
     "size_class",
+    "unmeasurable_reason",
 ]
 
 logger = logging.getLogger(__name__)
@@ -116,6 +118,19 @@ class Decision:
 _decisions: Dict[tuple, Tuple[object, Decision]] = {}
 #: (size class of m, n, p, dtype) -> the fused all-reduce algorithm measured fastest there
 _algorithms: Dict[tuple, str] = {}
+#: bumped whenever a decision is made or dropped (:func:`generation`)
+_generation = 0
+
+
+def generation() -> int:
+    """A number that changes whenever a decision is made or dropped: what a choice made from
+    these decisions (:func:`choose`, :func:`measured_algorithm`) stays true for."""
+    return _generation
+
+
+def _changed() -> None:
+    global _generation
+    _generation += 1
 
 
 def decisions() -> List[Decision]:
@@ -144,13 +159,16 @@ def forget(group=None) -> None:
                 _algorithms.pop(_algorithm_key(d.m_class, d.n, d.p, d.dtype), None)
     if group is None:
         _algorithms.clear()
+    _changed()
 
 
 def _operands(op: str, x: torch.Tensor, weight: torch.Tensor, bias):
-    """The communicating primitive behind ``op`` and the operands to measure it on."""
+    """The communicating primitive behind ``op``, the bias to measure it with, and a function that
+    makes its input and weight to measure it on (called only to measure: the backward's input is
+    a new tensor)."""
     if op == "linear_with_grad_all_reduce":  # its backward: dx = AR(dy W), dy (m, n/p), W as (k, n/p)
-        return OPS[op].primitive, x.new_ones((x.shape[0], weight.shape[0])), weight.t(), None
-    return op, x, weight, bias
+        return OPS[op].primitive, None, lambda: (x.new_ones((x.shape[0], weight.shape[0])), weight.t())
+    return op, bias, lambda: (x, weight)
 
 
 def _run_variant(primitive: str, name: str, x, weight, bias, group):
@@ -168,7 +186,9 @@ def _agree(view: str, group, device: torch.device) -> None:
                            f"make the same calls, with the same candidates (TP_KERNELS_AUTO_CANDIDATES)")
 
 
-def _not_measurable(x: torch.Tensor) -> Optional[str]:
+def unmeasurable_reason(x: torch.Tensor) -> Optional[str]:
+    """Why nothing can be measured for a call of input ``x`` now (then :func:`choose` takes a
+    class's decision if there is one, else the first variant, and remembers nothing), or None."""
     if torch.compiler.is_compiling():
         return "torch.compile is tracing"
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -189,11 +209,17 @@ def choose(op: str, variants: Sequence[str], x: torch.Tensor, weight: torch.Tens
     doc), else the first."""
     if len(variants) == 1 or not autotune_enabled():
         return variants[0]
-    primitive, a, w, b = _operands(op, x, weight, bias)
+    primitive, b, make = _operands(op, x, weight, bias)
     m, n, k = communicated_problem(op, x.shape[0], weight.shape)
     key = (op, coll.group_key(group, x.device), x.dtype, size_class(m), n, k, b is not None, _variant_set(variants))
-    return _measured(key, op, variants, x, group, m, n, k, b is not None,
-                     lambda v: _run_variant(primitive, v, a, w, b, group))
+    operands: list = []
+
+    def run(variant: str):
+        if not operands:  # made on the first run, when measuring
+            operands.extend(make())
+        return _run_variant(primitive, variant, *operands, b, group)
+
+    return _measured(key, op, variants, x, group, m, n, k, b is not None, run)
 
 
 def choose_collective(collective: str, variants: Sequence[str], x: torch.Tensor, group, peer: int = -1) -> str:
@@ -226,7 +252,7 @@ def _measured(key: tuple, op: str, variants: Sequence[str], x: torch.Tensor, gro
     hit = _decisions.get(key)
     if hit is not None:
         return hit[1].choice
-    why_not = _not_measurable(x)
+    why_not = unmeasurable_reason(x)
     if why_not is not None:
         if not torch.compiler.is_compiling():  # a logger call would break torch.compile's graph
             logger.debug("auto backend for %s: %s and the shape class was never measured: %s", op, why_not,
@@ -244,6 +270,7 @@ def _measured(key: tuple, op: str, variants: Sequence[str], x: torch.Tensor, gro
     if decision.algorithm is not None:
         _algorithms[_algorithm_key(m, n, p, x.dtype)] = decision.algorithm
     _decisions[key] = (group, decision)
+    _changed()
     logger.debug("auto backend for %s (m class %d, n %d, k %d, %s, p=%d): measured %s; chose %s", op,
                  decision.m_class, n, k, x.dtype, p,
                  ", ".join(f"{v} {t * 1e3:.3f} ms" for v, t in zip(variants, times)), decision.choice)

@@ -54,16 +54,20 @@ def candidates(x: torch.Tensor, weight: torch.Tensor, group, p: Optional[int] = 
     goes into this, so all ranks get the same list. ``p`` defaults to the group's size.
     """
     why: List[str] = []
-    return _candidates(x, weight, group, coll.group_size(group) if p is None else p, why), why
+    p = coll.group_size(group) if p is None else p
+    return _candidates(x, weight, group, p, why, settings.auto_state()), why
 
 
-def _candidates(x: torch.Tensor, weight: torch.Tensor, group, p: int, why: Optional[List[str]]) -> List[str]:
-    """:func:`candidates`, the reasons appended to ``why`` (None: not asked for, not made)."""
+def _candidates(x: torch.Tensor, weight: torch.Tensor, group, p: int, why: Optional[List[str]],
+                state: settings.AutoState) -> List[str]:
+    """:func:`candidates` under the settings ``state``, the reasons appended to ``why`` (None: not
+    asked for, not made)."""
     if p == 1:
         if why is not None:
             why.append("one rank, nothing to overlap")
         return ["reference"]
-    return _allowed(pipelined_native.unsupported_reason, fused.unsupported_reason, (x, weight, group), True, why)
+    return _allowed(pipelined_native.unsupported_reason, fused.unsupported_reason, (x, weight, group), True, why,
+                    state)
 
 
 def collective_candidates(collective: str, x: torch.Tensor, group) -> Tuple[List[str], List[str]]:
@@ -71,34 +75,30 @@ def collective_candidates(collective: str, x: torch.Tensor, group) -> Tuple[List
     :func:`candidates`: ``"fused"`` (the all-reduce only), ``"native"`` (NCCL), ``"reference"``
     (``torch.distributed``), and why the others were left out."""
     why: List[str] = []
-    return _collective_candidates(collective, x, group, why), why
+    return _collective_candidates(collective, x, group, why, settings.auto_state()), why
 
 
-def _collective_candidates(collective: str, x: torch.Tensor, group, why: Optional[List[str]]) -> List[str]:
-    """:func:`collective_candidates`, the reasons appended to ``why`` (None: not made)."""
+def _collective_candidates(collective: str, x: torch.Tensor, group, why: Optional[List[str]],
+                           state: settings.AutoState) -> List[str]:
+    """:func:`collective_candidates` under the settings ``state``, the reasons appended to ``why``
+    (None: not made)."""
     if coll.group_size(group) == 1:
         if why is not None:
             why.append("one rank, nothing to communicate")
         return ["reference"]
     return _allowed(pipelined_native.unsupported_collective_reason, fused.unsupported_collective_reason,
-                    (collective, x, group), False, why)
+                    (collective, x, group), False, why, state)
 
 
 def _allowed(native_reason: Callable[..., Optional[str]], fused_reason: Callable[..., Optional[str]], args: tuple,
-             portable: bool, why: Optional[List[str]]) -> List[str]:
-    """The candidates of ``"auto"`` given why the native and the fused paths cannot run a call
-    (``native_reason(*args)``, ``fused_reason(*args)``: the native one asked only when the
-    settings allow a fast path or the reasons are made; the fused one only when the fused path
-    is allowed and the native one can run, as its first call of a group is collective), and
-    whether a portable schedule stands in for the native one where that cannot run and
-    ``"pipelined"`` is named; why the others were left out appended to ``why`` (None: the
-    reasons are not made, as on a call's path unless it logs)."""
-    named = settings.get_auto_candidates()
-    allowed = named if named is not None else settings.AUTO_CHOICES
-    fused_on = "fused" in allowed and (named is not None or settings.auto_fused())
-    native_on = "pipelined" in allowed and (named is not None or settings.auto_native())
-    if not (fused_on or native_on or why is not None):  # no fast path allowed, no reasons asked for
-        return ["reference"]
+             portable: bool, why: Optional[List[str]], state: settings.AutoState) -> List[str]:
+    """The candidates of ``"auto"`` under the settings ``state`` given why the native and the
+    fused paths cannot run a call (``native_reason(*args)``, ``fused_reason(*args)``: the fused
+    one asked only when the fused path is allowed and the native one can run, as its first call
+    of a group is collective), and whether a portable schedule stands in for the native one where
+    that cannot run and ``"pipelined"`` is named; why the others were left out appended to
+    ``why`` (None: the reasons are not made, as on a call's path unless it logs)."""
+    named, allowed, fused_on, native_on = state.candidates, state.allowed, state.fused_on, state.native_on
     native = native_reason(*args)
     out: List[str] = []
     fused_out = pipelined_out = None  # why each was left out
@@ -234,18 +234,68 @@ def resolve(op: str, backend: str, x: torch.Tensor, p: int, group=None, weight: 
             logger.debug("pipelined %s (p=%d, x %s %s): the portable schedule, not the native one: %s", op, p,
                          tuple(x.shape), x.dtype, reason)
         return _name("pipelined", op, x, w, p, chunks)
-    why: Optional[List[str]] = [] if _debugging() else None
-    impls = _candidates(x, w, group, p, why)
+    state, debugging = settings.auto_state(), _debugging()
+    if not (state.fast_path_on or debugging):  # nothing but the reference to choose
+        return "reference"
+    key = None if debugging or _is_compiling() else (
+        op, p, num_chunks, x.shape, x.dtype, x.device, w.shape, bias is not None, id(group), state)
+    name = None if key is None else _recall(key)
+    if name is not None:
+        return name
+    why: Optional[List[str]] = [] if debugging else None
+    impls = _candidates(x, w, group, p, why, state)
     if why:
         logger.debug("auto backend for %s (p=%d, x %s %s on %s): candidates %s; left out: %s", op, p,
                      tuple(x.shape), x.dtype, x.device.type, impls, "; ".join(why))
     if len(impls) == 1:
-        return _name(impls[0], op, x, w, p, chunks)
-    variants = [v for impl in impls for v in _variants(impl, op, x, w, p, chunks, num_chunks is not None)]
-    choice = parse(autotune.choose(op, variants, x, w, bias, group))
-    if choice.algorithm is not None:  # the measured class's algorithm, valid for these rows
-        return _name("fused", op, x, w, p, chunks, choice.algorithm)
-    return choice.name
+        name = _name(impls[0], op, x, w, p, chunks)
+    else:
+        variants = [v for impl in impls for v in _variants(impl, op, x, w, p, chunks, num_chunks is not None)]
+        choice = parse(autotune.choose(op, variants, x, w, bias, group))
+        # the measured class's algorithm, valid for these rows
+        name = choice.name if choice.algorithm is None else _name("fused", op, x, w, p, chunks, choice.algorithm)
+    return _remember(key, group, x, name)
+
+
+#: What ``"auto"`` resolved calls to, so that a call like an earlier one is not resolved again:
+#: the call's key (what the decision depends on: the op or collective, the tensors' shapes, dtype
+#: and device, the group, the settings of ``"auto"``) -> (the group, kept so that its id is not
+#: reused meanwhile; the implementation name). Its entries hold while
+#: :func:`tp_kernels.autotune.generation` is :data:`_resolved_generation` (a decision made or
+#: dropped clears them); a choice made while nothing could be measured (torch.compile tracing, a
+#: CUDA graph capture: the first candidate, unremembered) is not kept, nor any while the logger
+#: says why (each call then says it). At most :data:`RESOLVED_MAX` entries: past that they are
+#: dropped, to be resolved again.
+_resolved: dict = {}
+_resolved_generation = -1
+RESOLVED_MAX = 4096
+_is_compiling = torch.compiler.is_compiling
+
+
+def _current_resolved() -> dict:
+    """:data:`_resolved`, emptied if a decision was made or dropped since its entries were."""
+    global _resolved_generation
+    generation = autotune.generation()
+    if generation != _resolved_generation:
+        _resolved.clear()
+        _resolved_generation = generation
+    return _resolved
+
+
+def _recall(key: tuple) -> Optional[str]:
+    """The name ``"auto"`` resolved the call of ``key`` to before, or None."""
+    hit = _current_resolved().get(key)
+    return None if hit is None else hit[1]
+
+
+def _remember(key: Optional[tuple], group, x: torch.Tensor, name: str) -> str:
+    """``name``, kept for the calls of ``key`` (None: not kept) where it holds for them."""
+    if key is not None and autotune.unmeasurable_reason(x) is None:
+        resolved = _current_resolved()
+        if len(resolved) >= RESOLVED_MAX:
+            resolved.clear()
+        resolved[key] = (group, name)
+    return name
 
 
 
@@ -295,15 +345,22 @@ def resolve_collective(collective: str, backend: str, x: torch.Tensor, group, pe
             raise ValueError(f"backend: 'fused' cannot run {collective} (p={p}, x {tuple(x.shape)} {x.dtype} on "
                              f"{x.device}): {reason}. Use 'pipelined' or 'auto' there.")
         return collective_variants("fused" if collective == "all_reduce" else "native", collective, x, p)[0]
-    why: Optional[List[str]] = [] if _debugging() else None
-    kinds = _collective_candidates(collective, x, group, why)
+    state, debugging = settings.auto_state(), _debugging()
+    if not (state.fast_path_on or debugging):  # nothing but the reference to choose
+        return "reference"
+    key = None if debugging or _is_compiling() else (collective, x.numel(), x.dtype, x.device, peer, id(group), state)
+    name = None if key is None else _recall(key)
+    if name is not None:
+        return name
+    why: Optional[List[str]] = [] if debugging else None
+    kinds = _collective_candidates(collective, x, group, why, state)
     if why:
         logger.debug("auto backend for %s (p=%d, x %s %s on %s): candidates %s; left out: %s", collective, p,
                       tuple(x.shape), x.dtype, x.device.type, kinds, "; ".join(why))
     if kinds == ["reference"]:  # nothing to choose among
         return "reference"
     variants = [v for kind in kinds for v in collective_variants(kind, collective, x, p)]
-    return autotune.choose_collective(collective, variants, x, group, peer)
+    return _remember(key, group, x, autotune.choose_collective(collective, variants, x, group, peer))
 
 
 def capture_paths(backend: str, x: torch.Tensor, group) -> List[str]:

@@ -49,17 +49,19 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 __all__ = [
     "AUTO_CHOICES",
     "AUTO_FUSED_DEFAULT",
     "AUTO_NATIVE_DEFAULT",
+    "AutoState",
     "BACKENDS",
     "BACKEND_NAMES",
     "DEFAULT_TIMEOUT_S",
     "auto_fused",
     "auto_native",
+    "auto_state",
     "autotune_enabled",
     "fingerprints_enabled",
     "ids_checked",
@@ -312,3 +314,44 @@ def forced_all_reduce_algorithm(known: Sequence[str]) -> Optional[str]:
 
 
 _FUSED_ALL_REDUCE = _Variable("TP_KERNELS_FUSED_ALL_REDUCE", str, None)
+
+
+class AutoState:
+    """What ``"auto"``'s choice of an implementation depends on among these settings, each as its
+    own getter reads it, and what follows from them. One object per combination of values
+    (:func:`auto_state`), so that two states are the same object exactly when they are equal."""
+
+    __slots__ = ("candidates", "native", "fused", "measures", "fused_all_reduce", "allowed", "fused_on", "native_on",
+                 "fast_path_on")
+
+    def __init__(self, candidates: Optional[Tuple[str, ...]], native: bool, fused: bool, measures: bool,
+                 fused_all_reduce: Optional[str]):
+        self.candidates = candidates  # named (get_auto_candidates), or None
+        self.native, self.fused = native, fused  # auto_native(), auto_fused()
+        self.measures = measures  # autotune_enabled()
+        self.fused_all_reduce = fused_all_reduce  # TP_KERNELS_FUSED_ALL_REDUCE as set (checked where used)
+        #: the backends "auto" may choose: those named, else AUTO_CHOICES
+        self.allowed = candidates if candidates is not None else AUTO_CHOICES
+        #: whether the fused / the native pipelined path is a candidate: named, or allowed and switched on
+        self.fused_on = "fused" in self.allowed and (candidates is not None or fused)
+        self.native_on = "pipelined" in self.allowed and (candidates is not None or native)
+        #: whether "auto" may choose anything but the reference
+        self.fast_path_on = self.fused_on or self.native_on
+
+    def __repr__(self) -> str:
+        return (f"AutoState(candidates={self.candidates!r}, native={self.native}, fused={self.fused}, "
+                f"measures={self.measures}, fused_all_reduce={self.fused_all_reduce!r})")
+
+
+#: the values of :class:`AutoState` -> its one object
+_AUTO_STATES: Dict[tuple, AutoState] = {}
+
+
+def auto_state() -> AutoState:
+    """The settings ``"auto"``'s choice depends on, read now."""
+    values = (_CANDIDATES.get(_candidates), _AUTO_NATIVE.get(), _AUTO_FUSED.get(), _AUTOTUNE.get(_autotune),
+              _FUSED_ALL_REDUCE.get())
+    state = _AUTO_STATES.get(values)
+    if state is None:
+        state = _AUTO_STATES[values] = AutoState(*values)
+    return state

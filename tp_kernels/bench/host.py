@@ -18,6 +18,10 @@ k = n = 64, float32, one thread):
   run on a fake group (the reference and the portable pipelined schedule; ``auto`` where it
   resolves to one of them; the native and fused paths need real peers and are skipped, saying
   so);
+* ``matmul_all_reduce/auto:measured``: ``"auto"`` choosing among every backend timed above (named
+  with :func:`tp_kernels.settings.set_auto_candidates`), its shape class measured by the first,
+  untimed call: the host time of a call ``"auto"`` has decided (the record's ``"auto_decisions"``
+  lists what it measured and chose);
 * ``plain_layer`` and ``RowParallelLinear/auto``: a hand-written row-parallel ``nn.Module`` with a
   bias (:class:`PlainRowParallel`, Megatron's: ``F.linear`` without the bias, the all-reduce,
   then the bias added once), and tp_kernels' layer, under ``torch.no_grad()`` (the serving case);
@@ -56,18 +60,19 @@ figures. Fingerprints are off here: on a fake group they would compare garbage, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import dispatch, ops, settings
+from .. import autotune, dispatch, ops, settings
 from ..communicator import Communicator
 from ..layers import RowParallelLinear
 from .records import commit, default_out_dir, device_name, save_record
@@ -77,6 +82,9 @@ CALLS_PER_SAMPLE = 200
 #: calls per sample with real peers (--peers): with their kernels, events and NCCL launches, they
 #: stay under CUDA's launch queue depth
 PEER_CALLS_PER_SAMPLE = 20
+#: the row of ``matmul_all_reduce`` by ``"auto"`` choosing among every backend that runs here (its
+#: class measured on the first call, as a deployment's first step does)
+MEASURED_AUTO = "matmul_all_reduce/auto:measured"
 #: the functions :func:`profiled` lists a call
 PROFILE_TOP = 12
 #: (m, k, n) of the timed GEMM: the decode GEMM of tp_kernels.bench.extension on a GPU, a tiny one on the CPU
@@ -94,22 +102,27 @@ def fake_world(p: int) -> None:
 
 
 def host_times_us(fns: Dict[str, Callable[[], object]], samples: int, cuda: bool,
-                  calls: int = CALLS_PER_SAMPLE) -> Dict[str, Dict[str, float]]:
+                  calls: int = CALLS_PER_SAMPLE,
+                  around: Optional[Dict[str, Callable[[], ContextManager]]] = None) -> Dict[str, Dict[str, float]]:
     """For each of ``fns``, the median and the fastest of ``samples`` mean host times of a call
     (µs). The samples are taken in turns, one of each function per round, so that a machine's
-    drift weighs on all of them alike."""
-    for fn in fns.values():
-        for _ in range(3):
-            fn()
+    drift weighs on all of them alike. ``around[name]()``: a context a function's calls run in,
+    entered outside its timed loop (settings it needs)."""
+    around = around or {}
+    for name, fn in fns.items():
+        with around.get(name, contextlib.nullcontext)():
+            for _ in range(3):
+                fn()
     if cuda:
         torch.cuda.synchronize()
     times: Dict[str, List[float]] = {name: [] for name in fns}
     for _ in range(samples):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[name].append((time.perf_counter() - t0) / calls * 1e6)
+            with around.get(name, contextlib.nullcontext)():
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                times[name].append((time.perf_counter() - t0) / calls * 1e6)
             if cuda:
                 torch.cuda.synchronize()
     return {name: {"median_us": statistics.median(t), "min_us": min(t)} for name, t in times.items()}
@@ -229,6 +242,12 @@ def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("referenc
             continue
         calls[f"matmul_all_reduce/{backend}"] = (
             lambda backend=backend: ops.matmul_all_reduce(x, w, group=group, backend=backend), "plain")
+    # "auto" choosing among every backend that runs here, its shape class measured by the first call
+    named = tuple(b for b in backends if b != "auto" and f"matmul_all_reduce/{b}" in calls)
+    if len(named) > 1:
+        calls[MEASURED_AUTO] = (lambda: ops.matmul_all_reduce(x, w, group=group, backend="auto"), "plain", named)
+    else:
+        skipped[MEASURED_AUTO] = f"one backend runs here ({', '.join(named)}): nothing to choose among"
 
     def plain_layer():
         with torch.no_grad():
@@ -266,6 +285,17 @@ def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("referenc
     return calls, skipped
 
 
+@contextlib.contextmanager
+def _auto_candidates(names: Sequence[str]):
+    """``"auto"`` choosing among ``names`` inside, as before outside."""
+    previous = settings.get_auto_candidates()
+    settings.set_auto_candidates(names)
+    try:
+        yield
+    finally:
+        settings.set_auto_candidates(previous)
+
+
 def _timed(p: int, device: torch.device, samples: int, calls_per_sample: int, profile: int = 0, **which) -> Dict:
     """Every call of :func:`_calls` (``which``: its backends and ``why_not``) timed on this
     process's group, and what each adds over its plain counterpart; with ``profile``, each call's
@@ -273,12 +303,20 @@ def _timed(p: int, device: torch.device, samples: int, calls_per_sample: int, pr
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cuda = device.type == "cuda"
     calls, skipped = _calls(p, device, dtype, **which)
-    times = host_times_us({name: fn for name, (fn, _) in calls.items()}, samples, cuda, calls_per_sample)
-    added = {name: times[name]["min_us"] - times[base]["min_us"]
-             for name, (_, base) in calls.items() if base is not None}
-    run = {"p": p, "times": times, "added_us": added, "skipped": skipped}
+    around = {name: (lambda names=call[2]: _auto_candidates(names)) for name, call in calls.items() if len(call) > 2}
+    before = len(autotune.decisions())
+    times = host_times_us({name: call[0] for name, call in calls.items()}, samples, cuda, calls_per_sample, around)
+    added = {name: times[name]["min_us"] - times[call[1]]["min_us"]
+             for name, call in calls.items() if call[1] is not None}
+    run = {"p": p, "times": times, "added_us": added, "skipped": skipped,
+           # what "auto" measured and chose on the way (the first calls of the rows that measure)
+           "auto_decisions": [{"op": d.op, "variants": list(d.variants), "times_s": list(d.times_s), "choice": d.choice}
+                              for d in autotune.decisions()[before:]]}
     if profile:
-        run["profile"] = {name: profiled(fn, profile, cuda) for name, (fn, _) in calls.items()}
+        run["profile"] = {}
+        for name, call in calls.items():
+            with around.get(name, contextlib.nullcontext)():
+                run["profile"][name] = profiled(call[0], profile, cuda)
     return run
 
 
@@ -401,6 +439,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("  added: " + ", ".join(f"{name} {v:+.2f} us" for name, v in run["added_us"].items()))
         for name, why in run["skipped"].items():
             print(f"  skipped {name}: {why}")
+        for d in run["auto_decisions"]:
+            print(f"  auto measured {d['op']}: " + ", ".join(f"{v} {t * 1e6:.1f} us" for v, t in
+                                                          zip(d["variants"], d["times_s"])) + f"; chose {d['choice']}")
         if "nccl_progress" in run:
             print("  matmul_all_reduce/pipelined, its NCCL calls a call: " +
                   ", ".join(f"{key} {v:.1f}" for key, v in run["nccl_progress"].items()))
