@@ -234,7 +234,10 @@ def resolve(op: str, backend: str, x: torch.Tensor, p: int, group=None, weight: 
             logger.debug("pipelined %s (p=%d, x %s %s): the portable schedule, not the native one: %s", op, p,
                          tuple(x.shape), x.dtype, reason)
         return _name("pipelined", op, x, w, p, chunks)
-    state, debugging = settings.auto_state(), _debugging()
+    debugging = _debugging()
+    if p == 1 and not debugging:  # one rank, nothing to overlap (what _candidates says when asked why)
+        return "reference"
+    state = settings.auto_state()
     if not (state.fast_path_on or debugging):  # nothing but the reference to choose
         return "reference"
     key = None if debugging or _is_compiling() else (
