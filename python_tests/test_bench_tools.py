@@ -487,6 +487,14 @@ SOME_TESTS = ("import pytest\n"
               "@pytest.mark.parametrize('v', [1, 2])\ndef test_param(v):\n    pass\n")
 
 
+def _suite_env(logs) -> dict:
+    """The environment of a pytest run as the GPU suite starts it, its list of selected tests in
+    ``logs``: this one's, less pytest-xdist's worker name (a run under a worker that is not the
+    first would leave the list unwritten, as such a worker does)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
+    return {**env, "TP_KERNELS_COLLECTED_FILE": str(logs / "gpu-tests-collected.txt")}
+
+
 def _with_suite_hooks(folder) -> None:
     """A conftest.py in ``folder`` that takes python_tests/conftest.py's hooks for the GPU suite:
     ``--shard``, ``--select-from`` and the list of the tests selected."""
@@ -571,7 +579,7 @@ def test_the_gpu_tests_record_names_the_tests_a_stopped_run_never_reached(tmp_pa
     (tests / "test_x.py").write_text(SOME_TESTS)
     out = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", str(tests / "test_x.py"),
                           f"--junitxml={logs / 'gpu-tests.xml'}", f"--rootdir={tests}"], cwd=tests, capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "TP_KERNELS_COLLECTED_FILE": str(logs / "gpu-tests-collected.txt")})
+                         text=True, timeout=120, env=_suite_env(logs))
     assert out.returncode == 1, out.stdout + out.stderr
     (logs / "status.txt").write_text("gpu-tests 1\n")
     assert summary.main(["tests", str(logs), str(results), "abc1234"]) == 1
@@ -607,7 +615,7 @@ def test_the_gpu_tests_run_again_from_a_record(tmp_path, monkeypatch, capsys):
         return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_x.py",
                                f"--junitxml={logs / 'gpu-tests.xml'}", f"--rootdir={tests}", *args], cwd=tests,
                               capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "TP_KERNELS_COLLECTED_FILE": str(logs / "gpu-tests-collected.txt")})
+                              env=_suite_env(logs))
 
     first, again, results = tmp_path / "first", tmp_path / "again", tmp_path / "results"
     assert run(first, "-x").returncode == 1  # (stopped at the failure: three never reached)
@@ -656,7 +664,7 @@ def test_the_gpu_tests_on_several_workers(tmp_path):
         out = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-q", "-p", "no:cacheprovider",
                               str(tests / "test_x.py"), f"--junitxml={logs / 'gpu-tests.xml'}", f"--rootdir={tests}",
                               *args], cwd=tests, capture_output=True, text=True, timeout=300,
-                             env={**os.environ, "TP_KERNELS_COLLECTED_FILE": str(logs / "gpu-tests-collected.txt")})
+                             env=_suite_env(logs))
         assert out.returncode == 0, out.stdout + out.stderr
         ran = {path.name: path.read_text() for path in tests.glob("ran-*")}
         assert len(ran) == len(expected) and set(ran.values()) <= {"gw0", "gw1"}, ran
