@@ -11,8 +11,10 @@ against):
    timed loop) of ``F.linear``, the native GEMM and ``tp_kernels.matmul_all_reduce`` on the
    ``pipelined``, ``fused`` and ``auto`` backends (one rank: the whole Python path, custom op
    included, then the GEMM), with the functions each call's host time goes to (``"profile"``:
-   :func:`tp_kernels.bench.host.profiled`); and the GPU time per call when the same calls are
-   replayed from a CUDA graph (target: at most 5 µs added eagerly, nothing added under replay).
+   :func:`tp_kernels.bench.host.profiled`); each figure the fastest of ``--iters`` samples of 200
+   calls, the calls timed in turns (:func:`tp_kernels.bench.host.host_times_us`; the medians are
+   in the record too); and the GPU time per call when the same calls are replayed from a CUDA
+   graph (target: at most 5 µs added eagerly, nothing added under replay).
 3. **Chunking cost** at the Llama-3-70B TP8 shapes (m = 8192; column: k = 8192, n = 28672/8;
    row: k = 28672/8, n = 8192): the GEMM split as the schedules split it (4 row chunks; the
    reduce-scatter's 4 batched chunks over 8 destination blocks; the all-gather ring's 8 shards)
@@ -31,7 +33,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from typing import Callable, Dict
 
 import torch
@@ -39,7 +40,7 @@ import torch.nn.functional as F
 
 from .. import _extension, ops
 from ..schedule import chunk_bounds
-from .host import profiled
+from .host import host_times_us, profiled
 from .records import default_out_dir, gpu_record, save_record
 from .targets import TARGETS
 
@@ -59,21 +60,6 @@ def gpu_time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
         end.synchronize()
         samples.append(start.elapsed_time(end))
     return statistics.median(samples)
-
-
-def host_time_us(fn: Callable[[], object], calls: int, samples: int) -> float:
-    """Median host time to issue one call of ``fn``; the GPU is synchronised between samples only.
-    ``calls`` per sample stays well under CUDA's launch queue depth, so issuing never waits."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def graph_time_us(fn: Callable[[], object], calls: int, iters: int) -> float:
@@ -113,9 +99,11 @@ def host_overhead(iters: int) -> Dict:
         **{f"matmul_all_reduce_{b}": (lambda b=b: ops.matmul_all_reduce(x, w, backend=b))
            for b in ("pipelined", "fused", "auto")},
     }
-    host = {name: host_time_us(fn, 200, iters) for name, fn in calls.items()}
+    times = host_times_us(calls, iters, cuda=True)  # the fastest sample: what disturbs a host only adds
+    host = {name: t["min_us"] for name, t in times.items()}
     graph = {name: graph_time_us(fn, 20, iters) for name, fn in calls.items()}
-    return {"shape": [m, k, n], "dtype": "bfloat16", "eager_host_us": host, "graph_gpu_us": graph,
+    return {"shape": [m, k, n], "dtype": "bfloat16", "eager_host_us": host,
+            "eager_host_median_us": {name: t["median_us"] for name, t in times.items()}, "graph_gpu_us": graph,
             # where each call's host time goes (tp_kernels.bench.host.profiled)
             "profile": {name: profiled(fn, 200, True) for name, fn in calls.items() if name != "f_linear"},
             "added_eager_us": {name: host[name] - host["f_linear"] for name in host},
