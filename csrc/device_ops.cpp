@@ -95,31 +95,46 @@ void reduce_partials(const void* const* in, int p, void* out, int64_t count, DTy
   launch(kernel, static_cast<unsigned>(blocks), threads, args, stream);
 }
 
-void one_shot_all_reduce(const OneShotParams& a, DType dtype, cudaStream_t stream) {
+void peer_all_reduce(const AllReduceParams& a, DType dtype, cudaStream_t stream) {
+  const char* fn = "peer_all_reduce";
   if (a.p < 1 || a.p > kMaxRanks || a.rank < 0 || a.rank >= a.p)
-    throw ArgumentError("one_shot_all_reduce: rank " + std::to_string(a.rank) + " of " + std::to_string(a.p) +
+    throw ArgumentError(std::string(fn) + ": rank " + std::to_string(a.rank) + " of " + std::to_string(a.p) +
                         " ranks, expected 0 <= rank < p <= " + std::to_string(kMaxRanks));
-  if (a.count < 0) throw ArgumentError("one_shot_all_reduce: negative count");
-  if (a.stages < kStagePublish || a.stages > (kStagePublish | kStageReduce))
-    throw ArgumentError("one_shot_all_reduce: stages must be kStagePublish, kStageReduce or both");
+  if (a.count < 0) throw ArgumentError(std::string(fn) + ": negative count");
+  if (a.two_shot != 0 && a.two_shot != 1) throw ArgumentError(std::string(fn) + ": two_shot must be 0 or 1");
+  const int all = kStagePublish | kStageReduce | (a.two_shot ? kStageGather : 0);
+  if (a.stages <= 0 || (a.stages & ~all) != 0)
+    throw ArgumentError(std::string(fn) + ": stages must be a nonempty set of kStagePublish, kStageReduce" +
+                        (a.two_shot ? " and kStageGather" : " (kStageGather is two-shot's)"));
+  if (a.two_shot && (a.slice < 0 || a.slice * a.p < a.count))
+    throw ArgumentError(std::string(fn) + ": " + std::to_string(a.p) + " slices of " + std::to_string(a.slice) +
+                        " elements do not cover " + std::to_string(a.count));
   if (a.error_word == nullptr || a.arrivals == nullptr || a.src == nullptr || a.out == nullptr)
-    throw ArgumentError("one_shot_all_reduce: null error word, counters, src or out");
+    throw ArgumentError(std::string(fn) + ": null error word, counters, src or out");
   for (int q = 0; q < a.p; ++q)
-    if (a.exports.in[q] == nullptr) throw ArgumentError("one_shot_all_reduce: null export region " + std::to_string(q));
+    if (a.exports.in[q] == nullptr || (a.two_shot && a.exports2.in[q] == nullptr))
+      throw ArgumentError(std::string(fn) + ": a null export region of rank " + std::to_string(q));
   for (int i = 0; i < a.p - 1; ++i) {
-    if (a.release.flag[i] == nullptr || a.ready.flag[i] == nullptr || a.signal_ready.flag[i] == nullptr ||
-        a.signal_release.flag[i] == nullptr)
-      throw ArgumentError("one_shot_all_reduce: a null flag of peer " + std::to_string(i));
-    checked_code("one_shot_all_reduce", a.release.code[i], i);
-    checked_code("one_shot_all_reduce", a.ready.code[i], i);
+    bool null = a.release.flag[i] == nullptr || a.ready.flag[i] == nullptr || a.signal_ready.flag[i] == nullptr ||
+                a.signal_release.flag[i] == nullptr;
+    if (a.two_shot)
+      null = null || a.release2.flag[i] == nullptr || a.ready2.flag[i] == nullptr ||
+             a.signal_ready2.flag[i] == nullptr || a.signal_release2.flag[i] == nullptr;
+    if (null) throw ArgumentError(std::string(fn) + ": a null flag of peer " + std::to_string(i));
+    checked_code(fn, a.release.code[i], i);
+    checked_code(fn, a.ready.code[i], i);
+    if (a.two_shot) {
+      checked_code(fn, a.release2.code[i], i);
+      checked_code(fn, a.ready2.code[i], i);
+    }
   }
-  const Kernel kernel = summing_kernel("one_shot_all_reduce", Kernel::kOneShotFloat32, dtype);
-  const int threads = kOneShotThreads;
+  const Kernel kernel = summing_kernel(fn, Kernel::kAllReduceFloat32, dtype);
+  const int threads = kAllReduceThreads;
   const int64_t per = static_cast<int64_t>(16 / dtype_size(dtype));  // elements a thread moves at once
   const int64_t items = (a.count + per - 1) / per;
   int64_t blocks = std::max<int64_t>(1, (items + threads - 1) / threads);
   blocks = std::min<int64_t>(blocks, std::max(1, std::min(32, multiprocessor_count() / a.p)));
-  OneShotParams copy = a;
+  AllReduceParams copy = a;
   void* args[] = {&copy};
   launch(kernel, static_cast<unsigned>(blocks), threads, args, stream);
 }

@@ -10,7 +10,7 @@ namespace tp_kernels {
 
 const char* const kKernelNames[static_cast<int>(Kernel::kCount)] = {
     "tpk_wait_flags",       "tpk_set_flags",        "tpk_reduce_partials_float32", "tpk_reduce_partials_float16",
-    "tpk_reduce_partials_bfloat16", "tpk_one_shot_float32", "tpk_one_shot_float16", "tpk_one_shot_bfloat16"};
+    "tpk_reduce_partials_bfloat16", "tpk_all_reduce_float32", "tpk_all_reduce_float16", "tpk_all_reduce_bfloat16"};
 
 namespace {
 

@@ -38,6 +38,9 @@ void start(PeerContext& ctx, uint32_t word) {
 // Phase k of an op runs when all of them run, or just that one (peer.h).
 bool runs(int phase, int k) { return phase == kAllPhases || phase == k; }
 
+// Phase k of a one-shot or two-shot all-reduce runs stage 1 << k of its kernel.
+static_assert(kStagePublish == 1 << 0 && kStageReduce == 1 << 1 && kStageGather == 1 << 2, "phase k: stage 1 << k");
+
 // Rows row..row+rows of this rank's partial into `dst` on the caller's stream: their GEMM, or,
 // for the all-reduce alone (a.w == nullptr: x is the partial, [m, n]), a copy of x's rows.
 void partial_rows(const OverlapArgs& a, int64_t row, int64_t rows, void* dst) {
@@ -179,42 +182,18 @@ void all_reduce(PeerContext& ctx, const OverlapArgs& a, AllReduceAlgo algo, int 
   const int64_t es = static_cast<int64_t>(dtype_size(a.dtype));
   const std::vector<int> peers = ctx.others();
   if (algo == AllReduceAlgo::kOneShot || algo == AllReduceAlgo::kTwoShot) {
+    // The partial into out (its GEMM), then one kernel a phase (PeerContext::all_reduce): phase k
+    // runs stage 1 << k (publish, reduce, two-shot's gather), every phase all of them.
+    const bool two_shot = algo == AllReduceAlgo::kTwoShot;
     const int64_t m = a.bounds.back(), count = m * a.n;
     need_region(ctx, Region::kExport, count * es, op + " (partial " + shape(m, a.n) + ")");
-    const int64_t per = algo == AllReduceAlgo::kTwoShot ? two_shot_slice(count, p, a.dtype) : 0;
-    if (algo == AllReduceAlgo::kTwoShot)
-      need_region(ctx, Region::kExport2, per * es, op + " (two-shot slice of " + std::to_string(per) + ")");
-    auto lo = [&](int q) { return std::min<int64_t>(q * per, count); };
-    auto len = [&](int q) { return std::min<int64_t>((q + 1) * per, count) - lo(q); };
-    if (algo == AllReduceAlgo::kOneShot) {  // the partial into out, then one kernel a phase (one_shot)
-      if (runs(phase, 0) && a.w != nullptr && m > 0) gemm(a, a.x, a.out, m, nullptr);
-      const void* partial = a.w != nullptr ? a.out : a.x;  // the all-reduce alone: x is the partial
-      const int stages = phase == kAllPhases ? kStagePublish | kStageReduce : phase == 0 ? kStagePublish : kStageReduce;
-      ctx.one_shot(partial, a.out, count, a.dtype, stages, id, a.stream);
-      return;
-    }
-    const void* in[kMaxRanks];
-    if (runs(phase, 0)) {  // every rank's partial in its export region
-      ctx.wait(peers, Region::kExport, true, id, a.stream);
-      partial_rows(a, 0, m, ctx.region(r, Region::kExport));
-      ctx.signal_all(Region::kExport, false, a.stream);
-    }
-    if (runs(phase, 1)) {
-      ctx.wait(peers, Region::kExport, false, id, a.stream);
-      // Sum this rank's slice of everyone's partial into export2 ...
-      ctx.wait(peers, Region::kExport2, true, id, a.stream);
-      for (int q = 0; q < p; ++q) in[q] = static_cast<const char*>(ctx.region(q, Region::kExport)) + lo(r) * es;
-      reduce_partials(in, p, ctx.region(r, Region::kExport2), len(r), a.dtype, a.stream);
-      ctx.signal_all(Region::kExport, true, a.stream);
-      ctx.signal_all(Region::kExport2, false, a.stream);
-      copy(static_cast<char*>(a.out) + lo(r) * es, ctx.region(r, Region::kExport2), len(r) * es, a.stream);
-    }
-    if (algo == AllReduceAlgo::kTwoShot && runs(phase, 2)) {  // ... then gather the slices
-      ctx.wait(peers, Region::kExport2, false, id, a.stream);
-      for (int q : peers)
-        copy(static_cast<char*>(a.out) + lo(q) * es, ctx.region(q, Region::kExport2), len(q) * es, a.stream);
-      ctx.signal_all(Region::kExport2, true, a.stream);
-    }
+    const int64_t slice = two_shot ? two_shot_slice(count, p, a.dtype) : 0;
+    if (two_shot)
+      need_region(ctx, Region::kExport2, slice * es, op + " (two-shot slice of " + std::to_string(slice) + ")");
+    if (runs(phase, 0) && a.w != nullptr && m > 0) gemm(a, a.x, a.out, m, nullptr);
+    const void* partial = a.w != nullptr ? a.out : a.x;  // the all-reduce alone: x is the partial
+    const int stages = phase == kAllPhases ? kStagePublish | kStageReduce | (two_shot ? kStageGather : 0) : 1 << phase;
+    ctx.all_reduce(partial, a.out, count, two_shot, slice, a.dtype, stages, id, a.stream);
     return;
   }
   int64_t block = 0;

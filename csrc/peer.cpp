@@ -178,25 +178,36 @@ void PeerContext::wait(const std::vector<int>& peers, Region c, bool release, Pr
   wait_flags(list.flag, list.code, list.expect, static_cast<int>(peers.size()), timeout_ns(), error_word_, stream);
 }
 
-void PeerContext::one_shot(const void* src, void* out, int64_t count, DType dtype, int stages, Primitive op,
-                           cudaStream_t stream) {
+void PeerContext::all_reduce(const void* src, void* out, int64_t count, bool two_shot, int64_t slice, DType dtype,
+                             int stages, Primitive op, cudaStream_t stream) {
   const std::vector<int> peers = others();  // entry i of every list: the same peer
-  OneShotParams a{};
+  AllReduceParams a{};
   a.release = waits(peers, Region::kExport, true, op);
   a.ready = waits(peers, Region::kExport, false, op);
   a.signal_ready = signals(peers, Region::kExport, false);
   a.signal_release = signals(peers, Region::kExport, true);
-  for (int q = 0; q < size_; ++q) a.exports.in[q] = region(q, Region::kExport);
+  if (two_shot) {
+    a.release2 = waits(peers, Region::kExport2, true, op);
+    a.ready2 = waits(peers, Region::kExport2, false, op);
+    a.signal_ready2 = signals(peers, Region::kExport2, false);
+    a.signal_release2 = signals(peers, Region::kExport2, true);
+  }
+  for (int q = 0; q < size_; ++q) {
+    a.exports.in[q] = region(q, Region::kExport);
+    if (two_shot) a.exports2.in[q] = region(q, Region::kExport2);
+  }
   a.src = src;
   a.out = out;
   a.count = count;
+  a.slice = two_shot ? slice : 0;
   a.rank = rank_;
   a.p = size_;
+  a.two_shot = two_shot ? 1 : 0;
   a.stages = stages;
   a.timeout_ns = timeout_ns();
   a.error_word = error_word_;
   a.arrivals = flag(rank_, kArrivalIndex);
-  one_shot_all_reduce(a, dtype, stream);
+  peer_all_reduce(a, dtype, stream);
 }
 
 std::vector<int> PeerContext::others() const {

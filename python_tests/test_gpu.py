@@ -708,25 +708,29 @@ def test_fused_all_reduce_alone_is_the_rank_order_sum_for_every_algorithm(p, dty
 
 @native_built
 @pytest.mark.parametrize("p", [2, 8])
-def test_fused_one_shot_in_one_launch_a_rank(p):
-    """The one-shot all-reduce as a rank that is a process of its own runs it (every phase at once:
-    one kernel), here for p virtual ranks on their streams, interleaved with two-shot calls that
-    share its export region and flags: the rank-order sum on every rank, call after call."""
+@pytest.mark.parametrize("algorithm, other", [("one_shot", "two_shot"), ("two_shot", "one_shot")])
+def test_fused_all_reduce_in_one_launch_a_rank(p, algorithm, other):
+    """The one-shot and two-shot all-reduces as a rank that is a process of its own runs them
+    (every phase at once: one kernel), here for p virtual ranks on their streams, in place and not,
+    interleaved with calls of the other algorithm by phases, which share the export region's
+    flags: the rank-order sum on every rank, call after call."""
     dtype = torch.bfloat16
     with VirtualRanks(p, timeout_s=10.0) as vr:
         for count in (7, 4096, 65537, 2**20 + 8):
             g = torch.Generator().manual_seed(count)
             xs = [torch.randn(count, generator=g).to("cuda", dtype) for _ in range(p)]
             want = _rank_order_sum(xs, dtype)
-            vr.all_reduce(xs, "two_shot")  # the workspace for this count, and the flags' other user
-            outs = [torch.full_like(x, float("nan")) for x in xs]
-            with forked(vr.streams):
-                for q, s in enumerate(vr.streams):
-                    fused.rank_all_reduce(vr.contexts[q], xs[q], outs[q], "one_shot", s).enqueue(None)
-            for q, out in enumerate(outs):
-                assert torch.equal(out, want), f"count {count} rank {q}"
-            for q, out in enumerate(vr.all_reduce(xs, "two_shot")):
-                assert torch.equal(out, want), f"two-shot after one-shot, count {count} rank {q}"
+            vr.all_reduce(xs, other)  # the workspace for this count, and the flags' other user
+            for in_place in (False, True):
+                outs = [x.clone() if in_place else torch.full_like(x, float("nan")) for x in xs]
+                ins = outs if in_place else xs
+                with forked(vr.streams):
+                    for q, s in enumerate(vr.streams):
+                        fused.rank_all_reduce(vr.contexts[q], ins[q], outs[q], algorithm, s).enqueue(None)
+                for q, out in enumerate(outs):
+                    assert torch.equal(out, want), f"count {count} rank {q} in place {in_place}"
+            for q, out in enumerate(vr.all_reduce(xs, other)):
+                assert torch.equal(out, want), f"{other} after {algorithm}, count {count} rank {q}"
         vr.check()
 
 

@@ -151,9 +151,10 @@ def test_the_kernel_images_hold_every_kernel_for_every_architecture_of_the_build
             assert f".b8 tpk_wait_flags_param_0[{8 * p + 4 * p + 4 * p}]" in text  # FlagList
             assert f".b8 tpk_set_flags_param_0[{8 * p + 4 * p}]" in text  # FlagWrites
             assert f".b8 tpk_reduce_partials_float32_param_0[{8 * p}]" in text  # PartialPtrs
-            # OneShotParams: 2 FlagLists, 2 FlagWrites, PartialPtrs, src, out, count, 3 ints (+ 4 bytes
-            # of padding), the timeout, the error word and the counters
-            assert f".b8 tpk_one_shot_float32_param_0[{2 * 16 * p + 2 * 12 * p + 8 * p + 3 * 8 + 4 * 4 + 3 * 8}]" in text
+            # AllReduceParams: 4 FlagLists, 4 FlagWrites, 2 PartialPtrs, src, out, count, slice, 4 ints,
+            # the timeout, the error word and the counters
+            size = 4 * 16 * p + 4 * 12 * p + 2 * 8 * p + 4 * 8 + 4 * 4 + 3 * 8
+            assert f".b8 tpk_all_reduce_float32_param_0[{size}]" in text
         else:
             data = im["data"]
             assert data[:4] == b"\x7fELF" and int.from_bytes(data[18:20], "little") == 190, target  # EM_CUDA

@@ -1,5 +1,5 @@
 // The device code of tp_kernels._C: the bounded flag wait, the flag writes, the deterministic
-// reduction and the one-shot all-reduce of the peer-memory path (device_ops.h says what each
+// reduction and the one-shot and two-shot all-reduces of the peer-memory path (device_ops.h says what each
 // does). Compiled at build time by NVRTC (_build/compile_kernels.py) into a cubin per
 // architecture and a PTX, which driver.cpp loads and launches by the extern "C" names below
 // (driver.h's kernel list).
@@ -28,10 +28,11 @@ __device__ __forceinline__ __half from_float<__half>(float v) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
-// 16 bytes of T at a time where every pointer and the count allow it, else one element: the same
-// fp32 sums in rank order either way. Peers' data is loaded past L1 (ld.global.cg).
+// The sum of 16 bytes of T at item i (16-byte items) of each of the p partials, accumulated in fp32
+// in rank order and rounded to T; or of one element (sum_element). Both give the same bits for an
+// element. Peers' data is loaded past L1 (ld.global.cg).
 template <typename T>
-__device__ __forceinline__ void sum_vector(const void* const* parts, int p, void* out, long long i) {
+__device__ __forceinline__ uint4 sum_vector(const void* const* parts, int p, long long i) {
   constexpr int kPer = 16 / sizeof(T);
   float acc[kPer];
   uint4 raw = __ldcg(static_cast<const uint4*>(parts[0]) + i);
@@ -43,18 +44,18 @@ __device__ __forceinline__ void sum_vector(const void* const* parts, int p, void
     for (int e = 0; e < kPer; ++e) acc[e] += to_float(reinterpret_cast<const T*>(&raw)[e]);
   }
   for (int e = 0; e < kPer; ++e) reinterpret_cast<T*>(&raw)[e] = from_float<T>(acc[e]);
-  static_cast<uint4*>(out)[i] = raw;
+  return raw;
 }
 
 template <typename T>
-__device__ __forceinline__ void sum_element(const void* const* parts, int p, void* out, long long i) {
+__device__ __forceinline__ T sum_element(const void* const* parts, int p, long long i) {
   float acc = to_float(__ldcg(static_cast<const T*>(parts[0]) + i));
 #pragma unroll
   for (int q = 1; q < tp_kernels::kMaxRanks; ++q) {
     if (q >= p) break;
     acc += to_float(__ldcg(static_cast<const T*>(parts[q]) + i));
   }
-  static_cast<T*>(out)[i] = from_float<T>(acc);
+  return from_float<T>(acc);
 }
 
 // Each element is summed by one thread, q = 0..p-1 in order: the result is the same bits for
@@ -63,7 +64,7 @@ template <typename T>
 __device__ __forceinline__ void reduce_partials(const tp_kernels::PartialPtrs& ptrs, int p, void* out, long long count) {
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
   for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride)
-    sum_element<T>(ptrs.in, p, out, i);
+    static_cast<T*>(out)[i] = sum_element<T>(ptrs.in, p, i);
 }
 
 __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0; }
@@ -133,46 +134,98 @@ __device__ void clear_then_signal(const tp_kernels::FlagList& clear, const tp_ke
   __threadfence_system();
 }
 
-// The one-shot all-reduce of rank a.rank (OneShotParams, device_ops.h). A block does its share of
-// the elements (grid-stride, the same share in both stages of one launch) and polls the peers'
-// flags itself; no block waits for another: the last to arrive after a stage clears the flags the
-// stage consumed and writes the ones it gives.
+// `items` items from src to dst, this thread's share of them (from `first`, every `stride`): 16
+// bytes each when `vec`, else one T. Loaded past L1 (a peer's data, written by another GPU).
 template <typename T>
-__device__ void one_shot(const tp_kernels::OneShotParams& a) {
+__device__ __forceinline__ void copy_items(const void* src, void* dst, long long items, bool vec, long long first,
+                                           long long stride) {
+  for (long long i = first; i < items; i += stride) {
+    if (vec)
+      static_cast<uint4*>(dst)[i] = __ldcg(static_cast<const uint4*>(src) + i);
+    else
+      static_cast<T*>(dst)[i] = __ldcg(static_cast<const T*>(src) + i);
+  }
+}
+
+// The start of rank q's slice of the two-shot all-reduce (every rank's slice but the last ones
+// whole), and its length: [q slice, (q + 1) slice) within [0, count).
+__device__ __forceinline__ long long slice_start(const tp_kernels::AllReduceParams& a, int q) {
+  const long long lo = q * a.slice;
+  return lo < a.count ? lo : a.count;
+}
+
+__device__ __forceinline__ long long slice_length(const tp_kernels::AllReduceParams& a, int q) {
+  const long long hi = (q + 1) * a.slice;
+  return (hi < a.count ? hi : a.count) - slice_start(a, q);
+}
+
+template <typename T>
+__device__ __forceinline__ const void* offset(const void* base, long long elements) {
+  return static_cast<const char*>(base) + elements * static_cast<long long>(sizeof(T));
+}
+
+// The one-shot or two-shot all-reduce of rank a.rank (AllReduceParams, device_ops.h). A block does
+// its share of the elements (grid-stride) and polls the peers' flags itself; no block waits for
+// another: the last to arrive after a stage clears the flags the stage consumed and writes the ones
+// it gives. One-shot sums every element into out; two-shot sums this rank's slice into out and its
+// export2 region, then copies the peers' slices from theirs.
+template <typename T>
+__device__ void all_reduce(const tp_kernels::AllReduceParams& a) {
+  using tp_kernels::kStageGather;
   using tp_kernels::kStagePublish;
   using tp_kernels::kStageReduce;
   constexpr int kPer = 16 / sizeof(T);
   const int peers = a.p - 1;
-  const void* parts[tp_kernels::kMaxRanks];  // the partials read: this rank's own from src
-  bool vec = a.count % kPer == 0 && aligned16(a.src) && aligned16(a.out);
+  const long long lo = a.two_shot ? slice_start(a, a.rank) : 0;  // the elements this rank sums
+  const long long len = a.two_shot ? slice_length(a, a.rank) : a.count;
+  const void* parts[tp_kernels::kMaxRanks];  // the partials from lo: this rank's own from src
+  bool vec = a.count % kPer == 0 && (!a.two_shot || a.slice % kPer == 0) && aligned16(a.src) && aligned16(a.out);
 #pragma unroll
   for (int q = 0; q < tp_kernels::kMaxRanks; ++q) {
-    parts[q] = q == a.rank ? a.src : a.exports.in[q];
-    if (q < a.p) vec = vec && aligned16(a.exports.in[q]);
+    parts[q] = offset<T>(q == a.rank ? a.src : a.exports.in[q], lo);
+    if (q < a.p) vec = vec && aligned16(a.exports.in[q]) && (!a.two_shot || aligned16(a.exports2.in[q]));
   }
-  const long long items = vec ? a.count / kPer : a.count;
   const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
   if (a.stages & kStagePublish) {
     poll_flags(a.release, peers, a.timeout_ns, a.error_word);  // the peers have read the last one
-    void* own = const_cast<void*>(a.exports.in[a.rank]);
-    for (long long i = first; i < items; i += stride) {
-      if (vec)
-        static_cast<uint4*>(own)[i] = static_cast<const uint4*>(a.src)[i];
-      else
-        static_cast<T*>(own)[i] = static_cast<const T*>(a.src)[i];
-    }
+    copy_items<T>(a.src, const_cast<void*>(a.exports.in[a.rank]), vec ? a.count / kPer : a.count, vec, first, stride);
     if (last_to_arrive(&a.arrivals[0])) clear_then_signal(a.release, a.signal_ready, peers);
   }
   if (a.stages & kStageReduce) {
     poll_flags(a.ready, peers, a.timeout_ns, a.error_word);  // every peer's partial is in place
-    for (long long i = first; i < items; i += stride) {
-      if (vec)
-        sum_vector<T>(parts, a.p, a.out, i);
-      else
-        sum_element<T>(parts, a.p, a.out, i);
+    void* slice = nullptr;  // two-shot: this rank's export2 region, its slice of the sum for the peers
+    if (a.two_shot) {
+      poll_flags(a.release2, peers, a.timeout_ns, a.error_word);  // the peers have read its last slice
+      slice = const_cast<void*>(a.exports2.in[a.rank]);
     }
-    if (last_to_arrive(&a.arrivals[1])) clear_then_signal(a.ready, a.signal_release, peers);
+    void* out = const_cast<void*>(offset<T>(a.out, lo));
+    const long long items = vec ? len / kPer : len;
+    for (long long i = first; i < items; i += stride) {
+      if (vec) {
+        const uint4 v = sum_vector<T>(parts, a.p, i);
+        static_cast<uint4*>(out)[i] = v;
+        if (slice != nullptr) static_cast<uint4*>(slice)[i] = v;
+      } else {
+        const T v = sum_element<T>(parts, a.p, i);
+        static_cast<T*>(out)[i] = v;
+        if (slice != nullptr) static_cast<T*>(slice)[i] = v;
+      }
+    }
+    if (last_to_arrive(&a.arrivals[1])) {
+      clear_then_signal(a.ready, a.signal_release, peers);  // the peers' partials are read
+      if (a.two_shot) clear_then_signal(a.release2, a.signal_ready2, peers);  // this rank's slice is there
+    }
+  }
+  if (a.two_shot && (a.stages & kStageGather)) {
+    poll_flags(a.ready2, peers, a.timeout_ns, a.error_word);  // every peer's slice is in place
+    for (int s = 1; s < a.p; ++s) {
+      const int q = (a.rank + s) % a.p;
+      const long long n = slice_length(a, q);
+      copy_items<T>(a.exports2.in[q], const_cast<void*>(offset<T>(a.out, slice_start(a, q))), vec ? n / kPer : n, vec,
+                    first, stride);
+    }
+    if (last_to_arrive(&a.arrivals[2])) clear_then_signal(a.ready2, a.signal_release2, peers);
   }
 }
 
@@ -214,17 +267,17 @@ extern "C" __global__ void tpk_reduce_partials_bfloat16(tp_kernels::PartialPtrs 
   reduce_partials<__nv_bfloat16>(ptrs, p, out, count);
 }
 
-extern "C" __global__ void __launch_bounds__(tp_kernels::kOneShotThreads)
-    tpk_one_shot_float32(tp_kernels::OneShotParams a) {
-  one_shot<float>(a);
+extern "C" __global__ void __launch_bounds__(tp_kernels::kAllReduceThreads)
+    tpk_all_reduce_float32(tp_kernels::AllReduceParams a) {
+  all_reduce<float>(a);
 }
 
-extern "C" __global__ void __launch_bounds__(tp_kernels::kOneShotThreads)
-    tpk_one_shot_float16(tp_kernels::OneShotParams a) {
-  one_shot<__half>(a);
+extern "C" __global__ void __launch_bounds__(tp_kernels::kAllReduceThreads)
+    tpk_all_reduce_float16(tp_kernels::AllReduceParams a) {
+  all_reduce<__half>(a);
 }
 
-extern "C" __global__ void __launch_bounds__(tp_kernels::kOneShotThreads)
-    tpk_one_shot_bfloat16(tp_kernels::OneShotParams a) {
-  one_shot<__nv_bfloat16>(a);
+extern "C" __global__ void __launch_bounds__(tp_kernels::kAllReduceThreads)
+    tpk_all_reduce_bfloat16(tp_kernels::AllReduceParams a) {
+  all_reduce<__nv_bfloat16>(a);
 }

@@ -54,19 +54,26 @@ void wait_flags(uint32_t* const* flags, const uint32_t* codes, const uint32_t* e
 // Any of in[q] may be a peer's pointer; out may alias one of them.
 void reduce_partials(const void* const* in, int p, void* out, int64_t count, DType dtype, cudaStream_t stream);
 
-// A rank's one-shot all-reduce in one launch (kernels.cu's tpk_one_shot_*), by the stages of
-// params.stages, on the export region's flags (peer.h):
-// * kStagePublish: every block polls this rank's release flags (set, not cleared: the peers have
-//   read its last partial), copies its share of src into this rank's export region; the last block
-//   to finish clears the release flags and sets the peers' ready flags to their values.
-// * kStageReduce: every block polls this rank's ready flags (each must carry its expect value),
-//   sums its share of the p partials (this rank's from src) in rank order in fp32 into out; the
-//   last block clears the ready flags and sets the peers' release flags.
+// A rank's one-shot or two-shot all-reduce in one launch (kernels.cu's tpk_all_reduce_*), by the
+// stages of params.stages, on the flags of the export region and, two-shot, the export2 region
+// (peer.h):
+// * kStagePublish: every block polls this rank's release(export) flags (set, not cleared: the
+//   peers have read its last partial), copies its share of src into this rank's export region; the
+//   last block to finish clears those flags and sets the peers' ready(export) flags.
+// * kStageReduce: every block polls this rank's ready(export) flags (each must carry its expect
+//   value) and sums its share of the p partials (this rank's from src) in rank order in fp32: one-
+//   shot every element, into out; two-shot the elements of this rank's slice, into out and this
+//   rank's export2 region, after polling its release(export2) flags (the peers have read its last
+//   slice). The last block clears the flags it polled and sets the peers' release(export) flags
+//   (and, two-shot, their ready(export2) flags).
+// * kStageGather (two-shot): every block polls this rank's ready(export2) flags and copies its
+//   share of the peers' slices from their export2 regions into out; the last block clears them and
+//   sets the peers' release(export2) flags.
 // No block waits for another, so no launch needs all its blocks resident; each poll is bounded
 // like wait_flags, into the same error word. The grid is at most max(1, min(32, SMs / p)) blocks,
 // so p ranks' launches on one GPU (virtual ranks) fit on it side by side. The sums are
 // reduce_partials' bits.
-void one_shot_all_reduce(const OneShotParams& params, DType dtype, cudaStream_t stream);
+void peer_all_reduce(const AllReduceParams& params, DType dtype, cudaStream_t stream);
 
 // True when the driver provides what these need: stream memory operations, module loading and
 // kernel launch (driver.h; CUDA 12+ drivers do).

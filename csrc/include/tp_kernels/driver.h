@@ -42,9 +42,9 @@ enum class Kernel : int {
   kReduceFloat32,
   kReduceFloat16,
   kReduceBFloat16,
-  kOneShotFloat32,
-  kOneShotFloat16,
-  kOneShotBFloat16,
+  kAllReduceFloat32,
+  kAllReduceFloat16,
+  kAllReduceBFloat16,
   kCount
 };
 extern const char* const kKernelNames[static_cast<int>(Kernel::kCount)];

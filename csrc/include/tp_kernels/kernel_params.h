@@ -30,29 +30,41 @@ struct PartialPtrs {
   const void* in[kMaxRanks];
 };
 
-// The stages of tpk_one_shot_* (a launch runs one of them, or both in order).
+// The stages of tpk_all_reduce_* (a launch runs one of them, or several in this order).
 constexpr int kStagePublish = 1;  // this rank's partial into its export region, the peers told
-constexpr int kStageReduce = 2;   // the p partials summed into out, the peers told they are read
+constexpr int kStageReduce = 2;   // the p partials summed (one-shot: all of them, into out; two-shot:
+                                  // this rank's slice, into out and its export2 region), the peers
+                                  // told their partials are read (two-shot: and the slice is there)
+constexpr int kStageGather = 4;   // two-shot: the peers' slices into out, the peers told they are read
 
-// The threads of a tpk_one_shot_* block (its launch bound).
-constexpr int kOneShotThreads = 512;
+// The threads of a tpk_all_reduce_* block (its launch bound).
+constexpr int kAllReduceThreads = 512;
 
-// tpk_one_shot_*: the one-shot all-reduce of a rank (peer.h's protocol on the export region).
-// Entry i of each flag list is peer i of the rank's other ranks (the same peer in all four).
-struct OneShotParams {
-  FlagList release;           // this rank's release(export, peer i): polled, cleared once published
-  FlagList ready;             // this rank's ready(export, peer i): polled (the call word), cleared once read
-  FlagWrites signal_ready;    // peer i's ready(export, rank): the call word
-  FlagWrites signal_release;  // peer i's release(export, rank): 1
-  PartialPtrs exports;        // every rank's export region, in rank order
-  const void* src;            // this rank's partial, `count` elements
-  void* out;                  // the sum (may be src)
+// tpk_all_reduce_*: the one-shot or two-shot all-reduce of a rank (peer.h's protocol on the export
+// and export2 regions). Entry i of each flag list is peer i of the rank's other ranks (the same
+// peer in all eight).
+struct AllReduceParams {
+  FlagList release;            // this rank's release(export, peer i): polled, cleared once published
+  FlagList ready;              // this rank's ready(export, peer i): polled (the call word), cleared once read
+  FlagWrites signal_ready;     // peer i's ready(export, rank): the call word
+  FlagWrites signal_release;   // peer i's release(export, rank): 1
+  FlagList release2;           // two-shot: this rank's release(export2, peer i): polled, cleared once its slice is written
+  FlagList ready2;             // two-shot: this rank's ready(export2, peer i): polled, cleared once gathered
+  FlagWrites signal_ready2;    // two-shot: peer i's ready(export2, rank): the call word
+  FlagWrites signal_release2;  // two-shot: peer i's release(export2, rank): 1
+  PartialPtrs exports;         // every rank's export region, in rank order
+  PartialPtrs exports2;        // two-shot: every rank's export2 region (its slice of the sum)
+  const void* src;             // this rank's partial, `count` elements
+  void* out;                   // the sum (may be src)
   long long count;
+  long long slice;             // two-shot: the elements of a rank's slice (rank q sums elements
+                               // [q slice, (q + 1) slice) of [0, count))
   int rank, p;
-  int stages;                 // kStagePublish | kStageReduce
+  int two_shot;                // 1: two-shot, 0: one-shot
+  int stages;                  // kStagePublish | kStageReduce (| kStageGather: two-shot)
   unsigned long long timeout_ns;
   unsigned int* error_word;
-  unsigned int* arrivals;     // two counters in this rank's control block (0 between launches)
+  unsigned int* arrivals;      // three counters in this rank's control block (0 between launches)
 };
 
 }  // namespace tp_kernels

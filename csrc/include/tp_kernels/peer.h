@@ -28,9 +28,9 @@
 // flag, with no message beyond the flags the op writes anyway. Release flags are consumed by a
 // later op and carry 1.
 //
-// The one-shot all-reduce keeps this protocol in one kernel a rank (one_shot_all_reduce,
+// The one-shot and two-shot all-reduces keep this protocol in one kernel a rank (peer_all_reduce,
 // device_ops.h): its blocks poll the flags without clearing them and the last block to finish a
-// stage clears them, counting the blocks in two words of the control block after the flags.
+// stage clears them, counting the blocks in three words of the control block after the flags.
 //
 // Every wait is bounded by the context's timeout; a wait that times out, or finds a ready flag
 // with another call word than its own, records which op, flag and peer (and which of the two) in
@@ -79,9 +79,9 @@ constexpr int flag_index(Region c, bool release, int peer) {
   return (static_cast<int>(c) * 2 + (release ? 1 : 0)) * kMaxRanks + peer;
 }
 
-// Index of the first of the two block counters of one_shot_all_reduce in a control block.
+// Index of the first of the three block counters of peer_all_reduce (one a stage) in a control block.
 constexpr int kArrivalIndex = flag_index(static_cast<Region>(kNumRegions - 1), true, kMaxRanks - 1) + 1;
-static_assert((kArrivalIndex + 2) * 4 <= static_cast<int>(kControlBytes), "the control block holds the counters");
+static_assert((kArrivalIndex + 3) * 4 <= static_cast<int>(kControlBytes), "the control block holds the counters");
 
 // The control block a new workspace starts with (kControlBytes / 4 words; release flags set).
 std::vector<uint32_t> initial_control_block();
@@ -122,10 +122,13 @@ class PeerContext {
   // Makes `stream` consume this rank's flags (c, release, q) for each q in `peers` (bounded; a
   // ready flag must carry the call word).
   void wait(const std::vector<int>& peers, Region c, bool release, Primitive op, cudaStream_t stream);
-  // The one-shot all-reduce of `count` elements of this rank's partial `src` into `out` (may be
-  // src), in one launch on `stream` (one_shot_all_reduce): its `stages` (kStagePublish,
-  // kStageReduce or both) over the export region and its flags, which waits of `op` name.
-  void one_shot(const void* src, void* out, int64_t count, DType dtype, int stages, Primitive op, cudaStream_t stream);
+  // The all-reduce of `count` elements of this rank's partial `src` into `out` (may be src), in one
+  // launch on `stream` (peer_all_reduce): one-shot, or two-shot with slices of `slice` elements
+  // (two_shot_slice; the export2 region holds one); its `stages` (of
+  // kStagePublish, kStageReduce and, two-shot, kStageGather, in that order) over the export and
+  // export2 regions and their flags, which waits of `op` name.
+  void all_reduce(const void* src, void* out, int64_t count, bool two_shot, int64_t slice, DType dtype, int stages,
+                  Primitive op, cudaStream_t stream);
   // The other ranks, in the order r + 1, r + 2, ... (mod p).
   std::vector<int> others() const;
 
