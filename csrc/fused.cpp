@@ -55,13 +55,15 @@ void partial_rows(const OverlapArgs& a, int64_t row, int64_t rows, void* dst) {
 // each remote block's GEMM goes to scratch and is pushed by the copy stream into its destination's
 // inbox slot r while the next block multiplies (without a GEMM, x's rows are pushed as they are);
 // the own block goes straight into the own inbox slot r. `slot_bytes` is the inbox slot stride.
-// Its waits need the destinations' releases of earlier ops; its signals tell each destination its
-// partial has arrived. A block may be empty (the all-reduce alone of fewer rows than ranks).
+// Its one wait needs every destination's release of earlier ops; its one signal, after the last
+// push, tells every destination its partial has arrived (each waits for all of them anyway). A
+// block may be empty (the all-reduce alone of fewer rows than ranks).
 void scatter_partials(PeerContext& ctx, const OverlapArgs& a, const std::vector<int64_t>& blocks, int64_t slot_bytes,
                       Primitive op) {
   const int p = ctx.size(), r = ctx.rank();
   cudaStream_t cs = ctx.copy_stream();
   order(a.stream, cs, ctx.event(0));  // scratch and x come from the caller's stream
+  ctx.wait(ctx.others(), Region::kInbox, true, op, cs);  // each has consumed what this rank put there last time
   for (int s = 1; s <= p; ++s) {
     const int d = (r + s) % p;
     const int64_t row = blocks[d], rows = blocks[d + 1] - blocks[d];
@@ -77,10 +79,9 @@ void scatter_partials(PeerContext& ctx, const OverlapArgs& a, const std::vector<
       partial = product;
     }
     order(a.stream, cs, ctx.event(s));
-    ctx.wait({d}, Region::kInbox, true, op, cs);  // d has consumed what this rank put there last time
     copy(ctx.region(d, Region::kInbox, r * slot_bytes), partial, bytes, cs);
-    ctx.signal(d, Region::kInbox, false, cs);
   }
+  ctx.signal_all(Region::kInbox, false, cs);
 }
 
 // The caller's stream consumes every peer's delivery (their scatter_partials).
@@ -124,18 +125,19 @@ void fused_all_gather_matmul(PeerContext& ctx, const OverlapArgs& a, int phase) 
     copy(row_ptr(a.scratch, r * mp, a.k, a.dtype), a.x, mp * a.k * es, a.stream);
   }
   if (!runs(phase, 1)) return;
-  // Pull the peers' shards chunk by chunk; event 1 + (s - 1) * chunks + j marks chunk j of step s.
+  // Pull the peers' shards chunk by chunk, once every peer has published (one wait), and release
+  // them all after the last (one signal); event 1 + (s - 1) * chunks + j marks chunk j of step s.
+  ctx.wait(peers, Region::kExport, false, Primitive::kAllGatherMatmul, cs);
   for (int s = 1; s < p; ++s) {
     const int src = peers[s - 1];
-    ctx.wait({src}, Region::kExport, false, Primitive::kAllGatherMatmul, cs);
     for (size_t j = 0; j < chunks; ++j) {
       const int64_t row = a.bounds[j], rows = a.bounds[j + 1] - row;
       copy(row_ptr(a.scratch, src * mp + row, a.k, a.dtype),
            static_cast<const char*>(ctx.region(src, Region::kExport)) + row * a.k * es, rows * a.k * es, cs);
       TPK_CHECK_CUDA(cudaEventRecord(ctx.event(1 + (s - 1) * chunks + j), cs));
     }
-    ctx.signal(src, Region::kExport, true, cs);
   }
+  ctx.signal_all(Region::kExport, true, cs);
   // Multiply the own shard, then each chunk as it lands.
   for (int s = 0; s < p; ++s) {
     const int src = s == 0 ? r : peers[s - 1];
@@ -214,12 +216,11 @@ void all_reduce(PeerContext& ctx, const OverlapArgs& a, AllReduceAlgo algo, int 
     copy(row_ptr(a.out, a.bounds[r], a.n, a.dtype), ctx.region(r, Region::kExport), rows * a.n * es, a.stream);
   }
   if (!runs(phase, 2)) return;
-  for (int q : peers) {
-    ctx.wait({q}, Region::kExport, false, id, cs);
+  ctx.wait(peers, Region::kExport, false, id, cs);  // every peer's block summed, then each copied
+  for (int q : peers)
     copy(row_ptr(a.out, a.bounds[q], a.n, a.dtype), ctx.region(q, Region::kExport),
          (a.bounds[q + 1] - a.bounds[q]) * a.n * es, cs);
-    ctx.signal(q, Region::kExport, true, cs);
-  }
+  ctx.signal_all(Region::kExport, true, cs);
   order(cs, a.stream, ctx.event(p + 2));
 }
 

@@ -162,11 +162,6 @@ FlagList PeerContext::waits(const std::vector<int>& peers, Region c, bool releas
   return list;
 }
 
-void PeerContext::signal(int q, Region c, bool release, cudaStream_t stream) {
-  const FlagWrites list = signals({q}, c, release);
-  write_flag(list.flag[0], list.value[0], stream);
-}
-
 void PeerContext::signal_all(Region c, bool release, cudaStream_t stream) {
   const std::vector<int> peers = others();  // one launch for them all (a stream write each would be p - 1 operations)
   const FlagWrites list = signals(peers, c, release);

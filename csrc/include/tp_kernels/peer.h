@@ -114,10 +114,8 @@ class PeerContext {
   // The call word of the op being enqueued (call_word; set by each op under lock()): what its
   // ready flags carry and its waits for ready flags expect.
   void begin(uint32_t call_word) { call_word_ = call_word; }
-  // Sets flag (c, release, rank()) in rank q's control block, on `stream` after its prior work:
-  // a ready flag to the call word, a release flag to 1.
-  void signal(int q, Region c, bool release, cudaStream_t stream);
-  // Sets it in every other rank's control block, in one kernel launch (write_flags).
+  // Sets flag (c, release, rank()) in every other rank's control block, on `stream` after its prior
+  // work, in one kernel launch (write_flags): a ready flag to the call word, a release flag to 1.
   void signal_all(Region c, bool release, cudaStream_t stream);
   // Makes `stream` consume this rank's flags (c, release, q) for each q in `peers` (bounded; a
   // ready flag must carry the call word).
@@ -143,7 +141,7 @@ class PeerContext {
  private:
   uint32_t* flag(int q, int index) const;
   uint64_t timeout_ns() const;  // of every device wait
-  // Flag (c, release, rank()) of each of `peers` with the value signal() writes, and this rank's
+  // Flag (c, release, rank()) of each of `peers` with the value signal_all() writes, and this rank's
   // flags (c, release, q) for each q in `peers` with the codes and values wait() takes, in that order.
   FlagWrites signals(const std::vector<int>& peers, Region c, bool release) const;
   FlagList waits(const std::vector<int>& peers, Region c, bool release, Primitive op) const;
