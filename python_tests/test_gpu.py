@@ -525,7 +525,7 @@ def test_fused_stress_of_consecutive_calls_with_varying_shapes():
 
 
 @native_built
-@pytest.mark.parametrize("case", ["all_gather_matmul", "matmul_reduce_scatter", "one_shot"])
+@pytest.mark.parametrize("case", ["all_gather_matmul", "matmul_reduce_scatter", "one_shot", "two_shot"])
 def test_fused_dead_peer_is_a_timeout_error(case):
     """Rank 1 never takes part: rank 0's bounded wait gives up after the timeout, the stream
     drains, and the error (op, rank, peer) is raised by check() and by the next call."""
@@ -541,12 +541,12 @@ def test_fused_dead_peer_is_a_timeout_error(case):
             elif case == "matmul_reduce_scatter":
                 call = fused.rank_matmul_reduce_scatter(ctx, xs[0], ws[0], stream)
             else:
-                call = fused.rank_matmul_all_reduce(ctx, xs[0], ws[0], "one_shot", stream)
+                call = fused.rank_matmul_all_reduce(ctx, xs[0], ws[0], case, stream)
             call.enqueue(None)  # every phase: rank 1 takes no part
         torch.cuda.synchronize()
         elapsed = time.monotonic() - start
         assert 1.0 <= elapsed < 30.0, elapsed
-        op = "matmul_all_reduce" if case == "one_shot" else case
+        op = "matmul_all_reduce" if case in ("one_shot", "two_shot") else case
         message = rf"fused {op}: rank 0 waited more than 1 s for rank 1 .*destroy and re-create the group"
         with pytest.raises(RuntimeError, match=message):
             vr.check()
