@@ -324,11 +324,11 @@ class AutoState:
     __slots__ = ("candidates", "native", "fused", "measures", "fused_all_reduce", "allowed", "fused_on", "native_on",
                  "fast_path_on")
 
-    def __init__(self, candidates: Optional[Tuple[str, ...]], native: bool, fused: bool, measures: bool,
+    def __init__(self, candidates: Optional[Tuple[str, ...]], native: bool, fused: bool, measures: Optional[bool],
                  fused_all_reduce: Optional[str]):
         self.candidates = candidates  # named (get_auto_candidates), or None
         self.native, self.fused = native, fused  # auto_native(), auto_fused()
-        self.measures = measures  # autotune_enabled()
+        self.measures = measures  # autotune_enabled() (None: not read, no fast path on)
         self.fused_all_reduce = fused_all_reduce  # TP_KERNELS_FUSED_ALL_REDUCE as set (checked where used)
         #: the backends "auto" may choose: those named, else AUTO_CHOICES
         self.allowed = candidates if candidates is not None else AUTO_CHOICES
@@ -348,9 +348,14 @@ _AUTO_STATES: Dict[tuple, AutoState] = {}
 
 
 def auto_state() -> AutoState:
-    """The settings ``"auto"``'s choice depends on, read now."""
-    values = (_CANDIDATES.get(_candidates), _AUTO_NATIVE.get(), _AUTO_FUSED.get(), _AUTOTUNE.get(_autotune),
-              _FUSED_ALL_REDUCE.get())
+    """The settings ``"auto"``'s choice depends on, read now: whether it measures and the fused
+    all-reduce algorithm forced only where a fast path may be a candidate (else they change
+    nothing, and stand as None)."""
+    named, native, fused = _CANDIDATES.get(_candidates), _AUTO_NATIVE.get(), _AUTO_FUSED.get()
+    if named is None and not native and not fused:
+        values = (None, False, False, None, None)
+    else:
+        values = (named, native, fused, _AUTOTUNE.get(_autotune), _FUSED_ALL_REDUCE.get())
     state = _AUTO_STATES.get(values)
     if state is None:
         state = _AUTO_STATES[values] = AutoState(*values)
