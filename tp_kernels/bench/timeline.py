@@ -9,8 +9,9 @@ copies, of the flag kernels (the waits, ``tpk_wait_flags``, and the writes, ``tp
 of the rest, and how much of the copies' busy time ran while a GEMM ran (:func:`summarize`). Where the overlap benchmark says how much of the
 communication was hidden (``tp_kernels.bench.fused``), this says why: copies that ran beside the
 GEMMs or after them, and the waits between. It also traces one decode all-reduce alone
-(``"all_reduce"``: 16 KiB, one-shot, eager): the one-shot kernels' own durations (``top``), which
-the graph-replayed figures of ``tp_kernels.bench.fused`` hold together with the launches' gaps.
+(``"all_reduce"``: 16 KiB, one-shot, eager) and one of 1 MiB by two-shot
+(``"all_reduce_two_shot"``): the all-reduce kernel's own durations (``top``), which the
+graph-replayed figures of ``tp_kernels.bench.fused`` hold together with the launches' gaps.
 Needs a CUDA device and the built extension; exits with status 2 and says why otherwise.
 """
 
@@ -171,7 +172,8 @@ def timeline(op: str, p: int) -> Dict:
 def all_reduce_timeline(p: int, numel: int = 8192, algorithm: str = "one_shot") -> Dict:
     """One fused all-reduce alone of ``numel`` bf16 elements (8192: a decode row of 16 KiB) by
     ``algorithm`` on p virtual ranks, warmed up, traced and summarized (its kernels' durations in
-    ``top``: per rank, the publishing and the summing launch of the one-shot kernel)."""
+    ``top``: per rank, a launch of the all-reduce kernel a stage: publishing, summing and, two-shot,
+    gathering)."""
     with VirtualRanks(p) as vr:
         xs = [torch.randn(numel, device="cuda", dtype=torch.bfloat16) for _ in range(p)]
         for _ in range(3):  # warm: the workspace, the kernels' module
@@ -195,6 +197,9 @@ def main(argv=None) -> int:
         print(f"timeline {op}: {json.dumps(record['timelines'][op])}", flush=True)
     record["all_reduce"] = all_reduce_timeline(args.p)
     print(f"timeline all_reduce: {json.dumps(record['all_reduce'])}", flush=True)
+    # the two-shot kernel at a size the thresholds give it (1 MiB): its three launches a rank
+    record["all_reduce_two_shot"] = all_reduce_timeline(args.p, 2**19, "two_shot")
+    print(f"timeline all_reduce_two_shot: {json.dumps(record['all_reduce_two_shot'])}", flush=True)
     save_record(record, args.out_dir, "timeline", args.tag)
     return 0
 
