@@ -147,7 +147,7 @@ run_bench() {
     --out-dir "$logs/host" --tag "$commit"
   # The same on two NCCL ranks sharing the GPU, where the native and fused paths run (and auto
   # may choose them): the host time of issuing a call with real peers.
-  step host-peers 60 env TP_KERNELS_AUTO_NATIVE=1 TP_KERNELS_AUTO_FUSED=1 "$PY" -m tp_kernels.bench.host --peers \
+  step host-peers 90 env TP_KERNELS_AUTO_NATIVE=1 TP_KERNELS_AUTO_FUSED=1 "$PY" -m tp_kernels.bench.host --peers \
     --ranks 2 --samples 20 --profile 20 --out-dir "$logs/host" --tag "$commit"
   cp "$logs"/bench/* "$logs"/fused/*.json "$logs"/host/*.json "$results/" 2>/dev/null
 }
