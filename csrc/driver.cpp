@@ -161,9 +161,10 @@ const KernelImage* kernel_image_for(int major, int minor) {
 const std::string& driver_error() { return driver().error; }
 
 void stream_write_value32(uint32_t* address, uint32_t value, cudaStream_t stream) {
-  check_driver(usable_driver().write_value32(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(address),
-                                             value, CU_STREAM_WRITE_VALUE_DEFAULT),
-               "cuStreamWriteValue32");
+  const CUresult r = usable_driver().write_value32(reinterpret_cast<CUstream>(stream),
+                                                   reinterpret_cast<CUdeviceptr>(address), value,
+                                                   CU_STREAM_WRITE_VALUE_DEFAULT);
+  if (r != CUDA_SUCCESS) check_driver(r, "cuStreamWriteValue32");
 }
 
 void load_kernels() { current(); }
@@ -171,9 +172,9 @@ void load_kernels() { current(); }
 void launch(Kernel kernel, unsigned grid, unsigned block, void** args, cudaStream_t stream) {
   const Loaded& l = current();
   const int k = static_cast<int>(kernel);
-  check_driver(driver().launch_kernel(l.fn[k], grid, 1, 1, block, 1, 1, 0, reinterpret_cast<CUstream>(stream), args,
-                                      nullptr),
-               std::string("cuLaunchKernel(") + kKernelNames[k] + ")");
+  const CUresult r =
+      driver().launch_kernel(l.fn[k], grid, 1, 1, block, 1, 1, 0, reinterpret_cast<CUstream>(stream), args, nullptr);
+  if (r != CUDA_SUCCESS) check_driver(r, std::string("cuLaunchKernel(") + kKernelNames[k] + ")");  // (no message made per launch)
 }
 
 int multiprocessor_count() { return current().sms; }
