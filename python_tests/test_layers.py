@@ -562,3 +562,50 @@ def test_own_pieces_of_rows_are_the_rows_of_the_own_pieces(shards):
         starts = [sum(run.shape[0] for run in runs[:i]) for i in range(len(runs))]
         joined = [piece for run, start in zip(runs, starts) for piece in own_pieces(run, 0, layer, start=start)]
         assert torch.equal(torch.cat(joined), whole)
+
+
+
+def check_torch_func():
+    """torch.func with the group's ranks (docs/api.md, Layers): vmap runs the layers (without
+    sequence parallelism) and the collectives, each entry alike on every rank; gradients by
+    torch.func raise on every rank at the call, before anything is communicated, and the group
+    still works; with one rank a layer is F.linear, and torch.func.grad takes its gradient."""
+    from torch.func import grad, vmap
+
+    r, p = rank_world()
+    torch.manual_seed(0)
+    row = tp_kernels.RowParallelLinear(8, 6)
+    col = tp_kernels.ColumnParallelLinear(8, 6)
+    g = torch.Generator().manual_seed(1)
+    xs = torch.randn(3, 4, 8, generator=g)
+    with torch.no_grad():
+        for layer, x in ((col, xs), (row, block(xs, -1, r, p))):
+            batched = vmap(layer)(x)
+            assert torch.equal(batched, torch.stack([layer(xi) for xi in x])), type(layer).__name__
+    comm = tp_kernels.Communicator(device="cpu")
+    summed = vmap(comm.all_reduce)(torch.full((2, 3), float(r + 1)))
+    assert torch.equal(summed, torch.full((2, 3), float(p * (p + 1) // 2)))
+    # a collective of tensors that need no gradient, inside a function torch.func differentiates
+    w = torch.randn(3, generator=g)
+    assert torch.equal(grad(lambda v: (v * comm.all_reduce(torch.ones(3))).sum())(w), torch.full((3,), float(p)))
+    x = block(xs[0], -1, r, p)
+    for layer, inp in ((row, x), (col, xs[0])):
+        def loss(v):
+            return layer(v).square().sum()
+
+        if p > 1:
+            with pytest.raises(RuntimeError, match="setup_context"):
+                grad(loss)(inp)
+        else:  # F.linear: torch.func's gradient is autograd's
+            v = inp.clone().requires_grad_()
+            loss(v).backward()
+            assert_close(f"torch.func.grad, one rank, {type(layer).__name__}", grad(loss)(inp), v.grad.double())
+    # nothing was communicated: the group still works
+    y = row(x)
+    return y.sum().item()
+
+
+@pytest.mark.parametrize("world", [1, 2], indirect=True)
+def test_torch_func(world):
+    sums = world.run(check_torch_func)
+    assert len(set(sums)) == 1  # the row layer's all-reduced output, alike on every rank
