@@ -242,7 +242,7 @@ def resolve(op: str, backend: str, x: torch.Tensor, p: int, group=None, weight: 
         return "reference"
     key = None if debugging or _is_compiling() else (
         op, p, num_chunks, x.shape, x.dtype, x.device, w.shape, bias is not None, id(group), state)
-    name = None if key is None else _recall(key)
+    name = _recall(key)
     if name is not None:
         return name
     why: Optional[List[str]] = [] if debugging else None
@@ -285,9 +285,9 @@ def _current_resolved() -> dict:
     return _resolved
 
 
-def _recall(key: tuple) -> Optional[str]:
-    """The name ``"auto"`` resolved the call of ``key`` to before, or None."""
-    hit = _current_resolved().get(key)
+def _recall(key: Optional[tuple]) -> Optional[str]:
+    """The name ``"auto"`` resolved the call of ``key`` to before, or None (also for no key)."""
+    hit = None if key is None else _current_resolved().get(key)
     return None if hit is None else hit[1]
 
 
@@ -352,7 +352,7 @@ def resolve_collective(collective: str, backend: str, x: torch.Tensor, group, pe
     if not (state.fast_path_on or debugging):  # nothing but the reference to choose
         return "reference"
     key = None if debugging or _is_compiling() else (collective, x.numel(), x.dtype, x.device, peer, id(group), state)
-    name = None if key is None else _recall(key)
+    name = _recall(key)
     if name is not None:
         return name
     why: Optional[List[str]] = [] if debugging else None
@@ -361,7 +361,7 @@ def resolve_collective(collective: str, backend: str, x: torch.Tensor, group, pe
         logger.debug("auto backend for %s (p=%d, x %s %s on %s): candidates %s; left out: %s", collective, p,
                       tuple(x.shape), x.dtype, x.device.type, kinds, "; ".join(why))
     if kinds == ["reference"]:  # nothing to choose among
-        return "reference"
+        return _remember(key, group, x, "reference")
     variants = [v for kind in kinds for v in collective_variants(kind, collective, x, p)]
     return _remember(key, group, x, autotune.choose_collective(collective, variants, x, group, peer))
 
