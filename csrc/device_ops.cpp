@@ -114,20 +114,17 @@ void peer_all_reduce(const AllReduceParams& a, DType dtype, cudaStream_t stream)
   for (int q = 0; q < a.p; ++q)
     if (a.exports.in[q] == nullptr || (a.two_shot && a.exports2.in[q] == nullptr))
       throw ArgumentError(std::string(fn) + ": a null export region of rank " + std::to_string(q));
-  for (int i = 0; i < a.p - 1; ++i) {
-    bool null = a.release.flag[i] == nullptr || a.ready.flag[i] == nullptr || a.signal_ready.flag[i] == nullptr ||
-                a.signal_release.flag[i] == nullptr;
-    if (a.two_shot)
-      null = null || a.release2.flag[i] == nullptr || a.ready2.flag[i] == nullptr ||
-             a.signal_ready2.flag[i] == nullptr || a.signal_release2.flag[i] == nullptr;
-    if (null) throw ArgumentError(std::string(fn) + ": a null flag of peer " + std::to_string(i));
-    checked_code(fn, a.release.code[i], i);
-    checked_code(fn, a.ready.code[i], i);
-    if (a.two_shot) {
-      checked_code(fn, a.release2.code[i], i);
-      checked_code(fn, a.ready2.code[i], i);
+  auto check_flags = [&](const RegionFlags& f) {
+    for (int i = 0; i < a.p - 1; ++i) {
+      if (f.release.flag[i] == nullptr || f.ready.flag[i] == nullptr || f.signal_ready.flag[i] == nullptr ||
+          f.signal_release.flag[i] == nullptr)
+        throw ArgumentError(std::string(fn) + ": a null flag of peer " + std::to_string(i));
+      checked_code(fn, f.release.code[i], i);
+      checked_code(fn, f.ready.code[i], i);
     }
-  }
+  };
+  check_flags(a.export_flags);
+  if (a.two_shot) check_flags(a.export2_flags);
   const Kernel kernel = summing_kernel(fn, Kernel::kAllReduceFloat32, dtype);
   const int threads = kAllReduceThreads;
   const int64_t per = static_cast<int64_t>(16 / dtype_size(dtype));  // elements a thread moves at once

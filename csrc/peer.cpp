@@ -176,17 +176,13 @@ void PeerContext::wait(const std::vector<int>& peers, Region c, bool release, Pr
 void PeerContext::all_reduce(const void* src, void* out, int64_t count, bool two_shot, int64_t slice, DType dtype,
                              int stages, Primitive op, cudaStream_t stream) {
   const std::vector<int> peers = others();  // entry i of every list: the same peer
+  auto flags = [&](Region c) {
+    return RegionFlags{waits(peers, c, true, op), waits(peers, c, false, op), signals(peers, c, false),
+                       signals(peers, c, true)};
+  };
   AllReduceParams a{};
-  a.release = waits(peers, Region::kExport, true, op);
-  a.ready = waits(peers, Region::kExport, false, op);
-  a.signal_ready = signals(peers, Region::kExport, false);
-  a.signal_release = signals(peers, Region::kExport, true);
-  if (two_shot) {
-    a.release2 = waits(peers, Region::kExport2, true, op);
-    a.ready2 = waits(peers, Region::kExport2, false, op);
-    a.signal_ready2 = signals(peers, Region::kExport2, false);
-    a.signal_release2 = signals(peers, Region::kExport2, true);
-  }
+  a.export_flags = flags(Region::kExport);
+  if (two_shot) a.export2_flags = flags(Region::kExport2);
   for (int q = 0; q < size_; ++q) {
     a.exports.in[q] = region(q, Region::kExport);
     if (two_shot) a.exports2.in[q] = region(q, Region::kExport2);

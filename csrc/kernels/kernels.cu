@@ -188,15 +188,16 @@ __device__ void all_reduce(const tp_kernels::AllReduceParams& a) {
   const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
   if (a.stages & kStagePublish) {
-    poll_flags(a.release, peers, a.timeout_ns, a.error_word);  // the peers have read the last one
+    poll_flags(a.export_flags.release, peers, a.timeout_ns, a.error_word);  // the peers have read the last one
     copy_items<T>(a.src, const_cast<void*>(a.exports.in[a.rank]), vec ? a.count / kPer : a.count, vec, first, stride);
-    if (last_to_arrive(&a.arrivals[0])) clear_then_signal(a.release, a.signal_ready, peers);
+    if (last_to_arrive(&a.arrivals[0]))
+      clear_then_signal(a.export_flags.release, a.export_flags.signal_ready, peers);
   }
   if (a.stages & kStageReduce) {
-    poll_flags(a.ready, peers, a.timeout_ns, a.error_word);  // every peer's partial is in place
+    poll_flags(a.export_flags.ready, peers, a.timeout_ns, a.error_word);  // every peer's partial is in place
     void* slice = nullptr;  // two-shot: this rank's export2 region, its slice of the sum for the peers
     if (a.two_shot) {
-      poll_flags(a.release2, peers, a.timeout_ns, a.error_word);  // the peers have read its last slice
+      poll_flags(a.export2_flags.release, peers, a.timeout_ns, a.error_word);  // the peers have read its last slice
       slice = const_cast<void*>(a.exports2.in[a.rank]);
     }
     void* out = const_cast<void*>(offset<T>(a.out, lo));
@@ -213,19 +214,21 @@ __device__ void all_reduce(const tp_kernels::AllReduceParams& a) {
       }
     }
     if (last_to_arrive(&a.arrivals[1])) {
-      clear_then_signal(a.ready, a.signal_release, peers);  // the peers' partials are read
-      if (a.two_shot) clear_then_signal(a.release2, a.signal_ready2, peers);  // this rank's slice is there
+      clear_then_signal(a.export_flags.ready, a.export_flags.signal_release, peers);  // the peers' partials are read
+      if (a.two_shot)  // this rank's slice is there
+        clear_then_signal(a.export2_flags.release, a.export2_flags.signal_ready, peers);
     }
   }
   if (a.two_shot && (a.stages & kStageGather)) {
-    poll_flags(a.ready2, peers, a.timeout_ns, a.error_word);  // every peer's slice is in place
+    poll_flags(a.export2_flags.ready, peers, a.timeout_ns, a.error_word);  // every peer's slice is in place
     for (int s = 1; s < a.p; ++s) {
       const int q = (a.rank + s) % a.p;
       const long long n = slice_length(a, q);
       copy_items<T>(a.exports2.in[q], const_cast<void*>(offset<T>(a.out, slice_start(a, q))), vec ? n / kPer : n, vec,
                     first, stride);
     }
-    if (last_to_arrive(&a.arrivals[2])) clear_then_signal(a.ready2, a.signal_release2, peers);
+    if (last_to_arrive(&a.arrivals[2]))
+      clear_then_signal(a.export2_flags.ready, a.export2_flags.signal_release, peers);
   }
 }
 

@@ -40,18 +40,21 @@ constexpr int kStageGather = 4;   // two-shot: the peers' slices into out, the p
 // The threads of a tpk_all_reduce_* block (its launch bound).
 constexpr int kAllReduceThreads = 512;
 
+// A data region's flags as a rank's all-reduce kernel uses them (peer.h). Entry i of each list is
+// peer i of the rank's other ranks (the same peer in all four).
+struct RegionFlags {
+  FlagList release;           // this rank's release(region, peer i): polled (set: the peer is done with
+                              // this rank's data), cleared once the rank has written the region again
+  FlagList ready;             // this rank's ready(region, peer i): polled (the call word), cleared once read
+  FlagWrites signal_ready;    // peer i's ready(region, rank): the call word
+  FlagWrites signal_release;  // peer i's release(region, rank): 1
+};
+
 // tpk_all_reduce_*: the one-shot or two-shot all-reduce of a rank (peer.h's protocol on the export
-// and export2 regions). Entry i of each flag list is peer i of the rank's other ranks (the same
-// peer in all eight).
+// and export2 regions).
 struct AllReduceParams {
-  FlagList release;            // this rank's release(export, peer i): polled, cleared once published
-  FlagList ready;              // this rank's ready(export, peer i): polled (the call word), cleared once read
-  FlagWrites signal_ready;     // peer i's ready(export, rank): the call word
-  FlagWrites signal_release;   // peer i's release(export, rank): 1
-  FlagList release2;           // two-shot: this rank's release(export2, peer i): polled, cleared once its slice is written
-  FlagList ready2;             // two-shot: this rank's ready(export2, peer i): polled, cleared once gathered
-  FlagWrites signal_ready2;    // two-shot: peer i's ready(export2, rank): the call word
-  FlagWrites signal_release2;  // two-shot: peer i's release(export2, rank): 1
+  RegionFlags export_flags;    // the export region's: the partials
+  RegionFlags export2_flags;   // two-shot: the export2 region's, the slices of the sum
   PartialPtrs exports;         // every rank's export region, in rank order
   PartialPtrs exports2;        // two-shot: every rank's export2 region (its slice of the sum)
   const void* src;             // this rank's partial, `count` elements
