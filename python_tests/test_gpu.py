@@ -720,7 +720,8 @@ def test_fused_all_reduce_in_one_launch_a_rank(p, algorithm, other):
             g = torch.Generator().manual_seed(count)
             xs = [torch.randn(count, generator=g).to("cuda", dtype) for _ in range(p)]
             want = _rank_order_sum(xs, dtype)
-            vr.all_reduce(xs, other)  # the workspace for this count, and the flags' other user
+            vr.all_reduce(xs, algorithm)  # the workspace for this count and algorithm
+            vr.all_reduce(xs, other)  # the flags' other user
             for in_place in (False, True):
                 outs = [x.clone() if in_place else torch.full_like(x, float("nan")) for x in xs]
                 ins = outs if in_place else xs
