@@ -28,23 +28,34 @@ __device__ __forceinline__ __half from_float<__half>(float v) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
-// The sum of 16 bytes of T at item i (16-byte items) of each of the p partials, accumulated in fp32
-// in rank order and rounded to T; or of one element (sum_element). Both give the same bits for an
-// element. Peers' data is loaded past L1 (ld.global.cg).
+// The sums of 16 bytes of T at items i and i + step (16-byte items) of each of the p partials,
+// accumulated in fp32 in rank order and rounded to T (sum_element's bits for each element) into
+// v[0] and v[1]; with two = false item i alone, into v[0]. Every load is issued before the first
+// is used (2p, or p, 16-byte loads in flight a thread): one load at a time, each waited for
+// before the next, would leave the sum bound by the memory's latency. Peers' data is loaded past
+// L1 (ld.global.cg).
 template <typename T>
-__device__ __forceinline__ uint4 sum_vector(const void* const* parts, int p, long long i) {
+__device__ __forceinline__ void sum_vectors(const void* const* parts, int p, long long i, long long step, bool two,
+                                            uint4 v[2]) {
   constexpr int kPer = 16 / sizeof(T);
-  float acc[kPer];
-  uint4 raw = __ldcg(static_cast<const uint4*>(parts[0]) + i);
-  for (int e = 0; e < kPer; ++e) acc[e] = to_float(reinterpret_cast<const T*>(&raw)[e]);
+  uint4 raw[2][tp_kernels::kMaxRanks];
 #pragma unroll
-  for (int q = 1; q < tp_kernels::kMaxRanks; ++q) {  // unrolled: parts stays in registers
-    if (q >= p) break;
-    raw = __ldcg(static_cast<const uint4*>(parts[q]) + i);
-    for (int e = 0; e < kPer; ++e) acc[e] += to_float(reinterpret_cast<const T*>(&raw)[e]);
+  for (int q = 0; q < tp_kernels::kMaxRanks; ++q) {  // unrolled: parts and raw stay in registers
+    if (q < p) {
+      raw[0][q] = __ldcg(static_cast<const uint4*>(parts[q]) + i);
+      if (two) raw[1][q] = __ldcg(static_cast<const uint4*>(parts[q]) + i + step);
+    }
   }
-  for (int e = 0; e < kPer; ++e) reinterpret_cast<T*>(&raw)[e] = from_float<T>(acc[e]);
-  return raw;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    float acc[kPer];
+    for (int e = 0; e < kPer; ++e) acc[e] = to_float(reinterpret_cast<const T*>(&raw[j][0])[e]);
+#pragma unroll
+    for (int q = 1; q < tp_kernels::kMaxRanks; ++q)
+      if (q < p)
+        for (int e = 0; e < kPer; ++e) acc[e] += to_float(reinterpret_cast<const T*>(&raw[j][q])[e]);
+    for (int e = 0; e < kPer; ++e) reinterpret_cast<T*>(&v[j])[e] = from_float<T>(acc[e]);
+  }
 }
 
 template <typename T>
@@ -134,17 +145,34 @@ __device__ void clear_then_signal(const tp_kernels::FlagList& clear, const tp_ke
   __threadfence_system();
 }
 
-// `items` items from src to dst, this thread's share of them (from `first`, every `stride`): 16
-// bytes each when `vec`, else one T. Loaded past L1 (a peer's data, written by another GPU).
+// A thread's loads in flight in the all-reduce's copies and sums: a copy that stores each 16-byte
+// item before it loads the next keeps one load outstanding a thread and is bound by the memory's
+// latency, not its bandwidth (the stores may alias the loads, so the compiler cannot reorder them).
+constexpr int kUnroll = 4;
+
+// `items` items of V from src to dst, this thread's share of them (from `first`, every `stride`),
+// kUnroll loads before their stores. Loaded past L1 (a peer's data, written by another GPU).
+template <typename V>
+__device__ __forceinline__ void copy_share(const V* src, V* dst, long long items, long long first, long long stride) {
+  long long i = first;
+  for (; i + (kUnroll - 1) * stride < items; i += kUnroll * stride) {
+    V v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = __ldcg(src + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) dst[i + u * stride] = v[u];
+  }
+  for (; i < items; i += stride) dst[i] = __ldcg(src + i);
+}
+
+// copy_share of 16-byte items when `vec`, else of single T.
 template <typename T>
 __device__ __forceinline__ void copy_items(const void* src, void* dst, long long items, bool vec, long long first,
                                            long long stride) {
-  for (long long i = first; i < items; i += stride) {
-    if (vec)
-      static_cast<uint4*>(dst)[i] = __ldcg(static_cast<const uint4*>(src) + i);
-    else
-      static_cast<T*>(dst)[i] = __ldcg(static_cast<const T*>(src) + i);
-  }
+  if (vec)
+    copy_share(static_cast<const uint4*>(src), static_cast<uint4*>(dst), items, first, stride);
+  else
+    copy_share(static_cast<const T*>(src), static_cast<T*>(dst), items, first, stride);
 }
 
 // The start of rank q's slice of the two-shot all-reduce (every rank's slice but the last ones
@@ -202,17 +230,25 @@ __device__ void all_reduce(const tp_kernels::AllReduceParams& a) {
     }
     void* out = const_cast<void*>(offset<T>(a.out, lo));
     const long long items = vec ? len / kPer : len;
-    for (long long i = first; i < items; i += stride) {
-      if (vec) {
-        const uint4 v = sum_vector<T>(parts, a.p, i);
-        static_cast<uint4*>(out)[i] = v;
-        if (slice != nullptr) static_cast<uint4*>(slice)[i] = v;
-      } else {
+    long long i = first;
+    if (vec)
+      for (; i < items; i += 2 * stride) {  // two items a thread at once: their loads in flight together
+        const bool two = i + stride < items;
+        uint4 v[2];
+        sum_vectors<T>(parts, a.p, i, stride, two, v);
+        static_cast<uint4*>(out)[i] = v[0];
+        if (slice != nullptr) static_cast<uint4*>(slice)[i] = v[0];
+        if (two) {
+          static_cast<uint4*>(out)[i + stride] = v[1];
+          if (slice != nullptr) static_cast<uint4*>(slice)[i + stride] = v[1];
+        }
+      }
+    else
+      for (; i < items; i += stride) {
         const T v = sum_element<T>(parts, a.p, i);
         static_cast<T*>(out)[i] = v;
         if (slice != nullptr) static_cast<T*>(slice)[i] = v;
       }
-    }
     if (last_to_arrive(&a.arrivals[1])) {
       clear_then_signal(a.export_flags.ready, a.export_flags.signal_release, peers);  // the peers' partials are read
       if (a.two_shot)  // this rank's slice is there
