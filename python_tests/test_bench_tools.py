@@ -896,6 +896,18 @@ def test_one_gpu_report_reads_every_figure_against_its_target():
     assert ("; the all-reduce alone, chained, graph-replayed: one_shot 4.5, two_shot 8.0 us; the all-reduce alone, "
             "graph-replayed: one_shot 11.0, two_shot 9.0 us (the fork and join alone: 3.2 us)") in shown
     assert "chained, graph-replayed: one_shot (error: timed out) us" in shown
+    # each rank's call as one launch, where measured, is read before the calls chained by phases, even
+    # when slower (m = 4: 6.5 us over its chained 4.5, now the worst row)
+    measured["fused"]["all_reduce_latency"][1]["all_reduce_one_launch_us"] = {"one_shot": 6.5,
+                                                                             "two_shot": "error: timed out"}
+    one_launch_rep = one_gpu.report(measured, rows, "FakeGPU")
+    (decode,) = [c for c in one_launch_rep["checks"] if c["target"] == "decode_all_reduce_us"]
+    assert decode["value"] == 6.5 and decode["meets"]
+    assert "(one_shot, m = 4, alone, chained, one launch a rank, graph-replayed)" in decode["what"]
+    assert ("decode m =    4 (64 KiB): GEMMs 10.0 us; with the all-reduce: one_shot 16.4, two_shot 18.0, scatter_gather "
+            "30.0 us; the all-reduce alone, chained, one launch a rank, graph-replayed: one_shot 6.5, two_shot (error: "
+            "timed out) us; the all-reduce alone, chained, graph-replayed: one_shot 4.5") in one_gpu.format_report(
+                one_launch_rep)
     costs = rep["per_rank_costs"]
     assert [(c["backend"], round(c["added_us"], 3)) for c in costs] == [("reference", 2.5), ("pipelined", 1.0)]
     text = one_gpu.format_report(rep)

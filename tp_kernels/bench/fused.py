@@ -25,9 +25,12 @@ against):
    microseconds a call, or the error that stopped its capture). Each of those calls forks the
    ranks' streams and joins them again, so the next call starts only when every rank has
    finished: ``"harness_graph_us"`` is that fork and join alone (two one-element kernels a rank,
-   as many launches as a one-shot call's), and ``"all_reduce_chained_us"`` the all-reduce with each
-   rank's :data:`GRAPH_CALLS` calls back to back on its own stream (forked and joined once), as a
-   rank that is a process of its own runs them: the figure read against the decode target.
+   as many launches as a one-shot call's), ``"all_reduce_chained_us"`` the all-reduce with each
+   rank's :data:`GRAPH_CALLS` calls back to back on its own stream (forked and joined once; each
+   call's phases in rounds over the ranks), and ``"all_reduce_one_launch_us"`` the same with each
+   rank's call one launch of all its phases, as a rank that is a process of its own runs it (the
+   one-shot and two-shot algorithms, one kernel a call; the ranks' kernels side by side on the
+   GPU): the figure read against the decode target.
 
 3. **Crossovers**: each all-reduce algorithm over output sizes 16 KiB .. 64 MiB at p = 2 and
    --p, and the thresholds they imply (the fastest algorithm per size): of ``matmul_all_reduce``,
@@ -184,19 +187,28 @@ def _replayed_us(fn: Callable[[], object], iters: int, calls: int = GRAPH_CALLS)
         return f"error: {exc}"
 
 
-def _chained(vr: VirtualRanks, xs, outs, algorithm: str, calls: int) -> None:
+#: the algorithms whose whole call is one kernel a rank (``tpk_all_reduce_*``), which a rank that
+#: is a process of its own launches once a call: the one-launch figure's
+ONE_LAUNCH_ALGORITHMS = ("one_shot", "two_shot")
+
+
+def _chained(vr: VirtualRanks, xs, outs, algorithm: str, calls: int, one_launch: bool = False) -> None:
     """``calls`` all-reduces of ``xs`` into ``outs`` by ``algorithm``, each rank's back to back on
     its own stream, the streams forked from the current one and joined to it once: between two
-    calls of a rank nothing waits for the other ranks but its flags."""
+    calls of a rank nothing waits for the other ranks but its flags. Each call's phases go in
+    rounds over the ranks, or, ``one_launch``, each rank's call as one launch of all its phases, as
+    a rank that is a process of its own enqueues it (the ranks' kernels then run side by side on
+    the GPU, which their grids are sized for: ``device_ops.h``)."""
     with forked(vr.streams):
         for _ in range(calls):
             ranks = [fused.rank_all_reduce(vr.contexts[q], xs[q], outs[q], algorithm, s)
                      for q, s in enumerate(vr.streams)]
-            for q, phase in phase_order([c.phases for c in ranks]):
+            order = [(q, None) for q in range(vr.p)] if one_launch else phase_order([c.phases for c in ranks])
+            for q, phase in order:
                 ranks[q].enqueue(phase)
 
 
-def _chained_us(vr: VirtualRanks, xs, algorithm: str, iters: int):
+def _chained_us(vr: VirtualRanks, xs, algorithm: str, iters: int, one_launch: bool = False):
     """Microseconds a call of :func:`_chained`'s, replayed from a CUDA graph of :data:`GRAPH_CALLS`
     calls a rank (or the error that stopped it)."""
     try:
@@ -204,7 +216,7 @@ def _chained_us(vr: VirtualRanks, xs, algorithm: str, iters: int):
     except RuntimeError as exc:  # (these ranks failed in an earlier figure)
         return f"error: {exc}"
     outs = [torch.empty_like(x) for x in xs]
-    us = _replayed_us(lambda: _chained(vr, xs, outs, algorithm, GRAPH_CALLS), iters, calls=1)
+    us = _replayed_us(lambda: _chained(vr, xs, outs, algorithm, GRAPH_CALLS, one_launch), iters, calls=1)
     return us / GRAPH_CALLS if isinstance(us, float) else us
 
 
@@ -225,7 +237,8 @@ def all_reduce_latency(ps: Sequence[int], iters: int, verbose: bool = True) -> L
         harness = _harness_us(p, iters)
         # the chained calls on ranks of their own: a failure there (a timed-out wait fails its
         # ranks for good) leaves the other figures standing
-        with VirtualRanks(p) as vr, VirtualRanks(p, timeout_s=CHAINED_TIMEOUT_S) as chained:
+        with VirtualRanks(p) as vr, VirtualRanks(p, timeout_s=CHAINED_TIMEOUT_S) as chained, \
+                VirtualRanks(p, timeout_s=CHAINED_TIMEOUT_S) as one_launch:
             streams = [torch.cuda.Stream() for _ in range(p)]
             for m in ALL_REDUCE_M:
                 xs = [torch.randn(m, k, device="cuda", dtype=dtype) for _ in range(p)]
@@ -245,6 +258,8 @@ def all_reduce_latency(ps: Sequence[int], iters: int, verbose: bool = True) -> L
                 row["harness_graph_us"] = harness
                 row["all_reduce_chained_us"] = {algo: _chained_us(chained, partials, algo, iters)
                                                 for algo in fused.algorithms()}
+                row["all_reduce_one_launch_us"] = {algo: _chained_us(one_launch, partials, algo, iters, True)
+                                                   for algo in ONE_LAUNCH_ALGORITHMS}
                 rows.append(row)
                 if verbose:
                     print(f"all-reduce latency: {json.dumps(row)}", flush=True)

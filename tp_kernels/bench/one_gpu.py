@@ -131,9 +131,10 @@ def measure(iters: int) -> dict:
 
 
 #: the figures of a decode row that measure the all-reduce alone, the first a row has read first
-#: (tp_kernels.bench.fused: each rank's calls chained on its stream, else each call forked and
-#: joined), graph-replayed
-DECODE_FIGURES = (("all_reduce_chained_us", "alone, chained, graph-replayed"),
+#: (tp_kernels.bench.fused: each rank's calls chained on its stream and each call one launch a
+#: rank, else chained by phases, else each call forked and joined), graph-replayed
+DECODE_FIGURES = (("all_reduce_one_launch_us", "alone, chained, one launch a rank, graph-replayed"),
+                  ("all_reduce_chained_us", "alone, chained, graph-replayed"),
                   ("all_reduce_graph_us", "alone, graph-replayed"))
 
 
