@@ -435,6 +435,26 @@ def test_timeline_summary_of_a_trace():
         assert timeline.summarize(trace) == {"activities": 0}
 
 
+def test_timeline_all_reduce_launches_by_stage():
+    """The all-reduce kernel's launches by their place on their stream (stage k: the k-th launch of
+    each stream, whatever order the trace lists them in); other kernels and host events passed over."""
+    from tp_kernels.bench import timeline
+
+    def event(name, ts, dur, tid, ph="X"):
+        return {"name": name, "cat": "kernel", "ts": ts, "dur": dur, "tid": tid, "ph": ph}
+
+    events = [event("tpk_all_reduce_bfloat16", 10.0, 7.0, tid=2),  # stream 2's second: summing
+              event("tpk_all_reduce_bfloat16", 0.0, 2.0, tid=1),
+              event("tpk_all_reduce_bfloat16", 1.0, 3.0, tid=2),
+              event("tpk_all_reduce_bfloat16", 4.0, 5.0, tid=1),
+              event("tpk_all_reduce_bfloat16", 3.0, 4.0, tid=3),  # stream 3 has one launch only
+              event("tpk_set_flags", 0.0, 50.0, tid=1), event("tpk_all_reduce_bfloat16", 0.0, 99.0, tid=1, ph="i")]
+    assert timeline.launches_by_stage(events) == [
+        {"count": 3, "min_us": 2.0, "median_us": 3.0, "max_us": 4.0},
+        {"count": 2, "min_us": 5.0, "median_us": 7.0, "max_us": 7.0}]
+    assert timeline.launches_by_stage([]) == []
+
+
 def test_fused_bench_overlap_efficiency():
     from tp_kernels.bench.fused import overlap_efficiency
 

@@ -10,8 +10,9 @@ of the rest, and how much of the copies' busy time ran while a GEMM ran (:func:`
 communication was hidden (``tp_kernels.bench.fused``), this says why: copies that ran beside the
 GEMMs or after them, and the waits between. It also traces one decode all-reduce alone
 (``"all_reduce"``: 16 KiB, one-shot, eager) and one of 1 MiB by two-shot
-(``"all_reduce_two_shot"``): the all-reduce kernel's own durations (``top``), which the
-graph-replayed figures of ``tp_kernels.bench.fused`` hold together with the launches' gaps.
+(``"all_reduce_two_shot"``): the all-reduce kernel's own durations (``top``; stage by stage in
+``stages``), which the graph-replayed figures of ``tp_kernels.bench.fused`` hold together with the
+launches' gaps.
 Needs a CUDA device and the built extension; exits with status 2 and says why otherwise.
 """
 
@@ -113,6 +114,25 @@ def summarize(events: Iterable[dict], top: int = 8) -> Dict:
             "top": [[name[:100], count, total] for name, (count, total) in ranked]}
 
 
+def launches_by_stage(events: Iterable[dict], prefix: str = "tpk_all_reduce") -> List[Dict]:
+    """The durations of the kernels named ``prefix...`` by their place on their stream: entry k
+    over the k-th such launch of every stream (a virtual rank's all-reduce launches its stages
+    one after another: publishing, summing and, two-shot, gathering), as ``count``, ``min_us``,
+    ``median_us``, ``max_us``."""
+    per_stream: Dict[object, List[Tuple[float, float]]] = {}
+    for event in events:
+        if event.get("ph") == "X" and str(event.get("name", "")).startswith(prefix):
+            per_stream.setdefault(event.get("tid"), []).append((float(event["ts"]), float(event.get("dur", 0.0))))
+    stages: List[List[float]] = []
+    for launches in per_stream.values():
+        for k, (_, length) in enumerate(sorted(launches)):
+            if k == len(stages):
+                stages.append([])
+            stages[k].append(length)
+    return [{"count": len(d), "min_us": min(d), "median_us": sorted(d)[len(d) // 2], "max_us": max(d)}
+            for d in stages]
+
+
 def traced(fn: Callable[[], object]) -> List[dict]:
     """The chrome-trace events of one call of ``fn`` under ``torch.profiler`` (CUDA activities)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -173,15 +193,15 @@ def all_reduce_timeline(p: int, numel: int = 8192, algorithm: str = "one_shot") 
     """One fused all-reduce alone of ``numel`` bf16 elements (8192: a decode row of 16 KiB) by
     ``algorithm`` on p virtual ranks, warmed up, traced and summarized (its kernels' durations in
     ``top``: per rank, a launch of the all-reduce kernel a stage: publishing, summing and, two-shot,
-    gathering)."""
+    gathering; ``stages``: those launches' durations stage by stage, :func:`launches_by_stage`)."""
     with VirtualRanks(p) as vr:
         xs = [torch.randn(numel, device="cuda", dtype=torch.bfloat16) for _ in range(p)]
         for _ in range(3):  # warm: the workspace, the kernels' module
             vr.all_reduce(xs, algorithm)
-        summary = summarize(traced(lambda: vr.all_reduce(xs, algorithm)))
+        events = traced(lambda: vr.all_reduce(xs, algorithm))
         vr.check()
     return {"numel": numel, "bytes": numel * 2, "p": p, "dtype": "bfloat16", "algorithm": algorithm,
-            "fused": summary}
+            "fused": summarize(events), "stages": launches_by_stage(events)}
 
 
 def main(argv=None) -> int:
