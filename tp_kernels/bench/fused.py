@@ -28,9 +28,9 @@ against):
    as many launches as a one-shot call's), ``"all_reduce_chained_us"`` the all-reduce with each
    rank's :data:`GRAPH_CALLS` calls back to back on its own stream (forked and joined once; each
    call's phases in rounds over the ranks), and ``"all_reduce_one_launch_us"`` the same with each
-   rank's call one launch of all its phases, as a rank that is a process of its own runs it (the
-   one-shot and two-shot algorithms, one kernel a call; the ranks' kernels side by side on the
-   GPU): the figure read against the decode target.
+   rank's call one launch of all its phases, as a rank that is a process of its own runs it (for
+   one-shot and two-shot one kernel a call, the ranks' kernels side by side on the GPU): the
+   figure read against the decode target.
 
 3. **Crossovers**: each all-reduce algorithm over output sizes 16 KiB .. 64 MiB at p = 2 and
    --p, and the thresholds they imply (the fastest algorithm per size): of ``matmul_all_reduce``,
@@ -47,6 +47,7 @@ extension; exits with status 2 and says why otherwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from typing import Callable, Dict, List, Sequence
@@ -187,11 +188,6 @@ def _replayed_us(fn: Callable[[], object], iters: int, calls: int = GRAPH_CALLS)
         return f"error: {exc}"
 
 
-#: the algorithms whose whole call is one kernel a rank (``tpk_all_reduce_*``), which a rank that
-#: is a process of its own launches once a call: the one-launch figure's
-ONE_LAUNCH_ALGORITHMS = ("one_shot", "two_shot")
-
-
 def _chained(vr: VirtualRanks, xs, outs, algorithm: str, calls: int, one_launch: bool = False) -> None:
     """``calls`` all-reduces of ``xs`` into ``outs`` by ``algorithm``, each rank's back to back on
     its own stream, the streams forked from the current one and joined to it once: between two
@@ -237,8 +233,12 @@ def all_reduce_latency(ps: Sequence[int], iters: int, verbose: bool = True) -> L
         harness = _harness_us(p, iters)
         # the chained calls on ranks of their own: a failure there (a timed-out wait fails its
         # ranks for good) leaves the other figures standing
+        # (the calls in one launch a rank: ranks of their own for each algorithm, as the copy
+        # engine's scatter-gather may not make progress that way on one GPU)
         with VirtualRanks(p) as vr, VirtualRanks(p, timeout_s=CHAINED_TIMEOUT_S) as chained, \
-                VirtualRanks(p, timeout_s=CHAINED_TIMEOUT_S) as one_launch:
+                contextlib.ExitStack() as stack:
+            one_launch = {algo: stack.enter_context(VirtualRanks(p, timeout_s=CHAINED_TIMEOUT_S))
+                          for algo in fused.algorithms()}
             streams = [torch.cuda.Stream() for _ in range(p)]
             for m in ALL_REDUCE_M:
                 xs = [torch.randn(m, k, device="cuda", dtype=dtype) for _ in range(p)]
@@ -258,8 +258,8 @@ def all_reduce_latency(ps: Sequence[int], iters: int, verbose: bool = True) -> L
                 row["harness_graph_us"] = harness
                 row["all_reduce_chained_us"] = {algo: _chained_us(chained, partials, algo, iters)
                                                 for algo in fused.algorithms()}
-                row["all_reduce_one_launch_us"] = {algo: _chained_us(one_launch, partials, algo, iters, True)
-                                                   for algo in ONE_LAUNCH_ALGORITHMS}
+                row["all_reduce_one_launch_us"] = {algo: _chained_us(one_launch[algo], partials, algo, iters, True)
+                                                   for algo in fused.algorithms()}
                 rows.append(row)
                 if verbose:
                     print(f"all-reduce latency: {json.dumps(row)}", flush=True)
