@@ -210,15 +210,30 @@ def test_the_model_predicts_what_ran_by_its_implementation_name():
 
 
 def test_the_model_predicts_one_rank_from_the_gemms_alone():
-    """At p = 1 nothing is communicated: the reference is its GEMM, the pipelined schedule its four
-    chunks' GEMMs one after the other, each as measured."""
+    """At p = 1 nothing is communicated and nothing split: the reference and the pipelined schedule
+    (named with 4 chunks or not) are the whole GEMM as measured, as every backend runs one rank."""
     result = _fake_result()
     c = result["cases"][0]
-    c.update(gemm=[[[64, 16, 32], 2e-3], [[16, 16, 32], 0.5e-3]], comm_total=0.0, gemm_under_comm=2e-3,
+    c.update(gemm=[[[64, 16, 32], 2e-3]], comm_total=0.0, gemm_under_comm=2e-3,
              comm_samples=[], backend={"reference": 2.2e-3, "pipelined": 2.5e-3})  # (k = 32 whole on one rank)
+    c["resolved"]["pipelined"] = "native:4"
     ref, pipe = report.compute_rows(result, p=1, baseline="reference")
     assert ref["model_ms"] == pytest.approx(2.0) and ref["model_err"] == pytest.approx(2.0 / 2.2 - 1)
-    assert pipe["model_ms"] == pytest.approx(4 * 0.5)  # the [16, 16, 32] chunk GEMM, 4 times
+    assert pipe["model_ms"] == pytest.approx(2.0) and pipe["model_err"] == pytest.approx(2.0 / 2.5 - 1)
+    # the schedules themselves: one GEMM of the whole shape a call at p = 1, whatever the chunks
+    gemm = lambda m, n, k, dtype: 1e-6 * m  # noqa: E731
+    for op in pm.OP_COLLECTIVE:
+        tasks = pm.op_tasks(op, 64, 32, 16, 1, "bfloat16", gemm, pm.LINKS["nvlink4"], num_chunks=4)
+        assert [(t.resource, t.duration) for t in tasks if t.resource == "compute"] == [("compute", 64e-6)], op
+    for kind in ("column", "row"):
+        for sp in (False, True):
+            tasks = pm.layer_tasks(kind, sp, 64, 32, 16, 1, "bfloat16", gemm, pm.LINKS["nvlink4"],
+                                           num_chunks=4)
+            assert len([t for t in tasks if t.resource == "compute"]) == 3, (kind, sp)  # fwd, dgrad, wgrad
+    # with several ranks the chunks stay
+    tasks = pm.op_tasks("matmul_all_reduce", 64, 32, 16, 2, "bfloat16", gemm, pm.LINKS["nvlink4"],
+                                num_chunks=4)
+    assert len([t for t in tasks if t.resource == "compute"]) == 4
 
 
 def test_plot_writes_a_png(tmp_path):

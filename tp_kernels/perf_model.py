@@ -291,11 +291,17 @@ class _Graph:
         return len(self.tasks) - 1
 
 
+def _chunks_run(p: int, chunks: int) -> int:
+    """The chunks a pipelined call of p ranks splits its GEMM into: with one rank none, whatever
+    it was asked (every backend runs the whole GEMM there: nothing to overlap it with)."""
+    return 1 if p == 1 else chunks
+
+
 def _ag_gemm(g: _Graph, gemm, link, m, k, n_local, p, dtype, chunks, after=None) -> List[int]:
     """The all-gather+GEMM ring: (m/p, k) shards; returns the GEMM task ids."""
     eb = DTYPE_BYTES[dtype]
     mp = m // p
-    pieces = chunk_bounds(mp, chunks)
+    pieces = chunk_bounds(mp, _chunks_run(p, chunks))
     arrived = {(0, j): after for j in range(len(pieces))}
     gemms = []
     for step in range(p):
@@ -314,7 +320,7 @@ def _gemm_coll(g: _Graph, gemm, link, kind, m, k_local, n, p, dtype, chunks, aft
     eb = DTYPE_BYTES[dtype]
     rows = m // p if kind == "reduce_scatter" else m
     colls = []
-    for j, (a, b) in enumerate(chunk_bounds(rows, chunks)):
+    for j, (a, b) in enumerate(chunk_bounds(rows, _chunks_run(p, chunks))):
         mm = (b - a) * (p if kind == "reduce_scatter" else 1)
         t = g.add(f"gemm chunk {j}", "compute", gemm(mm, n, k_local, dtype), deps=(after,))
         colls.append(g.add(f"{kind} chunk {j}", "link", link.time(kind, mm * n * eb, p), deps=(t,)))

@@ -125,8 +125,9 @@ def measure_case(case: Case, backends: List[str], dtype: torch.dtype, device: to
         t = timer(lambda i: F.linear(av[i % nsets], bv[i % nsets]))
         out["gemm"][(a, b, c)] = t
         out["gemm_total"] += t
-    # chunk-sized GEMMs and collectives for the model (ops only): what the pipelined schedule runs
-    if not case.is_layer:
+    # chunk-sized GEMMs for the model (ops only): what the pipelined schedule runs (with one rank,
+    # the whole GEMM: nothing is split)
+    if not case.is_layer and p > 1:
         a, b, c = gemms[0]
         rows = max(1, (case.m // p if case.target == "all_gather_matmul" else case.m) // 4)
         av = [t[:rows] for t in operands[0][0]]
