@@ -876,6 +876,8 @@ def _fake_one_gpu_measurements(scale=1.0):
                                                                        9.0]]}},
             "chunking": {"column": {"native_vs_f_linear": 1.0, "4_row_chunks": {"vs_unsplit": 0.98}},
                          "row": {"native_vs_f_linear": 0.985, "4_row_chunks": {"vs_unsplit": 0.96}}, "target": 0.97},
+            "decode_gemms": {"column": {"m": 16, "forward": {"ratio": 1.01}, "dgrad": {"ratio": 0.8}},
+                             "row": {"m": 16, "forward": {"ratio": 0.995}, "dgrad": {"ratio": 1.2}}, "target": 0.99},
         },
         "fused": {"overlap": {"all_gather_matmul": {"p": 8, "overlap_efficiency": 0.97, "gemm_slowdown": 0.02},
                               "matmul_reduce_scatter": {"p": 8, "overlap_efficiency": 0.90, "gemm_slowdown": 0.04}},
@@ -895,6 +897,10 @@ def test_one_gpu_report_reads_every_figure_against_its_target():
     verdicts = {c["what"]: c["meets"] for c in rep["checks"]}
     assert verdicts["native GEMM / F.linear, 8192^3"] and verdicts["native GEMM / F.linear, 70B TP8 column"]
     assert not verdicts["native GEMM / F.linear, 70B TP8 row"]  # 0.985 < 0.99
+    assert verdicts["native GEMM / F.linear, m = 16, 70B TP8 column forward"]
+    assert not verdicts["native GEMM / F.linear, m = 16, 70B TP8 column dgrad"]  # 0.8 < 0.99
+    assert verdicts["native GEMM / F.linear, m = 16, 70B TP8 row forward"]
+    assert verdicts["native GEMM / F.linear, m = 16, 70B TP8 row dgrad"]
     assert verdicts["4 row chunks / unsplit, 70B TP8 column"] and not verdicts["4 row chunks / unsplit, 70B TP8 row"]
     assert verdicts["pipelined: host time added per call, m = 16"]
     assert not verdicts["fused: host time added per call, m = 16"]  # 7.5 us > 5

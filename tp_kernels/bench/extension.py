@@ -20,6 +20,8 @@ against):
    reduce-scatter's 4 batched chunks over 8 destination blocks; the all-gather ring's 8 shards)
    against the unsplit GEMM (target for 4 chunks: ≥ 0.97× its TFLOP/s); and the unsplit native
    GEMM against ``F.linear`` at those shapes (target ≥ 0.99×).
+4. **Decode GEMMs**: the native GEMM against ``F.linear`` at m = 16 of those shapes, forward and
+   the backward's dgrad (the weight transposed) (target ≥ 0.99×).
 
 The targets are :data:`tp_kernels.bench.targets.TARGETS`.
 
@@ -90,6 +92,27 @@ def gemm_throughput(iters: int) -> Dict:
             "ratio": t_torch / t_native, "target": TARGETS["native_gemm_vs_f_linear"][0]}
 
 
+def decode_gemms(iters: int, m: int = 16) -> Dict:
+    """The native GEMM against ``F.linear`` at a decode size (m rows) of the Llama-3-70B TP8
+    shapes: the forward (``x [m, k]`` by the weight ``[n, k]`` as a layer holds it) and the
+    backward's dgrad (``dy [m, n]`` by the same weight transposed, the view the backward passes):
+    ``{shape: {"forward"|"dgrad": {"f_linear_ms", "native_ms", "ratio"}}}`` (ratio: F.linear's time
+    over the native one's, target as :func:`gemm_throughput`'s)."""
+    out = {}
+    for name, (_, k, n) in LLAMA70B_TP8.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        entry = {}
+        for label, a, b in (("forward", x, w), ("dgrad", dy, w.t())):
+            t_torch = gpu_time_ms(lambda: F.linear(a, b), iters)
+            t_native = gpu_time_ms(lambda: _extension.linear(a, b), iters)
+            entry[label] = {"f_linear_ms": t_torch, "native_ms": t_native, "ratio": t_torch / t_native}
+        out[name] = {"m": m, "k": k, "n": n, "dtype": "bfloat16", **entry}
+    out["target"] = TARGETS["native_gemm_vs_f_linear"][0]
+    return out
+
+
 def host_overhead(iters: int) -> Dict:
     m, k, n = 16, 28672 // 8, 8192
     x, w = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in ((m, k), (n, k)))
@@ -155,7 +178,7 @@ def main(argv=None) -> int:
     if record is None:
         return 2
     for key, fn in (("gemm_throughput", gemm_throughput), ("host_overhead", host_overhead),
-                    ("chunking", chunking)):
+                    ("chunking", chunking), ("decode_gemms", decode_gemms)):
         record[key] = fn(args.iters)
         print(f"{key}: {json.dumps(record[key])}", flush=True)
     save_record(record, args.out_dir, "extension", args.tag)

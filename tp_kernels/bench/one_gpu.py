@@ -124,7 +124,8 @@ def measure(iters: int) -> dict:
         out["extension"] = out["fused"] = {"skipped": reason}
         return out
     out["extension"] = {"gemm_throughput": extension.gemm_throughput(iters),
-                        "host_overhead": extension.host_overhead(iters), "chunking": extension.chunking(iters)}
+                        "host_overhead": extension.host_overhead(iters), "chunking": extension.chunking(iters),
+                        "decode_gemms": extension.decode_gemms(iters)}
     out["fused"] = {"overlap": {op: fused.overlap(op, VIRTUAL_RANKS, iters) for op in fused.LLAMA70B_TP8},
                     "all_reduce_latency": fused.all_reduce_latency([VIRTUAL_RANKS], iters, verbose=False)}
     return out
@@ -186,6 +187,11 @@ def report(measured: dict, rows: List[dict], device: str) -> dict:
                       entry.get("native_vs_f_linear"))
                 check("chunk4_vs_unsplit", f"4 row chunks / unsplit, 70B TP8 {name}",
                       entry["4_row_chunks"]["vs_unsplit"])
+        for name, entry in ext.get("decode_gemms", {}).items():  # (not in older records)
+            if isinstance(entry, dict):
+                for label in ("forward", "dgrad"):
+                    check("native_gemm_vs_f_linear", f"native GEMM / F.linear, m = {entry['m']}, 70B TP8 {name} "
+                          f"{label}", entry[label]["ratio"])
         for call, us in ext["host_overhead"]["added_eager_us"].items():
             if call.startswith("matmul_all_reduce_"):
                 check("host_overhead_us", f"{call.rpartition('_')[2]}: host time added per call, m = 16", us)
