@@ -851,6 +851,36 @@ def test_the_gpu_suite_script_names_its_parts():
         assert out.returncode == 2 and f"bench/gpu_suite.sh {part} takes no arguments" in out.stderr
 
 
+def test_the_kernel_profile_without_ncu_or_a_gpu(tmp_path):
+    """bench/gpu_profile.sh says that ncu is missing (exit 2); its program counts the launches ncu
+    skips and profiles (the all-reduce kernel's: one a phase a rank) and, without a GPU, says so."""
+    from tp_kernels import _extension
+
+    bench = os.path.join(os.path.dirname(__file__), "..", "bench")
+    if any(os.path.exists(p) for p in ("/opt/nvidia/nsight-compute", "/usr/local/cuda/bin/ncu")):
+        pytest.skip("ncu is installed here")
+    path = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
+                           if not os.path.exists(os.path.join(d, "ncu")))
+    out = subprocess.run(["bash", os.path.join(bench, "gpu_profile.sh")], capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, PATH=path, OUT=str(tmp_path)))
+    assert out.returncode == 2 and "ncu (Nsight Compute) is not installed here" in out.stderr
+    program = [sys.executable, os.path.join(bench, "all_reduce_kernel.py")]
+    if _extension.unavailable() is None:
+        C = _extension.require()
+        for algorithm, calls in (("one_shot", 3), ("two_shot", 2)):
+            per_call = 8 * C.fused_phases("matmul_all_reduce", algorithm)
+            run = subprocess.run(program + ["--p", "8", "--algorithm", algorithm, "--calls", str(calls), "--launches"],
+                                 capture_output=True, text=True, timeout=120)
+            assert run.returncode == 0, run.stderr
+            assert run.stdout.split() == [str(per_call * (calls - 1)), str(per_call)]
+        bad = subprocess.run(program + ["--algorithm", "scatter_gather", "--launches"], capture_output=True,
+                             text=True, timeout=120)
+        assert bad.returncode == 2 and "--algorithm: one of the all-reduce kernel's algorithms" in bad.stderr
+    if not torch.cuda.is_available():
+        run = subprocess.run(program, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and "needs a CUDA device and the native extension" in run.stderr
+
+
 # --- the main job on one GPU: its report's layout, from made-up measurements -------------------------
 
 

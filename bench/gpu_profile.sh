@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Nsight Compute on the fused all-reduce kernel (tpk_all_reduce_*) on 8 virtual ranks: for each
+# case below, every launch of the last of three calls (bench/all_reduce_kernel.py: one launch a
+# stage a rank, the stages as phases, so ncu running one kernel at a time finds every flag a
+# kernel waits for set), with the sections that say where a launch's time goes (speed of light,
+# memory workload, occupancy, launch statistics, warp states). The answer to "why" for the decode
+# all-reduce's latency (16 KiB, 64 KiB) and for the bandwidth of the large ones (4 MiB):
+#
+#   OUT=DIR bash bench/gpu_profile.sh       # a short call of its own, on a machine the suite used
+#
+# It builds the extension first when it does not import (as bench/gpu_suite.sh does) and writes,
+# per case, ncu's report (ncu-<algorithm>-<bytes>.ncu-rep), its details page as CSV (.csv) and
+# the program's and ncu's messages (.log), all in one tarball, $OUT/gpu-profile.tar.gz ($OUT: a new
+# temporary folder when unset); each case under 90 s, the clocks left as they are
+# (--clock-control none). Exit status: 0 when every case ran and its result was right, 2 when
+# ncu or the GPU is missing, 1 otherwise.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+out=${OUT:-$(mktemp -d)}
+work=$(mktemp -d)/gpu-profile
+mkdir -p "$out" "$work"
+ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
+if [ -z "$ncu" ]; then
+  echo "ncu (Nsight Compute) is not installed here" >&2
+  exit 2
+fi
+if ! "$PY" -c "import tp_kernels, sys; sys.exit(tp_kernels.extension_status()['built'] is not True)" 2>/dev/null; then
+  major=$("$PY" -c "import torch; print(torch.version.cuda.split('.')[0])")
+  if ! TP_KERNELS_CUDA_MAJOR=$major timeout 300 "$PY" -m pip install -v --no-build-isolation --no-deps -e . \
+      >"$work/build.log" 2>&1; then
+    tail -n 40 "$work/build.log"
+    echo "build failed" >&2
+    exit 1
+  fi
+fi
+status=0
+for case in "one_shot 16384" "one_shot 65536" "two_shot 65536" "one_shot 4194304" "two_shot 4194304"; do
+  read -r algorithm bytes <<<"$case"
+  args=(--p 8 --bytes "$bytes" --algorithm "$algorithm" --calls 3)
+  if ! launches=$("$PY" bench/all_reduce_kernel.py "${args[@]}" --launches); then
+    status=2
+    break
+  fi
+  read -r skip count <<<"$launches"
+  name=ncu-$algorithm-$bytes
+  echo "== $name: launches $skip + $count"
+  timeout 90 "$ncu" --clock-control none --kernel-name regex:tpk_all_reduce --launch-skip "$skip" \
+    --launch-count "$count" --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+    --section LaunchStats --section WarpStateStats -f -o "$work/$name" \
+    "$PY" bench/all_reduce_kernel.py "${args[@]}" >"$work/$name.log" 2>&1
+  rc=$?
+  [ -f "$work/$name.ncu-rep" ] && "$ncu" --import "$work/$name.ncu-rep" --csv --page details >"$work/$name.csv" \
+    2>>"$work/$name.log"
+  tail -n 3 "$work/$name.log"
+  echo "$name: exit status $rc, $(cat "$work/$name.csv" 2>/dev/null | wc -l) lines of ncu's CSV"
+  [ "$rc" -eq 0 ] || status=1
+done
+tar -czf "$out/gpu-profile.tar.gz" -C "$(dirname "$work")" gpu-profile
+echo "== done in $SECONDS s: $out/gpu-profile.tar.gz"
+exit $status
