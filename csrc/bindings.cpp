@@ -525,14 +525,15 @@ PYBIND11_MODULE(_C, m) {
       "mapped in this process, a copy stream, an event pool and a host-readable error word that "
       "bounded device waits set on timeout.")
       .def(py::init([](int rank, int size, int device, std::vector<uintptr_t> bases, std::vector<size_t> region_bytes,
-                       double timeout_s) {
-             return std::make_shared<PeerContext>(rank, size, device, bases, region_bytes, timeout_s);
+                       double timeout_s, int sharing) {
+             return std::make_shared<PeerContext>(rank, size, device, bases, region_bytes, timeout_s, sharing);
            }),
            py::arg("rank"), py::arg("size"), py::arg("device"), py::arg("bases"), py::arg("region_bytes"),
-           py::arg("timeout_s"))
+           py::arg("timeout_s"), py::arg("sharing"))
       .def_property_readonly("rank", &PeerContext::rank)
       .def_property_readonly("size", &PeerContext::size)
       .def_property_readonly("device", &PeerContext::device)
+      .def_property_readonly("sharing", &PeerContext::sharing)
       .def_property_readonly("region_bytes",
                              [](const PeerContext& c) {
                                std::vector<size_t> out;

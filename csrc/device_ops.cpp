@@ -95,12 +95,15 @@ void reduce_partials(const void* const* in, int p, void* out, int64_t count, DTy
   launch(kernel, static_cast<unsigned>(blocks), threads, args, stream);
 }
 
-void peer_all_reduce(const AllReduceParams& a, DType dtype, cudaStream_t stream) {
+void peer_all_reduce(const AllReduceParams& a, DType dtype, int sharing, cudaStream_t stream) {
   const char* fn = "peer_all_reduce";
   if (a.p < 1 || a.p > kMaxRanks || a.rank < 0 || a.rank >= a.p)
     throw ArgumentError(std::string(fn) + ": rank " + std::to_string(a.rank) + " of " + std::to_string(a.p) +
                         " ranks, expected 0 <= rank < p <= " + std::to_string(kMaxRanks));
   if (a.count < 0) throw ArgumentError(std::string(fn) + ": negative count");
+  if (sharing < 1 || sharing > a.p)
+    throw ArgumentError(std::string(fn) + ": " + std::to_string(sharing) + " ranks on this GPU, expected 1.." +
+                        std::to_string(a.p));
   if (a.two_shot != 0 && a.two_shot != 1) throw ArgumentError(std::string(fn) + ": two_shot must be 0 or 1");
   const int all = kStagePublish | kStageReduce | (a.two_shot ? kStageGather : 0);
   if (a.stages <= 0 || (a.stages & ~all) != 0)
@@ -130,7 +133,7 @@ void peer_all_reduce(const AllReduceParams& a, DType dtype, cudaStream_t stream)
   const int64_t per = static_cast<int64_t>(16 / dtype_size(dtype));  // elements a thread moves at once
   const int64_t items = (a.count + per - 1) / per;
   int64_t blocks = std::max<int64_t>(1, (items + threads - 1) / threads);
-  blocks = std::min<int64_t>(blocks, std::max(1, std::min(32, multiprocessor_count() / a.p)));
+  blocks = std::min<int64_t>(blocks, std::max(1, std::min(32, multiprocessor_count() / sharing)));
   AllReduceParams copy = a;
   void* args[] = {&copy};
   launch(kernel, static_cast<unsigned>(blocks), threads, args, stream);

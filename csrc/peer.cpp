@@ -69,8 +69,8 @@ size_t region_offset(const std::vector<size_t>& region_bytes, Region c) {
 }
 
 PeerContext::PeerContext(int rank, int size, int device, const std::vector<uintptr_t>& bases,
-                         const std::vector<size_t>& region_bytes, double timeout_s)
-    : rank_(rank), size_(size), device_(device), timeout_s_(timeout_s) {
+                         const std::vector<size_t>& region_bytes, double timeout_s, int sharing)
+    : rank_(rank), size_(size), device_(device), timeout_s_(timeout_s), sharing_(sharing) {
   if (size < 1 || size > kMaxRanks)
     throw Error("PeerContext: size must be in [1, " + std::to_string(kMaxRanks) + "], got " + std::to_string(size));
   if (rank < 0 || rank >= size)
@@ -87,6 +87,9 @@ PeerContext::PeerContext(int rank, int size, int device, const std::vector<uintp
     if (b % kRegionAlignment != 0)
       throw Error("PeerContext: region sizes must be multiples of " + std::to_string(kRegionAlignment) + " bytes");
   if (!(timeout_s > 0)) throw Error("PeerContext: timeout_s must be positive");
+  if (sharing < 1 || sharing > size)
+    throw Error("PeerContext: sharing (the ranks on this GPU) must be in [1, " + std::to_string(size) + "], got " +
+                std::to_string(sharing));
   for (uintptr_t b : bases) bases_.push_back(reinterpret_cast<char*>(b));
   region_bytes_ = region_bytes;
   DeviceGuard guard(device);
@@ -198,7 +201,7 @@ void PeerContext::all_reduce(const void* src, void* out, int64_t count, bool two
   a.timeout_ns = timeout_ns();
   a.error_word = error_word_;
   a.arrivals = flag(rank_, kArrivalIndex);
-  peer_all_reduce(a, dtype, stream);
+  peer_all_reduce(a, dtype, sharing_, stream);
 }
 
 std::vector<int> PeerContext::others() const {

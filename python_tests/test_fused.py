@@ -79,10 +79,11 @@ def test_unsupported_reasons_in_order(monkeypatch):
         assert "stream memory operations" in fused.unsupported_reason(x, w, FakeGroup())
 
 
-@pytest.mark.parametrize("case", ["one_node", "two_hosts", "no_peer_access"])
+@pytest.mark.parametrize("case", ["one_node", "one_gpu", "two_hosts", "no_peer_access"])
 def test_peer_topology_is_decided_alike_on_every_rank(monkeypatch, case):
     """Two all-gathers over the group's host route: host ids and devices, then every rank's verdict
-    on its peer access."""
+    on its peer access; and how many of the ranks share this rank's GPU (the all-reduce kernel's
+    grid is sized for them)."""
     g, twin = FakeGroup(), FakeGroup()
     me = peer_memory.host_id()
     other = me if case != "two_hosts" else bytes(16)
@@ -92,7 +93,7 @@ def test_peer_topology_is_decided_alike_on_every_rank(monkeypatch, case):
         assert group is twin and device == torch.device("cpu")  # (the host twin: no wait for the GPU)
         rounds.append(payload)
         if len(rounds) == 1:
-            return [me + (0).to_bytes(4, "little"), other + (1).to_bytes(4, "little")]
+            return [me + (0).to_bytes(4, "little"), other + (0 if case == "one_gpu" else 1).to_bytes(4, "little")]
         return [payload, b"\x00" if case == "no_peer_access" else b"\x01"]  # rank 1's verdict
 
     monkeypatch.setattr(_collectives, "all_gather_bytes", all_gather_bytes)
@@ -101,8 +102,9 @@ def test_peer_topology_is_decided_alike_on_every_rank(monkeypatch, case):
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: (a, b) == (0, 1))
     monkeypatch.setattr(peer_memory, "_topology", {})
     reason = peer_memory.topology_reason(g, torch.device("cuda", 0))
-    if case == "one_node":
+    if case in ("one_node", "one_gpu"):
         assert reason is None and len(rounds) == 2 and rounds[1] == b"\x01"
+        assert peer_memory.ranks_on_device(g, torch.device("cuda", 0)) == (2 if case == "one_gpu" else 1)
     elif case == "two_hosts":
         assert "spans several hosts" in reason and len(rounds) == 1
     else:
@@ -288,19 +290,22 @@ def test_control_block_starts_with_every_release_flag_set():
 def test_native_fused_checks_before_touching_the_gpu():
     C = _extension._C
     with pytest.raises(RuntimeError, match=r"size must be in \[1, 8\], got 9"):
-        C.PeerContext(0, 9, 0, [1] * 9, [0, 0, 0], 1.0)
+        C.PeerContext(0, 9, 0, [1] * 9, [0, 0, 0], 1.0, 1)
     with pytest.raises(RuntimeError, match=r"rank 2 is not in \[0, 2\)"):
-        C.PeerContext(2, 2, 0, [1, 2], [0, 0, 0], 1.0)
+        C.PeerContext(2, 2, 0, [1, 2], [0, 0, 0], 1.0, 1)
     with pytest.raises(RuntimeError, match="expected 2 workspace buffers, got 1"):
-        C.PeerContext(0, 2, 0, [1], [0, 0, 0], 1.0)
+        C.PeerContext(0, 2, 0, [1], [0, 0, 0], 1.0, 1)
     with pytest.raises(RuntimeError, match="null workspace buffer of rank 1"):
-        C.PeerContext(0, 2, 0, [1, 0], [0, 0, 0], 1.0)
+        C.PeerContext(0, 2, 0, [1, 0], [0, 0, 0], 1.0, 1)
     with pytest.raises(RuntimeError, match="expected 3 region sizes"):
-        C.PeerContext(0, 2, 0, [1, 2], [0, 0], 1.0)
+        C.PeerContext(0, 2, 0, [1, 2], [0, 0], 1.0, 1)
     with pytest.raises(RuntimeError, match="multiples of 256 bytes"):
-        C.PeerContext(0, 2, 0, [1, 2], [100, 0, 0], 1.0)
+        C.PeerContext(0, 2, 0, [1, 2], [100, 0, 0], 1.0, 1)
     with pytest.raises(RuntimeError, match="timeout_s must be positive"):
-        C.PeerContext(0, 2, 0, [1, 2], [0, 0, 0], 0.0)
+        C.PeerContext(0, 2, 0, [1, 2], [0, 0, 0], 0.0, 1)
+    for sharing in (0, 3):
+        with pytest.raises(RuntimeError, match=rf"sharing \(the ranks on this GPU\) must be in \[1, 2\], got {sharing}"):
+            C.PeerContext(0, 2, 0, [1, 2], [0, 0, 0], 1.0, sharing)
     with pytest.raises(RuntimeError, match="a CUDA IPC handle is 64 bytes, got 3"):
         C.ipc_open(b"abc", 0)
     with pytest.raises(ValueError, match=r"p: must be in \[1, 8\], got 9"):
@@ -319,7 +324,7 @@ def test_native_fused_checks_before_touching_the_gpu():
 def test_fused_native_calls_without_a_gpu_are_clear_errors():
     C = _extension._C
     with pytest.raises(RuntimeError, match=r"cudaGetDevice.*failed: CUDA error"):
-        C.PeerContext(0, 2, 0, [1, 2], [0, 0, 0], 1.0)
+        C.PeerContext(0, 2, 0, [1, 2], [0, 0, 0], 1.0, 1)
     with pytest.raises(RuntimeError, match=r"cudaGetDevice.*failed: CUDA error"):
         C.workspace_alloc(1 << 20, 0)
 

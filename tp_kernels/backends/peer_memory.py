@@ -82,7 +82,8 @@ def capture_growth_error(op: str, regions: Sequence[int]) -> RuntimeError:
 
 #: (id(group), group name, device index) -> _GroupWorkspace
 _workspaces: dict = {}
-#: (id(group), group name, device index) -> (group, reason or None): whether the group can use peer memory
+#: (id(group), group name, device index) -> (group, reason or None, ranks on this GPU): whether the
+#: group can use peer memory, and how many of its ranks share this rank's GPU
 _topology: dict = {}
 
 
@@ -110,18 +111,28 @@ def topology_reason(group, device: torch.device) -> Optional[str]:
     route = coll.host_route(group, device)
     infos = coll.all_gather_bytes(host_id() + device.index.to_bytes(4, "little"), *route)
     devices = [int.from_bytes(i[16:], "little") for i in infos]
-    reason = None
+    reason, sharing = None, p
     if len({i[:16] for i in infos}) > 1:
         reason = "the group spans several hosts (peer memory needs one node)"
     else:
         me = device.index
+        sharing = devices.count(me)
         ok = all(d == me or torch.cuda.can_device_access_peer(me, d) for d in devices)
         verdicts = coll.all_gather_bytes(bytes([ok]), *route)
         bad = [q for q in range(p) if verdicts[q] != b"\x01"]
         if bad:
             reason = f"rank {bad[0]} of the group cannot reach every peer's GPU by peer access"
-    _topology[key] = (group, reason)
+    _topology[key] = (group, reason, sharing)
     return reason
+
+
+def ranks_on_device(group, device: torch.device) -> int:
+    """How many of ``group``'s ranks run on ``device`` (this one included), by the device indices
+    its topology check gathered (:func:`topology_reason`): the ranks whose fused all-reduce kernels
+    must fit on this GPU side by side. All of them when the check cannot run here."""
+    topology_reason(group, device)
+    entry = _topology.get(coll.group_key(group, device))
+    return coll.group_size(group) if entry is None else entry[2]
 
 
 def agree_on_growth(op: str, regions: Sequence[int], call: str, group, device: torch.device) -> None:
@@ -178,7 +189,8 @@ class _GroupWorkspace:
             C.workspace_free(base, dev)
             raise
         self.base, self.bases, self.regions = base, bases, list(regions)
-        self.ctx = C.PeerContext(self.rank, self.p, dev, bases, regions, settings.get_timeout())
+        self.ctx = C.PeerContext(self.rank, self.p, dev, bases, regions, settings.get_timeout(),
+                                 ranks_on_device(self.group, self.device))
 
     def release(self, barrier: bool) -> None:
         """Unmap the peers' buffers and free this rank's, once no rank uses them any more: this
@@ -224,5 +236,5 @@ def destroy_workspaces(group=None) -> None:
                 ws.release(barrier=False)
             except Exception:
                 pass
-    for key in [k for k, (g, _) in _topology.items() if group is None or g is group]:
+    for key in [k for k, (g, *_) in _topology.items() if group is None or g is group]:
         del _topology[key]

@@ -92,7 +92,9 @@ class VirtualRanks:
                 self.bases.append(C.workspace_alloc(C.CONTROL_BYTES + sum(grown), dev))
                 C.workspace_init(self.bases[-1], dev)
             self.regions = grown
-            self.contexts = [C.PeerContext(q, self.p, dev, self.bases, grown, self._timeout()) for q in range(self.p)]
+            # (sharing: every rank's kernels run on this one GPU)
+            self.contexts = [C.PeerContext(q, self.p, dev, self.bases, grown, self._timeout(), self.p)
+                             for q in range(self.p)]
         for ctx in self.contexts:
             ctx.timeout_s = self._timeout()
 

@@ -70,11 +70,11 @@ void reduce_partials(const void* const* in, int p, void* out, int64_t count, DTy
 //   share of the peers' slices from their export2 regions into out; the last block clears them and
 //   sets the peers' release(export2) flags.
 // No block waits for another, so no launch needs all its blocks resident; each poll is bounded
-// like wait_flags, into the same error word. The grid is at most max(1, min(32, SMs / p)) blocks,
-// so p ranks' launches on one GPU (virtual ranks) fit on it side by side even at one block a
-// multiprocessor (a thread keeps up to 2p 16-byte loads in flight: about 100 registers). The
-// sums are reduce_partials' bits.
-void peer_all_reduce(const AllReduceParams& params, DType dtype, cudaStream_t stream);
+// like wait_flags, into the same error word. The grid is at most max(1, min(32, SMs / sharing))
+// blocks, `sharing` the ranks whose launches run on this GPU (1..p; p for virtual ranks), so that
+// they fit on it side by side even at one block a multiprocessor (a thread keeps up to 2p 16-byte
+// loads in flight: about 100 registers). The sums are reduce_partials' bits.
+void peer_all_reduce(const AllReduceParams& params, DType dtype, int sharing, cudaStream_t stream);
 
 // True when the driver provides what these need: stream memory operations, module loading and
 // kernel launch (driver.h; CUDA 12+ drivers do).

@@ -93,9 +93,11 @@ class PeerContext {
  public:
   // This rank's view: `bases[q]` is rank q's workspace buffer as mapped in this process (each
   // initialised with initial_control_block()), laid out with `region_bytes` (3 sizes, multiples
-  // of kRegionAlignment). Creates a copy stream, an event pool and a host-mapped error word.
+  // of kRegionAlignment). `sharing`: how many of the group's ranks run on this rank's GPU (this
+  // one included; virtual ranks: all of them), whose kernels must fit on it side by side.
+  // Creates a copy stream, an event pool and a host-mapped error word.
   PeerContext(int rank, int size, int device, const std::vector<uintptr_t>& bases,
-              const std::vector<size_t>& region_bytes, double timeout_s);
+              const std::vector<size_t>& region_bytes, double timeout_s, int sharing);
   ~PeerContext();
   PeerContext(const PeerContext&) = delete;
   PeerContext& operator=(const PeerContext&) = delete;
@@ -103,6 +105,7 @@ class PeerContext {
   int rank() const { return rank_; }
   int size() const { return size_; }
   int device() const { return device_; }
+  int sharing() const { return sharing_; }
   double timeout_s() const { return timeout_s_.load(); }
   void set_timeout_s(double timeout_s);
   size_t region_bytes(Region c) const { return region_bytes_[static_cast<int>(c)]; }
@@ -150,6 +153,7 @@ class PeerContext {
   std::vector<char*> bases_;
   std::vector<size_t> region_bytes_;
   std::atomic<double> timeout_s_;
+  int sharing_;
   cudaStream_t copy_stream_ = nullptr;
   std::vector<cudaEvent_t> events_;
   uint32_t* error_word_ = nullptr;  // mapped pinned host memory
