@@ -90,26 +90,32 @@ def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int]
             check_divisible(f"{x_name}.shape[{d}]", checked[0].shape[d], p)
         return (*checked, d)
 
+    if p == 1:
+        # one rank: nothing to agree on, gather, scatter or overlap. The op is the linear layer
+        # itself, as nn.Linear is, on every backend (differentiable to any order; to torch.compile,
+        # an aten node it may fuse), once the arguments are checked and a named backend that
+        # cannot run the call has said so (auto says why at debug level). Torch's GEMM, not the
+        # native one: on an H200 the pipelined call at m = 16 took 0.159 ms where F.linear took
+        # 0.137, and 18.6 us more host time (docs/benchmarks.md)
+        coll.check_alive(group)
+        x, weight, bias, _ = check()
+        if backend != "reference":
+            resolve(op, backend, x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), p, group, weight, bias,
+                    num_chunks)
+        return F.linear(x, weight, bias)
+
     def fingerprint(checked) -> str:
         x_, w, b, d = checked
         return (f"{x_name} {describe(x_)}, weight {describe(w)}, bias {describe(b)}, backend {backend}, "
                 f"num_chunks {num_chunks}" + (f", {dim_name} {d}" if d else ""))
 
     x, weight, bias, dim = agree(op, group, check, fingerprint, hint=x)
-    if p == 1:  # (nothing gathered or scattered: the dim is the caller's layout alone)
-        dim = 0
     # the op's rows, rank-major along dim 0: a gathered shard is one block as it is; the p blocks
     # of a scattered dim are stacked first
     lead = coll.blocks_first(x, dim, p) if op == "matmul_reduce_scatter" else x
     # 2-D as it is: a reshape costs ~2 µs of host time
     x2d = lead if lead.dim() == 2 else lead.reshape(-1, lead.shape[-1])
     impl = resolve(op, backend, x2d, p, group, weight, bias, num_chunks)  # (raises where the backend cannot run)
-    if p == 1:
-        # one rank and nothing to overlap: the op is the linear layer itself, as nn.Linear is, on
-        # every backend (differentiable to any order; to torch.compile, an aten node it may fuse).
-        # Torch's GEMM, not the native one: on an H200 the pipelined call at m = 16 took 0.159 ms
-        # where F.linear took 0.137, and its host time 18.6 us more (docs/benchmarks.md)
-        return F.linear(x, weight, bias)
     out = _library.op(op)(x2d, weight, bias, coll.group_name(group), impl)
     if x2d is x:
         return out
