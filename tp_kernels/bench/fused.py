@@ -231,10 +231,10 @@ def all_reduce_latency(ps: Sequence[int], iters: int, verbose: bool = True) -> L
     rows = []
     for p in ps:
         harness = _harness_us(p, iters)
-        # the chained calls on ranks of their own: a failure there (a timed-out wait fails its
-        # ranks for good) leaves the other figures standing
-        # (the calls in one launch a rank: ranks of their own for each algorithm, as the copy
-        # engine's scatter-gather may not make progress that way on one GPU)
+        # the chained calls on ranks of their own, and those in one launch a rank on ranks of their
+        # own for each algorithm (the copy engine's scatter-gather may not make progress that way
+        # on one GPU): a failure there (a timed-out wait fails its ranks for good) leaves the other
+        # figures standing
         with VirtualRanks(p) as vr, VirtualRanks(p, timeout_s=CHAINED_TIMEOUT_S) as chained, \
                 contextlib.ExitStack() as stack:
             one_launch = {algo: stack.enter_context(VirtualRanks(p, timeout_s=CHAINED_TIMEOUT_S))
