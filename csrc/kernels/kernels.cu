@@ -28,34 +28,27 @@ __device__ __forceinline__ __half from_float<__half>(float v) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
-// The sums of 16 bytes of T at items i and i + step (16-byte items) of each of the p partials,
-// accumulated in fp32 in rank order and rounded to T (sum_element's bits for each element) into
-// v[0] and v[1]; with two = false item i alone, into v[0]. Every load is issued before the first
-// is used (2p, or p, 16-byte loads in flight a thread): one load at a time, each waited for
-// before the next, would leave the sum bound by the memory's latency. Peers' data is loaded past
-// L1 (ld.global.cg).
+// The sum of 16 bytes of T at item i (16-byte items) of each of the p partials, accumulated in fp32
+// in rank order and rounded to T (sum_element's bits for each element). Every partial's load is
+// issued before the first is used (p 16-byte loads in flight a thread): one load at a time, each
+// waited for before the next, left the sum bound by the memory's latency. Peers' data is loaded
+// past L1 (ld.global.cg).
 template <typename T>
-__device__ __forceinline__ void sum_vectors(const void* const* parts, int p, long long i, long long step, bool two,
-                                            uint4 v[2]) {
+__device__ __forceinline__ uint4 sum_vector(const void* const* parts, int p, long long i) {
   constexpr int kPer = 16 / sizeof(T);
-  uint4 raw[2][tp_kernels::kMaxRanks];
+  uint4 raw[tp_kernels::kMaxRanks];
 #pragma unroll
-  for (int q = 0; q < tp_kernels::kMaxRanks; ++q) {  // unrolled: parts and raw stay in registers
-    if (q < p) {
-      raw[0][q] = __ldcg(static_cast<const uint4*>(parts[q]) + i);
-      if (two) raw[1][q] = __ldcg(static_cast<const uint4*>(parts[q]) + i + step);
-    }
-  }
+  for (int q = 0; q < tp_kernels::kMaxRanks; ++q)  // unrolled: parts and raw stay in registers
+    if (q < p) raw[q] = __ldcg(static_cast<const uint4*>(parts[q]) + i);
+  float acc[kPer];
+  for (int e = 0; e < kPer; ++e) acc[e] = to_float(reinterpret_cast<const T*>(&raw[0])[e]);
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    float acc[kPer];
-    for (int e = 0; e < kPer; ++e) acc[e] = to_float(reinterpret_cast<const T*>(&raw[j][0])[e]);
-#pragma unroll
-    for (int q = 1; q < tp_kernels::kMaxRanks; ++q)
-      if (q < p)
-        for (int e = 0; e < kPer; ++e) acc[e] += to_float(reinterpret_cast<const T*>(&raw[j][q])[e]);
-    for (int e = 0; e < kPer; ++e) reinterpret_cast<T*>(&v[j])[e] = from_float<T>(acc[e]);
-  }
+  for (int q = 1; q < tp_kernels::kMaxRanks; ++q)
+    if (q < p)
+      for (int e = 0; e < kPer; ++e) acc[e] += to_float(reinterpret_cast<const T*>(&raw[q])[e]);
+  uint4 v;
+  for (int e = 0; e < kPer; ++e) reinterpret_cast<T*>(&v)[e] = from_float<T>(acc[e]);
+  return v;
 }
 
 template <typename T>
@@ -230,25 +223,17 @@ __device__ void all_reduce(const tp_kernels::AllReduceParams& a) {
     }
     void* out = const_cast<void*>(offset<T>(a.out, lo));
     const long long items = vec ? len / kPer : len;
-    long long i = first;
-    if (vec)
-      for (; i < items; i += 2 * stride) {  // two items a thread at once: their loads in flight together
-        const bool two = i + stride < items;
-        uint4 v[2];
-        sum_vectors<T>(parts, a.p, i, stride, two, v);
-        static_cast<uint4*>(out)[i] = v[0];
-        if (slice != nullptr) static_cast<uint4*>(slice)[i] = v[0];
-        if (two) {
-          static_cast<uint4*>(out)[i + stride] = v[1];
-          if (slice != nullptr) static_cast<uint4*>(slice)[i + stride] = v[1];
-        }
-      }
-    else
-      for (; i < items; i += stride) {
+    for (long long i = first; i < items; i += stride) {
+      if (vec) {
+        const uint4 v = sum_vector<T>(parts, a.p, i);
+        static_cast<uint4*>(out)[i] = v;
+        if (slice != nullptr) static_cast<uint4*>(slice)[i] = v;
+      } else {
         const T v = sum_element<T>(parts, a.p, i);
         static_cast<T*>(out)[i] = v;
         if (slice != nullptr) static_cast<T*>(slice)[i] = v;
       }
+    }
     if (last_to_arrive(&a.arrivals[1])) {
       clear_then_signal(a.export_flags.ready, a.export_flags.signal_release, peers);  // the peers' partials are read
       if (a.two_shot)  // this rank's slice is there
@@ -306,17 +291,17 @@ extern "C" __global__ void tpk_reduce_partials_bfloat16(tp_kernels::PartialPtrs 
   reduce_partials<__nv_bfloat16>(ptrs, p, out, count);
 }
 
-extern "C" __global__ void __launch_bounds__(tp_kernels::kAllReduceThreads)
+extern "C" __global__ void __launch_bounds__(tp_kernels::kAllReduceThreads, tp_kernels::kAllReduceBlocksPerSM)
     tpk_all_reduce_float32(tp_kernels::AllReduceParams a) {
   all_reduce<float>(a);
 }
 
-extern "C" __global__ void __launch_bounds__(tp_kernels::kAllReduceThreads)
+extern "C" __global__ void __launch_bounds__(tp_kernels::kAllReduceThreads, tp_kernels::kAllReduceBlocksPerSM)
     tpk_all_reduce_float16(tp_kernels::AllReduceParams a) {
   all_reduce<__half>(a);
 }
 
-extern "C" __global__ void __launch_bounds__(tp_kernels::kAllReduceThreads)
+extern "C" __global__ void __launch_bounds__(tp_kernels::kAllReduceThreads, tp_kernels::kAllReduceBlocksPerSM)
     tpk_all_reduce_bfloat16(tp_kernels::AllReduceParams a) {
   all_reduce<__nv_bfloat16>(a);
 }

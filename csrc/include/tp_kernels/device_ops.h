@@ -72,8 +72,8 @@ void reduce_partials(const void* const* in, int p, void* out, int64_t count, DTy
 // No block waits for another, so no launch needs all its blocks resident; each poll is bounded
 // like wait_flags, into the same error word. The grid is at most max(1, min(32, SMs / sharing))
 // blocks, `sharing` the ranks whose launches run on this GPU (1..p; p for virtual ranks), so that
-// they fit on it side by side even at one block a multiprocessor (a thread keeps up to 2p 16-byte
-// loads in flight: about 100 registers). The sums are reduce_partials' bits.
+// they fit on it side by side (kAllReduceBlocksPerSM blocks a multiprocessor at the least; a thread
+// keeps p 16-byte loads in flight in a sum, 4 in a copy). The sums are reduce_partials' bits.
 void peer_all_reduce(const AllReduceParams& params, DType dtype, int sharing, cudaStream_t stream);
 
 // True when the driver provides what these need: stream memory operations, module loading and

@@ -37,8 +37,11 @@ constexpr int kStageReduce = 2;   // the p partials summed (one-shot: all of the
                                   // told their partials are read (two-shot: and the slice is there)
 constexpr int kStageGather = 4;   // two-shot: the peers' slices into out, the peers told they are read
 
-// The threads of a tpk_all_reduce_* block (its launch bound).
+// The threads of a tpk_all_reduce_* block (its launch bound), and the blocks a multiprocessor holds
+// at once at least (its register budget: 64 a thread, p loads in flight and 4 in a copy fit): the
+// kernels of ranks that share a GPU, and of other groups' calls beside them, must fit side by side.
 constexpr int kAllReduceThreads = 512;
+constexpr int kAllReduceBlocksPerSM = 2;
 
 // A data region's flags as a rank's all-reduce kernel uses them (peer.h). Entry i of each list is
 // peer i of the rank's other ranks (the same peer in all four).
