@@ -470,6 +470,31 @@ def test_timeline_all_reduce_launches_by_stage():
     assert timeline.launches_by_stage([]) == []
 
 
+def test_fused_bench_chains_calls_by_phases_or_in_one_launch_a_rank(monkeypatch):
+    """The decode figures' chained calls: each call's phases in rounds over the ranks (phase k of
+    every rank before phase k + 1 of any), or each rank's call as one launch of all its phases
+    (``enqueue(None)``), as a rank that is a process of its own runs it; calls one after another."""
+    import contextlib
+    import types
+
+    from tp_kernels.backends import fused
+    from tp_kernels.bench import fused as bench_fused
+
+    log = []
+
+    def rank_all_reduce(ctx, x, out, algorithm, stream):
+        return fused.RankCall(out, 3, lambda phase=None: log.append((ctx, phase)))
+
+    monkeypatch.setattr(bench_fused.fused, "rank_all_reduce", rank_all_reduce)
+    monkeypatch.setattr(bench_fused, "forked", lambda streams: contextlib.nullcontext())
+    vr = types.SimpleNamespace(p=2, contexts=["r0", "r1"], streams=[None, None])
+    bench_fused._chained(vr, [None, None], [None, None], "two_shot", calls=2)
+    assert log == [("r0", 0), ("r1", 0), ("r0", 1), ("r1", 1), ("r0", 2), ("r1", 2)] * 2
+    log.clear()
+    bench_fused._chained(vr, [None, None], [None, None], "two_shot", calls=2, one_launch=True)
+    assert log == [("r0", None), ("r1", None)] * 2
+
+
 def test_fused_bench_overlap_efficiency():
     from tp_kernels.bench.fused import overlap_efficiency
 
