@@ -22,7 +22,7 @@ import torch
 
 from tp_kernels import _extension
 from tp_kernels.backends import fused
-from tp_kernels.testing import VirtualRanks
+from tp_kernels.testing import VirtualRanks, rank_order_sum
 
 
 def main(argv=None) -> int:
@@ -51,10 +51,7 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     numel = args.bytes // 2
     xs = [torch.randn(numel, generator=g).to("cuda", torch.bfloat16) for _ in range(args.p)]
-    want = xs[0].float()
-    for x in xs[1:]:
-        want = want + x.float()
-    want = want.to(torch.bfloat16)
+    want = rank_order_sum(xs, torch.bfloat16)
     try:
         with VirtualRanks(args.p, timeout_s=60.0) as vr:
             for _ in range(args.calls):

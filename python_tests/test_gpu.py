@@ -27,7 +27,7 @@ from helpers import assert_close, rank_world
 from tp_kernels import _collectives, _extension, dispatch, ops, settings
 from tp_kernels.backends import fused, parse, peer_memory, pipelined_native
 from tp_kernels.schedule import DEFAULT_NUM_CHUNKS
-from tp_kernels.testing import ONE_GPU_RANKS_ENV, VirtualRanks, World, forked
+from tp_kernels.testing import ONE_GPU_RANKS_ENV, VirtualRanks, World, forked, rank_order_sum
 
 pytestmark = [
     pytest.mark.gpu,
@@ -675,14 +675,6 @@ def test_broadcast_tensor_dict_with_several_nccl_ranks(shared_gpu_world):
     shared_gpu_world.run(test_communicator.check_broadcast_tensor_dict, "cuda")
 
 
-def _rank_order_sum(parts, dtype):
-    """The fused all-reduce's result: the parts summed in rank order in float32, then rounded."""
-    acc = parts[0].float()
-    for t in parts[1:]:
-        acc = acc + t.float()
-    return acc.to(dtype)
-
-
 #: element counts: one, odd, 16-byte rows, rows not divisible by the ranks, large
 ALL_REDUCE_COUNTS = (1, 7, 4096, 65537, 2**20 + 8)
 
@@ -697,7 +689,7 @@ def test_fused_all_reduce_alone_is_the_rank_order_sum_for_every_algorithm(p, dty
         for count in ALL_REDUCE_COUNTS:
             g = torch.Generator().manual_seed(count + p)
             xs = [torch.randn(count, generator=g).to("cuda", dtype) for _ in range(p)]
-            want = _rank_order_sum(xs, dtype)
+            want = rank_order_sum(xs, dtype)
             for algorithm in fused.algorithms():
                 for q, out in enumerate(vr.all_reduce(xs, algorithm)):
                     assert torch.equal(out, want), f"{algorithm} count {count} rank {q}"
@@ -719,7 +711,7 @@ def test_fused_all_reduce_in_one_launch_a_rank(p, algorithm, other):
         for count in (7, 4096, 65537, 2**20 + 8):
             g = torch.Generator().manual_seed(count)
             xs = [torch.randn(count, generator=g).to("cuda", dtype) for _ in range(p)]
-            want = _rank_order_sum(xs, dtype)
+            want = rank_order_sum(xs, dtype)
             vr.all_reduce(xs, algorithm)  # the workspace for this count and algorithm
             vr.all_reduce(xs, other)  # the flags' other user
             for in_place in (False, True):
@@ -772,7 +764,7 @@ def check_communicator_paths(dtype):
         parts = [torch.randn(count, generator=gen.manual_seed(1000 * q + count), device="cuda").to(dtype)
                  for q in range(p)]
         x = parts[r]
-        want = _rank_order_sum(parts, dtype)
+        want = rank_order_sum(parts, dtype)
         for a in fused.algorithms():
             out = backends.run_collective("all_reduce", f"fused:{a}", x, torch.empty_like(x), -1, group)
             assert torch.equal(out, want), f"fused:{a} count {count}"

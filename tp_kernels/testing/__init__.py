@@ -8,8 +8,8 @@
   on one GPU.
 """
 
-from .virtual_ranks import VirtualRanks, forked, phase_order
+from .virtual_ranks import VirtualRanks, forked, phase_order, rank_order_sum
 from .world import ONE_GPU_RANKS_ENV, World, WorkerError, default_backend, join_torchrun, launched_by_torchrun
 
 __all__ = ["ONE_GPU_RANKS_ENV", "VirtualRanks", "World", "WorkerError", "default_backend", "forked",
-           "join_torchrun", "launched_by_torchrun", "phase_order"]
+           "join_torchrun", "launched_by_torchrun", "phase_order", "rank_order_sum"]

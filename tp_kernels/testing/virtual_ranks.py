@@ -11,7 +11,7 @@ import torch
 from .. import _extension, settings
 from ..backends import fused, peer_memory
 
-__all__ = ["VirtualRanks", "forked", "phase_order"]
+__all__ = ["VirtualRanks", "forked", "phase_order", "rank_order_sum"]
 
 
 @contextlib.contextmanager
@@ -25,6 +25,15 @@ def forked(streams: Sequence[torch.cuda.Stream], device=None):
     yield
     for s in streams:
         current.wait_stream(s)
+
+
+def rank_order_sum(parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """What the fused all-reduce gives for ``parts`` (one per rank): their sum in rank order in
+    float32, then rounded to ``dtype`` (the same bits)."""
+    acc = parts[0].float()
+    for t in parts[1:]:
+        acc = acc + t.float()
+    return acc.to(dtype)
 
 
 def phase_order(phases: Sequence[int]) -> List[tuple]:
