@@ -35,6 +35,35 @@ def test_simulate_two_stage_pipeline_by_hand():
         pm.simulate([pm.Task("a", "compute", 1.0, (1,)), pm.Task("b", "link", 1.0)])
 
 
+def test_virtual_overlap_model_by_hand():
+    """The fused ops of virtual ranks on one GPU as task graphs (perf_model.virtual_overlap_tasks),
+    worked by hand at p = 2."""
+    # all-gather, t_gemm 4 (1 a GEMM), t_comm 1 (a shard copy 0.5; publishing is two): the link runs
+    # publish 0 [0,1], publish 1 [1,2], the pulls [2,2.5] and [2.5,3]; the GEMMs of the own shards
+    # [1,2] and [2,3], of the pulled ones [3,4] and [4,5]
+    tasks = pm.virtual_overlap_tasks("all_gather_matmul", 2, 4.0, 1.0)
+    assert [t.resource for t in tasks] == ["link"] * 4 + ["compute"] * 4
+    assert pm.simulate(tasks) == pytest.approx(5.0)
+    # two GEMMs run beside a copy ([1,2] beside publish 1, [2,3] beside the pulls): a 25 % loss of the
+    # GEMMs' 4 is 1 on those 2, each 1.5 times as long: [1,2.5], [2.5,4], then [4,5], [5,6]
+    assert pm.slowdown_factor(tasks, 0.25, 4.0) == pytest.approx(1.5)
+    assert pm.predict_virtual_overlap("all_gather_matmul", 2, 4.0, 1.0, 0.25) == pytest.approx(6.0)
+    # reduce-scatter, t_comm 10 over 2 pushes of 2 blocks' bytes and 2 sums of 3: a push 2, a sum 3;
+    # rank 0's GEMM of block 1 [0,1] pushed [1,3]; rank 1's of block 0 [1,2] pushed [3,5]; the own
+    # blocks [2,3] and [3,4]; rank 0's sum waits for its push [5,8], rank 1's [8,11]
+    tasks = pm.virtual_overlap_tasks("matmul_reduce_scatter", 2, 4.0, 10.0)
+    assert sorted(t.duration for t in tasks if t.resource == "link") == [2.0, 2.0]
+    assert pm.simulate(tasks) == pytest.approx(11.0)
+    # the three GEMMs beside the pushes lose 75 % of 4: each twice as long, the sums from 7: 13
+    assert pm.slowdown_factor(tasks, 0.75, 4.0) == pytest.approx(2.0)
+    assert pm.predict_virtual_overlap("matmul_reduce_scatter", 2, 4.0, 10.0, 0.75) == pytest.approx(13.0)
+    # nothing to copy: the GEMMs alone, whatever the slowdown
+    for op in ("all_gather_matmul", "matmul_reduce_scatter"):
+        assert pm.predict_virtual_overlap(op, 8, 5.0, 0.0, 0.5) == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="op: 'matmul_all_reduce'"):
+        pm.virtual_overlap_tasks("matmul_all_reduce", 2, 1.0, 1.0)
+
+
 def test_link_ring_formulas():
     link = pm.Link("l", bandwidth_gbps=100.0, efficiency=0.5, step_us=2.0, launch_us=10.0)
     bw = 50e9
@@ -934,8 +963,11 @@ def _fake_one_gpu_measurements(scale=1.0):
             "decode_gemms": {"column": {"m": 16, "forward": {"ratio": 1.01}, "dgrad": {"ratio": 0.8}},
                              "row": {"m": 16, "forward": {"ratio": 0.995}, "dgrad": {"ratio": 1.2}}, "target": 0.99},
         },
-        "fused": {"overlap": {"all_gather_matmul": {"p": 8, "overlap_efficiency": 0.97, "gemm_slowdown": 0.02},
-                              "matmul_reduce_scatter": {"p": 8, "overlap_efficiency": 0.90, "gemm_slowdown": 0.04}},
+        # the model's times for these: 5.129 and 5.787 ms (perf_model.predict_virtual_overlap)
+        "fused": {"overlap": {"all_gather_matmul": {"p": 8, "overlap_efficiency": 0.97, "gemm_slowdown": 0.02,
+                                                    "t_gemm_ms": 5.0, "t_comm_ms": 0.8, "t_overlap_ms": 5.4},
+                              "matmul_reduce_scatter": {"p": 8, "overlap_efficiency": 0.90, "gemm_slowdown": 0.04,
+                                                        "t_gemm_ms": 5.0, "t_comm_ms": 1.5, "t_overlap_ms": 5.1}},
                   "all_reduce_latency": latency},
     }
 
@@ -963,6 +995,12 @@ def test_one_gpu_report_reads_every_figure_against_its_target():
     assert verdicts["fused all_gather_matmul, 8 virtual ranks"]
     assert not verdicts["fused matmul_reduce_scatter, 8 virtual ranks"]  # E 0.90 < 0.95
     assert not verdicts["fused matmul_reduce_scatter, GEMMs beside the copies"]  # 4 % > 3 %
+    model = {c["what"]: c["value"] for c in rep["checks"] if c["target"] == "model_error"}
+    assert model == pytest.approx({  # 5.129 / 5.4 and 5.787 / 5.1: within 10 %, not
+        "|performance model / measured - 1|, fused all_gather_matmul, 8 virtual ranks": 1 - 5.1286 / 5.4,
+        "|performance model / measured - 1|, fused matmul_reduce_scatter, 8 virtual ranks": 5.7870 / 5.1 - 1}, abs=1e-4)
+    assert verdicts["|performance model / measured - 1|, fused all_gather_matmul, 8 virtual ranks"]
+    assert not verdicts["|performance model / measured - 1|, fused matmul_reduce_scatter, 8 virtual ranks"]
     (decode,) = [c for c in rep["checks"] if c["target"] == "decode_all_reduce_us"]
     # the worst row of at most 64 KiB (m = 4), its best algorithm (one_shot 0.0164 ms, two_shot 0.018): 6.4 us
     assert decode["value"] == pytest.approx(6.4) and decode["meets"]

@@ -18,6 +18,10 @@ What it predicts is always a projection, computed from stated inputs, never a me
   (``naive``: every task one after the other; ``pipelined``: the chunked overlap).
   :func:`simulate` runs it; a GEMM that runs while communication is in flight is slowed by
   ``gemm_slowdown`` (NCCL's kernels and the copies take SMs and memory bandwidth).
+* **The fused path on virtual ranks** (:func:`virtual_overlap_tasks`, :func:`predict_virtual_overlap`):
+  the fused benchmark's case, p ranks on one GPU, as one such graph of its measured totals (every
+  rank's GEMMs on the GPU's SMs, every copy on its memory), checked against that benchmark's
+  measured time.
 
 ``python -m tp_kernels.perf_model`` prints the projection for a transformer layer (Llama-3 70B,
 TP 8, 8xH100 NVLink by default) with every input listed.
@@ -47,8 +51,11 @@ __all__ = [
     "layer_tasks",
     "op_tasks",
     "predict",
+    "predict_virtual_overlap",
     "project_transformer_layer",
     "simulate",
+    "slowdown_factor",
+    "virtual_overlap_tasks",
 ]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -253,28 +260,33 @@ def simulate(tasks: Sequence[Task], gemm_slowdown: float = 1.0) -> float:
     overlap any communication run ``gemm_slowdown`` times longer (found by simulating once at
     full speed, then again with those tasks slowed).
     """
-    def run(durations):
-        free = {"compute": 0.0, "link": 0.0}
-        start, end = [], []
-        for i, task in enumerate(tasks):
-            if any(d >= i for d in task.deps):
-                raise ValueError(f"task {i} ({task.name}) depends on a later task")
-            s = max([free[task.resource]] + [end[d] for d in task.deps])
-            start.append(s)
-            end.append(s + durations[i])
-            free[task.resource] = end[-1]
-        return start, end
-
     base = [t.duration for t in tasks]
-    start, end = run(base)
     if gemm_slowdown == 1.0:
-        return max(end, default=0.0)
+        return max(_schedule(tasks, base)[1], default=0.0)
+    slowed = [d * gemm_slowdown if beside else d for d, beside in zip(base, _beside_comm(tasks))]
+    return max(_schedule(tasks, slowed)[1], default=0.0)
+
+
+def _schedule(tasks: Sequence[Task], durations: Sequence[float]) -> Tuple[List[float], List[float]]:
+    """Each task's start and end (:func:`simulate`) with these durations."""
+    free = {"compute": 0.0, "link": 0.0}
+    start: List[float] = []
+    end: List[float] = []
+    for i, task in enumerate(tasks):
+        if any(d >= i for d in task.deps):
+            raise ValueError(f"task {i} ({task.name}) depends on a later task")
+        s = max([free[task.resource]] + [end[d] for d in task.deps])
+        start.append(s)
+        end.append(s + durations[i])
+        free[task.resource] = end[-1]
+    return start, end
+
+
+def _beside_comm(tasks: Sequence[Task]) -> List[bool]:
+    """Whether each task is a GEMM that overlaps communication, nothing slowed."""
+    start, end = _schedule(tasks, [t.duration for t in tasks])
     comm = [(start[i], end[i]) for i, t in enumerate(tasks) if t.resource == "link" and end[i] > start[i]]
-    slowed = [
-        d * gemm_slowdown if t.resource == "compute" and any(a < end[i] and start[i] < b for a, b in comm) else d
-        for i, (t, d) in enumerate(zip(tasks, base))
-    ]
-    return max(run(slowed)[1], default=0.0)
+    return [t.resource == "compute" and any(a < end[i] and start[i] < b for a, b in comm) for i, t in enumerate(tasks)]
 
 
 def _serial(tasks: List[Task]) -> List[Task]:
@@ -419,6 +431,65 @@ def layer_tasks(kind: str, sp: bool, m: int, k: int, n: int, p: int, dtype: str,
         g.add("dgrad", "compute", gemm(m, kl, n, dtype), deps=(colls[-1],))
         g.add("wgrad", "compute", gemm(n, kl, m, dtype), deps=(colls[-1],))
     return g.tasks
+
+
+def virtual_overlap_tasks(op: str, p: int, t_gemm: float, t_comm: float) -> List[Task]:
+    """The fused ``all_gather_matmul`` or ``matmul_reduce_scatter`` of ``p`` virtual ranks on one
+    GPU (:mod:`tp_kernels.bench.fused`'s overlap case: whole shards, phases in rounds) as one task
+    graph of the case's measured totals: every rank's GEMMs on the GPU's one ``"compute"`` resource
+    (``t_gemm`` in all, p per rank), every copy between the ranks' buffers on one ``"link"``, its
+    memory (``t_comm`` in all, shared by the bytes each moves), in the order the ranks issue them.
+
+    * ``all_gather_matmul``: each rank publishes its shard and copies it to its own rows (two shard
+      copies, on its stream, before its first GEMM); once every rank has published, each pulls the
+      p - 1 peers' shards; its GEMM of a shard waits for that shard. ``t_comm`` is the p (p - 1)
+      pulls, so a shard copy takes ``t_comm / (p (p - 1))``.
+    * ``matmul_reduce_scatter``: each rank multiplies the destinations' blocks in the order
+      r + 1, ..., r and pushes each remote product into its destination's inbox; each destination
+      then sums its p slots, a kernel on its stream (on ``"compute"``) once every push to it has
+      landed. ``t_comm`` is the p (p - 1) pushes and the p sums, shared by the bytes each reads and
+      writes (a push 2 blocks, a sum p + 1).
+    """
+    g = _Graph()
+    gemm = t_gemm / (p * p)
+    if op == "all_gather_matmul":
+        shard = t_comm / (p * (p - 1)) if p > 1 else 0.0
+        published = [g.add(f"rank {q}: publish its shard, copy it to its rows", "link", 2 * shard) for q in range(p)]
+        pulled = {(q, s): g.add(f"rank {q}: pull shard {s}", "link", shard, deps=published)
+                  for s in range(1, p) for q in range(p)}
+        for s in range(p):
+            for q in range(p):
+                g.add(f"rank {q}: GEMM of shard {s}", "compute", gemm, deps=(published[q] if s == 0 else pulled[q, s],))
+    elif op == "matmul_reduce_scatter":
+        units = 2 * p * (p - 1) + p * (p + 1)
+        pushes: Dict[int, List[int]] = {d: [] for d in range(p)}
+        for s in range(1, p + 1):
+            for r in range(p):
+                d = (r + s) % p
+                mm = g.add(f"rank {r}: GEMM of block {d}", "compute", gemm)
+                if d != r:
+                    pushes[d].append(g.add(f"rank {r}: push block {d}", "link", 2 * t_comm / units, deps=(mm,)))
+        for d in range(p):
+            g.add(f"rank {d}: sum its {p} slots", "compute", (p + 1) * t_comm / units, deps=pushes[d])
+    else:
+        raise ValueError(f"op: {op!r} is not all_gather_matmul or matmul_reduce_scatter")
+    return g.tasks
+
+
+def slowdown_factor(tasks: Sequence[Task], slowdown: float, t_gemm: float) -> float:
+    """:func:`simulate`'s ``gemm_slowdown`` for GEMMs of ``t_gemm`` in all that lose ``slowdown``
+    of it to the copies beside them (as :mod:`tp_kernels.bench.fused` measures it: the GEMMs with
+    every copy issued beside them, over the GEMMs alone, minus 1), that loss spread over the
+    compute tasks that overlap a copy when nothing is slowed."""
+    beside = sum(t.duration for t, b in zip(tasks, _beside_comm(tasks)) if b)
+    return 1.0 + slowdown * t_gemm / beside if beside > 0 else 1.0
+
+
+def predict_virtual_overlap(op: str, p: int, t_gemm: float, t_comm: float, gemm_slowdown: float) -> float:
+    """The fused ``op``'s time on ``p`` virtual ranks (:func:`virtual_overlap_tasks`) from its case's
+    GEMMs alone, copies alone and the GEMMs' slowdown beside the copies (any one unit of time)."""
+    tasks = virtual_overlap_tasks(op, p, t_gemm, t_comm)
+    return simulate(tasks, slowdown_factor(tasks, gemm_slowdown, t_gemm))
 
 
 def predict(tasks: Sequence[Task], gemm_slowdown: float = 1.0) -> Dict[str, float]:

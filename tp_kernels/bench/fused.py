@@ -14,7 +14,11 @@ against):
    * ``t_overlap``: the fused op;
    * ``E = (t_gemm + t_comm - t_overlap) / t_comm`` (target >= 0.95), and the GEMM slowdown: the
      GEMMs' time while the copies run beside them over ``t_gemm`` (target <= 3 %;
-     :data:`tp_kernels.bench.targets.TARGETS`).
+     :data:`tp_kernels.bench.targets.TARGETS`);
+   * ``model_ms``: the performance model's time for the fused op from ``t_gemm``, ``t_comm`` and
+     the slowdown, its schedule on the one GPU as the ranks issue it
+     (:func:`tp_kernels.perf_model.virtual_overlap_tasks`), and ``model_err``: it over
+     ``t_overlap``, minus 1 (target within ±10 %).
 
 2. **Small all-reduce latency** (decode: m in 1, 4, 16, 64, 256; k = 28672/8, n = 8192):
    ``matmul_all_reduce`` with each algorithm at p = 2 and --p, against the GEMMs alone, the
@@ -54,7 +58,7 @@ from typing import Callable, Dict, List, Sequence
 
 import torch
 
-from .. import _extension
+from .. import _extension, perf_model
 from ..backends import fused
 from ..testing import VirtualRanks, forked, phase_order
 from .extension import gpu_time_ms, graph_time_us
@@ -73,6 +77,15 @@ CHAINED_TIMEOUT_S = 5.0
 def overlap_efficiency(t_gemm: float, t_comm: float, t_overlap: float) -> float:
     """E = (t_gemm + t_comm - t_overlap) / t_comm: the share of the communication hidden."""
     return (t_gemm + t_comm - t_overlap) / t_comm
+
+
+def overlap_model(op: str, record: Dict) -> Dict[str, float]:
+    """What :func:`tp_kernels.perf_model.predict_virtual_overlap` predicts for the fused ``op`` of
+    its :func:`overlap` record from the GEMMs alone, the copies alone and the GEMM slowdown
+    (``"model_ms"``), and ``"model_err"``: that over the op's measured time, minus 1."""
+    model = perf_model.predict_virtual_overlap(op, record["p"], record["t_gemm_ms"], record["t_comm_ms"],
+                                               record["gemm_slowdown"])
+    return {"model_ms": model, "model_err": model / record["t_overlap_ms"] - 1.0}
 
 
 def thresholds(sweep: Dict[str, Dict[int, float]]) -> Dict:
@@ -162,11 +175,12 @@ def overlap(op: str, p: int, iters: int) -> Dict:
         gemm_under_copies()  # warm-up
         samples = sorted(gemm_under_copies() for _ in range(iters))
         t_gemm_loaded = samples[len(samples) // 2]
-    return {"shape": {"m": m, "k": k, "n": n}, "p": p, "dtype": "bfloat16", "t_gemm_ms": t_gemm,
-            "t_comm_ms": t_comm, "t_overlap_ms": t_overlap,
-            "overlap_efficiency": overlap_efficiency(t_gemm, t_comm, t_overlap),
-            "gemm_slowdown": t_gemm_loaded / t_gemm - 1.0,
-            "targets": {name: TARGETS[name][0] for name in ("overlap_efficiency", "gemm_slowdown")}}
+    record = {"shape": {"m": m, "k": k, "n": n}, "p": p, "dtype": "bfloat16", "t_gemm_ms": t_gemm,
+              "t_comm_ms": t_comm, "t_overlap_ms": t_overlap,
+              "overlap_efficiency": overlap_efficiency(t_gemm, t_comm, t_overlap),
+              "gemm_slowdown": t_gemm_loaded / t_gemm - 1.0,
+              "targets": {name: TARGETS[name][0] for name in ("overlap_efficiency", "gemm_slowdown", "model_error")}}
+    return {**record, **overlap_model(op, record)}
 
 
 def _nccl_one_rank():

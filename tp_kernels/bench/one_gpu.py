@@ -10,8 +10,9 @@ main job therefore adds three sections, each labelled with what it is:
    backend's time against its GEMMs alone (:func:`per_rank_costs`).
 2. **The fused path on virtual ranks, measured on this GPU**: overlap efficiency E and GEMM
    slowdown of the fused ``all_gather_matmul`` and ``matmul_reduce_scatter`` at the 70B TP8
-   shapes, and the decode all-reduce latency of each algorithm, with 8 virtual ranks on the one
-   GPU (their copies go through its memory, not NVLink: the schedule and the kernels, not a node).
+   shapes, the performance model's error on them (:func:`tp_kernels.bench.fused.overlap_model`),
+   and the decode all-reduce latency of each algorithm, with 8 virtual ranks on the one GPU (their
+   copies go through its memory, not NVLink: the schedule and the kernels, not a node).
 3. **Projection for 8 GPUs**: :func:`tp_kernels.perf_model.project_transformer_layer` for one
    Llama-3-70B layer at TP 8 over NVLink 4, with the GEMM times of its every shape measured on this
    GPU in place of the roofline guess (:func:`project`). A model's output, labelled so.
@@ -26,6 +27,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 from .. import perf_model
+from . import fused
 from .host import profile_text
 from .targets import TARGETS, meets
 
@@ -109,7 +111,7 @@ def measure(iters: int) -> dict:
     import torch.nn.functional as F
 
     from .. import _extension
-    from . import extension, fused
+    from . import extension
     from .extension import gpu_time_ms
 
     out: Dict[str, object] = {}
@@ -203,6 +205,8 @@ def report(measured: dict, rows: List[dict], device: str) -> dict:
         for op, o in fused_fig["overlap"].items():
             check("overlap_efficiency", f"fused {op}, {o['p']} virtual ranks", o["overlap_efficiency"])
             check("gemm_slowdown", f"fused {op}, GEMMs beside the copies", o["gemm_slowdown"])
+            check("model_error", f"|performance model / measured - 1|, fused {op}, {o['p']} virtual ranks",
+                  abs(fused.overlap_model(op, o)["model_err"]))
         decode = _decode_all_reduce_us(fused_fig["all_reduce_latency"])
         check("decode_all_reduce_us", "decode all-reduce part, <= 64 KiB, best algorithm"
               + (f" ({decode['algorithm']}, m = {decode['m']}, {decode['how']})" if decode else ""),
