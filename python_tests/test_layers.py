@@ -566,43 +566,101 @@ def test_own_pieces_of_rows_are_the_rows_of_the_own_pieces(shards):
 
 
 def check_torch_func():
-    """torch.func with the group's ranks (docs/api.md, Layers): vmap runs the layers (without
-    sequence parallelism) and the collectives, each entry alike on every rank; gradients by
-    torch.func raise on every rank at the call, before anything is communicated, and the group
-    still works; with one rank a layer is F.linear, and torch.func.grad takes its gradient."""
-    from torch.func import grad, vmap
+    """torch.func with the group's ranks (docs/api.md, Layers): vmap runs the layers and the
+    collectives, each entry alike on every rank; torch.func.grad, vjp and jacrev through the layers
+    (of their inputs and, by functional_call, of their parameters), a mapping and the
+    cross-entropy give autograd's gradients, and vmap of grad the per-sample ones; a second
+    derivative, and forward mode (jvp), raise on every rank, and the group still works."""
+    from torch.func import functional_call, grad, jacrev, jvp, vjp, vmap
 
     r, p = rank_world()
     torch.manual_seed(0)
-    row = tp_kernels.RowParallelLinear(8, 6)
-    col = tp_kernels.ColumnParallelLinear(8, 6)
+    row = tp_kernels.RowParallelLinear(8, 6, dtype=torch.float64)
+    col = tp_kernels.ColumnParallelLinear(8, 6, dtype=torch.float64)
     g = torch.Generator().manual_seed(1)
-    xs = torch.randn(3, 4, 8, generator=g)
-    with torch.no_grad():
-        for layer, x in ((col, xs), (row, block(xs, -1, r, p))):
-            batched = vmap(layer)(x)
-            assert torch.equal(batched, torch.stack([layer(xi) for xi in x])), type(layer).__name__
+    xs = torch.randn(3, 4, 8, generator=g, dtype=torch.float64)
+    for layer, x in ((col, xs), (row, block(xs, -1, r, p))):
+        name = type(layer).__name__
+        with torch.no_grad():
+            batched = torch.stack([layer(xi) for xi in x])
+            assert torch.equal(vmap(layer)(x), batched), name
+        assert torch.equal(vmap(layer)(x), batched), f"{name}, its parameters wanting gradients"
+        inp = x[0]
+
+        def loss(v, layer=layer):
+            return layer(v).square().sum()
+
+        v = inp.clone().requires_grad_()
+        layer.zero_grad()
+        loss(v).backward()
+        assert_close(f"torch.func.grad, {name}", grad(loss)(inp), v.grad)
+        out, pull = vjp(layer, inp)
+        assert_close(f"torch.func.vjp, {name}", pull(2 * out)[0], v.grad)
+        # the output's Jacobian of the input, by the layers' formulas: the row layer's block of the
+        # weight; the column layer's input gradient all-reduced, the sum of every rank's block
+        weight = layer.weight.detach()
+        if layer is col:
+            weight = tp_kernels.Communicator(device="cpu").all_reduce(weight)
+        eye = torch.eye(inp.shape[0], dtype=torch.float64)
+        assert_close(f"torch.func.jacrev, {name}", jacrev(layer)(inp), torch.einsum("ij,ok->iojk", eye, weight))
+        # per-sample gradients: each row's share of the summed loss
+        per_row = vmap(grad(loss))(inp.unsqueeze(1))
+        assert_close(f"vmap(grad), {name}", per_row.squeeze(1), v.grad)
+        # of the parameters, as functional training takes them
+        params = {k: t.detach() for k, t in layer.named_parameters()}
+        grads = grad(lambda ps, layer=layer: functional_call(layer, ps, (inp,)).square().sum())(params)
+        for k, t in layer.named_parameters():
+            assert_close(f"torch.func.grad of {k}, {name}", grads[k], t.grad)
+        if p > 1:  # (with one rank a layer is F.linear: any order)
+            with pytest.raises(RuntimeError, match="cannot be differentiated again"):
+                grad(lambda u, loss=loss: grad(loss)(u).square().sum())(inp)
+            with pytest.raises(RuntimeError, match="jvp"):
+                jvp(layer, (inp,), (torch.ones_like(inp),))
+    # a mapping, and the cross-entropy of logits split along the vocabulary
+    x = xs[0]
+
+    def reduced(v):
+        return tp_kernels.mappings.reduce_from_tensor_model_parallel_region(v * (r + 1)).square().sum()
+
+    v = x.clone().requires_grad_()
+    reduced(v).backward()
+    assert_close("torch.func.grad, reduce_from_tensor_model_parallel_region", grad(reduced)(x), v.grad)
+    logits = torch.randn(5, 4 * p, generator=g, dtype=torch.float64)
+    target = torch.randint(0, 4 * p, (5,), generator=g)
+
+    def ce(z):
+        return tp_kernels.vocab_parallel_cross_entropy(block(z, -1, r, p), target, 0.1).sum()
+
+    z = logits.clone().requires_grad_()
+    torch.nn.functional.cross_entropy(z, target, reduction="sum", label_smoothing=0.1).backward()
+    assert_close("torch.func.grad, vocab_parallel_cross_entropy", block(grad(ce)(logits), -1, r, p),
+                 block(z.grad, -1, r, p))  # (this rank's block: the others' columns are not its input)
+
+    def entropy(z):
+        return (tp_kernels.vocab_parallel_entropy(block(z, -1, r, p)) * torch.arange(1.0, 6.0)).sum()
+
+    z = logits.clone().requires_grad_()
+    (torch.distributions.Categorical(logits=z).entropy() * torch.arange(1.0, 6.0)).sum().backward()
+    assert_close("torch.func.grad, vocab_parallel_entropy", block(grad(entropy)(logits), -1, r, p),
+                 block(z.grad, -1, r, p))
+    # the embedding's weight, by functional_call: every rank's rows of the dense gradient
+    emb = tp_kernels.VocabParallelEmbedding(4 * p, 3, dtype=torch.float64)
+    ids = torch.randint(0, 4 * p, (2, 5), generator=g)
+    emb(ids).square().sum().backward()
+    got = grad(lambda ps: functional_call(emb, ps, (ids,)).square().sum())({"weight": emb.weight.detach()})
+    assert_close("torch.func.grad of the embedding's weight", got["weight"], emb.weight.grad)
+    # collectives: of tensors that need no gradient inside a function torch.func differentiates,
+    # and batched
     comm = tp_kernels.Communicator(device="cpu")
     summed = vmap(comm.all_reduce)(torch.full((2, 3), float(r + 1)))
     assert torch.equal(summed, torch.full((2, 3), float(p * (p + 1) // 2)))
-    # a collective of tensors that need no gradient, inside a function torch.func differentiates
     w = torch.randn(3, generator=g)
     assert torch.equal(grad(lambda v: (v * comm.all_reduce(torch.ones(3))).sum())(w), torch.full((3,), float(p)))
-    x = block(xs[0], -1, r, p)
-    for layer, inp in ((row, x), (col, xs[0])):
-        def loss(v):
-            return layer(v).square().sum()
-
-        if p > 1:
-            with pytest.raises(RuntimeError, match="setup_context"):
-                grad(loss)(inp)
-        else:  # F.linear: torch.func's gradient is autograd's
-            v = inp.clone().requires_grad_()
-            loss(v).backward()
-            assert_close(f"torch.func.grad, one rank, {type(layer).__name__}", grad(loss)(inp), v.grad.double())
-    # nothing was communicated: the group still works
-    y = row(x)
-    return y.sum().item()
+    if p > 1:  # a Communicator collective has no gradient: its backward raises
+        with pytest.raises(RuntimeError, match="Communicator.all_reduce has no gradient"):
+            grad(lambda v: comm.all_reduce(v).sum())(w)
+    # the group still works, alike on every rank
+    return row(block(x, -1, r, p)).sum().item()
 
 
 @pytest.mark.parametrize("world", [1, 2], indirect=True)

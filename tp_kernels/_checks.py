@@ -142,6 +142,9 @@ def check_linear_args(
     return x, weight, bias
 
 
+#: whether a torch.func transform (grad, vjp, jacrev, vmap, ...) is active
+functorch_transforms = torch._C._are_functorch_transforms_active
+
 #: whether autocast is on for any device (one C call, where torch has it), before asking for one
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
@@ -153,21 +156,59 @@ def _autocast_enabled(device_type: str) -> bool:
         return False
 
 
+def _second_derivative_error(what: str) -> RuntimeError:
+    return RuntimeError(f"tp_kernels: {what}: its gradient cannot be differentiated again (backward with "
+                        "create_graph=True, double backward): the tensor-parallel formulas are first order")
+
+
+class _FirstOrder(torch.autograd.Function):
+    """The identity on a gradient that a ``torch.func`` transform records a graph of: its own
+    backward, a second derivative, raises (:func:`differentiable_once`)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(grad, what):
+        return grad.view_as(grad)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.what = inputs[1]
+
+    @staticmethod
+    def backward(ctx, _):
+        raise _second_derivative_error(ctx.what)
+
+
+def _under_transform(ctx) -> bool:
+    """Whether a backward runs for a ``torch.func`` transform (its grad level, or ``vjp``'s
+    pullback called after): its node is then of the function functorch makes around the
+    autograd function, which is not a ``torch.autograd.Function``."""
+    return not issubclass(getattr(ctx, "_forward_cls", torch.autograd.Function), torch.autograd.Function)
+
+
 def differentiable_once(what: str) -> Callable[[Callable], Callable]:
     """Decorate ``backward(ctx, *grads)``, the autograd formula of ``what``, so that a backward that
     records a graph of the gradient (``create_graph=True``: to differentiate it again) raises a
     ``RuntimeError`` naming ``what`` before it runs: the second derivative would need collectives
     that no formula here has, and would be silently wrong. (In a backward, grad mode is on exactly
-    when a graph is recorded.) Every rank runs the same backward, so every rank raises."""
+    when a graph is recorded.) Every rank runs the same backward, so every rank raises. Under a
+    ``torch.func`` transform, which records that graph whether or not anything differentiates it
+    again (``torch.func.grad``, ``vjp``, ``jacrev``), the backward runs and each gradient it returns
+    raises that error only where a second derivative reaches it (:class:`_FirstOrder`)."""
 
     def decorate(backward: Callable) -> Callable:
         @functools.wraps(backward)
         def first_order(ctx, *grads):
-            if torch.is_grad_enabled():
-                raise RuntimeError(
-                    f"tp_kernels: {what}: its gradient cannot be differentiated again (backward with "
-                    "create_graph=True, double backward): the tensor-parallel formulas are first order")
-            return backward(ctx, *grads)
+            if not torch.is_grad_enabled():
+                return backward(ctx, *grads)
+            if not _under_transform(ctx):
+                raise _second_derivative_error(what)
+            out = backward(ctx, *grads)
+            single = not isinstance(out, tuple)
+            out = tuple(_FirstOrder.apply(g, what) if isinstance(g, torch.Tensor) else g
+                        for g in ((out,) if single else out))
+            return out[0] if single else out
 
         return first_order
 

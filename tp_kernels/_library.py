@@ -36,7 +36,7 @@ from torch.autograd.graph import increment_version
 from torch.fx.node import has_side_effect
 
 from . import _collectives as coll
-from ._checks import differentiable_once
+from ._checks import differentiable_once, functorch_transforms
 from ._op_table import collective_output_shape
 from .backends import backward_name, run, run_collective
 
@@ -73,7 +73,7 @@ def _route(args) -> int:
     no functorch transform, and every tensor a plain tensor or parameter (no subclass that would
     intercept the op); otherwise through ``torch.ops.tp_kernels`` (:data:`_DISPATCHER`), where
     all of those see one op."""
-    if _is_compiling() or _dispatch_modes() or _function_modes() or _functorch_transforms():
+    if _is_compiling() or _dispatch_modes() or _function_modes() or functorch_transforms():
         return _DISPATCHER
     grad = False
     for a in args:
@@ -92,7 +92,6 @@ def _wants_grad(args) -> bool:
 # what _route asks, bound once (each attribute lookup on ``torch`` costs host time on every call)
 _is_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
 _dispatch_modes, _function_modes = torch._C._len_torch_dispatch_stack, torch._C._is_torch_function_mode_enabled
-_functorch_transforms = torch._C._are_functorch_transforms_active
 
 
 class _Op:
@@ -104,7 +103,10 @@ class _Op:
     formula, the same one the dispatcher's autograd kernel runs; otherwise through the dispatcher
     (an op that writes has no formula: with a gradient needed, the dispatcher runs it). The direct
     call saves the host time of the dispatcher and of its Python wrappers (about 6 µs a call, 14 µs
-    for a ``custom_op`` that writes)."""
+    for a ``custom_op`` that writes). Under a ``torch.func`` transform with a gradient needed, the
+    formula runs as a ``torch.autograd.Function`` around the dispatcher's op (:attr:`transformed`:
+    torch's own function for a registered formula has no ``setup_context``, which the transforms
+    need; its forward, batched by ``vmap``, runs each entry of the batch in turn)."""
 
     def __init__(self, name: str, fn: Callable, custom=None, written: Tuple[int, ...] = ()):
         self.qualname = f"tp_kernels::{name}"
@@ -113,6 +115,7 @@ class _Op:
         self.fn = fn
         self.written = written  # positions of the arguments it writes
         self.function: Optional[type] = None  # the autograd.Function, once a formula is registered
+        self.transformed: Optional[type] = None  # the same around the dispatcher's op, for torch.func
         # Every op here takes part in a collective with its peers, so none may be dropped from a
         # compiled graph because its result goes unused on this rank (Communicator.gather off the
         # root, a result kept on one rank only): the peers would wait for it.
@@ -127,6 +130,8 @@ class _Op:
             return out
         if self.function is not None and (route == _FUNCTION or (self.custom is not None and _wants_grad(args))):
             return self.function.apply(*args)
+        if self.transformed is not None and functorch_transforms() and _wants_grad(args):
+            return self.transformed.apply(*args)
         return self.op(*args)
 
     def register_fake(self, fn: Callable) -> Callable:
@@ -160,11 +165,15 @@ class _Op:
 
     def register_autograd(self, backward: Callable, setup_context: Callable) -> None:
         """Make ``backward`` the op's formula, first order (:func:`tp_kernels._checks.differentiable_once`)."""
-        backward = differentiable_once(self.qualname.partition("::")[2])(backward)
+        name = self.qualname.partition("::")[2]
+        backward = differentiable_once(name)(backward)
         torch.library.register_autograd(self.qualname, backward, setup_context=setup_context, lib=_LIB)
-        self.function = type(f"{self.qualname.partition('::')[2]}_autograd", (torch.autograd.Function,), {
-            "forward": staticmethod(self.fn), "setup_context": staticmethod(setup_context),
-            "backward": staticmethod(backward)})
+        formula = {"setup_context": staticmethod(setup_context), "backward": staticmethod(backward)}
+        self.function = type(f"{name}_autograd", (torch.autograd.Function,), {"forward": staticmethod(self.fn),
+                                                                              **formula})
+        op = self.op
+        self.transformed = type(f"{name}_transformed", (torch.autograd.Function,), {
+            "forward": staticmethod(lambda *args: op(*args)), "generate_vmap_rule": True, **formula})
 
 
 def _define(fn: Callable) -> _Op:

@@ -35,8 +35,13 @@ def _shifted(logits: torch.Tensor, group) -> torch.Tensor:
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """The loss and, after it, what its backward needs, in the form ``torch.func``'s transforms take
+    (a vmap rule generated: batched, its collectives run each entry of the batch in turn)."""
+
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, logits, target, label_smoothing, ignore_index, group, start, vocab):
+    def forward(logits, target, label_smoothing, ignore_index, group, start, vocab):
         # logits: [N, v] this rank's classes [start, start + v) of the vocab (v may be 0: all padding)
         v_local = logits.shape[-1]
         z = _shifted(logits, group)  # [N, v]
@@ -59,13 +64,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ignored = target == ignore_index
         loss = loss.masked_fill(ignored, 0.0)
         softmax = exp.div_(stats[1].unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_target, in_range, ignored)
-        ctx.label_smoothing, ctx.vocab, ctx.dtype = label_smoothing, vocab, logits.dtype
-        return loss
+        return loss, softmax, local_target, in_range, ignored
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.save_for_backward(*output[1:])
+        ctx.label_smoothing, ctx.vocab, ctx.dtype = inputs[2], inputs[6], inputs[0].dtype
 
     @staticmethod
     @differentiable_once("vocab_parallel_cross_entropy")
-    def backward(ctx, dloss):
+    def backward(ctx, dloss, *_):
         softmax, local_target, in_range, ignored = ctx.saved_tensors
         eps = ctx.label_smoothing
         # d loss / d z_j = softmax_j - (1 - eps) [j == target] - eps / V
@@ -143,7 +152,7 @@ def vocab_parallel_cross_entropy(
                                 f"reduction {reduction}", hint=logits)
     classes, start = _classes(logits, vocab, group)
     loss = _VocabParallelCrossEntropy.apply(classes, target.reshape(-1), float(label_smoothing), int(ignore_index),
-                                            group, start, vocab)
+                                            group, start, vocab)[0]
     if reduction == "sum":
         return loss.sum()
     if reduction == "mean":  # (every rank holds every token's loss: no communication)
@@ -152,8 +161,12 @@ def vocab_parallel_cross_entropy(
 
 
 class _VocabParallelEntropy(torch.autograd.Function):
+    """The entropy and the softmax, in the form ``torch.func``'s transforms take."""
+
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, logits, group):
+    def forward(logits, group):
         z = _shifted(logits, group)  # [N, v]
         exp = z.exp()
         exp_z = torch.where(exp == 0, 0.0, exp * z)  # a -inf logit (masked, padding) adds 0, not NaN
@@ -161,13 +174,17 @@ class _VocabParallelEntropy(torch.autograd.Function):
         stats = all_reduce_op(torch.stack([exp.sum(dim=-1), exp_z.sum(dim=-1)]), group)
         entropy = stats[0].log() - stats[1] / stats[0]  # log Z - E[z]
         softmax = exp.div_(stats[0].unsqueeze(-1))
-        ctx.save_for_backward(softmax, entropy)
-        ctx.dtype = logits.dtype
-        return entropy
+        return entropy, softmax
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.mark_non_differentiable(output[1])
+        ctx.save_for_backward(output[1], output[0])
+        ctx.dtype = inputs[0].dtype
 
     @staticmethod
     @differentiable_once("vocab_parallel_entropy")
-    def backward(ctx, dentropy):
+    def backward(ctx, dentropy, _):
         softmax, entropy = ctx.saved_tensors
         # d H / d z_j = p_j (E[z] - z_j) = -p_j (H + log p_j): local, no communication
         grad = -(softmax * entropy.unsqueeze(-1) + torch.xlogy(softmax, softmax))
@@ -194,7 +211,7 @@ def vocab_parallel_entropy(logits: torch.Tensor, group=None, *, vocab_size: Opti
     vocab = agree("vocab_parallel_entropy", group, lambda: _check_logits(logits, vocab_size, group),
                   lambda vocab: f"logits {describe(logits)}, vocabulary {vocab}", hint=logits)
     classes, _ = _classes(logits, vocab, group)
-    return _VocabParallelEntropy.apply(classes, group).reshape(logits.shape[:-1])
+    return _VocabParallelEntropy.apply(classes, group)[0].reshape(logits.shape[:-1])
 
 
 def vocab_parallel_argmax(logits: torch.Tensor, group=None, *, vocab_size: Optional[int] = None) -> torch.Tensor:

@@ -207,12 +207,17 @@ class _AfterInputs(torch.autograd.Function):
     gets a gradient, zero for an expert no token reached, as the dense model's weight of every
     expert has: an optimizer's momentum and weight decay step it as they step the dense model's,
     and FSDP2 reduce-scatters it on every data-parallel rank. (The cost: a zero added to each
-    weight's gradient, a pass over its memory.)"""
+    weight's gradient, a pass over its memory.) In the form ``torch.func``'s transforms take."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, output, *inputs):
-        ctx.inputs = [(t.shape, t.dtype, t.device) for t in inputs]
+    def forward(output, *inputs):
         return output.view_as(output)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.inputs = [(t.shape, t.dtype, t.device) for t in inputs[1:]]
 
     @staticmethod
     def backward(ctx, dy):

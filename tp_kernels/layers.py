@@ -343,12 +343,17 @@ class _SumOverReplicas(torch.autograd.Function):
     replicated output (``blocks[j] < p``: this rank holds block ``index[j]``) summed over the ranks
     holding the same block, in one all-reduce over the group: each slot of a ``[blocks, ...]``
     buffer holds its ranks' gradients, zeros elsewhere. The other rows' gradients are this rank's
-    alone."""
+    alone. (In the form ``torch.func``'s transforms take: a ``setup_context``, a vmap rule generated.)"""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, group, sizes, blocks, index, weight, bias):
-        ctx.group, ctx.sizes, ctx.blocks, ctx.index = group, sizes, blocks, index
+    def forward(group, sizes, blocks, index, weight, bias):
         return weight.view_as(weight), None if bias is None else bias.view_as(bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group, ctx.sizes, ctx.blocks, ctx.index = inputs[:4]
 
     @staticmethod
     @differentiable_once("ColumnParallelLinear (replicated outputs)")

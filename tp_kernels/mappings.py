@@ -33,7 +33,7 @@ import torch
 from . import _collectives as coll
 from . import _library
 from ._agreement import agree, describe
-from ._checks import check_divisible, check_split_dim, check_tensor, differentiable_once
+from ._checks import check_divisible, check_split_dim, check_tensor, differentiable_once, functorch_transforms
 
 __all__ = [
     "copy_to_tensor_model_parallel_region",
@@ -72,21 +72,32 @@ def reduce_scatter_op(x, group, dim: int = 0):
     return _library.op("reduce_scatter")(stacked.contiguous(), coll.group_name(group), "reference")
 
 
-class _CopyToRegion(torch.autograd.Function):
+class _Mapping(torch.autograd.Function):
+    """A mapping's autograd function, in the form ``torch.func``'s transforms take: ``forward(x,
+    group, *args)`` without ``ctx``, the arguments after ``x`` kept as ``ctx.args``, and a vmap rule
+    generated (batched, its collectives run each entry of the batch in turn)."""
+
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[1:]
+
+
+class _CopyToRegion(_Mapping):
+    @staticmethod
+    def forward(x, group):
         return x.view_as(x)
 
     @staticmethod
     @differentiable_once("copy_to_tensor_model_parallel_region")
     def backward(ctx, dy):
-        return all_reduce_op(dy, ctx.group), None
+        return all_reduce_op(dy, *ctx.args), None
 
 
-class _ReduceFromRegion(torch.autograd.Function):
+class _ReduceFromRegion(_Mapping):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(x, group):
         return all_reduce_op(x, group)
 
     @staticmethod
@@ -95,66 +106,64 @@ class _ReduceFromRegion(torch.autograd.Function):
         return dy, None
 
 
-class _ScatterToRegion(torch.autograd.Function):
+class _ScatterToRegion(_Mapping):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(x, group):
         return coll.split(x, -1, group)
 
     @staticmethod
     @differentiable_once("scatter_to_tensor_model_parallel_region")
     def backward(ctx, dy):
-        return all_gather_op(dy, ctx.group, -1), None
+        return all_gather_op(dy, *ctx.args, -1), None
 
 
-class _GatherFromRegion(torch.autograd.Function):
+class _GatherFromRegion(_Mapping):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(x, group):
         return all_gather_op(x, group, -1)
 
     @staticmethod
     @differentiable_once("gather_from_tensor_model_parallel_region")
     def backward(ctx, dy):
-        return coll.split(dy, -1, ctx.group), None
+        return coll.split(dy, -1, *ctx.args), None
 
 
-class _ScatterToSequenceRegion(torch.autograd.Function):
+class _ScatterToSequenceRegion(_Mapping):
     @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
+    def forward(x, group, dim):
         return coll.split(x, dim, group)
 
     @staticmethod
     @differentiable_once("scatter_to_sequence_parallel_region")
     def backward(ctx, dy):
-        return all_gather_op(dy, ctx.group, ctx.dim), None, None
+        group, dim = ctx.args
+        return all_gather_op(dy, group, dim), None, None
 
 
-class _GatherFromSequenceRegion(torch.autograd.Function):
+class _GatherFromSequenceRegion(_Mapping):
     @staticmethod
-    def forward(ctx, x, group, tensor_parallel_output_grad, dim):
-        ctx.group, ctx.reduce, ctx.dim = group, tensor_parallel_output_grad, dim
+    def forward(x, group, tensor_parallel_output_grad, dim):
         return all_gather_op(x, group, dim)
 
     @staticmethod
     @differentiable_once("gather_from_sequence_parallel_region")
     def backward(ctx, dy):
-        if ctx.reduce:
-            return reduce_scatter_op(dy, ctx.group, ctx.dim), None, None, None
-        return coll.split(dy, ctx.dim, ctx.group), None, None, None
+        group, reduce, dim = ctx.args
+        if reduce:
+            return reduce_scatter_op(dy, group, dim), None, None, None
+        return coll.split(dy, dim, group), None, None, None
 
 
-class _ReduceScatterToSequenceRegion(torch.autograd.Function):
+class _ReduceScatterToSequenceRegion(_Mapping):
     @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
+    def forward(x, group, dim):
         return reduce_scatter_op(x, group, dim)
 
     @staticmethod
     @differentiable_once("reduce_scatter_to_sequence_parallel_region")
     def backward(ctx, dy):
-        return all_gather_op(dy, ctx.group, ctx.dim), None, None
+        group, dim = ctx.args
+        return all_gather_op(dy, group, dim), None, None
 
 
 class PartialGrads:
@@ -221,12 +230,12 @@ def gather_for_column_layers(x, group=None, *, sequence_dim: int = 0):
     public mappings are), for column layers without sequence parallelism to take: those it reaches
     as it is leave their partial input gradients for one reduce-scatter here
     (:class:`PartialGrads`, :func:`partial_grads_of`), anything else its gradient by autograd, of
-    which the backward keeps this rank's block. (Traced by torch.compile: a plain gather, each
-    column layer then all-reducing its own.)"""
+    which the backward keeps this rank's block. (Traced by torch.compile, or under a ``torch.func``
+    transform: a plain gather, each column layer then all-reducing its own.)"""
     group, d = _agreed("gather_for_column_layers", x, group, sequence_dim=sequence_dim)
     if coll.group_size(group) == 1:
         return x
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or functorch_transforms():
         return _on(_GatherFromSequenceRegion, x, group, False, d)
     partial = PartialGrads(group)
     out = _GatherForColumnLayers.apply(x, group, d, partial)
@@ -240,7 +249,7 @@ def partial_grads_of(x, group):
     experts' ``hidden_states.view(-1, h)``: a view of all of it, in its order), a view that leaves
     its gradient there (and True), else ``x`` (and False)."""
     gathered = x
-    if torch.compiler.is_compiling():  # (traced, the gather is a plain one: nothing is left in it)
+    if torch.compiler.is_compiling() or functorch_transforms():  # (the gather is a plain one there)
         return x, False
     if not hasattr(x, PARTIAL_GRADS) and x._base is not None and x._base.numel() == x.numel() and \
             x.is_contiguous() and x._base.is_contiguous() and x.storage_offset() == x._base.storage_offset():
