@@ -69,6 +69,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)  # (no zeros of the softmax's size for the outputs after the loss)
         ctx.save_for_backward(*output[1:])
         ctx.label_smoothing, ctx.vocab, ctx.dtype = inputs[2], inputs[6], inputs[0].dtype
 
@@ -179,6 +180,7 @@ class _VocabParallelEntropy(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)  # (no zeros of the softmax's size for it)
         ctx.save_for_backward(output[1], output[0])
         ctx.dtype = inputs[0].dtype
 
