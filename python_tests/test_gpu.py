@@ -82,6 +82,13 @@ def test_torch_parallel_styles_with_several_nccl_ranks_on_one_gpu(shared_gpu_wor
     shared_gpu_world.run(test_parallelize.check_torch_parallel_styles, True, device="cuda")
 
 
+def test_torch_func_with_several_nccl_ranks_on_one_gpu(shared_gpu_world):
+    """torch.func's grad, vjp, jacrev and vmap through the layers (the pipelined backend on the
+    native path), a mapping, the embedding and the cross-entropy, float32 on CUDA over NCCL:
+    autograd's gradients; a second derivative and forward mode raise on every rank."""
+    shared_gpu_world.run(test_layers.check_torch_func, "cuda", torch.float32, "pipelined")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("backend", ["reference", "pipelined"])
 @pytest.mark.parametrize("kind", ["column", "row"])

@@ -565,20 +565,22 @@ def test_own_pieces_of_rows_are_the_rows_of_the_own_pieces(shards):
 
 
 
-def check_torch_func():
+def check_torch_func(device="cpu", dtype=torch.float64, backend="auto"):
     """torch.func with the group's ranks (docs/api.md, Layers): vmap runs the layers and the
     collectives, each entry alike on every rank; torch.func.grad, vjp and jacrev through the layers
     (of their inputs and, by functional_call, of their parameters), a mapping and the
     cross-entropy give autograd's gradients, and vmap of grad the per-sample ones; a second
-    derivative, and forward mode (jvp), raise on every rank, and the group still works."""
+    derivative, and forward mode (jvp), raise on every rank, and the group still works. (On a GPU:
+    test_gpu.py, float32 with the native path.)"""
     from torch.func import functional_call, grad, jacrev, jvp, vjp, vmap
 
     r, p = rank_world()
     torch.manual_seed(0)
-    row = tp_kernels.RowParallelLinear(8, 6, dtype=torch.float64)
-    col = tp_kernels.ColumnParallelLinear(8, 6, dtype=torch.float64)
+    row = tp_kernels.RowParallelLinear(8, 6, dtype=dtype, device=device, backend=backend)
+    col = tp_kernels.ColumnParallelLinear(8, 6, dtype=dtype, device=device, backend=backend)
     g = torch.Generator().manual_seed(1)
-    xs = torch.randn(3, 4, 8, generator=g, dtype=torch.float64)
+    xs = torch.randn(3, 4, 8, generator=g, dtype=torch.float64).to(device, dtype)
+    comm = tp_kernels.Communicator(device=device)
     for layer, x in ((col, xs), (row, block(xs, -1, r, p))):
         name = type(layer).__name__
         with torch.no_grad():
@@ -600,8 +602,8 @@ def check_torch_func():
         # weight; the column layer's input gradient all-reduced, the sum of every rank's block
         weight = layer.weight.detach()
         if layer is col:
-            weight = tp_kernels.Communicator(device="cpu").all_reduce(weight)
-        eye = torch.eye(inp.shape[0], dtype=torch.float64)
+            weight = comm.all_reduce(weight)
+        eye = torch.eye(inp.shape[0], dtype=dtype, device=device)
         assert_close(f"torch.func.jacrev, {name}", jacrev(layer)(inp), torch.einsum("ij,ok->iojk", eye, weight))
         # per-sample gradients: each row's share of the summed loss
         per_row = vmap(grad(loss))(inp.unsqueeze(1))
@@ -625,8 +627,9 @@ def check_torch_func():
     v = x.clone().requires_grad_()
     reduced(v).backward()
     assert_close("torch.func.grad, reduce_from_tensor_model_parallel_region", grad(reduced)(x), v.grad)
-    logits = torch.randn(5, 4 * p, generator=g, dtype=torch.float64)
-    target = torch.randint(0, 4 * p, (5,), generator=g)
+    logits = torch.randn(5, 4 * p, generator=g, dtype=torch.float64).to(device, dtype)
+    target = torch.randint(0, 4 * p, (5,), generator=g).to(device)
+    weights = torch.arange(1.0, 6.0, dtype=dtype, device=device)
 
     def ce(z):
         return tp_kernels.vocab_parallel_cross_entropy(block(z, -1, r, p), target, 0.1).sum()
@@ -637,25 +640,25 @@ def check_torch_func():
                  block(z.grad, -1, r, p))  # (this rank's block: the others' columns are not its input)
 
     def entropy(z):
-        return (tp_kernels.vocab_parallel_entropy(block(z, -1, r, p)) * torch.arange(1.0, 6.0)).sum()
+        return (tp_kernels.vocab_parallel_entropy(block(z, -1, r, p)) * weights).sum()
 
     z = logits.clone().requires_grad_()
-    (torch.distributions.Categorical(logits=z).entropy() * torch.arange(1.0, 6.0)).sum().backward()
+    (torch.distributions.Categorical(logits=z).entropy() * weights).sum().backward()
     assert_close("torch.func.grad, vocab_parallel_entropy", block(grad(entropy)(logits), -1, r, p),
                  block(z.grad, -1, r, p))
     # the embedding's weight, by functional_call: every rank's rows of the dense gradient
-    emb = tp_kernels.VocabParallelEmbedding(4 * p, 3, dtype=torch.float64)
-    ids = torch.randint(0, 4 * p, (2, 5), generator=g)
+    emb = tp_kernels.VocabParallelEmbedding(4 * p, 3, dtype=dtype, device=device)
+    ids = torch.randint(0, 4 * p, (2, 5), generator=g).to(device)
     emb(ids).square().sum().backward()
     got = grad(lambda ps: functional_call(emb, ps, (ids,)).square().sum())({"weight": emb.weight.detach()})
     assert_close("torch.func.grad of the embedding's weight", got["weight"], emb.weight.grad)
     # collectives: of tensors that need no gradient inside a function torch.func differentiates,
     # and batched
-    comm = tp_kernels.Communicator(device="cpu")
-    summed = vmap(comm.all_reduce)(torch.full((2, 3), float(r + 1)))
-    assert torch.equal(summed, torch.full((2, 3), float(p * (p + 1) // 2)))
-    w = torch.randn(3, generator=g)
-    assert torch.equal(grad(lambda v: (v * comm.all_reduce(torch.ones(3))).sum())(w), torch.full((3,), float(p)))
+    summed = vmap(comm.all_reduce)(torch.full((2, 3), float(r + 1), device=device))
+    assert torch.equal(summed, torch.full((2, 3), float(p * (p + 1) // 2), device=device))
+    w = torch.randn(3, generator=g).to(device)
+    assert torch.equal(grad(lambda v: (v * comm.all_reduce(torch.ones(3, device=device))).sum())(w),
+                       torch.full((3,), float(p), device=device))
     if p > 1:  # a Communicator collective has no gradient: its backward raises
         with pytest.raises(RuntimeError, match="Communicator.all_reduce has no gradient"):
             grad(lambda v: comm.all_reduce(v).sum())(w)
@@ -663,7 +666,10 @@ def check_torch_func():
     return row(block(x, -1, r, p)).sum().item()
 
 
-@pytest.mark.parametrize("world", [1, 2], indirect=True)
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
 def test_torch_func(world):
-    sums = world.run(check_torch_func)
-    assert len(set(sums)) == 1  # the row layer's all-reduced output, alike on every rank
+    """In float64 on the reference path, and in float32 on the portable pipelined schedule (its
+    chunks written into a buffer); at 4 ranks the column layer's 6 outputs are padded."""
+    for args in ((), ("cpu", torch.float32, "pipelined")):
+        sums = world.run(check_torch_func, *args)
+        assert len(set(sums)) == 1  # the row layer's all-reduced output, alike on every rank

@@ -162,13 +162,14 @@ def _second_derivative_error(what: str) -> RuntimeError:
 
 
 class _FirstOrder(torch.autograd.Function):
-    """The identity on a gradient that a ``torch.func`` transform records a graph of: its own
-    backward, a second derivative, raises (:func:`differentiable_once`)."""
+    """The identity on a gradient that a ``torch.func`` transform records a graph of, made to depend
+    on ``anchors`` (the tensors its formula took: what a second derivative differentiates it by):
+    its own backward, a second derivative, raises (:func:`differentiable_once`)."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(grad, what):
+    def forward(grad, what, *anchors):
         return grad.view_as(grad)
 
     @staticmethod
@@ -194,8 +195,10 @@ def differentiable_once(what: str) -> Callable[[Callable], Callable]:
     that no formula here has, and would be silently wrong. (In a backward, grad mode is on exactly
     when a graph is recorded.) Every rank runs the same backward, so every rank raises. Under a
     ``torch.func`` transform, which records that graph whether or not anything differentiates it
-    again (``torch.func.grad``, ``vjp``, ``jacrev``), the backward runs and each gradient it returns
-    raises that error only where a second derivative reaches it (:class:`_FirstOrder`)."""
+    again (``torch.func.grad``, ``vjp``, ``jacrev``), the backward runs as a first-order one does,
+    recording nothing (its collectives write into buffers, which autograd refuses to record), and
+    each gradient it returns raises that error only where a second derivative reaches it
+    (:class:`_FirstOrder`, made to depend on the formula's gradients in and saved tensors)."""
 
     def decorate(backward: Callable) -> Callable:
         @functools.wraps(backward)
@@ -204,9 +207,11 @@ def differentiable_once(what: str) -> Callable[[Callable], Callable]:
                 return backward(ctx, *grads)
             if not _under_transform(ctx):
                 raise _second_derivative_error(what)
-            out = backward(ctx, *grads)
+            anchors = [t for t in (*grads, *ctx.saved_tensors) if isinstance(t, torch.Tensor)]
+            with torch.no_grad():
+                out = backward(ctx, *grads)
             single = not isinstance(out, tuple)
-            out = tuple(_FirstOrder.apply(g, what) if isinstance(g, torch.Tensor) else g
+            out = tuple(_FirstOrder.apply(g, what, *anchors) if isinstance(g, torch.Tensor) else g
                         for g in ((out,) if single else out))
             return out[0] if single else out
 

@@ -27,7 +27,7 @@ from . import _collectives as coll
 from . import ops
 from ._agreement import agree, describe
 from ._checks import (check_choice, check_divisible, check_float_dtype, check_int, check_linear_args, check_replaceable,
-                      check_tensor, differentiable_once)
+                      check_tensor, differentiable_once, functorch_transforms)
 from ._data_parallel import copy_rows_
 from ._op_table import OPS
 from .mappings import all_reduce_op, copy_to, gather_last_dim, partial_grads_of, scatter_last_dim
@@ -313,8 +313,13 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.gather_output:
             out = full_of(gather_last_dim(out, self.group), -1, self)  # [..., out]
         elif self.pad_rows:  # the columns past out_features: no output, -inf (softmax 0, never the argmax)
-            # (in place, on the op's new output: no copy of the logits; autograd zeroes their gradient)
-            out.narrow(-1, self.out_features_per_partition - self.pad_rows, self.pad_rows).fill_(float("-inf"))
+            # (in place, on the op's new output: no copy of the logits; autograd zeroes their gradient;
+            # under a torch.func transform, whose outputs are views it may not write, on a copy)
+            keep = self.out_features_per_partition - self.pad_rows
+            if functorch_transforms():
+                out = out.index_fill(-1, torch.arange(keep, keep + self.pad_rows, device=out.device), float("-inf"))
+            else:
+                out.narrow(-1, keep, self.pad_rows).fill_(float("-inf"))
         if not self.skip_bias_add:
             return out
         out_bias = full_bias
