@@ -90,17 +90,32 @@ def _ring(send: torch.Tensor, recv: torch.Tensor, group) -> None:
         coll.wait(work, "ring step send", group, cuda=send.is_cuda)
 
 
-def _gemms(case: Case, p: int) -> List[Tuple[int, int, int]]:
-    """``(m, n, k)`` of this rank's GEMMs: the op's one, or a layer's fwd, dgrad and wgrad."""
+def _gemms(case: Case, p: int) -> List[Tuple[Tuple[int, int, int], str]]:
+    """``((m, n, k), layout)`` of this rank's GEMMs: the op's one, or a layer's fwd, dgrad and
+    wgrad, each in the layout its call runs it (:func:`_gemm_call`)."""
     m = case.m
     if case.kind == "column":
         fwd = (m, case.n // p, case.k)
     else:
         fwd = (m, case.n, case.k // p)
     if not case.is_layer:
-        return [fwd]
+        return [(fwd, "linear")]
     mm, nn, kk = fwd
-    return [fwd, (mm, kk, nn), (nn, kk, mm)]  # dgrad (m, k, n), wgrad (n, k, m)
+    return [(fwd, "linear"), ((mm, kk, nn), "dgrad"), ((nn, kk, mm), "wgrad")]  # dgrad (m, k, n), wgrad (n, k, m)
+
+
+def _gemm_call(shape: Tuple[int, int, int], layout: str, nsets: int, device, dtype):
+    """The operands (``nsets`` of each) and the call of a GEMM of ``[m, n]`` over ``k`` as the ops
+    and their backwards run it: ``"linear"``, ``F.linear(x [m, k], W [n, k])``; ``"dgrad"``, the
+    input's gradient ``dy [m, k] @ W [k, n]`` (the weight not transposed); ``"wgrad"``, the weight's
+    ``dy [k, m]ᵀ @ x [k, n]``. (Each layout is its own cuBLAS kernel: timing the backward's GEMMs as
+    ``F.linear`` measured another one.)"""
+    m, n, k = shape
+    if layout == "linear":
+        return _rand((m, k), nsets, device, dtype), _rand((n, k), nsets, device, dtype), F.linear
+    if layout == "dgrad":
+        return _rand((m, k), nsets, device, dtype), _rand((k, n), nsets, device, dtype), torch.mm
+    return _rand((k, m), nsets, device, dtype), _rand((k, n), nsets, device, dtype), lambda a, b: torch.mm(a.t(), b)
 
 
 def measure_case(case: Case, backends: List[str], dtype: torch.dtype, device: torch.device, group,
@@ -110,28 +125,27 @@ def measure_case(case: Case, backends: List[str], dtype: torch.dtype, device: to
     esize = dtype.itemsize
     gemms = _gemms(case, p)
     colls = _collectives(case, p)
-    per_set = esize * sum(a * c + b * c + a * b for a, b, c in gemms)
+    per_set = esize * sum(a * c + b * c + a * b for (a, b, c), _ in gemms)
     nsets = buffer_sets(per_set, device.type == "cuda")
-    # GEMM operands: A (m, k), B (n, k); out = A B^T
-    operands = [(_rand((a, c), nsets, device, dtype), _rand((b, c), nsets, device, dtype)) for a, b, c in gemms]
+    calls = [_gemm_call(shape, layout, nsets, device, dtype) for shape, layout in gemms]
 
     def run_gemms(i):
-        for a, b in operands:
-            F.linear(a[i % nsets], b[i % nsets])
+        for a, b, call in calls:
+            call(a[i % nsets], b[i % nsets])
 
     out = {"gemm": {}, "comm": {}, "backend": {}}
     out["gemm_total"] = 0.0
-    for (a, b, c), (av, bv) in zip(gemms, operands):
-        t = timer(lambda i: F.linear(av[i % nsets], bv[i % nsets]))
-        out["gemm"][(a, b, c)] = t
+    for (shape, _), (av, bv, call) in zip(gemms, calls):
+        t = timer(lambda i: call(av[i % nsets], bv[i % nsets]))
+        out["gemm"][shape] = t
         out["gemm_total"] += t
     # chunk-sized GEMMs for the model (ops only): what the pipelined schedule runs (with one rank,
     # the whole GEMM: nothing is split)
     if not case.is_layer and p > 1:
-        a, b, c = gemms[0]
+        (a, b, c), _ = gemms[0]
         rows = max(1, (case.m // p if case.target == "all_gather_matmul" else case.m) // 4)
-        av = [t[:rows] for t in operands[0][0]]
-        out["gemm"][(rows, b, c)] = timer(lambda i: F.linear(av[i % nsets], operands[0][1][i % nsets]))
+        av = [t[:rows] for t in calls[0][0]]
+        out["gemm"][(rows, b, c)] = timer(lambda i: F.linear(av[i % nsets], calls[0][1][i % nsets]))
 
     comm_bufs = [(kind, _rand(shape, 2, device, dtype)) for kind, shape, _ in colls]
     samples: List[Tuple[str, int, float]] = []
