@@ -365,6 +365,14 @@ def _moe_model(kind: str, moe_intermediate: int = 8, experts: int = 4, implement
                                              shared_expert_intermediate_size=12, num_experts=experts,
                                              num_experts_per_tok=2, mlp_only_layers=[0], **common)
         model_class = transformers.Qwen2MoeForCausalLM
+    elif kind == "qwen3_next":  # a gated shared expert its plan splits; linear attention in its first layer (its
+        # values 8 wide, not the hidden size: the collectives of sequence_parallel_plan's test are told by size)
+        config = transformers.Qwen3NextConfig(
+            intermediate_size=24, moe_intermediate_size=moe_intermediate, shared_expert_intermediate_size=12,
+            num_experts=experts, num_experts_per_tok=2, head_dim=4, linear_num_value_heads=4, linear_num_key_heads=4,
+            linear_key_head_dim=4, linear_value_head_dim=2, layer_types=["linear_attention", "full_attention"],
+            **common)
+        model_class = transformers.Qwen3NextForCausalLM
     elif kind == "deepseek_v2":  # multi-head latent attention split over the ranks, its rotary key shared
         config = transformers.DeepseekV2Config(
             intermediate_size=24, moe_intermediate_size=moe_intermediate, n_routed_experts=experts, num_experts_per_tok=2,
@@ -434,11 +442,13 @@ def check_hugging_face_moe(kind, parallelism="tp", experts=4):
     which every rank's heads use, has its gradient summed (``"mla_kv_a_proj"``): without that sum
     the projection's gradient is not the dense one's. LongCat-Flash routes tokens to identity
     experts too (``"moe_identity_expert"``: their input divided by p, for the sum over the
-    group)."""
+    group). Qwen 3 Next's plan splits its gated shared expert, and names a dense MLP beside the
+    mixture that none of its layers holds here (``strict=False``); its linear attention's
+    projections are gathered whole."""
     r, p = rank_world()
     dense = _moe_model(kind, experts=experts)
     plan = _plan(dense, parallelism)
-    par = tp_kernels.parallelize(copy.deepcopy(dense), plan, strict=kind != "deepseek_v2")
+    par = tp_kernels.parallelize(copy.deepcopy(dense), plan, strict=kind not in ("deepseek_v2", "qwen3_next"))
     if parallelism == "ep" and p > 1:  # (rank r: experts [r c, (r+1) c) of the dense model's, then zero ones)
         c = -(-experts // p)
         for dense_layer, layer in zip(dense.model.layers, par.model.layers):
@@ -475,10 +485,13 @@ def check_hugging_face_moe(kind, parallelism="tp", experts=4):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "longcat_flash"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe", "qwen3_next", "deepseek_v2", "deepseek_v3",
+                                  "longcat_flash"])
 def test_hugging_face_moe(world, kind):
     if kind == "qwen2_moe":
         skip_unless_own_plan("Qwen2MoeConfig", "layers.*.mlp.experts", "moe_tp_experts")
+    if kind == "qwen3_next":
+        skip_unless_own_plan("Qwen3NextConfig", "layers.*.mlp.shared_expert.down_proj", "rowwise")
     world.run(check_hugging_face_moe, kind)
 
 
@@ -820,8 +833,9 @@ def test_hugging_face_moe_grouped_gemm(world, parallelism, implementation):
 
 def check_sum_output_grads_over_group():
     """``grads.sum_output_grads_over_group``: the output unchanged; the gradient of its last columns
-    summed over the group, of the others each rank's own; a module whose output has fewer columns
-    raises ValueError naming it, as does a bad ``columns``."""
+    summed over the group, of the others each rank's own (``columns=None``: all of them summed); a
+    module whose output has fewer columns (or, None, no dim) raises ValueError naming it, as does a
+    bad ``columns``."""
     r, p = rank_world()
     torch.manual_seed(0)
     proj = nn.Linear(3, 5, bias=False, dtype=torch.float64)
@@ -835,6 +849,10 @@ def check_sum_output_grads_over_group():
     summed = weights.clone()
     summed[:, 3:] = torch.arange(1.0, 11.0, dtype=torch.float64).view(2, 5)[:, 3:] * (p * (p + 1) // 2)
     torch.testing.assert_close(proj.weight.grad, summed.t() @ x.detach(), rtol=1e-14, atol=0)
+    whole = tp_kernels.grads.sum_output_grads_over_group(nn.Linear(3, 5, bias=False, dtype=torch.float64), None)
+    (whole(x) * weights).sum().backward()
+    everyone = torch.arange(1.0, 11.0, dtype=torch.float64).view(2, 5) * (p * (p + 1) // 2)
+    torch.testing.assert_close(whole.weight.grad, everyone.t() @ x.detach(), rtol=1e-14, atol=0)
     for columns in (0, 2.0, True):
         with pytest.raises(ValueError, match=r"columns: expected an int >= 1"):
             tp_kernels.grads.sum_output_grads_over_group(nn.Linear(3, 5), columns)
@@ -842,9 +860,17 @@ def check_sum_output_grads_over_group():
         narrow = tp_kernels.grads.sum_output_grads_over_group(nn.Linear(3, 1), 2)
         with pytest.raises(ValueError, match=r"Linear's output is \[2, 1\] float32.*no last 2 columns"):
             narrow(torch.randn(2, 3))
+        scalar = tp_kernels.grads.sum_output_grads_over_group(_Sum(), None)
+        with pytest.raises(ValueError, match=r"_Sum's output is \[\] float32.*no last dim"):
+            scalar(torch.randn(2, 3))
         with fingerprints_set(True), pytest.raises(RuntimeError, match=r"disagree.*rank 0: Linear.*output \[3, 5\]"
                                                                          r".*rank 1: Linear.*output \[2, 5\]"):
             proj(torch.randn(3 if r == 0 else 2, 3, dtype=torch.float64))  # (rank 0 one row more)
+
+
+class _Sum(nn.Module):
+    def forward(self, x):
+        return x.sum()
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)

@@ -1465,14 +1465,17 @@ def test_sequence_parallel_plans(world2, kind):
 def check_moe_sequence_parallel_plan(kind, parallelism, device="cpu"):
     """transformers' mixtures of experts under sequence parallelism by
     :func:`tp_kernels.sequence_parallel_plan` of their own plans (``"ep"``: ``{**tp_plan,
-    **ep_plan}``, whole experts a rank), the experts' module gathered and its output, the experts'
-    partial sums, reduce-scattered once (Qwen 2 MoE's, its shared expert whole on every rank,
-    summed and split); Qwen 3 and Qwen 2 MoE's first layer a dense MLP under the same name, its row
-    layer reduce-scattering: the decoder layers see each rank's block of the sequence, the
-    forward moves each layer's activations by one gather and one reduce-scatter a module (but Qwen
-    2 MoE's experts' sum), the backward by as many (the experts' input gradients left for the
-    module's reduce-scatter), and the logits, the loss and every gradient are the dense model's in float64
-    (the routers' softmax in float32: to float32's precision)."""
+    **ep_plan}``, whole experts a rank; ``"tp_shared"``: the tp_plan with Qwen 2 MoE's shared
+    expert split as Qwen 3 Next's plan splits its), the experts' module gathered and its output,
+    the experts' partial sums, reduce-scattered once (Qwen 2 MoE's, its shared expert whole on
+    every rank, summed and split; split, its row layer's term of the sum left partial and its gate's
+    output gradient summed, as Qwen 3 Next's); Qwen 3 and Qwen 2 MoE's first layer a dense MLP
+    under the same name, its row layer reduce-scattering: the decoder layers see each rank's block
+    of the sequence, the forward moves each layer's activations by one gather and one
+    reduce-scatter a module (but Qwen 2 MoE's experts' sum), the backward by as many (the experts'
+    input gradients left for the module's reduce-scatter), and the logits, the loss and every
+    gradient are the dense model's in float64 (the routers' softmax in float32: to float32's
+    precision)."""
     from unittest import mock
 
     from test_experts import _moe_model, _plan
@@ -1480,9 +1483,18 @@ def check_moe_sequence_parallel_plan(kind, parallelism, device="cpu"):
 
     _, p = rank_world()
     dense = _moe_model(kind).to(device)
-    plan = _plan(dense, parallelism)
-    par = tp_kernels.parallelize(copy.deepcopy(dense), tp_kernels.sequence_parallel_plan(dense, plan),
-                                 strict=kind != "deepseek_v2")  # (its plan names both of DeepSeek-V2's query paths)
+    plan = _plan(dense, "tp" if parallelism == "tp_shared" else parallelism)
+    if parallelism == "tp_shared":
+        plan.update({f"model.layers.*.mlp.shared_expert.{name}": style for name, style in
+                     (("gate_proj", "colwise"), ("up_proj", "colwise"), ("down_proj", "rowwise"))})
+    sequence_plan = tp_kernels.sequence_parallel_plan(dense, plan)
+    gated = kind == "qwen3_next" or parallelism == "tp_shared"  # (the shared expert's gate, its output's gradient summed)
+    assert sequence_plan.get("model.layers.*.mlp.shared_expert_gate") == \
+        ("replicated_with_output_grad_allreduce" if gated else None), sequence_plan
+    par = tp_kernels.parallelize(copy.deepcopy(dense), sequence_plan,
+                                 # (its plan names both of DeepSeek-V2's query paths, and Qwen 3 Next's a dense MLP
+                                 # beside the mixture, which none of these layers is)
+                                 strict=kind not in ("deepseek_v2", "qwen3_next"))
     seen = []
     par.model.layers[1].register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
     ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1)).to(device)
@@ -1515,23 +1527,29 @@ def check_moe_sequence_parallel_plan(kind, parallelism, device="cpu"):
         # by a gather and a reduce-scatter (DeepSeek's mixtures too, their shared experts' row layer leaving
         # its term of the sum); Qwen 2 MoE's mixture (its shared expert whole) summed whole, and split;
         # DeepSeek-V3's attention (whole) gathered, split
+        # Qwen 3 Next's first layer's linear attention (its projections' outputs gathered whole: the last, of the
+        # hidden size, counted) gathered, split
         pair = ["AG", "RS"]
         attention = ["AG"] if kind == "deepseek_v3" else pair
-        mixture = ["AG", "AR"] if kind == "qwen2_moe" else pair
+        mixture = ["AG", "AR"] if kind == "qwen2_moe" and parallelism != "tp_shared" else pair
+        first = ["AG", "AG"] if kind == "qwen3_next" else attention
         embedding = ["AR"] if "model.embed_tokens" in plan else []
-        assert moved == [*embedding, *attention, *pair, *attention, *mixture, "AG"], moved
+        assert moved == [*embedding, *first, *pair, *attention, *mixture, "AG"], moved
         moved.clear()
         loss.backward()  # the gathers' gradients reduce-scattered (the experts' too), no sum of a whole one
     assert "AR" not in moved and sorted(moved) == ["AG"] * 6 + ["RS"] * (3 if kind.startswith("deepseek") else 5), moved
 
 
 @pytest.mark.parametrize("kind, parallelism", [("mixtral", "tp"), ("qwen3_moe", "tp"), ("qwen3_moe", "ep"),
-                                               ("qwen2_moe", "tp"), ("deepseek_v2", "tp"), ("deepseek_v3", "tp"),
-                                               ("deepseek_v3", "ep"), ("deepseek_v3", "ep_router")])
+                                               ("qwen2_moe", "tp"), ("qwen2_moe", "tp_shared"), ("qwen3_next", "tp"),
+                                               ("deepseek_v2", "tp"), ("deepseek_v3", "tp"), ("deepseek_v3", "ep"),
+                                               ("deepseek_v3", "ep_router")])
 def test_moe_sequence_parallel_plan(world2, kind, parallelism):
     pytest.importorskip("transformers")
     if kind == "qwen2_moe":
         skip_unless_own_plan("Qwen2MoeConfig", "layers.*.mlp.experts", "moe_tp_experts")
+    if kind == "qwen3_next":
+        skip_unless_own_plan("Qwen3NextConfig", "layers.*.mlp.shared_expert.down_proj", "rowwise")
     world2.run(check_moe_sequence_parallel_plan, kind, parallelism)
 
 
@@ -1959,10 +1977,14 @@ def test_hugging_face_style_names_and_their_errors():
     with pytest.raises(ValueError, match="module: holds '0.weight', a parallel layer's block"):
         tp_kernels.grads.sum_grads_over_group(model)
     other = nn.Sequential(nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4)))
-    with pytest.raises(ValueError, match=r"plan: '0' \(replicated_with_grad_allreduce\) holds the parallel "
-                                         r"layer '0.1'"):
-        tp_kernels.parallelize(other, {"0": "replicated_with_grad_allreduce", "0.1": "colwise"})
+    for style in ("replicated_with_grad_allreduce", "replicated_with_output_grad_allreduce"):
+        with pytest.raises(ValueError, match=rf"plan: '0' \({style}\) holds the parallel layer '0.1'"):
+            tp_kernels.parallelize(other, {"0": style, "0.1": "colwise"})
     assert isinstance(other[0][1], nn.Linear)  # untouched
+    gated = nn.Sequential(nn.Linear(4, 1))  # (kept, its output's gradient summed: on one rank nothing)
+    gate = gated[0]
+    tp_kernels.parallelize(gated, {"0": "replicated_with_output_grad_allreduce"})
+    assert gated[0] is gate
     torch.manual_seed(0)
     dense = nn.Sequential(nn.Linear(4, 2), nn.Linear(2, 3))
     rep = tp_kernels.parallelize(copy.deepcopy(dense), {"0": "colwise_rep", "1": "rowwise_rep"})  # (transformers')

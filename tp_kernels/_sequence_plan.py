@@ -15,7 +15,7 @@ for :func:`tp_kernels.parallelize`.
 from __future__ import annotations
 
 import fnmatch
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch.nn as nn
 
@@ -84,15 +84,32 @@ def _kind(layer: nn.Module, name: str, styles, experts, rows, kept) -> str:
 _PARTIAL_SUMMANDS = ("colwise", "packed_colwise", _ROW)
 
 
-def _partial_ok(layer: nn.Module, owner: str, styles, experts, hidden) -> bool:
+def _gates(layer: nn.Module, owner: str, styles) -> Dict[int, str]:
+    """The gates of the mixture of experts ``owner`` of ``layer`` that scale an expert beside the
+    routed ones (Qwen 2 MoE's and Qwen 3 Next's ``sigmoid(shared_expert_gate(x)) *
+    shared_expert(x)``), by id, each its name relative to the layer: a child ``<name>_gate`` of
+    the mixture, an ``nn.Linear`` of one output (a scalar a token), beside a child ``<name>`` that
+    holds a row layer of the plan (whose output, left partial, the gate then scales)."""
+    block = layer.get_submodule(owner)
+    rows = {id(m) for relative, style in styles.items() if style == _ROW for m in _matches(layer, relative)}
+    children = dict(block.named_children())
+    return {id(gate): f"{owner}.{name}_gate" for name, child in children.items()
+            for gate in [children.get(f"{name}_gate")]
+            if isinstance(gate, nn.Linear) and gate.out_features == 1 and any(id(m) in rows for m in child.modules())}
+
+
+def _partial_ok(layer: nn.Module, owner: str, styles, experts, hidden) -> Optional[Tuple[str, ...]]:
     """Whether the output of ``layer``'s mixture of experts ``owner`` is a sum of terms each rank
     computes its share of, so that the ranks' partial sums may go to one reduce-scatter: the plan
-    names nothing inside it but the experts, column and row layers (DeepSeek's shared experts:
-    their row layer's output left partial) and modules it keeps whole, and every other module of
-    it that holds parameters is a router (its weight ``[E, hidden]``, and any other parameter
-    ``[E]``: its scores go to the routing, not to the output). A module held whole that adds to the output (Qwen 2 MoE's shared
-    expert) adds what the ranks compute alike, which a reduce-scatter would count p times: then
-    the experts' output is summed."""
+    names nothing inside it but the experts, column and row layers (DeepSeek's and Qwen 3 Next's
+    shared experts: their row layer's output left partial) and modules it keeps whole, and every
+    other module of it that holds parameters is a router (its weight ``[E, hidden]``, and any other
+    parameter ``[E]``: its scores go to the routing, not to the output) or the gate of such a shared
+    expert (:func:`_gates`: its output, the scale of a partial sum, takes each rank's share of the
+    gradient, which the plan then sums over the group). A module held whole that adds to the output
+    (Qwen 2 MoE's shared expert, where the plan leaves it whole) adds what the ranks compute alike,
+    which a reduce-scatter would count p times: then the experts' output is summed (None). Returns
+    the gates' names (relative to the layer), or None."""
     block = layer.get_submodule(owner)
     inner = {id(m) for relative in experts for top in _matches(layer, relative) for m in top.modules()}
     planned = set()
@@ -101,23 +118,24 @@ def _partial_ok(layer: nn.Module, owner: str, styles, experts, hidden) -> bool:
             continue  # (a module kept whole, transformers' "ep_router": a router, or not, as below)
         hits = _matches(layer, relative)
         if hits and style not in _PARTIAL_SUMMANDS:
-            return False
+            return None
         planned.update(id(m) for m in hits)
     sizes = {q.shape[0] for m in block.modules() if id(m) in inner for q in m.parameters(recurse=False)
              if q.dim() == 3}  # (the experts' count: their 3-D weights' first dim)
     if len(sizes) != 1 or hidden is None:
-        return False
+        return None
     count = sizes.pop()
     children = {id(child) for child in block.children()}
+    gates = _gates(layer, owner, styles)
     for m in block.modules():
         own = [q.shape for q in m.parameters(recurse=False)]
-        if not own or id(m) in inner or id(m) in planned:
+        if not own or id(m) in inner or id(m) in planned or id(m) in gates:
             continue
         router = (id(m) in children and len(own) == len(list(m.parameters())) and (count, hidden) in own
                   and all(shape in ((count, hidden), (count,)) for shape in own))
         if not router:
-            return False
-    return True
+            return None
+    return tuple(gates.values())
 
 
 def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]] = None) -> Dict[str, object]:
@@ -139,15 +157,18 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
       the dense model's), the experts' output left each rank's partial sum (``(style,
       "partial")``), and the module's output reduce-scattered (``PrepareModuleInputOutput(...,
       output_layouts=Partial(), desired_output_layouts=Shard(1))``), one move; a row layer of the
-      plan inside it (DeepSeek's shared experts') leaves its output partial too
-      (``RowwiseParallel(output_layouts=Partial())``). That needs the module's output to be a sum
+      plan inside it (DeepSeek's and Qwen 3 Next's shared experts') leaves its output partial too
+      (``RowwiseParallel(output_layouts=Partial())``), and a gate scaling that expert's term (Qwen
+      3 Next's ``shared_expert_gate``: :func:`_gates`) runs whole, its output's gradient summed
+      (``"replicated_with_output_grad_allreduce"``). That needs the module's output to be a sum
       of such terms: where it holds another module with parameters besides its router (whose
-      weight is ``[E, hidden]``), Qwen 2 MoE's shared expert run whole, or a plan entry but a
-      column or row layer, the experts' output is summed whole and the module's split, an
-      all-reduce and a split (its row layers' outputs summed whole, as the plan has them). The
-      same module name in other layers holding a dense MLP
+      weight is ``[E, hidden]``) and such gates, Qwen 2 MoE's shared expert run whole (as its own
+      plan has it), or a plan entry but a column or row layer, the experts' output is summed
+      whole and the module's split, an all-reduce and a split (its row layers' outputs summed
+      whole, as the plan has them). The same module name in other layers holding a dense MLP
       (Qwen 3 MoE's first layers) is moved as the MLP is above (the owner's entries then per
-      layer, ``layers.0.mlp``);
+      layer, ``layers.0.mlp``); a module some layers do not hold (a hybrid's attention and linear
+      attention, Qwen 3 Next's) is moved in those that do;
     * a module whose entries leave their outputs whole (Phi 3's and OLMo 2's ``"colwise_rep"`` and
       ``"rowwise_rep"`` projections: gathered outputs, a split input's output summed): its input
       gathered, its output, whole on every rank, split (``PrepareModuleInputOutput``);
@@ -240,24 +261,29 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
         # mixture's partial sum, or sums its output whole where the mixture's is whole)
         mixtures = [layer for layer in layers if any(_matches(layer, e) for e in experts)]
         kept = {row for row in rows if any(_matches(layer, row) for layer in mixtures)}
+        # (None where a layer has no such module: a hybrid's attention in some layers, its linear attention
+        # in the others, Qwen 3 Next's)
         kinds = [_kind(layer, f"{layers_name}.{i}.{owner}", styles, experts, rows, kept)
-                 for i, layer in enumerate(layers)]
+                 if owner in layer._modules else None for i, layer in enumerate(layers)]
         for row in set(rows) - kept:
             if any(kind != "dense" and _matches(layer, row) for layer, kind in zip(layers, kinds)):
                 raise ValueError(f"plan: {layers_name}.*.{row} is a row layer of a module of some layers whose "
                                  "output must be whole (with another row layer that is inside a mixture of experts), "
                                  "and of others whose output it would reduce-scatter: write those layers' entries "
                                  "apart")
+        gates = set()  # (the mixtures' shared experts' gates, where their sums are partial)
         if "moe" in kinds:  # (every mixture of experts of the owner alike: leave their sums partial, or not; not
             # where a row layer of theirs sums its output whole in another layer)
-            partial = all(kind != "moe" or _partial_ok(layer, owner, styles, experts, hidden)
-                          for layer, kind in zip(layers, kinds)) and \
+            each = [_partial_ok(layer, owner, styles, experts, hidden) for layer, kind in zip(layers, kinds)
+                    if kind == "moe"]
+            partial = None not in each and \
                 not any(kind != "moe" and _matches(layer, row) for row in kept for layer, kind in zip(layers, kinds))
+            gates = {gate for names in each for gate in names or ()} if partial else set()
             kinds = [("partial" if partial else "summed") if kind == "moe" else kind for kind in kinds]
-        if len(set(kinds)) == 1:
-            out[f"{layers_name}.*.{owner}"] = moves_of[kinds[0]]
+        if len(set(kinds) - {None}) == 1:
+            out[f"{layers_name}.*.{owner}"] = moves_of[next(kind for kind in kinds if kind)]
         else:  # (Qwen 3 MoE's dense first layers: a module of the same name, moved otherwise)
-            out.update({f"{layers_name}.{i}.{owner}": moves_of[kind] for i, kind in enumerate(kinds)})
+            out.update({f"{layers_name}.{i}.{owner}": moves_of[kind] for i, kind in enumerate(kinds) if kind})
         for relative, value in entries.items():
             if relative in rows and relative not in kept:
                 value = RowwiseParallel(output_layouts=Shard(1))
@@ -266,6 +292,8 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
             elif relative in experts and "partial" in kinds:
                 value = (styles[relative], "partial")
             out[f"{layers_name}.*.{relative}"] = value
+        for gate in sorted(gates):  # (its output's gradient, each rank's share, summed: a shared expert's scale)
+            out[f"{layers_name}.*.{gate}"] = "replicated_with_output_grad_allreduce"
     out[f"{layers_name}.0"] = moved(Replicate(), Shard(1))
 
     for name in sorted({name for layer in layers for name, child in layer.named_children() if name not in inside}):

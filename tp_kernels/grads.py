@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Dict, Iterable
+from typing import Dict, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -99,35 +99,43 @@ def sum_grads_over_group(module: nn.Module, group=None) -> nn.Module:
     return module
 
 
-def sum_output_grads_over_group(module: nn.Module, columns: int, group=None) -> nn.Module:
+def sum_output_grads_over_group(module: nn.Module, columns: Optional[int], group=None) -> nn.Module:
     """Sum over the group, in every backward, the gradient of the last ``columns`` columns of
-    ``module``'s output (along its last dim); the output itself is unchanged.
+    ``module``'s output (along its last dim; ``None``: all of it); the output itself is unchanged.
 
     For a module every rank holds whole and runs alike, a part of whose output each rank then
     applies to its own heads only: DeepSeek's multi-head latent attention projects the input to
     ``[compressed key/value, rotary key]`` (``kv_a_proj_with_mqa``), the first part through a
     column layer (which sums its own input's gradient) and the second straight into every head's
     key. Each rank's gradient of that second part is its heads' share; without the sum, the ranks
-    would update the projection differently, silently. Installed as a forward hook (one all-reduce
-    per backward); returns ``module``. Nothing with one rank. :func:`parallelize`'s style
-    ``"mla_kv_a_proj"`` (Hugging Face's name) calls it with the model's ``qk_rope_head_dim``."""
+    would update the projection differently, silently. So, whole, for a module whose output scales a
+    term each rank holds its partial sum of: a shared expert's gate (Qwen 2 MoE's and Qwen 3 Next's
+    ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``), where that expert's row layer leaves its
+    output partial for the mixture's one reduce-scatter. Installed as a forward hook (one
+    all-reduce per backward); returns ``module``. Nothing with one rank. :func:`parallelize`'s
+    styles ``"mla_kv_a_proj"`` (Hugging Face's name) and ``"replicated_with_output_grad_allreduce"``
+    call it with the model's ``qk_rope_head_dim`` and with ``None``."""
     if not isinstance(module, nn.Module):
         raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
-    check_int("columns", columns)
+    if columns is not None:
+        check_int("columns", columns)
     group = coll.resolve_group(group)
     if coll.group_size(group) == 1:
         return module
 
     def hook(mod, args, output):
         def check():
-            if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[-1] < columns:
+            if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[-1] < (columns or 0):
                 raise ValueError(f"tp_kernels: sum_output_grads_over_group: {type(mod).__name__}'s output is "
                                  f"{describe(output) if isinstance(output, torch.Tensor) else type(output).__name__}, "
-                                 f"which has no last {columns} columns")
+                                 f"which has no last {'dim' if columns is None else f'{columns} columns'}")
 
         # (agreed, as the layers' calls: ranks whose outputs differ raise together, before the backward's sum)
         agree(f"{type(mod).__name__} (sum_output_grads_over_group)", group, check,
-              lambda _: f"output {describe(output)}, its last {columns} columns", hint=output)
+              lambda _: f"output {describe(output)}, {'all' if columns is None else f'its last {columns}'} columns",
+              hint=output)
+        if columns is None:
+            return copy_to(output, group)
         own, shared = output.split([output.shape[-1] - columns, columns], -1)
         return torch.cat([own, copy_to(shared, group)], -1)
 

@@ -60,9 +60,16 @@ STYLES = {
     # the group (grads.sum_output_grads_over_group); ("mla_kv_a_proj", columns), or the model's
     # config.qk_rope_head_dim columns
     "mla_kv_a_proj": (nn.Linear, None),
+    # kept as it is, the gradient of its whole output summed over the group
+    # (grads.sum_output_grads_over_group): a module every rank runs alike whose output scales a term
+    # each rank holds its partial sum of (a shared expert's gate, where the expert's row layer leaves
+    # its output partial: sequence_parallel_plan writes it)
+    "replicated_with_output_grad_allreduce": (nn.Module, None),
 }
 #: the styles of a module the plan splits parameters of, by their names
 _OWNERS = ("moe_tp_experts", "moe_ep_experts", "local_params")
+#: the styles of a module every rank holds whole and runs alike, a gradient of it summed over the group
+_REPLICATED = ("replicated_with_grad_allreduce", "replicated_with_output_grad_allreduce")
 #: the styles of a mixture's experts, shard_experts' modules
 _EXPERTS = ("moe_tp_experts", "moe_ep_experts")
 #: the styles whose output a plan may leave each rank's partial sum, (style, "partial"), for a
@@ -174,7 +181,11 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     experts without it is an error) or ``"mla_kv_a_proj"`` (DeepSeek's
     ``kv_a_proj_with_mqa``, kept, the gradient of its output's rotary key columns, the model's
     ``config.qk_rope_head_dim`` or ``("mla_kv_a_proj", columns)``, summed over the group:
-    :func:`tp_kernels.grads.sum_output_grads_over_group`), ``"local_params"`` (any module, kept,
+    :func:`tp_kernels.grads.sum_output_grads_over_group`), ``"replicated_with_output_grad_allreduce"``
+    (any module, kept, the gradient of its whole output summed over the group, the same function:
+    a module whose output scales a term each rank holds its partial sum of, a shared expert's gate
+    where that expert's row layer leaves its output partial, as :func:`sequence_parallel_plan`
+    writes it), ``"local_params"`` (any module, kept,
     the parameters the plan names split, a per-head vector ``"attn.sinks": "colwise"`` as its heads
     are: :func:`tp_kernels.experts.shard_parameters`) or ``"replicate"`` (kept as it is, whole on
     every rank: the same as leaving it out). These are Hugging Face's style names, so that a
@@ -294,6 +305,8 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
             shard_parameters(m, split_styles[id(m)], group)
         elif style == "mla_kv_a_proj":
             sum_output_grads_over_group(m, style_of[id(m)][2], group)
+        elif style == "replicated_with_output_grad_allreduce":
+            sum_output_grads_over_group(m, None, group)
         elif style == "moe_identity_expert":
             share_identity_expert(m, group)
         elif style == "embedding_colwise":
@@ -458,14 +471,14 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
                 name.startswith(owner + ".") and chosen[owner][0] == "moe_tp_experts" for owner in chosen):
             raise ValueError(f"plan: {name!r} ('moe_identity_expert') divides its input by the group's size, for "
                              "the sum of the 'moe_tp_experts' experts it is inside; it is inside none")
-        if style == "replicated_with_grad_allreduce":
+        if style in _REPLICATED:
             inner = [n for n, sub in named if n.startswith(name + ".") and (
                 getattr(type(sub), "sharded_parameters", None) or "parameter_splits" in sub.__dict__
                 or id(sub) in by_parameter or chosen.get(n, (style,))[0] not in (style, "replicate"))]
             if inner:
-                raise ValueError(f"plan: {name!r} (replicated_with_grad_allreduce) holds the parallel layer "
-                                 f"{inner[0]!r}, whose gradients must not be summed over the group: name the "
-                                 "modules whose parameters every rank holds whole")
+                raise ValueError(f"plan: {name!r} ({style}) holds the parallel layer {inner[0]!r}, whose "
+                                 "gradients must not be summed over the group: name the modules every rank holds "
+                                 "whole")
 
     ties = _ties(module, named, style_of)
     return named, chosen, style_of, split_styles, ties, as_dtensor
