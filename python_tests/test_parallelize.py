@@ -1553,6 +1553,44 @@ def test_moe_sequence_parallel_plan(world2, kind, parallelism):
     world2.run(check_moe_sequence_parallel_plan, kind, parallelism)
 
 
+def check_hybrid_sequence_parallel_plan():
+    """NemotronH, a hybrid whose decoder layers each hold one ``mixer`` of their own kind (a Mamba-2
+    mixer, a mixture of experts, an attention, an MLP) and a ``norm``, its Mamba mixer a gated
+    ``norm`` of its own: the plan names the layers' norms each by its own name (``layers.*.norm``
+    would name the mixer's too, which runs whole on every rank: its gradient would be summed p
+    times), the mixers run whole on the gathered sequence (its plan splits the experts alone), and
+    the logits, the loss and every gradient are the dense model's in float64, to float32's
+    precision of its size (its norms computed in float32)."""
+    import transformers
+
+    config = transformers.NemotronHConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=24, num_attention_heads=4, num_key_value_heads=4, head_dim=4,
+        max_position_embeddings=64, mamba_num_heads=4, mamba_head_dim=4, n_groups=2, ssm_state_size=4,
+        moe_intermediate_size=8, moe_shared_expert_intermediate_size=12, n_routed_experts=4, num_experts_per_tok=2,
+        hybrid_override_pattern="ME*-", pad_token_id=0, attn_implementation="sdpa", experts_implementation="eager")
+    torch.manual_seed(0)
+    dense = transformers.NemotronHForCausalLM(config).double()
+    plan = tp_kernels.sequence_parallel_plan(dense)
+    assert "model.layers.*.norm" not in plan and all(
+        isinstance(plan[f"model.layers.{i}.norm"], torch.distributed.tensor.parallel.SequenceParallel)
+        for i in range(4)), plan
+    assert not any(name.startswith("model.layers.0.mixer.norm") for name in plan), plan
+    par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+    ids = torch.randint(1, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    want, got = dense(ids, use_cache=False), par(ids, use_cache=False)
+    torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=64 * torch.finfo(torch.float32).eps)
+    want.logits.square().sum().backward()
+    got.logits.square().sum().backward()
+    assert_dense_grads(par, dense, 16 * torch.finfo(torch.float32).eps)
+
+
+def test_hybrid_sequence_parallel_plan(world2):
+    transformers = pytest.importorskip("transformers")
+    if getattr(transformers, "NemotronHConfig", None) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no NemotronHConfig")
+    world2.run(check_hybrid_sequence_parallel_plan)
+
+
 def test_sequence_parallel_plan_errors():
     """What :func:`tp_kernels.sequence_parallel_plan` cannot write is a ValueError naming it: a
     module whose entries leave its output split along the hidden units and hold no row layer, a
@@ -1955,6 +1993,86 @@ def test_dense_state_dict_joins_and_refuses_incomplete_entries():
                        ([t[0]], "state_dict: expected a mapping, got list")]:
         with pytest.raises(ValueError, match=match):
             tp_kernels.dense_state_dict(bad)
+
+
+class _LearnedActivation(nn.Module):
+    """An MLP whose activation holds a parameter (a PReLU's slope), applied to the first layer's
+    output, or (``view``) to a view of it."""
+
+    def __init__(self, view: bool = False):
+        super().__init__()
+        self.up, self.act, self.down, self.view = nn.Linear(4, 8), nn.PReLU(), nn.Linear(8, 4), view
+
+    def forward(self, x):
+        h = self.up(x)
+        return self.down(self.act(h.view(*h.shape[:-1], 2, -1)).flatten(-2) if self.view else self.act(h))
+
+
+def check_parameters_on_column_outputs():
+    """A module the plan does not name that holds parameters and takes a column layer's output
+    (or a view of it), each rank's block of its columns: ``parallelize`` watches each such module's
+    first call, which raises ValueError naming it, the column layer and the plan entry that fixes it
+    where gradients are taken; under no_grad the output is the dense one, and a gradient that
+    reaches its parameters later raises the same. Named ``"replicated_with_grad_allreduce"``, every
+    gradient is the dense model's; named ``"replicate"``, nothing is raised. The hooks are gone
+    after the first call. transformers' Apertus (its learnable xIELU activation) by its own plan
+    raises so, and with the entry its gradients are the dense model's."""
+    _, p = rank_world()
+    plan = {"up": "colwise", "down": "rowwise"}
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))  # (alike on every rank)
+    for view in (False, True):
+        torch.manual_seed(0)
+        dense = _LearnedActivation(view).double()
+        par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+        if p == 1:
+            assert not par.act._forward_pre_hooks and not par.up._forward_hooks
+            continue
+        with pytest.raises(ValueError, match=r"'act' \(PReLU\) holds parameters \(weight\) that the plan keeps whole, "
+                                             r"and takes the output of the column layer 'up'.*Name it in the plan: "
+                                             r"'act': 'replicated_with_grad_allreduce'"):
+            par(x)
+        assert not par.act._forward_pre_hooks and not par.up._forward_hooks  # (checked once)
+        par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+        with torch.no_grad():
+            torch.testing.assert_close(par(x), dense(x), rtol=1e-12, atol=1e-12)
+        with pytest.raises(ValueError, match=r"'act' \(PReLU\) holds parameters"):
+            par(x).sum().backward()
+    for style in ("replicated_with_grad_allreduce", "replicate"):
+        torch.manual_seed(0)
+        dense = _LearnedActivation().double()
+        par = tp_kernels.parallelize(copy.deepcopy(dense), {**plan, "act": style})
+        dense(x).square().sum().backward()
+        par(x).square().sum().backward()
+        assert not par.up._forward_hooks
+        if style == "replicated_with_grad_allreduce":
+            assert_dense_grads(par, dense, 1e-12)
+        elif p > 1:  # (told it applies its parameter elsewhere: taken at its word, each rank its share)
+            assert not torch.allclose(par.act.weight.grad, dense.act.weight.grad)
+
+    transformers = pytest.importorskip("transformers")
+    if getattr(transformers, "ApertusConfig", None) is None:
+        return
+    config = transformers.ApertusConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4, head_dim=4,
+                                        max_position_embeddings=64, attn_implementation="sdpa", pad_token_id=0)
+    torch.manual_seed(0)
+    dense = transformers.ApertusForCausalLM(config).double()
+    ids = torch.randint(1, 32, (2, 6), generator=torch.Generator().manual_seed(1))
+    if p > 1:
+        par = tp_kernels.parallelize(copy.deepcopy(dense), dict(dense.tp_plan))
+        with pytest.raises(ValueError, match=r"'model.layers.0.mlp.act_fn' \(XIELUActivation\) holds parameters "
+                                             r"\(alpha_p, alpha_n\).*'model.layers.\*.mlp.act_fn': "
+                                             r"'replicated_with_grad_allreduce'"):
+            par(ids)
+    plan = {**dense.tp_plan, "model.layers.*.mlp.act_fn": "replicated_with_grad_allreduce"}
+    par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+    assert_same_loss_and_backward(dense, par, ids)
+    assert_dense_grads(par, dense, 1e-12)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_parameters_on_column_outputs(world):
+    world.run(check_parameters_on_column_outputs)
 
 
 def test_hugging_face_style_names_and_their_errors():

@@ -185,7 +185,9 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
     Returns the plan (torch's style objects beside the plan's own entries, which the caller may
     change: the key/value projections' entries where the group's size exceeds their heads), for
     ``tp_kernels.parallelize(model, plan, group=...)``. Each module is moved by its forward's first
-    input, by position or by name. A ``ValueError`` names what it cannot write so: a plan with
+    input, by position or by name; the modules of every layer it names by one pattern,
+    ``<layers>.*.<name>``, where that names no other module (fnmatch's ``*`` spans dots), else
+    each layer's by its own name. A ``ValueError`` names what it cannot write so: a plan with
     torch's styles already; entries outside the decoder layers other than the embedding's and the
     head's; a module of the layers whose entries hold no row layer and no experts and leave its
     output split along the hidden units (a plan of column layers alone); no decoder layers;
@@ -219,6 +221,16 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
     if not isinstance(layers, nn.ModuleList) or not len(layers):
         raise ValueError(f"plan: {layers_name!r} is not a list of decoder layers (an nn.ModuleList)")
     names = {id(m): name for name, m in model.named_modules()}
+    every_name = [name for name, _ in model.named_modules(remove_duplicate=False)]
+
+    def each_layer(relative: str, value) -> None:
+        # (value for the module ``relative`` of every decoder layer: one pattern where it names those alone, else
+        # each layer's own entry; fnmatch's "*" spans dots, so that "layers.*.norm" would name a norm inside a
+        # layer's module too, NemotronH's Mamba mixer's, which its module runs whole)
+        pattern, own = f"{layers_name}.*.{relative}", {f"{layers_name}.{i}.{relative}" for i in range(len(layers))}
+        hits = [name for name in every_name if fnmatch.fnmatchcase(name, pattern)]
+        out.update({pattern: value} if set(hits) <= own else {name: value for name in sorted(set(hits) & own)})
+
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     embedding_name = names.get(id(embedding)) if embedding is not None else None
     head_name = names.get(id(head)) if head is not None else None
@@ -281,7 +293,7 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
             gates = {gate for names in each for gate in names or ()} if partial else set()
             kinds = [("partial" if partial else "summed") if kind == "moe" else kind for kind in kinds]
         if len(set(kinds) - {None}) == 1:
-            out[f"{layers_name}.*.{owner}"] = moves_of[next(kind for kind in kinds if kind)]
+            each_layer(owner, moves_of[next(kind for kind in kinds if kind)])
         else:  # (Qwen 3 MoE's dense first layers: a module of the same name, moved otherwise)
             out.update({f"{layers_name}.{i}.{owner}": moves_of[kind] for i, kind in enumerate(kinds) if kind})
         for relative, value in entries.items():
@@ -293,18 +305,19 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
                 value = (styles[relative], "partial")
             out[f"{layers_name}.*.{relative}"] = value
         for gate in sorted(gates):  # (its output's gradient, each rank's share, summed: a shared expert's scale)
-            out[f"{layers_name}.*.{gate}"] = "replicated_with_output_grad_allreduce"
+            each_layer(gate, "replicated_with_output_grad_allreduce")
     out[f"{layers_name}.0"] = moved(Replicate(), Shard(1))
 
     for name in sorted({name for layer in layers for name, child in layer.named_children() if name not in inside}):
-        held = [child for child in (layer.get_submodule(name) for layer in layers if hasattr(layer, name))
-                if _holds_parameters(child)]
+        # (a module some layers hold, and others not, or as None: a hybrid's)
+        held = [child for child in (layer._modules.get(name) for layer in layers)
+                if child is not None and _holds_parameters(child)]
         norms = {_is_norm(child) for child in held}
         if norms == {True}:
-            out[f"{layers_name}.*.{name}"] = SequenceParallel()
+            each_layer(name, SequenceParallel())
         elif norms == {False}:  # (a module the plan leaves whole, DeepSeek-V3's attention: run whole on every
             # rank, as the plan has it, on the gathered sequence, its output split)
-            out[f"{layers_name}.*.{name}"] = moves_of["summed"]
+            each_layer(name, moves_of["summed"])
         elif norms:
             raise ValueError(f"model: {layers_name}.*.{name} is a norm in some layers and not in others")
     base_name, _, _ = layers_name.rpartition(".")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import itertools
+import re
+import weakref
 from typing import Dict, Mapping
 
 import torch
@@ -245,7 +247,9 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     only, or plans that differ, raise on every rank), and then that every rank holds the same dense
     model (a digest of its parameters' and buffers' names, shapes, dtypes and a sample of their
     values): ranks that drew their weights from different random states raise ``RuntimeError``,
-    rather than each keep its shard of another model. Returns ``module``.
+    rather than each keep its shard of another model. A module the plan does not name that holds
+    parameters and takes a column layer's output raises ``ValueError`` at its first call
+    (:func:`_watch_column_outputs`). Returns ``module``.
     """
     group = coll.resolve_group(group)
     p = coll.group_size(group)
@@ -315,7 +319,103 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
             sum_grads_over_group(m, group)
         elif style == "redistribute":
             redistribute(m, style_of[id(m)][2], group)
+    if p > 1:
+        _watch_column_outputs(module, chosen)
     return module
+
+
+def _watch_column_outputs(module: nn.Module, chosen: Dict[str, tuple]) -> None:
+    """Check, at each module's first call, that no module the plan does not name that holds
+    parameters (beside a column layer, inside the module holding it) takes a column layer's output
+    (or a view of it), each rank's block of its columns: its parameters would then take on each
+    rank that block's share of their gradient, silently not the dense one (transformers' Apertus,
+    whose learnable activation runs on the MLP's column outputs). Such a call raises
+    ``ValueError`` naming the module, where gradients are taken (else a gradient that reaches the
+    parameters later does): the plan names it ``"replicated_with_grad_allreduce"`` (its gradients
+    summed over the group) or ``"replicate"`` (it applies them to something else). Forward hooks,
+    each removed after its first call (none where there is nothing to watch): no cost after the
+    first forward."""
+    named = dict(module.named_modules(remove_duplicate=False))
+    columns = {id(m): name for name, m in named.items() if isinstance(m, ColumnParallelLinear) and not m.gather_output}
+    covered = set()  # (the modules the plan names, and everything inside one it keeps)
+    for name in chosen:
+        covered.update(id(m) for m in named[name].modules())
+    watched: Dict[int, tuple] = {}
+    for name, m in named.items():
+        if id(m) not in columns:
+            continue
+        parent = module.get_submodule(name.rpartition(".")[0])
+        for inner_name, inner in parent.named_modules(prefix=name.rpartition(".")[0]):
+            if inner is not parent and id(inner) not in covered and id(inner) not in watched and \
+                    next(inner.parameters(recurse=False), None) is not None:
+                watched[id(inner)] = (inner_name, inner)
+    if not watched:
+        return
+    shards: Dict[int, tuple] = {}  # id(a column layer's output) -> (a weak reference to it, the layer's name)
+    handles = []
+
+    def finish(*_):  # (every hook removed: each watched module called once, or the model's first call done)
+        for h in handles:
+            h.remove()
+        handles.clear()
+        watched.clear()
+        shards.clear()
+
+    def record(layer, args, output):
+        if not torch.compiler.is_compiling():
+            out = output[0] if isinstance(output, tuple) else output
+            shards[id(out)] = (weakref.ref(out), columns[id(layer)])
+
+    def source_of(x):
+        for t in (x, x._base):
+            entry = shards.get(id(t)) if t is not None else None
+            if entry is not None and entry[0]() is t:
+                return entry[1]
+        return None
+
+    def check(name: str, m: nn.Module, handle):
+        def hook(_, args, kwargs):
+            if torch.compiler.is_compiling():
+                return
+            handle[0].remove()
+            watched.pop(id(m), None)
+            sources = [source_of(x) for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+            if not watched:
+                finish()
+            if any(sources):
+                _shared_parameters(name, m, next(filter(None, sources)))
+        return hook
+
+    for layer_name in columns.values():
+        handles.append(named[layer_name].register_forward_hook(record))
+    for name, m in list(watched.values()):
+        handle = [None]
+        handle[0] = m.register_forward_pre_hook(check(name, m, handle), with_kwargs=True)
+        handles.append(handle[0])
+    handles.append(module.register_forward_hook(finish))
+
+
+def _shared_parameters(name: str, m: nn.Module, source: str) -> None:
+    """What :func:`_watch_column_outputs` does on finding ``m`` (``name``) fed by the column layer
+    ``source``: a ``ValueError`` now where its parameters take gradients, else one raised by any
+    gradient that reaches them."""
+    params = [attr for attr, q in m.named_parameters(recurse=False) if q.requires_grad]
+    if not params:
+        return
+    pattern = re.sub(r"(?<=\.)\d+(?=\.)", "*", name)  # (every layer's: "model.layers.*.mlp.act_fn")
+    message = (f"tp_kernels: parallelize: {name!r} ({type(m).__name__}) holds parameters ({', '.join(params)}) that "
+               f"the plan keeps whole, and takes the output of the column layer {source!r}, each rank's block of its "
+               "columns: its gradient on each rank would be that block's share, not the dense one. Name it in the "
+               f"plan: {pattern!r}: 'replicated_with_grad_allreduce' (its gradients summed over the group), or "
+               "'replicate' (it applies its parameters to something else)")
+    if torch.is_grad_enabled():
+        raise ValueError(message)
+
+    def refuse(_):
+        raise ValueError(message)
+
+    for attr in params:
+        getattr(m, attr).register_hook(refuse)
 
 
 def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool, sequence_parallel: bool,
