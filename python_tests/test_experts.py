@@ -878,12 +878,14 @@ def test_sum_output_grads_over_group(world):
     world.run(check_sum_output_grads_over_group)
 
 
-def check_hugging_face_local_params(kind):
+def check_hugging_face_local_params(kind, sequence=False):
     """transformers models whose attention applies per-head parameters of its own (``"local_params"``,
     each split as the heads are, ``"colwise"`` on a 1-D parameter): Granite SWA's attention sinks,
-    and Beam's per-head gate bias (beside its experts and per-head norms), by their own plans. The
-    logits and every gradient are the dense model's; both models force their attention's
-    softmax and sink scaling to float32, so to float32's precision of their size."""
+    and Beam's per-head gate bias (beside its experts and per-head norms), by their own plans, or
+    (``sequence``) under sequence parallelism by :func:`tp_kernels.sequence_parallel_plan` of them
+    (the attention kept, ``"local_params"``, and moved too: its input gathered). The logits and
+    every gradient are the dense model's; both models force their attention's softmax and sink
+    scaling to float32, so to float32's precision of their size."""
     import transformers
 
     r, p = rank_world()
@@ -904,11 +906,17 @@ def check_hugging_face_local_params(kind):
             layer.get_parameter(held).normal_()
     plan = dict(dense.tp_plan)
     assert plan["model.layers.*.self_attn"] == "local_params", plan
+    if sequence:
+        plan = tp_kernels.sequence_parallel_plan(dense, plan)
+        assert plan["model.layers.*.self_attn"] == "local_params" and "model.layers.1.self_attn" in plan, plan
     par = tp_kernels.parallelize(copy.deepcopy(dense), plan, strict=False)
     whole = dense.model.layers[0].get_parameter(held).detach()
     assert torch.equal(par.model.layers[0].get_parameter(held), whole.chunk(p)[r])
-    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
+    seen = []
+    par.model.layers[1].register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
     want, got = dense(ids, labels=ids), par(ids, labels=ids)
+    assert seen == [8 // p if sequence else 8], seen  # (the decoder layers on each rank's block of the sequence)
     eps = 4 * torch.finfo(torch.float32).eps
     torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=eps * want.logits.abs().max().item())
     want.loss.backward()
@@ -918,10 +926,11 @@ def check_hugging_face_local_params(kind):
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
 @pytest.mark.parametrize("kind", ["granite_swa", "beam"])
-def test_hugging_face_local_params(world, kind):
+@pytest.mark.parametrize("sequence", [False, True])
+def test_hugging_face_local_params(world, kind, sequence):
     skip_unless_own_plan({"granite_swa": "GraniteSWAConfig", "beam": "BeamConfig"}[kind], "layers.*.self_attn",
                          "local_params")
-    world.run(check_hugging_face_local_params, kind)
+    world.run(check_hugging_face_local_params, kind, sequence)
 
 
 def check_moe_under_fully_sharded_data_parallel(path, parallelism="tp"):

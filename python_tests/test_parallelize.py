@@ -647,8 +647,8 @@ def test_torch_partial_outputs(world):
 def check_torch_parallel_style_errors():
     """What tp_kernels cannot take of torch's styles is a ValueError naming the pattern, before
     anything is replaced: DTensor outputs, an embedding's columns left split, a row layer's whole
-    input with a sequence-split output, a move between two shardings, a style on a parameter, and
-    a DeviceMesh of two dims."""
+    input with a sequence-split output, a move between two shardings, a style on a parameter, a
+    move of a layer the plan replaces or two moves of one module, and a DeviceMesh of two dims."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
@@ -672,6 +672,13 @@ def check_torch_parallel_style_errors():
         ({"output": ColwiseParallel(input_layouts=Shard(-1))}, r"input_layouts=Shard\(-1\): expected Replicate\(\) "
                                                                 r"or the sequence"),
         ({"layers.*.attention": "redistribute"}, r"'redistribute' moves a module's inputs or outputs between layouts"),
+        ({"output": "colwise", "outpu[t]": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())},
+         r"plan: 'output' is matched as \('redistribute', Moves.*but the same module \('output'\) as 'colwise', which "
+         r"replaces it"),
+        ({"layers.*.attention": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+          "layers.0.attention": PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1))},
+         r"plan: 'layers.0.attention' is matched as \('redistribute', Moves\(inputs=\(\(0, \('scatter', 1\)\),\).*"
+         r"but the same module \('layers.0.attention'\) as \('redistribute', Moves\(inputs=\(\(0, \('gather', 1\)"),
     ]
     for plan, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -2016,7 +2023,8 @@ def check_parameters_on_column_outputs():
     reaches its parameters later raises the same. Named ``"replicated_with_grad_allreduce"``, every
     gradient is the dense model's; named ``"replicate"``, nothing is raised. The hooks are gone
     after the first call. transformers' Apertus (its learnable xIELU activation) by its own plan
-    raises so, and with the entry its gradients are the dense model's."""
+    raises so, and so under sequence parallelism (its MLP moved whole by sequence_parallel_plan);
+    with the entry its gradients are the dense model's, both ways."""
     _, p = rank_world()
     plan = {"up": "colwise", "down": "rowwise"}
     x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))  # (alike on every rank)
@@ -2057,17 +2065,21 @@ def check_parameters_on_column_outputs():
                                         max_position_embeddings=64, attn_implementation="sdpa", pad_token_id=0)
     torch.manual_seed(0)
     dense = transformers.ApertusForCausalLM(config).double()
-    ids = torch.randint(1, 32, (2, 6), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(1, 32, (2, 8), generator=torch.Generator().manual_seed(1))
     if p > 1:
-        par = tp_kernels.parallelize(copy.deepcopy(dense), dict(dense.tp_plan))
-        with pytest.raises(ValueError, match=r"'model.layers.0.mlp.act_fn' \(XIELUActivation\) holds parameters "
-                                             r"\(alpha_p, alpha_n\).*'model.layers.\*.mlp.act_fn': "
-                                             r"'replicated_with_grad_allreduce'"):
-            par(ids)
+        for plan in (dict(dense.tp_plan), tp_kernels.sequence_parallel_plan(dense)):  # (moved whole: watched too)
+            par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+            with pytest.raises(ValueError, match=r"'model.layers.0.mlp.act_fn' \(XIELUActivation\) holds parameters "
+                                                 r"\(alpha_p, alpha_n\).*'model.layers.\*.mlp.act_fn': "
+                                                 r"'replicated_with_grad_allreduce'"):
+                par(ids)
     plan = {**dense.tp_plan, "model.layers.*.mlp.act_fn": "replicated_with_grad_allreduce"}
-    par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
-    assert_same_loss_and_backward(dense, par, ids)
-    assert_dense_grads(par, dense, 1e-12)
+    for plan in (plan, tp_kernels.sequence_parallel_plan(dense, plan)):
+        for q in dense.parameters():
+            q.grad = None
+        par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+        assert_same_loss_and_backward(dense, par, ids)
+        assert_dense_grads(par, dense, 1e-12)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)

@@ -246,9 +246,11 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
         if pattern.startswith(f"{layers_name}.*."):
             relative = pattern[len(layers_name) + 3:]
             owner = relative.split(".")[0]
-            if owner == relative:
+            if owner == relative and _style_name(value) != "local_params":  # (an attention's own per-head
+                # parameters, its sinks: kept with it, and the module moved too)
                 raise ValueError(f"plan[{pattern!r}]: a module of the decoder layer itself; the plan's layers must "
-                                 "lie inside its modules (the attention, the MLP)")
+                                 "lie inside its modules (the attention, the MLP), or be its per-head parameters "
+                                 "('local_params')")
             inside.setdefault(owner, {})[relative] = value
         elif pattern == embedding_name:
             out[pattern] = value
@@ -292,9 +294,10 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
                 not any(kind != "moe" and _matches(layer, row) for row in kept for layer, kind in zip(layers, kinds))
             gates = {gate for names in each for gate in names or ()} if partial else set()
             kinds = [("partial" if partial else "summed") if kind == "moe" else kind for kind in kinds]
-        if len(set(kinds) - {None}) == 1:
+        if len(set(kinds) - {None}) == 1 and owner not in entries:
             each_layer(owner, moves_of[next(kind for kind in kinds if kind)])
-        else:  # (Qwen 3 MoE's dense first layers: a module of the same name, moved otherwise)
+        else:  # (Qwen 3 MoE's dense first layers: a module of the same name, moved otherwise; an attention the
+            # plan names itself, "local_params", whose pattern that entry holds)
             out.update({f"{layers_name}.{i}.{owner}": moves_of[kind] for i, kind in enumerate(kinds) if kind})
         for relative, value in entries.items():
             if relative in rows and relative not in kept:

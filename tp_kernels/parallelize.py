@@ -72,6 +72,10 @@ STYLES = {
 _OWNERS = ("moe_tp_experts", "moe_ep_experts", "local_params")
 #: the styles of a module every rank holds whole and runs alike, a gradient of it summed over the group
 _REPLICATED = ("replicated_with_grad_allreduce", "replicated_with_output_grad_allreduce")
+#: the styles of a module kept whose parameters, its submodules' too, the plan takes care of (summed, split,
+#: or, "replicate", said to be whole)
+_WHOLE_SUBTREES = ("replicated_with_grad_allreduce", "replicated_with_output_grad_allreduce", "replicate",
+                   "moe_tp_experts", "moe_ep_experts", "moe_identity_expert")
 #: the styles of a mixture's experts, shard_experts' modules
 _EXPERTS = ("moe_tp_experts", "moe_ep_experts")
 #: the styles whose output a plan may leave each rank's partial sum, (style, "partial"), for a
@@ -257,7 +261,7 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     # (agreed, as initialize_model_parallel is: a rank whose plan fails raises its ValueError, the
     # others a RuntimeError naming it, and ranks given different plans all raise, before anything
     # is replaced; then that every rank holds the same dense weights)
-    named, chosen, style_of, split_styles, ties, as_dtensor = agree(
+    named, chosen, style_of, split_styles, ties, as_dtensor, also_moved = agree(
         "parallelize", group, lambda: _resolve(module, plan, p, strict, sequence_parallel, sequence_dim),
         lambda _: f"plan {_digest(repr([(str(k), describe(v)) for k, v in plan.items()]))}, "
                   f"sequence_parallel {sequence_parallel}, sequence_dim {sequence_dim!r}, strict {strict}, "
@@ -319,6 +323,9 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
             sum_grads_over_group(m, group)
         elif style == "redistribute":
             redistribute(m, style_of[id(m)][2], group)
+    for name, moves in also_moved:  # (kept, as its style has it, and moved: sequence_parallel_plan's attention
+        # with per-head parameters of its own, "local_params")
+        redistribute(module.get_submodule(name), moves, group)
     if p > 1:
         _watch_column_outputs(module, chosen)
     return module
@@ -337,9 +344,11 @@ def _watch_column_outputs(module: nn.Module, chosen: Dict[str, tuple]) -> None:
     first forward."""
     named = dict(module.named_modules(remove_duplicate=False))
     columns = {id(m): name for name, m in named.items() if isinstance(m, ColumnParallelLinear) and not m.gather_output}
-    covered = set()  # (the modules the plan names, and everything inside one it keeps)
-    for name in chosen:
-        covered.update(id(m) for m in named[name].modules())
+    covered = set()  # (the modules the plan names, but those it only moves, and everything inside one whose
+    # gradients it takes care of whole)
+    for name, (style, _, _) in chosen.items():
+        if style != "redistribute":
+            covered.update(id(m) for m in (named[name].modules() if style in _WHOLE_SUBTREES else [named[name]]))
     watched: Dict[int, tuple] = {}
     for name, m in named.items():
         if id(m) not in columns:
@@ -421,10 +430,11 @@ def _shared_parameters(name: str, m: nn.Module, source: str) -> None:
 def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool, sequence_parallel: bool,
              sequence_dim):
     """:func:`parallelize`'s checks, which change nothing: ``(named, chosen, style_of, split_styles,
-    ties, as_dtensor)``, what it replaces and keeps (``chosen``: ``{name: (style, outputs, sequence
-    dim or None)}``; ``split_styles``: ``{id(module): {attribute: style}}``, the parameters the plan
-    splits by name; ``as_dtensor``: the column layers whose output is handed on as a DTensor), or
-    a ``ValueError`` naming the pattern and the module."""
+    ties, as_dtensor, also_moved)``, what it replaces and keeps (``chosen``: ``{name: (style,
+    outputs, sequence dim or None)}``; ``split_styles``: ``{id(module): {attribute: style}}``, the
+    parameters the plan splits by name; ``as_dtensor``: the column layers whose output is handed on
+    as a DTensor; ``also_moved``: ``[(name, moves)]``, the modules a kept style names that a torch
+    ``PrepareModule*`` style moves too), or a ``ValueError`` naming the pattern and the module."""
     if not isinstance(module, nn.Module):
         raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
     if not isinstance(plan, Mapping) or not plan:
@@ -443,6 +453,7 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
     sequence_of: Dict[int, tuple] = {}  # id(module) -> (its sequence dim or None, name)
     as_dtensor = []  # the names of the column layers whose output is handed on as a DTensor
     style_of: Dict[int, tuple] = {}  # id(module) -> (style, name, outputs): one style per module object
+    moves_of: Dict[int, tuple] = {}  # id(module) -> (name, its Moves): torch's PrepareModule* styles
     by_parameter: Dict[int, Dict[str, tuple]] = {}  # id(module) -> {attribute: (style, its name)}
     for pattern, entry in plan.items():
         torch_style = is_torch_style(entry)  # (read for each module it applies to)
@@ -516,6 +527,12 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
                     check_output_sizes(given[0], m.out_features, p, given[1])
                 except ValueError as exc:
                     raise ValueError(f"plan[{pattern!r}]: {name!r}: {exc}") from None
+            if style == "redistribute":  # (moves, kept apart: a module the plan keeps may be moved as well)
+                first_name, first_moves = moves_of.setdefault(id(m), (name, given))
+                if first_moves != given:
+                    raise ValueError(f"plan: {name!r} is matched as {_describe(style, given)}, but the same module "
+                                     f"({first_name!r}) as {_describe(style, first_moves)}")
+                continue
             first_style, first_name, first_outputs = style_of.setdefault(id(m), (style, name, given))
             if (first_style, first_outputs) != (style, given):
                 raise ValueError(
@@ -530,6 +547,18 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
             chosen[name] = (style, given, sequence)
             if dtensor and name not in as_dtensor:
                 as_dtensor.append(name)
+    also_moved = []  # (name, moves) of the modules the plan keeps (its style) and moves too
+    for key, (name, moves) in moves_of.items():
+        if key not in style_of:
+            style_of[key] = ("redistribute", name, moves)
+            chosen[name] = ("redistribute", moves, None)
+        elif STYLES[style_of[key][0]][1] is not None:
+            first_style, first_name, first_outputs = style_of[key]
+            raise ValueError(f"plan: {name!r} is matched as {_describe('redistribute', moves)}, but the same module "
+                             f"({first_name!r}) as {_describe(first_style, first_outputs)}, which replaces it: a "
+                             "replaced layer's input and output layouts are its torch style's")
+        else:
+            also_moved.append((name, moves))
 
     for name, owner_name, owner, attr in params:  # the modules whose parameters the plan splits, each checked whole
         if id(owner) not in by_parameter:
@@ -581,7 +610,7 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
                                  "whole")
 
     ties = _ties(module, named, style_of)
-    return named, chosen, style_of, split_styles, ties, as_dtensor
+    return named, chosen, style_of, split_styles, ties, as_dtensor, also_moved
 
 
 def _digest(text: str) -> str:
