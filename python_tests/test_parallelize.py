@@ -1591,6 +1591,50 @@ def check_hybrid_sequence_parallel_plan():
     assert_dense_grads(par, dense, 16 * torch.finfo(torch.float32).eps)
 
 
+def check_llama4_sequence_parallel_plan():
+    """Llama 4 by its own plan (transformers names its layers in it both from the text model,
+    ``layers.*``, and from the causal LM, ``model.layers.*``: the entries that name no module are
+    left out), its mixture of experts (a router scaling the experts' input, a shared expert split,
+    experts whose weights are transposed) returning its tokens flat, ``[b*s, h]``: the sequence
+    plan reduce-scatters that output as ``[b, s, h]`` (the experts' and the shared expert's partial
+    sums, one move) and hands it on flat, ``[b*s/p, h]``; the logits and every gradient are the
+    dense model's in float64, as by its plan without sequence parallelism (to float32's precision:
+    its router's sigmoid is taken in float32)."""
+    import transformers
+
+    _, p = rank_world()
+    config = transformers.Llama4TextConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=8, intermediate_size_mlp=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=4, num_local_experts=4, num_experts_per_tok=1,
+        max_position_embeddings=64, pad_token_id=0, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    dense = transformers.Llama4ForCausalLM(config).double()
+    plan = tp_kernels.sequence_parallel_plan(dense)
+    assert not any(k.startswith("layers.") for k in plan) and "model.layers.*.feed_forward" in plan, plan
+    flat = []
+    ids = torch.randint(1, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    eps = 4 * torch.finfo(torch.float32).eps  # (its router's sigmoid is taken in float32)
+    for given in (dict(dense.tp_plan), plan):
+        for q in dense.parameters():
+            q.grad = None
+        par = tp_kernels.parallelize(copy.deepcopy(dense), given, strict=False)  # (a dense MLP no layer holds)
+        par.model.layers[0].feed_forward.register_forward_hook(lambda m, args, out: flat.append(tuple(out[0].shape)))
+        want, got = dense(ids, use_cache=False), par(ids, use_cache=False)
+        torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=eps * want.logits.abs().max().item())
+        want.logits.square().sum().backward()
+        got.logits.square().sum().backward()
+        assert_dense_grads(par, dense, eps)
+    assert flat == [(16, 16), (16 // p, 16)], flat
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_llama4_sequence_parallel_plan(world):
+    transformers = pytest.importorskip("transformers")
+    if getattr(transformers, "Llama4TextConfig", None) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no Llama4TextConfig")
+    world.run(check_llama4_sequence_parallel_plan)
+
+
 def test_hybrid_sequence_parallel_plan(world2):
     transformers = pytest.importorskip("transformers")
     if getattr(transformers, "NemotronHConfig", None) is None:

@@ -36,6 +36,13 @@ def _style_name(value) -> str:
     return ALIASES.get(name, name) if isinstance(name, str) else repr(name)
 
 
+def _submodule(model: nn.Module, name: str) -> Optional[nn.Module]:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
 def _holds_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
@@ -187,7 +194,9 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
     ``tp_kernels.parallelize(model, plan, group=...)``. Each module is moved by its forward's first
     input, by position or by name; the modules of every layer it names by one pattern,
     ``<layers>.*.<name>``, where that names no other module (fnmatch's ``*`` spans dots), else
-    each layer's by its own name. A ``ValueError`` names what it cannot write so: a plan with
+    each layer's by its own name. A plan naming its layers under two prefixes of which one names
+    no module (transformers' Llama 4 plan: ``layers.*`` and ``model.layers.*``) is read by the one
+    that does. A ``ValueError`` names what it cannot write so: a plan with
     torch's styles already; entries outside the decoder layers other than the embedding's and the
     head's; a module of the layers whose entries hold no row layer and no experts and leave its
     output split along the hidden units (a plan of column layers alone); no decoder layers;
@@ -213,6 +222,12 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
             raise ValueError(f"plan[{pattern!r}]: a style of torch's; this writes the plan of torch's styles from a "
                              "plan of tp_kernels' (or transformers') own entries")
     prefixes = {pattern.split(".*.")[0] for pattern in plan if ".*." in pattern}
+    lists = {prefix for prefix in prefixes if isinstance(_submodule(model, prefix), nn.ModuleList)}
+    if len(prefixes) > 1 and len(lists) == 1:  # (transformers' Llama 4 plan names its layers both from its text
+        # model, "layers.*", and from the causal LM, "model.layers.*": the entries under a name that is no module's
+        # name nothing)
+        plan = {k: v for k, v in plan.items() if ".*." not in k or k.split(".*.")[0] in lists}
+        prefixes = lists
     if len(prefixes) != 1:
         raise ValueError(f"plan: expected the entries of one list of decoder layers ('<layers>.*.<name>'), got "
                          f"{sorted(prefixes) or 'none'}")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -232,6 +233,19 @@ def _move(x, move: Move, group, what: str):
     return scatter_to_sequence_parallel_region(x, group, sequence_dim=dim)
 
 
+def _tokens_flat(x, move: Move, like, moved):
+    """``moved(x)``, the output ``x`` moved along a sequence dim; where ``x`` is the module's tokens
+    flat, ``[b*s, h]`` of its moved input ``like``, ``[b, s, h]``, in that order (Llama 4's mixture
+    of experts returns ``hidden_states.reshape(-1, h)``'s), moved as ``[b, s, h]``, and returned
+    flat again, ``[b*s/p, h]``."""
+    direction, dim = move
+    if not (isinstance(x, torch.Tensor) and direction in ("reduce_scatter", "scatter") and dim is not None
+            and dim >= 0 and like is not None and x.dim() == 2 and len(like) >= 3 and dim < len(like) - 1
+            and x.shape[0] == math.prod(like[:-1])):
+        return moved(x)
+    return moved(x.view(*like[:-1], x.shape[-1])).flatten(0, -2)
+
+
 def output_as_dtensor(layer: nn.Module, group) -> nn.Module:
     """Register on the column layer ``layer`` a hook that hands its output on as a DTensor over
     ``group``'s mesh, ``Shard(-1)`` (each rank's columns: the layer's own output, no copy), as
@@ -283,7 +297,9 @@ def redistribute(module: nn.Module, moves: Moves, group) -> nn.Module:
     (``input_kwarg_layouts``) to that parameter passed by position too (where torch's styles pass
     such an input over, and the module would get it in the wrong layout). Two layouts for one
     parameter that differ are a ``ValueError`` here; an input or output a move names that the call
-    does not have, a ``ValueError`` on every rank, before anything moves."""
+    does not have, a ``ValueError`` on every rank, before anything moves. An output that is the
+    module's tokens flat, ``[b*s, h]`` of its first moved input's ``[b, s, h]``, is moved along the
+    sequence as that and handed on flat (:func:`_tokens_flat`: Llama 4's mixture of experts)."""
     name = type(module).__name__
     names, by_name = _positional_names(module), dict(moves.kwargs)
     for i, move in moves.inputs:
@@ -291,6 +307,8 @@ def redistribute(module: nn.Module, moves: Moves, group) -> nn.Module:
         if other is not None and other != move:
             raise ValueError(f"{name}: its PrepareModule style gives input {i} ({names[i]!r} in its forward) two "
                              f"layouts, by position and by name, that move it differently: {move} and {other}")
+
+    moved_shape = [None]  # (the shape of the input the last call's moves gave the module)
 
     def missing(what: str, have: str, hint: str = "its forward's signature has no such input, or the call left it "
                 "out"):
@@ -317,6 +335,9 @@ def redistribute(module: nn.Module, moves: Moves, group) -> nn.Module:
                     args[slot] = _move(args[slot], move, group, f"{name} input {slot}")
                 else:
                     kwargs[slot] = _move(kwargs[slot], move, group, f"{name} input {slot!r}")
+            slot = next(iter(where))  # (the first input moved: the hidden states)
+            first = args[slot] if isinstance(slot, int) else kwargs[slot]
+            moved_shape[0] = tuple(first.shape) if isinstance(first, torch.Tensor) else None
             return tuple(args), kwargs
 
         module.register_forward_pre_hook(before, with_kwargs=True)
@@ -328,7 +349,8 @@ def redistribute(module: nn.Module, moves: Moves, group) -> nn.Module:
                 if i >= len(outs):
                     missing(f"output {i}", f"{len(outs)} outputs", "output_layouts counts the module's outputs")
             for i, move in moves.outputs:
-                outs[i] = _move(outs[i], move, group, f"{name} output {i}")
+                outs[i] = _tokens_flat(outs[i], move, moved_shape[0],
+                                       lambda x: _move(x, move, group, f"{name} output {i}"))
             return outs[0] if single else type(output)(outs)
 
         module.register_forward_hook(after)
