@@ -196,7 +196,8 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
     ``<layers>.*.<name>``, where that names no other module (fnmatch's ``*`` spans dots), else
     each layer's by its own name. A plan naming its layers under two prefixes of which one names
     no module (transformers' Llama 4 plan: ``layers.*`` and ``model.layers.*``) is read by the one
-    that does. A ``ValueError`` names what it cannot write so: a plan with
+    that does, and an entry that names nothing in the decoder layers (Gemma 4's experts, in its
+    dense models) is left out. A ``ValueError`` names what it cannot write so: a plan with
     torch's styles already; entries outside the decoder layers other than the embedding's and the
     head's; a module of the layers whose entries hold no row layer and no experts and leave its
     output split along the hidden units (a plan of column layers alone); no decoder layers;
@@ -261,6 +262,10 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
         if pattern.startswith(f"{layers_name}.*."):
             relative = pattern[len(layers_name) + 3:]
             owner = relative.split(".")[0]
+            if not any(fnmatch.fnmatchcase(name, relative) for layer in layers
+                       for name, _ in (*layer.named_modules(), *layer.named_parameters())):
+                continue  # (an entry that names nothing in these layers, left out: Gemma 4's experts, in its dense
+                # models; Qwen 3 Next's dense MLP, where every layer holds a mixture)
             if owner == relative and _style_name(value) != "local_params":  # (an attention's own per-head
                 # parameters, its sinks: kept with it, and the module moved too)
                 raise ValueError(f"plan[{pattern!r}]: a module of the decoder layer itself; the plan's layers must "

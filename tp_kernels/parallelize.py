@@ -415,8 +415,10 @@ def _shared_parameters(name: str, m: nn.Module, source: str) -> None:
     message = (f"tp_kernels: parallelize: {name!r} ({type(m).__name__}) holds parameters ({', '.join(params)}) that "
                f"the plan keeps whole, and takes the output of the column layer {source!r}, each rank's block of its "
                "columns: its gradient on each rank would be that block's share, not the dense one. Name it in the "
-               f"plan: {pattern!r}: 'replicated_with_grad_allreduce' (its gradients summed over the group), or "
-               "'replicate' (it applies its parameters to something else)")
+               f"plan: {pattern!r}: 'replicated_with_grad_allreduce' (its gradients summed over the group: where it "
+               "acts on each column, or each head, alone; one that mixes the columns, a norm over all of them, needs "
+               "them whole: 'colwise_gather_output' for the column layer), or 'replicate' (it applies its parameters "
+               "to something else)")
     if torch.is_grad_enabled():
         raise ValueError(message)
 
