@@ -676,7 +676,8 @@ def check_expert_plan_errors():
                                      r"mlp.gate' \('moe_identity_expert'\) divides its input .*it is inside none"),
         "experts_output_unknown": ({**plan, experts: ("moe_tp_experts", "sum")},
                                    r"'moe_tp_experts' takes \('moe_tp_experts', 'partial'\) \(its output left each "
-                                   r"rank's partial sum\) or 'moe_tp_experts' alone \(summed\), got "
+                                   r"rank's partial sum\), \('moe_tp_experts', 'sequence'\) \(called with each rank's "
+                                   r"block of the tokens\) or 'moe_tp_experts' alone \(summed\), got "
                                    r"\('moe_tp_experts', 'sum'\)"),
     }
     for case, (bad_plan, message) in bad.items():

@@ -1437,7 +1437,9 @@ def test_hugging_face_qwen3_sequence_parallel(world2):
 def check_sequence_parallel_plans(kind):
     """transformers' Gemma 3 (four norms a layer, a scaled embedding, per-head norms, sliding
     windows), Gemma 4's dense model (its plan's entries for its mixtures' experts naming nothing:
-    left out), Mistral, Qwen 2, Phi 3 and OLMo 2 (their projections' outputs gathered whole,
+    left out) and its mixture (an MLP and experts beside it in the decoder layer itself, its
+    router run on each rank's block of the tokens, its gradients summed, the experts gathering
+    the tokens, ``("moe_tp_experts", "sequence")``), Mistral, Qwen 2, Phi 3 and OLMo 2 (their projections' outputs gathered whole,
     ``"colwise_rep"`` and ``"rowwise_rep"``: their modules' outputs whole, then split) under sequence
     parallelism by :func:`tp_kernels.sequence_parallel_plan`
     of their own ``tp_plan``: the decoder layers see each rank's block of the sequence, and the
@@ -1449,11 +1451,14 @@ def check_sequence_parallel_plans(kind):
     config, model_class = {"gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "mistral": ("MistralConfig",
                            "MistralForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                            "phi3": ("Phi3Config", "Phi3ForCausalLM"), "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
-                           "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM")}[kind]
+                           "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
+                           "gemma4_moe": ("Gemma4TextConfig", "Gemma4ForCausalLM")}[kind]
     # (Gemma 4's dense model: its plan's entries for the experts of its mixtures name nothing here, and are left out;
     # no per-layer embedding)
-    extra = {"gemma3": {"sliding_window": 4}, "gemma4": {"sliding_window": 4, "hidden_size_per_layer_input": 0,
-                                                         "layer_types": ["sliding_attention", "full_attention"]}}
+    gemma4 = {"sliding_window": 4, "hidden_size_per_layer_input": 0, "layer_types": ["sliding_attention", "full_attention"]}
+    extra = {"gemma3": {"sliding_window": 4}, "gemma4": gemma4,
+             "gemma4_moe": {**gemma4, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                            "moe_intermediate_size": 8, "experts_implementation": "eager"}}
     config = getattr(transformers, config)(
         vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=4, max_position_embeddings=64, attn_implementation="sdpa", pad_token_id=0,
@@ -1469,10 +1474,10 @@ def check_sequence_parallel_plans(kind):
     assert_dense_grads(par, dense, 8 * torch.finfo(torch.float32).eps if kind.startswith("gemma") else 1e-12)
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "gemma4", "mistral", "qwen2", "phi3", "olmo2"])
+@pytest.mark.parametrize("kind", ["gemma3", "gemma4", "gemma4_moe", "mistral", "qwen2", "phi3", "olmo2"])
 def test_sequence_parallel_plans(world2, kind):
     transformers = pytest.importorskip("transformers")
-    if kind == "gemma4" and getattr(transformers, "Gemma4TextConfig", None) is None:
+    if kind.startswith("gemma4") and getattr(transformers, "Gemma4TextConfig", None) is None:
         pytest.skip(f"transformers {transformers.__version__} has no Gemma4TextConfig")
     world2.run(check_sequence_parallel_plans, kind)
 
@@ -2141,14 +2146,22 @@ def test_parameters_on_column_outputs(world):
 
 def test_hugging_face_style_names_and_their_errors():
     """Hugging Face's style names are styles too ('embedding_rowwise' is 'vocab'), an unknown style
-    lists them, a row layer whose input is whole refuses sequence parallelism, and a module kept
-    with its gradients summed stays the module it was."""
+    lists them, a row layer whose input is whole refuses sequence parallelism, a (style, how) entry
+    that the style does not take says which it takes, and a module kept with its gradients summed
+    stays the module it was."""
     model = nn.Sequential(nn.Embedding(8, 4), nn.LayerNorm(4), nn.Linear(4, 4))
     with pytest.raises(ValueError, match=r"unknown style 'diagonal'; expected one of 'colwise', .*'embedding_rowwise'"):
         tp_kernels.parallelize(model, {"2": "diagonal"})
     with pytest.raises(ValueError, match=r"'rowwise_split_input' \(a row layer whose input is whole\) does not go with "
                                          "sequence_parallel=True"):
         tp_kernels.parallelize(model, {"2": "rowwise_split_input"}, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"plan\['2'\]: 'rowwise' takes \('rowwise', 'partial'\) \(its output left "
+                                         r"each rank's partial sum\) or 'rowwise' alone \(summed\), got \('rowwise', "
+                                         r"'sequence'\)"):
+        tp_kernels.parallelize(model, {"2": ("rowwise", "sequence")})  # (only experts take it)
+    with pytest.raises(ValueError, match=r"'moe_tp_experts' takes .*\('moe_tp_experts', 'sequence'\) \(called with "
+                                         r"each rank's block of the tokens\)"):
+        tp_kernels.parallelize(model, {"2": ("moe_tp_experts", "whole")})
     norm = model[1]
     tp_kernels.parallelize(model, {"0": "embedding_rowwise", "1": "replicated_with_grad_allreduce",
                                    "2": "rowwise_split_input"})

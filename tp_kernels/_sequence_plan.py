@@ -105,6 +105,12 @@ def _gates(layer: nn.Module, owner: str, styles) -> Dict[int, str]:
             if isinstance(gate, nn.Linear) and gate.out_features == 1 and any(id(m) in rows for m in child.modules())}
 
 
+def _routes(module: nn.Module, counts, hidden) -> bool:
+    """Whether ``module`` is a router of experts of ``counts`` experts: a weight ``[E, hidden]``
+    among its parameters (Gemma 4's, beside its own norm and scales)."""
+    return hidden is not None and any(q.shape == (count, hidden) for q in module.parameters() for count in counts)
+
+
 def _partial_ok(layer: nn.Module, owner: str, styles, experts, hidden) -> Optional[Tuple[str, ...]]:
     """Whether the output of ``layer``'s mixture of experts ``owner`` is a sum of terms each rank
     computes its share of, so that the ranks' partial sums may go to one reduce-scatter: the plan
@@ -197,7 +203,11 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
     each layer's by its own name. A plan naming its layers under two prefixes of which one names
     no module (transformers' Llama 4 plan: ``layers.*`` and ``model.layers.*``) is read by the one
     that does, and an entry that names nothing in the decoder layers (Gemma 4's experts, in its
-    dense models) is left out. A ``ValueError`` names what it cannot write so: a plan with
+    dense models) is left out. Experts of the decoder layer itself (Gemma 4's mixtures) are
+    called with each rank's block of the tokens, ``(style, "sequence")``: they gather them and
+    reduce-scatter their output; their router (a module of the layer holding an ``[E, hidden]``
+    weight) runs on the block, its gradients summed (``SequenceParallel()``). A ``ValueError``
+    names what it cannot write so: a plan with
     torch's styles already; entries outside the decoder layers other than the embedding's and the
     head's; a module of the layers whose entries hold no row layer and no experts and leave its
     output split along the hidden units (a plan of column layers alone); no decoder layers;
@@ -257,6 +267,9 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
         return PrepareModuleInput(input_layouts=(given,), desired_input_layouts=(wanted,))
 
     inside: Dict[str, Dict[str, object]] = {}  # a decoder layer's module -> its entries (relative names)
+    direct = {pattern[len(layers_name) + 3:] for pattern, value in plan.items()  # the decoder layer's own experts
+              if pattern.startswith(f"{layers_name}.*.") and "." not in pattern[len(layers_name) + 3:]
+              and _style_name(value) in _EXPERTS}  # (Gemma 4's), by name
     out: Dict[str, object] = {}
     for pattern, value in plan.items():
         if pattern.startswith(f"{layers_name}.*."):
@@ -266,11 +279,15 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
                        for name, _ in (*layer.named_modules(), *layer.named_parameters())):
                 continue  # (an entry that names nothing in these layers, left out: Gemma 4's experts, in its dense
                 # models; Qwen 3 Next's dense MLP, where every layer holds a mixture)
+            if owner in direct:  # (experts of the decoder layer itself, Gemma 4's: called with each rank's block of
+                # the tokens, which they gather, their output reduce-scattered back; their weights' entries as they are)
+                out[pattern] = (_style_name(value), "sequence") if owner == relative else value
+                continue
             if owner == relative and _style_name(value) != "local_params":  # (an attention's own per-head
                 # parameters, its sinks: kept with it, and the module moved too)
                 raise ValueError(f"plan[{pattern!r}]: a module of the decoder layer itself; the plan's layers must "
                                  "lie inside its modules (the attention, the MLP), or be its per-head parameters "
-                                 "('local_params')")
+                                 "('local_params') or its experts")
             inside.setdefault(owner, {})[relative] = value
         elif pattern == embedding_name:
             out[pattern] = value
@@ -331,12 +348,19 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
             each_layer(gate, "replicated_with_output_grad_allreduce")
     out[f"{layers_name}.0"] = moved(Replicate(), Shard(1))
 
-    for name in sorted({name for layer in layers for name, child in layer.named_children() if name not in inside}):
+    # (the decoder layers' own experts' counts: their 3-D weights' first dim)
+    counts = {q.shape[0] for layer in layers for name in direct if layer._modules.get(name) is not None
+              for q in layer._modules[name].parameters() if q.dim() == 3}
+    for name in sorted({name for layer in layers for name, child in layer.named_children()
+                        if name not in inside and name not in direct}):
         # (a module some layers hold, and others not, or as None: a hybrid's)
         held = [child for child in (layer._modules.get(name) for layer in layers)
                 if child is not None and _holds_parameters(child)]
         norms = {_is_norm(child) for child in held}
-        if norms == {True}:
+        if held and all(_routes(child, counts, hidden) for child in held):  # (the router of the layer's own experts:
+            # run on each rank's block of the tokens, as the experts take them, its gradients summed)
+            each_layer(name, SequenceParallel())
+        elif norms == {True}:
             each_layer(name, SequenceParallel())
         elif norms == {False}:  # (a module the plan leaves whole, DeepSeek-V3's attention: run whole on every
             # rank, as the plan has it, on the gathered sequence, its output split)

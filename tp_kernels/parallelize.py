@@ -81,6 +81,9 @@ _EXPERTS = ("moe_tp_experts", "moe_ep_experts")
 #: the styles whose output a plan may leave each rank's partial sum, (style, "partial"), for a
 #: torch style around them to reduce (Partial())
 _PARTIAL_OUTPUTS = (*_EXPERTS, "rowwise")
+#: the second items of a (style, how) entry: experts' or a row layer's output left each rank's partial sum;
+#: experts called with each rank's block of the tokens (sequence parallelism)
+_HOW = ("partial", "sequence")
 #: other names of a style: Hugging Face's, so that a transformers model's own ``tp_plan`` is a plan
 #: ("all_reduce": a module whose output is each rank's partial sum, by its parameters the plan splits
 #: by name, Inkling's shared experts: what "moe_tp_experts" does; "colwise_rep" and "rowwise_rep",
@@ -101,13 +104,14 @@ def read_expert_parallelism(plan: Mapping[str, object]) -> Dict[str, object]:
     rank's experts in an ``"ep_router"`` router. Every other entry as it is."""
     read = dict(plan)
     for pattern, value in plan.items():
-        name = value[0] if isinstance(value, (tuple, list)) and len(value) == 2 and value[1] == "partial" else value
+        how = value[1] if isinstance(value, (tuple, list)) and len(value) == 2 and value[1] in _HOW else None
+        name = value[0] if how else value
         if not isinstance(pattern, str) or not isinstance(name, str) or ALIASES.get(name, name) != "moe_tp_experts":
             continue
         weights = [v for k, v in plan.items()
                    if isinstance(k, str) and k.startswith(pattern + ".") and "." not in k[len(pattern) + 1:]]
         if weights and all(isinstance(v, str) and ALIASES.get(v, v) == "experts" for v in weights):
-            read[pattern] = "moe_ep_experts" if isinstance(value, str) else ("moe_ep_experts", "partial")
+            read[pattern] = "moe_ep_experts" if how is None else ("moe_ep_experts", how)
     return read
 
 
@@ -116,7 +120,10 @@ def _style(pattern: str, value) -> tuple:
     output_sizes)`` or ``("colwise", output_sizes, head_size)`` (outputs ``(output_sizes,
     head_size or None)``, the column layer's arguments), or ``("mla_kv_a_proj", columns)``
     (outputs the columns), or experts' ``("moe_tp_experts", "partial")`` or a row layer's
-    ``("rowwise", "partial")`` (outputs ``"partial"``: the output left each rank's partial sum).
+    ``("rowwise", "partial")`` (outputs ``"partial"``: the output left each rank's partial sum), or
+    experts' ``("moe_tp_experts", "sequence")`` (outputs ``"sequence"``: under sequence
+    parallelism, each rank calling them with its block of the tokens, whatever
+    ``sequence_parallel`` says).
     (torch's styles are read for each module they apply to:
     :func:`tp_kernels._torch_styles.translate`.)"""
     if value == "redistribute":
@@ -128,16 +135,20 @@ def _style(pattern: str, value) -> tuple:
         return value[0], value[1]
     if isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[0], str) and \
             isinstance(value[1], str) and ALIASES.get(value[0], value[0]) in _PARTIAL_OUTPUTS:
-        if value[1] != "partial":
+        style = ALIASES.get(value[0], value[0])
+        if value[1] not in _HOW or (value[1] == "sequence" and style not in _EXPERTS):
+            also = f", ({value[0]!r}, 'sequence') (called with each rank's block of the tokens)" \
+                if style in _EXPERTS else ""
             raise ValueError(f"plan[{pattern!r}]: {value[0]!r} takes ({value[0]!r}, 'partial') (its output left each "
-                             f"rank's partial sum) or {value[0]!r} alone (summed), got {value!r}")
-        return ALIASES.get(value[0], value[0]), "partial"
+                             f"rank's partial sum){also} or {value[0]!r} alone (summed), got {value!r}")
+        return style, value[1]
     if isinstance(value, (tuple, list)) and len(value) in (2, 3) and value[0] in ("colwise", "colwise_gather_output"):
         sizes = tuple(value[1]) if isinstance(value[1], (tuple, list)) else value[1]
         return value[0], (sizes, value[2] if len(value) == 3 else None)
     raise ValueError(f"plan[{pattern!r}]: expected a style ({', '.join(map(repr, STYLES))}), ('colwise', "
                      "output_sizes) or ('colwise', output_sizes, head_size) (or 'colwise_gather_output' so), "
-                     f"('mla_kv_a_proj', columns), ('moe_tp_experts', 'partial') or ('rowwise', 'partial'), got "
+                     f"('mla_kv_a_proj', columns), ('moe_tp_experts', 'partial' or 'sequence') or ('rowwise', "
+                     "'partial'), got "
                      f"{value!r}")
 
 
@@ -181,7 +192,9 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     either as ``(style, "partial")``, their output left each rank's partial sum, for a module
     around them whose torch style reduces it, ``PrepareModuleOutput(output_layouts=Partial(),
     desired_output_layouts=Shard(1))``: one reduce-scatter where a sum and a split would be two
-    moves, as :func:`sequence_parallel_plan` writes it), ``"moe_identity_expert"`` (an identity
+    moves, as :func:`sequence_parallel_plan` writes it; or as ``(style, "sequence")``, called with
+    each rank's block of the tokens, whatever ``sequence_parallel`` says: Gemma 4's decoder layer's
+    own experts under :func:`sequence_parallel_plan`), ``"moe_identity_expert"`` (an identity
     expert inside ``"moe_tp_experts"`` experts, LongCat-Flash's, kept, its input divided by p for
     the experts' sum: :func:`tp_kernels.experts.share_identity_expert`; an ``nn.Identity`` inside
     experts without it is an error) or ``"mla_kv_a_proj"`` (DeepSeek's
@@ -307,7 +320,7 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
              if STYLES[style][1] is None)}
     for m, style, outputs in kept.values():  # (each once, under however many names)
         if style in _EXPERTS:
-            shard_experts(m, split_styles[id(m)], group, sequence_parallel=sequence_parallel,
+            shard_experts(m, split_styles[id(m)], group, sequence_parallel=sequence_parallel or outputs == "sequence",
                           partial_output=outputs == "partial")
         elif style == "local_params" and split_styles.get(id(m)):
             shard_parameters(m, split_styles[id(m)], group)
@@ -524,7 +537,7 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
                 raise ValueError(f"plan[{pattern!r}]: {name!r}: {'experts' if style in _EXPERTS else 'a row layer'} "
                                  f"whose output is left partial, {_describe(style, given)}, do not go with sequence "
                                  "parallelism, under which the output is reduce-scattered there")
-            if given is not None and given != "partial" and style not in ("mla_kv_a_proj", "redistribute"):
+            if given is not None and given not in _HOW and style not in ("mla_kv_a_proj", "redistribute"):
                 try:
                     check_output_sizes(given[0], m.out_features, p, given[1])
                 except ValueError as exc:
@@ -659,7 +672,7 @@ def _describe(style: str, outputs) -> str:
     """A plan's value as it was written (lists for the sizes)."""
     if outputs is None:
         return repr(style)
-    if style in ("mla_kv_a_proj", "redistribute") or outputs == "partial":
+    if style in ("mla_kv_a_proj", "redistribute") or outputs in _HOW:
         return repr((style, outputs))
     sizes, head_size = outputs
     sizes = list(sizes) if isinstance(sizes, tuple) else sizes
