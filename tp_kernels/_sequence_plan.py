@@ -315,7 +315,7 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
         # (None where a layer has no such module: a hybrid's attention in some layers, its linear attention
         # in the others, Qwen 3 Next's)
         kinds = [_kind(layer, f"{layers_name}.{i}.{owner}", styles, experts, rows, kept)
-                 if owner in layer._modules else None for i, layer in enumerate(layers)]
+                 if layer._modules.get(owner) is not None else None for i, layer in enumerate(layers)]
         for row in set(rows) - kept:
             if any(kind != "dense" and _matches(layer, row) for layer, kind in zip(layers, kinds)):
                 raise ValueError(f"plan: {layers_name}.*.{row} is a row layer of a module of some layers whose "
