@@ -6,6 +6,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import fnmatch
+import itertools
 import math
 import warnings
 
@@ -1653,6 +1655,49 @@ def test_hybrid_sequence_parallel_plan(world2):
     if getattr(transformers, "NemotronHConfig", None) is None:
         pytest.skip(f"transformers {transformers.__version__} has no NemotronHConfig")
     world2.run(check_hybrid_sequence_parallel_plan)
+
+
+def test_sequence_parallel_plan_of_every_transformers_model():
+    """Every transformers causal language model whose config has a tensor-parallel plan, built from
+    a small config (hidden size 16, two layers, four heads, four experts; those the small config
+    cannot build passed over): :func:`tp_kernels.sequence_parallel_plan` writes its plan, every
+    pattern of which names a module or a parameter of the model, or raises ``ValueError`` naming
+    what it cannot write (a model beside whose layers sits a module it cannot split, hyper-
+    connections), never another error (a hybrid's module some layers hold as None once raised
+    ``AttributeError``). Most are written: 94 of 109 in transformers 5.24."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    small = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=4, head_dim=4, max_position_embeddings=64, moe_intermediate_size=8, num_experts=4,
+                 num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=12,
+                 pad_token_id=0)
+    written, refused = [], []
+    for kind, class_name in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()):
+        try:
+            config_class, model_class = CONFIG_MAPPING[kind], getattr(transformers, class_name)
+        except Exception:  # (a model whose classes this install cannot load: not what this tests)
+            continue
+        if not getattr(config_class, "base_model_tp_plan", None):
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.manual_seed(0)
+                model = model_class(config_class(**small))
+        except Exception:  # (a config the small sizes do not fit: not what this tests)
+            continue
+        try:
+            plan = tp_kernels.sequence_parallel_plan(model)
+        except ValueError:
+            refused.append(kind)
+            continue
+        names = [name for name, _ in itertools.chain(model.named_modules(), model.named_parameters())]
+        for pattern in plan:
+            assert any(fnmatch.fnmatchcase(name, pattern) for name in names), (kind, pattern)
+        written.append(kind)
+    assert len(written) >= 2 * len(refused) and len(written) >= 10, (written, refused)
 
 
 def test_sequence_parallel_plan_errors():
