@@ -15,6 +15,7 @@ for :func:`tp_kernels.parallelize`.
 from __future__ import annotations
 
 import fnmatch
+import itertools
 from typing import Dict, Mapping, Optional, Tuple
 
 import torch.nn as nn
@@ -267,6 +268,8 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
         return PrepareModuleInput(input_layouts=(given,), desired_input_layouts=(wanted,))
 
     inside: Dict[str, Dict[str, object]] = {}  # a decoder layer's module -> its entries (relative names)
+    in_layers = {name for layer in layers  # (the names inside a decoder layer, of modules and parameters)
+                 for name, _ in itertools.chain(layer.named_modules(), layer.named_parameters())}
     direct = {pattern[len(layers_name) + 3:] for pattern, value in plan.items()  # the decoder layer's own experts
               if pattern.startswith(f"{layers_name}.*.") and "." not in pattern[len(layers_name) + 3:]
               and _style_name(value) in _EXPERTS}  # (Gemma 4's), by name
@@ -275,8 +278,7 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
         if pattern.startswith(f"{layers_name}.*."):
             relative = pattern[len(layers_name) + 3:]
             owner = relative.split(".")[0]
-            if not any(fnmatch.fnmatchcase(name, relative) for layer in layers
-                       for name, _ in (*layer.named_modules(), *layer.named_parameters())):
+            if not any(fnmatch.fnmatchcase(name, relative) for name in in_layers):
                 continue  # (an entry that names nothing in these layers, left out: Gemma 4's experts, in its dense
                 # models; Qwen 3 Next's dense MLP, where every layer holds a mixture)
             if owner in direct:  # (experts of the decoder layer itself, Gemma 4's: called with each rank's block of
