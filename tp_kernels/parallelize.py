@@ -72,12 +72,11 @@ STYLES = {
 _OWNERS = ("moe_tp_experts", "moe_ep_experts", "local_params")
 #: the styles of a module every rank holds whole and runs alike, a gradient of it summed over the group
 _REPLICATED = ("replicated_with_grad_allreduce", "replicated_with_output_grad_allreduce")
-#: the styles of a module kept whose parameters, its submodules' too, the plan takes care of (summed, split,
-#: or, "replicate", said to be whole)
-_WHOLE_SUBTREES = ("replicated_with_grad_allreduce", "replicated_with_output_grad_allreduce", "replicate",
-                   "moe_tp_experts", "moe_ep_experts", "moe_identity_expert")
 #: the styles of a mixture's experts, shard_experts' modules
 _EXPERTS = ("moe_tp_experts", "moe_ep_experts")
+#: the styles of a module kept whose parameters, its submodules' too, the plan takes care of (summed, split,
+#: or, "replicate", said to be whole)
+_WHOLE_SUBTREES = (*_REPLICATED, "replicate", *_EXPERTS, "moe_identity_expert")
 #: the styles whose output a plan may leave each rank's partial sum, (style, "partial"), for a
 #: torch style around them to reduce (Partial())
 _PARTIAL_OUTPUTS = (*_EXPERTS, "rowwise")
@@ -363,11 +362,9 @@ def _watch_column_outputs(module: nn.Module, chosen: Dict[str, tuple]) -> None:
         if style != "redistribute":
             covered.update(id(m) for m in (named[name].modules() if style in _WHOLE_SUBTREES else [named[name]]))
     watched: Dict[int, tuple] = {}
-    for name, m in named.items():
-        if id(m) not in columns:
-            continue
-        parent = module.get_submodule(name.rpartition(".")[0])
-        for inner_name, inner in parent.named_modules(prefix=name.rpartition(".")[0]):
+    for parent_name in dict.fromkeys(name.rpartition(".")[0] for name in columns.values()):  # (each holder once)
+        parent = module.get_submodule(parent_name)
+        for inner_name, inner in parent.named_modules(prefix=parent_name):
             if inner is not parent and id(inner) not in covered and id(inner) not in watched and \
                     next(inner.parameters(recurse=False), None) is not None:
                 watched[id(inner)] = (inner_name, inner)
