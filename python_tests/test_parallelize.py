@@ -1436,6 +1436,150 @@ def test_hugging_face_qwen3_sequence_parallel(world2):
     world2.run(check_hugging_face_qwen3_sequence_parallel)
 
 
+class DroppingMLP(nn.Module):
+    """A column layer, dropout on its hidden units, the row layer, dropout on its output (whole on
+    every rank once the row layer sums it)."""
+
+    def __init__(self, dim, hidden, drop):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, hidden, bias=False), nn.Linear(hidden, dim, bias=False)
+        self.inner, self.outer = nn.Dropout(drop), nn.Dropout(drop)
+
+    def forward(self, x):
+        return self.outer(self.down(self.inner(self.up(x).exp())))  # (exp: no zero but the mask's)
+
+
+def gathered(t: torch.Tensor) -> list:
+    views = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(views, t.contiguous())
+    return views
+
+
+def check_dropout_per_rank():
+    """In training mode a parallelized module draws the dropout between its column and its row
+    layer from each rank's own stream (each rank's hidden units get their own mask, not another
+    rank's), and the dropout of the row layer's output from the default stream, alike on every rank
+    (the output the same everywhere); the model is the dense one with the masks so drawn (float64),
+    torch's checkpoint (reentrant or not) recomputes those masks (its gradients bit for bit the plain
+    run's), and the default stream goes on alike on every rank. In eval mode, or with every dropout
+    0, nothing is drawn."""
+    r, p = rank_world()
+    rows, dim, hidden, drop = 16, 4, 8, 0.5
+    torch.manual_seed(0)
+    dense = DroppingMLP(dim, hidden, drop).double()
+    par = tp_kernels.parallelize(copy.deepcopy(dense), {"up": "colwise", "down": "rowwise"}).train()
+    masks = {}
+    for name in ("inner", "outer"):
+        getattr(par, name).register_forward_hook(lambda m, args, out, name=name: masks.__setitem__(name, out != 0))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, dim, generator=g, dtype=torch.float64)
+    dy = torch.randn(rows, dim, generator=g, dtype=torch.float64)
+
+    def run(call):
+        par.zero_grad()
+        xr = x.clone().requires_grad_()
+        torch.manual_seed(5)
+        y = call(xr)
+        y.backward(dy)
+        return y.detach(), xr.grad, [q.grad.clone() for q in par.parameters()]
+
+    y, dx, grads = run(par)
+    inner = gathered(masks["inner"])
+    assert all(not torch.equal(inner[q], inner[r]) for q in range(p) if q != r), "a rank's hidden units dropped alike"
+    assert all(torch.equal(v, masks["outer"]) for v in gathered(masks["outer"]))
+    assert all(torch.equal(v, y) for v in gathered(y)), "the row layer's output differs between ranks"
+    x64 = x.clone().requires_grad_()
+    ref = dense.down(dense.up(x64).exp() * torch.cat(inner, 1) / (1 - drop)) * masks["outer"] / (1 - drop)
+    ref.backward(dy)
+    assert_close("output", y, ref)
+    assert_close("input gradient", dx, x64.grad)
+    assert_close("up.weight gradient", grads[0], block(dense.up.weight.grad, 0, r, p))
+    assert_close("down.weight gradient", grads[1], block(dense.down.weight.grad, 1, r, p))
+    for reentrant in (False, True):
+        again = run(lambda t: torch.utils.checkpoint.checkpoint(par, t, use_reentrant=reentrant))
+        assert all(torch.equal(a, b) for a, b in zip((again[0], again[1], *again[2]), (y, dx, *grads))), reentrant
+    after = torch.rand(8)
+    assert all(torch.equal(v, after) for v in gathered(after)), "the default stream went on otherwise on some rank"
+    state = torch.get_rng_state()
+    with torch.no_grad():
+        par.eval()(x)
+        par.train()
+        par.inner.p = par.outer.p = 0.0
+        par(x)
+    assert torch.equal(torch.get_rng_state(), state), "drew where nothing drops"
+    torch.manual_seed(0)
+    quiet = tp_kernels.parallelize(DroppingMLP(dim, hidden, 0.0).double(), {"up": "colwise", "down": "rowwise"})
+    assert not quiet._forward_pre_hooks and not quiet._forward_hooks  # (no dropout above 0: nothing hooked)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_dropout_per_rank(world):
+    world.run(check_dropout_per_rank)
+
+
+def check_hugging_face_gradient_checkpointing(sequence):
+    """A transformers Llama parallelized by its own plan (or under sequence parallelism), in
+    training mode, with its gradient checkpointing (torch's checkpoint, reentrant or not): without
+    dropout its logits and every gradient are the dense model's (float64); with attention dropout
+    (eager attention) each rank drops its heads with its own masks, the logits are alike on every
+    rank, and the checkpointed run's logits and gradients are bit for bit the plain run's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers.models.llama.modeling_llama as llama
+
+    r, p = rank_world()
+    ids = torch.randint(1, 30, (2, 8), generator=torch.Generator().manual_seed(1))
+    for drop in (0.0, 0.5):
+        config = LlamaConfig(vocab_size=30, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                             attention_dropout=drop, attn_implementation="eager")
+        torch.manual_seed(0)
+        dense = LlamaForCausalLM(config).double().train()
+        plan = tp_kernels.sequence_parallel_plan(dense) if sequence else dense.tp_plan
+        par = tp_kernels.parallelize(copy.deepcopy(dense), plan).train()
+        runs = []
+        for checkpointing in (None, False, True):
+            if checkpointing is not None:
+                for model in (dense, par):
+                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
+            dense.zero_grad()
+            par.zero_grad()
+            drawn = []
+            dropout = llama.nn.functional.dropout
+
+            def recording(t, *args, **kwargs):
+                out = dropout(t, *args, **kwargs)
+                drawn.append(out != 0)
+                return out
+
+            torch.manual_seed(5)
+            llama.nn.functional.dropout = recording
+            try:
+                got = par(ids, use_cache=False).logits
+            finally:
+                llama.nn.functional.dropout = dropout
+            got.square().sum().backward()
+            runs.append((got.detach(), [q.grad.clone() for q in par.parameters()]))
+            if drop == 0.0:
+                want = dense(ids, use_cache=False).logits
+                want.square().sum().backward()
+                torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+                assert_dense_grads(par, dense, 1e-12)
+                continue
+            assert all(torch.equal(v, got) for v in gathered(got)), "the logits differ between ranks"
+            if checkpointing is None and p > 1:  # (each layer's attention weights, [b, heads / p, s, s])
+                for mask in drawn:
+                    views = gathered(mask)
+                    assert all(not torch.equal(views[q], views[r]) for q in range(p) if q != r)
+        if drop:
+            assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip((run[0], *run[1]), (runs[0][0], *runs[0][1])))
+
+
+@pytest.mark.parametrize("sequence", [False, True], ids=["tensor", "sequence"])
+def test_hugging_face_gradient_checkpointing(world2, sequence):
+    pytest.importorskip("transformers")
+    world2.run(check_hugging_face_gradient_checkpointing, sequence)
+
+
 def check_sequence_parallel_plans(kind):
     """transformers' Gemma 3 (four norms a layer, a scaled embedding, per-head norms, sliding
     windows), Gemma 4's dense model (its plan's entries for its mixtures' experts naming nothing:

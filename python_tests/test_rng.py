@@ -215,6 +215,56 @@ def test_checkpoint_recomputes_the_forwards_masks_after_the_stream_moved_on():
     assert torch.equal(y, plain) and not torch.equal(dx, dx_plain)
 
 
+def check_rank_fork():
+    """``rank_fork`` draws a stream of each rank's own (another at each fork), the default stream
+    afterwards where one draw of it leaves it (alike on every rank), and torch's own checkpoint,
+    reentrant or not, draws the forward's masks again: its gradients bit for bit the plain run's,
+    no seed of the tracker's needed. Forks nest (the inner one's seed drawn from the outer one's stream)."""
+    r, p = rank_world()
+    torch.manual_seed(SEED)
+    with rng.rank_fork():
+        first = torch.rand(6)
+    with rng.rank_fork():
+        second = torch.rand(6)
+        with rng.rank_fork():
+            inner = torch.rand(6)
+        assert not torch.equal(torch.rand(6), inner)
+    after = torch.rand(4)
+    assert not torch.equal(first, second) and not torch.equal(second, inner)
+    views = gathered(first)
+    assert all(not torch.equal(views[q], views[r]) for q in range(p) if q != r)
+    torch.manual_seed(SEED)
+    for _ in range(2):  # (what the two outer forks drew of the default stream, one number each; the inner one drew
+        # its seed from the fork around it)
+        torch.randint(2**63 - 1, ())
+    assert torch.equal(torch.rand(4), after)
+    assert all(torch.equal(v, after) for v in gathered(after))
+
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 5).double()
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+
+    def f(x):
+        with rng.rank_fork():
+            return F.dropout(lin(x), 0.5)
+
+    torch.manual_seed(SEED)
+    plain = f(x)
+    (dx_plain,) = torch.autograd.grad(plain.sum(), x)
+    for reentrant in (False, True):
+        x.grad = None
+        torch.manual_seed(SEED)
+        y = torch.utils.checkpoint.checkpoint(f, x, use_reentrant=reentrant)
+        torch.rand(3)  # (the default stream moved on before the backward recomputes)
+        y.sum().backward()
+        assert torch.equal(y, plain) and torch.equal(x.grad, dx_plain), reentrant
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_rank_fork(world):
+    world.run(check_rank_fork)
+
+
 def check_seeds_that_differ():
     """Ranks given different seeds would drop their replicated activations differently: the
     same error on every rank, naming each rank's seed, and the group works afterwards."""

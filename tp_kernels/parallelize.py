@@ -14,8 +14,9 @@ import torch.nn as nn
 
 from . import _collectives as coll
 from . import _data_parallel as dp
+from . import rng
 from ._agreement import agree, exchange_views
-from ._checks import check_replaceable
+from ._checks import check_replaceable, functorch_transforms
 from .embedding import VocabParallelEmbedding, check_embedding, check_embedding_dim, shard_embedding_dim
 from .experts import PARAMETER_STYLES, check_styles, shard_experts, shard_parameters, share_identity_expert
 from .grads import sum_grads_over_group, sum_output_grads_over_group
@@ -340,7 +341,84 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
         redistribute(module.get_submodule(name), moves, group)
     if p > 1:
         _watch_column_outputs(module, chosen)
+        _dropout_per_rank(module)
     return module
+
+
+def _dropout_of(holder: nn.Module) -> list:
+    """What says whether ``holder`` drops anything: ``(module, attribute)`` of each dropout it holds,
+    an ``nn.Dropout``'s ``p``, or a float attribute named for a dropout (transformers' attention's
+    ``attention_dropout``, which it passes to its attention function; ``resid_pdrop``)."""
+    found = []
+    for m in holder.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            found.append((m, "p"))
+        found += [(m, attr) for attr, value in vars(m).items() if type(value) is float
+                  and ("dropout" in attr.lower() or "pdrop" in attr.lower())]
+    return found
+
+
+def _dropout_per_rank(module: nn.Module) -> None:
+    """Run the dropout a module draws between its column layers and its row layer (attention
+    dropout on this rank's heads, dropout on its hidden units) from each rank's own random stream
+    (:func:`tp_kernels.rng.rank_fork`), in training mode: from the output of the first of its
+    column layers to the input of its row layer (or the end of its forward), by hooks
+    (:class:`_RankDropout`), on each module that holds a dropout above 0 now (:func:`_dropout_of`;
+    the others, nothing hooked, cost nothing). Without it every rank drew from the default stream,
+    alike, and dropped its heads with the masks of the other ranks' heads; what is drawn outside
+    (a row layer's output, whole on every rank) is the default stream's, alike on every rank, as
+    before. A transformers model's gradient checkpointing (torch's checkpoint) draws the forward's
+    masks again (the fork's seed is drawn from the default stream, which it restores). Passed over
+    (the default stream) under ``torch.compile``, a ``torch.func`` transform, and a CUDA graph
+    capture."""
+    named = dict(module.named_modules(remove_duplicate=False))
+    holders = dict.fromkeys(name.rpartition(".")[0] for name, m in named.items()
+                            if isinstance(m, ColumnParallelLinear) and not m.gather_output)
+    for holder_name in holders:
+        holder = module.get_submodule(holder_name)
+        columns = [m for m in holder.children() if isinstance(m, ColumnParallelLinear) and not m.gather_output]
+        rows = [m for m in holder.modules() if isinstance(m, RowParallelLinear) and m.input_is_parallel]
+        drops = _dropout_of(holder)
+        if rows and any(getattr(m, attr) > 0 for m, attr in drops):
+            fork = _RankDropout(columns[0].group, drops, columns, rows)
+            holder.register_forward_pre_hook(fork.begin)
+            holder.register_forward_hook(fork.end, always_call=True)
+
+
+class _RankDropout:
+    """:func:`_dropout_per_rank`'s hooks of one module: its forward's start (``begin``), in training
+    mode with a dropout above 0, hooks its column layers' outputs to ``open`` this rank's stream
+    and its row layers' inputs to ``close`` it; its end (``end``, however the forward ends)
+    closes it and removes those hooks (in eval mode: two hooks a call, nothing else)."""
+
+    def __init__(self, group, drops, columns, rows) -> None:
+        self.group, self.drops, self.columns, self.rows = group, drops, columns, rows
+        self.handles, self.fork = [], None
+
+    def begin(self, holder, args) -> None:
+        if self.handles or not holder.training or not any(getattr(m, attr) > 0 for m, attr in self.drops) or \
+                torch.compiler.is_compiling() or functorch_transforms() or \
+                (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
+            return
+        self.handles = [layer.register_forward_hook(self.open) for layer in self.columns]
+        self.handles += [layer.register_forward_pre_hook(self.close) for layer in self.rows]
+
+    def open(self, *_) -> None:
+        if self.fork is None:
+            fork = rng.rank_fork(self.group)
+            fork.__enter__()
+            self.fork = fork
+
+    def close(self, *_) -> None:
+        if self.fork is not None:
+            fork, self.fork = self.fork, None
+            fork.__exit__(None, None, None)
+
+    def end(self, *_) -> None:
+        self.close()
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
 
 def _watch_column_outputs(module: nn.Module, chosen: Dict[str, tuple]) -> None:

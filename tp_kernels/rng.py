@@ -38,7 +38,8 @@ import torch.utils.checkpoint
 from . import _collectives as coll
 from ._agreement import agree
 
-__all__ = ["MODEL_PARALLEL_RNG", "RNGStatesTracker", "checkpoint", "get_rng_tracker", "model_parallel_manual_seed"]
+__all__ = ["MODEL_PARALLEL_RNG", "RNGStatesTracker", "checkpoint", "get_rng_tracker", "model_parallel_manual_seed",
+           "rank_fork"]
 
 #: The name of the model-parallel stream, the default of :meth:`RNGStatesTracker.fork`.
 MODEL_PARALLEL_RNG = "model-parallel-rng"
@@ -200,6 +201,38 @@ def model_parallel_manual_seed(seed: int, group=None) -> None:
     torch.manual_seed(seed)
     _TRACKER.reset()
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + SEED_OFFSET + coll.group_rank(group))
+
+
+#: splitmix64's odd constant: a rank's multiple of it, mixed into a seed, gives each rank another seed
+_MIX = 0x9E3779B97F4A7C15
+
+
+@contextlib.contextmanager
+def rank_fork(group=None):
+    """Within the block, the default generators (the CPU's, and the current CUDA device's once CUDA
+    is initialized) draw from a stream of this rank's own, seeded by one number drawn from the
+    default CPU stream mixed with this rank in ``group`` (the tensor-parallel group by default);
+    afterwards they draw on as if the block had drawn that one number alone. Ranks whose default
+    streams are alike (seeded alike, :func:`model_parallel_manual_seed`) thus draw different masks in
+    the block, a new pair of masks at every block, and a checkpoint that restores the default stream
+    before it recomputes (``torch.utils.checkpoint``'s own, reentrant or not: a transformers model's
+    gradient checkpointing) draws the forward's masks again: what :func:`tp_kernels.parallelize`
+    runs a module's dropout between its column and its row layers in. Needs no seed of its own, and
+    no :func:`checkpoint`; a fork inside a CUDA graph capture is refused, as :meth:`RNGStatesTracker.fork` is."""
+    rank = coll.group_rank(coll.resolve_group(group))
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("rank_fork: a CUDA graph is being captured, and a fork swaps the CUDA generator's "
+                           "state, which a capture does not record; fork outside the captured region")
+    seed = (int(torch.randint(SEED_LIMIT - 1, (), generator=torch.default_generator)) ^ ((rank + 1) * _MIX)) % SEED_LIMIT
+    generators = _default_generators()
+    saved = [generator.get_state() for _, generator in generators]
+    for _, generator in generators:
+        generator.manual_seed(seed)
+    try:
+        yield
+    finally:
+        for (_, generator), state in zip(generators, saved):
+            generator.set_state(state)
 
 
 def checkpoint(function: Callable, *args, use_reentrant: bool = False, context_fn: Optional[Callable] = None,
