@@ -555,6 +555,53 @@ def check_gpt_oss_loop_without_the_skip():
     assert_close("logits", par(ids).logits, dense(ids).logits)
 
 
+#: GPT-OSS's attention and experts split, where its own plan splits the embedding alone: its heads
+#: (their sinks, "local_params", as the heads), its experts whole a rank with their biases
+GPT_OSS_PLAN = {"model.embed_tokens": "embedding_rowwise",
+                **{f"model.layers.*.self_attn.{name}": "colwise" for name in ("q_proj", "k_proj", "v_proj")},
+                "model.layers.*.self_attn.o_proj": "rowwise",
+                "model.layers.*.self_attn": "local_params", "model.layers.*.self_attn.sinks": "colwise",
+                "model.layers.*.mlp.experts": "moe_ep_experts",
+                **{f"model.layers.*.mlp.experts.{name}": "experts"
+                   for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")},
+                "lm_head": "colwise_gather_output"}
+
+
+def check_gpt_oss_attention_and_experts(sequence):
+    """GPT-OSS by :data:`GPT_OSS_PLAN` (on 4 ranks its 2 key/value heads one a rank pair,
+    replicated), or under sequence parallelism by :func:`tp_kernels.sequence_parallel_plan` of it:
+    its logits and every gradient (the sinks', the experts' biases') are the dense model's in
+    float64."""
+    import transformers
+
+    r, p = rank_world()
+    config = transformers.GptOssConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=4, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        attn_implementation="eager", experts_implementation="batched_mm", sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    dense = transformers.GptOssForCausalLM(config).double()
+    plan = dict(GPT_OSS_PLAN)
+    if p > 2:
+        for name in ("k_proj", "v_proj"):
+            plan[f"model.layers.*.self_attn.{name}"] = ("colwise", [8], 4)
+    if sequence:
+        plan = tp_kernels.sequence_parallel_plan(dense, plan)
+    par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+    assert par.model.layers[0].self_attn.sinks.shape == (4 // p,)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    assert_same_loss_and_backward(dense, par, ids)
+    assert_dense_grads(par, dense, 1e-12)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("sequence", [False, True], ids=["tensor", "sequence"])
+def test_gpt_oss_attention_and_experts(world, sequence):
+    pytest.importorskip("transformers")
+    world.run(check_gpt_oss_attention_and_experts, sequence)
+
+
 def test_gpt_oss_loop_without_the_skip(world2):
     skip_unless_own_plan("GptOssConfig", "layers.*.mlp.experts", "ep_dispatch_experts", plan="base_model_ep_plan")
     world2.run(check_gpt_oss_loop_without_the_skip)

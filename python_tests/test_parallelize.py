@@ -1110,6 +1110,25 @@ def check_replicated_kv_heads(path, kv_heads, device="cpu"):
                 "down": "rowwise"}
 
     dense = model(1)
+    if p == 4 and kv_heads == 1:  # (a transformers attention's num_key_value_groups: each rank's, or refused)
+        for k_heads, v_heads, groups, message in [
+                (2, 1, 4, r"'attn.v' splits its heads into 1 blocks and 'attn.k' into 2: 'attn''s num_key_value_groups"),
+                (1, 1, 3, r"'attn.k''s heads in 1 blocks over 4 ranks leave 'attn' \(num_key_value_groups=3\) no whole"),
+                (1, 1, 4, None)]:  # (4 query heads, one key/value head: one query head a rank)
+            torch.manual_seed(0)
+            attn = nn.Module()
+            attn.k, attn.v = nn.Linear(hidden, k_heads * HEAD_DIM), nn.Linear(hidden, v_heads * HEAD_DIM)
+            attn.num_key_value_groups = groups
+            holder = nn.ModuleDict({"attn": attn})
+            attn_plan = {"attn.k": ("colwise", [k_heads * HEAD_DIM], HEAD_DIM),
+                         "attn.v": ("colwise", [v_heads * HEAD_DIM], HEAD_DIM)}
+            if message is None:
+                tp_kernels.parallelize(holder, attn_plan)
+                assert attn.num_key_value_groups == 1 and attn.k.split_blocks == (1,)
+                continue
+            with pytest.raises(ValueError, match=message):
+                tp_kernels.parallelize(holder, attn_plan)
+            assert isinstance(attn.k, nn.Linear) and attn.num_key_value_groups == groups  # (nothing changed)
     par = tp_kernels.parallelize(model(p), plan(dense))
     replicas = p // kv_heads if kv_heads < p else 1
     assert par.qkv.split_blocks == (p, p // replicas, p // replicas)
@@ -1343,14 +1362,21 @@ def check_hugging_face_llama():
     whole logits, the embedding ``"embedding_rowwise"``); on 4 the key and value projections are one
     output of heads each (``("colwise", [k], head_size)``), a head replicated on two ranks. Its
     logits and loss are the dense model's in float64, an SGD step gives the dense weights, and
-    greedy generation the dense model's tokens."""
+    greedy generation the dense model's tokens, by SDPA and by the eager attention, a row of the
+    batch padded (on 4 ranks the attention's ``num_key_value_groups`` is then each rank's: one
+    query head a key/value head)."""
+    for attention in ("sdpa", "eager"):
+        _check_hugging_face_llama(attention)
+
+
+def _check_hugging_face_llama(attention):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     r, p = rank_world()
     vocab, d = 30, 4
     config = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=True, attn_implementation="sdpa", pad_token_id=0)
+                         tie_word_embeddings=True, attn_implementation=attention, pad_token_id=0)
     torch.manual_seed(0)
     dense = LlamaForCausalLM(config).double()
     plan = dict(dense.tp_plan)  # transformers' own, in its style names
@@ -1360,8 +1386,10 @@ def check_hugging_face_llama():
             plan[f"model.layers.*.self_attn.{name}"] = ("colwise", [2 * d], d)
     par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
     assert par.lm_head.weight is par.model.embed_tokens.weight  # still tied
+    assert par.model.layers[0].self_attn.num_key_value_groups == (2 if p < 4 else 1)
     ids = torch.randint(1, vocab, (2, 7), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
+    mask[1, -2:] = 0  # (padding: SDPA then repeats the keys itself)
     assert_same_loss_and_backward(dense, par, ids, attention_mask=mask)
     _assert_same_sgd_step(dense, par)
     with torch.no_grad():

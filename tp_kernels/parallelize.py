@@ -216,9 +216,10 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     a plain ``"colwise"`` would give rank 0 the first outputs whole; ``("colwise", output_sizes,
     head_size)`` for attention whose keys and values have fewer heads than there are ranks
     (grouped-query or multi-query attention: those heads are replicated, see
-    :class:`ColumnParallelLinear`'s ``head_size``). Each replacement holds this
-    rank's shard of the existing weights, so a dense model computes the same function afterwards
-    (the code around the layers must use the local sizes, e.g. heads per rank).
+    :class:`ColumnParallelLinear`'s ``head_size``; the module holding it, a transformers attention
+    with an int ``num_key_value_groups``, gets this rank's ratio, :func:`_key_value_groups`). Each
+    replacement holds this rank's shard of the existing weights, so a dense model computes the same
+    function afterwards (the code around the layers must use the local sizes, e.g. heads per rank).
 
     With ``sequence_parallel=True`` the layers are built with sequence parallelism: the
     activations outside the column-row pairs (an embedding's output, a row layer's output, up to the
@@ -274,7 +275,7 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     # (agreed, as initialize_model_parallel is: a rank whose plan fails raises its ValueError, the
     # others a RuntimeError naming it, and ranks given different plans all raise, before anything
     # is replaced; then that every rank holds the same dense weights)
-    named, chosen, style_of, split_styles, ties, as_dtensor, also_moved = agree(
+    named, chosen, style_of, split_styles, ties, as_dtensor, also_moved, key_value_groups = agree(
         "parallelize", group, lambda: _resolve(module, plan, p, strict, sequence_parallel, sequence_dim),
         lambda _: f"plan {_digest(repr([(str(k), describe(v)) for k, v in plan.items()]))}, "
                   f"sequence_parallel {sequence_parallel}, sequence_dim {sequence_dim!r}, strict {strict}, "
@@ -309,6 +310,8 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
         if id(m) in replaced:
             parent_name, _, attr = name.rpartition(".")
             setattr(module.get_submodule(parent_name), attr, replaced[id(m)])
+    for holder_name, groups in key_value_groups.items():  # (transformers' attention: _key_value_groups)
+        module.get_submodule(holder_name).num_key_value_groups = groups
     for (first, first_attr), *others in ties:  # tied again: one parameter, as in the dense model
         for holder, attr in others:
             setattr(replaced[holder], attr, getattr(replaced[first], first_attr))
@@ -520,11 +523,12 @@ def _shared_parameters(name: str, m: nn.Module, source: str) -> None:
 def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool, sequence_parallel: bool,
              sequence_dim):
     """:func:`parallelize`'s checks, which change nothing: ``(named, chosen, style_of, split_styles,
-    ties, as_dtensor, also_moved)``, what it replaces and keeps (``chosen``: ``{name: (style,
+    ties, as_dtensor, also_moved, key_value_groups)``, what it replaces and keeps (``chosen``: ``{name: (style,
     outputs, sequence dim or None)}``; ``split_styles``: ``{id(module): {attribute: style}}``, the
     parameters the plan splits by name; ``as_dtensor``: the column layers whose output is handed on
     as a DTensor; ``also_moved``: ``[(name, moves)]``, the modules a kept style names that a torch
-    ``PrepareModule*`` style moves too), or a ``ValueError`` naming the pattern and the module."""
+    ``PrepareModule*`` style moves too; ``key_value_groups``: :func:`_key_value_groups`), or a
+    ``ValueError`` naming the pattern and the module."""
     if not isinstance(module, nn.Module):
         raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
     if not isinstance(plan, Mapping) or not plan:
@@ -700,7 +704,36 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
                                  "whole")
 
     ties = _ties(module, named, style_of)
-    return named, chosen, style_of, split_styles, ties, as_dtensor, also_moved
+    return named, chosen, style_of, split_styles, ties, as_dtensor, also_moved, _key_value_groups(module, chosen, p)
+
+
+def _key_value_groups(module: nn.Module, chosen: Dict[str, tuple], p: int) -> Dict[str, int]:
+    """``{name: this rank's num_key_value_groups}`` of each module holding a column layer whose
+    heads the plan replicates on several ranks (keys and values of fewer heads than ranks,
+    ``("colwise", sizes, head_size)``), where the module is an attention of transformers' (an int
+    ``num_key_value_groups``: query heads a key/value head): this rank's query heads (``H / p``)
+    over the one key/value head it holds. The dense ratio (``H / KV``) would have its eager
+    attention (and its SDPA with a mask) repeat the key ``H / KV`` times for ``H / p`` query heads:
+    a shape error. Outputs split into ``b < p`` blocks scale the ratio by ``b / p``; the layers of
+    one module must agree, and the ratio must stay whole (a ``ValueError`` naming them)."""
+    groups: Dict[str, tuple] = {}  # holder's name -> (the first layer's name, its blocks)
+    for name, (style, given, _) in chosen.items():
+        if style != "colwise" or not given or given[1] is None:
+            continue
+        blocks = min(check_output_sizes(given[0], module.get_submodule(name).out_features, p, given[1])[1])
+        holder_name = name.rpartition(".")[0]
+        dense = getattr(module.get_submodule(holder_name), "num_key_value_groups", None)
+        if blocks == p or type(dense) is not int:
+            continue
+        first_name, first = groups.setdefault(holder_name, (name, blocks))
+        if first != blocks:
+            raise ValueError(f"plan: {name!r} splits its heads into {blocks} blocks and {first_name!r} into {first}: "
+                             f"{holder_name!r}'s num_key_value_groups ({dense}) cannot be this rank's ratio for both")
+        if dense * blocks % p:
+            raise ValueError(f"plan: {name!r}'s heads in {blocks} blocks over {p} ranks leave {holder_name!r} "
+                             f"(num_key_value_groups={dense}) no whole number of query heads a key/value head")
+    return {holder_name: module.get_submodule(holder_name).num_key_value_groups * blocks // p
+            for holder_name, (_, blocks) in groups.items()}
 
 
 def _digest(text: str) -> str:
