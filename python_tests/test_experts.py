@@ -529,20 +529,26 @@ def test_plain_loop_without_the_skip(world2):
     world2.run(check_plain_loop_without_the_skip)
 
 
-def check_gpt_oss_loop_without_the_skip():
-    """GPT-OSS's experts (their biases too) whole a rank by its own plans, ``{**tp_plan,
-    **ep_plan}``: its plain loop, which in every version so far counts ``num_experts`` classes in
-    its one_hot, is a ValueError naming it before anything changes; its batched GEMM gives the
-    dense logits in float64."""
+def _gpt_oss(experts: str):
+    """A small GPT-OSS (4 heads, 2 key/value heads, a sliding and a full attention layer, 4 experts
+    with biases) in float64, its experts run by ``experts`` (an ``experts_implementation``)."""
     import transformers
 
     config = transformers.GptOssConfig(
         vocab_size=32, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=4, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-        attn_implementation="eager", experts_implementation="eager", sliding_window=4,
+        attn_implementation="eager", experts_implementation=experts, sliding_window=4,
         layer_types=["sliding_attention", "full_attention"])
     torch.manual_seed(0)
-    dense = transformers.GptOssForCausalLM(config).double()
+    return transformers.GptOssForCausalLM(config).double()
+
+
+def check_gpt_oss_loop_without_the_skip():
+    """GPT-OSS's experts (their biases too) whole a rank by its own plans, ``{**tp_plan,
+    **ep_plan}``: its plain loop, which in every version so far counts ``num_experts`` classes in
+    its one_hot, is a ValueError naming it before anything changes; its batched GEMM gives the
+    dense logits in float64."""
+    dense = _gpt_oss("eager")
     plan = {**dense.tp_plan, **_ep_plan(dense)}
     model = copy.deepcopy(dense)
     with pytest.raises(ValueError, match=r"GptOssExperts's plain loop of experts \(experts_implementation='eager'\) "
@@ -572,16 +578,8 @@ def check_gpt_oss_attention_and_experts(sequence):
     replicated), or under sequence parallelism by :func:`tp_kernels.sequence_parallel_plan` of it:
     its logits and every gradient (the sinks', the experts' biases') are the dense model's in
     float64."""
-    import transformers
-
     r, p = rank_world()
-    config = transformers.GptOssConfig(
-        vocab_size=32, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=4, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-        attn_implementation="eager", experts_implementation="batched_mm", sliding_window=4,
-        layer_types=["sliding_attention", "full_attention"])
-    torch.manual_seed(0)
-    dense = transformers.GptOssForCausalLM(config).double()
+    dense = _gpt_oss("batched_mm")
     plan = dict(GPT_OSS_PLAN)
     if p > 2:
         for name in ("k_proj", "v_proj"):
