@@ -1112,8 +1112,10 @@ def check_replicated_kv_heads(path, kv_heads, device="cpu"):
     dense = model(1)
     if p == 4 and kv_heads == 1:  # (a transformers attention's num_key_value_groups: each rank's, or refused)
         for k_heads, v_heads, groups, message in [
-                (2, 1, 4, r"'attn.v' splits its heads into 1 blocks and 'attn.k' into 2: 'attn''s num_key_value_groups"),
-                (1, 1, 3, r"'attn.k''s heads in 1 blocks over 4 ranks leave 'attn' \(num_key_value_groups=3\) no whole"),
+                (2, 1, 4, r"'attn.v' splits its heads into 1 blocks and 'attn.k' into 2: 'attn''s "
+                          r"num_key_value_groups"),
+                (1, 1, 3, r"'attn.k''s heads in 1 blocks over 4 ranks leave 'attn' \(num_key_value_groups=3\) "
+                          r"no whole"),
                 (1, 1, 4, None)]:  # (4 query heads, one key/value head: one query head a rank)
             torch.manual_seed(0)
             attn = nn.Module()
@@ -1599,7 +1601,8 @@ def check_hugging_face_gradient_checkpointing(sequence):
                     views = gathered(mask)
                     assert all(not torch.equal(views[q], views[r]) for q in range(p) if q != r)
         if drop:
-            assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip((run[0], *run[1]), (runs[0][0], *runs[0][1])))
+            plain = (runs[0][0], *runs[0][1])
+            assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip((run[0], *run[1]), plain))
 
 
 @pytest.mark.parametrize("sequence", [False, True], ids=["tensor", "sequence"])

@@ -223,7 +223,8 @@ def rank_fork(group=None):
     if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("rank_fork: a CUDA graph is being captured, and a fork swaps the CUDA generator's "
                            "state, which a capture does not record; fork outside the captured region")
-    seed = (int(torch.randint(SEED_LIMIT - 1, (), generator=torch.default_generator)) ^ ((rank + 1) * _MIX)) % SEED_LIMIT
+    drawn = int(torch.randint(SEED_LIMIT - 1, (), generator=torch.default_generator))
+    seed = (drawn ^ ((rank + 1) * _MIX)) % SEED_LIMIT
     generators = _default_generators()
     saved = [generator.get_state() for _, generator in generators]
     for _, generator in generators:
