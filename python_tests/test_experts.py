@@ -17,7 +17,7 @@ import tp_kernels
 from helpers import (assert_close, assert_dense_grads, assert_same_loss_and_backward, fingerprints_set,
                      full_grads, rank_world, skip_unless_own_plan)
 from tp_kernels import experts as experts_module
-from tp_kernels.experts import shard_experts
+from tp_kernels.experts import check_styles, shard_experts
 
 E, H, I, TOKENS, TOP = 4, 6, 8, 10, 2  # experts, hidden, each expert's hidden units, tokens, experts per token
 
@@ -74,6 +74,9 @@ STYLES = {False: {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"},
           True: {"gate_up_proj": "packed_rowwise", "down_proj": "colwise"}}
 #: each split: (the module's layout, transposed; whether it has an output bias; the styles)
 SPLITS = {"packed_colwise": (False, False, STYLES[False]), "packed_rowwise": (True, False, STYLES[True]),
+          # (the output bias whole, added by rank 0: "rowwise", a 2-D bias of the summed outputs)
+          "packed_colwise_bias": (False, True, {**STYLES[False], "down_bias": "rowwise"}),
+          "packed_rowwise_bias": (True, True, {**STYLES[True], "down_bias": "rowwise"}),
           "experts": (False, True, {"gate_up_proj": "experts", "down_proj": "experts", "down_bias": "experts"})}
 
 
@@ -160,7 +163,7 @@ def check_experts_partial_output(split):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
-@pytest.mark.parametrize("split", ["packed_colwise", "experts"])
+@pytest.mark.parametrize("split", ["packed_colwise", "packed_colwise_bias", "experts"])
 def test_experts_partial_output(world, split):
     world.run(check_experts_partial_output, split)
 
@@ -284,7 +287,7 @@ def check_experts_sequence_parallel(split, device="cpu"):
 
 
 @pytest.mark.parametrize("world", [2, 4], indirect=True)
-@pytest.mark.parametrize("split", ["packed_colwise", "experts"])
+@pytest.mark.parametrize("split", ["packed_colwise", "packed_colwise_bias", "experts"])
 def test_experts_sequence_parallel(world, split):
     world.run(check_experts_sequence_parallel, split)
 
@@ -318,7 +321,7 @@ def check_parallelize_moe_sequence_parallel(split):
     torch.manual_seed(0)
     dense = _SequenceFirstMoE()
     styles = SPLITS[split][2]
-    if split != "experts":  # (an output bias, which the split by hidden units cannot split)
+    if "down_bias" not in styles:
         del dense.experts.down_bias
     experts_style = "moe_ep_experts" if split == "experts" else "moe_tp_experts"
     plan = {"embed": "vocab", "experts": experts_style, "head": "colwise_gather_output",
@@ -334,7 +337,7 @@ def check_parallelize_moe_sequence_parallel(split):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
-@pytest.mark.parametrize("split", ["packed_colwise", "experts"])
+@pytest.mark.parametrize("split", ["packed_colwise", "packed_colwise_bias", "experts"])
 def test_parallelize_moe_sequence_parallel(world, split):
     world.run(check_parallelize_moe_sequence_parallel, split)
 
@@ -529,13 +532,13 @@ def test_plain_loop_without_the_skip(world2):
     world2.run(check_plain_loop_without_the_skip)
 
 
-def _gpt_oss(experts: str):
+def _gpt_oss(experts: str, intermediate: int = 8):
     """A small GPT-OSS (4 heads, 2 key/value heads, a sliding and a full attention layer, 4 experts
     with biases) in float64, its experts run by ``experts`` (an ``experts_implementation``)."""
     import transformers
 
     config = transformers.GptOssConfig(
-        vocab_size=32, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=32, hidden_size=16, intermediate_size=intermediate, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=4, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
         attn_implementation="eager", experts_implementation=experts, sliding_window=4,
         layer_types=["sliding_attention", "full_attention"])
@@ -573,14 +576,38 @@ GPT_OSS_PLAN = {"model.embed_tokens": "embedding_rowwise",
                 "lm_head": "colwise_gather_output"}
 
 
-def check_gpt_oss_attention_and_experts(sequence):
+#: the same, its experts split by hidden units, every rank a block of each (vLLM's default for it):
+#: its weights are transposed, [experts, in, out], so "rowwise" splits the gate's and up projection's
+#: outputs (interleaved, in whole pairs) and "colwise" the down projection's inputs; their biases,
+#: [experts, out], "colwise" split as those outputs, "rowwise" whole, added by one rank
+GPT_OSS_HIDDEN_UNITS_PLAN = {**{k: v for k, v in GPT_OSS_PLAN.items() if ".mlp.experts" not in k},
+                             "model.layers.*.mlp.experts": "moe_tp_experts",
+                             "model.layers.*.mlp.experts.gate_up_proj": "rowwise",
+                             "model.layers.*.mlp.experts.gate_up_proj_bias": "colwise",
+                             "model.layers.*.mlp.experts.down_proj": "colwise",
+                             "model.layers.*.mlp.experts.down_proj_bias": "rowwise"}
+
+
+def check_gpt_oss_attention_and_experts(sequence, experts):
     """GPT-OSS by :data:`GPT_OSS_PLAN` (on 4 ranks its 2 key/value heads one a rank pair,
-    replicated), or under sequence parallelism by :func:`tp_kernels.sequence_parallel_plan` of it:
-    its logits and every gradient (the sinks', the experts' biases') are the dense model's in
-    float64."""
+    replicated), or :data:`GPT_OSS_HIDDEN_UNITS_PLAN` (its experts run by its plain loop or by the
+    batched GEMM), or under sequence parallelism by :func:`tp_kernels.sequence_parallel_plan` of
+    either: its logits and every gradient (the sinks', the experts' biases') are the dense model's
+    in float64. Split by hidden units, its interleaved gate and up outputs packed apart, or in
+    blocks of half pairs, are a ``ValueError``."""
     r, p = rank_world()
-    dense = _gpt_oss("batched_mm")
-    plan = dict(GPT_OSS_PLAN)
+    hidden_units = experts != "whole"
+    dense = _gpt_oss(experts if hidden_units else "batched_mm")
+    plan = dict(GPT_OSS_HIDDEN_UNITS_PLAN if hidden_units else GPT_OSS_PLAN)
+    if hidden_units and p > 1:
+        packed = {**plan, "model.layers.*.mlp.experts.gate_up_proj": "packed_rowwise"}
+        with pytest.raises(ValueError, match=r"GptOssExperts interleaves its gate's and its up projection's columns "
+                                             r"in 'gate_up_proj' .*use 'rowwise'"):
+            tp_kernels.parallelize(copy.deepcopy(dense), packed)
+        halves = _gpt_oss(experts, intermediate=6).model.layers[0].mlp.experts  # (12 columns: 3 a rank of 4)
+        with pytest.raises(ValueError, match=r"dim 2 of 'gate_up_proj' \(12, interleaved gate and up columns\) cannot "
+                                             r"be split into 4 blocks of whole \(gate, up\) pairs"):
+            check_styles(halves, {"gate_up_proj": "rowwise"}, 4, every=False)
     if p > 2:
         for name in ("k_proj", "v_proj"):
             plan[f"model.layers.*.self_attn.{name}"] = ("colwise", [8], 4)
@@ -595,9 +622,10 @@ def check_gpt_oss_attention_and_experts(sequence):
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
 @pytest.mark.parametrize("sequence", [False, True], ids=["tensor", "sequence"])
-def test_gpt_oss_attention_and_experts(world, sequence):
+@pytest.mark.parametrize("experts", ["whole", "eager", "batched_mm"])
+def test_gpt_oss_attention_and_experts(world, sequence, experts):
     pytest.importorskip("transformers")
-    world.run(check_gpt_oss_attention_and_experts, sequence)
+    world.run(check_gpt_oss_attention_and_experts, sequence, experts)
 
 
 def test_gpt_oss_loop_without_the_skip(world2):
@@ -681,7 +709,6 @@ def test_moe_checkpoint_across_sizes(world, tmp_path, parallelism, experts):
 def check_expert_plan_errors():
     """Every plan the experts cannot be split by is a ValueError naming the pattern, the module or
     the parameter, raised before anything is replaced (the model still dense after each)."""
-    from tp_kernels.experts import check_styles
 
     _, p = rank_world()
     dense = _moe_model("mixtral", moe_intermediate=3)  # (3 hidden units: not split over 2 ranks)
@@ -740,9 +767,9 @@ def check_expert_plan_errors():
     experts_module = copy.deepcopy(Experts(bias=True))
     with pytest.raises(ValueError, match=r"also holds \[.down_bias.\].*count once per rank"):
         check_styles(experts_module, STYLES[False], 2)
-    with pytest.raises(ValueError, match=r"styles\['down_bias'\]: 'rowwise' splits a 3-D one, a matrix per "
-                                         r"expert \(\[experts, out, in\]\), but 'down_bias' has shape \[4, 6\]"):
-        check_styles(experts_module, {**STYLES[False], "down_bias": "rowwise"}, 2)
+    with pytest.raises(ValueError, match=r"styles\['down_bias'\]: 'packed_rowwise' splits a 3-D one, a matrix "
+                                         r"per expert \(\[experts, out, in\]\), but 'down_bias' has shape \[4, 6\]"):
+        check_styles(experts_module, {**STYLES[False], "down_bias": "packed_rowwise"}, 2)
     with pytest.raises(ValueError, match=r"styles\['w'\]: Experts holds no parameter 'w'"):
         check_styles(experts_module, {"w": "rowwise"}, 2)
     with pytest.raises(ValueError, match=r"styles\['down_proj'\]: unknown style 'packed'"):
@@ -751,8 +778,12 @@ def check_expert_plan_errors():
     attention.sinks = nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match=r"styles\['sinks'\]: dim 0 of 'sinks' \(3\) cannot be split into 2 equal"):
         check_styles(attention, {"sinks": "colwise"}, 2, every=False)
-    with pytest.raises(ValueError, match=r"'rowwise' splits a 3-D one.*'sinks' has shape \[3\]"):
+    with pytest.raises(ValueError, match=r"'rowwise' splits a 2-D one.* or a 3-D one.*'sinks' has shape \[3\]"):
         check_styles(attention, {"sinks": "rowwise"}, 2, every=False)
+    attention.scales = nn.Parameter(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"styles\['scales'\]: 'rowwise' keeps a 2-D bias whole, added by one rank "
+                                         r"of those whose outputs are summed, which only a mixture's experts' are"):
+        check_styles(attention, {"scales": "rowwise"}, 2, every=False)
     longcat = _moe_model("longcat_flash")
     with pytest.raises(ValueError, match=r"experts' \('moe_tp_experts'\) holds the identity expert "
                                          r"'model.layers.0.mlp.experts.identity_expert', .*name it 'moe_identity_expert'"):
@@ -816,7 +847,7 @@ def check_experts_ranks_disagree(split):
     torch.testing.assert_close(par(hidden, index, weights), dense(hidden, index, weights), rtol=1e-12, atol=1e-13)
 
 
-@pytest.mark.parametrize("split", ["packed_colwise", "experts"])
+@pytest.mark.parametrize("split", ["packed_colwise", "packed_colwise_bias", "experts"])
 def test_experts_ranks_disagree(world2, split):
     world2.run(check_experts_ranks_disagree, split)
 

@@ -7,8 +7,10 @@ projection's rows one after the other, and ``down_proj`` ``[E, H, I]``), and run
 code, not through ``nn.Linear``. :func:`shard_experts` splits each such parameter in place, every
 expert's matrix as a column or a row layer splits its weight, so that each rank computes every
 expert's share of the hidden units for every token routed to it, and the ranks' outputs are summed:
-Megatron-LM's tensor-parallel experts, and transformers' ``moe_tp_experts`` style.
-:func:`tp_kernels.parallelize` calls it for a plan's ``"moe_tp_experts"`` modules.
+Megatron-LM's tensor-parallel experts, and transformers' ``moe_tp_experts`` style. Their biases
+(GPT-OSS's ``[E, out]``): one of the split outputs is split as they are, one of the summed outputs
+is kept whole and added by one rank. :func:`tp_kernels.parallelize` calls it for a plan's
+``"moe_tp_experts"`` modules.
 
 Or the ranks split the experts themselves (expert parallelism over the tensor-parallel group,
 ``"experts"`` for every parameter: transformers' ``ep_dispatch_experts`` with ``grouped_gemm``,
@@ -36,7 +38,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -49,15 +51,20 @@ from .mappings import all_gather_op, copy_to, gather_dim0, partial_grads_of, red
 __all__ = ["PARAMETER_STYLES", "WHOLE_EXPERTS", "check_styles", "shard_experts", "shard_parameters",
            "share_identity_expert"]
 
-#: a parameter style -> ({the parameter's number of dims: the dim it splits}, the parts that dim is
-#: made of, each split into p blocks). Hugging Face's names: of a 3-D ``[experts, out, in]``
-#: parameter, ``"colwise"`` splits each expert's output rows, ``"rowwise"`` its input columns,
-#: ``"packed_*"`` the same for two matrices packed side by side (``[gate; up]``), each split on its
-#: own, so a rank holds its block of the gate and the same block of the up projection; of a 1-D
-#: one, a value per output (per head), ``"colwise"`` splits it as the outputs are. ``"experts"``
-#: splits dim 0, whole experts: of a 3-D weight, and of a 2-D ``[experts, out]`` bias.
-PARAMETER_STYLES = {"colwise": ({1: 0, 3: 1}, 1), "rowwise": ({3: 2}, 1), "packed_colwise": ({3: 1}, 2),
-                    "packed_rowwise": ({3: 2}, 2), "experts": ({2: 0, 3: 0}, 1)}
+#: a parameter style -> ({the parameter's number of dims: the dim it splits, None: kept whole}, the
+#: parts that dim is made of, each split into p blocks). Hugging Face's names, by the dims as the
+#: parameter holds them: of a 3-D ``[experts, out, in]`` parameter, ``"colwise"`` splits each
+#: expert's output rows, ``"rowwise"`` its input columns (of a transposed ``[experts, in, out]``
+#: one, GPT-OSS's, ``"rowwise"`` splits its outputs, ``"colwise"`` its inputs), ``"packed_*"`` the
+#: same for two matrices packed side by side (``[gate; up]``), each split on its own, so a rank
+#: holds its block of the gate and the same block of the up projection; of a 2-D ``[experts, out]``
+#: bias, ``"colwise"`` (``"packed_colwise"``) splits its outputs as its weight's are, and
+#: ``"rowwise"``, the bias of outputs the ranks sum (a row split's: the down projection's), keeps
+#: it whole, added by one rank (:func:`shard_experts`); of a 1-D one, a value per output (per head),
+#: ``"colwise"`` splits it as the outputs are. ``"experts"`` splits dim 0, whole experts: of a 3-D
+#: weight, and of a 2-D ``[experts, out]`` bias.
+PARAMETER_STYLES = {"colwise": ({1: 0, 2: 1, 3: 1}, 1), "rowwise": ({2: None, 3: 2}, 1),
+                    "packed_colwise": ({2: 1, 3: 1}, 2), "packed_rowwise": ({3: 2}, 2), "experts": ({2: 0, 3: 0}, 1)}
 #: the style that splits whole experts: a module's styles are all it (expert parallelism) or none
 WHOLE_EXPERTS = "experts"
 
@@ -109,8 +116,11 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
     desired_output_layouts=Shard(1))``), one move where a sum and a split would be two.
 
     Every parameter ``module`` holds must be named (a parameter every rank held whole, an
-    expert's output bias, would be added p times) and its parts must divide by the group's size
-    (but for whole experts);
+    expert's output bias, would be added p times: ``"rowwise"`` keeps such a 2-D ``[experts, out]``
+    bias of the summed outputs whole on every rank, rank 0 adds it, the others a zero, and its
+    gradient, rank 0's, is summed to every rank, in the backward; a bias of the split outputs,
+    ``"colwise"``, is split as they are) and its parts must divide by the group's size (but for
+    whole experts; where gate and up outputs are interleaved, GPT-OSS's, into whole pairs);
     each is checked (:func:`check_styles`), with the ``ValueError`` naming it, before anything
     changes. Returns ``module``; with one rank, its parameters stay the same objects, and nothing
     is hooked.
@@ -127,6 +137,8 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
     shard_parameters(module, styles, group, every=True)
     if p == 1:  # (nothing to sum)
         return module
+    once = _added_once(module, styles)
+    held: Dict[str, nn.Parameter] = {}  # (a bias added by one rank, during a call: the parameter itself)
     by_expert = _by_expert(styles)
     local = signature = routing = None
     if by_expert:
@@ -167,6 +179,9 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
         return _bind_routing(call, signature, routing, args, kwargs)
 
     def before(mod, args, kwargs):
+        for name in once:  # (rank 0's is the bias, the others' zero: its gradient, rank 0's, summed to every rank)
+            held[name] = mod._parameters[name]
+            mod._parameters[name] = copy_to(held[name], group) * (1.0 if r == 0 else 0.0)
         given = tensors(args, kwargs)
         bound = agree(call, group, lambda: check(args, kwargs, given),
                       lambda _: ", ".join(f"{where} {describe(t)}" for where, t in given),
@@ -192,8 +207,15 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
             return _AfterInputs.apply(summed, *inputs)
         return summed
 
+    def restore(*_):
+        for name, param in held.items():
+            module._parameters[name] = param
+        held.clear()
+
     module.register_forward_pre_hook(before, with_kwargs=True)
     module.register_forward_hook(after, with_kwargs=True)
+    if once:
+        module.register_forward_hook(restore, always_call=True)
     return module
 
 
@@ -246,13 +268,23 @@ def share_identity_expert(module: nn.Module, group=None) -> nn.Module:
     return module
 
 
-def _packed_dim(module: nn.Module, name: str) -> Optional[int]:
-    """The dim of ``module``'s ``name`` that holds a gate's and an up projection's outputs one after
-    the other, as transformers' experts say of their ``gate_up_proj`` (``has_gate`` and
-    ``is_concatenated``: dim 1, or 2 with ``is_transposed``); None where nothing says so."""
-    if name != "gate_up_proj" or not (getattr(module, "has_gate", False) and getattr(module, "is_concatenated", False)):
+def _gate_and_up(module: nn.Module, name: str, dims: int) -> Optional[Tuple[int, bool]]:
+    """``(dim, interleaved)``: the dim of ``module``'s ``name`` (of ``dims`` dims) that holds a
+    gate's and an up projection's outputs, as transformers' experts say of their ``gate_up_proj``
+    and its bias (``has_gate``; dim 1, or 2 of a weight with ``is_transposed``), and whether they
+    are interleaved, ``[gate 0, up 0, gate 1, up 1, ...]`` (``is_concatenated=False``: GPT-OSS's),
+    rather than one after the other; None where nothing says so."""
+    if name not in ("gate_up_proj", "gate_up_proj_bias") or not getattr(module, "has_gate", False) or \
+            not hasattr(module, "is_concatenated"):
         return None
-    return 2 if getattr(module, "is_transposed", False) else 1
+    return 2 if dims == 3 and getattr(module, "is_transposed", False) else 1, not module.is_concatenated
+
+
+def _added_once(module: nn.Module, styles: Mapping[str, str]) -> list:
+    """The parameters of ``module`` that ``styles`` keep whole, added by one rank (a 2-D
+    ``"rowwise"`` bias): :data:`PARAMETER_STYLES`' None."""
+    return [name for name, style in styles.items()
+            if PARAMETER_STYLES[style][0].get(module._parameters[name].dim(), 0) is None]
 
 
 def _by_expert(styles: Mapping[str, str]) -> bool:
@@ -357,7 +389,8 @@ def shard_parameters(module: nn.Module, styles: Mapping[str, str], group=None, *
     group = coll.resolve_group(group)
     p = coll.group_size(group)
     split_in_place(module, {name: (dim, ParameterSplit(group, parts))
-                            for name, (dim, parts) in check_styles(module, styles, p, every=every).items()})
+                            for name, (dim, parts) in check_styles(module, styles, p, every=every).items()
+                            if dim is not None})
     return module
 
 
@@ -392,13 +425,31 @@ def check_styles(module: nn.Module, styles: Mapping[str, str], p: int, *, every:
             raise ValueError(f"styles[{name!r}]: {style!r} splits {' or '.join(kinds[n] for n in dims)}, but "
                              f"{name!r} has shape {list(param.shape)}")
         dim = dims[param.dim()]
+        if dim is None:  # (whole, added by one rank: only where the ranks' outputs are summed, the experts')
+            if not every:
+                raise ValueError(f"styles[{name!r}]: {style!r} keeps a 2-D bias whole, added by one rank of those "
+                                 f"whose outputs are summed, which only a mixture's experts' are (shard_experts); "
+                                 f"{type(module).__name__}'s are not")
+            splits[name] = (None, None)
+            continue
         size = param.shape[dim]
-        if parts == 1 and param.dim() == 3 and dim == _packed_dim(module, name):
-            what = "rows" if dim == 1 else "columns"
-            raise ValueError(f"styles[{name!r}]: {type(module).__name__} keeps its gate's and its up projection's "
-                             f"{what} one after the other in {name!r} (transformers' has_gate and is_concatenated), "
-                             f"so {style!r} would give a rank gate {what} or up {what}, not its block of each: use "
-                             f"{'packed_' + style!r}")
+        layout = _gate_and_up(module, name, param.dim())
+        if layout is not None and dim == layout[0]:
+            what = ("rows" if dim == 1 else "columns") if param.dim() == 3 else "values"
+            if parts == 1 and not layout[1]:
+                raise ValueError(f"styles[{name!r}]: {type(module).__name__} keeps its gate's and its up projection's "
+                                 f"{what} one after the other in {name!r} (transformers' has_gate and "
+                                 f"is_concatenated), so {style!r} would give a rank gate {what} or up {what}, not its "
+                                 f"block of each: use {'packed_' + style!r}")
+            if parts == 2 and layout[1]:
+                raise ValueError(f"styles[{name!r}]: {type(module).__name__} interleaves its gate's and its up "
+                                 f"projection's {what} in {name!r} ([gate 0, up 0, gate 1, up 1, ...]: transformers' "
+                                 f"is_concatenated=False), so {style!r} would give a rank two blocks of hidden units "
+                                 f"its other parameters' blocks do not match: use {style[len('packed_'):]!r}")
+            if layout[1] and size % (2 * p):
+                raise ValueError(f"styles[{name!r}]: dim {dim} of {name!r} ({size}, interleaved gate and up "
+                                 f"{what}) cannot be split into {p} blocks of whole (gate, up) pairs for the "
+                                 f"tensor-parallel size {p}")
         if size % (parts * p) and style != WHOLE_EXPERTS:  # (whole experts: the last blocks padded)
             raise ValueError(f"styles[{name!r}]: dim {dim} of {name!r} ({size}"
                              f"{f', {parts} packed parts of {size / parts:g}' if parts > 1 else ''}) cannot be split "
