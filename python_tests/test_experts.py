@@ -592,8 +592,8 @@ def check_gpt_oss_attention_and_experts(sequence, experts):
     """GPT-OSS by :data:`GPT_OSS_PLAN` (on 4 ranks its 2 key/value heads one a rank pair,
     replicated), or :data:`GPT_OSS_HIDDEN_UNITS_PLAN` (its experts run by its plain loop or by the
     batched GEMM), or under sequence parallelism by :func:`tp_kernels.sequence_parallel_plan` of
-    either: its logits and every gradient (the sinks', the experts' biases') are the dense model's
-    in float64. Split by hidden units, its interleaved gate and up outputs packed apart, or in
+    either: its logits, every gradient (the sinks', the experts' biases') and their norm are the
+    dense model's in float64. Split by hidden units, its interleaved gate and up outputs packed apart, or in
     blocks of half pairs, are a ``ValueError``."""
     r, p = rank_world()
     hidden_units = experts != "whole"
@@ -618,6 +618,8 @@ def check_gpt_oss_attention_and_experts(sequence, experts):
     ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
     assert_same_loss_and_backward(dense, par, ids)
     assert_dense_grads(par, dense, 1e-12)
+    torch.testing.assert_close(tp_kernels.clip_grad_norm_(par, 1e9),
+                               torch.nn.utils.clip_grad_norm_(dense.parameters(), 1e9), rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
@@ -659,18 +661,26 @@ def check_moe_checkpoint_across_sizes(path, parallelism="tp", experts=4):
     which each rank holds rows, without the padding that ends the last ranks' blocks where p does
     not divide ``experts``); offline, ``dense_state_dict`` of the checkpoint is the dense
     model's weights and Adam moments; the same model over half the ranks loads both and holds the
-    dense weights and moments. (Qwen 3 MoE: its gradients are float64's throughout.)"""
+    dense weights and moments. (Qwen 3 MoE: its gradients are float64's throughout.) ``"gpt_oss"``:
+    GPT-OSS's experts split by hidden units, their biases split or whole (added by one rank)."""
     import torch.distributed as dist
     from test_parallelize import _assert_dense_checkpoint, _assert_dense_moments, _load_with_dcp, _save_with_dcp
 
     r, p = rank_world()
-    dense = _moe_model("qwen3_moe", experts=experts)
-    plan = _plan(dense, parallelism)
+
+    def build():
+        return _gpt_oss("eager") if parallelism == "gpt_oss" else _moe_model("qwen3_moe", experts=experts)
+
+    dense = build()
+    plan = {**GPT_OSS_HIDDEN_UNITS_PLAN, **{f"model.layers.*.self_attn.{name}": ("colwise", [8], 4)
+                                           for name in ("k_proj", "v_proj")}} \
+        if parallelism == "gpt_oss" else _plan(dense, parallelism)
     wide = tp_kernels.parallelize(copy.deepcopy(dense), plan)
-    packed = "model.layers.1.mlp.experts.gate_up_proj"
     entries = tp_kernels.sharded_state_dict(wide)
-    assert ([k for k in entries if k.startswith(packed)] == [f"{packed}[dim1][0]", f"{packed}[dim1][1]"]
-            if p > 1 and parallelism == "tp" else packed in entries), list(entries)
+    if parallelism != "gpt_oss":
+        packed = "model.layers.1.mlp.experts.gate_up_proj"
+        assert ([k for k in entries if k.startswith(packed)] == [f"{packed}[dim1][0]", f"{packed}[dim1][1]"]
+                if p > 1 and parallelism == "tp" else packed in entries), list(entries)
     ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
     opts = [torch.optim.Adam(model.parameters(), lr=0.1) for model in (dense, wide)]
     for model, opt in zip((dense, wide), opts):
@@ -683,7 +693,7 @@ def check_moe_checkpoint_across_sizes(path, parallelism="tp", experts=4):
     tp_kernels.initialize_model_parallel(max(p // 2, 1))
     try:
         torch.manual_seed(1)
-        narrow = tp_kernels.parallelize(_moe_model("qwen3_moe", experts=experts).apply(_reset), plan)
+        narrow = tp_kernels.parallelize(build().apply(_reset), plan)
         narrow_opt = _load_with_dcp(narrow, f"{path}/moe")
         full = tp_kernels.full_state_dict(narrow)
         for key, value in dense.state_dict().items():
@@ -701,7 +711,7 @@ def _reset(m: nn.Module) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 4], indirect=True)
-@pytest.mark.parametrize("parallelism, experts", [("tp", 4), ("ep", 4), ("ep", 5)])
+@pytest.mark.parametrize("parallelism, experts", [("tp", 4), ("ep", 4), ("ep", 5), ("gpt_oss", 4)])
 def test_moe_checkpoint_across_sizes(world, tmp_path, parallelism, experts):
     world.run(check_moe_checkpoint_across_sizes, str(tmp_path), parallelism, experts)
 
