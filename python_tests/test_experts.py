@@ -777,7 +777,7 @@ def check_expert_plan_errors():
     experts_module = copy.deepcopy(Experts(bias=True))
     with pytest.raises(ValueError, match=r"also holds \[.down_bias.\].*count once per rank"):
         check_styles(experts_module, STYLES[False], 2)
-    with pytest.raises(ValueError, match=r"styles\['down_bias'\]: 'packed_rowwise' splits a 3-D one, a matrix "
+    with pytest.raises(ValueError, match=r"styles\['down_bias'\]: 'packed_rowwise' takes a 3-D one, a matrix "
                                          r"per expert \(\[experts, out, in\]\), but 'down_bias' has shape \[4, 6\]"):
         check_styles(experts_module, {**STYLES[False], "down_bias": "packed_rowwise"}, 2)
     with pytest.raises(ValueError, match=r"styles\['w'\]: Experts holds no parameter 'w'"):
@@ -788,7 +788,7 @@ def check_expert_plan_errors():
     attention.sinks = nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match=r"styles\['sinks'\]: dim 0 of 'sinks' \(3\) cannot be split into 2 equal"):
         check_styles(attention, {"sinks": "colwise"}, 2, every=False)
-    with pytest.raises(ValueError, match=r"'rowwise' splits a 2-D one.* or a 3-D one.*'sinks' has shape \[3\]"):
+    with pytest.raises(ValueError, match=r"'rowwise' takes a 2-D one.* or a 3-D one.*'sinks' has shape \[3\]"):
         check_styles(attention, {"sinks": "rowwise"}, 2, every=False)
     attention.scales = nn.Parameter(torch.zeros(2, 3))
     with pytest.raises(ValueError, match=r"styles\['scales'\]: 'rowwise' keeps a 2-D bias whole, added by one rank "

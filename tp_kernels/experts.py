@@ -422,7 +422,7 @@ def check_styles(module: nn.Module, styles: Mapping[str, str], p: int, *, every:
         if param.dim() not in dims:
             kinds = {1: "a 1-D one, a value per output", 2: "a 2-D one, a row per expert ([experts, out])",
                      3: "a 3-D one, a matrix per expert ([experts, out, in])"}
-            raise ValueError(f"styles[{name!r}]: {style!r} splits {' or '.join(kinds[n] for n in dims)}, but "
+            raise ValueError(f"styles[{name!r}]: {style!r} takes {' or '.join(kinds[n] for n in dims)}, but "
                              f"{name!r} has shape {list(param.shape)}")
         dim = dims[param.dim()]
         if dim is None:  # (whole, added by one rank: only where the ranks' outputs are summed, the experts')
