@@ -1547,23 +1547,142 @@ def test_dropout_per_rank(world):
     world.run(check_dropout_per_rank)
 
 
-def check_hugging_face_gradient_checkpointing(sequence):
-    """A transformers Llama parallelized by its own plan (or under sequence parallelism), in
+class _Mix(nn.Module):
+    """A column layer, dropout on its hidden units, the row layer."""
+
+    def __init__(self, dim, hidden, drop):
+        super().__init__()
+        self.up, self.down, self.inner = nn.Linear(dim, hidden, bias=False), nn.Linear(hidden, dim, bias=False), \
+            nn.Dropout(drop)
+
+    def forward(self, x):
+        return self.down(self.inner(self.up(x).exp()))
+
+
+class _Jitter(nn.Module):
+    """Noise on every token alike, as a router's jitter (Mixtral's) scales the tokens it routes."""
+
+    def forward(self, x):
+        return x * (1 + 0.1 * torch.rand_like(x))
+
+
+class _SequenceLayer(nn.Module):
+    """A decoder layer's shape, batch-first: its mixing module (:class:`_Mix`) and a dropout of
+    its output on the residual, then the jitter of the sum."""
+
+    def __init__(self, dim, hidden, drop):
+        super().__init__()
+        self.mix, self.drop, self.jitter = _Mix(dim, hidden, drop), nn.Dropout(drop), _Jitter()
+
+    def forward(self, x):
+        return self.jitter(x + self.drop(self.mix(x)))
+
+
+class _Stack(nn.Module):
+    """One :class:`_SequenceLayer`, for a plan to name."""
+
+    def __init__(self, *args):
+        super().__init__()
+        self.layer = _SequenceLayer(*args)
+
+    def forward(self, x):
+        return self.layer(x)
+
+
+def check_sequence_dropout_per_rank():
+    """A layer under a torch style's sequence parallelism (the layer on each rank's block of the
+    sequence, its mixing module and the jitter on the sequence gathered), in training mode: the
+    residual dropout on the block draws each rank's own mask, as the hidden units' dropout inside the
+    mixing module does, while the jitter on the gathered tokens draws the same noise on every rank
+    (the default stream); the layer is the dense one with the masks and the noise so drawn
+    (float64), torch's checkpoint (reentrant or not) recomputes them, bit for bit, and the default
+    stream goes on alike on every rank."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                                   RowwiseParallel)
+
+    r, p = rank_world()
+    b, s, dim, hidden, drop = 2, 4 * p, 4, 8, 0.5
+    torch.manual_seed(0)
+    dense = _Stack(dim, hidden, drop).double()
+    plan = {"layer": PrepareModuleInputOutput(input_layouts=Replicate(), desired_input_layouts=Shard(1),
+                                              output_layouts=Shard(1), desired_output_layouts=Replicate()),
+            "layer.mix": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+            "layer.mix.up": ColwiseParallel(), "layer.mix.down": RowwiseParallel(output_layouts=Shard(1)),
+            "layer.jitter": PrepareModuleInputOutput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
+                                                     output_layouts=Replicate(), desired_output_layouts=Shard(1))}
+    par = tp_kernels.parallelize(copy.deepcopy(dense), plan).train()
+    drawn = {}
+    layer = par.layer
+    layer.mix.inner.register_forward_hook(lambda m, args, out: drawn.__setitem__("inner", out != 0))
+    layer.drop.register_forward_hook(lambda m, args, out: drawn.__setitem__("residual", out != 0))
+    layer.jitter.register_forward_hook(lambda m, args, out: drawn.__setitem__("jitter", (out / args[0]).detach()),
+                                       prepend=True)  # (before its output is split again)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(b, s, dim, generator=g, dtype=torch.float64)
+    dy = torch.randn(b, s, dim, generator=g, dtype=torch.float64)
+
+    def run(call):
+        par.zero_grad()
+        xr = x.clone().requires_grad_()
+        torch.manual_seed(5)
+        y = call(xr)
+        y.backward(dy)
+        return y.detach(), xr.grad, [q.grad.clone() for q in par.parameters()]
+
+    y, dx, grads = run(par)
+    for name in ("inner", "residual"):  # (each rank's own: its hidden units, its block of the sequence)
+        views = gathered(drawn[name])
+        assert all(not torch.equal(views[q], views[r]) for q in range(p) if q != r), name
+    assert all(torch.equal(v, drawn["jitter"]) for v in gathered(drawn["jitter"])), "the gathered tokens' noise"
+    x64 = x.clone().requires_grad_()
+    mix = dense.layer.mix
+    mixed = mix.down(mix.up(x64).exp() * torch.cat(gathered(drawn["inner"]), -1) / (1 - drop))
+    ref = (x64 + mixed * torch.cat(gathered(drawn["residual"]), 1) / (1 - drop)) * drawn["jitter"]
+    ref.backward(dy)
+    assert_close("output", y, ref)
+    assert_close("input gradient", dx, x64.grad)
+    assert_close("up.weight gradient", grads[0], block(mix.up.weight.grad, 0, r, p))
+    assert_close("down.weight gradient", grads[1], block(mix.down.weight.grad, 1, r, p))
+    for reentrant in (False, True):
+        again = run(lambda t: torch.utils.checkpoint.checkpoint(par, t, use_reentrant=reentrant))
+        assert all(torch.equal(a, b) for a, b in zip((again[0], again[1], *again[2]), (y, dx, *grads))), reentrant
+    after = torch.rand(8)
+    assert all(torch.equal(v, after) for v in gathered(after)), "the default stream went on otherwise on some rank"
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_sequence_dropout_per_rank(world):
+    world.run(check_sequence_dropout_per_rank)
+
+
+def check_hugging_face_gradient_checkpointing(kind, sequence):
+    """A transformers Llama (or Seed-OSS, whose attention and MLP drop their output on the residual
+    after their row layer) parallelized by its own plan (or under sequence parallelism), in
     training mode, with its gradient checkpointing (torch's checkpoint, reentrant or not): without
-    dropout its logits and every gradient are the dense model's (float64); with attention dropout
-    (eager attention) each rank drops its heads with its own masks, the logits are alike on every
-    rank, and the checkpointed run's logits and gradients are bit for bit the plain run's."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    import transformers.models.llama.modeling_llama as llama
+    dropout its logits and every gradient are the dense model's (float64); with its dropout at 0.5
+    (eager attention) each rank drops its heads with its own masks, and the residual (Seed-OSS's)
+    alike on every rank where the row layer sums it whole, each rank its own where it
+    reduce-scatters it along the sequence, the logits are alike on every rank, and the
+    checkpointed run's logits and gradients are bit for bit the plain run's."""
+    import importlib
+
+    import transformers
 
     r, p = rank_world()
     ids = torch.randint(1, 30, (2, 8), generator=torch.Generator().manual_seed(1))
+    module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
     for drop in (0.0, 0.5):
-        config = LlamaConfig(vocab_size=30, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                             attention_dropout=drop, attn_implementation="eager")
+        sizes = dict(vocab_size=30, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=4, max_position_embeddings=64, attention_dropout=drop,
+                     attn_implementation="eager")
+        if kind == "llama":
+            config, model_class = transformers.LlamaConfig(**sizes), transformers.LlamaForCausalLM
+        else:
+            config = transformers.SeedOssConfig(**sizes, head_dim=4, residual_dropout=drop)
+            model_class = transformers.SeedOssForCausalLM
         torch.manual_seed(0)
-        dense = LlamaForCausalLM(config).double().train()
+        dense = model_class(config).double().train()
         plan = tp_kernels.sequence_parallel_plan(dense) if sequence else dense.tp_plan
         par = tp_kernels.parallelize(copy.deepcopy(dense), plan).train()
         runs = []
@@ -1574,7 +1693,7 @@ def check_hugging_face_gradient_checkpointing(sequence):
             dense.zero_grad()
             par.zero_grad()
             drawn = []
-            dropout = llama.nn.functional.dropout
+            dropout = module.nn.functional.dropout
 
             def recording(t, *args, **kwargs):
                 out = dropout(t, *args, **kwargs)
@@ -1582,11 +1701,11 @@ def check_hugging_face_gradient_checkpointing(sequence):
                 return out
 
             torch.manual_seed(5)
-            llama.nn.functional.dropout = recording
+            module.nn.functional.dropout = recording
             try:
                 got = par(ids, use_cache=False).logits
             finally:
-                llama.nn.functional.dropout = dropout
+                module.nn.functional.dropout = dropout
             got.square().sum().backward()
             runs.append((got.detach(), [q.grad.clone() for q in par.parameters()]))
             if drop == 0.0:
@@ -1596,19 +1715,24 @@ def check_hugging_face_gradient_checkpointing(sequence):
                 assert_dense_grads(par, dense, 1e-12)
                 continue
             assert all(torch.equal(v, got) for v in gathered(got)), "the logits differ between ranks"
-            if checkpointing is None and p > 1:  # (each layer's attention weights, [b, heads / p, s, s])
-                for mask in drawn:
+            assert len(drawn) == 2 * (1 if kind == "llama" else 3)  # (each layer's attention weights; residuals)
+            if checkpointing is None and p > 1:
+                for mask in drawn:  # (the attention weights [b, heads / p, s, s]; a residual [b, s(/p), h])
                     views = gathered(mask)
-                    assert all(not torch.equal(views[q], views[r]) for q in range(p) if q != r)
+                    own = mask.dim() == 4 or sequence
+                    assert all(torch.equal(views[q], views[r]) != own for q in range(p) if q != r), mask.shape
         if drop:
             plain = (runs[0][0], *runs[0][1])
             assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip((run[0], *run[1]), plain))
 
 
+@pytest.mark.parametrize("kind", ["llama", "seed_oss"])
 @pytest.mark.parametrize("sequence", [False, True], ids=["tensor", "sequence"])
-def test_hugging_face_gradient_checkpointing(world2, sequence):
-    pytest.importorskip("transformers")
-    world2.run(check_hugging_face_gradient_checkpointing, sequence)
+def test_hugging_face_gradient_checkpointing(world2, kind, sequence):
+    transformers = pytest.importorskip("transformers")
+    if kind == "seed_oss" and getattr(transformers, "SeedOssConfig", None) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no SeedOssConfig")
+    world2.run(check_hugging_face_gradient_checkpointing, kind, sequence)
 
 
 def check_sequence_parallel_plans(kind):

@@ -344,7 +344,10 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
         redistribute(module.get_submodule(name), moves, group)
     if p > 1:
         _watch_column_outputs(module, chosen)
-        _dropout_per_rank(module)
+        gathered = [name for name, (style, moves, _) in chosen.items() if style == "redistribute"]
+        gathered = [name for name, moves in [*((n, chosen[n][1]) for n in gathered), *also_moved]
+                    if any(kind == "gather" and dim != -1 for _, (kind, dim) in (*moves.inputs, *moves.kwargs))]
+        _dropout_per_rank(module, group, gathered)
     return module
 
 
@@ -361,56 +364,110 @@ def _dropout_of(holder: nn.Module) -> list:
     return found
 
 
-def _dropout_per_rank(module: nn.Module) -> None:
-    """Run the dropout a module draws between its column layers and its row layer (attention
-    dropout on this rank's heads, dropout on its hidden units) from each rank's own random stream
-    (:func:`tp_kernels.rng.rank_fork`), in training mode: from the output of the first of its
-    column layers to the input of its row layer (or the end of its forward), by hooks
-    (:class:`_RankDropout`), on each module that holds a dropout above 0 now (:func:`_dropout_of`;
-    the others, nothing hooked, cost nothing). Without it every rank drew from the default stream,
-    alike, and dropped its heads with the masks of the other ranks' heads; what is drawn outside
-    (a row layer's output, whole on every rank) is the default stream's, alike on every rank, as
-    before. A transformers model's gradient checkpointing (torch's checkpoint) draws the forward's
-    masks again (the fork's seed is drawn from the default stream, which it restores). Passed over
-    (the default stream) under ``torch.compile``, a ``torch.func`` transform, and a CUDA graph
-    capture."""
-    named = dict(module.named_modules(remove_duplicate=False))
-    holders = dict.fromkeys(name.rpartition(".")[0] for name, m in named.items()
-                            if isinstance(m, ColumnParallelLinear) and not m.gather_output)
-    for holder_name in holders:
-        holder = module.get_submodule(holder_name)
+def _dropout_per_rank(module: nn.Module, group, gathered) -> None:
+    """Run the dropout that draws on what each rank holds of its own from that rank's own random
+    stream (:func:`tp_kernels.rng.rank_fork`), in training mode: between a module's column layers
+    and its row layer (attention dropout on this rank's heads, dropout on its hidden units), from the
+    output of the first of its column layers to the input of its row layer (or the end of its
+    forward); after a row layer that reduce-scatters along the sequence, to the end of its module's
+    forward (Seed-OSS's residual dropout inside its attention and its MLP); and, under a torch
+    style's sequence parallelism, the forward of a module whose children take its activations
+    gathered along the sequence (``gathered``: a decoder layer, which runs on this rank's block: its
+    residual dropout), but for those children's gathered spans (up to their first column layer's
+    output, or their whole forward: a mixture's router and its jitter see the same tokens on every
+    rank), which draw from the default stream (:func:`tp_kernels.rng.default_stream`). By hooks,
+    on each module that holds a dropout above 0 now (:func:`_dropout_of`; nothing hooked elsewhere,
+    no cost). Without them every rank drew from the default stream, alike, and dropped its heads,
+    or its block of the sequence, with the other ranks' masks; what is drawn where the ranks hold
+    the same activations (a row layer's output without sequence parallelism) is the default
+    stream's, alike on every rank, as before. A transformers model's gradient checkpointing
+    (torch's checkpoint) draws the forward's masks again (each fork's seed is drawn from the stream
+    around it, which it restores). Passed over (the default stream) under ``torch.compile``, a
+    ``torch.func`` transform and a CUDA graph capture."""
+    gathered = {id(module.get_submodule(name)): module.get_submodule(name) for name in gathered}
+    regions = {}  # id(a module whose children take its activations gathered) -> (it, its own dropouts)
+    for name in {name.rpartition(".")[0] for name, m in module.named_modules() if id(m) in gathered}:
+        region = module.get_submodule(name)
+        inside = {id(m) for child in region.children() if id(child) in gathered for m in child.modules()}
+        drops = [(m, attr) for m, attr in _dropout_of(region) if id(m) not in inside]
+        if any(getattr(m, attr) > 0 for m, attr in drops):
+            regions[id(region)] = (region, drops)
+    back = {id(child): child for region, _ in regions.values() for child in region.children() if id(child) in gathered}
+    holders = {}
+    for name, m in module.named_modules(remove_duplicate=False):
+        if isinstance(m, ColumnParallelLinear) and not m.gather_output:
+            holder = module.get_submodule(name.rpartition(".")[0])
+            holders[id(holder)] = holder
+    holders.update(back)
+    for key, holder in holders.items():
         columns = [m for m in holder.children() if isinstance(m, ColumnParallelLinear) and not m.gather_output]
         rows = [m for m in holder.modules() if isinstance(m, RowParallelLinear) and m.input_is_parallel]
-        drops = _dropout_of(holder)
-        if rows and any(getattr(m, attr) > 0 for m, attr in drops):
-            fork = _RankDropout(columns[0].group, drops, columns, rows)
-            holder.register_forward_pre_hook(fork.begin)
-            holder.register_forward_hook(fork.end, always_call=True)
+        drops = _dropout_of(holder) if rows and columns else []
+        if key in back or any(getattr(m, attr) > 0 for m, attr in drops):
+            streams = _RankDropout(group, drops, columns, rows, key in back)
+            holder.register_forward_pre_hook(streams.begin)
+            holder.register_forward_hook(streams.end, always_call=True)
+    for region, drops in regions.values():
+        streams = _RankDropout(group, drops, [], [], False, whole=True)
+        region.register_forward_pre_hook(streams.begin)
+        region.register_forward_hook(streams.end, always_call=True)
+
+
+def _drawing(module: nn.Module) -> bool:
+    """Whether ``module`` draws its dropout now: in training mode, and not under ``torch.compile``,
+    a ``torch.func`` transform or a CUDA graph capture."""
+    return module.training and not torch.compiler.is_compiling() and not functorch_transforms() and \
+        not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
 
 
 class _RankDropout:
-    """:func:`_dropout_per_rank`'s hooks of one module: its forward's start (``begin``), in training
-    mode with a dropout above 0, hooks its column layers' outputs to ``open`` this rank's stream
-    and its row layers' inputs to ``close`` it; its end (``end``, however the forward ends)
-    closes it and removes those hooks (in eval mode: two hooks a call, nothing else)."""
+    """:func:`_dropout_per_rank`'s hooks of one module. Its forward's start (``begin``), where it
+    draws (:func:`_drawing`): with ``whole``, opens this rank's stream for the whole forward; with
+    ``back`` (its input gathered inside a module that runs on this rank's stream), goes back to the
+    default stream until its first column layer's output; with a dropout above 0 in ``drops``,
+    hooks its column layers' outputs to ``open`` this rank's stream, its row layers' inputs to
+    ``close`` it, and the outputs of those that reduce-scatter along the sequence to open it again
+    (``after_row``: what follows holds this rank's block). Its end (``end``, however the forward
+    ends) closes what is open and removes those hooks (in eval mode: two hooks a call, nothing
+    else)."""
 
-    def __init__(self, group, drops, columns, rows) -> None:
+    def __init__(self, group, drops, columns, rows, back: bool, whole: bool = False) -> None:
         self.group, self.drops, self.columns, self.rows = group, drops, columns, rows
-        self.handles, self.fork = [], None
+        self.back, self.whole = back, whole
+        self.handles, self.calls, self.split, self.default, self.fork = [], 0, False, None, None
 
     def begin(self, holder, args) -> None:
-        if self.handles or not holder.training or not any(getattr(m, attr) > 0 for m, attr in self.drops) or \
-                torch.compiler.is_compiling() or functorch_transforms() or \
-                (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
+        self.calls += 1
+        if self.calls > 1 or not _drawing(holder):  # (a call inside its own call: the outer one's blocks hold)
             return
-        self.handles = [layer.register_forward_hook(self.open) for layer in self.columns]
-        self.handles += [layer.register_forward_pre_hook(self.close) for layer in self.rows]
+        self.split = any(getattr(m, attr) > 0 for m, attr in self.drops)
+        if self.whole:
+            if self.split:
+                self.fork = _entered(rng.rank_fork(self.group))
+            return
+        if self.back:
+            self.default = _entered(rng.default_stream())
+        if self.back or self.split:
+            self.handles = [layer.register_forward_hook(self.open) for layer in self.columns]
+        if self.split:
+            self.handles += [layer.register_forward_pre_hook(self.close) for layer in self.rows]
+            # (a row layer that reduce-scatters along the sequence: after it, this rank's block)
+            self.handles += [layer.register_forward_hook(self.after_row) for layer in self.rows
+                             if layer.sequence_parallel]
 
     def open(self, *_) -> None:
+        self._leave_default()  # (the gathered span ends at the first column layer's output)
+        if self.split and self.fork is None:
+            self.fork = _entered(rng.rank_fork(self.group))
+
+    def _leave_default(self) -> None:
+        if self.default is not None:
+            default, self.default = self.default, None
+            default.__exit__(None, None, None)
+
+    def after_row(self, *_) -> None:
         if self.fork is None:
-            fork = rng.rank_fork(self.group)
-            fork.__enter__()
-            self.fork = fork
+            self.fork = _entered(rng.rank_fork(self.group))
 
     def close(self, *_) -> None:
         if self.fork is not None:
@@ -418,10 +475,20 @@ class _RankDropout:
             fork.__exit__(None, None, None)
 
     def end(self, *_) -> None:
+        self.calls -= 1
+        if self.calls:
+            return
         self.close()
+        self._leave_default()
         for handle in self.handles:
             handle.remove()
         self.handles = []
+
+
+def _entered(block):
+    """``block`` (a context manager), entered."""
+    block.__enter__()
+    return block
 
 
 def _watch_column_outputs(module: nn.Module, chosen: Dict[str, tuple]) -> None:
