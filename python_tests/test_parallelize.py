@@ -1548,15 +1548,16 @@ def test_dropout_per_rank(world):
 
 
 class _Mix(nn.Module):
-    """A column layer, dropout on its hidden units, the row layer."""
+    """A column layer, dropout on its hidden units, the row layer, dropout on its output (for the
+    residual: Seed-OSS's attention and MLP)."""
 
     def __init__(self, dim, hidden, drop):
         super().__init__()
-        self.up, self.down, self.inner = nn.Linear(dim, hidden, bias=False), nn.Linear(hidden, dim, bias=False), \
-            nn.Dropout(drop)
+        self.up, self.down = nn.Linear(dim, hidden, bias=False), nn.Linear(hidden, dim, bias=False)
+        self.inner, self.after = nn.Dropout(drop), nn.Dropout(drop)
 
     def forward(self, x):
-        return self.down(self.inner(self.up(x).exp()))
+        return self.after(self.down(self.inner(self.up(x).exp())))
 
 
 class _Jitter(nn.Module):
@@ -1567,15 +1568,15 @@ class _Jitter(nn.Module):
 
 
 class _SequenceLayer(nn.Module):
-    """A decoder layer's shape, batch-first: its mixing module (:class:`_Mix`) and a dropout of
-    its output on the residual, then the jitter of the sum."""
+    """A decoder layer's shape, batch-first: its mixing module (:class:`_Mix`) on the residual,
+    then the jitter of the sum."""
 
     def __init__(self, dim, hidden, drop):
         super().__init__()
-        self.mix, self.drop, self.jitter = _Mix(dim, hidden, drop), nn.Dropout(drop), _Jitter()
+        self.mix, self.jitter = _Mix(dim, hidden, drop), _Jitter()
 
     def forward(self, x):
-        return self.jitter(x + self.drop(self.mix(x)))
+        return self.jitter(x + self.mix(x))
 
 
 class _Stack(nn.Module):
@@ -1591,12 +1592,12 @@ class _Stack(nn.Module):
 
 def check_sequence_dropout_per_rank():
     """A layer under a torch style's sequence parallelism (the layer on each rank's block of the
-    sequence, its mixing module and the jitter on the sequence gathered), in training mode: the
-    residual dropout on the block draws each rank's own mask, as the hidden units' dropout inside the
-    mixing module does, while the jitter on the gathered tokens draws the same noise on every rank
-    (the default stream); the layer is the dense one with the masks and the noise so drawn
-    (float64), torch's checkpoint (reentrant or not) recomputes them, bit for bit, and the default
-    stream goes on alike on every rank."""
+    sequence, its mixing module and the jitter on the sequence gathered, the row layer
+    reduce-scattering), in training mode: the dropout of the mixing module's output, on the block,
+    draws each rank's own mask, as the hidden units' dropout does, while the jitter on the gathered
+    tokens draws the same noise on every rank (the default stream); the layer is the dense one with
+    the masks and the noise so drawn (float64), torch's checkpoint (reentrant or not) recomputes
+    them, bit for bit, and the default stream goes on alike on every rank."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
                                                    RowwiseParallel)
@@ -1615,7 +1616,7 @@ def check_sequence_dropout_per_rank():
     drawn = {}
     layer = par.layer
     layer.mix.inner.register_forward_hook(lambda m, args, out: drawn.__setitem__("inner", out != 0))
-    layer.drop.register_forward_hook(lambda m, args, out: drawn.__setitem__("residual", out != 0))
+    layer.mix.after.register_forward_hook(lambda m, args, out: drawn.__setitem__("residual", out != 0))
     layer.jitter.register_forward_hook(lambda m, args, out: drawn.__setitem__("jitter", (out / args[0]).detach()),
                                        prepend=True)  # (before its output is split again)
     g = torch.Generator().manual_seed(1)
@@ -1638,7 +1639,7 @@ def check_sequence_dropout_per_rank():
     x64 = x.clone().requires_grad_()
     mix = dense.layer.mix
     mixed = mix.down(mix.up(x64).exp() * torch.cat(gathered(drawn["inner"]), -1) / (1 - drop))
-    ref = (x64 + mixed * torch.cat(gathered(drawn["residual"]), 1) / (1 - drop)) * drawn["jitter"]
+    ref = (x64 + mixed * torch.cat(gathered(drawn["residual"]), 1) / (1 - drop)) * drawn["jitter"]  # (blocks joined)
     ref.backward(dy)
     assert_close("output", y, ref)
     assert_close("input gradient", dx, x64.grad)
@@ -1658,7 +1659,8 @@ def test_sequence_dropout_per_rank(world):
 
 def check_hugging_face_gradient_checkpointing(kind, sequence):
     """A transformers Llama (or Seed-OSS, whose attention and MLP drop their output on the residual
-    after their row layer) parallelized by its own plan (or under sequence parallelism), in
+    after their row layer, or Phi-3, whose decoder layer drops it, and whose plan gathers its
+    projections' outputs whole) parallelized by its own plan (or under sequence parallelism), in
     training mode, with its gradient checkpointing (torch's checkpoint, reentrant or not): without
     dropout its logits and every gradient are the dense model's (float64); with its dropout at 0.5
     (eager attention) each rank drops its heads with its own masks, and the residual (Seed-OSS's)
@@ -1678,9 +1680,12 @@ def check_hugging_face_gradient_checkpointing(kind, sequence):
                      attn_implementation="eager")
         if kind == "llama":
             config, model_class = transformers.LlamaConfig(**sizes), transformers.LlamaForCausalLM
-        else:
+        elif kind == "seed_oss":
             config = transformers.SeedOssConfig(**sizes, head_dim=4, residual_dropout=drop)
             model_class = transformers.SeedOssForCausalLM
+        else:
+            config = transformers.Phi3Config(**sizes, resid_pdrop=drop, pad_token_id=0)
+            model_class = transformers.Phi3ForCausalLM
         torch.manual_seed(0)
         dense = model_class(config).double().train()
         plan = tp_kernels.sequence_parallel_plan(dense) if sequence else dense.tp_plan
@@ -1695,10 +1700,9 @@ def check_hugging_face_gradient_checkpointing(kind, sequence):
             drawn = []
             dropout = module.nn.functional.dropout
 
-            def recording(t, *args, **kwargs):
-                out = dropout(t, *args, **kwargs)
-                drawn.append(out != 0)
-                return out
+            def recording(t, *args, **kwargs):  # (the stream each draws from: the CPU generator's state, its shape)
+                drawn.append((torch.get_rng_state(), t.dim()))
+                return dropout(t, *args, **kwargs)
 
             torch.manual_seed(5)
             module.nn.functional.dropout = recording
@@ -1717,16 +1721,18 @@ def check_hugging_face_gradient_checkpointing(kind, sequence):
             assert all(torch.equal(v, got) for v in gathered(got)), "the logits differ between ranks"
             assert len(drawn) == 2 * (1 if kind == "llama" else 3)  # (each layer's attention weights; residuals)
             if checkpointing is None and p > 1:
-                for mask in drawn:  # (the attention weights [b, heads / p, s, s]; a residual [b, s(/p), h])
-                    views = gathered(mask)
-                    own = mask.dim() == 4 or sequence
-                    assert all(torch.equal(views[q], views[r]) != own for q in range(p) if q != r), mask.shape
+                for state, dims in drawn:  # (the attention weights [b, heads / p, s, s]; a residual [b, s(/p), h])
+                    views = gathered(state)
+                    # (Phi-3's plan computes its attention whole on every rank, and its decoder layer drops its
+                    # residual itself: under sequence parallelism on each rank's block, but from the default stream)
+                    own = kind != "phi3" and (dims == 4 or sequence)
+                    assert all(torch.equal(views[q], views[r]) != own for q in range(p) if q != r), dims
         if drop:
             plain = (runs[0][0], *runs[0][1])
             assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip((run[0], *run[1]), plain))
 
 
-@pytest.mark.parametrize("kind", ["llama", "seed_oss"])
+@pytest.mark.parametrize("kind", ["llama", "seed_oss", "phi3"])
 @pytest.mark.parametrize("sequence", [False, True], ids=["tensor", "sequence"])
 def test_hugging_face_gradient_checkpointing(world2, kind, sequence):
     transformers = pytest.importorskip("transformers")

@@ -344,10 +344,7 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
         redistribute(module.get_submodule(name), moves, group)
     if p > 1:
         _watch_column_outputs(module, chosen)
-        gathered = [name for name, (style, moves, _) in chosen.items() if style == "redistribute"]
-        gathered = [name for name, moves in [*((n, chosen[n][1]) for n in gathered), *also_moved]
-                    if any(kind == "gather" and dim != -1 for _, (kind, dim) in (*moves.inputs, *moves.kwargs))]
-        _dropout_per_rank(module, group, gathered)
+        _dropout_per_rank(module)
     return module
 
 
@@ -364,131 +361,69 @@ def _dropout_of(holder: nn.Module) -> list:
     return found
 
 
-def _dropout_per_rank(module: nn.Module, group, gathered) -> None:
+def _dropout_per_rank(module: nn.Module) -> None:
     """Run the dropout that draws on what each rank holds of its own from that rank's own random
-    stream (:func:`tp_kernels.rng.rank_fork`), in training mode: between a module's column layers
-    and its row layer (attention dropout on this rank's heads, dropout on its hidden units), from the
-    output of the first of its column layers to the input of its row layer (or the end of its
-    forward); after a row layer that reduce-scatters along the sequence, to the end of its module's
-    forward (Seed-OSS's residual dropout inside its attention and its MLP); and, under a torch
-    style's sequence parallelism, the forward of a module whose children take its activations
-    gathered along the sequence (``gathered``: a decoder layer, which runs on this rank's block: its
-    residual dropout), but for those children's gathered spans (up to their first column layer's
-    output, or their whole forward: a mixture's router and its jitter see the same tokens on every
-    rank), which draw from the default stream (:func:`tp_kernels.rng.default_stream`). By hooks,
-    on each module that holds a dropout above 0 now (:func:`_dropout_of`; nothing hooked elsewhere,
-    no cost). Without them every rank drew from the default stream, alike, and dropped its heads,
-    or its block of the sequence, with the other ranks' masks; what is drawn where the ranks hold
-    the same activations (a row layer's output without sequence parallelism) is the default
-    stream's, alike on every rank, as before. A transformers model's gradient checkpointing
-    (torch's checkpoint) draws the forward's masks again (each fork's seed is drawn from the stream
-    around it, which it restores). Passed over (the default stream) under ``torch.compile``, a
-    ``torch.func`` transform and a CUDA graph capture."""
-    gathered = {id(module.get_submodule(name)): module.get_submodule(name) for name in gathered}
-    regions = {}  # id(a module whose children take its activations gathered) -> (it, its own dropouts)
-    for name in {name.rpartition(".")[0] for name, m in module.named_modules() if id(m) in gathered}:
-        region = module.get_submodule(name)
-        inside = {id(m) for child in region.children() if id(child) in gathered for m in child.modules()}
-        drops = [(m, attr) for m, attr in _dropout_of(region) if id(m) not in inside]
-        if any(getattr(m, attr) > 0 for m, attr in drops):
-            regions[id(region)] = (region, drops)
-    back = {id(child): child for region, _ in regions.values() for child in region.children() if id(child) in gathered}
+    stream (:func:`tp_kernels.rng.rank_fork`), in training mode: in a module holding column layers
+    and their row layer, from the output of its column layers to the input of its row layer
+    (attention dropout on this rank's heads, dropout on its hidden units), and from the output of a
+    row layer that reduce-scatters along the sequence to the end of the module's forward (this
+    rank's block: Seed-OSS's residual dropout inside its attention and its MLP, under sequence
+    parallelism). Hooks on the column and row layers (:class:`_RankDropout`), of each module that
+    holds a dropout above 0 now (:func:`_dropout_of`; nothing hooked elsewhere, no cost). Without
+    them every rank drew from the default stream, alike, and dropped its heads, or its block, with
+    the other ranks' masks; what is drawn where the ranks hold the same activations (a row layer's
+    output summed whole) is the default stream's, alike on every rank, as before. A transformers
+    model's gradient checkpointing (torch's checkpoint of a decoder layer's forward, its hooks left
+    outside) draws the forward's masks again: each fork opens and closes inside the layer's forward,
+    its seed drawn from the stream the checkpoint restores. (A decoder layer's own dropout on its
+    block, Phi-3's ``resid_attn_dropout`` under sequence parallelism, is not: a fork around the
+    layer's own code would open in its hooks, outside what the checkpoint recomputes.) Passed over
+    (the default stream) under ``torch.compile``, a ``torch.func`` transform and a CUDA graph
+    capture."""
     holders = {}
     for name, m in module.named_modules(remove_duplicate=False):
         if isinstance(m, ColumnParallelLinear) and not m.gather_output:
             holder = module.get_submodule(name.rpartition(".")[0])
             holders[id(holder)] = holder
-    holders.update(back)
-    for key, holder in holders.items():
+    for holder in holders.values():
         columns = [m for m in holder.children() if isinstance(m, ColumnParallelLinear) and not m.gather_output]
         rows = [m for m in holder.modules() if isinstance(m, RowParallelLinear) and m.input_is_parallel]
-        drops = _dropout_of(holder) if rows and columns else []
-        if key in back or any(getattr(m, attr) > 0 for m, attr in drops):
-            streams = _RankDropout(group, drops, columns, rows, key in back)
-            holder.register_forward_pre_hook(streams.begin)
-            holder.register_forward_hook(streams.end, always_call=True)
-    for region, drops in regions.values():
-        streams = _RankDropout(group, drops, [], [], False, whole=True)
-        region.register_forward_pre_hook(streams.begin)
-        region.register_forward_hook(streams.end, always_call=True)
-
-
-def _drawing(module: nn.Module) -> bool:
-    """Whether ``module`` draws its dropout now: in training mode, and not under ``torch.compile``,
-    a ``torch.func`` transform or a CUDA graph capture."""
-    return module.training and not torch.compiler.is_compiling() and not functorch_transforms() and \
-        not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+        drops = _dropout_of(holder)
+        if not rows or not any(getattr(m, attr) > 0 for m, attr in drops):
+            continue
+        streams = _RankDropout(columns[0].group, drops)
+        for layer in columns:
+            layer.register_forward_hook(streams.open)
+        for layer in rows:
+            layer.register_forward_pre_hook(streams.close)
+            if layer.sequence_parallel:  # (it reduce-scatters along the sequence: after it, this rank's block)
+                layer.register_forward_hook(streams.open)
+        holder.register_forward_hook(streams.close, always_call=True)
 
 
 class _RankDropout:
-    """:func:`_dropout_per_rank`'s hooks of one module. Its forward's start (``begin``), where it
-    draws (:func:`_drawing`): with ``whole``, opens this rank's stream for the whole forward; with
-    ``back`` (its input gathered inside a module that runs on this rank's stream), goes back to the
-    default stream until its first column layer's output; with a dropout above 0 in ``drops``,
-    hooks its column layers' outputs to ``open`` this rank's stream, its row layers' inputs to
-    ``close`` it, and the outputs of those that reduce-scatter along the sequence to open it again
-    (``after_row``: what follows holds this rank's block). Its end (``end``, however the forward
-    ends) closes what is open and removes those hooks (in eval mode: two hooks a call, nothing
-    else)."""
+    """:func:`_dropout_per_rank`'s hooks of one module: ``open`` (a column layer's output, a
+    sequence-parallel row layer's) enters this rank's stream where the module draws now (training
+    mode, a dropout above 0, not under ``torch.compile``, a ``torch.func`` transform or a CUDA graph
+    capture); ``close`` (a row layer's input, the module's end however its forward ends) leaves
+    it."""
 
-    def __init__(self, group, drops, columns, rows, back: bool, whole: bool = False) -> None:
-        self.group, self.drops, self.columns, self.rows = group, drops, columns, rows
-        self.back, self.whole = back, whole
-        self.handles, self.calls, self.split, self.default, self.fork = [], 0, False, None, None
+    def __init__(self, group, drops) -> None:
+        self.group, self.drops, self.fork = group, drops, None
 
-    def begin(self, holder, args) -> None:
-        self.calls += 1
-        if self.calls > 1 or not _drawing(holder):  # (a call inside its own call: the outer one's blocks hold)
+    def open(self, layer, args, output) -> None:
+        if self.fork is not None or not layer.training or torch.compiler.is_compiling() or \
+                functorch_transforms() or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()) \
+                or not any(getattr(m, attr) > 0 for m, attr in self.drops):
             return
-        self.split = any(getattr(m, attr) > 0 for m, attr in self.drops)
-        if self.whole:
-            if self.split:
-                self.fork = _entered(rng.rank_fork(self.group))
-            return
-        if self.back:
-            self.default = _entered(rng.default_stream())
-        if self.back or self.split:
-            self.handles = [layer.register_forward_hook(self.open) for layer in self.columns]
-        if self.split:
-            self.handles += [layer.register_forward_pre_hook(self.close) for layer in self.rows]
-            # (a row layer that reduce-scatters along the sequence: after it, this rank's block)
-            self.handles += [layer.register_forward_hook(self.after_row) for layer in self.rows
-                             if layer.sequence_parallel]
-
-    def open(self, *_) -> None:
-        self._leave_default()  # (the gathered span ends at the first column layer's output)
-        if self.split and self.fork is None:
-            self.fork = _entered(rng.rank_fork(self.group))
-
-    def _leave_default(self) -> None:
-        if self.default is not None:
-            default, self.default = self.default, None
-            default.__exit__(None, None, None)
-
-    def after_row(self, *_) -> None:
-        if self.fork is None:
-            self.fork = _entered(rng.rank_fork(self.group))
+        fork = rng.rank_fork(self.group)
+        fork.__enter__()
+        self.fork = fork
 
     def close(self, *_) -> None:
         if self.fork is not None:
             fork, self.fork = self.fork, None
             fork.__exit__(None, None, None)
-
-    def end(self, *_) -> None:
-        self.calls -= 1
-        if self.calls:
-            return
-        self.close()
-        self._leave_default()
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-
-
-def _entered(block):
-    """``block`` (a context manager), entered."""
-    block.__enter__()
-    return block
 
 
 def _watch_column_outputs(module: nn.Module, chosen: Dict[str, tuple]) -> None:

@@ -38,8 +38,8 @@ import torch.utils.checkpoint
 from . import _collectives as coll
 from ._agreement import agree
 
-__all__ = ["MODEL_PARALLEL_RNG", "RNGStatesTracker", "checkpoint", "default_stream", "get_rng_tracker",
-           "model_parallel_manual_seed", "rank_fork"]
+__all__ = ["MODEL_PARALLEL_RNG", "RNGStatesTracker", "checkpoint", "get_rng_tracker", "model_parallel_manual_seed",
+           "rank_fork"]
 
 #: The name of the model-parallel stream, the default of :meth:`RNGStatesTracker.fork`.
 MODEL_PARALLEL_RNG = "model-parallel-rng"
@@ -205,9 +205,6 @@ def model_parallel_manual_seed(seed: int, group=None) -> None:
 
 #: splitmix64's odd constant: a rank's multiple of it, mixed into a seed, gives each rank another seed
 _MIX = 0x9E3779B97F4A7C15
-#: the open blocks of :func:`rank_fork` and :func:`default_stream`, innermost last: ``["fork", the
-#: states it saved]``, ``["default", None]``
-_OPEN: List[list] = []
 
 
 @contextlib.contextmanager
@@ -220,11 +217,10 @@ def rank_fork(group=None):
     :func:`model_parallel_manual_seed`) thus draw different masks in the block, a new pair of masks
     at every block, and a checkpoint that restores the default stream before it recomputes
     (``torch.utils.checkpoint``'s own, reentrant or not: a transformers model's gradient
-    checkpointing) draws the forward's masks again: what :func:`tp_kernels.parallelize` runs a
-    module's dropout between its column and its row layers, and a decoder layer's on its block of
-    the sequence, in. Needs no seed of its own, and no :func:`checkpoint`; inside it,
-    :func:`default_stream` goes back to the default stream; a fork inside a CUDA graph capture is
-    refused, as :meth:`RNGStatesTracker.fork` is."""
+    checkpointing) draws the forward's masks again, where the block lies inside what it recomputes:
+    what :func:`tp_kernels.parallelize` runs the dropout of what each rank holds of its own in. Needs
+    no seed of its own, and no :func:`checkpoint`; a fork inside a CUDA graph capture is refused, as
+    :meth:`RNGStatesTracker.fork` is."""
     rank = coll.group_rank(coll.resolve_group(group))
     if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("rank_fork: a CUDA graph is being captured, and a fork swaps the CUDA generator's "
@@ -232,48 +228,13 @@ def rank_fork(group=None):
     drawn = int(torch.randint(SEED_LIMIT - 1, (), generator=torch.default_generator))
     seed = (drawn ^ ((rank + 1) * _MIX)) % SEED_LIMIT
     generators = _default_generators()
-    entry = ["fork", [generator.get_state() for _, generator in generators]]
+    saved = [generator.get_state() for _, generator in generators]
     for _, generator in generators:
         generator.manual_seed(seed)
-    _OPEN.append(entry)
     try:
         yield
     finally:
-        _close(entry)
-        for (_, generator), state in zip(generators, entry[1]):
-            generator.set_state(state)
-
-
-def _close(entry: list) -> None:
-    """``entry`` off :data:`_OPEN` (by identity: the innermost, as the blocks nest)."""
-    del _OPEN[next(i for i in range(len(_OPEN) - 1, -1, -1) if _OPEN[i] is entry)]
-
-
-@contextlib.contextmanager
-def default_stream():
-    """Within the block, inside :func:`rank_fork` blocks, the default generators draw from the
-    default stream again, where it was (alike on every rank: for activations every rank holds
-    alike, a sequence gathered inside a decoder layer that runs on each rank's block), and the
-    fork goes on afterwards where it was; outside any fork, nothing changes."""
-    below = len(_OPEN)
-    while below and _OPEN[below - 1][0] == "fork":
-        below -= 1
-    if below == len(_OPEN):  # (no fork open since the default stream drew last)
-        yield
-        return
-    base = _OPEN[below]  # (the fork opened from the default stream: the states it saved are that stream's)
-    generators = _default_generators()
-    forked = [generator.get_state() for _, generator in generators]
-    for (_, generator), state in zip(generators, base[1]):
-        generator.set_state(state)
-    entry = ["default", None]
-    _OPEN.append(entry)
-    try:
-        yield
-    finally:
-        _close(entry)
-        base[1] = [generator.get_state() for _, generator in generators]
-        for (_, generator), state in zip(generators, forked):
+        for (_, generator), state in zip(generators, saved):
             generator.set_state(state)
 
 
