@@ -1485,6 +1485,41 @@ def gathered(t: torch.Tensor) -> list:
     return views
 
 
+def _dropout_run(par, x, dy, call=None):
+    """``call`` (``par`` itself by default) on a copy of ``x``, the default stream seeded alike,
+    then its backward of ``dy``: the output, the input's gradient and every parameter's."""
+    par.zero_grad()
+    xr = x.clone().requires_grad_()
+    torch.manual_seed(5)
+    y = (call or par)(xr)
+    y.backward(dy)
+    return y.detach(), xr.grad, [q.grad.clone() for q in par.parameters()]
+
+
+def _assert_checkpoints_replay(par, x, dy, plain) -> None:
+    """torch's checkpoint of ``par`` (reentrant or not) gives bit for bit the ``plain`` run of
+    :func:`_dropout_run`, and the default stream goes on alike on every rank afterwards."""
+    for reentrant in (False, True):
+        again = _dropout_run(par, x, dy, lambda t: torch.utils.checkpoint.checkpoint(par, t, use_reentrant=reentrant))
+        assert all(torch.equal(a, b) for a, b in zip((again[0], again[1], *again[2]),
+                                                     (plain[0], plain[1], *plain[2]))), reentrant
+    after = torch.rand(8)
+    assert all(torch.equal(v, after) for v in gathered(after)), "the default stream went on otherwise on some rank"
+
+
+def _assert_dense_run(plain, ref, x64, dy, up, down) -> None:
+    """The ``plain`` run of :func:`_dropout_run` is the dense ``ref`` (of ``x64``, with the masks the
+    ranks drew; backward of ``dy``): its output, its input's gradient and the gradients of the
+    column layer ``up`` and the row layer ``down``, this rank's blocks of the dense ones."""
+    r, p = rank_world()
+    ref.backward(dy)
+    y, dx, grads = plain
+    assert_close("output", y, ref)
+    assert_close("input gradient", dx, x64.grad)
+    assert_close("up.weight gradient", grads[0], block(up.weight.grad, 0, r, p))
+    assert_close("down.weight gradient", grads[1], block(down.weight.grad, 1, r, p))
+
+
 def check_dropout_per_rank():
     """In training mode a parallelized module draws the dropout between its column and its row
     layer from each rank's own stream (each rank's hidden units get their own mask, not another
@@ -1505,31 +1540,15 @@ def check_dropout_per_rank():
     x = torch.randn(rows, dim, generator=g, dtype=torch.float64)
     dy = torch.randn(rows, dim, generator=g, dtype=torch.float64)
 
-    def run(call):
-        par.zero_grad()
-        xr = x.clone().requires_grad_()
-        torch.manual_seed(5)
-        y = call(xr)
-        y.backward(dy)
-        return y.detach(), xr.grad, [q.grad.clone() for q in par.parameters()]
-
-    y, dx, grads = run(par)
+    y, dx, grads = _dropout_run(par, x, dy)
     inner = gathered(masks["inner"])
     assert all(not torch.equal(inner[q], inner[r]) for q in range(p) if q != r), "a rank's hidden units dropped alike"
     assert all(torch.equal(v, masks["outer"]) for v in gathered(masks["outer"]))
     assert all(torch.equal(v, y) for v in gathered(y)), "the row layer's output differs between ranks"
     x64 = x.clone().requires_grad_()
     ref = dense.down(dense.up(x64).exp() * torch.cat(inner, 1) / (1 - drop)) * masks["outer"] / (1 - drop)
-    ref.backward(dy)
-    assert_close("output", y, ref)
-    assert_close("input gradient", dx, x64.grad)
-    assert_close("up.weight gradient", grads[0], block(dense.up.weight.grad, 0, r, p))
-    assert_close("down.weight gradient", grads[1], block(dense.down.weight.grad, 1, r, p))
-    for reentrant in (False, True):
-        again = run(lambda t: torch.utils.checkpoint.checkpoint(par, t, use_reentrant=reentrant))
-        assert all(torch.equal(a, b) for a, b in zip((again[0], again[1], *again[2]), (y, dx, *grads))), reentrant
-    after = torch.rand(8)
-    assert all(torch.equal(v, after) for v in gathered(after)), "the default stream went on otherwise on some rank"
+    _assert_dense_run((y, dx, grads), ref, x64, dy, dense.up, dense.down)
+    _assert_checkpoints_replay(par, x, dy, (y, dx, grads))
     state = torch.get_rng_state()
     with torch.no_grad():
         par.eval()(x)
@@ -1623,15 +1642,7 @@ def check_sequence_dropout_per_rank():
     x = torch.randn(b, s, dim, generator=g, dtype=torch.float64)
     dy = torch.randn(b, s, dim, generator=g, dtype=torch.float64)
 
-    def run(call):
-        par.zero_grad()
-        xr = x.clone().requires_grad_()
-        torch.manual_seed(5)
-        y = call(xr)
-        y.backward(dy)
-        return y.detach(), xr.grad, [q.grad.clone() for q in par.parameters()]
-
-    y, dx, grads = run(par)
+    y, dx, grads = _dropout_run(par, x, dy)
     for name in ("inner", "residual"):  # (each rank's own: its hidden units, its block of the sequence)
         views = gathered(drawn[name])
         assert all(not torch.equal(views[q], views[r]) for q in range(p) if q != r), name
@@ -1640,16 +1651,8 @@ def check_sequence_dropout_per_rank():
     mix = dense.layer.mix
     mixed = mix.down(mix.up(x64).exp() * torch.cat(gathered(drawn["inner"]), -1) / (1 - drop))
     ref = (x64 + mixed * torch.cat(gathered(drawn["residual"]), 1) / (1 - drop)) * drawn["jitter"]  # (blocks joined)
-    ref.backward(dy)
-    assert_close("output", y, ref)
-    assert_close("input gradient", dx, x64.grad)
-    assert_close("up.weight gradient", grads[0], block(mix.up.weight.grad, 0, r, p))
-    assert_close("down.weight gradient", grads[1], block(mix.down.weight.grad, 1, r, p))
-    for reentrant in (False, True):
-        again = run(lambda t: torch.utils.checkpoint.checkpoint(par, t, use_reentrant=reentrant))
-        assert all(torch.equal(a, b) for a, b in zip((again[0], again[1], *again[2]), (y, dx, *grads))), reentrant
-    after = torch.rand(8)
-    assert all(torch.equal(v, after) for v in gathered(after)), "the default stream went on otherwise on some rank"
+    _assert_dense_run((y, dx, grads), ref, x64, dy, mix.up, mix.down)
+    _assert_checkpoints_replay(par, x, dy, (y, dx, grads))
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
