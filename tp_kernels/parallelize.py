@@ -361,6 +361,11 @@ def _dropout_of(holder: nn.Module) -> list:
     return found
 
 
+def _dropping(drops) -> bool:
+    """Whether any of ``drops`` (:func:`_dropout_of`) is above 0 now."""
+    return any(getattr(m, attr) > 0 for m, attr in drops)
+
+
 def _dropout_per_rank(module: nn.Module) -> None:
     """Run the dropout that draws on what each rank holds of its own from that rank's own random
     stream (:func:`tp_kernels.rng.rank_fork`), in training mode: in a module holding column layers
@@ -389,7 +394,7 @@ def _dropout_per_rank(module: nn.Module) -> None:
         columns = [m for m in holder.children() if isinstance(m, ColumnParallelLinear) and not m.gather_output]
         rows = [m for m in holder.modules() if isinstance(m, RowParallelLinear) and m.input_is_parallel]
         drops = _dropout_of(holder)
-        if not rows or not any(getattr(m, attr) > 0 for m, attr in drops):
+        if not rows or not _dropping(drops):
             continue
         streams = _RankDropout(columns[0].group, drops)
         for layer in columns:
@@ -414,7 +419,7 @@ class _RankDropout:
     def open(self, layer, args, output) -> None:
         if self.fork is not None or not layer.training or torch.compiler.is_compiling() or \
                 functorch_transforms() or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()) \
-                or not any(getattr(m, attr) > 0 for m, attr in self.drops):
+                or not _dropping(self.drops):
             return
         fork = rng.rank_fork(self.group)
         fork.__enter__()

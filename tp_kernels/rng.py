@@ -70,6 +70,27 @@ def _default_generators() -> List[Tuple[str, torch.Generator]]:
     return generators
 
 
+def _refuse_capture(what: str) -> None:
+    """A ``RuntimeError`` (naming ``what``) inside a CUDA graph capture, which does not record a
+    generator's state being swapped."""
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{what}: a CUDA graph is being captured, and a fork swaps the CUDA generator's "
+                           "state, which a capture does not record; fork outside the captured region")
+
+
+@contextlib.contextmanager
+def _swapped():
+    """The default generators (:func:`_default_generators`), for the block to give other states,
+    put back as they were afterwards."""
+    generators = _default_generators()
+    saved = [generator.get_state() for _, generator in generators]
+    try:
+        yield generators
+    finally:
+        for (_, generator), state in zip(generators, saved):
+            generator.set_state(state)
+
+
 def _copy(states: States) -> States:
     return {name: {device: state.clone() for device, state in per_device.items()} for name, per_device in states.items()}
 
@@ -128,24 +149,20 @@ class RNGStatesTracker:
             raise ValueError(f"name: no random stream {name!r} was added{hint}")
         if name in self._open:
             raise RuntimeError(f"fork: the stream {name!r} is already forked in an enclosing block")
-        if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fork: a CUDA graph is being captured, and a fork swaps the CUDA generator's "
-                               "state, which a capture does not record; fork outside the captured region")
-        generators = _default_generators()
+        _refuse_capture("fork")
         states = self._states[name]
-        saved = [generator.get_state() for _, generator in generators]
-        for device, generator in generators:
-            if device not in states:
-                states[device] = torch.Generator(device).manual_seed(self._seeds[name]).get_state()
-            generator.set_state(states[device])
-        self._open.add(name)
-        try:
-            yield
-        finally:
-            self._open.discard(name)
-            for (device, generator), state in zip(generators, saved):
-                states[device] = generator.get_state()
-                generator.set_state(state)
+        with _swapped() as generators:
+            for device, generator in generators:
+                if device not in states:
+                    states[device] = torch.Generator(device).manual_seed(self._seeds[name]).get_state()
+                generator.set_state(states[device])
+            self._open.add(name)
+            try:
+                yield
+            finally:
+                self._open.discard(name)
+                for device, generator in generators:  # (the stream goes on where the block left it)
+                    states[device] = generator.get_state()
 
 
 class _Replay:
@@ -222,20 +239,13 @@ def rank_fork(group=None):
     no seed of its own, and no :func:`checkpoint`; a fork inside a CUDA graph capture is refused, as
     :meth:`RNGStatesTracker.fork` is."""
     rank = coll.group_rank(coll.resolve_group(group))
-    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("rank_fork: a CUDA graph is being captured, and a fork swaps the CUDA generator's "
-                           "state, which a capture does not record; fork outside the captured region")
+    _refuse_capture("rank_fork")  # (before the draw)
     drawn = int(torch.randint(SEED_LIMIT - 1, (), generator=torch.default_generator))
     seed = (drawn ^ ((rank + 1) * _MIX)) % SEED_LIMIT
-    generators = _default_generators()
-    saved = [generator.get_state() for _, generator in generators]
-    for _, generator in generators:
-        generator.manual_seed(seed)
-    try:
+    with _swapped() as generators:
+        for _, generator in generators:
+            generator.manual_seed(seed)
         yield
-    finally:
-        for (_, generator), state in zip(generators, saved):
-            generator.set_state(state)
 
 
 def checkpoint(function: Callable, *args, use_reentrant: bool = False, context_fn: Optional[Callable] = None,
