@@ -1020,15 +1020,16 @@ def test_hugging_face_local_params(world, kind, sequence):
     world.run(check_hugging_face_local_params, kind, sequence)
 
 
-def check_moe_under_fully_sharded_data_parallel(path, parallelism="tp"):
+def check_moe_under_fully_sharded_data_parallel(path, parallelism="tp", experts=4):
     """Tensor parallelism 2 x FSDP2 over the 2 data-parallel ranks (``fully_shard`` of each layer
-    and of the model) on 4 ranks, Qwen 3 MoE by its plan (:func:`_plan`; with ``"ep"`` its experts
-    whole, two a rank, FSDP2's rows one expert each): each data-parallel rank takes half the
-    batch, and ``clip_grad_norm_`` gives the dense model's norm, an SGD step with momentum its
-    weights, ``full_state_dict`` its state dict; the ``dcp`` checkpoint of the sharded state dicts
-    (the packed expert weights' pieces along dim 1, which FSDP2's rows of dim 0 leave whole) is,
-    offline, the dense weights and momenta; a model sharded alike resumes from it, and its next
-    step is the dense model's."""
+    and of the model) on 4 ranks, Qwen 3 MoE of ``experts`` experts by its plan (:func:`_plan`;
+    with ``"ep"`` its experts whole, two a rank, FSDP2's rows one expert each; of 5 experts, 3 a
+    rank, the second rank's third padding, FSDP2's rows 2 and 1): each data-parallel rank takes
+    half the batch, and ``clip_grad_norm_`` gives the dense model's norm, an SGD step with momentum
+    its weights, ``full_state_dict`` its state dict; the ``dcp`` checkpoint of the sharded state
+    dicts (the packed expert weights' pieces along dim 1, which FSDP2's rows of dim 0 leave whole;
+    the padded experts' rows as chunks) is, offline, the dense weights and momenta; a model sharded
+    alike resumes from it, and its next step is the dense model's."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -1041,7 +1042,7 @@ def check_moe_under_fully_sharded_data_parallel(path, parallelism="tp"):
         dp = tp_kernels.get_data_parallel_rank()
         tag = tp_kernels.get_data_parallel_group().group_name  # (a mesh named anew: torch caches them by value)
         mesh = DeviceMesh.from_group(tp_kernels.get_data_parallel_group(), "cpu", mesh_dim_names=(f"moe{tag}",))
-        dense = _moe_model("qwen3_moe")
+        dense = _moe_model("qwen3_moe", experts=experts)
         plan = _plan(dense, parallelism)
 
         def sharded(model):
@@ -1087,7 +1088,7 @@ def check_moe_under_fully_sharded_data_parallel(path, parallelism="tp"):
             torch.testing.assert_close(whole["optim"]["state"][name]["momentum_buffer"],
                                        dense_opt.state[param]["momentum_buffer"], rtol=1e-10, atol=1e-12)
         torch.manual_seed(3)
-        fresh = sharded(_moe_model("qwen3_moe").apply(_reset))
+        fresh = sharded(_moe_model("qwen3_moe", experts=experts).apply(_reset))
         fresh_opt = sgd(fresh)
         state = {"model": tp_kernels.sharded_state_dict(fresh),
                  "optim": tp_kernels.sharded_optimizer_state_dict(fresh, fresh_opt)}
@@ -1101,6 +1102,6 @@ def check_moe_under_fully_sharded_data_parallel(path, parallelism="tp"):
         tp_kernels.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("parallelism", ["tp", "ep"])
-def test_moe_under_fully_sharded_data_parallel(world4, tmp_path, parallelism):
-    world4.run(check_moe_under_fully_sharded_data_parallel, str(tmp_path), parallelism)
+@pytest.mark.parametrize("parallelism,experts", [("tp", 4), ("ep", 4), ("ep", 5)])
+def test_moe_under_fully_sharded_data_parallel(world4, tmp_path, parallelism, experts):
+    world4.run(check_moe_under_fully_sharded_data_parallel, str(tmp_path), parallelism, experts)

@@ -2191,9 +2191,9 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parall
     dicts, the optimizer's too), the checkpoint is the dense model's and momenta offline; a model
     sharded alike resumes from it, its next step the original's; and the model parallelized over
     all 4 ranks without FSDP2 loads it. A model made on the meta device, sharded, then initialized
-    in place holds what it holds without FSDP2. A padded layer's checkpoint, and parallelizing a
-    model already sharded, are clear errors; FSDP2 finds no view returned by the model (its head is a
-    column layer)."""
+    in place holds what it holds without FSDP2. A padded layer's full state dict is the dense one;
+    parallelizing a model already sharded is a clear error; FSDP2 finds no view returned by the model
+    (its head is a column layer)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -2314,8 +2314,6 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parall
         joined = tp_kernels.full_state_dict(padded)  # without the padding: the dense model's
         for name, value in LanguageModel(7, hidden, heads, ffn).double().state_dict().items():
             assert torch.equal(joined[name], value), name
-        with pytest.raises(ValueError, match="'emb.weight' is of a layer of several outputs, of heads or a padded one"):
-            tp_kernels.sharded_state_dict(padded)
         late = fully_shard(LanguageModel(vocab, hidden, heads, ffn).double(), mesh=mesh)  # sharded, then parallelized
         with pytest.raises(ValueError, match="are DTensors .* parallelize the dense model first"):
             tp_kernels.parallelize(late, LM_PLAN)
@@ -2336,6 +2334,164 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parall
 def test_fully_sharded_data_parallel_over_tensor_parallel(world4, tmp_path, sequence_parallel, mesh_kind):
     world4.run(check_fully_sharded_data_parallel_over_tensor_parallel, str(tmp_path / "checkpoint"),
                sequence_parallel, mesh_kind)
+
+
+class _GroupedQueryLM(nn.Module):
+    """An embedding, a :class:`GroupedQueryBlock` and a head: a language model every sharded layer
+    of which is a fused one (the block's) or, for a vocabulary that p does not divide, a padded one."""
+
+    def __init__(self, vocab, hidden, heads, kv_heads, ffn, tp=1):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.block = GroupedQueryBlock(hidden, heads, kv_heads, ffn, tp)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids):  # [s, b] -> [s, b, vocab]
+        return self.head(self.block(self.emb(ids)))
+
+    def plan(self):
+        return {"emb": "vocab", "head": "colwise", "block.qkv": ("colwise", self.block.sizes, HEAD_DIM),
+                "block.o_proj": "rowwise", "block.gate_up": ("colwise", [self.block.ffn] * 2),
+                "block.down": "rowwise"}
+
+
+def check_fused_layers_under_fully_sharded_data_parallel(path, mesh_kind):
+    """Tensor parallelism 2 x FSDP2 (or HSDP, replicated over the data-parallel ranks) on 4 ranks
+    over a model each sharded layer of which is made of pieces that FSDP2's rows cut across: a
+    vocabulary of 7 on 2 ranks (the embedding and the head padded), a fused [q, k, v] of 8 query
+    heads and one key/value head that both ranks hold (FSDP2's rows of a rank's 30 ending inside
+    its fourth query head) and a fused [gate, up]. Two SGD steps with momentum, each data-parallel
+    rank taking half the batch, give the dense model's weights; saved with dcp through the sharded
+    state dicts (each entry's rows a chunk), the checkpoint read offline is the dense model's
+    weights and momenta; a model sharded alike (made on the meta device) resumes from it (its
+    weights, padding zero, momenta and next step the original's), and the model parallelized over
+    all 4 ranks without FSDP2 (another padding, the key/value head on 4 ranks) loads the same
+    weights and momenta."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    r, _ = rank_world()
+    sizes = dict(vocab=7, hidden=6, heads=8, kv_heads=1, ffn=12)
+
+    def momenta(model, opt):
+        params = dict(model.named_parameters())
+        return {name: opt.state[param]["momentum_buffer"] for name, param in params.items()}
+
+    def sgd(model):
+        return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+    torch.manual_seed(0)
+    dense = _GroupedQueryLM(**sizes).double()
+    dense_opt = sgd(dense)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 7, (4, 6), generator=g), torch.randint(0, 7, (4, 6), generator=g)) for _ in range(3)]
+    for ids, tokens in batches[:2]:
+        F.cross_entropy(dense(ids).reshape(-1, 7), tokens.reshape(-1)).backward()
+        dense_opt.step()
+        dense_opt.zero_grad()
+    want, want_momenta = dense.state_dict(), momenta(dense, dense_opt)
+
+    tp_kernels.initialize_model_parallel(2)
+    try:
+        dp = tp_kernels.get_data_parallel_rank()
+        tag = tp_kernels.get_data_parallel_group().group_name  # (meshes named anew: torch caches them by value)
+        if mesh_kind == "hsdp":
+            names = (f"replicate{tag}", f"shard{tag}", f"tp{tag}")
+            mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=names)[names[:2]]
+        else:
+            mesh = DeviceMesh.from_group(tp_kernels.get_data_parallel_group(), "cpu", mesh_dim_names=(f"dp{tag}",))
+
+        def sharded(seed, meta=False):
+            torch.manual_seed(seed)
+            with torch.device("meta") if meta else contextlib.nullcontext():
+                model = _GroupedQueryLM(**sizes, tp=2).double()
+                model = tp_kernels.parallelize(model, model.plan())
+            fully_shard(model.block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            if meta:  # (made on the meta device: its memory, padding included, NaN until loaded)
+                model.to_empty(device="cpu")
+                with torch.no_grad():
+                    for param in model.parameters():
+                        param.to_local().fill_(float("nan"))
+            return model
+
+        def step(model, opt, ids, tokens):
+            mine = slice(3 * dp, 3 * dp + 3)  # this data-parallel rank's half of the batch (dim 1)
+            tp_kernels.vocab_parallel_cross_entropy(model(ids[:, mine]), tokens[:, mine]).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        par = sharded(0)  # (the dense model's weights)
+        opt = sgd(par)
+        for ids, tokens in batches[:2]:
+            step(par, opt, ids, tokens)
+        qkv = par.block.qkv.weight
+        assert mesh_kind == "hsdp" or qkv.to_local().shape == (15, 6), qkv.to_local().shape  # (a half of 30 rows)
+        state = tp_kernels.full_state_dict(par)
+        for name, value in want.items():
+            torch.testing.assert_close(state[name], value, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
+        entries = tp_kernels.sharded_state_dict(par)
+        first = 4 * tp_kernels.get_tensor_model_parallel_rank()  # (the first of the rank's 4 query heads)
+        assert {"emb.weight", "head.weight", f"block.qkv.weight[0][{first + 3}]", "block.qkv.weight[1][0]",
+                "block.qkv.bias[2][0]", "block.gate_up.weight[1]"} <= set(entries), sorted(entries)
+        dcp.save({"model": entries, "optim": tp_kernels.sharded_optimizer_state_dict(par, opt)}, checkpoint_id=path)
+        dist.barrier()
+        if r == 0:  # offline, whole: the dense model's weights and momenta
+            dcp_to_torch_save(path, f"{path}.pt")
+        dist.barrier()
+        whole = tp_kernels.dense_state_dict(torch.load(f"{path}.pt"))
+        for name, value in want.items():
+            torch.testing.assert_close(whole["model"][name], value, rtol=1e-10, atol=1e-12,
+                                       msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(whole["optim"]["state"][name]["momentum_buffer"], want_momenta[name],
+                                       rtol=1e-10, atol=1e-12, msg=lambda m: f"{name} momentum: {m}")
+
+        resumed = sharded(9, meta=True)
+        resumed_opt = sgd(resumed)
+        loaded = {"model": tp_kernels.sharded_state_dict(resumed),
+                  "optim": tp_kernels.sharded_optimizer_state_dict(resumed, resumed_opt)}
+        dcp.load(loaded, checkpoint_id=path)
+        tp_kernels.load_sharded_optimizer_state_dict(resumed, resumed_opt, loaded["optim"])
+        assert all(torch.isfinite(param.to_local()).all() for param in resumed.parameters())  # (the padding: zero)
+        for name, value in momenta(par, opt).items():
+            got = momenta(resumed, resumed_opt)[name]
+            assert type(got) is type(value) and torch.equal(got.to_local(), value.to_local()), name
+        for stepped in (False, True):  # the weights loaded in place, then after the next step
+            for model, model_opt in ((par, opt), (resumed, resumed_opt)) if stepped else ():
+                step(model, model_opt, *batches[2])
+            got, original = tp_kernels.full_state_dict(resumed), tp_kernels.full_state_dict(par)
+            assert all(torch.equal(got[name], original[name]) for name in want), stepped
+    finally:
+        tp_kernels.destroy_model_parallel()
+    tp_kernels.initialize_model_parallel(4)  # the checkpoint into tensor parallelism alone, over all 4 ranks
+    try:
+        torch.manual_seed(1)
+        wide = _GroupedQueryLM(**sizes, tp=4).double()
+        wide = tp_kernels.parallelize(wide, wide.plan())
+        wide_opt = sgd(wide)
+        loaded = {"model": tp_kernels.sharded_state_dict(wide),
+                  "optim": tp_kernels.sharded_optimizer_state_dict(wide, wide_opt)}
+        dcp.load(loaded, checkpoint_id=path)
+        tp_kernels.load_sharded_optimizer_state_dict(wide, wide_opt, loaded["optim"])
+        for name, value in tp_kernels.full_state_dict(wide).items():
+            torch.testing.assert_close(value, want[name], rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
+        blocks, _, _ = tp_kernels.layers.sharded_blocks(wide)
+        for name, got in momenta(wide, wide_opt).items():
+            expected = want_momenta[name]
+            if name in blocks:
+                _, dim, layer = blocks[name]
+                expected = _blocks_of_outputs(expected, layer.split_parts, dim, r, 4, getattr(layer, "head_size", None))
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name} momentum: {m}")
+    finally:
+        tp_kernels.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("mesh_kind", ["fsdp", "hsdp"])
+def test_fused_layers_under_fully_sharded_data_parallel(world4, tmp_path, mesh_kind):
+    world4.run(check_fused_layers_under_fully_sharded_data_parallel, str(tmp_path / "checkpoint"), mesh_kind)
 
 
 def check_distributed_checkpoint_with_optimizer(path, device="cpu"):

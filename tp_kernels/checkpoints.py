@@ -5,7 +5,7 @@ loads: the full state dict, and the sharded ones (the model's, the optimizer's) 
 from __future__ import annotations
 
 import re
-from typing import Dict, Mapping
+from typing import Dict, List, Mapping, Tuple
 
 import torch
 import torch.nn as nn
@@ -13,7 +13,7 @@ import torch.nn as nn
 from . import _collectives as coll
 from . import _data_parallel as dp
 from ._agreement import agree
-from .layers import block_index, block_of, full_of, local_sizes, sharded_blocks, with_padding
+from .layers import block_index, block_of, full_of, local_sizes, sharded_blocks, split_block, with_padding
 
 __all__ = ["dense_state_dict", "full_state_dict", "load_full_state_dict", "load_sharded_optimizer_state_dict",
            "sharded_optimizer_state_dict", "sharded_state_dict"]
@@ -106,15 +106,26 @@ def sharded_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
 
     A model that FSDP2 shards further over the data-parallel ranks (its parameters ``DTensor`` s
     over the data-parallel mesh) saves each rank's rows of its block as a ``DTensor`` over the group
-    and the mesh, so the checkpoint is the same dense model's; a layer of several outputs, of heads
-    or a padded one is then refused (``ValueError``): FSDP2's rows cut across its pieces along dim 0
-    (packed expert weights, whose pieces lie along another dim, are taken)."""
+    and the mesh, so the checkpoint is the same dense model's. Where FSDP2's rows cut across the
+    pieces of a block along dim 0 (a layer of several outputs, of heads, or a padded one), each
+    entry above holds the rows of it this rank holds as one chunk at its place (torch's
+    ``LocalShardsWrapper`` in a ``DTensor`` of the entry's shape, which ``dcp`` saves and loads in
+    place): the same entries, so the same checkpoint. Packed expert weights, whose pieces lie along
+    another dim, FSDP2's rows leave whole."""
     state = {key: value.detach() for key, value in module.state_dict(keep_vars=True).items()}
     entries, _, blocks = _entries(module)
     with torch.no_grad():
-        for param, dim, layer in blocks.values():
-            if layer.pad_rows:  # no checkpoint holds it: zero, not what to_empty() left there
-                param.narrow(dim, param.shape[dim] - layer.pad_rows, layer.pad_rows).zero_()
+        for key, (param, dim, layer) in blocks.items():
+            if not layer.pad_rows:  # (else no checkpoint holds it: zero, not what to_empty() left there)
+                continue
+            start = param.shape[dim] - layer.pad_rows
+            if dim == 0 and dp.is_sharded(param):  # (FSDP2: the rows of it this rank holds)
+                held = dp.rows(param, key)
+                lo, hi = _held(start, layer.pad_rows, held)
+                if hi > lo:
+                    held.local.narrow(0, lo - held.start, hi - lo).zero_()
+            else:
+                param.narrow(dim, start, layer.pad_rows).zero_()
     out: Dict[str, torch.Tensor] = {}
     for key, value in state.items():
         out.update(entries(key, value))
@@ -175,43 +186,23 @@ def _entries(module: nn.Module):
     for a layer of several outputs, ``{"key[j]": DTensor of output j}`` (``"key[dimD][j]"`` where
     the outputs lie side by side along a dim D other than 0: packed expert weights), or, for a layer of outputs
     made of heads (``head_size``), ``{"key[j][h]": head h of output j}`` for each head this rank
-    holds, a plain tensor (held by several ranks where it is replicated, saved once by ``dcp``). All
-    views of ``tensor``; with one rank, plain tensors. ``join(per_name)``: the optimizer's state by
-    name again, the entries of each key joined into its block (as the parameter holds it)."""
+    holds, a plain tensor (held by several ranks where it is replicated, saved once by ``dcp``)
+    (:func:`_layout`). Under FSDP2, where its rows cut across those entries along dim 0, each entry
+    is the chunk of it this rank holds (:func:`_chunks`). All views of ``tensor``; with one rank,
+    plain tensors. ``join(per_name)``: the optimizer's state by name again, the entries of each key
+    joined into its block (as the parameter holds it; under FSDP2 its rows of it)."""
     blocks, group, groups_error = sharded_blocks(module)
     if groups_error:
         raise ValueError(groups_error)
     mesh = dp.data_parallel_mesh(module)
-    if mesh is not None:
-        # (padded on any rank of the group, not only this one: every rank refuses alike; pieces side
-        # by side along another dim, packed expert weights', FSDP2's rows of dim 0 leave whole)
-        irregular = [key for key, (_, dim, layer) in blocks.items()
-                     if dim == 0 and (len(layer.split_parts) > 1 or getattr(layer, "head_size", None) is not None
-                                      or layer.split_parts[0] % layer.tp_size)]
-        if irregular:
-            raise ValueError(f"module: FSDP2 shards its parameters further over the data-parallel ranks, and "
-                             f"{irregular[0]!r} is of a layer of several outputs, of heads or a padded one, whose "
-                             "pieces along dim 0 FSDP2's rows cut across: no DTensor describes them, so the sharded "
-                             "state dicts do not take it; checkpoint such a model with full_state_dict and "
-                             "load_full_state_dict")
+    # (FSDP2: the layers whose pieces along dim 0 FSDP2's rows cut across, saved as chunks; pieces
+    # side by side along another dim, packed expert weights', FSDP2's rows of dim 0 leave whole)
+    chunked = set() if mesh is None else {key for key, (param, dim, layer) in blocks.items()
+                                          if dim == 0 and not _one_block(layer) and dp.is_sharded(param)}
     if coll.group_size(group) == 1:
         sharded = lambda tensor, dim, full: tensor  # noqa: E731
     else:
         sharded = _as_dtensor(group) if mesh is None else _over_group_and_mesh(group, mesh)
-
-    def pieces(key: str, tensor: torch.Tensor, dim: int, layer) -> Dict[str, torch.Tensor]:
-        """``tensor`` (a block of ``key``) by entry name: its outputs, or their heads."""
-        head = getattr(layer, "head_size", None)
-        along = f"[dim{dim}]" if dim else ""  # (what dense_state_dict joins them along, offline)
-        out = {}
-        for j, piece in enumerate(tensor.split(local_sizes(layer), dim)):
-            if head is None:
-                out[f"{key}{along}[{j}]"] = piece
-                continue
-            first = block_index(layer, j) * (piece.shape[dim] // head)  # the first head it holds
-            for i, one in enumerate(piece.split(head, dim)):
-                out[f"{key}[{j}][{first + i}]"] = one
-        return out
 
     def entries(key: str, tensor) -> Dict[str, object]:
         if key not in blocks or not isinstance(tensor, torch.Tensor) or tensor.shape != blocks[key][0].shape:
@@ -223,24 +214,28 @@ def _entries(module: nn.Module):
                                  "be saved sharded; use an optimizer whose state has the parameter's shape")
             return {key: tensor}
         _, dim, layer = blocks[key]
-        parts = layer.split_parts
+        if key in chunked:
+            return _chunks(key, tensor, layer)
+        layout = _layout(key, dim, layer)
+        # (the whole block as it is: FSDP2's, a DTensor, whose rows a narrow along dim 0 would gather)
+        rows = [tensor if length == tensor.shape[dim] else tensor.narrow(dim, start, length)
+                for _, start, length, _, _ in layout]
         if getattr(layer, "head_size", None) is not None:  # (whatever p replicates: the same entries at every p)
-            return pieces(key, tensor, dim, layer)
-        if len(parts) == 1:  # its rows of the full tensor, without the padding at the end
-            held = tensor.narrow(dim, 0, tensor.shape[dim] - layer.pad_rows) if layer.pad_rows else tensor
-            return {key: sharded(held, dim, parts[0])}
-        return {name: sharded(piece, dim, size)
-                for (name, piece), size in zip(pieces(key, tensor, dim, layer).items(), parts)}
+            return {name: piece for (name, *_), piece in zip(layout, rows)}
+        return {name: sharded(piece, dim, full) for (name, _, _, _, full), piece in zip(layout, rows)}
 
     def join(per_name: Dict[str, Dict[str, object]]) -> Dict[str, Dict[str, object]]:
         joined = dict(per_name)
         for key, (param, dim, layer) in blocks.items():
+            if key in chunked:
+                _join_chunks(joined, key, param, layer)
+                continue
             if layer.pad_rows and key in joined:  # the padding again (zero: it never has a gradient)
                 held = (*param.shape[:dim], param.shape[dim] - layer.pad_rows, *param.shape[dim + 1:])
                 joined[key] = {k: with_padding(v, dim, layer.pad_rows) if tuple(getattr(v, "shape", ())) == held else v
                                for k, v in joined[key].items()}
             several = len(layer.split_parts) > 1 or getattr(layer, "head_size", None) is not None
-            names = list(pieces(key, param.detach(), dim, layer)) if several else []
+            names = [name for name, *_ in _layout(key, dim, layer)] if several else []
             if not names or names[0] not in joined:
                 continue
             per_piece = [joined.pop(name) for name in names]
@@ -251,6 +246,105 @@ def _entries(module: nn.Module):
         return joined
 
     return entries, join, blocks
+
+
+def _one_block(layer) -> bool:
+    """Whether each rank's block of ``layer``'s split dim is one block of the full tensor, the
+    ranks' all alike (one ``Shard`` describes it): one part that p divides, not made of heads."""
+    return getattr(layer, "head_size", None) is None and len(layer.split_parts) == 1 and \
+        layer.split_parts[0] % layer.tp_size == 0
+
+
+def _layout(key: str, dim: int, layer) -> List[Tuple[str, int, int, int, int]]:
+    """The entries of ``key``, a block of ``layer`` along ``dim``: ``(name, start, length, offset,
+    full)`` each, rows ``[start, start + length)`` of the block along ``dim`` being rows ``[offset,
+    offset + length)`` of the entry's tensor, ``full`` long. The block's rows of the full tensor
+    (``key``, without the padding at its end), or, for a layer of several outputs, each output's
+    block (``"key[j]"``; ``"key[dimD][j]"`` where they lie along a dim D other than 0), or, for a
+    layer whose outputs are heads, each head (``"key[j][h]"``, h counted in output j)."""
+    p, r = layer.tp_size, layer.tp_rank
+    head = getattr(layer, "head_size", None)
+    if head is None and len(layer.split_parts) == 1:
+        full = layer.split_parts[0]
+        rows, padding = split_block(full, p, r)
+        return [(key, 0, rows - padding, min(r * rows, full), full)]
+    along = f"[dim{dim}]" if dim else ""
+    out, start = [], 0
+    for j, (size, part) in enumerate(zip(local_sizes(layer), layer.split_parts)):
+        if head is None:
+            out.append((f"{key}{along}[{j}]", start, size, block_index(layer, j) * size, part))
+        else:
+            first = block_index(layer, j) * (size // head)  # the first head it holds
+            out.extend((f"{key}[{j}][{first + i}]", start + i * head, head, 0, head) for i in range(size // head))
+        start += size
+    return out
+
+
+def _held(start: int, length: int, held: dp.Rows) -> Tuple[int, int]:
+    """``(lo, hi)``: the rows of ``[start, start + length)`` that ``held`` (FSDP2's rows of a block) holds."""
+    return max(start, held.start), min(start + length, held.start + held.local.shape[0])
+
+
+def _local_shards_wrapper():
+    try:
+        from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+    except ImportError:
+        try:
+            from torch.distributed._tensor._shards_wrapper import LocalShardsWrapper
+        except ImportError:
+            raise ValueError(f"module: FSDP2 shards its parameters further, and a layer of several outputs, of heads "
+                             f"or a padded one is saved in chunks, by LocalShardsWrapper, which torch "
+                             f"{torch.__version__} lacks; checkpoint such a model with full_state_dict") from None
+    return LocalShardsWrapper
+
+
+def _chunks(key: str, tensor, layer) -> Dict[str, object]:
+    """FSDP2: the entries of ``key`` (:func:`_layout`) from ``tensor``, FSDP2's rows of this rank's
+    block along dim 0 (a ``DTensor`` over the data-parallel mesh; the parameter or its optimizer
+    state), where its rows cut across the entries: each a ``DTensor`` of the entry's full shape whose
+    local tensor is the one chunk of it this rank holds, at its place (torch's
+    ``LocalShardsWrapper``, ``dcp``'s chunks that no placement describes), a view of ``tensor``'s
+    rows; of an entry it holds no row of, an empty chunk at the entry's end, which no chunk holding
+    rows shares (``dcp`` keeps one of the chunks several ranks name alike: a replicated head's)."""
+    DTensor, _, _ = dp.dtensor_types()
+    wrapper = _local_shards_wrapper()
+    held = dp.rows(tensor, f"{key} (as FSDP2 places it)")
+    out = {}
+    for name, start, length, offset, full in _layout(key, 0, layer):
+        lo, hi = _held(start, length, held)
+        rows, at = ((held.local.narrow(0, lo - held.start, hi - lo), offset + lo - start) if hi > lo
+                    else (held.local.narrow(0, 0, 0), full))
+        shape = torch.Size((full, *rows.shape[1:]))
+        out[name] = DTensor.from_local(wrapper([rows], [(at,) + (0,) * (rows.dim() - 1)]), tensor.device_mesh,
+                                       tensor.placements, run_check=False, shape=shape,
+                                       stride=torch.empty(shape, device="meta").stride())
+    return out
+
+
+def _join_chunks(joined: Dict[str, Dict[str, object]], key: str, param, layer) -> None:
+    """The optimizer's state of ``key`` in ``joined`` from its entries' chunks (:func:`_chunks`),
+    in place: each state tensor as FSDP2's rows of the block, a plain tensor (its padding zero)."""
+    layout = _layout(key, 0, layer)
+    per_piece = [joined.get(name, {}) for name, *_ in layout]
+    states = {k for piece in per_piece for k, v in piece.items() if dp.is_sharded(v)
+              and hasattr(dp.local(v), "local_shards")}
+    if not states:
+        return
+    held = dp.rows(param, key)
+    whole = dict(joined.get(key, {}))
+    for name, *_ in layout:
+        if name != key:
+            joined.pop(name, None)
+    for k in states:
+        rows = None
+        for (_, start, length, _, _), piece in zip(layout, per_piece):
+            chunk = dp.local(piece[k]).local_shards()[0]
+            rows = chunk.new_zeros(held.local.shape) if rows is None else rows
+            lo, hi = _held(start, length, held)
+            if hi > lo:
+                rows.narrow(0, lo - held.start, hi - lo).copy_(chunk)
+        whole[k] = rows
+    joined[key] = whole
 
 
 def _over_group_and_mesh(group, mesh):
