@@ -1030,11 +1030,10 @@ def check_moe_under_fully_sharded_data_parallel(path, parallelism="tp", experts=
     dicts (the packed expert weights' pieces along dim 1, which FSDP2's rows of dim 0 leave whole;
     the padded experts' rows as chunks) is, offline, the dense weights and momenta; a model sharded
     alike resumes from it, and its next step is the dense model's."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
+    from test_parallelize import _assert_dense_checkpoint, _save_with_dcp
 
     r, _ = rank_world()
     tp_kernels.initialize_model_parallel(2)
@@ -1076,17 +1075,9 @@ def check_moe_under_fully_sharded_data_parallel(path, parallelism="tp", experts=
         dense_opt, opt = sgd(dense), sgd(par)
         torch.testing.assert_close(step(par, opt, batches[0]), step(dense, dense_opt, batches[0]), rtol=1e-12, atol=0)
         assert_dense(par)
-        dcp.save({"model": tp_kernels.sharded_state_dict(par),
-                  "optim": tp_kernels.sharded_optimizer_state_dict(par, opt)}, checkpoint_id=f"{path}/fsdp")
-        dist.barrier()
+        _save_with_dcp(par, opt, f"{path}/fsdp")
         if r == 0:
-            dcp_to_torch_save(f"{path}/fsdp", f"{path}/fsdp.pt")
-        dist.barrier()
-        whole = tp_kernels.dense_state_dict(torch.load(f"{path}/fsdp.pt"))
-        for name, param in dense.named_parameters():
-            torch.testing.assert_close(whole["model"][name], param.detach(), rtol=1e-10, atol=1e-12)
-            torch.testing.assert_close(whole["optim"]["state"][name]["momentum_buffer"],
-                                       dense_opt.state[param]["momentum_buffer"], rtol=1e-10, atol=1e-12)
+            _assert_dense_checkpoint(f"{path}/fsdp", dense, dense_opt, moments=("momentum_buffer",))
         torch.manual_seed(3)
         fresh = sharded(_moe_model("qwen3_moe", experts=experts).apply(_reset))
         fresh_opt = sgd(fresh)

@@ -960,10 +960,11 @@ def _save_with_dcp(model, opt, path):
               "optim": tp_kernels.sharded_optimizer_state_dict(model, opt)}, checkpoint_id=path)
 
 
-def _assert_dense_checkpoint(path, dense, dense_opt):
+def _assert_dense_checkpoint(path, dense, dense_opt, moments=("exp_avg", "exp_avg_sq")):
     """The dcp checkpoint at ``path`` (of :func:`_save_with_dcp`), converted offline to one file by
     torch and read with tp_kernels.dense_state_dict, is the dense model's state dict and its
-    optimizer's moments (float64 closeness: the parallel gradients round otherwise)."""
+    optimizer's ``moments`` (Adam's; SGD's ``"momentum_buffer"``) (float64 closeness: the parallel
+    gradients round otherwise). On one rank, once every rank's ``dcp.save`` has returned."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     dcp_to_torch_save(path, f"{path}.pt")
@@ -972,7 +973,7 @@ def _assert_dense_checkpoint(path, dense, dense_opt):
     for key, value in dense.state_dict().items():
         torch.testing.assert_close(state["model"][key], value.cpu(), rtol=1e-10, atol=1e-8, msg=lambda m: f"{key}: {m}")
     for name, param in dense.named_parameters():
-        for k in ("exp_avg", "exp_avg_sq"):
+        for k in moments:
             torch.testing.assert_close(state["optim"]["state"][name][k], dense_opt.state[param][k].cpu(), rtol=1e-10,
                                        atol=1e-14, msg=lambda m: f"{name} {k}: {m}")
 
@@ -2194,9 +2195,7 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parall
     in place holds what it holds without FSDP2. A padded layer's full state dict is the dense one;
     parallelizing a model already sharded is a clear error; FSDP2 finds no view returned by the model
     (its head is a column layer)."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -2267,20 +2266,9 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parall
         tp_kernels.load_full_state_dict(again, state)
         assert all(torch.equal(a, b) for a, b in zip(tp_kernels.full_state_dict(again).values(), state.values()))
 
-        dcp.save({"model": tp_kernels.sharded_state_dict(par),
-                  "optim": tp_kernels.sharded_optimizer_state_dict(par, opt)}, checkpoint_id=path)
-        dist.barrier()
+        _save_with_dcp(par, opt, path)
         if r == 0:  # offline, whole: the dense model's weights and momenta
-            dcp_to_torch_save(path, f"{path}.pt")
-        dist.barrier()
-        whole = tp_kernels.dense_state_dict(torch.load(f"{path}.pt"))
-        for name, value in want.items():
-            torch.testing.assert_close(whole["model"][name], value, rtol=1e-10, atol=1e-12,
-                                       msg=lambda m: f"{name}: {m}")
-        for name, param in dense.named_parameters():
-            torch.testing.assert_close(whole["optim"]["state"][name]["momentum_buffer"],
-                                       dense_opt.state[param]["momentum_buffer"], rtol=1e-10, atol=1e-12,
-                                       msg=lambda m: f"{name} momentum: {m}")
+            _assert_dense_checkpoint(path, dense, dense_opt, moments=("momentum_buffer",))
         resumed, resumed_opt = sharded(9), None
         resumed_opt = sgd(resumed)
         loaded = {"model": tp_kernels.sharded_state_dict(resumed),
@@ -2367,9 +2355,7 @@ def check_fused_layers_under_fully_sharded_data_parallel(path, mesh_kind):
     weights, padding zero, momenta and next step the original's), and the model parallelized over
     all 4 ranks without FSDP2 (another padding, the key/value head on 4 ranks) loads the same
     weights and momenta."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -2437,17 +2423,9 @@ def check_fused_layers_under_fully_sharded_data_parallel(path, mesh_kind):
         first = 4 * tp_kernels.get_tensor_model_parallel_rank()  # (the first of the rank's 4 query heads)
         assert {"emb.weight", "head.weight", f"block.qkv.weight[0][{first + 3}]", "block.qkv.weight[1][0]",
                 "block.qkv.bias[2][0]", "block.gate_up.weight[1]"} <= set(entries), sorted(entries)
-        dcp.save({"model": entries, "optim": tp_kernels.sharded_optimizer_state_dict(par, opt)}, checkpoint_id=path)
-        dist.barrier()
+        _save_with_dcp(par, opt, path)
         if r == 0:  # offline, whole: the dense model's weights and momenta
-            dcp_to_torch_save(path, f"{path}.pt")
-        dist.barrier()
-        whole = tp_kernels.dense_state_dict(torch.load(f"{path}.pt"))
-        for name, value in want.items():
-            torch.testing.assert_close(whole["model"][name], value, rtol=1e-10, atol=1e-12,
-                                       msg=lambda m: f"{name}: {m}")
-            torch.testing.assert_close(whole["optim"]["state"][name]["momentum_buffer"], want_momenta[name],
-                                       rtol=1e-10, atol=1e-12, msg=lambda m: f"{name} momentum: {m}")
+            _assert_dense_checkpoint(path, dense, dense_opt, moments=("momentum_buffer",))
 
         resumed = sharded(9, meta=True)
         resumed_opt = sgd(resumed)
