@@ -10,6 +10,8 @@ import fnmatch
 import itertools
 import math
 import warnings
+import weakref
+from unittest import mock
 
 import pytest
 import torch
@@ -897,6 +899,140 @@ def check_full_state_dict_options(device="cpu"):
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
 def test_full_state_dict_options(world):
     world.run(check_full_state_dict_options)
+
+
+class _MemoryAttention(Attention):
+    """:class:`Attention` whose keys and values come from ``memory`` where it is given (cross-attention),
+    and which leaves its value projection uncalled where ``keys_as_values`` (the keys attended twice)."""
+
+    def forward(self, x, memory=None, keys_as_values=False):  # [s, b, h]
+        memory = x if memory is None else memory
+        q, k = self.q_proj(x), self.k_proj(memory)
+        v = k if keys_as_values else self.v_proj(memory)
+        s, b = q.shape[:2]
+        q, k, v = (t.reshape(t.shape[0], b, -1, HEAD_DIM).permute(1, 2, 0, 3) for t in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v)
+        return self.o_proj(att.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+
+def check_shared_input_gather():
+    """Under parallelize's sequence parallelism, the column layers a module calls on one input (an
+    attention's query, key and value projections) gather it once: the attention and the MLP (one
+    column layer) each all-gather their input once in forward, and in backward reduce-scatter its
+    gradient once and gather it once more for the weights' gradients (where each layer gathered its
+    own: 10 gathers and 6 reduce-scatters of the activations' blocks, here 6 and 4), giving the
+    dense block's output, input gradient and every weight gradient in float64, plain and under
+    torch's checkpoint (reentrant or not). The weights joined for the shared GEMM are not kept for
+    the backward (freed once the forward returns); each layer's output is a contiguous tensor of its
+    own. An attention whose keys and values come from another input, or which leaves its value
+    projection uncalled, gives the dense results, and its layers gather alone from then on."""
+    from torch.utils.checkpoint import checkpoint
+
+    from tp_kernels import _collectives as coll
+
+    r, p = rank_world()
+    hidden, heads, ffn, s, b = 9, 2 * p, 3 * p, 3 * p, 2
+    torch.manual_seed(0)
+    dense = Block(hidden, heads, ffn).double()
+    par = tp_kernels.parallelize(copy.deepcopy(dense), PLAN, sequence_parallel=True)
+    shared = par.attn.q_proj.shared_gather
+    if p == 1:  # (nothing gathered: nothing shared)
+        assert shared is None
+        return
+    assert shared is par.attn.k_proj.shared_gather is par.attn.v_proj.shared_gather and par.mlp[0].shared_gather is None
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(s, b, hidden, dtype=torch.float64, generator=g)
+
+    def run(model, x, wrap=None):
+        x = x.clone().requires_grad_()
+        y = (wrap or (lambda f, t: f(t)))(model, x)
+        y.square().sum().backward()
+        if model is par:  # (the norms' gradients, each rank's block's share, summed)
+            tp_kernels.allreduce_sequence_parallel_grads([q for name, q in model.named_parameters() if "norm" in name])
+        grads = {name: q.grad for name, q in model.named_parameters()}
+        model.zero_grad()
+        return y.detach(), x.grad, grads
+
+    want_y, want_dx, want_grads = run(dense, x)
+    for wrap in (None, lambda f, t: checkpoint(f, t, use_reentrant=False),
+                 lambda f, t: checkpoint(f, t, use_reentrant=True)):
+        got_y, got_dx, got_grads = run(par, block(x, 0, r, p), wrap)
+        torch.testing.assert_close(got_y, block(want_y, 0, r, p), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got_dx, block(want_dx, 0, r, p), rtol=1e-12, atol=1e-12)
+        for name, grad in got_grads.items():
+            want = want_grads[name]
+            if name.startswith(("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.0")):
+                want = block(want, 0, r, p)
+            elif name in ("attn.o_proj.weight", "mlp.2.weight"):
+                want = block(want, 1, r, p)
+            torch.testing.assert_close(grad, want, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
+    assert shared.sharing
+
+    counted, inside = collections.Counter(), []
+
+    def counting(kind, collective):
+        def call(x, *args, **kwargs):
+            if not inside:  # (on the CPU a reduce-scatter is an all-reduce inside: the outer call counts)
+                counted[kind] += 1
+            inside.append(kind)
+            try:
+                return collective(x, *args, **kwargs)
+            finally:
+                inside.pop()
+        return call
+
+    joined = []  # the weights joined for the shared GEMM, as weak references
+    original_cat = torch.cat
+
+    def cat(tensors, *args, **kwargs):
+        out = original_cat(tensors, *args, **kwargs)
+        if out.shape == (3 * heads // p * HEAD_DIM, hidden):
+            joined.append(weakref.ref(out))
+        return out
+
+    xs = block(x, 0, r, p).clone().requires_grad_()
+    with mock.patch.object(coll, "all_gather_dim0", counting("AG", coll.all_gather_dim0)), \
+            mock.patch.object(coll, "reduce_scatter_dim0", counting("RS", coll.reduce_scatter_dim0)):
+        outputs = []
+        hooks = [m.register_forward_hook(lambda m, args, out: outputs.append(out))
+                 for m in (par.attn.q_proj, par.attn.v_proj)]
+        with mock.patch.object(torch, "cat", cat):
+            y = par(xs)
+        for hook in hooks:
+            hook.remove()
+        assert counted == {"AG": 2, "RS": 2}, counted  # (the attention's and the MLP's gathers; the row layers')
+        assert len(joined) == 1 and joined[0]() is None, joined  # (the attention's, not kept by the backward)
+        assert all(out.is_contiguous() and out.shape == (s, b, heads // p * HEAD_DIM) for out in outputs)
+        counted.clear()
+        y.square().sum().backward()
+        assert counted == {"AG": 4, "RS": 2}, counted  # (the row layers' gradients gathered; the shared input's
+        # gradient reduce-scattered and the input gathered again, once for the attention and once for the MLP)
+        counted.clear()
+        with torch.no_grad():  # (a layer called outside its module's forward: alone, the sharing kept)
+            torch.testing.assert_close(par.attn.v_proj(xs), block(dense.attn.v_proj(x), 2, r, p), rtol=1e-12,
+                                       atol=1e-12)
+        assert counted == {"AG": 1} and shared.sharing and shared.held is None, counted
+    torch.testing.assert_close(xs.grad, block(want_dx, 0, r, p), rtol=1e-12, atol=1e-12)
+
+    # keys and values of another input, then a value projection left uncalled: the dense results, each
+    # layer gathering alone from then on
+    torch.manual_seed(0)
+    dense_attention = _MemoryAttention(hidden, heads).double()
+    plan = {"[qkv]_proj": "colwise", "o_proj": "rowwise"}
+    memory = torch.randn(2 * s, b, hidden, dtype=torch.float64, generator=g)
+    for kwargs in ({"memory": memory}, {"keys_as_values": True}):
+        attention = tp_kernels.parallelize(copy.deepcopy(dense_attention), plan, sequence_parallel=True)
+        shared = attention.q_proj.shared_gather
+        for _ in range(2):
+            got = attention(block(x, 0, r, p), **{k: block(v, 0, r, p) if k == "memory" else v
+                                                  for k, v in kwargs.items()})
+            torch.testing.assert_close(got, block(dense_attention(x, **kwargs), 0, r, p), rtol=1e-12, atol=1e-12)
+            assert not shared.sharing and shared.held is None, kwargs
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_shared_input_gather(world):
+    world.run(check_shared_input_gather)
 
 
 class FusedBlock(nn.Module):
@@ -1807,7 +1943,6 @@ def check_moe_sequence_parallel_plan(kind, parallelism, device="cpu"):
     input gradients left for the module's reduce-scatter), and the logits, the loss and every
     gradient are the dense model's in float64 (the routers' softmax in float32: to float32's
     precision)."""
-    from unittest import mock
 
     from test_experts import _moe_model, _plan
     from tp_kernels import _collectives as coll

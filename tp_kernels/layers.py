@@ -288,18 +288,18 @@ class ColumnParallelLinear(_ParallelLinear):
                  num_chunks: Optional[int] = None, output_sizes: Optional[Sequence[int]] = None,
                  head_size: Optional[int] = None, sequence_dim: int = 0):
         self.gather_output = bool(gather_output)
+        #: the :class:`SharedInputGather` of the column layers this one gathers its input with, if any
+        self.shared_gather: Optional[SharedInputGather] = None
         super().__init__(in_features, out_features, bias, sequence_parallel=sequence_parallel,
                          skip_bias_add=skip_bias_add, group=group, init_method=init_method, device=device,
                          dtype=dtype, backend=backend, num_chunks=num_chunks, output_sizes=output_sizes,
                          head_size=head_size, sequence_dim=sequence_dim)
 
     def forward(self, input_: torch.Tensor):
-        weight, full_bias = self.weight, self.bias
-        if min(self.split_blocks) < self.tp_size and torch.is_grad_enabled():
-            # replicated outputs: each rank's gradient of them is its heads' share, summed in backward
-            weight, full_bias = _SumOverReplicas.apply(self.group, local_sizes(self), self.split_blocks,
-                                                       [block_index(self, j) for j in range(len(self.split_parts))],
-                                                       weight, full_bias)
+        shared = self.shared_gather.output(self, input_) if self.shared_gather is not None else None
+        if shared is not None:  # (gathered once with the other layers' GEMMs)
+            return shared
+        weight, full_bias = self._weight_and_bias()
         bias = None if self.skip_bias_add else full_bias
         if self.sequence_parallel:
             # [s/p, ..., in] -(AG)-> [s, ..., in] x [in, out/p] -> [s, ..., out/p]
@@ -327,6 +327,17 @@ class ColumnParallelLinear(_ParallelLinear):
             out_bias = full_of(gather_last_dim(out_bias, self.group), -1, self)
         return out, out_bias
 
+    def _weight_and_bias(self):
+        """The weight and bias the GEMM takes: the parameters, or where outputs are replicated on
+        several ranks, views whose gradients are summed over those ranks (:class:`_SumOverReplicas`)."""
+        weight, bias = self.weight, self.bias
+        if min(self.split_blocks) < self.tp_size and torch.is_grad_enabled():
+            # replicated outputs: each rank's gradient of them is its heads' share, summed in backward
+            weight, bias = _SumOverReplicas.apply(self.group, local_sizes(self), self.split_blocks,
+                                                  [block_index(self, j) for j in range(len(self.split_parts))],
+                                                  weight, bias)
+        return weight, bias
+
     def _local(self, x, weight, bias):
         """``x Wᵀ + b`` on this rank's rows, nothing communicated: ``x`` was gathered whole for the
         column layers (:func:`tp_kernels.mappings.gather_for_column_layers`), whose backward
@@ -341,6 +352,106 @@ class ColumnParallelLinear(_ParallelLinear):
         parts = f", output_sizes={list(self.split_parts)}" if not plain_split(self) or self.head_size is not None else ""
         parts += f", head_size={self.head_size}" if self.head_size is not None else ""
         return super().extra_repr() + f", gather_output={self.gather_output}" + parts
+
+
+class SharedInputGather:
+    """Column layers under sequence parallelism that one module calls on the same input, its query,
+    key and value projections, its gate and up projections: the first of them called gathers the
+    input once for them all, one ``all_gather_matmul`` of their weights side by side (each layer's
+    output a contiguous tensor of its own), and keeps the others' outputs for their calls on that
+    input; in backward, one reduce-scatter of the input's gradient and one gather again, where
+    each layer would make its own. The weights' concatenation is not kept for the backward: it is
+    made again there from the layers' weights (:func:`_saved_as_parts`), so the memory the backward
+    holds is what each layer's own call would hold. Where the module calls one of them on another
+    input (cross-attention's keys), calls one twice, or leaves one uncalled, that call runs alone
+    and the layers gather alone from then on; so they do under ``torch.compile`` and ``torch.func``
+    transforms, and where a layer is called outside the module's forward.
+    :func:`tp_kernels.parallelize` makes one for each module's sequence-parallel column layers that
+    can share (:func:`share_input_gathers`)."""
+
+    def __init__(self, layers: Sequence["ColumnParallelLinear"]) -> None:
+        self.layers = tuple(layers)
+        self.sharing, self.running = True, False
+        self.held = None  # (the input, {id(layer): its output}) of the call that gathered it
+
+    def output(self, layer: "ColumnParallelLinear", input_: torch.Tensor) -> Optional[torch.Tensor]:
+        """``layer``'s output for ``input_``, from the shared gather, while the module's forward
+        runs; None where it runs alone."""
+        if not (self.sharing and self.running) or torch.compiler.is_compiling() or functorch_transforms():
+            return None
+        if self.held is not None:
+            gathered, outputs = self.held
+            out = outputs.pop(id(layer), None) if gathered is input_ else None
+            if out is None:  # (another input, or a layer called twice: each alone from now on)
+                self.sharing, self.held = False, None
+            elif not outputs:
+                self.held = None
+            return out
+        weights, biases = zip(*(m._weight_and_bias() for m in self.layers))
+        weight = torch.cat(weights)
+        bias = None if biases[0] is None else torch.cat(biases)
+        with torch.autograd.graph.saved_tensors_hooks(*_saved_as_parts(weight, weights)):
+            out = layer._op("all_gather_matmul", input_, weight, bias)
+        outputs = {id(m): o.contiguous() for m, o in zip(self.layers, out.split([w.shape[0] for w in weights], -1))}
+        mine = outputs.pop(id(layer))
+        self.held = (input_, outputs)
+        return mine
+
+    def begin(self, *_) -> None:
+        """The module's forward begins (its forward pre-hook)."""
+        self.running = True
+
+    def end(self, *_) -> None:
+        """The module's end (its forward hook, however the forward ends): an output no layer took
+        ends the sharing."""
+        self.running = False
+        if self.held is not None:
+            self.sharing, self.held = False, None
+
+
+def _saved_as_parts(joined: torch.Tensor, parts: Sequence[torch.Tensor]):
+    """``saved_tensors_hooks`` under which autograd saves ``joined`` (``torch.cat(parts)``, a new
+    tensor), or a view of it (its transpose, as a GEMM saves it), as its parts and the view's
+    place, and joins them again when the backward takes it: no copy of them kept meanwhile."""
+    storage = joined.untyped_storage().data_ptr()
+
+    def pack(t):
+        try:
+            mine = t.untyped_storage().data_ptr() == storage
+        except (RuntimeError, NotImplementedError):  # (a tensor without storage of its own: not ours)
+            mine = False
+        return (tuple(parts), t.size(), t.stride(), t.storage_offset()) if mine else t
+
+    def unpack(saved):
+        if not isinstance(saved, tuple):
+            return saved
+        parts_, size, stride, offset = saved
+        return torch.cat(parts_).as_strided(size, stride, offset)
+
+    return pack, unpack
+
+
+def share_input_gathers(module: nn.Module) -> None:
+    """For each module in ``module``, its sequence-parallel column layers (children) that can
+    gather an input together (the same group, backend, chunks, sequence dim, input size, dtype and
+    device, all with a bias or none, their outputs neither gathered, nor padded, nor their bias
+    returned apart) share a :class:`SharedInputGather`, begun and ended by the module's forward
+    hooks."""
+    for holder in module.modules():
+        together: Dict[tuple, List[ColumnParallelLinear]] = {}
+        for m in holder.children():
+            if isinstance(m, ColumnParallelLinear) and m.sequence_parallel and not m.gather_output and \
+                    not m.skip_bias_add and not m.pad_rows and m.shared_gather is None:
+                key = (id(m.group), m.backend, m.num_chunks, m.sequence_dim, m.in_features, m.weight.dtype,
+                       m.weight.device, m.bias is None)
+                together.setdefault(key, []).append(m)
+        for layers in together.values():
+            if len(layers) > 1:
+                shared = SharedInputGather(layers)
+                for m in layers:
+                    m.shared_gather = shared
+                holder.register_forward_pre_hook(shared.begin)
+                holder.register_forward_hook(shared.end, always_call=True)
 
 
 class _SumOverReplicas(torch.autograd.Function):

@@ -21,7 +21,7 @@ from .embedding import VocabParallelEmbedding, check_embedding, check_embedding_
 from .experts import PARAMETER_STYLES, check_styles, shard_experts, shard_parameters, share_identity_expert
 from .grads import sum_grads_over_group, sum_output_grads_over_group
 from ._torch_styles import describe, is_torch_style, output_as_dtensor, redistribute, translate
-from .layers import ColumnParallelLinear, RowParallelLinear, check_output_sizes, check_sequence_dim
+from .layers import ColumnParallelLinear, RowParallelLinear, check_output_sizes, check_sequence_dim, share_input_gathers
 
 __all__ = ["ALIASES", "STYLES", "parallelize"]
 
@@ -345,6 +345,7 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     if p > 1:
         _watch_column_outputs(module, chosen)
         _dropout_per_rank(module)
+        share_input_gathers(module)  # (a module's sequence-parallel column layers: one gather of their input)
     return module
 
 
