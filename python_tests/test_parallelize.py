@@ -310,11 +310,12 @@ def _titan_plan(sequence_parallel: bool, loss_parallel: bool = False) -> dict:
 
 @contextlib.contextmanager
 def _counting_collectives():
-    """Count the all-reduces and reduce-scatters issued inside, by (kind, elements)."""
+    """Count the all-reduces, reduce-scatters and all-gathers issued inside, by (kind, elements)."""
     from tp_kernels import _collectives as coll
 
     counted = collections.Counter()
-    originals = {"all_reduce": coll.all_reduce, "reduce_scatter": coll.reduce_scatter_dim0}
+    originals = {"all_reduce": coll.all_reduce, "reduce_scatter": coll.reduce_scatter_dim0,
+                 "all_gather": coll.all_gather_dim0}
     inside = []  # (gloo's reduce-scatter is an all-reduce inside: counted as the reduce-scatter alone)
 
     def counting(kind):
@@ -329,10 +330,12 @@ def _counting_collectives():
         return call
 
     coll.all_reduce, coll.reduce_scatter_dim0 = counting("all_reduce"), counting("reduce_scatter")
+    coll.all_gather_dim0 = counting("all_gather")
     try:
         yield counted
     finally:
         coll.all_reduce, coll.reduce_scatter_dim0 = originals["all_reduce"], originals["reduce_scatter"]
+        coll.all_gather_dim0 = originals["all_gather"]
 
 
 def check_torch_parallel_styles(sequence_parallel, device="cpu", loss_parallel=False):
@@ -928,7 +931,6 @@ def check_shared_input_gather():
     projection uncalled, gives the dense results, and its layers gather alone from then on."""
     from torch.utils.checkpoint import checkpoint
 
-    from tp_kernels import _collectives as coll
 
     r, p = rank_world()
     hidden, heads, ffn, s, b = 9, 2 * p, 3 * p, 3 * p, 2
@@ -968,18 +970,8 @@ def check_shared_input_gather():
             torch.testing.assert_close(grad, want, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
     assert shared.sharing
 
-    counted, inside = collections.Counter(), []
-
-    def counting(kind, collective):
-        def call(x, *args, **kwargs):
-            if not inside:  # (on the CPU a reduce-scatter is an all-reduce inside: the outer call counts)
-                counted[kind] += 1
-            inside.append(kind)
-            try:
-                return collective(x, *args, **kwargs)
-            finally:
-                inside.pop()
-        return call
+    def kinds(counted):  # (by kind alone: the collectives of the activations' blocks and of the whole ones)
+        return {kind: sum(n for (k, _), n in counted.items() if k == kind) for kind, _ in counted}
 
     joined = []  # the weights joined for the shared GEMM, as weak references
     original_cat = torch.cat
@@ -991,8 +983,7 @@ def check_shared_input_gather():
         return out
 
     xs = block(x, 0, r, p).clone().requires_grad_()
-    with mock.patch.object(coll, "all_gather_dim0", counting("AG", coll.all_gather_dim0)), \
-            mock.patch.object(coll, "reduce_scatter_dim0", counting("RS", coll.reduce_scatter_dim0)):
+    with _counting_collectives() as counted:
         outputs = []
         hooks = [m.register_forward_hook(lambda m, args, out: outputs.append(out))
                  for m in (par.attn.q_proj, par.attn.v_proj)]
@@ -1000,18 +991,20 @@ def check_shared_input_gather():
             y = par(xs)
         for hook in hooks:
             hook.remove()
-        assert counted == {"AG": 2, "RS": 2}, counted  # (the attention's and the MLP's gathers; the row layers')
+        assert kinds(counted) == {"all_gather": 2, "reduce_scatter": 2}, counted  # (the attention's and the
+        # MLP's gathers; the row layers' reduce-scatters)
         assert len(joined) == 1 and joined[0]() is None, joined  # (the attention's, not kept by the backward)
         assert all(out.is_contiguous() and out.shape == (s, b, heads // p * HEAD_DIM) for out in outputs)
         counted.clear()
         y.square().sum().backward()
-        assert counted == {"AG": 4, "RS": 2}, counted  # (the row layers' gradients gathered; the shared input's
-        # gradient reduce-scattered and the input gathered again, once for the attention and once for the MLP)
+        assert kinds(counted) == {"all_gather": 4, "reduce_scatter": 2}, counted  # (the row layers' gradients
+        # gathered; the shared input's gradient reduce-scattered and the input gathered again, once for the
+        # attention and once for the MLP)
         counted.clear()
         with torch.no_grad():  # (a layer called outside its module's forward: alone, the sharing kept)
             torch.testing.assert_close(par.attn.v_proj(xs), block(dense.attn.v_proj(x), 2, r, p), rtol=1e-12,
                                        atol=1e-12)
-        assert counted == {"AG": 1} and shared.sharing and shared.held is None, counted
+        assert kinds(counted) == {"all_gather": 1} and shared.sharing and shared.held is None, counted
     torch.testing.assert_close(xs.grad, block(want_dx, 0, r, p), rtol=1e-12, atol=1e-12)
 
     # keys and values of another input, then a value projection left uncalled: the dense results, each
