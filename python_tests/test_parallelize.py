@@ -927,7 +927,8 @@ def check_shared_input_gather():
     dense block's output, input gradient and every weight gradient in float64, plain and under
     torch's checkpoint (reentrant or not). The weights joined for the shared GEMM are not kept for
     the backward (freed once the forward returns); each layer's output is a contiguous tensor of its
-    own. An attention whose keys and values come from another input, or which leaves its value
+    own. A layer called outside the module, or the layers once their backends differ, gather alone,
+    the sharing kept. An attention whose keys and values come from another input, or which leaves its value
     projection uncalled, gives the dense results, and its layers gather alone from then on."""
     from torch.utils.checkpoint import checkpoint
 
@@ -1005,6 +1006,12 @@ def check_shared_input_gather():
             torch.testing.assert_close(par.attn.v_proj(xs), block(dense.attn.v_proj(x), 2, r, p), rtol=1e-12,
                                        atol=1e-12)
         assert kinds(counted) == {"all_gather": 1} and shared.sharing and shared.held is None, counted
+        counted.clear()
+        par.attn.k_proj.backend = "reference"  # (one layer's backend changed since: each gathers alone, for now)
+        with torch.no_grad():
+            torch.testing.assert_close(par(xs), block(want_y, 0, r, p), rtol=1e-12, atol=1e-12)
+        assert kinds(counted) == {"all_gather": 4, "reduce_scatter": 2} and shared.sharing, counted
+        par.attn.k_proj.backend = "auto"
     torch.testing.assert_close(xs.grad, block(want_dx, 0, r, p), rtol=1e-12, atol=1e-12)
 
     # keys and values of another input, then a value projection left uncalled: the dense results, each

@@ -387,6 +387,8 @@ class SharedInputGather:
             elif not outputs:
                 self.held = None
             return out
+        if len({_gathers_with(m) for m in self.layers}) > 1:  # (a layer's backend or dtype changed since)
+            return None
         weights, biases = zip(*(m._weight_and_bias() for m in self.layers))
         weight = torch.cat(weights)
         bias = None if biases[0] is None else torch.cat(biases)
@@ -431,6 +433,12 @@ def _saved_as_parts(joined: torch.Tensor, parts: Sequence[torch.Tensor]):
     return pack, unpack
 
 
+def _gathers_with(layer: "ColumnParallelLinear") -> tuple:
+    """What column layers that gather an input together must have alike."""
+    return (id(layer.group), layer.backend, layer.num_chunks, layer.sequence_dim, layer.in_features,
+            layer.weight.dtype, layer.weight.device, layer.bias is None)
+
+
 def share_input_gathers(module: nn.Module) -> None:
     """For each module in ``module``, its sequence-parallel column layers (children) that can
     gather an input together (the same group, backend, chunks, sequence dim, input size, dtype and
@@ -442,9 +450,7 @@ def share_input_gathers(module: nn.Module) -> None:
         for m in holder.children():
             if isinstance(m, ColumnParallelLinear) and m.sequence_parallel and not m.gather_output and \
                     not m.skip_bias_add and not m.pad_rows and m.shared_gather is None:
-                key = (id(m.group), m.backend, m.num_chunks, m.sequence_dim, m.in_features, m.weight.dtype,
-                       m.weight.device, m.bias is None)
-                together.setdefault(key, []).append(m)
+                together.setdefault(_gathers_with(m), []).append(m)
         for layers in together.values():
             if len(layers) > 1:
                 shared = SharedInputGather(layers)
