@@ -1735,12 +1735,24 @@ class _SequenceLayer(nn.Module):
         return self.jitter(x + self.mix(x))
 
 
-class _Stack(nn.Module):
-    """One :class:`_SequenceLayer`, for a plan to name."""
+class _DropsItsBlock(nn.Module):
+    """A decoder layer's shape as Phi-3's: its mixing module (:class:`_Mix`, without dropout) on
+    the residual, its output dropped by the layer's own dropout module."""
 
-    def __init__(self, *args):
+    def __init__(self, dim, hidden, drop):
         super().__init__()
-        self.layer = _SequenceLayer(*args)
+        self.mix, self.resid = _Mix(dim, hidden, 0.0), nn.Dropout(drop)
+
+    def forward(self, x):
+        return x + self.resid(self.mix(x))
+
+
+class _Stack(nn.Module):
+    """One layer (``layer_class(*args)``), for a plan to name."""
+
+    def __init__(self, layer_class, *args):
+        super().__init__()
+        self.layer = layer_class(*args)
 
     def forward(self, x):
         return self.layer(x)
@@ -1761,7 +1773,7 @@ def check_sequence_dropout_per_rank():
     r, p = rank_world()
     b, s, dim, hidden, drop = 2, 4 * p, 4, 8, 0.5
     torch.manual_seed(0)
-    dense = _Stack(dim, hidden, drop).double()
+    dense = _Stack(_SequenceLayer, dim, hidden, drop).double()
     plan = {"layer": PrepareModuleInputOutput(input_layouts=Replicate(), desired_input_layouts=Shard(1),
                                               output_layouts=Shard(1), desired_output_layouts=Replicate()),
             "layer.mix": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
@@ -1797,16 +1809,62 @@ def test_sequence_dropout_per_rank(world):
     world.run(check_sequence_dropout_per_rank)
 
 
+def check_layer_dropout_on_its_block():
+    """A layer under a torch style's sequence parallelism that drops, by a dropout module of its
+    own, its mixing module's output, which the plan computes whole on every rank and splits along
+    the sequence (Phi-3's residual dropout under its sequence-parallel plan), in training mode: each
+    rank draws its block's mask from its own stream; the layer is the dense one with the masks so
+    drawn (float64), torch's checkpoint (reentrant or not) recomputes them bit for bit, and the
+    default stream goes on alike on every rank. Without sequence parallelism the same dropout,
+    on the whole output, draws alike on every rank."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput, RowwiseParallel
+
+    r, p = rank_world()
+    b, s, dim, hidden, drop = 2, 4 * p, 4, 8, 0.5
+    torch.manual_seed(0)
+    dense = _Stack(_DropsItsBlock, dim, hidden, drop).double()
+    tensor_plan = {"layer.mix.up": ColwiseParallel(), "layer.mix.down": RowwiseParallel()}
+    plan = {"layer": PrepareModuleInputOutput(input_layouts=Replicate(), desired_input_layouts=Shard(1),
+                                              output_layouts=Shard(1), desired_output_layouts=Replicate()),
+            "layer.mix": PrepareModuleInputOutput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
+                                                  output_layouts=Replicate(), desired_output_layouts=Shard(1)),
+            **tensor_plan}
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(b, s, dim, generator=g, dtype=torch.float64)
+    dy = torch.randn(b, s, dim, generator=g, dtype=torch.float64)
+    drawn = {}
+    for name, model_plan in (("block", plan), ("whole", tensor_plan)):
+        par = tp_kernels.parallelize(copy.deepcopy(dense), model_plan).train()
+        par.layer.resid.register_forward_hook(lambda m, args, out, name=name: drawn.__setitem__(name, out != 0))
+        plain = _dropout_run(par, x, dy)
+        if name == "whole":
+            assert all(torch.equal(v, drawn[name]) for v in gathered(drawn[name])), "the whole output's mask"
+            continue
+        views = gathered(drawn[name])
+        assert all(not torch.equal(views[q], views[r]) for q in range(p) if q != r), "the blocks' masks"
+        x64 = x.clone().requires_grad_()
+        mix = dense.layer.mix
+        ref = x64 + mix(x64) * torch.cat(views, 1) / (1 - drop)  # (the blocks' masks joined)
+        _assert_dense_run(plain, ref, x64, dy, mix.up, mix.down)
+        _assert_checkpoints_replay(par, x, dy, plain)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_layer_dropout_on_its_block(world):
+    world.run(check_layer_dropout_on_its_block)
+
+
 def check_hugging_face_gradient_checkpointing(kind, sequence):
     """A transformers Llama (or Seed-OSS, whose attention and MLP drop their output on the residual
-    after their row layer, or Phi-3, whose decoder layer drops it, and whose plan gathers its
-    projections' outputs whole) parallelized by its own plan (or under sequence parallelism), in
-    training mode, with its gradient checkpointing (torch's checkpoint, reentrant or not): without
-    dropout its logits and every gradient are the dense model's (float64); with its dropout at 0.5
-    (eager attention) each rank drops its heads with its own masks, and the residual (Seed-OSS's)
-    alike on every rank where the row layer sums it whole, each rank its own where it
-    reduce-scatters it along the sequence, the logits are alike on every rank, and the
-    checkpointed run's logits and gradients are bit for bit the plain run's."""
+    after their row layer, or Phi-3, whose decoder layer drops it with its own dropout modules, and
+    whose plan gathers its projections' outputs whole) parallelized by its own plan (or under
+    sequence parallelism), in training mode, with its gradient checkpointing (torch's checkpoint,
+    reentrant or not): without dropout its logits and every gradient are the dense model's
+    (float64); with its dropout at 0.5 (eager attention) each rank drops its heads with its own
+    masks, and the residual (Seed-OSS's, Phi-3's) alike on every rank where it is whole, each rank
+    its own where it is the rank's block of the sequence, the logits are alike on every rank, and
+    the checkpointed run's logits and gradients are bit for bit the plain run's."""
     import importlib
 
     import transformers
@@ -1863,9 +1921,9 @@ def check_hugging_face_gradient_checkpointing(kind, sequence):
             if checkpointing is None and p > 1:
                 for state, dims in drawn:  # (the attention weights [b, heads / p, s, s]; a residual [b, s(/p), h])
                     views = gathered(state)
-                    # (Phi-3's plan computes its attention whole on every rank, and its decoder layer drops its
-                    # residual itself: under sequence parallelism on each rank's block, but from the default stream)
-                    own = kind != "phi3" and (dims == 4 or sequence)
+                    # (Phi-3's plan computes its attention whole on every rank; its decoder layer drops its
+                    # attention's and MLP's outputs itself, under sequence parallelism each rank's block)
+                    own = (dims == 4 and kind != "phi3") or (dims == 3 and sequence)
                     assert all(torch.equal(views[q], views[r]) != own for q in range(p) if q != r), dims
         if drop:
             plain = (runs[0][0], *runs[0][1])

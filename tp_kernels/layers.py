@@ -30,7 +30,7 @@ from ._checks import (check_choice, check_divisible, check_float_dtype, check_in
                       check_tensor, differentiable_once, functorch_transforms)
 from ._data_parallel import copy_rows_
 from ._op_table import OPS
-from .mappings import all_reduce_op, copy_to, gather_last_dim, partial_grads_of, scatter_last_dim
+from .mappings import all_reduce_op, copy_to, gather_last_dim, partial_grads_of, scatter_last_dim, sequence_block
 from .settings import BACKEND_NAMES
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
@@ -590,7 +590,7 @@ class RowParallelLinear(_ParallelLinear):
                 out = out + (bias if self.tp_rank == 0 else bias - bias.detach())
         elif self.sequence_parallel:
             # [s, ..., in/p] x [in/p, out] -(RS)-> [s/p, ..., out]
-            out = self._op("matmul_reduce_scatter", input_, self.weight, bias, prepare)
+            out = sequence_block(self._op("matmul_reduce_scatter", input_, self.weight, bias, prepare))
         else:
             # [..., in/p] x [in/p, out] -(AR)-> [..., out]
             out = self._op("matmul_all_reduce", input_, self.weight, bias, prepare)

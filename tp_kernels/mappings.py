@@ -47,6 +47,20 @@ __all__ = [
 ]
 
 
+#: the attribute that marks a tensor a sequence-parallel collective made: this rank's block of the
+#: sequence, split or reduce-scattered (here, by a row layer, by the embedding), for a dropout module
+#: given it to draw from this rank's own stream (tp_kernels.parallelize)
+SEQUENCE_BLOCK = "_tp_kernels_sequence_block"
+
+
+def sequence_block(t: torch.Tensor) -> torch.Tensor:
+    """``t``, marked :data:`SEQUENCE_BLOCK` (but under ``torch.compile`` and ``torch.func``
+    transforms, which trace it: there nothing draws from a rank's stream)."""
+    if not torch.compiler.is_compiling() and not functorch_transforms():
+        setattr(t, SEQUENCE_BLOCK, True)
+    return t
+
+
 # The collectives run as the custom ops of the plain collectives (torch.ops.tp_kernels.*, on
 # torch.distributed), so that torch.compile and torch.export see each as one node (the
 # cross-entropy's too).
@@ -270,6 +284,13 @@ def _on(function, x, group, *args):
     return function.apply(x, group, *args)
 
 
+def _block_of(function, x, group, *args):
+    """:func:`_on` of a mapping that splits the sequence: its output (on several ranks) marked
+    this rank's block (:func:`sequence_block`)."""
+    out = _on(function, x, group, *args)
+    return out if out is x else sequence_block(out)
+
+
 def copy_to(x, group):
     return _on(_CopyToRegion, x, group)
 
@@ -288,7 +309,7 @@ def gather_last_dim(x, group):
 
 def reduce_scatter_dim0(x, group, dim: int = 0):
     """This rank's block of dim 0 (or ``dim``) of the sum over the group, its gradient gathered."""
-    return _on(_ReduceScatterToSequenceRegion, x, group, dim)
+    return _block_of(_ReduceScatterToSequenceRegion, x, group, dim)
 
 
 def gather_dim0(x, group, dim: int = 0):
@@ -351,7 +372,7 @@ def scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None, *, seq
     ``sequence_dim``: the dim to split instead (``[b, s, h] -> [b, s/p, h]`` with 1)."""
     group, d = _agreed("scatter_to_sequence_parallel_region", input_, group, sequence_dim=sequence_dim,
                        divisible=True)
-    return _on(_ScatterToSequenceRegion, input_, group, d)
+    return _block_of(_ScatterToSequenceRegion, input_, group, d)
 
 
 def gather_from_sequence_parallel_region(
@@ -376,4 +397,4 @@ def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None,
     ``sequence_dim``: the dim to reduce-scatter instead (``[b, s, h] -> [b, s/p, h]`` with 1)."""
     group, d = _agreed("reduce_scatter_to_sequence_parallel_region", input_, group, sequence_dim=sequence_dim,
                        divisible=True)
-    return _on(_ReduceScatterToSequenceRegion, input_, group, d)
+    return _block_of(_ReduceScatterToSequenceRegion, input_, group, d)

@@ -22,6 +22,7 @@ from .experts import PARAMETER_STYLES, check_styles, shard_experts, shard_parame
 from .grads import sum_grads_over_group, sum_output_grads_over_group
 from ._torch_styles import describe, is_torch_style, output_as_dtensor, redistribute, translate
 from .layers import ColumnParallelLinear, RowParallelLinear, check_output_sizes, check_sequence_dim, share_input_gathers
+from .mappings import SEQUENCE_BLOCK
 
 __all__ = ["ALIASES", "STYLES", "parallelize"]
 
@@ -344,7 +345,7 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
         redistribute(module.get_submodule(name), moves, group)
     if p > 1:
         _watch_column_outputs(module, chosen)
-        _dropout_per_rank(module)
+        _dropout_per_rank(module, group)
         share_input_gathers(module)  # (a module's sequence-parallel column layers: one gather of their input)
     return module
 
@@ -367,7 +368,7 @@ def _dropping(drops) -> bool:
     return any(getattr(m, attr) > 0 for m, attr in drops)
 
 
-def _dropout_per_rank(module: nn.Module) -> None:
+def _dropout_per_rank(module: nn.Module, group) -> None:
     """Run the dropout that draws on what each rank holds of its own from that rank's own random
     stream (:func:`tp_kernels.rng.rank_fork`), in training mode: in a module holding column layers
     and their row layer, from the output of its column layers to the input of its row layer
@@ -375,23 +376,29 @@ def _dropout_per_rank(module: nn.Module) -> None:
     row layer that reduce-scatters along the sequence to the end of the module's forward (this
     rank's block: Seed-OSS's residual dropout inside its attention and its MLP, under sequence
     parallelism). Hooks on the column and row layers (:class:`_RankDropout`), of each module that
-    holds a dropout above 0 now (:func:`_dropout_of`; nothing hooked elsewhere, no cost). Without
-    them every rank drew from the default stream, alike, and dropped its heads, or its block, with
-    the other ranks' masks; what is drawn where the ranks hold the same activations (a row layer's
-    output summed whole) is the default stream's, alike on every rank, as before. A transformers
-    model's gradient checkpointing (torch's checkpoint of a decoder layer's forward, its hooks left
-    outside) draws the forward's masks again: each fork opens and closes inside the layer's forward,
-    its seed drawn from the stream the checkpoint restores. (A decoder layer's own dropout on its
-    block, Phi-3's ``resid_attn_dropout`` under sequence parallelism, is not: a fork around the
-    layer's own code would open in its hooks, outside what the checkpoint recomputes.) Passed over
-    (the default stream) under ``torch.compile``, a ``torch.func`` transform and a CUDA graph
+    holds a dropout above 0 now (:func:`_dropout_of`; nothing hooked elsewhere, no cost). Elsewhere,
+    a dropout module (``nn.Dropout``, above 0 now) given this rank's block of the sequence as a
+    sequence-parallel collective made it (:data:`tp_kernels.mappings.SEQUENCE_BLOCK`: a row
+    layer's reduce-scattered output, a module's output a ``PrepareModule*`` style splits: Phi-3's
+    decoder layer dropping its attention's and its MLP's outputs under sequence parallelism) draws
+    from this rank's stream too, by its own hooks. Without them every rank drew from the default
+    stream, alike, and dropped its heads, or its block, with the other ranks' masks; what is drawn
+    where the ranks hold the same activations (a row layer's output summed whole) is the default
+    stream's, alike on every rank, as before, and so is a dropout that a module's own code draws
+    on its block without a dropout module (``F.dropout``), or on what it computed from the block.
+    A transformers model's gradient checkpointing (torch's checkpoint of a decoder layer's forward,
+    its hooks left outside) draws the forward's masks again: each fork opens and closes inside the
+    layer's forward, its seed drawn from the stream the checkpoint restores. Passed over (the
+    default stream) under ``torch.compile``, a ``torch.func`` transform and a CUDA graph
     capture."""
     holders = {}
     for name, m in module.named_modules(remove_duplicate=False):
         if isinstance(m, ColumnParallelLinear) and not m.gather_output:
             holder = module.get_submodule(name.rpartition(".")[0])
             holders[id(holder)] = holder
+    inside = set()  # (the modules of the holders: their dropout forked by the holder's hooks, or never)
     for holder in holders.values():
+        inside.update(id(m) for m in holder.modules())
         columns = [m for m in holder.children() if isinstance(m, ColumnParallelLinear) and not m.gather_output]
         rows = [m for m in holder.modules() if isinstance(m, RowParallelLinear) and m.input_is_parallel]
         drops = _dropout_of(holder)
@@ -405,6 +412,11 @@ def _dropout_per_rank(module: nn.Module) -> None:
             if layer.sequence_parallel:  # (it reduce-scatters along the sequence: after it, this rank's block)
                 layer.register_forward_hook(streams.open)
         holder.register_forward_hook(streams.close, always_call=True)
+    for m in module.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and id(m) not in inside and m.p > 0:
+            streams = _RankDropout(group, [(m, "p")])
+            m.register_forward_pre_hook(streams.open_on_block)
+            m.register_forward_hook(streams.close, always_call=True)
 
 
 class _RankDropout:
@@ -425,6 +437,12 @@ class _RankDropout:
         fork = rng.rank_fork(self.group)
         fork.__enter__()
         self.fork = fork
+
+    def open_on_block(self, module, args) -> None:
+        """``open``, where the module's input is this rank's block of the sequence
+        (:data:`tp_kernels.mappings.SEQUENCE_BLOCK`)."""
+        if args and getattr(args[0], SEQUENCE_BLOCK, False):
+            self.open(module, args, None)
 
     def close(self, *_) -> None:
         if self.fork is not None:
