@@ -1630,7 +1630,7 @@ def _dropout_run(par, x, dy, call=None):
     torch.manual_seed(5)
     y = (call or par)(xr)
     y.backward(dy)
-    return y.detach(), xr.grad, [q.grad.clone() for q in par.parameters()]
+    return y.detach(), xr.grad, [q.grad.clone() for q in par.parameters() if q.grad is not None]
 
 
 def _assert_checkpoints_replay(par, x, dy, plain) -> None:
@@ -1748,11 +1748,14 @@ class _DropsItsBlock(nn.Module):
 
 
 class _Stack(nn.Module):
-    """One layer (``layer_class(*args)``), for a plan to name."""
+    """One layer (``layer_class(*args)``), for a plan to name; with ``head``, a linear layer of its
+    own beside it (as a language model's head, a plan's column layer), which its forward leaves out."""
 
-    def __init__(self, layer_class, *args):
+    def __init__(self, layer_class, *args, head=False):
         super().__init__()
         self.layer = layer_class(*args)
+        if head:
+            self.head = nn.Linear(args[0], args[0], bias=False)
 
     def forward(self, x):
         return self.layer(x)
@@ -1815,16 +1818,17 @@ def check_layer_dropout_on_its_block():
     the sequence (Phi-3's residual dropout under its sequence-parallel plan), in training mode: each
     rank draws its block's mask from its own stream; the layer is the dense one with the masks so
     drawn (float64), torch's checkpoint (reentrant or not) recomputes them bit for bit, and the
-    default stream goes on alike on every rank. Without sequence parallelism the same dropout,
-    on the whole output, draws alike on every rank."""
+    default stream goes on alike on every rank (the model holding a column layer of its own, a
+    head). Without sequence parallelism the same dropout, on the whole output, draws alike on every
+    rank."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput, RowwiseParallel
 
     r, p = rank_world()
     b, s, dim, hidden, drop = 2, 4 * p, 4, 8, 0.5
     torch.manual_seed(0)
-    dense = _Stack(_DropsItsBlock, dim, hidden, drop).double()
-    tensor_plan = {"layer.mix.up": ColwiseParallel(), "layer.mix.down": RowwiseParallel()}
+    dense = _Stack(_DropsItsBlock, dim, hidden, drop, head=True).double()
+    tensor_plan = {"layer.mix.up": ColwiseParallel(), "layer.mix.down": RowwiseParallel(), "head": ColwiseParallel()}
     plan = {"layer": PrepareModuleInputOutput(input_layouts=Replicate(), desired_input_layouts=Shard(1),
                                               output_layouts=Shard(1), desired_output_layouts=Replicate()),
             "layer.mix": PrepareModuleInputOutput(input_layouts=Shard(1), desired_input_layouts=Replicate(),

@@ -48,8 +48,9 @@ __all__ = [
 
 
 #: the attribute that marks a tensor a sequence-parallel collective made: this rank's block of the
-#: sequence, split or reduce-scattered (here, by a row layer, by the embedding), for a dropout module
-#: given it to draw from this rank's own stream (tp_kernels.parallelize)
+#: sequence, split or reduce-scattered (by the mappings here, which the embedding, the experts and
+#: torch's styles' moves use, and by a row layer), for a dropout module given it to draw from this
+#: rank's own stream (tp_kernels.parallelize)
 SEQUENCE_BLOCK = "_tp_kernels_sequence_block"
 
 

@@ -396,14 +396,14 @@ def _dropout_per_rank(module: nn.Module, group) -> None:
         if isinstance(m, ColumnParallelLinear) and not m.gather_output:
             holder = module.get_submodule(name.rpartition(".")[0])
             holders[id(holder)] = holder
-    inside = set()  # (the modules of the holders: their dropout forked by the holder's hooks, or never)
+    forked = set()  # (the dropout modules of the hooked holders themselves: drawn inside their forks)
     for holder in holders.values():
-        inside.update(id(m) for m in holder.modules())
         columns = [m for m in holder.children() if isinstance(m, ColumnParallelLinear) and not m.gather_output]
         rows = [m for m in holder.modules() if isinstance(m, RowParallelLinear) and m.input_is_parallel]
         drops = _dropout_of(holder)
         if not rows or not _dropping(drops):
             continue
+        forked.update(id(m) for m in holder.children())
         streams = _RankDropout(columns[0].group, drops)
         for layer in columns:
             layer.register_forward_hook(streams.open)
@@ -413,7 +413,7 @@ def _dropout_per_rank(module: nn.Module, group) -> None:
                 layer.register_forward_hook(streams.open)
         holder.register_forward_hook(streams.close, always_call=True)
     for m in module.modules():
-        if isinstance(m, nn.modules.dropout._DropoutNd) and id(m) not in inside and m.p > 0:
+        if isinstance(m, nn.modules.dropout._DropoutNd) and id(m) not in forked and m.p > 0:
             streams = _RankDropout(group, [(m, "p")])
             m.register_forward_pre_hook(streams.open_on_block)
             m.register_forward_hook(streams.close, always_call=True)
