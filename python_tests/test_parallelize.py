@@ -925,9 +925,9 @@ def check_shared_input_gather():
     gradient once and gather it once more for the weights' gradients (where each layer gathered its
     own: 10 gathers and 6 reduce-scatters of the activations' blocks, here 6 and 4), giving the
     dense block's output, input gradient and every weight gradient in float64, plain and under
-    torch's checkpoint (reentrant or not). The weights joined for the shared GEMM are not kept for
-    the backward (freed once the forward returns); each layer's output is a contiguous tensor of its
-    own. A layer called outside the module, or the layers once their backends differ, gather alone,
+    torch's checkpoint (reentrant or not; under the non-reentrant one, whose saved-tensor hooks decide,
+    the attention's input not kept). The weights joined for the shared GEMM are not kept for the
+    backward (freed once the forward returns); each layer's output is a contiguous tensor of its own. A layer called outside the module, or the layers once their backends differ, gather alone,
     the sharing kept. An attention whose keys and values come from another input, or which leaves its value
     projection uncalled, gives the dense results, and its layers gather alone from then on."""
     from torch.utils.checkpoint import checkpoint
@@ -970,6 +970,14 @@ def check_shared_input_gather():
                 want = block(want, 1, r, p)
             torch.testing.assert_close(grad, want, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
     assert shared.sharing
+    # under torch's non-reentrant checkpoint its saved-tensor hooks decide: nothing of the call kept
+    inputs = []
+    hook = par.attn.register_forward_pre_hook(lambda m, args: inputs.append(weakref.ref(args[0])))
+    y = checkpoint(par, block(x, 0, r, p).clone().requires_grad_(), use_reentrant=False)
+    hook.remove()
+    assert inputs[0]() is None, "the attention's input kept"  # (recomputed in backward)
+    y.square().sum().backward()
+    par.zero_grad()
 
     def kinds(counted):  # (by kind alone: the collectives of the activations' blocks and of the whole ones)
         return {kind: sum(n for (k, _), n in counted.items() if k == kind) for kind, _ in counted}

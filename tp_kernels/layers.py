@@ -15,6 +15,7 @@ all-gathers its input and the row layer reduce-scatters its output, through :mod
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -362,7 +363,8 @@ class SharedInputGather:
     input; in backward, one reduce-scatter of the input's gradient and one gather again, where
     each layer would make its own. The weights' concatenation is not kept for the backward: it is
     made again there from the layers' weights (:func:`_saved_as_parts`), so the memory the backward
-    holds is what each layer's own call would hold. Where the module calls one of them on another
+    holds is what each layer's own call would hold (under saved-tensor hooks of the caller's, torch's
+    non-reentrant checkpoint's, those decide: the checkpoint keeps nothing and recomputes it all). Where the module calls one of them on another
     input (cross-attention's keys), calls one twice, or leaves one uncalled, that call runs alone
     and the layers gather alone from then on; so they do under ``torch.compile`` and ``torch.func``
     transforms, and where a layer is called outside the module's forward.
@@ -392,7 +394,10 @@ class SharedInputGather:
         weights, biases = zip(*(m._weight_and_bias() for m in self.layers))
         weight = torch.cat(weights)
         bias = None if biases[0] is None else torch.cat(biases)
-        with torch.autograd.graph.saved_tensors_hooks(*_saved_as_parts(weight, weights)):
+        # (where saved-tensor hooks are on already, torch's checkpoint's or an offload's, they decide
+        # what is kept: the checkpoint keeps nothing of the call, and recomputes the joined weights)
+        with torch.autograd.graph.saved_tensors_hooks(*_saved_as_parts(weight, weights)) if not _saving_hooked() \
+                else contextlib.nullcontext():
             out = layer._op("all_gather_matmul", input_, weight, bias)
         outputs = {id(m): o.contiguous() for m, o in zip(self.layers, out.split([w.shape[0] for w in weights], -1))}
         mine = outputs.pop(id(layer))
@@ -431,6 +436,13 @@ def _saved_as_parts(joined: torch.Tensor, parts: Sequence[torch.Tensor]):
         return torch.cat(parts_).as_strided(size, stride, offset)
 
     return pack, unpack
+
+
+def _saving_hooked() -> bool:
+    """Whether saved-tensor hooks are on (torch's non-reentrant checkpoint's, an offload's): where
+    this torch cannot say, False."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None
 
 
 def _gathers_with(layer: "ColumnParallelLinear") -> tuple:
