@@ -12,7 +12,7 @@ here, with no other ``DTensor`` layout taken (a ``ValueError`` names the paramet
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Tuple
 
 import torch
 
@@ -82,6 +82,11 @@ class Rows:
     start: int  # where they start along dim 0
     counted: bool  # whether a sum over the mesh counts them: False on the copies of a Replicate() dim but the first
 
+    def among(self, start: int, length: int) -> Tuple[int, int]:
+        """``(lo, hi)``: the rows of ``[start, start + length)`` this rank holds (none where
+        ``hi <= lo``); of its local tensor, rows ``lo - self.start`` on."""
+        return max(start, self.start), min(start + length, self.start + self.local.shape[0])
+
 
 def rows(t: torch.Tensor, name: str) -> Rows:
     """``t`` (a ``DTensor`` as FSDP2 places it) as this rank's rows of it."""
@@ -124,6 +129,6 @@ def copy_rows_(target: torch.Tensor, value: torch.Tensor, start: int = 0) -> Non
         (target.narrow(0, start, value.shape[0]) if target.dim() else target).copy_(value)
         return
     held = rows(target, "target")
-    lo, hi = max(start, held.start), min(start + value.shape[0], held.start + held.local.shape[0])
+    lo, hi = held.among(start, value.shape[0])
     if hi > lo:
         held.local.narrow(0, lo - held.start, hi - lo).copy_(value.narrow(0, lo - start, hi - lo))

@@ -119,11 +119,9 @@ def sharded_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
             if not layer.pad_rows:  # (else no checkpoint holds it: zero, not what to_empty() left there)
                 continue
             start = param.shape[dim] - layer.pad_rows
-            if dim == 0 and dp.is_sharded(param):  # (FSDP2: the rows of it this rank holds)
-                held = dp.rows(param, key)
-                lo, hi = _held(start, layer.pad_rows, held)
-                if hi > lo:
-                    held.local.narrow(0, lo - held.start, hi - lo).zero_()
+            if dim == 0:  # (FSDP2: the rows of it this rank holds)
+                dp.copy_rows_(param, torch.zeros((layer.pad_rows, *param.shape[1:]), dtype=param.dtype,
+                                                 device=param.device), start)
             else:
                 param.narrow(dim, start, layer.pad_rows).zero_()
     out: Dict[str, torch.Tensor] = {}
@@ -280,11 +278,6 @@ def _layout(key: str, dim: int, layer) -> List[Tuple[str, int, int, int, int]]:
     return out
 
 
-def _held(start: int, length: int, held: dp.Rows) -> Tuple[int, int]:
-    """``(lo, hi)``: the rows of ``[start, start + length)`` that ``held`` (FSDP2's rows of a block) holds."""
-    return max(start, held.start), min(start + length, held.start + held.local.shape[0])
-
-
 def _local_shards_wrapper():
     try:
         from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
@@ -311,7 +304,7 @@ def _chunks(key: str, tensor, layer) -> Dict[str, object]:
     held = dp.rows(tensor, f"{key} (as FSDP2 places it)")
     out = {}
     for name, start, length, offset, full in _layout(key, 0, layer):
-        lo, hi = _held(start, length, held)
+        lo, hi = held.among(start, length)
         rows, at = ((held.local.narrow(0, lo - held.start, hi - lo), offset + lo - start) if hi > lo
                     else (held.local.narrow(0, 0, 0), full))
         shape = torch.Size((full, *rows.shape[1:]))
@@ -340,7 +333,7 @@ def _join_chunks(joined: Dict[str, Dict[str, object]], key: str, param, layer) -
         for (_, start, length, _, _), piece in zip(layout, per_piece):
             chunk = dp.local(piece[k]).local_shards()[0]
             rows = chunk.new_zeros(held.local.shape) if rows is None else rows
-            lo, hi = _held(start, length, held)
+            lo, hi = held.among(start, length)
             if hi > lo:
                 rows.narrow(0, lo - held.start, hi - lo).copy_(chunk)
         whole[k] = rows
