@@ -920,18 +920,23 @@ class _MemoryAttention(Attention):
 
 def check_shared_input_gather():
     """Under parallelize's sequence parallelism, the column layers a module calls on one input (an
-    attention's query, key and value projections) gather it once: the attention and the MLP (one
-    column layer) each all-gather their input once in forward, and in backward reduce-scatter its
-    gradient once and gather it once more for the weights' gradients (where each layer gathered its
-    own: 10 gathers and 6 reduce-scatters of the activations' blocks, here 6 and 4), giving the
-    dense block's output, input gradient and every weight gradient in float64, plain and under
-    torch's checkpoint (reentrant or not; under the non-reentrant one, whose saved-tensor hooks decide,
-    the attention's input not kept). The weights joined for the shared GEMM are not kept for the
-    backward (freed once the forward returns); each layer's output is a contiguous tensor of its own. A layer called outside the module, or the layers once their backends differ, gather alone,
-    the sharing kept. An attention whose keys and values come from another input, or which leaves its value
-    projection uncalled, gives the dense results, and its layers gather alone from then on."""
+    attention's query, key and value projections) gather it once (learned in the module's first
+    forward outside saved-tensor hooks, which shares too): the attention and the MLP (one column
+    layer) each all-gather their input once in forward, and in backward reduce-scatter its gradient
+    once and gather it once more for the weights' gradients (where each layer gathered its own: 10
+    gathers and 6 reduce-scatters of the activations' blocks, here 6 and 4), giving the dense
+    block's output, input gradient and every weight gradient in float64, plain and under torch's
+    checkpoint (reentrant or not; a first forward under the non-reentrant one, whose saved-tensor
+    hooks are on, learns nothing; under it, nothing of the call kept). The weights joined for the shared GEMM are not kept for the backward
+    (freed once the forward returns); each layer's output is a contiguous tensor of its own. A layer
+    called outside the module, or the layers once their backends differ, gather alone, the groups
+    kept. An attention whose keys and values come from another input shares their gather (the
+    query's alone); one that leaves its value projection uncalled shares the query's and the key's;
+    a call off the groups runs alone, under the non-reentrant checkpoint too (its recomputation the
+    same);
+    a block holding its attention's and its MLP's projections side by side (some with a bias, some
+    without) shares each input's: the dense results every time."""
     from torch.utils.checkpoint import checkpoint
-
 
     r, p = rank_world()
     hidden, heads, ffn, s, b = 9, 2 * p, 3 * p, 3 * p, 2
@@ -942,7 +947,8 @@ def check_shared_input_gather():
     if p == 1:  # (nothing gathered: nothing shared)
         assert shared is None
         return
-    assert shared is par.attn.k_proj.shared_gather is par.attn.v_proj.shared_gather and par.mlp[0].shared_gather is None
+    qkv = (par.attn.q_proj, par.attn.k_proj, par.attn.v_proj)
+    assert all(m.shared_gather is shared for m in qkv) and par.mlp[0].shared_gather is None
     g = torch.Generator().manual_seed(1)
     x = torch.randn(s, b, hidden, dtype=torch.float64, generator=g)
 
@@ -956,10 +962,17 @@ def check_shared_input_gather():
         model.zero_grad()
         return y.detach(), x.grad, grads
 
+    def kinds(counted):  # (by kind alone: the collectives of the activations' blocks and of the whole ones)
+        return {kind: sum(n for (k, _), n in counted.items() if k == kind) for kind, _ in counted}
+
     want_y, want_dx, want_grads = run(dense, x)
-    for wrap in (None, lambda f, t: checkpoint(f, t, use_reentrant=False),
-                 lambda f, t: checkpoint(f, t, use_reentrant=True)):
-        got_y, got_dx, got_grads = run(par, block(x, 0, r, p), wrap)
+    non_reentrant = lambda f, t: checkpoint(f, t, use_reentrant=False)  # noqa: E731
+    for wrap in (non_reentrant, None, non_reentrant, lambda f, t: checkpoint(f, t, use_reentrant=True)):
+        learning = shared.groups is None and wrap is None
+        with _counting_collectives() as counted:
+            got_y, got_dx, got_grads = run(par, block(x, 0, r, p), wrap)
+        if wrap is None:  # (the learning forward shares too; the norms' gradients summed: an all-reduce)
+            assert kinds(counted) == {"all_gather": 6, "reduce_scatter": 4, "all_reduce": 1} and learning, counted
         torch.testing.assert_close(got_y, block(want_y, 0, r, p), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(got_dx, block(want_dx, 0, r, p), rtol=1e-12, atol=1e-12)
         for name, grad in got_grads.items():
@@ -969,7 +982,9 @@ def check_shared_input_gather():
             elif name in ("attn.o_proj.weight", "mlp.2.weight"):
                 want = block(want, 1, r, p)
             torch.testing.assert_close(grad, want, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
-    assert shared.sharing
+        if shared.groups is None:  # (the first forward, under the checkpoint's hooks: nothing learned)
+            assert wrap is non_reentrant
+    assert {id(m) for m in shared.groups[id(qkv[0])]} == {id(m) for m in qkv} == set(shared.groups)
     # under torch's non-reentrant checkpoint its saved-tensor hooks decide: nothing of the call kept
     inputs = []
     hook = par.attn.register_forward_pre_hook(lambda m, args: inputs.append(weakref.ref(args[0])))
@@ -978,9 +993,6 @@ def check_shared_input_gather():
     assert inputs[0]() is None, "the attention's input kept"  # (recomputed in backward)
     y.square().sum().backward()
     par.zero_grad()
-
-    def kinds(counted):  # (by kind alone: the collectives of the activations' blocks and of the whole ones)
-        return {kind: sum(n for (k, _), n in counted.items() if k == kind) for kind, _ in counted}
 
     joined = []  # the weights joined for the shared GEMM, as weak references
     original_cat = torch.cat
@@ -994,8 +1006,7 @@ def check_shared_input_gather():
     xs = block(x, 0, r, p).clone().requires_grad_()
     with _counting_collectives() as counted:
         outputs = []
-        hooks = [m.register_forward_hook(lambda m, args, out: outputs.append(out))
-                 for m in (par.attn.q_proj, par.attn.v_proj)]
+        hooks = [m.register_forward_hook(lambda m, args, out: outputs.append(out)) for m in (qkv[0], qkv[2])]
         with mock.patch.object(torch, "cat", cat):
             y = par(xs)
         for hook in hooks:
@@ -1010,32 +1021,53 @@ def check_shared_input_gather():
         # gathered; the shared input's gradient reduce-scattered and the input gathered again, once for the
         # attention and once for the MLP)
         counted.clear()
-        with torch.no_grad():  # (a layer called outside its module's forward: alone, the sharing kept)
+        with torch.no_grad():  # (a layer called outside its module's forward: alone, the groups kept)
             torch.testing.assert_close(par.attn.v_proj(xs), block(dense.attn.v_proj(x), 2, r, p), rtol=1e-12,
                                        atol=1e-12)
-        assert kinds(counted) == {"all_gather": 1} and shared.sharing and shared.held is None, counted
-        counted.clear()
-        par.attn.k_proj.backend = "reference"  # (one layer's backend changed since: each gathers alone, for now)
-        with torch.no_grad():
-            torch.testing.assert_close(par(xs), block(want_y, 0, r, p), rtol=1e-12, atol=1e-12)
-        assert kinds(counted) == {"all_gather": 4, "reduce_scatter": 2} and shared.sharing, counted
-        par.attn.k_proj.backend = "auto"
+        assert kinds(counted) == {"all_gather": 1} and not shared.held and len(shared.groups) == 3, counted
+        for backend, gathers in (("reference", 4), ("auto", 2)):  # (one layer's backend changed: each alone)
+            counted.clear()
+            qkv[1].backend = backend
+            with torch.no_grad():
+                torch.testing.assert_close(par(xs), block(want_y, 0, r, p), rtol=1e-12, atol=1e-12)
+            assert kinds(counted) == {"all_gather": gathers, "reduce_scatter": 2}, (backend, counted)
     torch.testing.assert_close(xs.grad, block(want_dx, 0, r, p), rtol=1e-12, atol=1e-12)
 
-    # keys and values of another input, then a value projection left uncalled: the dense results, each
-    # layer gathering alone from then on
+    # keys and values of another input, then a value projection left uncalled: the dense results, the
+    # layers called on one input sharing its gather
     torch.manual_seed(0)
     dense_attention = _MemoryAttention(hidden, heads).double()
     plan = {"[qkv]_proj": "colwise", "o_proj": "rowwise"}
     memory = torch.randn(2 * s, b, hidden, dtype=torch.float64, generator=g)
-    for kwargs in ({"memory": memory}, {"keys_as_values": True}):
+    for kwargs, together in (({"memory": memory}, ("k_proj", "v_proj")),
+                             ({"keys_as_values": True}, ("q_proj", "k_proj"))):
         attention = tp_kernels.parallelize(copy.deepcopy(dense_attention), plan, sequence_parallel=True)
         shared = attention.q_proj.shared_gather
-        for _ in range(2):
+        for _ in range(3):
             got = attention(block(x, 0, r, p), **{k: block(v, 0, r, p) if k == "memory" else v
                                                   for k, v in kwargs.items()})
             torch.testing.assert_close(got, block(dense_attention(x, **kwargs), 0, r, p), rtol=1e-12, atol=1e-12)
-            assert not shared.sharing and shared.held is None, kwargs
+            assert {id(attention.get_submodule(name)) for name in together} == set(shared.groups), kwargs
+        # a call that does not follow the groups (the keys of another input), under the non-reentrant
+        # checkpoint: alone, nothing changed, so its recomputation takes the same path
+        for other in ({"memory": memory}, {"keys_as_values": True}):
+            xs = block(x, 0, r, p).clone().requires_grad_()
+            got = checkpoint(attention, xs, use_reentrant=False,
+                             **{k: block(v, 0, r, p) if k == "memory" else v for k, v in other.items()})
+            got.square().sum().backward()
+            torch.testing.assert_close(got, block(dense_attention(x, **other), 0, r, p), rtol=1e-12, atol=1e-12)
+            assert {id(attention.get_submodule(name)) for name in together} == set(shared.groups), other
+    # a block holding its projections side by side: each input's layers share its gather
+    vocab, dim = 4 * p + 3, 8
+    torch.manual_seed(0)
+    dense_lm = _BatchFirstLM(vocab, dim, 2 * p, 3 * p).double()
+    lm = tp_kernels.parallelize(copy.deepcopy(dense_lm), BATCH_FIRST_PLAN, sequence_parallel=True, sequence_dim=1)
+    ids = torch.randint(0, vocab, (3, 2 * p), generator=g)
+    for _ in range(2):
+        torch.testing.assert_close(lm(ids), dense_lm(ids), rtol=1e-12, atol=1e-12)
+    layer = lm.blocks[0]
+    assert {frozenset(map(id, group)) for group in layer.q.shared_gather.groups.values()} == \
+        {frozenset(map(id, (layer.q, layer.k, layer.v))), frozenset(map(id, (layer.gate, layer.up)))}
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)

@@ -356,64 +356,92 @@ class ColumnParallelLinear(_ParallelLinear):
 
 
 class SharedInputGather:
-    """Column layers under sequence parallelism that one module calls on the same input, its query,
-    key and value projections, its gate and up projections: the first of them called gathers the
-    input once for them all, one ``all_gather_matmul`` of their weights side by side (each layer's
-    output a contiguous tensor of its own), and keeps the others' outputs for their calls on that
-    input; in backward, one reduce-scatter of the input's gradient and one gather again, where
-    each layer would make its own. The weights' concatenation is not kept for the backward: it is
-    made again there from the layers' weights (:func:`_saved_as_parts`), so the memory the backward
-    holds is what each layer's own call would hold (under saved-tensor hooks of the caller's, torch's
-    non-reentrant checkpoint's, those decide: the checkpoint keeps nothing and recomputes it all). Where the module calls one of them on another
-    input (cross-attention's keys), calls one twice, or leaves one uncalled, that call runs alone
-    and the layers gather alone from then on; so they do under ``torch.compile`` and ``torch.func``
-    transforms, and where a layer is called outside the module's forward.
-    :func:`tp_kernels.parallelize` makes one for each module's sequence-parallel column layers that
-    can share (:func:`share_input_gathers`)."""
+    """The column layers under sequence parallelism of one module (:func:`share_input_gathers`),
+    those it calls on one input (its query, key and value projections; its gate and up projections)
+    gathering it once: the first of them called runs one ``all_gather_matmul`` of their weights
+    side by side (each layer's output a contiguous tensor of its own) and keeps the others' outputs
+    for their calls on that input; in backward, one reduce-scatter of the input's gradient and one
+    gather again, where each layer would make its own. The weights' concatenation is not kept for
+    the backward: it is made again there from the layers' weights (:func:`_saved_as_parts`), so
+    the memory the backward holds is what each layer's own call would hold (under saved-tensor hooks
+    of the caller's, torch's non-reentrant checkpoint's, those decide: the checkpoint keeps nothing
+    and recomputes it all).
+
+    Until learned, the first layer called computes all of them (alike in what they gather with,
+    :func:`_gathers_with`). Which layers share is learned in the module's first forward that runs
+    eagerly outside saved-tensor hooks: the layers it calls on one tensor, once each, alike, share
+    from then on (their weights joined in the same order), and nothing changes after. A call that
+    does not follow (another input, a layer called twice) runs alone, what the group kept dropped,
+    and changes nothing: so a forward and its recomputation by torch's checkpoint take the same
+    path, and a model resumed from a checkpoint the same as the one that saved it, where the module
+    calls all of them on one input (an attention's projections); where it does not (a block holding
+    its attention's and its MLP's projections side by side), the forwards before it is learned
+    compute the others' outputs on the first input for nothing. Under ``torch.compile`` and
+    ``torch.func`` transforms, and for a layer called outside the module's forward or whose backend
+    or dtype changed since, each runs alone."""
 
     def __init__(self, layers: Sequence["ColumnParallelLinear"]) -> None:
         self.layers = tuple(layers)
-        self.sharing, self.running = True, False
-        self.held = None  # (the input, {id(layer): its output}) of the call that gathered it
+        self.groups: Optional[Dict[int, tuple]] = None  # id(layer) -> the layers it shares with, once learned
+        self.seen: Optional[Dict[int, tuple]] = None  # (learning: id(input) -> (the input, the layers called on it))
+        self.running = False
+        self.held: Dict[tuple, tuple] = {}  # a group -> (the input it gathered, {id(layer): its output})
 
     def output(self, layer: "ColumnParallelLinear", input_: torch.Tensor) -> Optional[torch.Tensor]:
-        """``layer``'s output for ``input_``, from the shared gather, while the module's forward
-        runs; None where it runs alone."""
-        if not (self.sharing and self.running) or torch.compiler.is_compiling() or functorch_transforms():
+        """``layer``'s output for ``input_``, from its group's shared gather, while the module's
+        forward runs; None where it runs alone."""
+        if not self.running or torch.compiler.is_compiling() or functorch_transforms():
             return None
-        if self.held is not None:
-            gathered, outputs = self.held
+        if self.seen is not None:  # (learning: the calls noted)
+            self.seen.setdefault(id(input_), (input_, []))[1].append(layer)
+        group = self.layers if self.groups is None else self.groups.get(id(layer))  # (until learned: all of them)
+        if group is None or len({_gathers_with(m) for m in group}) > 1:  # (a backend or dtype changed since)
+            return None
+        if group in self.held:
+            gathered, outputs = self.held[group]
             out = outputs.pop(id(layer), None) if gathered is input_ else None
-            if out is None:  # (another input, or a layer called twice: each alone from now on)
-                self.sharing, self.held = False, None
-            elif not outputs:
-                self.held = None
+            if out is None or not outputs:  # (another input, or a layer called twice: alone, the rest dropped)
+                del self.held[group]
             return out
-        if len({_gathers_with(m) for m in self.layers}) > 1:  # (a layer's backend or dtype changed since)
-            return None
-        weights, biases = zip(*(m._weight_and_bias() for m in self.layers))
+        weights, biases = zip(*(m._weight_and_bias() for m in group))
         weight = torch.cat(weights)
-        bias = None if biases[0] is None else torch.cat(biases)
+        bias = None if all(b is None for b in biases) else \
+            torch.cat([weight.new_zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases)])
         # (where saved-tensor hooks are on already, torch's checkpoint's or an offload's, they decide
         # what is kept: the checkpoint keeps nothing of the call, and recomputes the joined weights)
         with torch.autograd.graph.saved_tensors_hooks(*_saved_as_parts(weight, weights)) if not _saving_hooked() \
                 else contextlib.nullcontext():
             out = layer._op("all_gather_matmul", input_, weight, bias)
-        outputs = {id(m): o.contiguous() for m, o in zip(self.layers, out.split([w.shape[0] for w in weights], -1))}
+        outputs = {id(m): o.contiguous() for m, o in zip(group, out.split([w.shape[0] for w in weights], -1))}
         mine = outputs.pop(id(layer))
-        self.held = (input_, outputs)
+        self.held[group] = (input_, outputs)
         return mine
 
     def begin(self, *_) -> None:
-        """The module's forward begins (its forward pre-hook)."""
+        """The module's forward begins (its forward pre-hook): the one that learns, where none has."""
         self.running = True
+        if self.groups is None and self.seen is None and not _saving_hooked() and \
+                not torch.compiler.is_compiling() and not functorch_transforms():
+            self.seen = {}
 
     def end(self, *_) -> None:
-        """The module's end (its forward hook, however the forward ends): an output no layer took
-        ends the sharing."""
+        """The module's forward ends (its forward hook, however the forward ends): what no layer
+        took dropped; after the learning forward, the groups."""
         self.running = False
-        if self.held is not None:
-            self.sharing, self.held = False, None
+        self.held.clear()
+        if self.seen is not None:
+            groups: Dict[int, tuple] = {}
+            for _, called in self.seen.values():
+                if len({id(m) for m in called}) < len(called):  # (a layer called twice on it)
+                    continue
+                alike: Dict[tuple, list] = {}
+                for m in called:
+                    alike.setdefault(_gathers_with(m), []).append(m)
+                for together in alike.values():
+                    if len(together) > 1:  # (in the layers' order: the joined weights as before learning)
+                        group = tuple(m for m in self.layers if any(m is t for t in together))
+                        groups.update((id(m), group) for m in group)
+            self.groups, self.seen = groups, None
 
 
 def _saved_as_parts(joined: torch.Tensor, parts: Sequence[torch.Tensor]):
@@ -448,28 +476,22 @@ def _saving_hooked() -> bool:
 def _gathers_with(layer: "ColumnParallelLinear") -> tuple:
     """What column layers that gather an input together must have alike."""
     return (id(layer.group), layer.backend, layer.num_chunks, layer.sequence_dim, layer.in_features,
-            layer.weight.dtype, layer.weight.device, layer.bias is None)
+            layer.weight.dtype, layer.weight.device)
 
 
 def share_input_gathers(module: nn.Module) -> None:
-    """For each module in ``module``, its sequence-parallel column layers (children) that can
-    gather an input together (the same group, backend, chunks, sequence dim, input size, dtype and
-    device, all with a bias or none, their outputs neither gathered, nor padded, nor their bias
-    returned apart) share a :class:`SharedInputGather`, begun and ended by the module's forward
-    hooks."""
+    """For each module in ``module`` holding several sequence-parallel column layers (children)
+    whose outputs are neither gathered, nor padded, nor their bias returned apart: one
+    :class:`SharedInputGather` of them, begun and ended by the module's forward hooks."""
     for holder in module.modules():
-        together: Dict[tuple, List[ColumnParallelLinear]] = {}
-        for m in holder.children():
-            if isinstance(m, ColumnParallelLinear) and m.sequence_parallel and not m.gather_output and \
-                    not m.skip_bias_add and not m.pad_rows and m.shared_gather is None:
-                together.setdefault(_gathers_with(m), []).append(m)
-        for layers in together.values():
-            if len(layers) > 1:
-                shared = SharedInputGather(layers)
-                for m in layers:
-                    m.shared_gather = shared
-                holder.register_forward_pre_hook(shared.begin)
-                holder.register_forward_hook(shared.end, always_call=True)
+        layers = [m for m in holder.children() if isinstance(m, ColumnParallelLinear) and m.sequence_parallel
+                  and not m.gather_output and not m.skip_bias_add and not m.pad_rows and m.shared_gather is None]
+        if len(layers) > 1:
+            shared = SharedInputGather(layers)
+            for m in layers:
+                m.shared_gather = shared
+            holder.register_forward_pre_hook(shared.begin)
+            holder.register_forward_hook(shared.end, always_call=True)
 
 
 class _SumOverReplicas(torch.autograd.Function):
