@@ -933,7 +933,7 @@ def check_shared_input_gather():
     kept. An attention whose keys and values come from another input shares their gather (the
     query's alone); one that leaves its value projection uncalled shares the query's and the key's;
     a call off the groups runs alone, under the non-reentrant checkpoint too (its recomputation the
-    same);
+    same); a first forward that raises learns nothing;
     a block holding its attention's and its MLP's projections side by side (some with a bias, some
     without) shares each input's: the dense results every time."""
     from torch.utils.checkpoint import checkpoint
@@ -1057,6 +1057,14 @@ def check_shared_input_gather():
             got.square().sum().backward()
             torch.testing.assert_close(got, block(dense_attention(x, **other), 0, r, p), rtol=1e-12, atol=1e-12)
             assert {id(attention.get_submodule(name)) for name in together} == set(shared.groups), other
+    # a first forward that raises learns nothing: the next learns
+    attention = tp_kernels.parallelize(copy.deepcopy(dense_attention), plan, sequence_parallel=True)
+    with pytest.raises(ValueError, match="input"):
+        attention(torch.randn(s // p, b, hidden + 1, dtype=torch.float64))
+    assert attention.q_proj.shared_gather.groups is None
+    torch.testing.assert_close(attention(block(x, 0, r, p)), block(dense_attention(x), 0, r, p), rtol=1e-12,
+                               atol=1e-12)
+    assert len(attention.q_proj.shared_gather.groups) == 3
     # a block holding its projections side by side: each input's layers share its gather
     vocab, dim = 4 * p + 3, 8
     torch.manual_seed(0)

@@ -378,7 +378,7 @@ class SharedInputGather:
     its attention's and its MLP's projections side by side), the forwards before it is learned
     compute the others' outputs on the first input for nothing. Under ``torch.compile`` and
     ``torch.func`` transforms, and for a layer called outside the module's forward or whose backend
-    or dtype changed since, each runs alone."""
+    or dtype changed since, each runs alone. A learning forward that raises learns nothing."""
 
     def __init__(self, layers: Sequence["ColumnParallelLinear"]) -> None:
         self.layers = tuple(layers)
@@ -424,14 +424,16 @@ class SharedInputGather:
                 not torch.compiler.is_compiling() and not functorch_transforms():
             self.seen = {}
 
-    def end(self, *_) -> None:
+    def end(self, module, args, output) -> None:
         """The module's forward ends (its forward hook, however the forward ends): what no layer
-        took dropped; after the learning forward, the groups."""
+        took dropped; after the learning forward, the groups (after one that raised, none: the next
+        learns)."""
         self.running = False
         self.held.clear()
-        if self.seen is not None:
+        seen, self.seen = self.seen, None
+        if seen is not None and output is not None:  # (torch hands an always-called hook None where it raised)
             groups: Dict[int, tuple] = {}
-            for _, called in self.seen.values():
+            for _, called in seen.values():
                 if len({id(m) for m in called}) < len(called):  # (a layer called twice on it)
                     continue
                 alike: Dict[tuple, list] = {}
@@ -441,7 +443,7 @@ class SharedInputGather:
                     if len(together) > 1:  # (in the layers' order: the joined weights as before learning)
                         group = tuple(m for m in self.layers if any(m is t for t in together))
                         groups.update((id(m), group) for m in group)
-            self.groups, self.seen = groups, None
+            self.groups = groups
 
 
 def _saved_as_parts(joined: torch.Tensor, parts: Sequence[torch.Tensor]):
