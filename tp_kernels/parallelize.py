@@ -431,8 +431,7 @@ class _RankDropout:
 
     def open(self, layer, args, output) -> None:
         if self.fork is not None or not layer.training or torch.compiler.is_compiling() or \
-                functorch_transforms() or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()) \
-                or not _dropping(self.drops):
+                functorch_transforms() or rng.capturing() or not _dropping(self.drops):
             return
         fork = rng.rank_fork(self.group)
         fork.__enter__()

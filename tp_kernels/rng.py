@@ -70,10 +70,17 @@ def _default_generators() -> List[Tuple[str, torch.Generator]]:
     return generators
 
 
+def capturing() -> bool:
+    """Whether a CUDA graph capture is under way on the current stream (CUDA left uninitialized
+    where it is): where a fork is refused (:func:`_refuse_capture`), and passed over by
+    :func:`tp_kernels.parallelize`'s dropout hooks."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 def _refuse_capture(what: str) -> None:
     """A ``RuntimeError`` (naming ``what``) inside a CUDA graph capture, which does not record a
     generator's state being swapped."""
-    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+    if capturing():
         raise RuntimeError(f"{what}: a CUDA graph is being captured, and a fork swaps the CUDA generator's "
                            "state, which a capture does not record; fork outside the captured region")
 
