@@ -134,10 +134,11 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
     if partial_output and sequence_parallel:
         raise ValueError("partial_output: experts under sequence parallelism reduce-scatter their output "
                          "themselves; leave it partial only without sequence_parallel")
-    shard_parameters(module, styles, group, every=True)
+    splits = check_styles(module, styles, p, every=True)
+    _split(module, splits, group)
     if p == 1:  # (nothing to sum)
         return module
-    once = _added_once(module, styles)
+    once = [name for name, (dim, _) in splits.items() if dim is None]  # (kept whole, added by one rank)
     held: Dict[str, nn.Parameter] = {}  # (a bias added by one rank, during a call: the parameter itself)
     by_expert = _by_expert(styles)
     local = signature = routing = None
@@ -280,13 +281,6 @@ def _gate_and_up(module: nn.Module, name: str, dims: int) -> Optional[Tuple[int,
     return 2 if dims == 3 and getattr(module, "is_transposed", False) else 1, not module.is_concatenated
 
 
-def _added_once(module: nn.Module, styles: Mapping[str, str]) -> list:
-    """The parameters of ``module`` that ``styles`` keep whole, added by one rank (a 2-D
-    ``"rowwise"`` bias): :data:`PARAMETER_STYLES`' None."""
-    return [name for name, style in styles.items()
-            if PARAMETER_STYLES[style][0].get(module._parameters[name].dim(), 0) is None]
-
-
 def _by_expert(styles: Mapping[str, str]) -> bool:
     """Whether ``styles`` split whole experts (expert parallelism), checked to be all or none."""
     whole = [name for name, style in styles.items() if style == WHOLE_EXPERTS]
@@ -387,11 +381,15 @@ def shard_parameters(module: nn.Module, styles: Mapping[str, str], group=None, *
     first (:func:`check_styles`; ``every``: every parameter of ``module`` must be named). Returns
     ``module``; with one rank, its parameters stay the same objects."""
     group = coll.resolve_group(group)
-    p = coll.group_size(group)
-    split_in_place(module, {name: (dim, ParameterSplit(group, parts))
-                            for name, (dim, parts) in check_styles(module, styles, p, every=every).items()
-                            if dim is not None})
+    _split(module, check_styles(module, styles, coll.group_size(group), every=every), group)
     return module
+
+
+def _split(module: nn.Module, splits: Mapping[str, tuple], group) -> None:
+    """Split the parameters of ``module`` as :func:`check_styles`' ``splits`` say (those kept whole,
+    dim None, stay)."""
+    split_in_place(module, {name: (dim, ParameterSplit(group, parts))
+                            for name, (dim, parts) in splits.items() if dim is not None})
 
 
 def check_styles(module: nn.Module, styles: Mapping[str, str], p: int, *, every: bool = True,
