@@ -524,6 +524,55 @@ def test_fused_bench_chains_calls_by_phases_or_in_one_launch_a_rank(monkeypatch)
     assert log == [("r0", None), ("r1", None)] * 2
 
 
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+def test_fused_bench_case_moves_and_multiplies_what_the_op_does(monkeypatch, op):
+    """The overlap benchmark's and the timeline's inputs (``fused_case``), on the CPU with the
+    native calls' plain equivalents: each rank's GEMMs make its rows times its weight, its data
+    movement the gathered rows (from rows holding only its own block) or the sum of every rank's
+    partials of its block, and the fused call is the op's on the same inputs."""
+    import types
+
+    from tp_kernels.bench import fused as bench_fused
+
+    def linear(x, w, out):
+        return out.copy_(x.double() @ w.double().T)
+
+    def reduce_partials(inputs, out):
+        return out.copy_(sum(t.double() for t in inputs))
+
+    monkeypatch.setattr(bench_fused._extension, "linear", linear)
+    monkeypatch.setattr(bench_fused._extension, "reduce_partials", reduce_partials)
+    calls = []
+    p, (m, k, n) = 4, (8, 6, 5)
+    vr = types.SimpleNamespace(p=p, device=torch.device("cpu"),
+                               all_gather_matmul=lambda xs, ws: calls.append(("all_gather_matmul", xs, ws)),
+                               matmul_reduce_scatter=lambda xs, ws: calls.append(("matmul_reduce_scatter", xs, ws)))
+    case = bench_fused.fused_case(vr, op, (m, k, n))
+    mp = m // p
+    assert [tuple(x.shape) for x in case.xs] == [(mp if op == "all_gather_matmul" else m, k)] * p
+    assert [tuple(w.shape) for w in case.ws] == [(n, k)] * p
+    if op == "all_gather_matmul":
+        for q in range(p):  # only the rank's own block before the copies
+            case.rows[q].zero_()[q * mp:(q + 1) * mp] = case.xs[q]
+    for q in range(p):
+        case.comms(q, None) if op == "all_gather_matmul" else case.gemms(q, None)
+    for _ in range(2):  # (a rank's reduction reads its inbox as the others' copies left it: full the second time)
+        for q in range(p):
+            case.gemms(q, None) if op == "all_gather_matmul" else case.comms(q, None)
+    whole = torch.cat(case.xs) if op == "all_gather_matmul" else None
+    for q in range(p):
+        rows = whole if op == "all_gather_matmul" else case.xs[q]
+        assert torch.equal(case.rows[q], rows)
+        torch.testing.assert_close(case.outs[q], (rows.double() @ case.ws[q].double().T).to(torch.bfloat16))
+        if op == "matmul_reduce_scatter":
+            block = sum(case.outs[r][q * mp:(q + 1) * mp].double() for r in range(p))
+            torch.testing.assert_close(case.moved[q], block.to(torch.bfloat16))
+        else:
+            assert case.moved[q] is case.rows[q]
+    case.fused_op()
+    assert calls == [(op, case.xs, case.ws)]
+
+
 def test_fused_bench_overlap_efficiency():
     from tp_kernels.bench.fused import overlap_efficiency
 

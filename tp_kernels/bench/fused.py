@@ -54,7 +54,7 @@ import argparse
 import contextlib
 import json
 import sys
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -105,50 +105,75 @@ def _fork_join(streams: Sequence[torch.cuda.Stream], work: Callable[[int, torch.
                 work(q, s)
 
 
+class FusedCase(NamedTuple):
+    """A fused op's call on p virtual ranks, and its GEMMs and its data movement each alone."""
+
+    xs: List[torch.Tensor]  # each rank's input (its block of the rows, for the gather)
+    ws: List[torch.Tensor]  # each rank's weight [n, k]
+    rows: List[torch.Tensor]  # each rank's GEMM input [m, k] (the gathered rows, or its input)
+    outs: List[torch.Tensor]  # each rank's GEMM output [m, n] (its partial sums, for the reduce-scatter)
+    moved: List[torch.Tensor]  # what each rank's data movement makes: its gathered rows, or its reduced block
+    gemms: Callable[[int, torch.cuda.Stream], None]  # rank q's GEMMs as the op splits them, no data moved
+    comms: Callable[[int, torch.cuda.Stream], None]  # rank q's copies between the ranks' buffers (and reduction)
+    fused_op: Callable[[], object]  # the fused call of every rank
+
+
+def fused_case(vr: VirtualRanks, op: str, shape: Optional[Tuple[int, int, int]] = None) -> FusedCase:
+    """``op``'s (``all_gather_matmul`` or ``matmul_reduce_scatter``) inputs at its
+    :data:`LLAMA70B_TP8` shape (or ``shape``, ``(m, k, n)``) in bf16 on ``vr``'s ranks, on its
+    device: what the overlap benchmark times and the timeline traces. ``comms`` moves what the
+    fused call moves: for the gather, the other ranks' blocks into a rank's rows; for the
+    reduce-scatter, each rank's partial sums of the others' blocks into their inboxes, and the p
+    partials of its own block summed (its own and its inbox's; the ranks' ``comms`` unordered
+    with each other, as the benchmark runs them side by side: they time the movement, the fused
+    call computes the result)."""
+    m, k, n = shape or LLAMA70B_TP8[op]
+    p, dtype, device = vr.p, torch.bfloat16, vr.device
+    mp = m // p
+    gathering = op == "all_gather_matmul"
+    xs = [torch.randn(mp if gathering else m, k, device=device, dtype=dtype) for _ in range(p)]
+    ws = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(p)]
+    rows = [torch.cat(xs) for _ in range(p)] if gathering else xs
+    outs = [torch.empty(m, n, device=device, dtype=dtype) for _ in range(p)]
+
+    def gemms(q, s):
+        for d in range(p):
+            _extension.linear(rows[q][d * mp:(d + 1) * mp], ws[q], out=outs[q][d * mp:(d + 1) * mp])
+
+    if gathering:
+        moved = rows
+
+        def comms(q, s):
+            for d in range(p):
+                if d != q:
+                    rows[q][d * mp:(d + 1) * mp].copy_(xs[d], non_blocking=True)
+
+        def fused_op():
+            return vr.all_gather_matmul(xs, ws)
+    else:
+        inbox = [torch.empty(p, mp, n, device=device, dtype=dtype) for _ in range(p)]
+        moved = [torch.empty(mp, n, device=device, dtype=dtype) for _ in range(p)]
+
+        def comms(q, s):
+            for d in range(p):
+                if d != q:
+                    inbox[d][q].copy_(outs[q][d * mp:(d + 1) * mp], non_blocking=True)
+            _extension.reduce_partials([outs[q][q * mp:(q + 1) * mp] if r == q else inbox[q][r] for r in range(p)],
+                                       moved[q])
+
+        def fused_op():
+            return vr.matmul_reduce_scatter(xs, ws)
+
+    return FusedCase(xs, ws, rows, outs, moved, gemms, comms, fused_op)
+
+
 def overlap(op: str, p: int, iters: int) -> Dict:
     m, k, n = LLAMA70B_TP8[op]
-    dtype = torch.bfloat16
-    mp = m // p
     gemm_streams = [torch.cuda.Stream() for _ in range(p)]
     copy_streams = [torch.cuda.Stream() for _ in range(p)]
     with VirtualRanks(p) as vr:
-        if op == "all_gather_matmul":
-            xs = [torch.randn(mp, k, device="cuda", dtype=dtype) for _ in range(p)]
-            ws = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(p)]
-            gathered = [torch.cat(xs) for _ in range(p)]
-            outs = [torch.empty(m, n, device="cuda", dtype=dtype) for _ in range(p)]
-
-            def gemms(q, s):
-                for d in range(p):
-                    _extension.linear(gathered[q][d * mp:(d + 1) * mp], ws[q], out=outs[q][d * mp:(d + 1) * mp])
-
-            def comms(q, s):
-                for d in range(p):
-                    if d != q:
-                        gathered[q][d * mp:(d + 1) * mp].copy_(xs[d], non_blocking=True)
-
-            def fused_op():
-                vr.all_gather_matmul(xs, ws)
-        else:
-            xs = [torch.randn(m, k, device="cuda", dtype=dtype) for _ in range(p)]
-            ws = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(p)]
-            partial = [torch.empty(m, n, device="cuda", dtype=dtype) for _ in range(p)]
-            inbox = [torch.empty(p, mp, n, device="cuda", dtype=dtype) for _ in range(p)]
-            reduced = [torch.empty(mp, n, device="cuda", dtype=dtype) for _ in range(p)]
-
-            def gemms(q, s):
-                for d in range(p):
-                    _extension.linear(xs[q][d * mp:(d + 1) * mp], ws[q], out=partial[q][d * mp:(d + 1) * mp])
-
-            def comms(q, s):
-                for d in range(p):
-                    if d != q:
-                        inbox[d][q].copy_(partial[q][d * mp:(d + 1) * mp], non_blocking=True)
-                _extension.reduce_partials([inbox[q][r] for r in range(p)], reduced[q])
-
-            def fused_op():
-                vr.matmul_reduce_scatter(xs, ws)
-
+        case = fused_case(vr, op)
+        gemms, comms, fused_op = case.gemms, case.comms, case.fused_op
         t_gemm = gpu_time_ms(lambda: _fork_join(gemm_streams, gemms), iters)
         t_comm = gpu_time_ms(lambda: _fork_join(copy_streams, comms), iters)
         t_overlap = gpu_time_ms(fused_op, iters)

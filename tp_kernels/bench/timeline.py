@@ -26,9 +26,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import _extension
 from ..testing import VirtualRanks
-from .fused import LLAMA70B_TP8, _fork_join, virtual_ranks_args
+from .fused import LLAMA70B_TP8, _fork_join, fused_case, virtual_ranks_args
 from .records import gpu_record, save_record
 
 #: substrings of the GEMM kernels' names (cuBLASLt's Hopper kernels and CUTLASS's), and of the
@@ -156,32 +155,14 @@ def timeline(op: str, p: int) -> Dict:
     on its own stream); ``gemm_kernel_inflation``: the GEMM kernels' summed time in the fused call
     over theirs alone, minus 1 (how much the copies beside them slowed them)."""
     m, k, n = LLAMA70B_TP8[op]
-    dtype, mp = torch.bfloat16, m // p
     streams = [torch.cuda.Stream() for _ in range(p)]
     with VirtualRanks(p) as vr:
-        ws = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(p)]
-        if op == "all_gather_matmul":
-            xs = [torch.randn(mp, k, device="cuda", dtype=dtype) for _ in range(p)]
-            rows = [torch.cat(xs) for _ in range(p)]  # each rank's gathered rows
-
-            def fused_op():
-                vr.all_gather_matmul(xs, ws)
-        else:
-            xs = [torch.randn(m, k, device="cuda", dtype=dtype) for _ in range(p)]
-            rows = xs
-
-            def fused_op():
-                vr.matmul_reduce_scatter(xs, ws)
-
-        def gemms(q, s):
-            for d in range(p):
-                _extension.linear(rows[q][d * mp:(d + 1) * mp], ws[q])
-
+        case = fused_case(vr, op)
         for _ in range(3):  # warm: the workspace, cuBLASLt's plans, the kernels' modules
-            fused_op()
-            _fork_join(streams, gemms)
-        fused_summary = summarize(traced(fused_op))
-        alone = summarize(traced(lambda: _fork_join(streams, gemms)))
+            case.fused_op()
+            _fork_join(streams, case.gemms)
+        fused_summary = summarize(traced(case.fused_op))
+        alone = summarize(traced(lambda: _fork_join(streams, case.gemms)))
         vr.check()
     gemm_us = [s.get("kernel_us", {}).get("gemms") for s in (fused_summary, alone)]
     return {"shape": {"m": m, "k": k, "n": n}, "p": p, "dtype": "bfloat16", "fused": fused_summary,
