@@ -553,6 +553,106 @@ def test_torch_prepare_module_input_output(world):
     world.run(check_torch_prepare_module_input_output)
 
 
+class _TwoProjections(nn.Module):
+    """Two projections of one input, which the module reads too (``read``: ``"first"``, before
+    the projections, or ``"after"`` the first; ``None``: not): its largest magnitude, detached,
+    scales the first projection's output, and its mean over the hidden units, a second output, is
+    the same on every rank, and so is its gradient. The inputs it is handed are noted in ``seen``."""
+
+    def __init__(self, hidden, out, read):
+        super().__init__()
+        self.a, self.b = nn.Linear(hidden, out), nn.Linear(hidden, out)
+        self.read, self.seen = read, []
+
+    def forward(self, x):
+        self.seen.append(x)
+        if self.read is None:
+            return self.a(x) + self.b(x), None
+        if self.read == "first":
+            scale = x.detach().abs().amax()
+            return self.a(x) * scale + self.b(x), x.mean(-1)
+        a = self.a(x)
+        return a * x.detach().abs().amax() + self.b(x), x.mean(-1)
+
+
+def check_deferred_gather(read):
+    """A ``PrepareModuleInput`` gathering the sequence (``Shard(1)`` to ``Replicate()``) hands the
+    module a :class:`tp_kernels.mappings.DeferredGather`: of the gathered shape, this rank's block
+    inside, gathered by nothing until read. Its column layers, sharing it, take the block (one
+    ``all_gather_matmul`` of their weights: one gather, the input left ungathered; in backward
+    one reduce-scatter and the input gathered again); a module that reads it first
+    (``read="first"``) gathers it once, and the layers take the gathered tensor (backward: one
+    reduce-scatter of their partial input gradients, with the gradient of what it computed from
+    it, no gather); read after the layers took it (``"after"``), it is gathered a second time (the
+    layers' backward as without the read). Either way
+    the outputs, the input's gradient and every parameter's are the dense module's in float64,
+    plain and under torch's checkpoint, reentrant or not; and a DeferredGather printed is not
+    gathered, read is gathered once, written in place is written in what it gathered."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput
+    from torch.utils.checkpoint import checkpoint
+
+    from tp_kernels.mappings import DeferredGather
+
+    r, p = rank_world()
+    b, s, hidden, out = 2, 3 * p, 4, 2 * p
+    torch.manual_seed(0)
+    dense = nn.Sequential(_TwoProjections(hidden, out, read)).double()
+    plan = {"0": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "0.a": ColwiseParallel(), "0.b": ColwiseParallel()}
+    par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+    x = torch.randn(b, s, hidden, dtype=torch.float64, requires_grad=True)
+
+    def loss(outputs):
+        return outputs[0].square().sum() + (0 if outputs[1] is None else outputs[1].sum())
+
+    want, want_mean = dense(x)
+    loss((want, want_mean)).backward()
+    for wrap in (None, None, lambda f, t: checkpoint(f, t, use_reentrant=False),
+                 lambda f, t: checkpoint(f, t, use_reentrant=True)):
+        par.zero_grad()
+        par[0].seen.clear()
+        xs = block(x.detach(), 1, r, p).requires_grad_()
+        with _counting_collectives() as counted:
+            got, mean = par(xs) if wrap is None else wrap(par, xs)
+            forward = dict(counted)
+            counted.clear()
+            loss((got, mean)).backward()
+        torch.testing.assert_close(got, block(want, 2, r, p), rtol=1e-12, atol=1e-12)
+        assert (mean is None) == (want_mean is None)
+        if read:
+            torch.testing.assert_close(mean, want_mean, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(xs.grad, block(x.grad, 1, r, p), rtol=1e-12, atol=1e-12)
+        for name, q in par.named_parameters():
+            torch.testing.assert_close(q.grad, block(dense.get_parameter(name).grad, 0, r, p), rtol=1e-12,
+                                       atol=1e-12, msg=lambda m: f"{name}: {m}")
+        if p == 1 or wrap is not None:
+            continue
+        given = par[0].seen[-1]
+        assert type(given) is DeferredGather and given.shape == (b, s, hidden) and given.block.shape == xs.shape
+        assert (given.whole is not None) == (read is not None), given
+        rows = b * s * hidden // p
+        # (the layers' shared gather, or the read's; both)
+        assert forward == {("all_gather", rows): 2 if read == "after" else 1}, forward
+        assert dict(counted) == ({("reduce_scatter", rows * p): 1} if read == "first" else
+                                 {("reduce_scatter", rows * p): 1, ("all_gather", rows): 1}), counted
+    if p > 1:  # a DeferredGather read: gathered once, in place ops on it written to what it gathered
+        deferred = tp_kernels.mappings.gather_for_column_layers(xs.detach(), sequence_dim=1)
+        assert "gathered=False" in repr(deferred)  # (printed without gathering: no collective one rank waits on)
+        with _counting_collectives() as counted:
+            doubled = deferred * 2
+            assert deferred.mul_(3) is deferred and deferred.whole is not None
+            torch.testing.assert_close(deferred.view(-1), 1.5 * doubled.view(-1), rtol=0, atol=0)
+        assert dict(counted) == {("all_gather", xs.numel()): 1}, counted
+        torch.testing.assert_close(doubled, 2 * x.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("read", [None, "first", "after"])
+def test_deferred_gather(world, read):
+    world.run(check_deferred_gather, read)
+
+
 class _Scaled(nn.Module):
     """``x`` times a factor: each rank's partial sum of ``x`` times the factors' sum."""
 
@@ -2050,7 +2150,8 @@ def check_moe_sequence_parallel_plan(kind, parallelism, device="cpu"):
     under the same name, its row layer reduce-scattering: the decoder layers see each rank's block
     of the sequence, the forward moves each layer's activations by one gather and one
     reduce-scatter a module (but Qwen 2 MoE's experts' sum), the backward by as many (the experts'
-    input gradients left for the module's reduce-scatter), and the logits, the loss and every
+    input gradients left for the module's reduce-scatter) and a gather again where a module's column
+    layers took its gather, and the logits, the loss and every
     gradient are the dense model's in float64 (the routers' softmax in float32: to float32's
     precision)."""
 
@@ -2112,8 +2213,15 @@ def check_moe_sequence_parallel_plan(kind, parallelism, device="cpu"):
         embedding = ["AR"] if "model.embed_tokens" in plan else []
         assert moved == [*embedding, *first, *pair, *attention, *mixture, "AG"], moved
         moved.clear()
-        loss.backward()  # the gathers' gradients reduce-scattered (the experts' too), no sum of a whole one
-    assert "AR" not in moved and sorted(moved) == ["AG"] * 6 + ["RS"] * (3 if kind.startswith("deepseek") else 5), moved
+        loss.backward()  # the gathers' gradients reduce-scattered (the experts' too), no sum of a whole one;
+        # the input of a module whose column layers took its gather (one all_gather_matmul of their weights)
+        # gathered again for their weights' gradients: Mixtral's attentions, Qwen's and their first layer's
+        # MLP, DeepSeek's first layer's MLP (V2's attention one column layer, V3's whole), Qwen 3 Next's
+        # attention (its linear attention's projections gather their outputs; a mixture's input is read whole
+        # by its router first)
+    again = {"mixtral": 2, "qwen3_next": 1, "deepseek_v2": 1, "deepseek_v3": 1}.get(kind, 3)
+    assert "AR" not in moved and sorted(moved) == \
+        ["AG"] * (6 + again) + ["RS"] * (3 if kind.startswith("deepseek") else 5), moved
 
 
 @pytest.mark.parametrize("kind, parallelism", [("mixtral", "tp"), ("qwen3_moe", "tp"), ("qwen3_moe", "ep"),

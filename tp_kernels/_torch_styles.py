@@ -16,10 +16,11 @@ style keeps its output a DTensor (``use_local_output=False``: the logits of torc
 A ``PrepareModuleInput`` that gathers the sequence gathers it for the column layers inside the
 module (:func:`tp_kernels.mappings.gather_for_column_layers`): they leave their partial input
 gradients for one reduce-scatter, as torch's DTensors reduce-scatter their sum once, rather than
-each all-reducing its own. The gather itself is not overlapped with the GEMMs, as in torch;
-``parallelize``'s own sequence parallelism, in which each column layer gathers its input
-overlapped with its GEMM, needs the model's code to take the sequence length from the column
-layers' outputs, not from the module's input, as TorchTitan's attention and transformers' do.
+each all-reducing its own. In eager calls the gather is deferred
+(:class:`tp_kernels.mappings.DeferredGather`): a module that reads only its input's shape
+(TorchTitan's attention and transformers' take the sequence length from it) leaves it to its
+column layers, which gather it once with their GEMMs (:class:`tp_kernels.layers.SharedInputGather`),
+where torch gathers before them.
 """
 
 from __future__ import annotations

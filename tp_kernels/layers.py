@@ -31,7 +31,8 @@ from ._checks import (check_choice, check_divisible, check_float_dtype, check_in
                       check_tensor, differentiable_once, functorch_transforms)
 from ._data_parallel import copy_rows_
 from ._op_table import OPS
-from .mappings import all_reduce_op, copy_to, gather_last_dim, partial_grads_of, scatter_last_dim, sequence_block
+from .mappings import (all_reduce_op, copy_to, deferred_block, gather_last_dim, partial_grads_of, scatter_last_dim,
+                       sequence_block)
 from .settings import BACKEND_NAMES
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
@@ -226,11 +227,13 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
             + (f", sequence_dim={self.sequence_dim}" if self.sequence_dim else "")
         )
 
-    def _op(self, op: str, input_, weight, bias, prepare=None):
+    def _op(self, op: str, input_, weight, bias, prepare=None, dim: Optional[int] = None):
         """Run ``op`` on this rank's weight; argument errors name ``input_``; ``prepare(input_)``
         checks and prepares the input first (agreed with the group as the op's own checks are).
-        The ops of sequence parallelism gather or scatter ``sequence_dim``."""
-        dim = self.sequence_dim if OPS[op].splits_rows else 0
+        The ops of sequence parallelism gather or scatter ``sequence_dim`` (or ``dim``: a deferred
+        gather's)."""
+        if dim is None:
+            dim = self.sequence_dim if OPS[op].splits_rows else 0
         return ops.run(op, input_, weight, bias, self.group, self.backend, self.num_chunks, x_name="input",
                        prepare=prepare, dim=dim, dim_name="sequence_dim")
 
@@ -358,9 +361,12 @@ class ColumnParallelLinear(_ParallelLinear):
 class SharedInputGather:
     """The column layers under sequence parallelism of one module (:func:`share_input_gathers`),
     those it calls on one input (its query, key and value projections; its gate and up projections)
-    gathering it once: the first of them called runs one ``all_gather_matmul`` of their weights
-    side by side (each layer's output a contiguous tensor of its own) and keeps the others' outputs
-    for their calls on that input; in backward, one reduce-scatter of the input's gradient and one
+    gathering it once; or its column layers without sequence parallelism, those it calls on one
+    :class:`tp_kernels.mappings.DeferredGather` not yet read (a gather torch's
+    ``PrepareModuleInput`` left to them), gathering its block once: the first of them called runs
+    one ``all_gather_matmul`` of their weights side by side (each layer's output a contiguous tensor
+    of its own) and keeps the others' outputs for their calls on that input (also where the
+    :class:`~tp_kernels.mappings.DeferredGather` was read meanwhile); in backward, one reduce-scatter of the input's gradient and one
     gather again, where each layer would make its own. The weights' concatenation is not kept for
     the backward: it is made again there from the layers' weights (:func:`_saved_as_parts`), so
     the memory the backward holds is what each layer's own call would hold (under saved-tensor hooks
@@ -392,9 +398,13 @@ class SharedInputGather:
         forward runs; None where it runs alone."""
         if not self.running or torch.compiler.is_compiling() or functorch_transforms():
             return None
+        group = self.layers if self.groups is None else self.groups.get(id(layer))  # (until learned: all of them)
+        deferred = None if layer.sequence_parallel else deferred_block(input_, layer.group)
+        if not layer.sequence_parallel and deferred is None and \
+                (group not in self.held or self.held[group][0] is not input_):
+            return None  # (handed its input whole, and not the one its group's GEMM took: nothing to gather)
         if self.seen is not None:  # (learning: the calls noted)
             self.seen.setdefault(id(input_), (input_, []))[1].append(layer)
-        group = self.layers if self.groups is None else self.groups.get(id(layer))  # (until learned: all of them)
         if group is None or len({_gathers_with(m) for m in group}) > 1:  # (a backend or dtype changed since)
             return None
         if group in self.held:
@@ -411,7 +421,8 @@ class SharedInputGather:
         # what is kept: the checkpoint keeps nothing of the call, and recomputes the joined weights)
         with torch.autograd.graph.saved_tensors_hooks(*_saved_as_parts(weight, weights)) if not _saving_hooked() \
                 else contextlib.nullcontext():
-            out = layer._op("all_gather_matmul", input_, weight, bias)
+            out = layer._op("all_gather_matmul", input_, weight, bias) if deferred is None else \
+                layer._op("all_gather_matmul", deferred.block, weight, bias, dim=deferred.dim)
         outputs = {id(m): o.contiguous() for m, o in zip(group, out.split([w.shape[0] for w in weights], -1))}
         mine = outputs.pop(id(layer))
         self.held[group] = (input_, outputs)
@@ -420,8 +431,8 @@ class SharedInputGather:
     def begin(self, *_) -> None:
         """The module's forward begins (its forward pre-hook): the one that learns, where none has."""
         self.running = True
-        if self.groups is None and self.seen is None and not _saving_hooked() and \
-                not torch.compiler.is_compiling() and not functorch_transforms():
+        if self.groups is None and self.seen is None and not torch.compiler.is_compiling() and \
+                not functorch_transforms() and not _saving_hooked():
             self.seen = {}
 
     def end(self, module, args, output) -> None:
@@ -477,23 +488,27 @@ def _saving_hooked() -> bool:
 
 def _gathers_with(layer: "ColumnParallelLinear") -> tuple:
     """What column layers that gather an input together must have alike."""
-    return (id(layer.group), layer.backend, layer.num_chunks, layer.sequence_dim, layer.in_features,
-            layer.weight.dtype, layer.weight.device)
+    return (id(layer.group), layer.backend, layer.num_chunks, layer.sequence_parallel, layer.sequence_dim,
+            layer.in_features, layer.weight.dtype, layer.weight.device)
 
 
 def share_input_gathers(module: nn.Module) -> None:
-    """For each module in ``module`` holding several sequence-parallel column layers (children)
-    whose outputs are neither gathered, nor padded, nor their bias returned apart: one
-    :class:`SharedInputGather` of them, begun and ended by the module's forward hooks."""
+    """For each module in ``module`` holding several column layers (children) whose outputs are
+    neither gathered, nor padded, nor their bias returned apart, alike in whether they are
+    sequence-parallel: one :class:`SharedInputGather` of them, begun and ended by the module's
+    forward hooks (those without sequence parallelism share the gathers left to them,
+    :class:`tp_kernels.mappings.DeferredGather`)."""
     for holder in module.modules():
-        layers = [m for m in holder.children() if isinstance(m, ColumnParallelLinear) and m.sequence_parallel
-                  and not m.gather_output and not m.skip_bias_add and not m.pad_rows and m.shared_gather is None]
-        if len(layers) > 1:
-            shared = SharedInputGather(layers)
-            for m in layers:
-                m.shared_gather = shared
-            holder.register_forward_pre_hook(shared.begin)
-            holder.register_forward_hook(shared.end, always_call=True)
+        layers = [m for m in holder.children() if isinstance(m, ColumnParallelLinear) and not m.gather_output
+                  and not m.skip_bias_add and not m.pad_rows and m.shared_gather is None]
+        for sequence_parallel in (True, False):
+            alike = [m for m in layers if m.sequence_parallel == sequence_parallel]
+            if len(alike) > 1:
+                shared = SharedInputGather(alike)
+                for m in alike:
+                    m.shared_gather = shared
+                holder.register_forward_pre_hook(shared.begin)
+                holder.register_forward_hook(shared.end, always_call=True)
 
 
 class _SumOverReplicas(torch.autograd.Function):

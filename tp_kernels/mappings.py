@@ -19,9 +19,9 @@ function                                        forward                backward
                                                                        ``tensor_parallel_output_grad=False``)
 ``reduce_scatter_to_sequence_parallel_region``  reduce-scatter dim 0   all-gather dim 0
 ``gather_for_column_layers``                    all-gather dim 0       reduce-scatter of the
-                                                                       column layers' partial
-                                                                       input gradients, plus
-                                                                       this rank's block of
+                                                (deferred: gathered    column layers' partial
+                                                when read, or by the   input gradients, plus
+                                                column layers)         this rank's block of
                                                                        the rest
 ==============================================  =====================  =====================
 """
@@ -200,16 +200,73 @@ class PartialGrads:
 PARTIAL_GRADS = "_tp_kernels_partial_grads"
 
 
+class DeferredGather(torch.Tensor):
+    """What :func:`gather_for_column_layers` returns in eager calls: a tensor of the gathered
+    shape that holds this rank's ``block`` and gathers it only when something reads it. A column
+    layer of ``group`` handed it unread takes the block instead (:func:`deferred_block`) and runs
+    its ``all_gather_matmul``, the gather overlapped with its GEMM (and the layers sharing it,
+    :class:`tp_kernels.layers.SharedInputGather`, one gather for all); anything else (an op of
+    torch's on it, a view, a copy) gathers it first, once, and computes on the gathered tensor
+    (torch's ``__torch_dispatch__``, below autograd: the gradient it gets goes to the gather's
+    backward as the gathered tensor's did). Its shape, dtype, device and strides (contiguous) are
+    known without gathering, so a module that reads only them (transformers' attention takes the
+    sequence length from its input) leaves the gather to its column layers."""
+
+    @staticmethod
+    def __new__(cls, block: torch.Tensor, group, dim: int):
+        shape = list(block.shape)
+        shape[dim] *= coll.group_size(group)
+        out = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=block.dtype, device=block.device,
+                                                  requires_grad=False)
+        out.block, out.group, out.dim, out.whole = block, group, dim, None
+        return out
+
+    def gathered(self) -> torch.Tensor:
+        """The gathered tensor (gathered on the first call; nothing recorded by autograd)."""
+        if self.whole is None:
+            with torch.no_grad():
+                self.whole = all_gather_op(self.block.detach(), self.group, self.dim)
+        return self.whole
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # (not gathered: a collective one rank's print would wait on)
+        return f"DeferredGather(block={self.block!r}, dim={self.dim}, gathered={self.whole is not None})"
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        deferred = {}  # id(the gathered tensor) -> the DeferredGather it came from
+
+        def whole(t):
+            if isinstance(t, DeferredGather):
+                deferred[id(t.gathered())] = t
+                return t.whole
+            return t
+
+        out = func(*torch.utils._pytree.tree_map(whole, args), **torch.utils._pytree.tree_map(whole, kwargs or {}))
+        # (an op writing in place returns what it wrote: the DeferredGather, as torch's in-place ops return self)
+        return torch.utils._pytree.tree_map(
+            lambda t: deferred.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
+
+
+def deferred_block(x, group):
+    """``x``'s :class:`DeferredGather` where it is one of ``group`` not yet gathered, else None."""
+    if type(x) is DeferredGather and x.group is group and x.whole is None:
+        return x
+    return None
+
+
 class _GatherForColumnLayers(torch.autograd.Function):
-    """All-gather along ``dim``; backward: the reduce-scatter of the partial gradients the column
-    layers it fed left (:class:`PartialGrads`), plus this rank's block of the gradient that
-    reached it by autograd (complete on every rank: what no column layer took)."""
+    """All-gather along ``dim`` (in eager calls, deferred: :class:`DeferredGather`); backward: the
+    reduce-scatter of the partial gradients the column layers it fed left
+    (:class:`PartialGrads`), plus this rank's block of the gradient that reached it by autograd
+    (complete on every rank: what no column layer took)."""
 
     @staticmethod
     def forward(ctx, x, group, dim, partial):
         ctx.set_materialize_grads(False)
         ctx.group, ctx.dim, ctx.partial = group, dim, partial
-        return all_gather_op(x, group, dim)
+        return DeferredGather(x, group, dim)
 
     @staticmethod
     @differentiable_once("gather_for_column_layers")
@@ -245,8 +302,10 @@ def gather_for_column_layers(x, group=None, *, sequence_dim: int = 0):
     public mappings are), for column layers without sequence parallelism to take: those it reaches
     as it is leave their partial input gradients for one reduce-scatter here
     (:class:`PartialGrads`, :func:`partial_grads_of`), anything else its gradient by autograd, of
-    which the backward keeps this rank's block. (Traced by torch.compile, or under a ``torch.func``
-    transform: a plain gather, each column layer then all-reducing its own.)"""
+    which the backward keeps this rank's block. In eager calls the gather is deferred
+    (:class:`DeferredGather`: made when the tensor is read, or by the column layers that share it,
+    overlapped with their GEMMs). (Traced by torch.compile, or under a ``torch.func`` transform: a
+    plain gather, each column layer then all-reducing its own.)"""
     group, d = _agreed("gather_for_column_layers", x, group, sequence_dim=sequence_dim)
     if coll.group_size(group) == 1:
         return x
