@@ -366,12 +366,12 @@ class SharedInputGather:
     ``PrepareModuleInput`` left to them), gathering its block once: the first of them called runs
     one ``all_gather_matmul`` of their weights side by side (each layer's output a contiguous tensor
     of its own) and keeps the others' outputs for their calls on that input (also where the
-    :class:`~tp_kernels.mappings.DeferredGather` was read meanwhile); in backward, one reduce-scatter of the input's gradient and one
-    gather again, where each layer would make its own. The weights' concatenation is not kept for
-    the backward: it is made again there from the layers' weights (:func:`_saved_as_parts`), so
-    the memory the backward holds is what each layer's own call would hold (under saved-tensor hooks
-    of the caller's, torch's non-reentrant checkpoint's, those decide: the checkpoint keeps nothing
-    and recomputes it all).
+    :class:`~tp_kernels.mappings.DeferredGather` was read meanwhile); in backward, one
+    reduce-scatter of the input's gradient and one gather again, where each layer would make its
+    own. The weights' concatenation is not kept for the backward: it is made again there from the
+    layers' weights (:func:`_saved_as_parts`), so the memory the backward holds is what each
+    layer's own call would hold (under saved-tensor hooks of the caller's, torch's non-reentrant
+    checkpoint's, those decide: the checkpoint keeps nothing and recomputes it all).
 
     Until learned, the first layer called computes all of them (alike in what they gather with,
     :func:`_gathers_with`). Which layers share is learned in the module's first forward that runs
