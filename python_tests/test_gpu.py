@@ -82,6 +82,16 @@ def test_torch_parallel_styles_with_several_nccl_ranks_on_one_gpu(shared_gpu_wor
     shared_gpu_world.run(test_parallelize.check_torch_parallel_styles, True, device="cuda")
 
 
+@pytest.mark.parametrize("read", [None, "first", "after"])
+@pytest.mark.parametrize("backend", ["reference", "pipelined"])
+def test_deferred_gather_with_several_nccl_ranks_on_one_gpu(shared_gpu_world, backend, read):
+    """A PrepareModuleInput's gather left to the module's column layers (a DeferredGather), float32
+    on CUDA over NCCL, the pipelined backend on the native path: the block gathered by their one
+    all_gather_matmul, or read by the module first or after; against the dense module in float64."""
+    shared_gpu_world.run(test_parallelize.check_deferred_gather, read, device="cuda", dtype=torch.float32,
+                         backend=backend)
+
+
 def test_torch_func_with_several_nccl_ranks_on_one_gpu(shared_gpu_world):
     """torch.func's grad, vjp, jacrev and vmap through the layers (the pipelined backend on the
     native path), a mapping, the embedding and the cross-entropy, float32 on CUDA over NCCL:

@@ -575,7 +575,7 @@ class _TwoProjections(nn.Module):
         return a * x.detach().abs().amax() + self.b(x), x.mean(-1)
 
 
-def check_deferred_gather(read):
+def check_deferred_gather(read, device="cpu", dtype=torch.float64, backend="auto"):
     """A ``PrepareModuleInput`` gathering the sequence (``Shard(1)`` to ``Replicate()``) hands the
     module a :class:`tp_kernels.mappings.DeferredGather`: of the gathered shape, this rank's block
     inside, gathered by nothing until read. Its column layers, sharing it, take the block (one
@@ -587,7 +587,9 @@ def check_deferred_gather(read):
     layers' backward as without the read). Either way
     the outputs, the input's gradient and every parameter's are the dense module's in float64,
     plain and under torch's checkpoint, reentrant or not; and a DeferredGather printed is not
-    gathered, read is gathered once, written in place is written in what it gathered."""
+    gathered, read is gathered once, written in place is written in what it gathered. (On a GPU:
+    ``dtype`` float32 and ``backend`` the layers', the native paths; the collectives, which the
+    counts here do not see, not counted.)"""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput
     from torch.utils.checkpoint import checkpoint
@@ -597,11 +599,19 @@ def check_deferred_gather(read):
     r, p = rank_world()
     b, s, hidden, out = 2, 3 * p, 4, 2 * p
     torch.manual_seed(0)
-    dense = nn.Sequential(_TwoProjections(hidden, out, read)).double()
+    dense = nn.Sequential(_TwoProjections(hidden, out, read)).double().to(device)
     plan = {"0": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             "0.a": ColwiseParallel(), "0.b": ColwiseParallel()}
-    par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
-    x = torch.randn(b, s, hidden, dtype=torch.float64, requires_grad=True)
+    par = tp_kernels.parallelize(copy.deepcopy(dense).to(dtype), plan)
+    for layer in (par[0].a, par[0].b):
+        layer.backend = backend
+    x = torch.randn(b, s, hidden, dtype=torch.float64, requires_grad=True).to(device)
+
+    def close(name, got, want):
+        if dtype == torch.float64:
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
+        else:
+            assert_close(name, got, want)
 
     def loss(outputs):
         return outputs[0].square().sum() + (0 if outputs[1] is None else outputs[1].sum())
@@ -612,25 +622,26 @@ def check_deferred_gather(read):
                  lambda f, t: checkpoint(f, t, use_reentrant=True)):
         par.zero_grad()
         par[0].seen.clear()
-        xs = block(x.detach(), 1, r, p).requires_grad_()
+        xs = block(x.detach(), 1, r, p).to(dtype).requires_grad_()
         with _counting_collectives() as counted:
             got, mean = par(xs) if wrap is None else wrap(par, xs)
             forward = dict(counted)
             counted.clear()
             loss((got, mean)).backward()
-        torch.testing.assert_close(got, block(want, 2, r, p), rtol=1e-12, atol=1e-12)
+        close("output", got, block(want, 2, r, p))
         assert (mean is None) == (want_mean is None)
         if read:
-            torch.testing.assert_close(mean, want_mean, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(xs.grad, block(x.grad, 1, r, p), rtol=1e-12, atol=1e-12)
+            close("mean", mean, want_mean)
+        close("input gradient", xs.grad, block(x.grad, 1, r, p))
         for name, q in par.named_parameters():
-            torch.testing.assert_close(q.grad, block(dense.get_parameter(name).grad, 0, r, p), rtol=1e-12,
-                                       atol=1e-12, msg=lambda m: f"{name}: {m}")
+            close(name, q.grad, block(dense.get_parameter(name).grad, 0, r, p))
         if p == 1 or wrap is not None:
             continue
         given = par[0].seen[-1]
         assert type(given) is DeferredGather and given.shape == (b, s, hidden) and given.block.shape == xs.shape
         assert (given.whole is not None) == (read is not None), given
+        if device != "cpu":
+            continue
         rows = b * s * hidden // p
         # (the layers' shared gather, or the read's; both)
         assert forward == {("all_gather", rows): 2 if read == "after" else 1}, forward
@@ -643,8 +654,8 @@ def check_deferred_gather(read):
             doubled = deferred * 2
             assert deferred.mul_(3) is deferred and deferred.whole is not None
             torch.testing.assert_close(deferred.view(-1), 1.5 * doubled.view(-1), rtol=0, atol=0)
-        assert dict(counted) == {("all_gather", xs.numel()): 1}, counted
-        torch.testing.assert_close(doubled, 2 * x.detach(), rtol=0, atol=0)
+        assert device != "cpu" or dict(counted) == {("all_gather", xs.numel()): 1}, counted
+        torch.testing.assert_close(doubled, (2 * x.detach()).to(dtype), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
