@@ -346,6 +346,36 @@ def test_initialize_without_one_rank_is_an_error_within_the_timeout():
     assert per_rank[0] == per_rank[1] and per_rank[2] is None
 
 
+def check_deferred_gather_read_on_one_rank():
+    """A DeferredGather read on one rank only (its norm logged there): that rank's read waits
+    for the other's gather, and at the timeout raises the error that says what read it and that
+    every rank must; the rank that did not read it goes on."""
+    r, p = rank_world()
+    x = torch.randn(2, 3)
+    deferred = tp_kernels.mappings.gather_for_column_layers(x, sequence_dim=0)
+    assert type(deferred).__name__ == "DeferredGather"
+    if r != 0:
+        return None
+    old = tp_kernels.get_timeout()
+    tp_kernels.set_timeout(3)
+    try:
+        start = time.monotonic()
+        kind, message = _raises(lambda: deferred.norm().item())
+        elapsed = time.monotonic() - start
+    finally:
+        tp_kernels.set_timeout(old)
+    assert kind == "RuntimeError" and "gathering a DeferredGather" in message and "aten." in message and \
+        "Every rank of the group must read it" in message, message
+    assert 3 <= elapsed < 15, elapsed
+    return message
+
+
+def test_a_deferred_gather_read_on_one_rank_is_an_error_within_the_timeout():
+    with World(2, backend="gloo", timeout_s=60.0) as world:  # its own world: the ranks leave it out of step
+        per_rank = world.run(check_deferred_gather_read_on_one_rank, deadline_s=DEADLINE_S)
+    assert per_rank[1] is None and "read here by aten." in per_rank[0], per_rank
+
+
 def check_layer_after_destroy():
     r, p = rank_world()
     tp_kernels.initialize_model_parallel(p)

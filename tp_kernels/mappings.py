@@ -221,11 +221,21 @@ class DeferredGather(torch.Tensor):
         out.block, out.group, out.dim, out.whole = block, group, dim, None
         return out
 
-    def gathered(self) -> torch.Tensor:
-        """The gathered tensor (gathered on the first call; nothing recorded by autograd)."""
+    def gathered(self, by: str = "a read") -> torch.Tensor:
+        """The gathered tensor (gathered on the first call, ``by`` what read it; nothing recorded by
+        autograd). Every rank of the group must read it at the same point (a read on some ranks
+        only, a print of its values inside ``if rank == 0``, waits for the others until the
+        timeout, and then says so)."""
         if self.whole is None:
-            with torch.no_grad():
-                self.whole = all_gather_op(self.block.detach(), self.group, self.dim)
+            try:
+                with torch.no_grad():
+                    self.whole = all_gather_op(self.block.detach(), self.group, self.dim)
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    f"tp_kernels: gathering a DeferredGather (the sequence a PrepareModuleInput gathers for a "
+                    f"module's column layers, gathered when read: read here by {by}) failed: {exc}. Every rank of "
+                    "the group must read it at the same point of the forward: a read on some ranks only (a print "
+                    "of its values on one rank) waits for the others") from exc
         return self.whole
 
     def __repr__(self, *, tensor_contents=None) -> str:  # (not gathered: a collective one rank's print would wait on)
@@ -239,7 +249,7 @@ class DeferredGather(torch.Tensor):
 
         def whole(t):
             if isinstance(t, DeferredGather):
-                deferred[id(t.gathered())] = t
+                deferred[id(t.gathered(str(func)))] = t
                 return t.whole
             return t
 
