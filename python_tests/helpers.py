@@ -65,6 +65,17 @@ class CopiedBytes(TorchDispatchMode):
         return out
 
 
+@contextlib.contextmanager
+def library_timeout(seconds: float):
+    """tp_kernels' timeout (:func:`tp_kernels.set_timeout`) ``seconds`` inside; the one before, after."""
+    old = tp_kernels.get_timeout()
+    tp_kernels.set_timeout(seconds)
+    try:
+        yield
+    finally:
+        tp_kernels.set_timeout(old)
+
+
 def block(t: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
     """Rank ``rank``'s block of ``t`` along ``dim`` (``parts`` equal blocks)."""
     size = t.shape[dim] // parts

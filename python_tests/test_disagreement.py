@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import tp_kernels
-from helpers import fingerprints_set, rank_world
+from helpers import fingerprints_set, library_timeout, rank_world
 from tp_kernels import _collectives, ops, settings
 from tp_kernels.testing import World, WorkerError
 
@@ -298,14 +298,10 @@ def test_an_argument_wrong_on_one_rank_of_4(world4):
 
 def check_initialize_with_sizes_that_differ():
     r, p = rank_world()
-    old = tp_kernels.get_timeout()
-    tp_kernels.set_timeout(5)
-    try:
+    with library_timeout(5):
         start = time.monotonic()
         kind, message = _raises(lambda: tp_kernels.initialize_model_parallel(2 if r == 0 else 1))
         elapsed = time.monotonic() - start
-    finally:
-        tp_kernels.set_timeout(old)
     assert kind == "RuntimeError" and "initialize_model_parallel: the ranks disagree" in message, message
     assert "rank 0: tensor_model_parallel_size=2" in message and "rank 1: tensor_model_parallel_size=1" in message
     assert elapsed < 15 and not tp_kernels.model_parallel_is_initialized()
@@ -327,14 +323,10 @@ def check_initialize_without_one_rank():
     r, p = rank_world()
     if r == p - 1:
         return None  # never arrives
-    old = tp_kernels.get_timeout()
-    tp_kernels.set_timeout(3)
-    try:
+    with library_timeout(3):
         start = time.monotonic()
         kind, message = _raises(lambda: tp_kernels.initialize_model_parallel(1))
         elapsed = time.monotonic() - start
-    finally:
-        tp_kernels.set_timeout(old)
     assert kind == "RuntimeError" and f"rank {p - 1} did not arrive within 3 s" in message, message
     assert 3 <= elapsed < 15, elapsed
     return message
@@ -356,14 +348,10 @@ def check_deferred_gather_read_on_one_rank():
     assert type(deferred).__name__ == "DeferredGather"
     if r != 0:
         return None
-    old = tp_kernels.get_timeout()
-    tp_kernels.set_timeout(3)
-    try:
+    with library_timeout(3):
         start = time.monotonic()
         kind, message = _raises(lambda: deferred.norm().item())
         elapsed = time.monotonic() - start
-    finally:
-        tp_kernels.set_timeout(old)
     assert kind == "RuntimeError" and "gathering a DeferredGather" in message and "aten." in message and \
         "Every rank of the group must read it" in message, message
     assert 3 <= elapsed < 15, elapsed

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import tp_kernels
 from tp_kernels import _agreement, _collectives, ops
-from helpers import rank_world
+from helpers import library_timeout, rank_world
 
 
 @contextlib.contextmanager
@@ -222,17 +222,13 @@ def check_missing_peer_times_out(op, backend):
     group = dist.new_group([0, 1])  # used once, then abandoned: its state is undefined after
     if r != 0:
         return None
-    old = tp_kernels.get_timeout()
-    tp_kernels.set_timeout(2)
-    try:
+    with library_timeout(2):
         x = torch.randn(4, 6)
         w = torch.randn(5, 6)
         start = time.monotonic()
         with pytest.raises(RuntimeError, match="did not complete") as info:
             getattr(ops, op)(x, w, group=group, backend=backend)
         elapsed = time.monotonic() - start
-    finally:
-        tp_kernels.set_timeout(old)
     assert elapsed < 15, f"the timeout of 2 s took {elapsed:.1f} s"
     assert "set_timeout" in str(info.value)
     return elapsed
@@ -270,15 +266,11 @@ def check_missing_peer_times_out_in_a_collective(name):
     group = dist.new_group([0, 1])  # used once, then abandoned
     if r != 0:
         return None
-    old = tp_kernels.get_timeout()
-    tp_kernels.set_timeout(2)
-    try:
+    with library_timeout(2):
         start = time.monotonic()
         with pytest.raises(RuntimeError, match=re.escape(f"{COLLECTIVE_WHAT[name]} did not complete")):
             COLLECTIVE_CALLS[name](tp_kernels.Communicator(group), torch.randn(4, 6))
         elapsed = time.monotonic() - start
-    finally:
-        tp_kernels.set_timeout(old)
     assert elapsed < 15, f"the timeout of 2 s took {elapsed:.1f} s"
     return elapsed
 
