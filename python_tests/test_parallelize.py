@@ -360,6 +360,11 @@ def check_torch_parallel_styles(sequence_parallel, device="cpu", loss_parallel=F
     assert isinstance(ours.layers["0"].attention.wq, tp_kernels.ColumnParallelLinear)
     assert ours.layers["0"].attention.wo.sequence_parallel == sequence_parallel
     assert ours.output.sequence_parallel == sequence_parallel and ours.output.gather_output != loss_parallel
+    # (the attention's projections share the gather its PrepareModuleInput leaves them; without sequence
+    # parallelism nothing gathers their input, and nothing watches their calls)
+    shared = ours.layers["0"].attention.wq.shared_gather
+    assert (shared is not None) == (sequence_parallel and p > 1), shared
+    assert shared is None or shared.layers == tuple(getattr(ours.layers["0"].attention, n) for n in ("wq", "wk", "wv"))
 
     def backward(logits):  # (under loss_parallel, backward too; the dense logits a plain tensor, which it refuses)
         with parallel_loss() if hasattr(logits, "full_tensor") else contextlib.nullcontext():

@@ -56,6 +56,12 @@ class Moves:
     def __bool__(self) -> bool:
         return bool(self.inputs or self.kwargs or self.outputs)
 
+    @property
+    def gathers_sequence(self) -> bool:
+        """Whether an input is gathered along the sequence (for the module's column layers:
+        :func:`tp_kernels.mappings.gather_for_column_layers`, deferred in eager calls)."""
+        return any(move == "gather" and dim != -1 for _, (move, dim) in self.inputs + self.kwargs)
+
 
 def is_torch_style(value) -> bool:
     """Whether ``value`` is one of torch's ``ParallelStyle`` objects."""

@@ -492,16 +492,19 @@ def _gathers_with(layer: "ColumnParallelLinear") -> tuple:
             layer.in_features, layer.weight.dtype, layer.weight.device)
 
 
-def share_input_gathers(module: nn.Module) -> None:
+def share_input_gathers(module: nn.Module, gathered_into: Sequence[nn.Module] = ()) -> None:
     """For each module in ``module`` holding several column layers (children) whose outputs are
     neither gathered, nor padded, nor their bias returned apart, alike in whether they are
     sequence-parallel: one :class:`SharedInputGather` of them, begun and ended by the module's
-    forward hooks (those without sequence parallelism share the gathers left to them,
-    :class:`tp_kernels.mappings.DeferredGather`)."""
+    forward hooks. Those without sequence parallelism only in the modules ``gathered_into``, whose
+    input a torch style gathers along the sequence: they share the gather left to them
+    (:class:`tp_kernels.mappings.DeferredGather`); elsewhere nothing gathers their input, and the
+    hooks would cost each call for nothing."""
+    into = {id(m) for m in gathered_into}
     for holder in module.modules():
         layers = [m for m in holder.children() if isinstance(m, ColumnParallelLinear) and not m.gather_output
                   and not m.skip_bias_add and not m.pad_rows and m.shared_gather is None]
-        for sequence_parallel in (True, False):
+        for sequence_parallel in (True, False) if id(holder) in into else (True,):
             alike = [m for m in layers if m.sequence_parallel == sequence_parallel]
             if len(alike) > 1:
                 shared = SharedInputGather(alike)

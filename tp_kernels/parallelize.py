@@ -346,7 +346,11 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     if p > 1:
         _watch_column_outputs(module, chosen)
         _dropout_per_rank(module, group)
-        share_input_gathers(module)  # (a module's sequence-parallel column layers: one gather of their input)
+        # (a module's sequence-parallel column layers: one gather of their input; so the column layers of a
+        # module a PrepareModule* style gathers the sequence into: one gather of its deferred input)
+        moved = [(m, style_of[id(m)][2]) for m, style, _ in kept.values() if style == "redistribute"] + \
+            [(module.get_submodule(name), moves) for name, moves in also_moved]
+        share_input_gathers(module, [m for m, moves in moved if moves.gathers_sequence])
     return module
 
 
