@@ -338,18 +338,18 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
             shard_embedding_dim(m, group)
         elif style == "replicated_with_grad_allreduce":
             sum_grads_over_group(m, group)
-        elif style == "redistribute":
-            redistribute(m, style_of[id(m)][2], group)
-    for name, moves in also_moved:  # (kept, as its style has it, and moved: sequence_parallel_plan's attention
-        # with per-head parameters of its own, "local_params")
-        redistribute(module.get_submodule(name), moves, group)
+    # the modules a PrepareModule* style moves the inputs or outputs of: those it names, and those kept as
+    # another style has them and moved too (sequence_parallel_plan's attention with per-head parameters of
+    # its own, "local_params")
+    moved = [(m, style_of[id(m)][2]) for m, style, _ in kept.values() if style == "redistribute"] + \
+        [(module.get_submodule(name), moves) for name, moves in also_moved]
+    for m, moves in moved:
+        redistribute(m, moves, group)
     if p > 1:
         _watch_column_outputs(module, chosen)
         _dropout_per_rank(module, group)
         # (a module's sequence-parallel column layers: one gather of their input; so the column layers of a
         # module a PrepareModule* style gathers the sequence into: one gather of its deferred input)
-        moved = [(m, style_of[id(m)][2]) for m, style, _ in kept.values() if style == "redistribute"] + \
-            [(module.get_submodule(name), moves) for name, moves in also_moved]
         share_input_gathers(module, [m for m, moves in moved if moves.gathers_sequence])
     return module
 
