@@ -488,8 +488,8 @@ def _saving_hooked() -> bool:
 
 def _gathers_with(layer: "ColumnParallelLinear") -> tuple:
     """What column layers that gather an input together must have alike."""
-    return (id(layer.group), layer.backend, layer.num_chunks, layer.sequence_parallel, layer.sequence_dim,
-            layer.in_features, layer.weight.dtype, layer.weight.device)
+    return (id(layer.group), layer.backend, layer.num_chunks, layer.sequence_dim, layer.in_features,
+            layer.weight.dtype, layer.weight.device)
 
 
 def share_input_gathers(module: nn.Module, gathered_into: Sequence[nn.Module] = ()) -> None:
