@@ -617,6 +617,9 @@ def check_compiled_communicator(device="cpu"):
     compiled = torch.compile(step, backend=record, fullgraph=True)(x)
     assert all(torch.equal(c, e) for c, e in zip(compiled, eager))
     ops = torch.ops.tp_kernels
+    if p == 1:  # nothing to communicate: no op of ours in the graph (Communicator._alone)
+        assert not any("tp_kernels" in str(t) for t in targets), targets
+        return
     assert {ops.all_reduce, ops.all_gather, ops.reduce_scatter} <= set(targets), targets  # one node each
     assert all(any(name in str(t) for t in targets) for name in ("all_reduce_inplace", "all_reduce_out")), targets
 
@@ -729,7 +732,9 @@ def test_collectives_refuse_gradients(world2, compiled):
 
 
 def check_one_decision_per_call():
-    """Each call resolves its implementation once, and its custom op runs that one."""
+    """Each call resolves its implementation once, and its custom op runs that one; with one rank,
+    a call without a gradient neither decides nor runs an op (Communicator._alone), one with a
+    gradient wanted runs its op (whose backward refuses it)."""
     from tp_kernels import _library
 
     r, p = rank_world()
@@ -755,7 +760,10 @@ def check_one_decision_per_call():
         for i, call in enumerate(calls):
             resolved.clear(), ran.clear()
             call()
-            assert len(resolved) == 1 and ran == resolved, (i, resolved, ran)
+            assert (len(resolved) == 1 and ran == resolved) if p > 1 else not (resolved or ran), (i, resolved, ran)
+        resolved.clear(), ran.clear()
+        comm.all_reduce(x.clone().requires_grad_())
+        assert len(resolved) == 1 and ran == resolved, (resolved, ran)
     finally:
         dispatch.resolve_collective, _library.run_collective = original_resolve, original_run
 

@@ -37,6 +37,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import increment_version
 
 from . import _collectives as coll
 from . import _library
@@ -227,6 +228,16 @@ class Communicator:
     def _agree(self, call: str, x, check, describe_call):
         return agree(f"Communicator.{call}", self.group, check, describe_call, hint=x)
 
+    def _alone(self, *tensors) -> bool:
+        """Whether a call of these tensors has nothing to do but copy: the group is this rank
+        alone, and none of them wants a gradient (such a call runs its op, whose backward refuses
+        one, as with more ranks). Its result is then made here, without deciding a path or calling
+        an op: a new contiguous tensor as the op makes, a write bumping the version counter as the
+        op's does (what the op's layers cost a decode step's host: docs/api.md)."""
+        if self.world_size != 1:
+            return False
+        return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
     def _impl(self, collective: str, x: torch.Tensor, peer: int = -1) -> str:
         return dispatch.resolve_collective(collective, self.backend, x, self.group, peer)
 
@@ -253,6 +264,13 @@ class Communicator:
                                      "all-reduce)")
 
         self._agree("all_reduce", x, check, lambda _: f"x {describe(x)} out {describe(out)}")
+        if self._alone(x, out):
+            if out is None:
+                return x.clone(memory_format=torch.contiguous_format)
+            if out is x:
+                increment_version(out)
+                return out
+            return out.copy_(x)
         x_ = x.contiguous()
         impl, name = self._impl("all_reduce", x_), coll.group_name(self.group)
         if out is None:
@@ -268,6 +286,8 @@ class Communicator:
         ``[..., p*d, ...]``, the same on every rank."""
         d = self._agree("all_gather", x, lambda: self._dim(self._tensor("x", x), dim),
                         lambda d: f"x {describe(x)} dim {d}")
+        if self._alone(x):
+            return x.clone(memory_format=torch.contiguous_format)
         stacked = self._dim0("all_gather", x, d)
         return self._undo_dim0(stacked, d)
 
@@ -278,6 +298,8 @@ class Communicator:
             return self._dim(self._tensor("x", x), dim)
 
         d = self._agree("gather", x, check, lambda d: f"x {describe(x)} dim {d} dst {dst}")
+        if self._alone(x):
+            return x.clone(memory_format=torch.contiguous_format)
         stacked = self._dim0("gather", x, d, dst)
         return self._undo_dim0(stacked, d) if self.rank_in_group == dst else None
 
@@ -292,6 +314,8 @@ class Communicator:
             return d
 
         d = self._agree("reduce_scatter", x, check, lambda d: f"x {describe(x)} dim {d}")
+        if self._alone(x):
+            return x.clone(memory_format=torch.contiguous_format)
         stacked = coll.blocks_first(x, d, self.world_size).contiguous()  # (dim d's blocks along dim 0)
         impl = self._impl("reduce_scatter", stacked)
         return _library.op("reduce_scatter")(stacked, coll.group_name(self.group), impl)
@@ -305,8 +329,8 @@ class Communicator:
         the padding on the wire, and the ranks' parts joined, a copy out."""
         d = self._agree_sizes("all_gatherv", x, sizes, dim, own=True)
         widest = max(sizes)
-        if not widest:  # (nothing to gather)
-            return x.clone()
+        if not widest or self._alone(x):  # (nothing to gather)
+            return x.clone(memory_format=torch.contiguous_format)
         padded = x.new_zeros((*x.shape[:d], widest, *x.shape[d + 1:]))
         padded.narrow(d, 0, x.shape[d]).copy_(x)
         stacked = self._dim0("all_gather", padded, d)  # [p, ..., widest, ...]
@@ -320,8 +344,8 @@ class Communicator:
         padded to ``max(sizes)``: a copy in, the padding on the wire and in the sum."""
         d = self._agree_sizes("reduce_scatterv", x, sizes, dim, own=False)
         widest = max(sizes)
-        if not widest:  # (nothing to scatter)
-            return x.clone()
+        if not widest or self._alone(x):  # (nothing to scatter)
+            return x.clone(memory_format=torch.contiguous_format)
         stacked = x.new_zeros((self.world_size, *x.shape[:d], widest, *x.shape[d + 1:]))
         for r, block in enumerate(x.split(list(sizes), d)):
             stacked[r].narrow(d, 0, block.shape[d]).copy_(block)
@@ -337,6 +361,9 @@ class Communicator:
             self._tensor("x", x)
 
         self._agree("broadcast", x, check, lambda _: f"x {describe(x)} src {src}")
+        if self._alone(x):
+            increment_version(x)
+            return x
         if x.is_contiguous():
             _library.op("broadcast")(x, src, coll.group_name(self.group), self._impl("broadcast", x, src))
             return x
