@@ -726,9 +726,10 @@ def check_collectives_refuse_gradients(compiled: bool):
     assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(p)))  # the group goes on
 
 
+@pytest.mark.parametrize("world", [1, 2], indirect=True)
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_collectives_refuse_gradients(world2, compiled):
-    world2.run(check_collectives_refuse_gradients, compiled, deadline_s=600)
+def test_collectives_refuse_gradients(world, compiled):
+    world.run(check_collectives_refuse_gradients, compiled, deadline_s=600)
 
 
 def check_one_decision_per_call():
