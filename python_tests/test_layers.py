@@ -673,3 +673,57 @@ def test_torch_func(world):
     for args in ((), ("cpu", torch.float32, "pipelined")):
         sums = world.run(check_torch_func, *args)
         assert len(set(sums)) == 1  # the row layer's all-reduced output, alike on every rank
+
+
+def check_inference_runs_the_local_gemm():
+    """A column layer without sequence parallelism whose backward is not recorded (``no_grad``,
+    ``inference_mode``, inputs and parameters without a gradient) runs its forward as the local
+    GEMM itself, with no op of tp_kernels but the gathers it communicates (``gather_output``), and
+    gives what the same call recording its backward gives, bit for bit; a named backend that cannot
+    run the call still says so; one that records its backward runs the op."""
+    from tp_kernels import _library
+
+    r, p = rank_world()
+    torch.manual_seed(0)
+    layers = {
+        "plain": tp_kernels.ColumnParallelLinear(13, 17 * p),
+        "gather_output": tp_kernels.ColumnParallelLinear(13, 17 * p, gather_output=True),
+        "padded": tp_kernels.ColumnParallelLinear(13, 17 * p + 1),
+        "replicated heads": tp_kernels.ColumnParallelLinear(13, 4 * p + 4, output_sizes=[4 * p, 2, 2], head_size=2),
+    }
+    x = torch.randn(5, 3, 13, generator=torch.Generator().manual_seed(1))
+    called = []
+    original = _library.op
+
+    def counted(name):
+        called.append(name)
+        return original(name)
+
+    _library.op = counted
+    try:
+        for name, layer in layers.items():
+            called.clear()
+            want = layer(x)
+            assert want.requires_grad and "linear_with_grad_all_reduce" in called, (name, called)
+            for context in (torch.no_grad, torch.inference_mode):
+                called.clear()
+                with context():
+                    got = layer(x)
+                assert not got.requires_grad, name
+                assert "linear_with_grad_all_reduce" not in called, (name, context, called)
+                assert called == (["all_gather"] if layer.gather_output else []), (name, context, called)
+                assert torch.equal(got, want.detach()), (name, context)
+            layer.requires_grad_(False)  # grad mode on, nothing requiring a gradient
+            called.clear()
+            assert torch.equal(layer(x), want.detach()) and "linear_with_grad_all_reduce" not in called, name
+            layer.requires_grad_(True)
+    finally:
+        _library.op = original
+    fused = tp_kernels.ColumnParallelLinear(13, 17 * p, backend="fused")
+    with torch.no_grad(), pytest.raises(ValueError, match="backend: 'fused' cannot run"):
+        fused(x)
+
+
+@pytest.mark.parametrize("world", [2, 4], indirect=True)
+def test_inference_runs_the_local_gemm(world):
+    world.run(check_inference_runs_the_local_gemm)

@@ -36,7 +36,7 @@ from torch.autograd.graph import increment_version
 from torch.fx.node import has_side_effect
 
 from . import _collectives as coll
-from ._checks import differentiable_once, functorch_transforms
+from ._checks import differentiable_once, functorch_transforms, wants_grad, with_eager_form
 from ._op_table import collective_output_shape
 from .backends import backward_name, run, run_collective
 
@@ -84,11 +84,6 @@ def _route(args) -> int:
     return _FUNCTION if grad and _grad_enabled() else _BODY
 
 
-def _wants_grad(args) -> bool:
-    """Whether a call of these arguments records a gradient."""
-    return _grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args)
-
-
 # what _route asks, bound once (each attribute lookup on ``torch`` costs host time on every call)
 _is_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
 _dispatch_modes, _function_modes = torch._C._len_torch_dispatch_stack, torch._C._is_torch_function_mode_enabled
@@ -128,9 +123,9 @@ class _Op:
             for i in self.written:
                 increment_version(args[i])
             return out
-        if self.function is not None and (route == _FUNCTION or (self.custom is not None and _wants_grad(args))):
+        if self.function is not None and (route == _FUNCTION or (self.custom is not None and wants_grad(args))):
             return self.function.apply(*args)
-        if self.transformed is not None and functorch_transforms() and _wants_grad(args):
+        if self.transformed is not None and functorch_transforms() and wants_grad(args):
             return self.transformed.apply(*args)
         return self.op(*args)
 
@@ -169,8 +164,9 @@ class _Op:
         backward = differentiable_once(name)(backward)
         torch.library.register_autograd(self.qualname, backward, setup_context=setup_context, lib=_LIB)
         formula = {"setup_context": staticmethod(setup_context), "backward": staticmethod(backward)}
-        self.function = type(f"{name}_autograd", (torch.autograd.Function,), {"forward": staticmethod(self.fn),
-                                                                              **formula})
+        # (eager calls, outside torch.func's transforms: the form whose apply binds no arguments)
+        self.function = with_eager_form(type(f"{name}_autograd", (torch.autograd.Function,),
+                                             {"forward": staticmethod(self.fn), **formula})).eager
         op = self.op
         self.transformed = type(f"{name}_transformed", (torch.autograd.Function,), {
             "forward": staticmethod(lambda *args: op(*args)), "generate_vmap_rule": True, **formula})

@@ -29,13 +29,15 @@ class OpSpec:
     #: whether it gathers or scatters a dim of ``x`` (dim 0, or the one its call names): the ops of
     #: sequence parallelism
     splits_rows: bool
+    #: whether its forward communicates (linear_with_grad_all_reduce's is the local GEMM alone)
+    forward_communicates: bool = True
 
 
 OPS = {spec.name: spec for spec in (
     OpSpec(ALL_GATHER_MATMUL, ALL_GATHER_MATMUL, 2, True),
     OpSpec(MATMUL_REDUCE_SCATTER, MATMUL_REDUCE_SCATTER, 2, True),
     OpSpec(MATMUL_ALL_REDUCE, MATMUL_ALL_REDUCE, 1, False),
-    OpSpec("linear_with_grad_all_reduce", MATMUL_ALL_REDUCE, 1, False),
+    OpSpec("linear_with_grad_all_reduce", MATMUL_ALL_REDUCE, 1, False, forward_communicates=False),
 )}
 
 

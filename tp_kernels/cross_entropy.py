@@ -11,7 +11,7 @@ import torch
 from . import _collectives as coll
 from . import rng
 from ._agreement import agree, describe
-from ._checks import check_choice, check_int, check_tensor, differentiable_once
+from ._checks import apply_function, check_choice, check_int, check_tensor, differentiable_once, with_eager_form
 from .embedding import check_index_range
 from .layers import split_block
 from .mappings import all_gather_op, all_reduce_op
@@ -34,6 +34,7 @@ def _shifted(logits: torch.Tensor, group) -> torch.Tensor:
     return z - all_gather_op(local_max.unsqueeze(0), group).amax(dim=0).unsqueeze(-1)
 
 
+@with_eager_form
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """The loss and, after it, what its backward needs, in the form ``torch.func``'s transforms take
     (a vmap rule generated: batched, its collectives run each entry of the batch in turn)."""
@@ -152,7 +153,7 @@ def vocab_parallel_cross_entropy(
                                 f"label_smoothing {label_smoothing}, ignore_index {ignore_index}, "
                                 f"reduction {reduction}", hint=logits)
     classes, start = _classes(logits, vocab, group)
-    loss = _VocabParallelCrossEntropy.apply(classes, target.reshape(-1), float(label_smoothing), int(ignore_index),
+    loss = apply_function(_VocabParallelCrossEntropy, classes, target.reshape(-1), float(label_smoothing), int(ignore_index),
                                             group, start, vocab)[0]
     if reduction == "sum":
         return loss.sum()
@@ -161,6 +162,7 @@ def vocab_parallel_cross_entropy(
     return loss.reshape(target.shape)
 
 
+@with_eager_form
 class _VocabParallelEntropy(torch.autograd.Function):
     """The entropy and the softmax, in the form ``torch.func``'s transforms take."""
 
@@ -213,7 +215,7 @@ def vocab_parallel_entropy(logits: torch.Tensor, group=None, *, vocab_size: Opti
     vocab = agree("vocab_parallel_entropy", group, lambda: _check_logits(logits, vocab_size, group),
                   lambda vocab: f"logits {describe(logits)}, vocabulary {vocab}", hint=logits)
     classes, _ = _classes(logits, vocab, group)
-    return _VocabParallelEntropy.apply(classes, group)[0].reshape(logits.shape[:-1])
+    return apply_function(_VocabParallelEntropy, classes, group)[0].reshape(logits.shape[:-1])
 
 
 def vocab_parallel_argmax(logits: torch.Tensor, group=None, *, vocab_size: Optional[int] = None) -> torch.Tensor:

@@ -45,6 +45,7 @@ import torch.nn as nn
 
 from . import _collectives as coll
 from ._agreement import agree, describe
+from ._checks import apply_function, with_eager_form
 from .layers import ParameterSplit, split_block, split_in_place
 from .mappings import all_gather_op, copy_to, gather_dim0, partial_grads_of, reduce_from, reduce_scatter_dim0
 
@@ -205,7 +206,7 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
         if by_expert and torch.is_grad_enabled():  # (args: what before gave the module; see _AfterInputs)
             inputs = [q for q in mod.parameters() if q.requires_grad]
             inputs += [t for _, t in tensors(args, kwargs) if t.requires_grad]
-            return _AfterInputs.apply(summed, *inputs)
+            return apply_function(_AfterInputs, summed, *inputs)
         return summed
 
     def restore(*_):
@@ -220,6 +221,7 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
     return module
 
 
+@with_eager_form
 class _AfterInputs(torch.autograd.Function):
     """``output`` itself, made to depend on ``inputs`` (the experts' parameters and the tensors
     they were called with): backward, its gradient, and a zero one for each input. Under expert

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from . import _collectives as coll
 from . import ops
 from ._agreement import agree, describe
-from ._checks import (check_choice, check_divisible, check_float_dtype, check_int, check_linear_args, check_replaceable,
-                      check_tensor, differentiable_once, functorch_transforms)
+from ._checks import (apply_function, check_choice, check_divisible, check_float_dtype, check_int, check_linear_args,
+                      check_replaceable, check_tensor, differentiable_once, functorch_transforms, with_eager_form)
 from ._data_parallel import copy_rows_
 from ._op_table import OPS
 from .mappings import (all_reduce_op, copy_to, deferred_block, gather_last_dim, partial_grads_of, scatter_last_dim,
@@ -337,7 +337,7 @@ class ColumnParallelLinear(_ParallelLinear):
         weight, bias = self.weight, self.bias
         if min(self.split_blocks) < self.tp_size and torch.is_grad_enabled():
             # replicated outputs: each rank's gradient of them is its heads' share, summed in backward
-            weight, bias = _SumOverReplicas.apply(self.group, local_sizes(self), self.split_blocks,
+            weight, bias = apply_function(_SumOverReplicas, self.group, local_sizes(self), self.split_blocks,
                                                   [block_index(self, j) for j in range(len(self.split_parts))],
                                                   weight, bias)
         return weight, bias
@@ -514,6 +514,7 @@ def share_input_gathers(module: nn.Module, gathered_into: Sequence[nn.Module] = 
                 holder.register_forward_hook(shared.end, always_call=True)
 
 
+@with_eager_form
 class _SumOverReplicas(torch.autograd.Function):
     """A column layer's weight and bias as they are (views); in backward, the gradient rows of each
     replicated output (``blocks[j] < p``: this rank holds block ``index[j]``) summed over the ranks

@@ -33,7 +33,8 @@ import torch
 from . import _collectives as coll
 from . import _library
 from ._agreement import agree, describe
-from ._checks import check_divisible, check_split_dim, check_tensor, differentiable_once, functorch_transforms
+from ._checks import (apply_function, check_divisible, check_split_dim, check_tensor, differentiable_once,
+                      functorch_transforms, with_eager_form)
 
 __all__ = [
     "copy_to_tensor_model_parallel_region",
@@ -90,9 +91,15 @@ def reduce_scatter_op(x, group, dim: int = 0):
 class _Mapping(torch.autograd.Function):
     """A mapping's autograd function, in the form ``torch.func``'s transforms take: ``forward(x,
     group, *args)`` without ``ctx``, the arguments after ``x`` kept as ``ctx.args``, and a vmap rule
-    generated (batched, its collectives run each entry of the batch in turn)."""
+    generated (batched, its collectives run each entry of the batch in turn); each subclass with its
+    eager form (:func:`tp_kernels._checks.with_eager_form`), which :func:`_on` runs outside the
+    transforms."""
 
     generate_vmap_rule = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        with_eager_form(cls)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -351,7 +358,7 @@ def _on(function, x, group, *args):
     """``function`` (a mapping's autograd function) of ``x``; ``x`` itself on one rank."""
     if coll.group_size(group) == 1:
         return x
-    return function.apply(x, group, *args)
+    return apply_function(function, x, group, *args)
 
 
 def _block_of(function, x, group, *args):

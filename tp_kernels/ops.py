@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from . import _collectives as coll
 from . import _library
 from ._agreement import agree, describe
-from ._checks import check_choice, check_divisible, check_linear_args, check_split_dim
+from ._checks import check_choice, check_divisible, check_linear_args, check_split_dim, functorch_transforms, wants_grad
 from ._op_table import OPS
 from .dispatch import resolve, select_backend
 from .schedule import resolve_num_chunks
@@ -110,6 +110,14 @@ def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int]
                 f"num_chunks {num_chunks}" + (f", {dim_name} {d}" if d else ""))
 
     x, weight, bias, dim = agree(op, group, check, fingerprint, hint=x)
+    if not OPS[op].forward_communicates and not functorch_transforms() and not wants_grad((x, weight, bias)):
+        # a forward that communicates nothing, whose backward is not recorded (no_grad, inference:
+        # a decode step's column layers): the local GEMM itself, as with one rank, without the op,
+        # once a named backend that cannot run the call has said so
+        if backend in ("pipelined", "fused"):
+            resolve(op, backend, x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), p, group, weight, bias,
+                    num_chunks)
+        return F.linear(x, weight, bias)
     # the op's rows, rank-major along dim 0: a gathered shard is one block as it is; the p blocks
     # of a scattered dim are stacked first
     lead = coll.blocks_first(x, dim, p) if op == "matmul_reduce_scatter" else x
