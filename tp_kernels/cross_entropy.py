@@ -153,8 +153,8 @@ def vocab_parallel_cross_entropy(
                                 f"label_smoothing {label_smoothing}, ignore_index {ignore_index}, "
                                 f"reduction {reduction}", hint=logits)
     classes, start = _classes(logits, vocab, group)
-    loss = apply_function(_VocabParallelCrossEntropy, classes, target.reshape(-1), float(label_smoothing), int(ignore_index),
-                                            group, start, vocab)[0]
+    loss = apply_function(_VocabParallelCrossEntropy, classes, target.reshape(-1), float(label_smoothing),
+                          int(ignore_index), group, start, vocab)[0]
     if reduction == "sum":
         return loss.sum()
     if reduction == "mean":  # (every rank holds every token's loss: no communication)
