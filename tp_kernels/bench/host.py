@@ -25,6 +25,14 @@ k = n = 64, float32, one thread):
 * ``plain_layer`` and ``RowParallelLinear/auto``: a hand-written row-parallel ``nn.Module`` with a
   bias (:class:`PlainRowParallel`, Megatron's: ``F.linear`` without the bias, the all-reduce,
   then the bias added once), and tp_kernels' layer, under ``torch.no_grad()`` (the serving case);
+* ``plain_column`` and ``ColumnParallelLinear/auto``, ``plain_head`` and
+  ``ColumnParallelLinear/gather_output``, ``plain_embedding`` and ``VocabParallelEmbedding``: the
+  other layers of a decode step, under ``torch.no_grad()``, each against what a hand-written one
+  does: a column layer's ``F.linear`` with a bias (nothing communicated: its backward all-reduces);
+  an output layer's ``F.linear`` and the all-gather of its ``[m, n]`` blocks along the last dim
+  (as ``plain_all_gather``); the lookup of this rank's rows of a ``[p·n, k]`` table, the other
+  ids masked, and the all-reduce (Megatron's); tp_kernels' embedding also checks the ids against
+  the vocabulary (``TP_KERNELS_CHECK_IDS``: on a GPU, a host sync);
 * ``plain_all_reduce`` and ``Communicator.all_reduce``: a serving engine's all-reduce of the
   ``[m, n]`` output, into a new tensor (``dist.all_reduce`` of a clone, issued and waited for),
   and ``plain_all_reduce_inplace`` and ``Communicator.all_reduce/in_place`` (``out=`` the input);
@@ -74,7 +82,8 @@ import torch.nn.functional as F
 
 from .. import autotune, dispatch, ops, settings
 from ..communicator import Communicator
-from ..layers import RowParallelLinear
+from ..embedding import VocabParallelEmbedding
+from ..layers import ColumnParallelLinear, RowParallelLinear
 from .records import commit, default_out_dir, device_name, save_record
 from .targets import TARGETS
 
@@ -189,6 +198,25 @@ def _all_gathered(y: torch.Tensor, group) -> torch.Tensor:
     return out.view(p, m, n).movedim(0, -2).reshape(m, p * n)
 
 
+class PlainVocabParallelEmbedding(torch.nn.Module):
+    """A vocabulary-parallel embedding as written by hand (Megatron's): this rank's rows of the
+    table, the ids outside them masked, looked up, their rows zeroed and summed over the group (with
+    one rank, the lookup alone)."""
+
+    def __init__(self, rows: int, dim: int, group, device, dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(rows, dim, device=device, dtype=dtype))
+        self.start, self.group = group.rank() * rows, group
+
+    def forward(self, ids):
+        if self.group.size() == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill_(outside.unsqueeze(-1), 0)
+        return _all_reduced(out, self.group)
+
+
 class PlainRowParallel(torch.nn.Module):
     """A row-parallel layer as written by hand (Megatron's): the GEMM without the bias, the
     all-reduce (with more than one rank), the bias added once."""
@@ -258,6 +286,21 @@ def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("referenc
             return row(x)
 
     calls["plain_layer"] = (plain_layer, None)
+    # the other layers of a decode step, without a gradient
+    column = ColumnParallelLinear(k, n * p, group=group, device=device, dtype=dtype).requires_grad_(False)
+    head = ColumnParallelLinear(k, n * p, bias=False, gather_output=True, group=group, device=device,
+                                dtype=dtype).requires_grad_(False)
+    embedding = VocabParallelEmbedding(n * p, k, group=group, device=device, dtype=dtype).requires_grad_(False)
+    plain_embedding = PlainVocabParallelEmbedding(n, k, group, device, dtype)
+    ids = torch.randint(0, n * p, (m,), device=device)
+    b = torch.randn(n, device=device, dtype=dtype)
+    for name, fn, plain_name, plain_fn in (
+            ("ColumnParallelLinear/auto", lambda: column(x), "plain_column", lambda: F.linear(x, w, b)),
+            ("ColumnParallelLinear/gather_output", lambda: head(x), "plain_head",
+             lambda: _all_gathered(F.linear(x, w), group)),
+            ("VocabParallelEmbedding", lambda: embedding(ids), "plain_embedding", lambda: plain_embedding(ids))):
+        calls[plain_name] = (_without_grad(plain_fn), None)
+        calls[name] = (_without_grad(fn), plain_name)
     impl = dispatch.select_backend("matmul_all_reduce", "auto", x, p, group, row.weight)
     why = why_not(impl)
     if why is None:
@@ -283,6 +326,14 @@ def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("referenc
     else:
         skipped["Communicator.all_gather"] = f"auto {why}"
     return calls, skipped
+
+
+def _without_grad(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` called under ``torch.no_grad()`` (a serving engine's forward)."""
+    def call():
+        with torch.no_grad():
+            return fn()
+    return call
 
 
 @contextlib.contextmanager
