@@ -676,6 +676,8 @@ def check_padded_vocabulary(vocab_of_p, device="cpu"):
                                                 vocab_size=vocab)
     with pytest.raises(ValueError, match=f"input: index {vocab} is out of range"):
         emb(torch.tensor([vocab], device=device))
+    with pytest.raises(ValueError, match="input: index -1 is out of range"):  # (the first out of range named)
+        emb(torch.tensor([[0, -1], [vocab, 1]], device=device))
     os.environ["TP_KERNELS_CHECK_IDS"] = "0"  # (no host sync: unchecked, an id out of range is looked up by none)
     try:
         far = torch.tensor([vocab + 1000], device=device)  # (past every rank's block, padding included)

@@ -40,6 +40,12 @@ def check_index_range(name: str, ids: torch.Tensor, size: int, allowed: Optional
     """
     if ids.numel() == 0 or not settings.ids_checked() or not _can_sync(ids):
         return
+    # the smallest and the largest id first, read back at once: one op, one copy to the host (the
+    # mask below, the error's, is four ops and a copy)
+    low, high = torch.aminmax(ids)
+    low, high = torch.stack((low, high)).tolist() if ids.is_cuda else (int(low), int(high))
+    if low >= 0 and high < size:
+        return
     bad = (ids < 0) | (ids >= size)
     if allowed is not None:
         bad &= ids != allowed
