@@ -37,6 +37,9 @@ def check_embedding(padding_idx):
     ref.backward(dy)
     assert torch.equal(y, ref)  # one nonzero term per output: exact
     assert_close("embedding dW", par.weight.grad, block(dense.weight.grad, 0, r, p).double())
+    for context in (torch.no_grad, torch.inference_mode):  # (the sum written into the rows looked up: the same)
+        with context():
+            assert torch.equal(par(ids), ref), context
     if padding_idx is not None:
         pad_owner, pad_local = divmod(padding_idx, 11)
         if pad_owner == r:

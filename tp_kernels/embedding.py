@@ -15,7 +15,7 @@ from ._agreement import agree, describe
 from ._checks import check_divisible, check_float_dtype, check_int, check_replaceable, check_tensor
 from ._data_parallel import copy_rows_
 from .layers import ParameterSplit, ShareGroupOnCopy, block_of, check_sequence_dim, split_block, split_in_place
-from .mappings import gather_last_dim, reduce_from, reduce_scatter_dim0
+from .mappings import gather_last_dim, reduce_from_into, reduce_scatter_dim0
 
 __all__ = ["ID_DTYPES", "VocabParallelEmbedding", "check_embedding", "check_embedding_dim", "check_index_range",
            "shard_embedding_dim"]
@@ -288,7 +288,7 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
         out = self._scaled(out.masked_fill(outside.unsqueeze(-1), 0))
         if self.sequence_parallel:  # sum over ranks, this rank's block: [..., s/p, ..., D]
             return reduce_scatter_dim0(out, self.group)
-        return reduce_from(out, self.group)  # sum over ranks: [..., D]
+        return reduce_from_into(out, self.group)  # sum over ranks: [..., D]
 
     def _scaled(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` times ``output_scale`` in their dtype (the op Gemma's embedding does: bit for bit)."""

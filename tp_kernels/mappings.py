@@ -34,7 +34,7 @@ from . import _collectives as coll
 from . import _library
 from ._agreement import agree, describe
 from ._checks import (apply_function, check_divisible, check_split_dim, check_tensor, differentiable_once,
-                      functorch_transforms, with_eager_form)
+                      functorch_transforms, wants_grad, with_eager_form)
 
 __all__ = [
     "copy_to_tensor_model_parallel_region",
@@ -376,6 +376,17 @@ def copy_to(x, group):
 
 def reduce_from(x, group):
     return _on(_ReduceFromRegion, x, group)
+
+
+def reduce_from_into(x, group):
+    """:func:`reduce_from` of ``x``, a tensor the caller made for it and reads no more: in eager
+    calls that record no gradient, its sum written into it (the collective in place: no copy, no
+    new tensor), else a new tensor as :func:`reduce_from` makes."""
+    if (coll.group_size(group) == 1 or wants_grad((x,)) or torch.compiler.is_compiling()
+            or functorch_transforms() or not x.is_contiguous()):
+        return reduce_from(x, group)
+    _library.op("all_reduce_inplace")(x, coll.group_name(group), "reference")
+    return x
 
 
 def scatter_last_dim(x, group):
