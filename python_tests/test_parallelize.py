@@ -655,6 +655,8 @@ def check_deferred_gather(read, device="cpu", dtype=torch.float64, backend="auto
     if p > 1:  # a DeferredGather read: gathered once, in place ops on it written to what it gathered
         deferred = tp_kernels.mappings.gather_for_column_layers(xs.detach(), sequence_dim=1)
         assert "gathered=False" in repr(deferred)  # (printed without gathering: no collective one rank waits on)
+        # what code reading the input's shape asks (dim() was shadowed by the gathered dim's attribute)
+        assert (deferred.dim(), deferred.ndim, deferred.size(1), deferred.whole) == (3, 3, s, None)
         with _counting_collectives() as counted:
             doubled = deferred * 2
             assert deferred.mul_(3) is deferred and deferred.whole is not None

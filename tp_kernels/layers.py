@@ -422,7 +422,7 @@ class SharedInputGather:
         with torch.autograd.graph.saved_tensors_hooks(*_saved_as_parts(weight, weights)) if not _saving_hooked() \
                 else contextlib.nullcontext():
             out = layer._op("all_gather_matmul", input_, weight, bias) if deferred is None else \
-                layer._op("all_gather_matmul", deferred.block, weight, bias, dim=deferred.dim)
+                layer._op("all_gather_matmul", deferred.block, weight, bias, dim=deferred.gather_dim)
         outputs = {id(m): o.contiguous() for m, o in zip(group, out.split([w.shape[0] for w in weights], -1))}
         mine = outputs.pop(id(layer))
         self.held[group] = (input_, outputs)

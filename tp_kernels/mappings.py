@@ -225,7 +225,9 @@ class DeferredGather(torch.Tensor):
         shape[dim] *= coll.group_size(group)
         out = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=block.dtype, device=block.device,
                                                   requires_grad=False)
-        out.block, out.group, out.dim, out.whole = block, group, dim, None
+        # (the dim gathered as gather_dim: a tensor's dim is its method dim(), which code reading the
+        # tensor's shape calls)
+        out.block, out.group, out.gather_dim, out.whole = block, group, dim, None
         return out
 
     def gathered(self, by: str = "a read") -> torch.Tensor:
@@ -236,7 +238,7 @@ class DeferredGather(torch.Tensor):
         if self.whole is None:
             try:
                 with torch.no_grad():
-                    self.whole = all_gather_op(self.block.detach(), self.group, self.dim)
+                    self.whole = all_gather_op(self.block.detach(), self.group, self.gather_dim)
             except RuntimeError as exc:
                 raise RuntimeError(
                     f"tp_kernels: gathering a DeferredGather (the sequence a PrepareModuleInput gathers for a "
@@ -246,7 +248,7 @@ class DeferredGather(torch.Tensor):
         return self.whole
 
     def __repr__(self, *, tensor_contents=None) -> str:  # (not gathered: a collective one rank's print would wait on)
-        return f"DeferredGather(block={self.block!r}, dim={self.dim}, gathered={self.whole is not None})"
+        return f"DeferredGather(block={self.block!r}, dim={self.gather_dim}, gathered={self.whole is not None})"
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
