@@ -113,8 +113,9 @@ def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int]
     if not OPS[op].forward_communicates and not functorch_transforms() and not wants_grad((x, weight, bias)):
         # a forward that communicates nothing, whose backward is not recorded (no_grad, inference:
         # a decode step's column layers): the local GEMM itself, as with one rank, without the op,
-        # once a named backend that cannot run the call has said so
-        if backend in ("pipelined", "fused"):
+        # once a backend named (not "auto", which runs anything; nothing to measure here) that
+        # cannot run the call has said so
+        if backend not in ("reference", "auto"):
             resolve(op, backend, x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), p, group, weight, bias,
                     num_chunks)
         return F.linear(x, weight, bias)
