@@ -28,9 +28,9 @@ k = n = 64, float32, one thread):
 * ``plain_column`` and ``ColumnParallelLinear/auto``, ``plain_head`` and
   ``ColumnParallelLinear/gather_output``, ``plain_embedding`` and ``VocabParallelEmbedding``: the
   other layers of a decode step, under ``torch.no_grad()``, each against what a hand-written one
-  does: a column layer's ``F.linear`` with a bias (nothing communicated: its backward all-reduces);
-  an output layer's ``F.linear`` and the all-gather of its ``[m, n]`` blocks along the last dim
-  (as ``plain_all_gather``); the lookup of this rank's rows of a ``[p·n, k]`` table, the other
+  does: a column layer's ``nn.Linear`` of this rank's rows, with a bias (nothing communicated: its
+  backward all-reduces); an output layer's, without, and the all-gather of its ``[m, n]`` blocks
+  along the last dim (as ``plain_all_gather``); the lookup of this rank's rows of a ``[p·n, k]`` table, the other
   ids masked, and the all-reduce (Megatron's); tp_kernels' embedding also checks the ids against
   the vocabulary (``TP_KERNELS_CHECK_IDS``: on a GPU, a host sync);
 * ``plain_all_reduce`` and ``Communicator.all_reduce``: a serving engine's all-reduce of the
@@ -293,11 +293,13 @@ def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("referenc
     embedding = VocabParallelEmbedding(n * p, k, group=group, device=device, dtype=dtype).requires_grad_(False)
     plain_embedding = PlainVocabParallelEmbedding(n, k, group, device, dtype)
     ids = torch.randint(0, n * p, (m,), device=device)
-    b = torch.randn(n, device=device, dtype=dtype)
+    # (a hand-written column layer without a gradient: nn.Linear on this rank's rows)
+    plain_column = torch.nn.Linear(k, n, device=device, dtype=dtype)
+    plain_head = torch.nn.Linear(k, n, bias=False, device=device, dtype=dtype)
     for name, fn, plain_name, plain_fn in (
-            ("ColumnParallelLinear/auto", lambda: column(x), "plain_column", lambda: F.linear(x, w, b)),
+            ("ColumnParallelLinear/auto", lambda: column(x), "plain_column", lambda: plain_column(x)),
             ("ColumnParallelLinear/gather_output", lambda: head(x), "plain_head",
-             lambda: _all_gathered(F.linear(x, w), group)),
+             lambda: _all_gathered(plain_head(x), group)),
             ("VocabParallelEmbedding", lambda: embedding(ids), "plain_embedding", lambda: plain_embedding(ids))):
         calls[plain_name] = (_without_grad(plain_fn), None)
         calls[name] = (_without_grad(fn), plain_name)
