@@ -247,6 +247,11 @@ def test_cuda_graph_replay_equals_eager(nccl_world, backend):
     nccl_world.run(check_cuda_graph, backend)
 
 
+@pytest.mark.parametrize("backend", ["reference", "pipelined"])
+def test_inference_runs_the_local_gemm_with_several_nccl_ranks(shared_gpu_world, backend):
+    shared_gpu_world.run(test_layers.check_inference_runs_the_local_gemm, "cuda", backend)
+
+
 
 @native_built
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
