@@ -1,4 +1,6 @@
-"""Argument checks shared by the ops and layers.
+"""Argument checks shared by the ops and layers, and the autograd helpers they share (formulas
+differentiable once, :func:`differentiable_once`; the eager form of an autograd function,
+:func:`with_eager_form` and :func:`apply_function`; whether a call records a gradient).
 
 Every check runs before any collective is issued and raises ``ValueError`` naming the
 argument, so a bad call fails on the rank that made it instead of hanging its peers.
