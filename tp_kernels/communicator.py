@@ -43,7 +43,7 @@ from . import _collectives as coll
 from . import _library
 from . import backends, dispatch, parallel_state
 from ._agreement import agree, agree_pair, describe
-from ._checks import check_choice
+from ._checks import check_choice, wants_grad
 from .backends.fused import MAX_BYTES
 from .settings import BACKEND_NAMES
 
@@ -234,9 +234,7 @@ class Communicator:
         one, as with more ranks). Its result is then made here, without deciding a path or calling
         an op: a new contiguous tensor as the op makes, a write bumping the version counter as the
         op's does (what the op's layers cost a decode step's host: docs/api.md)."""
-        if self.world_size != 1:
-            return False
-        return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+        return self.world_size == 1 and not wants_grad(tensors)
 
     def _impl(self, collective: str, x: torch.Tensor, peer: int = -1) -> str:
         return dispatch.resolve_collective(collective, self.backend, x, self.group, peer)

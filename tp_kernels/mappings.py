@@ -342,7 +342,7 @@ def partial_grads_of(x, group):
     experts' ``hidden_states.view(-1, h)``: a view of all of it, in its order), a view that leaves
     its gradient there (and True), else ``x`` (and False)."""
     gathered = x
-    if not (x.requires_grad and torch.is_grad_enabled()):  # (no input gradient to leave)
+    if not wants_grad((x,)):  # (no input gradient to leave)
         return x, False
     if torch.compiler.is_compiling() or functorch_transforms():  # (the gather is a plain one there)
         return x, False
