@@ -17,8 +17,6 @@ the same (already rounded) inputs.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -32,14 +30,9 @@ def rank_world():
     return dist.get_rank(), dist.get_world_size()
 
 
-@contextlib.contextmanager
 def fingerprints_set(enabled: bool):
-    """Fingerprints on (or off) within the block, then back to the setting's default."""
-    settings.set_fingerprints(enabled)
-    try:
-        yield
-    finally:
-        settings.set_fingerprints(None)
+    """Fingerprints on (or off) within the block, then as before."""
+    return settings.overriding(fingerprints=enabled)
 
 
 class CopiedBytes(TorchDispatchMode):
@@ -65,15 +58,9 @@ class CopiedBytes(TorchDispatchMode):
         return out
 
 
-@contextlib.contextmanager
 def library_timeout(seconds: float):
     """tp_kernels' timeout (:func:`tp_kernels.set_timeout`) ``seconds`` inside; the one before, after."""
-    old = tp_kernels.get_timeout()
-    tp_kernels.set_timeout(seconds)
-    try:
-        yield
-    finally:
-        tp_kernels.set_timeout(old)
+    return settings.overriding(timeout=seconds)
 
 
 def block(t: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:

@@ -127,6 +127,34 @@ def test_bad_settings_name_the_variable(monkeypatch):
     assert autotune.autotune_enabled() is False
 
 
+def test_overriding_gives_back_what_was_set(monkeypatch):
+    """settings.overriding sets its settings inside the block, each checked as its setter checks
+    it, and after it gives back exactly what was set before: a setter's value, or none (the
+    environment variable read again), also where the block raised or a value was refused."""
+    monkeypatch.setenv("TP_KERNELS_TIMEOUT_S", "40")
+    settings.set_fingerprints(True)
+    try:
+        with settings.overriding(timeout=3, fingerprints=False, auto_candidates=["reference"], autotune=False,
+                                 comm_stream_priority=0):
+            assert (settings.get_timeout(), settings.fingerprints_enabled(), settings.get_auto_candidates(),
+                    settings.autotune_enabled(), settings.get_comm_stream_priority()) == (3.0, False, ("reference",),
+                                                                                         False, 0)
+        assert settings.fingerprints_enabled() is True and settings.get_auto_candidates() is None
+        monkeypatch.setenv("TP_KERNELS_TIMEOUT_S", "50")  # (none was set: the variable is read again)
+        assert settings.get_timeout() == 50.0 and settings.get_comm_stream_priority() == settings.HIGHEST_PRIORITY
+        with pytest.raises(RuntimeError, match="inside"), settings.overriding(timeout=2):
+            raise RuntimeError("inside")
+        with pytest.raises(ValueError, match="seconds: expected a positive number"):
+            with settings.overriding(fingerprints=False, timeout=-1):
+                pass
+        assert settings.get_timeout() == 50.0 and settings.fingerprints_enabled() is True
+        with pytest.raises(ValueError, match="overriding: expected settings among timeout, .*got color"):
+            with settings.overriding(color=1):
+                pass
+    finally:
+        settings.set_fingerprints(None)
+
+
 @pytest.mark.parametrize("store", [True, False], ids=["environ-store", "environ-get"])
 def test_a_setting_follows_its_environment_variable_from_one_read_to_the_next(monkeypatch, store):
     """Read at every use, parsed once per value: a change, an empty value, a malformed one (raised

@@ -37,7 +37,8 @@ environment variable                   setter (wins over it)       meaning, defa
 =====================================  ==========================  ===========================================
 
 Environment values are read when used, so a change takes effect at the next call; a malformed
-one raises ``ValueError`` naming the variable. Build switches (``TP_KERNELS_SKIP_CUDA_BUILD``,
+one raises ``ValueError`` naming the variable. :func:`overriding` sets any of the setters' values
+for a block of code, and gives back exactly what was set before (a setter's value, or none). Build switches (``TP_KERNELS_SKIP_CUDA_BUILD``,
 ``TP_KERNELS_CUDA_ARCHS``, ``TP_KERNELS_BUILD_TYPE``, ``MAX_JOBS``) are read by ``setup.py`` at
 build time, and ``TP_KERNELS_COMMIT`` names the commit in the benchmarks' records.
 
@@ -47,6 +48,7 @@ checked against. It imports nothing of tp_kernels.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Callable, Dict, Optional, Sequence, Tuple
@@ -69,6 +71,7 @@ __all__ = [
     "get_auto_candidates",
     "get_comm_stream_priority",
     "get_timeout",
+    "overriding",
     "set_auto_candidates",
     "set_autotune",
     "set_comm_stream_priority",
@@ -314,6 +317,35 @@ def forced_all_reduce_algorithm(known: Sequence[str]) -> Optional[str]:
 
 
 _FUSED_ALL_REDUCE = _Variable("TP_KERNELS_FUSED_ALL_REDUCE", str, None)
+
+
+#: what :func:`overriding` takes: a setting's name -> its setter, and the module variable it writes
+_SETTERS = {"timeout": (set_timeout, "_timeout_s"), "comm_stream_priority": (set_comm_stream_priority, "_priority"),
+            "auto_candidates": (set_auto_candidates, "_candidates"), "autotune": (set_autotune, "_autotune"),
+            "fingerprints": (set_fingerprints, "_fingerprints")}
+
+
+@contextlib.contextmanager
+def overriding(**values):
+    """The settings named (``timeout``, ``comm_stream_priority``, ``auto_candidates``,
+    ``autotune``, ``fingerprints``) set inside the block, each checked as its setter checks it;
+    after it, what was set before, exactly (a value a setter set, or none: the environment variable
+    or the default again)::
+
+        with tp_kernels.settings.overriding(timeout=5, fingerprints=True):
+            ...
+    """
+    unknown = sorted(set(values) - set(_SETTERS))
+    if unknown:
+        raise ValueError(f"overriding: expected settings among {', '.join(_SETTERS)}, got {', '.join(unknown)}")
+    before = {name: globals()[_SETTERS[name][1]] for name in values}
+    try:
+        for name, value in values.items():
+            _SETTERS[name][0](value)
+        yield
+    finally:
+        for name, value in before.items():
+            globals()[_SETTERS[name][1]] = value
 
 
 class AutoState:

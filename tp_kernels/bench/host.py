@@ -74,7 +74,7 @@ import json
 import statistics
 import sys
 import time
-from typing import Callable, ContextManager, Dict, List, Optional, Sequence
+from typing import Callable, ContextManager, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -338,17 +338,6 @@ def _without_grad(fn: Callable[[], object]) -> Callable[[], object]:
     return call
 
 
-@contextlib.contextmanager
-def _auto_candidates(names: Sequence[str]):
-    """``"auto"`` choosing among ``names`` inside, as before outside."""
-    previous = settings.get_auto_candidates()
-    settings.set_auto_candidates(names)
-    try:
-        yield
-    finally:
-        settings.set_auto_candidates(previous)
-
-
 def _timed(p: int, device: torch.device, samples: int, calls_per_sample: int, profile: int = 0, **which) -> Dict:
     """Every call of :func:`_calls` (``which``: its backends and ``why_not``) timed on this
     process's group, and what each adds over its plain counterpart; with ``profile``, each call's
@@ -356,7 +345,8 @@ def _timed(p: int, device: torch.device, samples: int, calls_per_sample: int, pr
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cuda = device.type == "cuda"
     calls, skipped = _calls(p, device, dtype, **which)
-    around = {name: (lambda names=call[2]: _auto_candidates(names)) for name, call in calls.items() if len(call) > 2}
+    around = {name: (lambda names=call[2]: settings.overriding(auto_candidates=names))
+              for name, call in calls.items() if len(call) > 2}
     before = len(autotune.decisions())
     times = host_times_us({name: call[0] for name, call in calls.items()}, samples, cuda, calls_per_sample, around)
     added = {name: times[name]["min_us"] - times[call[1]]["min_us"]
