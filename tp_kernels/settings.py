@@ -38,9 +38,10 @@ environment variable                   setter (wins over it)       meaning, defa
 
 Environment values are read when used, so a change takes effect at the next call; a malformed
 one raises ``ValueError`` naming the variable. :func:`overriding` sets any of the setters' values
-for a block of code, and gives back exactly what was set before (a setter's value, or none). Build switches (``TP_KERNELS_SKIP_CUDA_BUILD``,
-``TP_KERNELS_CUDA_ARCHS``, ``TP_KERNELS_BUILD_TYPE``, ``MAX_JOBS``) are read by ``setup.py`` at
-build time, and ``TP_KERNELS_COMMIT`` names the commit in the benchmarks' records.
+for a block of code, and gives back exactly what was set before (a setter's value, or none).
+Build switches (``TP_KERNELS_SKIP_CUDA_BUILD``, ``TP_KERNELS_CUDA_ARCHS``,
+``TP_KERNELS_BUILD_TYPE``, ``MAX_JOBS``) are read by ``setup.py`` at build time, and
+``TP_KERNELS_COMMIT`` names the commit in the benchmarks' records.
 
 This module also holds the names a caller may pass as ``backend=``, which the switches above are
 checked against. It imports nothing of tp_kernels.

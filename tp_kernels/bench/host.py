@@ -30,9 +30,9 @@ k = n = 64, float32, one thread):
   other layers of a decode step, under ``torch.no_grad()``, each against what a hand-written one
   does: a column layer's ``nn.Linear`` of this rank's rows, with a bias (nothing communicated: its
   backward all-reduces); an output layer's, without, and the all-gather of its ``[m, n]`` blocks
-  along the last dim (as ``plain_all_gather``); the lookup of this rank's rows of a ``[p·n, k]`` table, the other
-  ids masked, and the all-reduce (Megatron's); tp_kernels' embedding also checks the ids against
-  the vocabulary (``TP_KERNELS_CHECK_IDS``: on a GPU, a host sync);
+  along the last dim (as ``plain_all_gather``); the lookup of this rank's rows of a ``[p·n, k]``
+  table, the other ids masked, and the all-reduce (Megatron's); tp_kernels' embedding also checks
+  the ids against the vocabulary (``TP_KERNELS_CHECK_IDS``: on a GPU, a host sync);
 * ``plain_all_reduce`` and ``Communicator.all_reduce``: a serving engine's all-reduce of the
   ``[m, n]`` output, into a new tensor (``dist.all_reduce`` of a clone, issued and waited for),
   and ``plain_all_reduce_inplace`` and ``Communicator.all_reduce/in_place`` (``out=`` the input);
@@ -277,15 +277,7 @@ def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("referenc
     else:
         skipped[MEASURED_AUTO] = f"one backend runs here ({', '.join(named)}): nothing to choose among"
 
-    def plain_layer():
-        with torch.no_grad():
-            return plain(x)
-
-    def row_layer():
-        with torch.no_grad():
-            return row(x)
-
-    calls["plain_layer"] = (plain_layer, None)
+    calls["plain_layer"] = (_without_grad(lambda: plain(x)), None)
     # the other layers of a decode step, without a gradient
     column = ColumnParallelLinear(k, n * p, group=group, device=device, dtype=dtype).requires_grad_(False)
     head = ColumnParallelLinear(k, n * p, bias=False, gather_output=True, group=group, device=device,
@@ -306,7 +298,7 @@ def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("referenc
     impl = dispatch.select_backend("matmul_all_reduce", "auto", x, p, group, row.weight)
     why = why_not(impl)
     if why is None:
-        calls["RowParallelLinear/auto"] = (row_layer, "plain_layer")
+        calls["RowParallelLinear/auto"] = (_without_grad(lambda: row(x)), "plain_layer")
     else:
         skipped["RowParallelLinear/auto"] = f"auto {why}"
 
