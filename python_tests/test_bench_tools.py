@@ -374,6 +374,11 @@ def test_host_time_bench_at_one_and_two_ranks(tmp_path):
         assert run["added_us"]["Communicator.all_reduce/in_place"] == pytest.approx(
             run["times"]["Communicator.all_reduce/in_place"]["min_us"]
             - run["times"]["plain_all_reduce_inplace"]["min_us"])
+        # the functions each call goes through, counted, and how many more than its counterpart's
+        assert set(run["function_calls"]) == HOST_CALLS and all(n >= 1 for n in run["function_calls"].values())
+        assert set(run["added_function_calls"]) == HOST_CALLS - HOST_PLAIN
+        assert run["added_function_calls"]["RowParallelLinear/auto"] == (
+            run["function_calls"]["RowParallelLinear/auto"] - run["function_calls"]["plain_layer"])
     # "auto:measured" chose between the two backends that run on a fake group, once, at p = 2 (at
     # p = 1 there is nothing to overlap: the reference, unmeasured)
     assert record["runs"][0]["auto_decisions"] == []
@@ -408,6 +413,23 @@ def test_host_time_bench_with_peers(tmp_path):
         host.main(["--peers", "--ranks", "1"])
     with pytest.raises(SystemExit):
         host.main(["--profile", "-1"])
+
+
+def test_function_calls_counts_what_a_call_goes_through():
+    """host.function_calls: every function a call runs, Python's and builtins, each time it runs,
+    the call itself included, and nothing of the profiler's."""
+    from tp_kernels.bench import host
+
+    def inner():
+        return len([])
+
+    def call():
+        inner()
+        inner()
+        return sum(range(3))
+
+    assert host.function_calls(call) == 6  # call; inner and len, twice each; sum (range is a type, not counted)
+    assert host.function_calls(lambda: None, calls=3) == 1
 
 
 def test_host_profile_ranks_a_calls_functions_by_their_own_time():

@@ -56,7 +56,11 @@ calls timed in turns (on a GPU the device is synchronised between samples only, 
 waits for it; 200 calls stay under CUDA's launch queue depth). The fastest, not the median: what
 disturbs a host's timing (other processes, interrupts, a shared VM's neighbours) only adds to it,
 so the fastest sample is the call's own cost (the median is in the record too).
-``added_us`` is a call's figure minus its plain counterpart's. With ``--profile CALLS`` each
+``added_us`` is a call's figure minus its plain counterpart's. ``function_calls`` counts the
+functions, Python and builtin, one call goes through (:func:`function_calls`), and
+``added_function_calls`` what it counts over the plain counterpart: the host work as a number
+that a machine's load does not move (on a fake group the same in every run of a commit), where
+the times of a shared VM vary by a fifth from run to run. With ``--profile CALLS`` each
 call also runs CALLS times under cProfile, and the record lists, per call, the functions its host
 time goes to (:func:`profiled`: their own and cumulative µs a call, inflated alike by the
 profiler). The
@@ -96,6 +100,8 @@ PEER_CALLS_PER_SAMPLE = 20
 MEASURED_AUTO = "matmul_all_reduce/auto:measured"
 #: the functions :func:`profiled` lists a call
 PROFILE_TOP = 12
+#: the calls :func:`function_calls` counts over
+FUNCTION_COUNT_CALLS = 20
 #: (m, k, n) of the timed GEMM: the decode GEMM of tp_kernels.bench.extension on a GPU, a tiny one on the CPU
 SHAPES = {"cuda": (16, 28672 // 8, 8192), "cpu": (16, 64, 64)}
 
@@ -166,6 +172,23 @@ def profiled(fn: Callable[[], object], calls: int, cuda: bool, top: int = PROFIL
     return [[f"{'/'.join(path.replace(chr(92), '/').split('/')[-2:])}:{line}({name})", count / calls,
              own / calls * 1e6, cumulative / calls * 1e6]
             for (path, line, name), (_, count, own, cumulative, _) in rows]
+
+
+def function_calls(fn: Callable[[], object], calls: int = FUNCTION_COUNT_CALLS) -> float:
+    """The function calls one call of ``fn`` makes, Python functions and builtins alike (cProfile
+    counts them; the mean over ``calls`` calls, after one): the host work of a call as a count, which
+    a shared machine's load does not change, where its time varies by a fifth from run to run. (Not
+    a time: a builtin that launches a GEMM counts one, as a check of a tensor's dim does.)"""
+    import cProfile
+    import pstats
+
+    fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    return (pstats.Stats(prof).total_calls - 1) / calls  # (less the profiler's own disable())
 
 
 def profile_text(rows: List[list], top: int = 5) -> str:
@@ -343,7 +366,13 @@ def _timed(p: int, device: torch.device, samples: int, calls_per_sample: int, pr
     times = host_times_us({name: call[0] for name, call in calls.items()}, samples, cuda, calls_per_sample, around)
     added = {name: times[name]["min_us"] - times[call[1]]["min_us"]
              for name, call in calls.items() if call[1] is not None}
-    run = {"p": p, "times": times, "added_us": added, "skipped": skipped,
+    counts = {}
+    for name, call in calls.items():
+        with around.get(name, contextlib.nullcontext)():
+            counts[name] = function_calls(call[0])
+    run = {"p": p, "times": times, "added_us": added, "skipped": skipped, "function_calls": counts,
+           "added_function_calls": {name: counts[name] - counts[call[1]]
+                                    for name, call in calls.items() if call[1] is not None},
            # what "auto" measured and chose on the way (the first calls of the rows that measure)
            "auto_decisions": [{"op": d.op, "variants": list(d.variants), "times_s": list(d.times_s), "choice": d.choice}
                               for d in autotune.decisions()[before:]]}
@@ -471,7 +500,8 @@ def main(argv: Optional[List[str]] = None) -> int:
               "target_us": TARGETS["host_overhead_us"][0]}
     for run in runs:
         print(f"p = {run['p']}: " + ", ".join(f"{name} {t['min_us']:.2f} us" for name, t in run["times"].items()))
-        print("  added: " + ", ".join(f"{name} {v:+.2f} us" for name, v in run["added_us"].items()))
+        print("  added: " + ", ".join(f"{name} {v:+.2f} us ({run['added_function_calls'][name]:+.0f} function calls)"
+                                      for name, v in run["added_us"].items()))
         for name, why in run["skipped"].items():
             print(f"  skipped {name}: {why}")
         for d in run["auto_decisions"]:
