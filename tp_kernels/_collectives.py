@@ -100,7 +100,9 @@ def _as_real(t: torch.Tensor) -> torch.Tensor:
 
 def _pg_all_gather(out: torch.Tensor, x: torch.Tensor, group):
     """Start ``dist.all_gather_into_tensor(out, x, group, async_op=True)``, on the group itself."""
-    return _PG_ALL_GATHER(group, _as_real(out), _as_real(x), _ALL_GATHER_OPTIONS)
+    if x.is_complex():  # (out has x's dtype: one test for both)
+        out, x = torch.view_as_real(out), torch.view_as_real(x)
+    return _PG_ALL_GATHER(group, out, x, _ALL_GATHER_OPTIONS)
 
 
 def _pg_reduce_scatter(out: torch.Tensor, x: torch.Tensor, group):
