@@ -19,7 +19,7 @@ import torch.distributed as dist
 import tp_kernels
 from helpers import assert_close, fingerprints_set, rank_world
 from test_disagreement import DEADLINE_S, fingerprints
-from tp_kernels import Communicator, autotune, dispatch
+from tp_kernels import Communicator, autotune, dispatch, settings
 from tp_kernels._collectives import group_name, resolve_group
 
 SHAPE = (3, 5, 7)  # odd: nothing divisible by anything
@@ -389,7 +389,16 @@ DISAGREEMENTS = {
     "sizes": lambda c, r: c.all_gatherv(torch.ones(1, 2), [2 if q != r and r == 1 else 1
                                                            for q in range(dist.get_world_size())]),
     "dict root": lambda c, r: c.broadcast_tensor_dict({"x": torch.ones(2)}, src=1 if r == 1 else 0),
+    # the path: another backend, or auto with other candidates (which would measure while the others ran)
+    "backend": lambda c, r: (Communicator(backend="reference") if r == 1 else c).all_reduce(torch.ones(2)),
+    "auto settings": lambda c, r: _apart(r, lambda: c.all_gather(torch.ones(4))),
 }
+
+
+def _apart(r, call):
+    """``call()``, on rank 1 with "auto" choosing among other candidates than the others'."""
+    with settings.overriding(**({"auto_candidates": ("pipelined", "reference")} if r == 1 else {})):
+        return call()
 
 
 @fingerprints
@@ -430,6 +439,8 @@ P2P_DISAGREEMENTS = {
     "shape": (lambda c: c.send(_ones(c, 2, 3), dst=1), lambda c: c.recv((3, 2), torch.float32, src=0)),
     "both send": (lambda c: c.send(_ones(c, 4), dst=1), lambda c: c.send(_ones(c, 4), dst=0)),
     "bad at one end": (lambda c: c.send(_ones(c, 4), dst=1), lambda c: c.recv((-4,), torch.float32, src=0)),
+    "backend": (lambda c: c.send(_ones(c, 4), dst=1),
+                lambda c: Communicator(backend="reference").recv((4,), torch.float32, src=0)),
 }
 
 

@@ -96,6 +96,44 @@ def test_inputs_that_differ_on_4_ranks(world4):
 
 
 @fingerprints
+def check_settings_that_differ(op):
+    """The same call on every rank, but rank 1 set apart in what decides its path: "auto" with
+    other candidates (it would measure, a collective of its own, while the others ran the
+    reference: a timeout, then a dead peer blamed), "fused" with another forced all-reduce
+    algorithm (another protocol over peer memory). Every rank raises at once, its message naming
+    the setting, and the group goes on."""
+    r, p = rank_world()
+    x, w = torch.randn(4 * p if op != "all_gather_matmul" else 4, 6), torch.randn(5, 6)
+    messages = []
+    for backend, apart, named in (
+            ("auto", {"auto_candidates": ("pipelined", "reference")}, "candidates=('pipelined', 'reference')"),
+            ("fused", {}, "TP_KERNELS_FUSED_ALL_REDUCE='two_shot'")):
+        old = os.environ.pop("TP_KERNELS_FUSED_ALL_REDUCE", None)
+        if r == 1 and backend == "fused":
+            os.environ["TP_KERNELS_FUSED_ALL_REDUCE"] = "two_shot"
+        start = time.monotonic()
+        try:
+            with settings.overriding(**(apart if r == 1 else {})):
+                kind, message = _raises(lambda: getattr(ops, op)(x, w, backend=backend))
+        finally:
+            os.environ.pop("TP_KERNELS_FUSED_ALL_REDUCE", None)
+            if old is not None:
+                os.environ["TP_KERNELS_FUSED_ALL_REDUCE"] = old
+        assert kind == "RuntimeError" and "disagree on this call, so none of it ran" in message, message
+        assert named in message.partition("rank 1:")[2] and named not in message.partition("rank 1:")[0], message
+        assert time.monotonic() - start < 30, backend
+        messages.append(message)
+        _still_works()
+    return messages
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
+def test_settings_that_decide_the_path_differing_between_ranks(world2, op):
+    per_rank = world2.run(check_settings_that_differ, op, deadline_s=DEADLINE_S)
+    assert per_rank[0] == per_rank[1]
+
+
+@fingerprints
 def check_cross_entropy_over_blocks_of_different_widths():
     r, p = rank_world()
     logits = torch.randn(3, 4 if r == 0 else 5)

@@ -3,8 +3,8 @@
 Every public call that communicates (the ops and layers, the embedding, the cross-entropy, the
 mappings) first checks its own arguments, then exchanges a *fingerprint* with its group: a
 fixed-size description of what it is about to do (the call, the shapes and dtypes of its
-tensors, the backend, the chunking, whether gradients will flow), or the error this rank's check
-raised. Only when every rank describes the same call does any payload move. Otherwise every
+tensors, the backend and the settings that decide its path, the chunking, whether gradients will
+flow), or the error this rank's check raised. Only when every rank describes the same call does any payload move. Otherwise every
 rank raises, before any other collective: the rank whose arguments were wrong its own
 ``ValueError``, the others a ``RuntimeError`` naming that rank and its message; or, when the
 ranks disagree, every rank the same ``RuntimeError`` listing each rank's view. So a mismatch is
@@ -135,7 +135,7 @@ def agree_pair(call: str, group, peer: int, role: str, check: Callable[[], T], m
     """``check()`` agreed with group rank ``peer``, the other end of a point-to-point call.
 
     ``role`` is ``"send"`` or ``"recv"``, ``message(check())`` the message as this end sees it
-    (shape and dtype). When fingerprints are on, the two ends swap their views (one bounded
+    (shape and dtype, and the path it takes). When fingerprints are on, the two ends swap their views (one bounded
     exchange, :func:`tp_kernels._collectives.swap_bytes`) and both raise, before the payload moves,
     unless one sends and the other receives the same message: a receiver expecting fewer bytes
     than were sent would be killed by gloo, one expecting more would read memory never written, one
@@ -162,7 +162,7 @@ def agree_pair(call: str, group, peer: int, role: str, check: Callable[[], T], m
             raise RuntimeError(
                 f"tp_kernels: ranks {ends[0][0]} and {ends[1][0]} of group {group.group_name!r} disagree on a "
                 f"message, so nothing moved (rank {ends[0][0]}: {ends[0][1]}; rank {ends[1][0]}: {ends[1][1]}). "
-                "A send and the recv that takes it must agree on its shape and dtype")
+                "A send and the recv that takes it must agree on its shape and dtype, and on the backend that moves it")
     if error is not None:
         raise error
     return result

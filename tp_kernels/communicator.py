@@ -45,7 +45,7 @@ from . import backends, dispatch, parallel_state
 from ._agreement import agree, agree_pair, describe
 from ._checks import check_choice, wants_grad
 from .backends.fused import MAX_BYTES
-from .settings import BACKEND_NAMES
+from .settings import BACKEND_NAMES, deciding
 
 __all__ = [
     "CAPTURE_BYTES",
@@ -74,11 +74,6 @@ def _default_device(group) -> torch.device:
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.type != "cuda" or a.index == b.index)
-
-
-def _message(t: torch.Tensor) -> str:
-    """A point-to-point message as both ends must see it: its shape and dtype."""
-    return f"{list(t.shape)} {str(t.dtype).rpartition('.')[2]}"
 
 
 #: Where each tensor of a broadcast dict starts in its device's buffer: a multiple of this many
@@ -225,8 +220,16 @@ class Communicator:
         return self._agree(call, x, check, lambda d: f"x {_shape_but(x, d) if own else describe(x)} dim {d} "
                                                      f"sizes {list(sizes)}")
 
+    def _message(self, t: torch.Tensor) -> str:
+        """A point-to-point message as both ends must see it: its shape and dtype, and the backend
+        and settings that decide its path (the two ends must take the same one)."""
+        return f"{list(t.shape)} {str(t.dtype).rpartition('.')[2]}, backend {self.backend}{deciding(self.backend)}"
+
     def _agree(self, call: str, x, check, describe_call):
-        return agree(f"Communicator.{call}", self.group, check, describe_call, hint=x)
+        """``check()`` agreed with the group (:func:`tp_kernels._agreement.agree`): its call as
+        ``describe_call(check())`` says, with the backend and the settings that decide its path."""
+        return agree(f"Communicator.{call}", self.group, check,
+                     lambda checked: f"{describe_call(checked)}, backend {self.backend}{deciding(self.backend)}", hint=x)
 
     def _alone(self, *tensors) -> bool:
         """Whether a call of these tensors has nothing to do but copy: the group is this rank
@@ -465,7 +468,7 @@ class Communicator:
         """Send ``x`` to rank ``dst``, which calls :meth:`recv` with its shape and dtype. Bounded
         by the timeout; with fingerprints on, agreed with ``dst`` alone (two ranks take part)."""
         self._rank("dst", dst, other=True)
-        x_ = agree_pair("Communicator.send", self.group, dst, "send", lambda: self._tensor("x", x), _message,
+        x_ = agree_pair("Communicator.send", self.group, dst, "send", lambda: self._tensor("x", x), self._message,
                         hint=x).contiguous()
         impl = dispatch.resolve_collective("send", self.backend, x_, self.group, dst)
         backends.run_collective("send", impl, x_, None, dst, self.group)
@@ -486,7 +489,7 @@ class Communicator:
                 raise ValueError(f"dtype: expected a torch.dtype, got {dtype!r}")
             return torch.empty(size, dtype=dtype, device=self.device)
 
-        out = agree_pair("Communicator.recv", self.group, src, "recv", check, _message, hint=self.device)
+        out = agree_pair("Communicator.recv", self.group, src, "recv", check, self._message, hint=self.device)
         impl = dispatch.resolve_collective("recv", self.backend, out, self.group, src)
         return backends.run_collective("recv", impl, None, out, src, self.group)
 

@@ -41,7 +41,7 @@ from ._checks import check_choice, check_divisible, check_linear_args, check_spl
 from ._op_table import OPS
 from .dispatch import resolve, select_backend
 from .schedule import resolve_num_chunks
-from .settings import BACKEND_NAMES
+from .settings import BACKEND_NAMES, deciding
 
 __all__ = [
     "BACKEND_NAMES",
@@ -107,7 +107,7 @@ def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int]
     def fingerprint(checked) -> str:
         x_, w, b, d = checked
         return (f"{x_name} {describe(x_)}, weight {describe(w)}, bias {describe(b)}, backend {backend}, "
-                f"num_chunks {num_chunks}" + (f", {dim_name} {d}" if d else ""))
+                f"num_chunks {num_chunks}" + (f", {dim_name} {d}" if d else "") + deciding(backend))
 
     x, weight, bias, dim = agree(op, group, check, fingerprint, hint=x)
     if not OPS[op].forward_communicates and not functorch_transforms() and not wants_grad((x, weight, bias)):

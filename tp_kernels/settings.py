@@ -66,6 +66,7 @@ __all__ = [
     "auto_native",
     "auto_state",
     "autotune_enabled",
+    "deciding",
     "fingerprints_enabled",
     "ids_checked",
     "forced_all_reduce_algorithm",
@@ -374,6 +375,19 @@ class AutoState:
     def __repr__(self) -> str:
         return (f"AutoState(candidates={self.candidates!r}, native={self.native}, fused={self.fused}, "
                 f"measures={self.measures}, fused_all_reduce={self.fused_all_reduce!r})")
+
+
+def deciding(backend: str) -> str:
+    """What of these settings, beyond its arguments, decides the implementation a call of
+    ``backend`` runs, as its fingerprint shows it (:mod:`tp_kernels._agreement`): ``"auto"``'s
+    state (:func:`auto_state`), the fused all-reduce algorithm ``TP_KERNELS_FUSED_ALL_REDUCE``
+    forces for ``"fused"``; nothing for the others. Ranks set apart there would run different
+    collectives, which no check of the arguments sees."""
+    if backend == "auto":
+        return f", {auto_state()!r}"
+    if backend == "fused":
+        return f", TP_KERNELS_FUSED_ALL_REDUCE={_FUSED_ALL_REDUCE.get()!r}"
+    return ""
 
 
 #: the values of :class:`AutoState` -> its one object
