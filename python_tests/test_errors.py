@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import tp_kernels
-from tp_kernels import _agreement, _collectives, ops
+from tp_kernels import _agreement, _collectives, ops, settings
 from helpers import library_timeout, rank_world
 
 
@@ -231,6 +231,8 @@ def check_missing_peer_times_out(op, backend):
         elapsed = time.monotonic() - start
     assert elapsed < 15, f"the timeout of 2 s took {elapsed:.1f} s"
     assert "set_timeout" in str(info.value)
+    # fingerprints off (the default): the error says how to have calls that differ named instead
+    assert "set TP_KERNELS_FINGERPRINTS=1" in str(info.value) and not settings.fingerprints_enabled()
     return elapsed
 
 
@@ -238,6 +240,15 @@ def check_missing_peer_times_out(op, backend):
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
 def test_missing_peer_times_out(world2, op, backend):
     world2.run(check_missing_peer_times_out, op, backend)
+
+
+def test_a_timeout_says_how_to_find_calls_that_differ_only_where_fingerprints_are_off(monkeypatch):
+    monkeypatch.setattr(_collectives.dist, "get_rank", lambda group=None: 3)
+    for on in (False, True):
+        with settings.overriding(fingerprints=on):
+            message = str(_collectives._dead_peer_error("all-reduce of (4,)", None, 5.0, RuntimeError("timed out")))
+        assert message.startswith("tp_kernels: all-reduce of (4,) did not complete on global rank 3 (group of 1 ranks")
+        assert ("TP_KERNELS_FINGERPRINTS=1" in message) is not on, message
 
 
 #: a Communicator call of rank 0 that rank 1 never makes

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from . import parallel_state, schedule
-from .settings import get_timeout
+from .settings import fingerprints_enabled, get_timeout
 
 __all__ = [
     "UNSAFE_VIEW",
@@ -232,11 +232,14 @@ class Pending:
 
 
 def _dead_peer_error(what: What, group, timeout: float, exc: BaseException) -> RuntimeError:
+    # (with fingerprints off, ranks that made different calls meet here: say how to have them named)
+    hint = "" if fingerprints_enabled() else (
+        " To have calls that differ between ranks named before they run, set TP_KERNELS_FINGERPRINTS=1.")
     return RuntimeError(
         f"tp_kernels: {what() if callable(what) else what} did not complete on global rank {dist.get_rank()} "
         f"(group of {group_size(group)} ranks, timeout {timeout:g} s): {exc}. A peer rank may have died, "
         "diverged, or called a different collective. The limit is set with "
-        "tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S."
+        f"tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S.{hint}"
     )
 
 
