@@ -134,6 +134,27 @@ def test_settings_that_decide_the_path_differing_between_ranks(world2, op):
 
 
 @fingerprints
+def check_long_views_that_differ_at_their_end():
+    """Fingerprints longer than the bytes a view shows that differ only past them (a long call's
+    settings come last): still an error on every rank, which says where they differ; alike, none."""
+    from tp_kernels import _agreement
+
+    r, p = rank_world()
+    long = "x" * _agreement.PAYLOAD_BYTES
+    assert _agreement.agree("probe", dist.group.WORLD, lambda: 1, lambda _: long + "same") == 1
+    kind, message = _raises(lambda: _agreement.agree("probe", dist.group.WORLD, lambda: 1, lambda _: f"{long}{r}"))
+    assert kind == "RuntimeError" and "disagree on this call" in message, message
+    assert f"they differ past the first {_agreement.PAYLOAD_BYTES} bytes shown" in message, message
+    _still_works()
+    return message
+
+
+def test_long_fingerprints_that_differ_at_their_end(world2):
+    per_rank = world2.run(check_long_views_that_differ_at_their_end, deadline_s=DEADLINE_S)
+    assert per_rank[0] == per_rank[1]
+
+
+@fingerprints
 def check_cross_entropy_over_blocks_of_different_widths():
     r, p = rank_world()
     logits = torch.randn(3, 4 if r == 0 else 5)

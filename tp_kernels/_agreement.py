@@ -78,8 +78,9 @@ def exchange_views(view: str, group, device: torch.device, size: int = PAYLOAD_B
 
 
 def _views_if_they_differ(mine: str, group, device: torch.device) -> Optional[List[str]]:
-    """None when every rank's ``mine`` is the same (one all-gather of digests), else every rank's."""
-    digest = hashlib.blake2b(mine.encode()[:PAYLOAD_BYTES], digest_size=DIGEST_BYTES).digest()
+    """None when every rank's ``mine`` is the same (one all-gather of digests of the whole of
+    each), else every rank's (each cut to :data:`PAYLOAD_BYTES`: they may then read alike)."""
+    digest = hashlib.blake2b(mine.encode(), digest_size=DIGEST_BYTES).digest()
     if len(set(coll.all_gather_bytes(digest, group, device))) == 1:
         return None
     return exchange_views(mine, group, device)
@@ -113,18 +114,20 @@ def agree(call: str, group, check: Callable[[], T], fingerprint: Callable[[T], s
         error = exc
     if p > 1 and (always or settings.fingerprints_enabled()) and not _recording():
         mine = f"{_ERROR}|{error}" if error is not None else f"{_OK}|{call}: {fingerprint(result)}"
-        views = _views_if_they_differ(mine, *coll.host_route(group, hint)) or [mine]  # [mine]: all alike
+        views = _views_if_they_differ(mine, *coll.host_route(group, hint))
+        differ, views = views is not None, views or [mine]  # [mine]: all alike
         failed = [(q, v.partition("|")[2]) for q, v in enumerate(views) if v.partition("|")[0] != _OK]
         if error is None and failed:
             listing = "; ".join(f"rank {q}: {message}" for q, message in failed)
             raise RuntimeError(f"tp_kernels: {call}: {'a rank' if len(failed) == 1 else 'ranks'} of group "
                                f"{group.group_name!r} rejected its arguments, so no rank ran the call ({listing})")
-        if error is None and len(set(views)) > 1:
+        if error is None and differ:
             listing = "; ".join(f"rank {q}: {v.partition('|')[2]}" for q, v in enumerate(views))
+            past = "" if len(set(views)) > 1 else f"; they differ past the first {PAYLOAD_BYTES} bytes shown"
             raise RuntimeError(
                 f"tp_kernels: the ranks of group {group.group_name!r} disagree on this call, so none of it ran "
-                f"({listing}). Every rank of a group must make the same calls, with tensors of the same shapes "
-                f"and dtypes (only their data may differ), within {timeout:g} s of each other")
+                f"({listing}{past}). Every rank of a group must make the same calls, with tensors of the same "
+                f"shapes and dtypes (only their data may differ), within {timeout:g} s of each other")
     if error is not None:
         raise error
     return result
