@@ -663,6 +663,11 @@ def check_deferred_gather(read, device="cpu", dtype=torch.float64, backend="auto
             torch.testing.assert_close(deferred.view(-1), 1.5 * doubled.view(-1), rtol=0, atol=0)
         assert device != "cpu" or dict(counted) == {("all_gather", xs.numel()): 1}, counted
         torch.testing.assert_close(doubled, (2 * x.detach()).to(dtype), rtol=0, atol=0)
+        # its data pointer is the gathered tensor's (gathered for it), two of them two pointers
+        first, second = (tp_kernels.mappings.gather_for_column_layers(xs.detach(), sequence_dim=1) for _ in range(2))
+        ptr = first.data_ptr()
+        assert first.whole is not None and ptr == first.whole.data_ptr() != 0 and second.whole is None
+        assert second.data_ptr() not in (0, ptr)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)

@@ -213,7 +213,7 @@ class DeferredGather(torch.Tensor):
     layers of ``group`` that share it (:class:`tp_kernels.layers.SharedInputGather`), handed it
     unread, take the block instead (:func:`deferred_block`): one ``all_gather_matmul`` of their
     weights, the gather overlapped with the GEMM. Anything else (an op of torch's on it, a view, a
-    copy; a column layer alone) gathers it first, once, and computes on the gathered tensor
+    copy, its data pointer; a column layer alone) gathers it first, once, and computes on the gathered tensor
     (torch's ``__torch_dispatch__``, below autograd: the gradient it gets goes to the gather's
     backward as the gathered tensor's did). Its shape, dtype, device and strides (contiguous) are
     known without gathering, so a module that reads only them (transformers' attention takes the
@@ -246,6 +246,11 @@ class DeferredGather(torch.Tensor):
                     "the group must read it at the same point of the forward: a read on some ranks only (a print "
                     "of its values on one rank) waits for the others") from exc
         return self.whole
+
+    def data_ptr(self) -> int:
+        """The gathered tensor's (gathered, as a read): unread, the wrapper has no memory of its
+        own, and torch's answer, 0, would make code comparing pointers take two for one."""
+        return self.gathered("data_ptr()").data_ptr()
 
     def __repr__(self, *, tensor_contents=None) -> str:  # (not gathered: a collective one rank's print would wait on)
         return f"DeferredGather(block={self.block!r}, dim={self.gather_dim}, gathered={self.whole is not None})"
