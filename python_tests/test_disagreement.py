@@ -133,6 +133,37 @@ def test_settings_that_decide_the_path_differing_between_ranks(world2, op):
     assert per_rank[0] == per_rank[1]
 
 
+#: a layer rank 1 builds otherwise than the others, and the input each rank calls it on: without
+#: the layer in its fingerprint, the first gathers its output on rank 1 alone (gloo then killed a
+#: rank), the second joins its outputs otherwise (a different result, unsaid)
+LAYERS_BUILT_APART = {
+    "gather_output": lambda odd: (tp_kernels.ColumnParallelLinear(6, 4, gather_output=odd), torch.randn(3, 6)),
+    "output_sizes": lambda odd: (tp_kernels.ColumnParallelLinear(6, 8, output_sizes=(4, 4) if odd else (2, 6),
+                                                                 gather_output=True), torch.randn(3, 6)),
+    "embedding scale": lambda odd: (tp_kernels.VocabParallelEmbedding(8, 4, output_scale=2.0 if odd else None),
+                                    torch.arange(4)),
+}
+
+
+@fingerprints
+def check_layers_built_apart(what):
+    r, p = rank_world()
+    layer, x = LAYERS_BUILT_APART[what](r == 1)
+    kind, message = _raises(lambda: layer(x))
+    assert kind == "RuntimeError" and "disagree on this call, so none of it ran" in message, message
+    mine, _, theirs = message.partition("; rank 1:")
+    assert all(f"{type(layer).__name__}(in" in view or f"{type(layer).__name__}(8, 4" in view
+               for view in (mine, theirs)), message  # each rank's layer, as built
+    _still_works()
+    return message
+
+
+@pytest.mark.parametrize("what", sorted(LAYERS_BUILT_APART))
+def test_layers_built_apart_on_one_rank(world2, what):
+    per_rank = world2.run(check_layers_built_apart, what, deadline_s=DEADLINE_S)
+    assert per_rank[0] == per_rank[1]
+
+
 @fingerprints
 def check_long_views_that_differ_at_their_end():
     """Fingerprints longer than the bytes a view shows that differ only past them (a long call's

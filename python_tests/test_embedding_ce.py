@@ -109,7 +109,7 @@ def check_sequence_parallel_embedding():
     if p > 1:  # a rank whose embedding is built otherwise: an error on every rank, not a mismatched collective
         odd = tp_kernels.VocabParallelEmbedding.from_embedding(dense, sequence_parallel=r != 1)
         with fingerprints_set(True), pytest.raises(RuntimeError,
-                                                   match="disagree on this call.*sequence_parallel False"):
+                                                   match="disagree on this call.*sequence_parallel=True"):
             odd(torch.zeros(s, dtype=torch.long))
         assert par(torch.zeros(s, dtype=torch.long)).shape == (s // p, dim)  # the group still works
 

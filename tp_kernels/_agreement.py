@@ -4,7 +4,7 @@ Every public call that communicates (the ops and layers, the embedding, the cros
 mappings) first checks its own arguments, then exchanges a *fingerprint* with its group: a
 fixed-size description of what it is about to do (the call, the shapes and dtypes of its
 tensors, the backend and the settings that decide its path, the chunking, whether gradients will
-flow), or the error this rank's check raised. Only when every rank describes the same call does any payload move. Otherwise every
+flow, a layer's configuration), or the error this rank's check raised. Only when every rank describes the same call does any payload move. Otherwise every
 rank raises, before any other collective: the rank whose arguments were wrong its own
 ``ValueError``, the others a ``RuntimeError`` naming that rank and its message; or, when the
 ranks disagree, every rank the same ``RuntimeError`` listing each rank's view. So a mismatch is
@@ -41,7 +41,7 @@ from . import settings
 __all__ = ["DIGEST_BYTES", "PAYLOAD_BYTES", "agree", "agree_pair", "describe", "exchange_views"]
 
 #: Bytes of one rank's fingerprint: a description, or an error message, cut to fit.
-PAYLOAD_BYTES = 512
+PAYLOAD_BYTES = 1024
 #: Bytes of the digest exchanged first.
 DIGEST_BYTES = 16
 

@@ -274,9 +274,8 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         agree("VocabParallelEmbedding", self.group, lambda: self._check(input_),
-              lambda _: f"input {describe(input_)}, weight {describe(self.weight)}, vocabulary {self.num_embeddings}, "
-                        f"sequence_parallel {self.sequence_parallel}"
-                        + (f", sequence_dim {self.sequence_dim}" if self.sequence_dim else ""),
+              lambda _: f"{type(self).__name__}({self.extra_repr()}), input {describe(input_)}, "
+                        f"weight {describe(self.weight)}",
               hint=self.weight)
         if self.tp_size == 1:
             return self._scaled(F.embedding(input_, self.weight, self.padding_idx))

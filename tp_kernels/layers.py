@@ -235,7 +235,14 @@ class _ParallelLinear(ShareGroupOnCopy, nn.Module):
         if dim is None:
             dim = self.sequence_dim if OPS[op].splits_rows else 0
         return ops.run(op, input_, weight, bias, self.group, self.backend, self.num_chunks, x_name="input",
-                       prepare=prepare, dim=dim, dim_name="sequence_dim")
+                       prepare=prepare, dim=dim, dim_name="sequence_dim", about=self._described)
+
+    def _described(self) -> str:
+        """The layer as its call's fingerprint shows it (:mod:`tp_kernels._agreement`): its class and
+        configuration, on which the ranks must agree too (one gathering its output where another
+        does not, or joining its outputs otherwise, would wait on a collective no peer makes, or
+        differ from it silently)."""
+        return f"{type(self).__name__}({self.extra_repr()})"
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -348,7 +355,8 @@ class ColumnParallelLinear(_ParallelLinear):
         reduces the input gradients they leave there, once for them all."""
         x, weight, bias = agree(
             "ColumnParallelLinear", self.group, lambda: check_linear_args(x, weight, bias, x_name="input"),
-            lambda c: f"input {describe(c[0])}, weight {describe(c[1])}, bias {describe(c[2])}, gathered input",
+            lambda c: f"{self._described()}, input {describe(c[0])}, weight {describe(c[1])}, bias {describe(c[2])}, "
+                      "gathered input",
             hint=x)
         return F.linear(x, weight, bias)
 

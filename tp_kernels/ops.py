@@ -65,7 +65,8 @@ def _out_lead(op: str, x_shape, p: int) -> list:
 
 
 def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int], x_name: str = "x",
-        prepare: Optional[Callable] = None, dim=0, dim_name: str = "dim") -> torch.Tensor:
+        prepare: Optional[Callable] = None, dim=0, dim_name: str = "dim",
+        about: Optional[Callable[[], str]] = None) -> torch.Tensor:
     """Check the tensors (errors name the input ``x_name``) and agree on the call with the group
     (:func:`tp_kernels._agreement.agree`) before any communication, decide the implementation once
     (:func:`tp_kernels.dispatch.resolve`), run ``torch.ops.tp_kernels.<op>``
@@ -78,7 +79,8 @@ def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int]
     blocks then joined along ``dim`` (:func:`tp_kernels._collectives.join_blocks`); a scattered
     input's blocks stacked first (:func:`tp_kernels._collectives.blocks_first`), the output this
     rank's block as it comes. One copy either way (none when the dims before ``dim`` are all 1), and
-    one of the gradient in the backward."""
+    one of the gradient in the backward. ``about()``: the caller as the ranks must agree on it too (a
+    layer's configuration), asked for the fingerprint only."""
 
     p = coll.group_size(group)
 
@@ -106,7 +108,8 @@ def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int]
 
     def fingerprint(checked) -> str:
         x_, w, b, d = checked
-        return (f"{x_name} {describe(x_)}, weight {describe(w)}, bias {describe(b)}, backend {backend}, "
+        return ((f"{about()}, " if about is not None else "") +
+                f"{x_name} {describe(x_)}, weight {describe(w)}, bias {describe(b)}, backend {backend}, "
                 f"num_chunks {num_chunks}" + (f", {dim_name} {d}" if d else "") + deciding(backend))
 
     x, weight, bias, dim = agree(op, group, check, fingerprint, hint=x)
