@@ -1669,8 +1669,9 @@ def check_hugging_face_llama():
     """A Hugging Face Llama (transformers' own code, a small config made here, embeddings tied to the
     head, 2 key/value heads) parallelized by its own ``tp_plan`` over 1, 2 and 4 ranks (its style
     names: the head ``"colwise_gather_output"``, so that transformers' loss and generation take
-    whole logits, the embedding ``"embedding_rowwise"``); on 4 the key and value projections are one
-    output of heads each (``("colwise", [k], head_size)``), a head replicated on two ranks. Its
+    whole logits, the embedding ``"embedding_rowwise"``); on 4 the key and value projections hold a
+    head each, replicated on two ranks: by the plan as it is (its ``"colwise"`` read as whole heads)
+    and by tp_kernels' own entry for them (``("colwise", [k], head_size)``). Its
     logits and loss are the dense model's in float64, an SGD step gives the dense weights, and
     greedy generation the dense model's tokens, by SDPA and by the eager attention, a row of the
     batch padded (on 4 ranks the attention's ``num_key_value_groups`` is then each rank's: one
@@ -1691,11 +1692,13 @@ def _check_hugging_face_llama(attention):
     dense = LlamaForCausalLM(config).double()
     plan = dict(dense.tp_plan)  # transformers' own, in its style names
     assert plan["model.embed_tokens"] == "embedding_rowwise" and plan["lm_head"] == "colwise_gather_output", plan
-    if p > 2:  # 2 key/value heads: one each, replicated on two ranks
+    if p > 2 and attention == "eager":  # 2 key/value heads: one each, replicated on two ranks (said so)
         for name in ("k_proj", "v_proj"):
             plan[f"model.layers.*.self_attn.{name}"] = ("colwise", [2 * d], d)
     par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
     assert par.lm_head.weight is par.model.embed_tokens.weight  # still tied
+    k_proj = par.model.layers[0].self_attn.k_proj
+    assert (k_proj.split_blocks, k_proj.head_size) == (((2,), d) if p > 2 else ((p,), None))
     assert par.model.layers[0].self_attn.num_key_value_groups == (2 if p < 4 else 1)
     ids = torch.randint(1, vocab, (2, 7), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
@@ -1712,27 +1715,48 @@ def test_hugging_face_llama(world):
     world.run(check_hugging_face_llama)
 
 
+def check_hugging_face_heads_that_cannot_be_split_whole():
+    """A transformers attention whose heads the ranks cannot each hold whole (6 query heads on 4
+    ranks; 3 key/value heads of 6 query heads on 4 ranks): its plan's ``"colwise"`` is a
+    ``ValueError`` naming the projection and the heads, before anything is replaced (not a shape
+    error in its first forward); with 2 key/value heads of 6, those are replicated and the query
+    heads' split is the error."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    for queries, kv, named in ((6, 6, "q_proj"), (12, 3, "k_proj")):
+        config = LlamaConfig(vocab_size=32, hidden_size=4 * queries, intermediate_size=16, num_hidden_layers=1,
+                             num_attention_heads=queries, num_key_value_heads=kv, max_position_embeddings=16)
+        dense = LlamaForCausalLM(config)
+        kind = "query" if named == "q_proj" else "key/value"
+        with pytest.raises(ValueError, match=rf"'model.layers.0.self_attn.{named}' \('colwise'\) holds "
+                                             rf"{queries if named == 'q_proj' else kv} {kind} heads of head_dim 4"):
+            tp_kernels.parallelize(dense, dense.tp_plan)
+        assert type(dense.model.layers[0].self_attn.q_proj) is nn.Linear  # nothing replaced
+
+
+def test_hugging_face_heads_that_cannot_be_split_whole(world4):
+    pytest.importorskip("transformers")
+    world4.run(check_hugging_face_heads_that_cannot_be_split_whole)
+
+
 def check_hugging_face_llama_sequence_parallel():
     """A transformers Llama (its own code; embeddings tied to the head, an attention mask, 2
     key/value heads) under sequence parallelism, by :func:`tp_kernels.sequence_parallel_plan` of
-    its own ``tp_plan``; on 4 ranks its key and value projections by tp_kernels' own entries, a
-    head replicated on two ranks (which torch's styles cannot say), inside the gathered attention. The decoder layers run on
+    its own ``tp_plan``; on 4 ranks its key and value projections hold a head each, replicated on
+    two ranks (its ``ColwiseParallel`` read as whole heads), inside the gathered attention. The decoder layers run on
     each rank's block of the sequence, and the logits, the loss, every gradient and an SGD step are
     the dense model's in float64."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     r, p = rank_world()
-    d = 4
     config = LlamaConfig(vocab_size=30, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=True, attn_implementation="sdpa", pad_token_id=0)
     torch.manual_seed(0)
     dense = LlamaForCausalLM(config).double()
     plan = tp_kernels.sequence_parallel_plan(dense)
-    if p > 2:  # (2 key/value heads: one each, replicated on two ranks)
-        for name in ("k_proj", "v_proj"):
-            plan[f"model.layers.*.self_attn.{name}"] = ("colwise", [2 * d], d)
     par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+    assert par.model.layers[0].self_attn.v_proj.split_blocks == ((2,) if p > 2 else (p,))  # (2 key/value heads)
     assert par.lm_head.weight is par.model.embed_tokens.weight  # still tied
     seen = []
     par.model.layers[1].input_layernorm.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))

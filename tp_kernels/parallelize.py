@@ -7,7 +7,7 @@ import hashlib
 import itertools
 import re
 import weakref
-from typing import Dict, Mapping
+from typing import Dict, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -218,7 +218,10 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     head_size)`` for attention whose keys and values have fewer heads than there are ranks
     (grouped-query or multi-query attention: those heads are replicated, see
     :class:`ColumnParallelLinear`'s ``head_size``; the module holding it, a transformers attention
-    with an int ``num_key_value_groups``, gets this rank's ratio, :func:`_key_value_groups`). Each
+    with an int ``num_key_value_groups``, gets this rank's ratio, :func:`_key_value_groups`); a
+    plain ``"colwise"`` of such an attention's key or value projection is read so where its heads
+    are fewer than the ranks and divide them, and one whose heads the ranks cannot each hold whole is
+    a ``ValueError`` (:func:`_replicated_heads`). Each
     replacement holds this rank's shard of the existing weights, so a dense model computes the same
     function afterwards (the code around the layers must use the local sizes, e.g. heads per rank).
 
@@ -641,6 +644,8 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
                     raise ValueError(f"plan[{pattern!r}]: {name!r} ('packed_colwise': two outputs side by side) has "
                                      f"an odd out_features={m.out_features}")
                 given = ((m.out_features // 2,) * 2, None)
+            elif style == "colwise" and given is None:  # (a transformers attention's keys and values)
+                given = _replicated_heads(pattern, name, m, module, p)
             if given == "partial" and sequence is not None:
                 raise ValueError(f"plan[{pattern!r}]: {name!r}: {'experts' if style in _EXPERTS else 'a row layer'} "
                                  f"whose output is left partial, {_describe(style, given)}, do not go with sequence "
@@ -734,6 +739,32 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
 
     ties = _ties(module, named, style_of)
     return named, chosen, style_of, split_styles, ties, as_dtensor, also_moved, _key_value_groups(module, chosen, p)
+
+
+def _replicated_heads(pattern: str, name: str, layer: nn.Linear, model: nn.Module, p: int) -> Optional[tuple]:
+    """What a plain ``"colwise"`` of ``layer`` in a transformers attention (its holder with an int
+    ``head_dim`` and ``num_key_value_groups``, and a ``config.num_attention_heads``) must be so that
+    each rank holds whole heads: None where p divides its heads (split as they are);
+    ``((out_features,), head_dim)`` for the key or value projection of fewer heads than ranks, which
+    divide p (grouped- or multi-query attention: each head replicated on p / heads ranks, as vLLM
+    does, and the attention's ``num_key_value_groups`` made this rank's, :func:`_key_value_groups`),
+    where a split by columns would cut heads apart and the attention's view of them fail; a
+    ``ValueError`` for heads that cannot be split whole. None too for a layer that is not the
+    attention's query, key or value projection (its heads neither the query heads nor a group's)."""
+    holder = model.get_submodule(name.rpartition(".")[0])
+    head_dim, groups = getattr(holder, "head_dim", None), getattr(holder, "num_key_value_groups", None)
+    queries = getattr(getattr(holder, "config", None), "num_attention_heads", None)
+    if not all(type(v) is int and v > 0 for v in (head_dim, groups, queries)) or layer.out_features % head_dim:
+        return None
+    heads = layer.out_features // head_dim
+    if heads % p == 0 or heads not in (queries, queries / groups):
+        return None
+    kind = "query" if heads == queries else "key/value"
+    if heads == queries or p % heads or queries % p:
+        raise ValueError(f"plan[{pattern!r}]: {name!r} ('colwise') holds {heads} {kind} heads of head_dim {head_dim} "
+                         f"(its attention's, of {queries} query heads): {p} ranks cannot each hold whole heads (the "
+                         "query heads must split evenly, and the key/value heads split evenly or divide the ranks)")
+    return (layer.out_features,), head_dim
 
 
 def _key_value_groups(module: nn.Module, chosen: Dict[str, tuple], p: int) -> Dict[str, int]:
