@@ -4,7 +4,8 @@ Every public call that communicates (the ops and layers, the embedding, the cros
 mappings) first checks its own arguments, then exchanges a *fingerprint* with its group: a
 fixed-size description of what it is about to do (the call, the shapes and dtypes of its
 tensors, the backend and the settings that decide its path, the chunking, whether gradients will
-flow, a layer's configuration), or the error this rank's check raised. Only when every rank describes the same call does any payload move. Otherwise every
+flow, a layer's configuration), or the error this rank's check raised. Only when every rank
+describes the same call does any payload move. Otherwise every
 rank raises, before any other collective: the rank whose arguments were wrong its own
 ``ValueError``, the others a ``RuntimeError`` naming that rank and its message; or, when the
 ranks disagree, every rank the same ``RuntimeError`` listing each rank's view. So a mismatch is
@@ -138,13 +139,13 @@ def agree_pair(call: str, group, peer: int, role: str, check: Callable[[], T], m
     """``check()`` agreed with group rank ``peer``, the other end of a point-to-point call.
 
     ``role`` is ``"send"`` or ``"recv"``, ``message(check())`` the message as this end sees it
-    (shape and dtype, and the path it takes). When fingerprints are on, the two ends swap their views (one bounded
-    exchange, :func:`tp_kernels._collectives.swap_bytes`) and both raise, before the payload moves,
-    unless one sends and the other receives the same message: a receiver expecting fewer bytes
-    than were sent would be killed by gloo, one expecting more would read memory never written, one
-    expecting another dtype would reinterpret the bytes. An end whose check failed raises its own
-    ``ValueError``, and the other a ``RuntimeError`` carrying it. ``peer`` was checked by the
-    caller; ``hint`` as for :func:`agree`."""
+    (shape and dtype, and the path it takes). When fingerprints are on, the two ends swap their
+    views (one bounded exchange, :func:`tp_kernels._collectives.swap_bytes`) and both raise, before
+    the payload moves, unless one sends and the other receives the same message: a receiver
+    expecting fewer bytes than were sent would be killed by gloo, one expecting more would read
+    memory never written, one expecting another dtype would reinterpret the bytes. An end whose
+    check failed raises its own ``ValueError``, and the other a ``RuntimeError`` carrying it.
+    ``peer`` was checked by the caller; ``hint`` as for :func:`agree`."""
     coll.check_alive(group)
     error: Optional[ValueError] = None
     try:

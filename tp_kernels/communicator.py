@@ -220,16 +220,20 @@ class Communicator:
         return self._agree(call, x, check, lambda d: f"x {_shape_but(x, d) if own else describe(x)} dim {d} "
                                                      f"sizes {list(sizes)}")
 
+    def _path(self) -> str:
+        """What decides the path of this communicator's calls, as their fingerprints show it: its
+        backend and the settings that decide that backend's path (the ranks must take the same)."""
+        return f"backend {self.backend}{deciding(self.backend)}"
+
     def _message(self, t: torch.Tensor) -> str:
-        """A point-to-point message as both ends must see it: its shape and dtype, and the backend
-        and settings that decide its path (the two ends must take the same one)."""
-        return f"{list(t.shape)} {str(t.dtype).rpartition('.')[2]}, backend {self.backend}{deciding(self.backend)}"
+        """A point-to-point message as both ends must see it: its shape and dtype, and its path."""
+        return f"{list(t.shape)} {str(t.dtype).rpartition('.')[2]}, {self._path()}"
 
     def _agree(self, call: str, x, check, describe_call):
         """``check()`` agreed with the group (:func:`tp_kernels._agreement.agree`): its call as
-        ``describe_call(check())`` says, with the backend and the settings that decide its path."""
+        ``describe_call(check())`` says, and its path."""
         return agree(f"Communicator.{call}", self.group, check,
-                     lambda checked: f"{describe_call(checked)}, backend {self.backend}{deciding(self.backend)}", hint=x)
+                     lambda checked: f"{describe_call(checked)}, {self._path()}", hint=x)
 
     def _alone(self, *tensors) -> bool:
         """Whether a call of these tensors has nothing to do but copy: the group is this rank

@@ -208,12 +208,12 @@ PARTIAL_GRADS = "_tp_kernels_partial_grads"
 
 
 class DeferredGather(torch.Tensor):
-    """What :func:`gather_for_column_layers` returns in eager calls: a tensor of the gathered
-    shape that holds this rank's ``block`` and gathers it only when something reads it. The column
-    layers of ``group`` that share it (:class:`tp_kernels.layers.SharedInputGather`), handed it
-    unread, take the block instead (:func:`deferred_block`): one ``all_gather_matmul`` of their
-    weights, the gather overlapped with the GEMM. Anything else (an op of torch's on it, a view, a
-    copy, its data pointer; a column layer alone) gathers it first, once, and computes on the gathered tensor
+    """What :func:`gather_for_column_layers` returns in eager calls: a tensor of the gathered shape
+    that holds this rank's ``block`` and gathers it only when something reads it. The column layers
+    of ``group`` that share it (:class:`tp_kernels.layers.SharedInputGather`), handed it unread,
+    take the block instead (:func:`deferred_block`): one ``all_gather_matmul`` of their weights, the
+    gather overlapped with the GEMM. Anything else (an op of torch's on it, a view, a copy, its data
+    pointer; a column layer alone) gathers it first, once, and computes on the gathered tensor
     (torch's ``__torch_dispatch__``, below autograd: the gradient it gets goes to the gather's
     backward as the gathered tensor's did). Its shape, dtype, device and strides (contiguous) are
     known without gathering, so a module that reads only them (transformers' attention takes the
