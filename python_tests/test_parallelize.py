@@ -610,7 +610,7 @@ def check_deferred_gather(read, device="cpu", dtype=torch.float64, backend="auto
     par = tp_kernels.parallelize(copy.deepcopy(dense).to(dtype), plan)
     for layer in (par[0].a, par[0].b):
         layer.backend = backend
-    x = torch.randn(b, s, hidden, dtype=torch.float64, requires_grad=True).to(device)
+    x = torch.randn(b, s, hidden, dtype=torch.float64).to(device).requires_grad_()  # (a leaf on any device)
 
     def close(name, got, want):
         if dtype == torch.float64:
