@@ -567,6 +567,13 @@ def check_measured_collective():
     autotune.choose_collective("broadcast", ["reference", "reference"], x, group, 0)
     assert torch.equal(x, before)
     times = autotune.decisions()[-1].times_s
+    # under a torch.func transform nothing is measured (its tensors are the transform's wrappers,
+    # of no storage a native path could read): the first variant, unremembered
+    autotune.forget()
+    chosen = []
+    torch.func.vmap(lambda t: chosen.append(autotune.choose_collective("all_reduce", ["reference", "native:1"], t,
+                                                                       group)) or t)(torch.ones(2, 64))
+    assert chosen == ["reference"] and autotune.decisions() == []
     autotune.forget()
     return times
 

@@ -35,9 +35,9 @@ up to a power of two, the root), each variant run on the call's input into a scr
 
 The forward decides: the backward of a call runs on the implementation its forward chose (the
 all-gather's and reduce-scatter's backward primitive in its own chunks: ``backends.backward_name``).
-Nothing is measured while ``torch.compile`` traces or a CUDA graph is captured: the class's
-decision is used if there is one, else the first candidate in the order fused, pipelined,
-reference, and nothing is remembered. ``TP_KERNELS_AUTOTUNE=0`` (:func:`set_autotune`) always
+Nothing is measured while ``torch.compile`` traces, a CUDA graph is captured or a ``torch.func``
+transform runs: the class's decision is used if there is one, else the first candidate in the
+order fused, pipelined, reference, and nothing is remembered. ``TP_KERNELS_AUTOTUNE=0`` (:func:`set_autotune`) always
 takes that first candidate. :func:`decisions` lists what was measured and chosen; :func:`forget`
 drops it (``destroy_model_parallel`` does so for its groups).
 """
@@ -54,6 +54,7 @@ import torch
 from . import _collectives as coll
 from . import backends, parallel_state
 from ._agreement import exchange_views
+from ._checks import functorch_transforms
 from ._op_table import OPS, POINT_TO_POINT, collective_output_shape, communicated_problem
 from ._timing import Timer
 from .settings import AUTO_CHOICES as CHOICES
@@ -193,6 +194,8 @@ def unmeasurable_reason(x: torch.Tensor) -> Optional[str]:
         return "torch.compile is tracing"
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return "a CUDA graph is being captured"
+    if functorch_transforms():  # (x a transform's wrapper, of no storage the native paths could read)
+        return "a torch.func transform is active"
     return None
 
 
