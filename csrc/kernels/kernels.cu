@@ -73,19 +73,30 @@ __device__ __forceinline__ void reduce_partials(const tp_kernels::PartialPtrs& p
 
 __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0; }
 
+// How often a wait reads the error word: it lies in mapped host memory, so each read crosses
+// PCIe (about a microsecond), where the flags are the GPU's own memory. A wait reads it every
+// kErrorPollNs of polling (none in a wait that ends sooner), not on every poll.
+constexpr unsigned long long kErrorPollNs = 8192;
+
 // Waits until flag i of `list` is set (polling every sleep_ns) and returns the value seen, or 0
-// when it gives up: the error word already set (an earlier wait failed: drain the stream), or
-// timeout_ns passed (code i recorded in the error word, if it is still 0). A value other than
-// expect[i] (when that is not 0) records code i | kMismatchBit. The flag is left as it is.
+// when it gives up: the error word found set (an earlier wait failed: drain the stream; read every
+// kErrorPollNs), or timeout_ns passed (code i recorded in the error word, if it is still 0). A
+// value other than expect[i] (when that is not 0) records code i | kMismatchBit. The flag is left
+// as it is.
 __device__ unsigned int await_flag(const tp_kernels::FlagList& list, int i, unsigned long long timeout_ns,
                                    unsigned int* error_word, unsigned int sleep_ns) {
   volatile unsigned int* flag = list.flag[i];
   volatile unsigned int* error = error_word;
   const unsigned long long start = global_timer_ns();
+  unsigned long long read_error = start + kErrorPollNs;  // when the error word is read next
   unsigned int seen;
   while ((seen = *flag) == 0) {
-    if (*error != 0) return 0;
-    if (global_timer_ns() - start > timeout_ns) {
+    const unsigned long long now = global_timer_ns();
+    if (now >= read_error) {
+      if (*error != 0) return 0;
+      read_error = now + kErrorPollNs;
+    }
+    if (now - start > timeout_ns) {
       atomicCAS(error_word, 0u, list.code[i]);
       __threadfence_system();
       return 0;
@@ -257,7 +268,7 @@ __device__ void all_reduce(const tp_kernels::AllReduceParams& a) {
 
 // Thread i waits for flag i and clears it; past timeout_ns it records code i in *error_word (if
 // still 0) and returns; a flag set to another value than expect[i] (when that is not 0) records
-// code i | kMismatchBit. Once the error word is set, every wait returns at once.
+// code i | kMismatchBit. Once the error word is set, every wait returns within kErrorPollNs.
 extern "C" __global__ void tpk_wait_flags(tp_kernels::FlagList list, int count, unsigned long long timeout_ns,
                                           unsigned int* error_word) {
   const int i = threadIdx.x;

@@ -12,8 +12,9 @@
 //   epoch number given by the host would.
 // * Bounded waits: a kernel polls the flags against the GPU's global timer; past its timeout it
 //   records an error code in a host-visible error word and returns, so no stream hangs forever.
-//   Once the error word is set, every later wait returns at once. The host reads the word to
-//   raise a clear error.
+//   Once the error word is set, every later wait returns within microseconds (a wait reads the
+//   word, which lies in host memory, every few microseconds of polling, not on every poll). The
+//   host reads the word to raise a clear error.
 // * Deterministic reduction: the sum of p partial buffers in fixed rank order 0..p-1 with fp32
 //   accumulation, so the result does not depend on chunking, timing or the run.
 // * The one-shot all-reduce of a rank in one kernel: the flag polls, the copy into its export

@@ -34,9 +34,9 @@
 //
 // Every wait is bounded by the context's timeout; a wait that times out, or finds a ready flag
 // with another call word than its own, records which op, flag and peer (and which of the two) in
-// the context's error word, every later wait of the context returns at once, and check() (called
-// at the start of every op) raises the error. A context with an error stays failed: the group's
-// workspace must be made again.
+// the context's error word, every later wait of the context returns within microseconds, and
+// check() (called at the start of every op) raises the error. A context with an error stays
+// failed: the group's workspace must be made again.
 #pragma once
 
 #include <cuda_runtime_api.h>
