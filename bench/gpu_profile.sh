@@ -9,8 +9,9 @@
 #   OUT=DIR bash bench/gpu_profile.sh       # a short call of its own, on a machine the suite used
 #
 # It builds the extension first when it does not import (as bench/gpu_suite.sh does) and writes,
-# per case, ncu's report (ncu-<algorithm>-<bytes>.ncu-rep), its details page as CSV (.csv) and
-# the program's and ncu's messages (.log), all in one tarball, $OUT/gpu-profile.tar.gz ($OUT: a new
+# per case, ncu's report (ncu-<algorithm>-<bytes>.ncu-rep), its details page as CSV (.csv), its
+# raw page (every metric, the stall reasons among them: -raw.csv) and the program's and ncu's
+# messages (.log), all in one tarball, $OUT/gpu-profile.tar.gz ($OUT: a new
 # temporary folder when unset); each case under 90 s, the clocks left as they are
 # (--clock-control none). Exit status: 0 when every case ran and its result was right, 2 when
 # ncu or the GPU is missing, 1 otherwise.
@@ -50,8 +51,13 @@ for case in "one_shot 16384" "one_shot 65536" "two_shot 65536" "one_shot 4194304
     --section LaunchStats --section WarpStateStats -f -o "$work/$name" \
     "$PY" bench/all_reduce_kernel.py "${args[@]}" >"$work/$name.log" 2>&1
   rc=$?
-  [ -f "$work/$name.ncu-rep" ] && "$ncu" --import "$work/$name.ncu-rep" --csv --page details >"$work/$name.csv" \
-    2>>"$work/$name.log"
+  if [ -f "$work/$name.ncu-rep" ]; then
+    "$ncu" --import "$work/$name.ncu-rep" --csv --page details >"$work/$name.csv" 2>>"$work/$name.log"
+    # every metric collected, each launch a row: the warp-state section's stall reasons
+    # (smsp__average_warps_issue_stalled_*: membar, barrier, long_scoreboard, sleeping, ...),
+    # which the details page gives only as its rules' sentences
+    "$ncu" --import "$work/$name.ncu-rep" --csv --page raw >"$work/$name-raw.csv" 2>>"$work/$name.log"
+  fi
   tail -n 3 "$work/$name.log"
   echo "$name: exit status $rc, $(cat "$work/$name.csv" 2>/dev/null | wc -l) lines of ncu's CSV"
   [ "$rc" -eq 0 ] || status=1
