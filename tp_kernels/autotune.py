@@ -37,9 +37,9 @@ The forward decides: the backward of a call runs on the implementation its forwa
 all-gather's and reduce-scatter's backward primitive in its own chunks: ``backends.backward_name``).
 Nothing is measured while ``torch.compile`` traces, a CUDA graph is captured or a ``torch.func``
 transform runs: the class's decision is used if there is one, else the first candidate in the
-order fused, pipelined, reference, and nothing is remembered. ``TP_KERNELS_AUTOTUNE=0`` (:func:`set_autotune`) always
-takes that first candidate. :func:`decisions` lists what was measured and chosen; :func:`forget`
-drops it (``destroy_model_parallel`` does so for its groups).
+order fused, pipelined, reference, and nothing is remembered. ``TP_KERNELS_AUTOTUNE=0``
+(:func:`set_autotune`) always takes that first candidate. :func:`decisions` lists what was
+measured and chosen; :func:`forget` drops it (``destroy_model_parallel`` does so for its groups).
 """
 
 from __future__ import annotations

@@ -101,8 +101,8 @@ def decode_gemms(iters: int, m: int = 16) -> Dict:
     F.linear's time over the native one's, target as :func:`gemm_throughput`'s). The GEMMs' own
     time, replayed from a CUDA graph of 20 calls: a GEMM of tens of microseconds timed eagerly
     between two events also holds the host time its call takes to launch it, which
-    :func:`host_overhead` measures (docs/benchmarks.md); the eager figures are in the record too (``"eager_f_linear_ms"``,
-    ``"eager_native_ms"``, ``"eager_ratio"``)."""
+    :func:`host_overhead` measures (docs/benchmarks.md); the eager figures are in the record too
+    (``"eager_f_linear_ms"``, ``"eager_native_ms"``, ``"eager_ratio"``)."""
     out = {}
     for name, (_, k, n) in LLAMA70B_TP8.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
