@@ -350,9 +350,9 @@ def test_extension_bench_flop_count():
 HOST_PLAIN = {"plain", "plain_layer", "plain_column", "plain_head", "plain_embedding", "plain_all_reduce",
               "plain_all_reduce_inplace", "plain_all_gather"}
 HOST_CALLS = HOST_PLAIN | {"RowParallelLinear/auto", "ColumnParallelLinear/auto", "ColumnParallelLinear/gather_output",
-                           "VocabParallelEmbedding", "Communicator.all_reduce", "Communicator.all_reduce/in_place",
-                           "Communicator.all_gather"} | {f"matmul_all_reduce/{b}" for b in
-                                                          ("reference", "pipelined", "auto", "auto:measured")}
+                           "VocabParallelEmbedding", "VocabParallelEmbedding/unchecked", "Communicator.all_reduce",
+                           "Communicator.all_reduce/in_place", "Communicator.all_gather"} | {
+                               f"matmul_all_reduce/{b}" for b in ("reference", "pipelined", "auto", "auto:measured")}
 
 
 def test_host_time_bench_at_one_and_two_ranks(tmp_path):

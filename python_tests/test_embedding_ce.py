@@ -610,6 +610,24 @@ def test_cross_entropy_errors(world2):
     world2.run(check_cross_entropy_errors)
 
 
+def check_unchecked_ids_fail(emb, emb_sp, head, ids, target, vocab):
+    """Where no host check looks at the ids (``TP_KERNELS_CHECK_IDS=0``; compiling, here with
+    ``aot_eager``), an id or target out of ``[0, V)`` (in the last rank's padding, past every
+    rank's block, negative) fails the lookup on every rank, as ``nn.Embedding``'s and
+    ``F.cross_entropy``'s do, before any collective: not zeros, not a wrong loss."""
+    compiled = torch.compile(emb, backend="aot_eager", fullgraph=True)
+    for bad in (vocab, vocab + 1000, -1):
+        wrong = ids.clone()
+        wrong[-1, -1] = bad
+        for call in (emb, emb_sp, compiled):
+            with pytest.raises(IndexError, match="index out of range"):
+                call(wrong)
+        wrong_target = target.clone()
+        wrong_target[-1, -1] = bad
+        with pytest.raises(RuntimeError, match="out of bounds"):
+            tp_kernels.vocab_parallel_cross_entropy(head(emb(ids)), wrong_target, vocab_size=vocab)
+
+
 #: vocabularies p does not divide (beyond p = 1): some ranks hold padding; with p + 1 at p = 4,
 #: blocks of 2, 2, 1 and 0 classes (the last rank holds only padding)
 PADDED_VOCABULARIES = {"one_over": lambda p: p + 1, "odd": lambda p: 4 * p + 1}
@@ -681,14 +699,14 @@ def check_padded_vocabulary(vocab_of_p, device="cpu"):
         emb(torch.tensor([vocab], device=device))
     with pytest.raises(ValueError, match="input: index -1 is out of range"):  # (the first out of range named)
         emb(torch.tensor([[0, -1], [vocab, 1]], device=device))
-    os.environ["TP_KERNELS_CHECK_IDS"] = "0"  # (no host sync: unchecked, an id out of range is looked up by none)
+    os.environ["TP_KERNELS_CHECK_IDS"] = "0"  # (no host sync: an id out of range fails the lookup, on every rank)
     try:
-        far = torch.tensor([vocab + 1000], device=device)  # (past every rank's block, padding included)
-        if p > 1:  # every rank masks it: zeros
-            assert torch.equal(emb(far), torch.zeros(1, dim, dtype=torch.float64, device=device))
-        elif device == "cpu":  # one rank: torch's embedding sees it
-            with pytest.raises(IndexError):
-                emb(far)
+        assert torch.equal(emb(ids), hidden) and torch.equal(emb_sp(ids), block(hidden, 0, r, p))
+        got = tp_kernels.vocab_parallel_cross_entropy(head(emb(ids)), target, vocab_size=vocab)  # (-100 ignored)
+        torch.testing.assert_close(got, F.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1),
+                                                        reduction="none").reshape(s, 3), rtol=1e-12, atol=1e-12)
+        if device == "cpu":  # (on CUDA the failed lookup is a device-side assert, which ends the process)
+            check_unchecked_ids_fail(emb, emb_sp, head, ids, target, vocab)
         os.environ["TP_KERNELS_CHECK_IDS"] = "2"
         with pytest.raises(ValueError, match="TP_KERNELS_CHECK_IDS: expected 0 or 1, got '2'"):
             emb(ids)

@@ -42,16 +42,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(logits, target, label_smoothing, ignore_index, group, start, vocab):
+    def forward(logits, target, label_smoothing, ignore_index, group, start, vocab, checked):
         # logits: [N, v] this rank's classes [start, start + v) of the vocab (v may be 0: all padding)
         v_local = logits.shape[-1]
         z = _shifted(logits, group)  # [N, v]
         in_range = (target >= start) & (target < start + v_local)
         local_target = (target - start).masked_fill(~in_range, 0)
-        if v_local:
-            target_logit = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
-        else:  # no class here (a block of padding alone): no target either
-            target_logit = z.new_zeros(z.shape[:1])
+        if not checked:  # (compiling, capturing, TP_KERNELS_CHECK_IDS=0) a target out of [0, V), not ignored,
+            # which every rank masks, indexes past this rank's classes instead: the gather fails on every
+            # rank, as F.cross_entropy's does (a device-side assert on CUDA), where the loss would be wrong
+            invalid = ((target < 0) | (target >= vocab)) & (target != ignore_index)
+            local_target = local_target.masked_fill(invalid, max(v_local, 1))
+        # (no class here, a block of padding alone: no target either, gathered from a column of zeros)
+        source = z if v_local else z.new_zeros(z.shape[0], 1)
+        target_logit = source.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
         exp = z.exp()
         # One sum all-reduce: the target's logit (held by one rank), Σ exp(z) and, for
         # smoothing, Σ z over the whole vocabulary. [k, N] -(AR)-> [k, N]
@@ -85,7 +89,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             rows = torch.arange(grad.shape[0], device=grad.device)
             grad[rows, local_target] -= (1.0 - eps) * in_range.to(grad.dtype)
         grad *= dloss.masked_fill(ignored, 0.0).unsqueeze(-1)
-        return grad.to(ctx.dtype), None, None, None, None, None, None
+        return grad.to(ctx.dtype), None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -127,7 +131,7 @@ def vocab_parallel_cross_entropy(
     """
     group = coll.resolve_group(group)
 
-    def check() -> int:
+    def check() -> Tuple[int, bool]:
         vocab = _check_logits(logits, vocab_size, group)
         check_tensor("target", target)
         if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
@@ -144,17 +148,16 @@ def vocab_parallel_cross_entropy(
         if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
             raise ValueError(f"ignore_index: expected an int, got {ignore_index!r}")
         check_choice("reduction", reduction, REDUCTIONS)
-        check_index_range("target", target, vocab, allowed=ignore_index)
-        return vocab
+        return vocab, check_index_range("target", target, vocab, allowed=ignore_index)
 
     # ranks whose blocks of the vocabulary differ in width would compute a wrong loss: agreed first
-    vocab = agree("vocab_parallel_cross_entropy", group, check,
-                  lambda vocab: f"logits {describe(logits)}, target {describe(target)}, vocabulary {vocab}, "
-                                f"label_smoothing {label_smoothing}, ignore_index {ignore_index}, "
-                                f"reduction {reduction}", hint=logits)
+    vocab, checked = agree("vocab_parallel_cross_entropy", group, check,
+                           lambda found: f"logits {describe(logits)}, target {describe(target)}, vocabulary "
+                                         f"{found[0]}, label_smoothing {label_smoothing}, ignore_index "
+                                         f"{ignore_index}, reduction {reduction}", hint=logits)
     classes, start = _classes(logits, vocab, group)
     loss = apply_function(_VocabParallelCrossEntropy, classes, target.reshape(-1), float(label_smoothing),
-                          int(ignore_index), group, start, vocab)[0]
+                          int(ignore_index), group, start, vocab, checked)[0]
     if reduction == "sum":
         return loss.sum()
     if reduction == "mean":  # (every rank holds every token's loss: no communication)

@@ -31,15 +31,19 @@ def _can_sync(t: torch.Tensor) -> bool:
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
-def check_index_range(name: str, ids: torch.Tensor, size: int, allowed: Optional[int] = None) -> None:
-    """Raise ValueError unless every entry of ``ids`` is in ``[0, size)`` (or equals ``allowed``).
+def check_index_range(name: str, ids: torch.Tensor, size: int, allowed: Optional[int] = None) -> bool:
+    """Raise ValueError unless every entry of ``ids`` is in ``[0, size)`` (or equals ``allowed``);
+    return whether it looked.
 
-    Skipped while compiling or capturing a CUDA graph, where it would need a host sync, and with
-    ``TP_KERNELS_CHECK_IDS=0`` (:func:`tp_kernels.settings.ids_checked`), where its host sync is
-    not wanted.
+    Skipped (False) while compiling or capturing a CUDA graph, where it would need a host sync, and
+    with ``TP_KERNELS_CHECK_IDS=0`` (:func:`tp_kernels.settings.ids_checked`), where its host sync
+    is not wanted: the caller's lookup must then fail on an id out of range itself, on every rank
+    (where a rank would mask it as another rank's id).
     """
-    if ids.numel() == 0 or not settings.ids_checked() or not _can_sync(ids):
-        return
+    if ids.numel() == 0:
+        return True
+    if not settings.ids_checked() or not _can_sync(ids):
+        return False
     # the smallest and the largest id first, read back at once: one op, one copy to the host (the
     # mask below, the error's, is four ops and a copy)
     low, high = torch.aminmax(ids)
@@ -52,6 +56,7 @@ def check_index_range(name: str, ids: torch.Tensor, size: int, allowed: Optional
     if bool(bad.any()):
         first = ids[bad].flatten()[0].item()
         raise ValueError(f"{name}: index {first} is out of range for a vocabulary of {size}")
+    return True
 
 
 def check_embedding(name: str, embedding: nn.Module) -> Optional[float]:
@@ -261,7 +266,9 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
         layer.load_full_weight(embedding.weight.detach())
         return layer
 
-    def _check(self, input_) -> None:
+    def _check(self, input_) -> bool:
+        """The input's checks (a ``ValueError`` naming it); whether its ids' range was looked at
+        (:func:`check_index_range`)."""
         d = self.sequence_dim
         check_tensor("input", input_, min_dim=d + 1 if self.sequence_parallel else 0)
         if self.sequence_parallel:
@@ -270,19 +277,24 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
             raise ValueError(f"input: expected ids of dtype torch.int64 or torch.int32, got {input_.dtype}")
         if input_.device != self.weight.device:
             raise ValueError(f"input: device {input_.device} does not match the weight's device {self.weight.device}")
-        check_index_range("input", input_, self.num_embeddings)
+        return check_index_range("input", input_, self.num_embeddings)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
-        agree("VocabParallelEmbedding", self.group, lambda: self._check(input_),
-              lambda _: f"{type(self).__name__}({self.extra_repr()}), input {describe(input_)}, "
-                        f"weight {describe(self.weight)}",
-              hint=self.weight)
+        checked = agree("VocabParallelEmbedding", self.group, lambda: self._check(input_),
+                        lambda _: f"{type(self).__name__}({self.extra_repr()}), input {describe(input_)}, "
+                                  f"weight {describe(self.weight)}",
+                        hint=self.weight)
         if self.tp_size == 1:
             return self._scaled(F.embedding(input_, self.weight, self.padding_idx))
         if self.sequence_parallel:  # (the ids' blocks stacked first: the lookup is then scattered along dim 0)
             input_ = coll.blocks_first(input_, self.sequence_dim, self.tp_size)
         outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
         local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
+        if not checked:  # (compiling, capturing, TP_KERNELS_CHECK_IDS=0) an id out of [0, V), which every rank
+            # masks, indexes past this rank's table instead: the lookup fails on every rank, as nn.Embedding's
+            # (an IndexError on the CPU, a device-side assert on CUDA), where it would embed to zeros
+            local_ids = local_ids.masked_fill((input_ < 0) | (input_ >= self.num_embeddings),
+                                              self.num_embeddings_per_partition)
         out = F.embedding(local_ids, self.weight, self._local_padding_idx)  # [..., D], this rank's rows
         out = self._scaled(out.masked_fill(outside.unsqueeze(-1), 0))
         if self.sequence_parallel:  # sum over ranks, this rank's block: [..., s/p, ..., D]

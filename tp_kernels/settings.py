@@ -29,11 +29,12 @@ environment variable                   setter (wins over it)       meaning, defa
                                                                    cross-entropy targets against the
                                                                    vocabulary (1: on CUDA a host sync, the
                                                                    GPU's work so far waited for) or not (0:
-                                                                   on several ranks an id out of range then
-                                                                   embeds to zeros and a target out of range
-                                                                   gives a wrong loss, unsaid; on one,
-                                                                   torch's own embedding sees the id);
-                                                                   default 1
+                                                                   an id or target out of range then fails
+                                                                   the lookup on every rank, as
+                                                                   ``nn.Embedding``'s and
+                                                                   ``F.cross_entropy``'s do: an
+                                                                   ``IndexError`` on the CPU, a device-side
+                                                                   assert on CUDA); default 1
 =====================================  ==========================  ===========================================
 
 Environment values are read when used, so a change takes effect at the next call; a malformed

@@ -32,7 +32,9 @@ k = n = 64, float32, one thread):
   backward all-reduces); an output layer's, without, and the all-gather of its ``[m, n]`` blocks
   along the last dim (as ``plain_all_gather``); the lookup of this rank's rows of a ``[p·n, k]``
   table, the other ids masked, and the all-reduce (Megatron's); tp_kernels' embedding also checks
-  the ids against the vocabulary (``TP_KERNELS_CHECK_IDS``: on a GPU, a host sync);
+  the ids against the vocabulary (``TP_KERNELS_CHECK_IDS``: on a GPU, a host sync), and
+  ``VocabParallelEmbedding/unchecked`` is the same call with ``TP_KERNELS_CHECK_IDS=0`` (no check:
+  an id out of range fails the lookup instead, one op more);
 * ``plain_all_reduce`` and ``Communicator.all_reduce``: a serving engine's all-reduce of the
   ``[m, n]`` output, into a new tensor (``dist.all_reduce`` of a clone, issued and waited for),
   and ``plain_all_reduce_inplace`` and ``Communicator.all_reduce/in_place`` (``out=`` the input);
@@ -75,6 +77,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -98,6 +101,8 @@ PEER_CALLS_PER_SAMPLE = 20
 #: the row of ``matmul_all_reduce`` by ``"auto"`` choosing among every backend that runs here (its
 #: class measured on the first call, as a deployment's first step does)
 MEASURED_AUTO = "matmul_all_reduce/auto:measured"
+#: the name of the embedding's call without its ids' check (``TP_KERNELS_CHECK_IDS=0``)
+UNCHECKED_EMBEDDING = "VocabParallelEmbedding/unchecked"
 #: the functions :func:`profiled` lists a call
 PROFILE_TOP = 12
 #: the calls :func:`function_calls` counts over
@@ -271,7 +276,8 @@ def _operands(device: torch.device, dtype: torch.dtype):
 
 def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("reference", "pipelined", "auto"),
            why_not: Callable[[str], Optional[str]] = _runs_on_a_fake_group):
-    """The timed calls at ``p`` ranks: name -> (function, its plain counterpart's name), and the
+    """The timed calls at ``p`` ranks: name -> (function, its plain counterpart's name[, the context
+    its calls run in]), and the
     skipped ones: name -> why (``why_not(impl)``, or why ``backend`` cannot run here at all)."""
     group = dist.group.WORLD
     m, k, n = SHAPES[device.type]
@@ -296,7 +302,8 @@ def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("referenc
     # "auto" choosing among every backend that runs here, its shape class measured by the first call
     named = tuple(b for b in backends if b != "auto" and f"matmul_all_reduce/{b}" in calls)
     if len(named) > 1:
-        calls[MEASURED_AUTO] = (lambda: ops.matmul_all_reduce(x, w, group=group, backend="auto"), "plain", named)
+        calls[MEASURED_AUTO] = (lambda: ops.matmul_all_reduce(x, w, group=group, backend="auto"), "plain",
+                                lambda: settings.overriding(auto_candidates=named))
     else:
         skipped[MEASURED_AUTO] = f"one backend runs here ({', '.join(named)}): nothing to choose among"
 
@@ -318,6 +325,9 @@ def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("referenc
             ("VocabParallelEmbedding", lambda: embedding(ids), "plain_embedding", lambda: plain_embedding(ids))):
         calls[plain_name] = (_without_grad(plain_fn), None)
         calls[name] = (_without_grad(fn), plain_name)
+    # and without its ids' check (no host sync)
+    calls[UNCHECKED_EMBEDDING] = (_without_grad(lambda: embedding(ids)), "plain_embedding",
+                                  lambda: _environment("TP_KERNELS_CHECK_IDS", "0"))
     impl = dispatch.select_backend("matmul_all_reduce", "auto", x, p, group, row.weight)
     why = why_not(impl)
     if why is None:
@@ -345,6 +355,20 @@ def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("referenc
     return calls, skipped
 
 
+@contextlib.contextmanager
+def _environment(name: str, value: str):
+    """The environment variable ``name`` set to ``value`` inside the block, as it was after it."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
 def _without_grad(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` called under ``torch.no_grad()`` (a serving engine's forward)."""
     def call():
@@ -360,8 +384,7 @@ def _timed(p: int, device: torch.device, samples: int, calls_per_sample: int, pr
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cuda = device.type == "cuda"
     calls, skipped = _calls(p, device, dtype, **which)
-    around = {name: (lambda names=call[2]: settings.overriding(auto_candidates=names))
-              for name, call in calls.items() if len(call) > 2}
+    around = {name: call[2] for name, call in calls.items() if len(call) > 2}
     before = len(autotune.decisions())
     times = host_times_us({name: call[0] for name, call in calls.items()}, samples, cuda, calls_per_sample, around)
     added = {name: times[name]["min_us"] - times[call[1]]["min_us"]
