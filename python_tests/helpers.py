@@ -128,6 +128,26 @@ def full_grads(model) -> dict:
                 q.copy_(w)
 
 
+def adam_drift(par, dense, eps: float) -> float:
+    """What Adam (``eps``) may make of the rounding between the parallelized ``par``'s gradients,
+    joined whole (:func:`full_grads`), and ``dense``'s, per unit of learning rate: its first step
+    moves an element by ``lr * g / (|g| + eps)``, so a gradient ``g`` that differs by ``d`` moves
+    it up to ``lr * d * eps / (|g| + eps)^2`` apart, ``lr * d / eps`` where the gradient is zero
+    but for rounding (a key bias's, whose shift softmax ignores: float64's rounding of 1e-15 then
+    1e-8 at lr 0.1, where a machine summing in another order differs by that much). The largest of
+    ``d * eps / (|g| + eps)^2``. One collective per sharded parameter, on every rank."""
+    grads = full_grads(par)
+    return max((((grads[name] - q.grad).abs() * eps) / (q.grad.abs() + eps) ** 2).max().item()
+               for name, q in dense.named_parameters() if q.grad is not None)
+
+
+def adam_atol(lr: float, drift: float, steps: int) -> float:
+    """How far apart ``steps`` Adam steps at ``lr`` may move two models' parameters whose
+    gradients differed by ``drift`` (:func:`adam_drift`, the largest over the steps): twice
+    ``lr * drift`` a step, and 1e-10 at least."""
+    return max(2 * steps * lr * drift, 1e-10)
+
+
 def assert_dense_grads(par, dense, eps: float) -> None:
     """Every gradient of the parallelized ``par``, joined whole, is ``dense``'s, to ``eps`` of the
     largest value of each (1e-12: float64's own rounding; a float32 step inside the model: more)."""

@@ -19,8 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tp_kernels
-from helpers import (assert_close, assert_dense_grads, assert_same_loss_and_backward, block, fingerprints_set,
-                     padded_block, rank_world, skip_unless_own_plan)
+from helpers import (adam_atol, adam_drift, assert_close, assert_dense_grads, assert_same_loss_and_backward, block,
+                     fingerprints_set, padded_block, rank_world, skip_unless_own_plan)
 
 HEAD_DIM = 5
 
@@ -1271,8 +1271,8 @@ def _assert_dense_checkpoint(path, dense, dense_opt, moments=("exp_avg", "exp_av
     """The dcp checkpoint at ``path`` (of :func:`_save_with_dcp`), converted offline to one file by
     torch and read with tp_kernels.dense_state_dict, is the dense model's state dict and its
     optimizer's ``moments`` (Adam's; SGD's ``"momentum_buffer"``) (float64 closeness: the parallel
-    gradients round otherwise; ``atol`` the parameters'). On one rank, once every rank's
-    ``dcp.save`` has returned."""
+    gradients round otherwise; ``atol`` the parameters': after SGD's steps 1e-8, after Adam's
+    :func:`helpers.adam_atol`). On one rank, once every rank's ``dcp.save`` has returned."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     dcp_to_torch_save(path, f"{path}.pt")
@@ -1448,7 +1448,7 @@ def check_replicated_kv_heads(path, kv_heads, device="cpu"):
     xs = [torch.randn(s, b, hidden, dtype=torch.float64, generator=g).to(device) for _ in range(3)]
     lr, eps = 0.1, 1e-8
     opts = [torch.optim.Adam(m.parameters(), lr=lr, eps=eps) for m in (dense, par)]
-    rounding = 0.0  # the largest difference between the two models' gradients, each step's
+    drift = 0.0  # what Adam makes of the two models' gradient rounding, the largest of each step's
     for step, x in enumerate(xs[:2]):
         _assert_same_backward(dense, par, x)
         for name, sizes, head_size in [("qkv.weight", dense.sizes, HEAD_DIM), ("qkv.bias", dense.sizes, HEAD_DIM),
@@ -1456,18 +1456,14 @@ def check_replicated_kv_heads(path, kv_heads, device="cpu"):
             got = par.get_parameter(name).grad
             want = _blocks_of_outputs(dense.get_parameter(name).grad, sizes, 0, r, p, head_size)
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name} gradient: {m}")
-            rounding = max(rounding, (got - want).abs().max().item())
+        drift = max(drift, adam_drift(par, dense, eps))
         if step == 0:
             want_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), 1.0)
             torch.testing.assert_close(tp_kernels.clip_grad_norm_(par, 1.0), want_norm, rtol=1e-12, atol=0)
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    # Adam moves an element whose gradient is zero but for rounding (the key bias's: softmax
-    # ignores a shift of every key) by lr * g / (|g| + eps), so a rounding difference d between
-    # the two models' gradients moves it up to lr * d / eps a step: plain float64 rounding of
-    # 1e-15 already gives 1e-8 (machines summing in another order differ by that much)
-    atol = max(4 * lr * rounding / eps, 1e-10)
+    atol = adam_atol(lr, drift, steps=2)  # (the key bias's gradient is rounding alone)
     full = tp_kernels.full_state_dict(par)
     for key, value in dense.state_dict().items():
         torch.testing.assert_close(full[key], value, rtol=1e-10, atol=atol, msg=lambda m: f"{key}: {m}")
@@ -1564,7 +1560,8 @@ def check_padded_vocabulary_model(path, vocab_of_p, device="cpu"):
     dense = tied_model(device)
     par = tp_kernels.parallelize(tied_model(device), LM_PLAN)
     assert par.head.weight is par.emb.weight and par.emb.weight.shape == (-(-vocab // p), hidden)
-    opts = [torch.optim.Adam(m.parameters(), lr=0.1) for m in (dense, par)]
+    lr, eps = 0.1, 1e-8
+    opts = [torch.optim.Adam(m.parameters(), lr=lr, eps=eps) for m in (dense, par)]
     g = torch.Generator().manual_seed(1)
     batches = [[torch.randint(0, vocab, (4, 3), generator=g).to(device) for _ in range(2)] for _ in range(3)]
 
@@ -1579,23 +1576,25 @@ def check_padded_vocabulary_model(path, vocab_of_p, device="cpu"):
         opt.step()
         return loss.detach()
 
+    drift = 0.0  # what Adam makes of the two models' gradient rounding, the largest of each step's
     for ids, tokens in batches[:2]:
         torch.testing.assert_close(step(par, opts[1], ids, tokens), step(dense, opts[0], ids, tokens),
                                    rtol=1e-10, atol=1e-10)
-    # (Adam scales a gradient that is zero but for rounding, as a key bias's, to lr * 1e-17 / eps: atol)
+        drift = max(drift, adam_drift(par, dense, eps))
+    atol = adam_atol(lr, drift, steps=2)  # (the key bias's gradient is rounding alone)
     for name in ("emb.weight", "block.mlp.0.weight", "head.weight"):
         torch.testing.assert_close(par.get_parameter(name), padded_block(dense.get_parameter(name), 0, r, p),
-                                   rtol=1e-10, atol=1e-8, msg=lambda m: f"{name}: {m}")
+                                   rtol=1e-10, atol=atol, msg=lambda m: f"{name}: {m}")
     pad = par.emb.pad_rows
     assert torch.all(par.emb.weight[par.emb.weight.shape[0] - pad:] == 0)  # exactly: never a gradient
     full = tp_kernels.full_state_dict(par)
     assert list(full) == list(dense.state_dict())
     for key, value in dense.state_dict().items():
-        torch.testing.assert_close(full[key], value, rtol=1e-10, atol=1e-8, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(full[key], value, rtol=1e-10, atol=atol, msg=lambda m: f"{key}: {m}")
     saved = {k: v.clone() for k, v in full.items()}
     _save_with_dcp(par, opts[1], path)
     if r == 0:
-        _assert_dense_checkpoint(path, dense, opts[0])
+        _assert_dense_checkpoint(path, dense, opts[0], atol=atol)
     tp_kernels.initialize_model_parallel(max(p // 2, 1))
     try:
         narrow = tp_kernels.parallelize(tied_model("meta"), LM_PLAN).to_empty(device=device)
@@ -1611,9 +1610,10 @@ def check_padded_vocabulary_model(path, vocab_of_p, device="cpu"):
         _assert_dense_moments(narrow, narrow_opt, dense, opts[0], steps=2)
         torch.testing.assert_close(step(narrow, narrow_opt, *batches[2]), step(dense, opts[0], *batches[2]),
                                    rtol=1e-10, atol=1e-10)
+        atol = adam_atol(lr, max(drift, adam_drift(narrow, dense, eps)), steps=3)
         after = tp_kernels.full_state_dict(narrow)  # the step's update too (a NaN gradient would show here)
         for key, value in dense.state_dict().items():
-            torch.testing.assert_close(after[key], value, rtol=1e-10, atol=1e-8, msg=lambda m: f"{key}: {m}")
+            torch.testing.assert_close(after[key], value, rtol=1e-10, atol=atol, msg=lambda m: f"{key}: {m}")
     finally:
         tp_kernels.destroy_model_parallel()
 
