@@ -628,6 +628,22 @@ def check_unchecked_ids_fail(emb, emb_sp, head, ids, target, vocab):
             tp_kernels.vocab_parallel_cross_entropy(head(emb(ids)), wrong_target, vocab_size=vocab)
 
 
+def check_unchecked_id_fails_on_the_gpu():
+    """With ``TP_KERNELS_CHECK_IDS=0`` on CUDA, an id past the vocabulary (in the last rank's
+    padding) fails this rank's lookup, a device-side assert as ``nn.Embedding``'s: what the next
+    synchronisation (or the all-reduce after the lookup) raised, or that nothing did."""
+    _, p = rank_world()
+    vocab = 4 * p + 1
+    emb = tp_kernels.VocabParallelEmbedding(vocab, 6, device="cuda")
+    os.environ["TP_KERNELS_CHECK_IDS"] = "0"
+    try:
+        out = emb(torch.tensor([[0, vocab]], device="cuda"))
+        torch.cuda.synchronize()
+    except RuntimeError as exc:
+        return str(exc)
+    return f"no error: embedded to {out.tolist()}"
+
+
 #: vocabularies p does not divide (beyond p = 1): some ranks hold padding; with p + 1 at p = 4,
 #: blocks of 2, 2, 1 and 0 classes (the last rank holds only padding)
 PADDED_VOCABULARIES = {"one_over": lambda p: p + 1, "odd": lambda p: 4 * p + 1}

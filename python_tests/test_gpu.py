@@ -972,6 +972,17 @@ def test_padded_vocabulary_layers_with_several_nccl_ranks(shared_gpu_world, voca
     shared_gpu_world.run(test_embedding_ce.check_padded_vocabulary, vocab_of_p, device="cuda")
 
 
+def test_unchecked_id_out_of_range_fails_every_nccl_rank():
+    """``TP_KERNELS_CHECK_IDS=0`` (no host sync): an id out of range fails the lookup of every one
+    of two NCCL ranks sharing the GPU, a device-side assert as ``nn.Embedding``'s, where every rank
+    masked it to zeros. A world of its own: the assert ends each rank's CUDA context (NCCL's
+    asynchronous error handling off, so that the ranks report it rather than abort)."""
+    env = {**ONE_GPU_RANKS_ENV, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+    with World(2, backend="nccl", timeout_s=60.0, env=env, cuda_device=0) as world:
+        messages = world.run(test_embedding_ce.check_unchecked_id_fails_on_the_gpu, deadline_s=90.0)
+    assert all("device-side assert triggered" in m for m in messages), messages
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_entropy_argmax_topk_with_several_nccl_ranks(shared_gpu_world, dtype):
     for check in (test_embedding_ce.check_entropy, test_embedding_ce.check_argmax, test_embedding_ce.check_topk,
