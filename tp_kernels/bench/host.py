@@ -38,6 +38,10 @@ k = n = 64, float32, one thread):
 * ``plain_all_reduce`` and ``Communicator.all_reduce``: a serving engine's all-reduce of the
   ``[m, n]`` output, into a new tensor (``dist.all_reduce`` of a clone, issued and waited for),
   and ``plain_all_reduce_inplace`` and ``Communicator.all_reduce/in_place`` (``out=`` the input);
+  on NCCL ranks also ``plain_all_reduce_inplace/nonblocking``, the same call on a second group
+  whose communicator is in NCCL's nonblocking mode, as the native path's is (there NCCL starts a
+  thread for each call's launch and returns at once, and the call is polled until it is
+  launched): what that mode costs a call over the blocking one;
 * ``plain_all_gather`` and ``Communicator.all_gather``: its all-gather of ``[m, n]`` blocks along
   the last dim (the logits' vocabulary), as vLLM's ``all_gather`` does it (into ``[p, m, n]``,
   issued and waited for, then moved to ``[m, p*n]``).
@@ -101,6 +105,8 @@ PEER_CALLS_PER_SAMPLE = 20
 #: the row of ``matmul_all_reduce`` by ``"auto"`` choosing among every backend that runs here (its
 #: class measured on the first call, as a deployment's first step does)
 MEASURED_AUTO = "matmul_all_reduce/auto:measured"
+#: the name of the in-place all-reduce on an NCCL communicator in nonblocking mode (NCCL groups only)
+NONBLOCKING_ALL_REDUCE = "plain_all_reduce_inplace/nonblocking"
 #: the name of the embedding's call without its ids' check (``TP_KERNELS_CHECK_IDS=0``)
 UNCHECKED_EMBEDDING = "VocabParallelEmbedding/unchecked"
 #: the functions :func:`profiled` lists a call
@@ -200,6 +206,18 @@ def profile_text(rows: List[list], top: int = 5) -> str:
     """The first ``top`` of :func:`profiled`'s rows as a report shows them."""
     return "the functions by own time a call (us, under cProfile): " + "; ".join(
         f"{where} {own:.2f}" for where, _, own, _ in rows[:top])
+
+
+def _nonblocking_nccl_group(p: int):
+    """A new NCCL group of the world's ``p`` ranks whose communicator is made in NCCL's
+    nonblocking mode (``config.blocking = 0``, as the native path's ``Communicator``), or why
+    this torch cannot make one."""
+    try:
+        options = dist.ProcessGroupNCCL.Options()
+        options.config.blocking = 0
+        return dist.new_group(list(range(p)), backend="nccl", pg_options=options)
+    except (AttributeError, TypeError, RuntimeError) as exc:  # (every rank alike)
+        return f"torch {torch.__version__} made no group in NCCL's nonblocking mode: {exc}"
 
 
 def _all_reduced(y: torch.Tensor, group) -> torch.Tensor:
@@ -339,6 +357,12 @@ def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("referenc
     y, comm = torch.randn(m, n, device=device, dtype=dtype), Communicator(group, device=device)
     calls["plain_all_reduce"] = (lambda: _all_reduced(y.clone(), group), None)
     calls["plain_all_reduce_inplace"] = (lambda: _all_reduced(y, group), None)
+    if p > 1 and dist.get_backend(group) == "nccl":  # (the same on a communicator in NCCL's nonblocking mode)
+        nonblocking = _nonblocking_nccl_group(p)
+        if isinstance(nonblocking, str):
+            skipped[NONBLOCKING_ALL_REDUCE] = nonblocking
+        else:
+            calls[NONBLOCKING_ALL_REDUCE] = (lambda: _all_reduced(y, nonblocking), "plain_all_reduce_inplace")
     why = why_not(dispatch.resolve_collective("all_reduce", comm.backend, y, group))
     if why is None:
         calls["Communicator.all_reduce"] = (lambda: comm.all_reduce(y), "plain_all_reduce")
