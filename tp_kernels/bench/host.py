@@ -34,7 +34,7 @@ k = n = 64, float32, one thread):
   table, the other ids masked, and the all-reduce (Megatron's); tp_kernels' embedding also checks
   the ids against the vocabulary (``TP_KERNELS_CHECK_IDS``: on a GPU, a host sync), and
   ``VocabParallelEmbedding/unchecked`` is the same call with ``TP_KERNELS_CHECK_IDS=0`` (no check:
-  an id out of range fails the lookup instead, one op more);
+  an id out of range fails the lookup instead: four small ops more);
 * ``plain_all_reduce`` and ``Communicator.all_reduce``: a serving engine's all-reduce of the
   ``[m, n]`` output, into a new tensor (``dist.all_reduce`` of a clone, issued and waited for),
   and ``plain_all_reduce_inplace`` and ``Communicator.all_reduce/in_place`` (``out=`` the input);
