@@ -135,11 +135,18 @@ def test_overriding_gives_back_what_was_set(monkeypatch):
     settings.set_fingerprints(True)
     try:
         with settings.overriding(timeout=3, fingerprints=False, auto_candidates=["reference"], autotune=False,
-                                 comm_stream_priority=0):
+                                 comm_stream_priority=0, ids_checked=False):
             assert (settings.get_timeout(), settings.fingerprints_enabled(), settings.get_auto_candidates(),
-                    settings.autotune_enabled(), settings.get_comm_stream_priority()) == (3.0, False, ("reference",),
-                                                                                         False, 0)
+                    settings.autotune_enabled(), settings.get_comm_stream_priority(), settings.ids_checked()) == (
+                        3.0, False, ("reference",), False, 0, False)
         assert settings.fingerprints_enabled() is True and settings.get_auto_candidates() is None
+        assert settings.ids_checked() is True
+        monkeypatch.setenv("TP_KERNELS_CHECK_IDS", "0")  # (the setter wins over the variable)
+        with settings.overriding(ids_checked=True):
+            assert settings.ids_checked() is True
+        assert settings.ids_checked() is False
+        with pytest.raises(ValueError, match="enabled: expected a bool or None, got 0"):
+            settings.set_ids_checked(0)
         monkeypatch.setenv("TP_KERNELS_TIMEOUT_S", "50")  # (none was set: the variable is read again)
         assert settings.get_timeout() == 50.0 and settings.get_comm_stream_priority() == settings.HIGHEST_PRIORITY
         with pytest.raises(RuntimeError, match="inside"), settings.overriding(timeout=2):

@@ -728,6 +728,9 @@ def check_padded_vocabulary(vocab_of_p, device="cpu"):
             emb(ids)
     finally:
         del os.environ["TP_KERNELS_CHECK_IDS"]
+    if device == "cpu":  # (the setter, as the variable)
+        with tp_kernels.settings.overriding(ids_checked=False), pytest.raises(IndexError, match="index out of range"):
+            emb(torch.tensor([[0, vocab]], device=device))
     if p > 1:
         with pytest.raises(ValueError, match=re.escape(f"vocab_size: {rows * p + 1} classes make blocks {rows + 1} "
                                                        f"wide on {p} ranks (ceil(V/p)), but logits' blocks are {rows} "

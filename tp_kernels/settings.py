@@ -25,7 +25,7 @@ environment variable                   setter (wins over it)       meaning, defa
                                                                    what it does before any payload moves
                                                                    (1) or not (0); default 0 (its cost:
                                                                    docs/api.md, "When ranks disagree")
-``TP_KERNELS_CHECK_IDS``               (0/1)                       an eager call checks its embedding ids and
+``TP_KERNELS_CHECK_IDS``               :func:`set_ids_checked`     an eager call checks its embedding ids and
                                                                    cross-entropy targets against the
                                                                    vocabulary (1: on CUDA a host sync, the
                                                                    GPU's work so far waited for) or not (0:
@@ -79,6 +79,7 @@ __all__ = [
     "set_autotune",
     "set_comm_stream_priority",
     "set_fingerprints",
+    "set_ids_checked",
     "set_timeout",
 ]
 
@@ -107,6 +108,7 @@ _priority: Optional[int] = None
 _candidates: Optional[Tuple[str, ...]] = None
 _autotune: Optional[bool] = None
 _fingerprints: Optional[bool] = None
+_ids_checked: Optional[bool] = None
 
 
 class _Variable:
@@ -281,10 +283,21 @@ def fingerprints_enabled() -> bool:
 _FINGERPRINTS = _switch("TP_KERNELS_FINGERPRINTS", FINGERPRINTS_DEFAULT)
 
 
+def set_ids_checked(enabled: Optional[bool]) -> None:
+    """Whether an eager call checks its embedding ids and cross-entropy targets against the
+    vocabulary on the host (on CUDA a host sync a call); unchecked, an id or target out of range
+    fails the lookup on every rank instead (see the table above). None returns to
+    ``TP_KERNELS_CHECK_IDS`` or the default (on)."""
+    if enabled is not None and not isinstance(enabled, bool):
+        raise ValueError(f"enabled: expected a bool or None, got {enabled!r}")
+    global _ids_checked
+    _ids_checked = enabled
+
+
 def ids_checked() -> bool:
     """Whether an eager call checks its embedding ids and cross-entropy targets against the
-    vocabulary (``TP_KERNELS_CHECK_IDS``, default on)."""
-    return _CHECK_IDS.get()
+    vocabulary (:func:`set_ids_checked`)."""
+    return _CHECK_IDS.get(_ids_checked)
 
 
 _CHECK_IDS = _switch("TP_KERNELS_CHECK_IDS", True)
@@ -325,13 +338,13 @@ _FUSED_ALL_REDUCE = _Variable("TP_KERNELS_FUSED_ALL_REDUCE", str, None)
 #: what :func:`overriding` takes: a setting's name -> its setter, and the module variable it writes
 _SETTERS = {"timeout": (set_timeout, "_timeout_s"), "comm_stream_priority": (set_comm_stream_priority, "_priority"),
             "auto_candidates": (set_auto_candidates, "_candidates"), "autotune": (set_autotune, "_autotune"),
-            "fingerprints": (set_fingerprints, "_fingerprints")}
+            "fingerprints": (set_fingerprints, "_fingerprints"), "ids_checked": (set_ids_checked, "_ids_checked")}
 
 
 @contextlib.contextmanager
 def overriding(**values):
     """The settings named (``timeout``, ``comm_stream_priority``, ``auto_candidates``,
-    ``autotune``, ``fingerprints``) set inside the block, each checked as its setter checks it;
+    ``autotune``, ``fingerprints``, ``ids_checked``) set inside the block, each checked as its setter checks it;
     after it, what was set before, exactly (a value a setter set, or none: the environment variable
     or the default again)::
 

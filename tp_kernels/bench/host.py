@@ -33,8 +33,8 @@ k = n = 64, float32, one thread):
   along the last dim (as ``plain_all_gather``); the lookup of this rank's rows of a ``[p·n, k]``
   table, the other ids masked, and the all-reduce (Megatron's); tp_kernels' embedding also checks
   the ids against the vocabulary (``TP_KERNELS_CHECK_IDS``: on a GPU, a host sync), and
-  ``VocabParallelEmbedding/unchecked`` is the same call with ``TP_KERNELS_CHECK_IDS=0`` (no check:
-  an id out of range fails the lookup instead: four small ops more);
+  ``VocabParallelEmbedding/unchecked`` is the same call unchecked (``set_ids_checked(False)``, no
+  host sync: an id out of range fails the lookup instead, four small ops more);
 * ``plain_all_reduce`` and ``Communicator.all_reduce``: a serving engine's all-reduce of the
   ``[m, n]`` output, into a new tensor (``dist.all_reduce`` of a clone, issued and waited for),
   and ``plain_all_reduce_inplace`` and ``Communicator.all_reduce/in_place`` (``out=`` the input);
@@ -81,7 +81,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import os
 import statistics
 import sys
 import time
@@ -107,7 +106,7 @@ PEER_CALLS_PER_SAMPLE = 20
 MEASURED_AUTO = "matmul_all_reduce/auto:measured"
 #: the name of the in-place all-reduce on an NCCL communicator in nonblocking mode (NCCL groups only)
 NONBLOCKING_ALL_REDUCE = "plain_all_reduce_inplace/nonblocking"
-#: the name of the embedding's call without its ids' check (``TP_KERNELS_CHECK_IDS=0``)
+#: the name of the embedding's call without its ids' check (``set_ids_checked(False)``)
 UNCHECKED_EMBEDDING = "VocabParallelEmbedding/unchecked"
 #: the functions :func:`profiled` lists a call
 PROFILE_TOP = 12
@@ -345,7 +344,7 @@ def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("referenc
         calls[name] = (_without_grad(fn), plain_name)
     # and without its ids' check (no host sync)
     calls[UNCHECKED_EMBEDDING] = (_without_grad(lambda: embedding(ids)), "plain_embedding",
-                                  lambda: _environment("TP_KERNELS_CHECK_IDS", "0"))
+                                  lambda: settings.overriding(ids_checked=False))
     impl = dispatch.select_backend("matmul_all_reduce", "auto", x, p, group, row.weight)
     why = why_not(impl)
     if why is None:
@@ -377,20 +376,6 @@ def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("referenc
     else:
         skipped["Communicator.all_gather"] = f"auto {why}"
     return calls, skipped
-
-
-@contextlib.contextmanager
-def _environment(name: str, value: str):
-    """The environment variable ``name`` set to ``value`` inside the block, as it was after it."""
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
 
 
 def _without_grad(fn: Callable[[], object]) -> Callable[[], object]:
