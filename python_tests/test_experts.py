@@ -14,8 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tp_kernels
-from helpers import (adam_atol, adam_drift, assert_close, assert_dense_grads, assert_same_loss_and_backward, fingerprints_set,
-                     full_grads, rank_world, skip_unless_own_plan)
+from helpers import (adam_atol, adam_drift, assert_close, assert_dense_grads, assert_same_loss_and_backward,
+                     fingerprints_set, full_grads, rank_world, skip_unless_own_plan)
 from tp_kernels import experts as experts_module
 from tp_kernels.experts import check_styles, shard_experts
 
