@@ -628,6 +628,22 @@ def check_unchecked_ids_fail(emb, emb_sp, head, ids, target, vocab):
             tp_kernels.vocab_parallel_cross_entropy(head(emb(ids)), wrong_target, vocab_size=vocab)
 
 
+def test_check_index_range_says_whether_it_looked():
+    """True where it looked (the ids in range, or none), False where it was switched off (the
+    lookup must then fail on its own); the mask it raises from leaves ``allowed`` out."""
+    from tp_kernels.embedding import check_index_range, out_of_range
+
+    ids = torch.tensor([0, 3, -100])
+    assert check_index_range("ids", ids[:2], 4) is True and check_index_range("ids", ids[:0], 4) is True
+    assert check_index_range("ids", ids, 4, allowed=-100) is True
+    with tp_kernels.settings.overriding(ids_checked=False):
+        assert check_index_range("ids", ids, 4) is False
+    assert out_of_range(ids, 4).tolist() == [False, False, True]
+    assert out_of_range(torch.tensor([4, -100, -1]), 4, allowed=-100).tolist() == [True, False, True]
+    with pytest.raises(ValueError, match="ids: index -100 is out of range for a vocabulary of 4"):
+        check_index_range("ids", ids, 4)
+
+
 def check_unchecked_id_fails_on_the_gpu():
     """With ``TP_KERNELS_CHECK_IDS=0`` on CUDA, an id past the vocabulary (in the last rank's
     padding) fails this rank's lookup, a device-side assert as ``nn.Embedding``'s: what the next

@@ -12,7 +12,7 @@ from . import _collectives as coll
 from . import rng
 from ._agreement import agree, describe
 from ._checks import apply_function, check_choice, check_int, check_tensor, differentiable_once, with_eager_form
-from .embedding import check_index_range
+from .embedding import check_index_range, out_of_range
 from .layers import split_block
 from .mappings import all_gather_op, all_reduce_op
 
@@ -51,8 +51,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if not checked:  # (compiling, capturing, TP_KERNELS_CHECK_IDS=0) a target out of [0, V), not ignored,
             # which every rank masks, indexes past this rank's classes instead: the gather fails on every
             # rank, as F.cross_entropy's does (a device-side assert on CUDA), where the loss would be wrong
-            invalid = ((target < 0) | (target >= vocab)) & (target != ignore_index)
-            local_target = local_target.masked_fill(invalid, max(v_local, 1))
+            local_target = local_target.masked_fill(out_of_range(target, vocab, ignore_index), max(v_local, 1))
         # (no class here, a block of padding alone: no target either, gathered from a column of zeros)
         source = z if v_local else z.new_zeros(z.shape[0], 1)
         target_logit = source.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)

@@ -18,7 +18,7 @@ from .layers import ParameterSplit, ShareGroupOnCopy, block_of, check_sequence_d
 from .mappings import gather_last_dim, reduce_from_into, reduce_scatter_dim0
 
 __all__ = ["ID_DTYPES", "VocabParallelEmbedding", "check_embedding", "check_embedding_dim", "check_index_range",
-           "shard_embedding_dim"]
+           "out_of_range", "shard_embedding_dim"]
 
 #: The dtypes of ids the embedding (``F.embedding``) takes.
 ID_DTYPES = (torch.int64, torch.int32)
@@ -29,6 +29,12 @@ def _can_sync(t: torch.Tensor) -> bool:
     if torch.compiler.is_compiling():
         return False
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def out_of_range(ids: torch.Tensor, size: int, allowed: Optional[int] = None) -> torch.Tensor:
+    """The mask of the entries of ``ids`` outside ``[0, size)`` (and other than ``allowed``)."""
+    bad = (ids < 0) | (ids >= size)
+    return bad if allowed is None else bad & (ids != allowed)
 
 
 def check_index_range(name: str, ids: torch.Tensor, size: int, allowed: Optional[int] = None) -> bool:
@@ -49,10 +55,8 @@ def check_index_range(name: str, ids: torch.Tensor, size: int, allowed: Optional
     low, high = torch.aminmax(ids)
     low, high = torch.stack((low, high)).tolist() if ids.is_cuda else (int(low), int(high))
     if low >= 0 and high < size:
-        return
-    bad = (ids < 0) | (ids >= size)
-    if allowed is not None:
-        bad &= ids != allowed
+        return True
+    bad = out_of_range(ids, size, allowed)
     if bool(bad.any()):
         first = ids[bad].flatten()[0].item()
         raise ValueError(f"{name}: index {first} is out of range for a vocabulary of {size}")
@@ -293,7 +297,7 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
         if not checked:  # (compiling, capturing, TP_KERNELS_CHECK_IDS=0) an id out of [0, V), which every rank
             # masks, indexes past this rank's table instead: the lookup fails on every rank, as nn.Embedding's
             # (an IndexError on the CPU, a device-side assert on CUDA), where it would embed to zeros
-            local_ids = local_ids.masked_fill((input_ < 0) | (input_ >= self.num_embeddings),
+            local_ids = local_ids.masked_fill(out_of_range(input_, self.num_embeddings),
                                               self.num_embeddings_per_partition)
         out = F.embedding(local_ids, self.weight, self._local_padding_idx)  # [..., D], this rank's rows
         out = self._scaled(out.masked_fill(outside.unsqueeze(-1), 0))
