@@ -170,9 +170,10 @@ def test_gradients_are_first_order(world2):
 
 
 def check_one_rank_is_a_linear_layer():
-    """With one rank, a layer on the reference path is ``F.linear`` itself, as ``nn.Linear`` is:
-    a gradient penalty (a second derivative) through a column -> row pair equals the dense
-    model's in float64, on every layout."""
+    """With one rank, a layer is ``F.linear`` itself, as ``nn.Linear`` is, on every backend that
+    runs the call: a gradient penalty (a second derivative) through a column -> row pair equals
+    the dense model's in float64, on every layout; ``"fused"``, which cannot run on host tensors,
+    says so (a 3-D input as a 2-D one)."""
     torch.manual_seed(0)
     dense1, dense2 = torch.nn.Linear(4, 6).double(), torch.nn.Linear(6, 3).double()
     x = torch.randn(5, 2, 4, dtype=torch.float64)
@@ -183,13 +184,18 @@ def check_one_rank_is_a_linear_layer():
         return torch.autograd.grad(dx.square().sum(), params)
 
     want = penalty(dense1, dense2, [*dense1.parameters(), *dense2.parameters()])
-    for backend, sp, gather in itertools.product(["auto", "reference"], [False, True], [False, True]):
+    for backend, sp, gather in itertools.product(["auto", "reference", "pipelined"], [False, True], [False, True]):
         fc1 = tp_kernels.ColumnParallelLinear.from_linear(dense1, backend=backend, sequence_parallel=sp,
                                                           gather_output=gather)
         fc2 = tp_kernels.RowParallelLinear.from_linear(dense2, backend=backend, sequence_parallel=sp)
         got = penalty(fc1, fc2, [*fc1.parameters(), *fc2.parameters()])
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=lambda m: f"{backend} sp={sp}: {m}")
+    for call in (lambda: tp_kernels.matmul_all_reduce(x, dense1.weight, backend="fused"),
+                 lambda: tp_kernels.all_gather_matmul(x.reshape(10, 4), dense1.weight, backend="fused"),
+                 lambda: tp_kernels.RowParallelLinear.from_linear(dense1, backend="fused")(x)):
+        with pytest.raises(ValueError, match="backend: 'fused' cannot run"):
+            call()
 
 
 @pytest.mark.parametrize("world", [1], indirect=True)

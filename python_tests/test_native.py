@@ -29,15 +29,18 @@ def test_routing_on_cpu_keeps_the_portable_backends(caplog):
 
 
 def test_routing_when_the_native_path_is_supported(monkeypatch, caplog):
-    """What CUDA tensors get: pipelined -> native always; auto -> native only with several ranks."""
+    """What CUDA tensors get: pipelined -> native with several ranks, as auto (once switched on);
+    with one rank every backend runs the reference (the linear layer itself)."""
     monkeypatch.setattr(pipelined_native, "unsupported_reason", lambda x, w, g: None)
     monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "1")
     monkeypatch.setenv("TP_KERNELS_AUTOTUNE", "0")  # the order without measuring (measuring needs a group)
     x = torch.randn(4, 8)
-    for p in (1, 2, 8):
+    for p in (2, 8):
         assert ops.select_backend("all_gather_matmul", "pipelined", x, p) == "native:1"
         assert ops.select_backend("all_gather_matmul", "pipelined", x, p, num_chunks=3) == "native:3"
         assert ops.select_backend("all_gather_matmul", "reference", x, p) == "reference"
+    for backend in ("pipelined", "auto", "reference"):
+        assert ops.select_backend("all_gather_matmul", backend, x, 1, num_chunks=3) == "reference"
     assert ops.select_backend("all_gather_matmul", "auto", x, 2) == "native:1"
     with caplog.at_level(logging.DEBUG, logger="tp_kernels.dispatch"):
         assert ops.select_backend("all_gather_matmul", "auto", x, 1) == "reference"

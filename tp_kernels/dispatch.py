@@ -208,8 +208,13 @@ def resolve(op: str, backend: str, x: torch.Tensor, p: int, group=None, weight: 
       (:func:`candidates`; by default the reference, plus the fused and native paths where
       ``TP_KERNELS_AUTO_FUSED``/``TP_KERNELS_AUTO_NATIVE`` switch them on), measuring them on
       the first call of each shape class when there are several
-      (:func:`tp_kernels.autotune.choose`); with one rank it runs the reference. It says why at
-      debug level. ``bias`` is the call's, for measuring.
+      (:func:`tp_kernels.autotune.choose`). It says why at debug level. ``bias`` is the call's,
+      for measuring.
+
+    With one rank every backend runs the reference (``ops.run``: the linear layer itself; nothing
+    to gather, scatter or overlap), once a named ``"fused"`` that cannot run the call has said so:
+    nothing else of a path that does not run is asked for (its chunks, its all-reduce algorithm,
+    whether the native module takes the tensors), which would only add host time to the call.
 
     ``num_chunks`` (None: the schedule's default for the op's primitive) goes into the name of
     the chunked implementations. Every input of the decision is the same on all ranks of the
@@ -218,13 +223,16 @@ def resolve(op: str, backend: str, x: torch.Tensor, p: int, group=None, weight: 
     """
     if backend == "reference":
         return backend
-    chunks = DEFAULT_NUM_CHUNKS[OPS[op].primitive] if num_chunks is None else num_chunks
     w = x if weight is None else weight
     if backend == "fused":
         reason = fused.unsupported_reason(x, w, group)
         if reason is not None:
             raise ValueError(f"backend: 'fused' cannot run {op} (p={p}, x {tuple(x.shape)} {x.dtype} on "
                              f"{x.device}): {reason}. Use 'pipelined' or 'auto' there.")
+    if p == 1 and (backend != "auto" or not _debugging()):  # (auto says why when asked: _candidates)
+        return "reference"
+    chunks = DEFAULT_NUM_CHUNKS[OPS[op].primitive] if num_chunks is None else num_chunks
+    if backend == "fused":
         return _name("fused", op, x, w, p, chunks)
     if backend == "pipelined":
         reason = pipelined_native.unsupported_reason(x, w, group)
@@ -235,8 +243,6 @@ def resolve(op: str, backend: str, x: torch.Tensor, p: int, group=None, weight: 
                          tuple(x.shape), x.dtype, reason)
         return _name("pipelined", op, x, w, p, chunks)
     debugging = _debugging()
-    if p == 1 and not debugging:  # one rank, nothing to overlap (what _candidates says when asked why)
-        return "reference"
     state = settings.auto_state()
     if not (state.fast_path_on or debugging):  # nothing but the reference to choose
         return "reference"

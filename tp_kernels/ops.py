@@ -101,9 +101,8 @@ def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int]
         # 0.137, and 18.6 us more host time (docs/benchmarks.md)
         coll.check_alive(group)
         x, weight, bias, _ = check()
-        if backend != "reference":
-            resolve(op, backend, x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), p, group, weight, bias,
-                    num_chunks)
+        if backend != "reference":  # (with one rank resolve reads x's device, dtype and size alone: any dims)
+            resolve(op, backend, x, p, group, weight, bias, num_chunks)
         return F.linear(x, weight, bias)
 
     def fingerprint(checked) -> str:
