@@ -31,8 +31,8 @@ from ._op_table import OPS, communicated_problem
 from .backends import fused, impl_name, parse, pipelined_native
 from .schedule import DEFAULT_NUM_CHUNKS, resolve_num_chunks
 
-__all__ = ["candidates", "capture_paths", "collective_candidates", "collective_variants", "fused_all_reduce_algorithm",
-           "resolve", "resolve_collective", "select_backend"]
+__all__ = ["candidates", "capture_paths", "check_runnable", "collective_candidates", "collective_variants",
+           "fused_all_reduce_algorithm", "resolve", "resolve_collective", "select_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +191,21 @@ def select_backend(op: str, backend: str, x: torch.Tensor, p: int, group=None,
     return resolve(op, backend, x, p, group, weight, bias, num_chunks)
 
 
+def check_runnable(op: str, backend: str, x: torch.Tensor, p: int, group=None,
+                   weight: Optional[torch.Tensor] = None) -> None:
+    """The ``ValueError`` of a named backend that cannot run this call of ``op``: ``"fused"``,
+    which has no portable form to fall back on, where :func:`fused.unsupported_reason` says why
+    (a named ``"pipelined"`` falls back, the others run anywhere). Nothing else is decided: the
+    first step of :func:`resolve`, and all that a call asks that runs the linear layer itself
+    (with one rank, or a forward that communicates nothing and records no backward), where no
+    path's name is needed. ``x`` of any dims."""
+    if backend == "fused":
+        reason = fused.unsupported_reason(x, x if weight is None else weight, group)
+        if reason is not None:
+            raise ValueError(f"backend: 'fused' cannot run {op} (p={p}, x {tuple(x.shape)} {x.dtype} on "
+                             f"{x.device}): {reason}. Use 'pipelined' or 'auto' there.")
+
+
 def resolve(op: str, backend: str, x: torch.Tensor, p: int, group=None, weight: Optional[torch.Tensor] = None,
             bias: Optional[torch.Tensor] = None, num_chunks: Optional[int] = None) -> str:
     """The implementation name that runs ``op`` (a public op of :mod:`tp_kernels.ops`) for this
@@ -223,14 +238,10 @@ def resolve(op: str, backend: str, x: torch.Tensor, p: int, group=None, weight: 
     """
     if backend == "reference":
         return backend
-    w = x if weight is None else weight
-    if backend == "fused":
-        reason = fused.unsupported_reason(x, w, group)
-        if reason is not None:
-            raise ValueError(f"backend: 'fused' cannot run {op} (p={p}, x {tuple(x.shape)} {x.dtype} on "
-                             f"{x.device}): {reason}. Use 'pipelined' or 'auto' there.")
+    check_runnable(op, backend, x, p, group, weight)
     if p == 1 and (backend != "auto" or not _debugging()):  # (auto says why when asked: _candidates)
         return "reference"
+    w = x if weight is None else weight
     chunks = DEFAULT_NUM_CHUNKS[OPS[op].primitive] if num_chunks is None else num_chunks
     if backend == "fused":
         return _name("fused", op, x, w, p, chunks)

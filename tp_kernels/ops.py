@@ -39,7 +39,7 @@ from . import _library
 from ._agreement import agree, describe
 from ._checks import check_choice, check_divisible, check_linear_args, check_split_dim, functorch_transforms, wants_grad
 from ._op_table import OPS
-from .dispatch import resolve, select_backend
+from .dispatch import check_runnable, resolve, select_backend
 from .schedule import resolve_num_chunks
 from .settings import BACKEND_NAMES, deciding
 
@@ -115,11 +115,8 @@ def run(op: str, x, weight, bias, group, backend: str, num_chunks: Optional[int]
     if not OPS[op].forward_communicates and not functorch_transforms() and not wants_grad((x, weight, bias)):
         # a forward that communicates nothing, whose backward is not recorded (no_grad, inference:
         # a decode step's column layers): the local GEMM itself, as with one rank, without the op,
-        # once a backend named (not "auto", which runs anything; nothing to measure here) that
-        # cannot run the call has said so
-        if backend not in ("reference", "auto"):
-            resolve(op, backend, x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), p, group, weight, bias,
-                    num_chunks)
+        # once a backend named that cannot run the call has said so (nothing to decide or measure)
+        check_runnable(op, backend, x, p, group, weight)
         return F.linear(x, weight, bias)
     # the op's rows, rank-major along dim 0: a gathered shard is one block as it is; the p blocks
     # of a scattered dim are stacked first
