@@ -1673,7 +1673,7 @@ def _assert_same_sgd_step(dense, par):
                                    msg=lambda m: f"{name}: {m}")
 
 
-def check_hugging_face_llama():
+def check_hugging_face_llama(device="cpu"):
     """A Hugging Face Llama (transformers' own code, a small config made here, embeddings tied to the
     head, 2 key/value heads) parallelized by its own ``tp_plan`` over 1, 2 and 4 ranks (its style
     names: the head ``"colwise_gather_output"``, so that transformers' loss and generation take
@@ -1683,12 +1683,12 @@ def check_hugging_face_llama():
     logits and loss are the dense model's in float64, an SGD step gives the dense weights, and
     greedy generation the dense model's tokens, by SDPA and by the eager attention, a row of the
     batch padded (on 4 ranks the attention's ``num_key_value_groups`` is then each rank's: one
-    query head a key/value head)."""
+    query head a key/value head). ``device``: where the models and the batch are."""
     for attention in ("sdpa", "eager"):
-        _check_hugging_face_llama(attention)
+        _check_hugging_face_llama(attention, device)
 
 
-def _check_hugging_face_llama(attention):
+def _check_hugging_face_llama(attention, device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     r, p = rank_world()
@@ -1697,7 +1697,7 @@ def _check_hugging_face_llama(attention):
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=True, attn_implementation=attention, pad_token_id=0)
     torch.manual_seed(0)
-    dense = LlamaForCausalLM(config).double()
+    dense = LlamaForCausalLM(config).double().to(device)
     plan = dict(dense.tp_plan)  # transformers' own, in its style names
     assert plan["model.embed_tokens"] == "embedding_rowwise" and plan["lm_head"] == "colwise_gather_output", plan
     if p > 2 and attention == "eager":  # 2 key/value heads: one each, replicated on two ranks (said so)
@@ -1708,7 +1708,7 @@ def _check_hugging_face_llama(attention):
     k_proj = par.model.layers[0].self_attn.k_proj
     assert (k_proj.split_blocks, k_proj.head_size) == (((2,), d) if p > 2 else ((p,), None))
     assert par.model.layers[0].self_attn.num_key_value_groups == (2 if p < 4 else 1)
-    ids = torch.randint(1, vocab, (2, 7), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(1, vocab, (2, 7), generator=torch.Generator().manual_seed(1)).to(device)
     mask = torch.ones_like(ids)
     mask[1, -2:] = 0  # (padding: SDPA then repeats the keys itself)
     assert_same_loss_and_backward(dense, par, ids, attention_mask=mask)
@@ -2458,14 +2458,14 @@ def test_sequence_parallel_plan_errors():
         tp_kernels.sequence_parallel_plan(deepseek, {**_plan(deepseek, "tp"), "model.layers.*.mlp.*down_proj": "rowwise"})
 
 
-def check_hugging_face_plans(kind):
+def check_hugging_face_plans(kind, device="cpu"):
     """transformers models parallelized by their own ``tp_plan``, its other styles: Qwen 3's per-head
     ``q_norm`` and ``k_norm`` (``"replicated_with_grad_allreduce"``: each rank's gradient of them is
     its heads' share, summed over the group in backward) and OLMo 2's whole-width ones (its
     projections ``"colwise_gather_output"`` and ``"rowwise_split_input"``). Two micro-batches
     accumulated, then an SGD step, give the dense model's weights in float64 (so the norms' gradient
     is summed once per backward, not again with what had accumulated); the logits are the dense
-    model's."""
+    model's. ``device``: where the models and the batches are."""
     import transformers
 
     r, p = rank_world()
@@ -2474,12 +2474,12 @@ def check_hugging_face_plans(kind):
         num_key_value_heads=4, head_dim=4, max_position_embeddings=64, attn_implementation="sdpa")
     model_class = getattr(transformers, {"qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}[kind])
     torch.manual_seed(0)
-    dense = model_class(config).double()
+    dense = model_class(config).double().to(device)
     plan = dict(dense.tp_plan)
     assert {"qwen3": "replicated_with_grad_allreduce", "olmo2": "rowwise_split_input"}[kind] in plan.values(), plan
     par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, 32, (2, 6), generator=g) for _ in range(2)]
+    batches = [torch.randint(0, 32, (2, 6), generator=g).to(device) for _ in range(2)]
     for ids in batches:  # accumulated
         want, got = dense(ids, labels=ids), par(ids, labels=ids)
         torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-12)
