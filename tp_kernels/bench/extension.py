@@ -18,8 +18,10 @@ against):
 3. **Chunking cost** at the Llama-3-70B TP8 shapes (m = 8192; column: k = 8192, n = 28672/8;
    row: k = 28672/8, n = 8192): the GEMM split as the schedules split it (4 row chunks; the
    reduce-scatter's 4 batched chunks over 8 destination blocks; the all-gather ring's 8 shards)
-   against the unsplit GEMM (target for 4 chunks: ≥ 0.97× its TFLOP/s); and the unsplit native
-   GEMM against ``F.linear`` at those shapes (target ≥ 0.99×).
+   against the unsplit GEMM (target for 4 chunks: ≥ 0.97× its TFLOP/s), and the 4 row chunks and
+   the 8 shards alternating between two streams (``..._two_streams``: whether one GEMM's last
+   wave beside the next one's first wins back the split's cost); and the unsplit native GEMM
+   against ``F.linear`` at those shapes (target ≥ 0.99×).
 4. **Decode GEMMs**: the native GEMM against ``F.linear`` at m = 16 of those shapes, forward and
    the backward's dgrad (the weight transposed), replayed from a CUDA graph: the GEMMs' own time,
    without the host's launch (target ≥ 0.99×).
@@ -144,7 +146,25 @@ def host_overhead(iters: int) -> Dict:
 
 
 def chunking(iters: int, p: int = 8, chunks: int = 4) -> Dict:
+    """Section 3 of the module doc: each split's GEMMs one after the other on the current stream,
+    as the schedules run them, and (``..._two_streams``) the row chunks and the ring's shards
+    alternating between the current stream and a second one, so that a GEMM's last, partly filled
+    wave of tiles may run beside the next GEMM's first (:func:`alternating`): whether that wins
+    back what splitting costs."""
     out = {}
+    side = torch.cuda.Stream()
+
+    def alternating(gemms) -> None:
+        """Each of ``gemms`` (callables, each enqueuing one GEMM on the current stream) on the
+        current stream and ``side`` in turn, ``side`` first waiting for the current stream and
+        the current stream, last, for ``side``."""
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        for j, gemm in enumerate(gemms):
+            with torch.cuda.stream(side if j % 2 else main):
+                gemm()
+        main.wait_stream(side)
+
     for name, (m, k, n) in LLAMA70B_TP8.items():
         x, w = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in ((m, k), (n, k)))
         y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -163,12 +183,20 @@ def chunking(iters: int, p: int = 8, chunks: int = 4) -> Dict:
             for q in range(p):
                 _extension.linear(x[q * mp:(q + 1) * mp], w, out=y[q * mp:(q + 1) * mp])
 
+        def rows_two_streams():  # the all-reduce's chunks, alternating between two streams
+            alternating(lambda a=a, b=b: _extension.linear(x[a:b], w, out=y[a:b]) for a, b in chunk_bounds(m, chunks))
+
+        def ring_two_streams():  # the ring's shards, alternating between two streams
+            alternating(lambda q=q: _extension.linear(x[q * mp:(q + 1) * mp], w, out=y[q * mp:(q + 1) * mp])
+                        for q in range(p))
+
         t_full = gpu_time_ms(lambda: _extension.linear(x, w, out=y), iters)
         t_torch = gpu_time_ms(lambda: F.linear(x, w), iters)
         entry = {"shape": [m, k, n], "dtype": "bfloat16", "unsplit_ms": t_full, "unsplit_tflops": tflops(m, k, n, t_full),
                  "f_linear_ms": t_torch, "native_vs_f_linear": t_torch / t_full}
         for label, fn in ((f"{chunks}_row_chunks", rows_split), (f"{chunks}_rs_chunks_x{p}", rs_split),
-                          (f"ring_{p}_shards", ring_split)):
+                          (f"ring_{p}_shards", ring_split), (f"{chunks}_row_chunks_two_streams", rows_two_streams),
+                          (f"ring_{p}_shards_two_streams", ring_two_streams)):
             t = gpu_time_ms(fn, iters)
             entry[label] = {"ms": t, "tflops": tflops(m, k, n, t), "vs_unsplit": t_full / t}
         out[name] = entry
