@@ -8,6 +8,9 @@ choice (:func:`tp_kernels.autotune.choose`) and the fused all-reduce algorithm. 
 carry that name down; the backward of a call runs on the implementation its forward chose (the
 all-gather's and reduce-scatter's backward primitive in its own chunks:
 :func:`tp_kernels.backends.backward_name`), and nothing below decides or checks again.
+:func:`resolve`'s first step, :func:`check_runnable` (a named ``"fused"`` that cannot run the call
+raises), is all that a call asks that runs the linear layer itself (one rank; a forward without
+communication or backward).
 
 :func:`resolve_collective` is the same decision for the plain collectives of
 :class:`tp_kernels.Communicator` (``"reference"``, ``"native:1"``, ``"fused:one_shot"``), with
