@@ -1061,13 +1061,16 @@ def test_moe_sequence_parallel_plan_with_several_nccl_ranks(shared_gpu_world, ki
 
 def test_hugging_face_models_by_their_own_plans_with_several_nccl_ranks(shared_gpu_world):
     """transformers' Llama (its embedding tied to the head; on 4 ranks its key/value heads
-    replicated), Qwen 3 (per-head norms) and OLMo 2 (whole-width norms) by their own ``tp_plan``
-    on NCCL ranks sharing the GPU, against the dense model on the GPU in float64: logits, loss, an
-    SGD step, and Llama's greedy generation (test_parallelize)."""
+    replicated), Qwen 3 (per-head norms), OLMo 2 (whole-width norms) and Gemma 1-3 (a scaled
+    embedding tied to the head) by their own ``tp_plan`` on NCCL ranks sharing the GPU, against
+    the dense model on the GPU in float64: logits, loss, an SGD step or every gradient, and
+    Llama's greedy generation (test_parallelize)."""
     pytest.importorskip("transformers")
     shared_gpu_world.run(test_parallelize.check_hugging_face_llama, "cuda")
     for kind in ("qwen3", "olmo2"):
         shared_gpu_world.run(test_parallelize.check_hugging_face_plans, kind, "cuda")
+    for kind in ("gemma", "gemma2", "gemma3"):
+        shared_gpu_world.run(test_parallelize.check_hugging_face_gemma, kind, "cuda")
 
 
 @pytest.mark.parametrize("parallelism", ["tp", "ep"])

@@ -2494,11 +2494,12 @@ def test_hugging_face_plans(world, kind):
     world.run(check_hugging_face_plans, kind)
 
 
-def check_hugging_face_gemma(kind):
+def check_hugging_face_gemma(kind, device="cpu"):
     """Gemma 1, 2 and 3 by their own plans: their embedding, a subclass that scales the lookup by
     ``sqrt(hidden)`` and is tied to the head, becomes a VocabParallelEmbedding scaling its rows
     alike (``output_scale``). The logits and loss are the dense model's in float64 and so is every
-    gradient (Gemma 3's per-head norms, computed in float32, to float32's precision of its size)."""
+    gradient (Gemma 3's per-head norms, computed in float32, to float32's precision of its size).
+    ``device``: where the models and the batch are."""
     import transformers
 
     r, p = rank_world()
@@ -2507,13 +2508,13 @@ def check_hugging_face_gemma(kind):
     torch.manual_seed(0)
     dense = getattr(transformers, model_class)(getattr(transformers, config)(
         vocab_size=32, hidden_size=24, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, head_dim=4, max_position_embeddings=64, attn_implementation="eager")).double()
+        num_key_value_heads=4, head_dim=4, max_position_embeddings=64, attn_implementation="eager")).double().to(device)
     assert type(dense.model.embed_tokens).forward is not nn.Embedding.forward  # (scaled)
     par = tp_kernels.parallelize(copy.deepcopy(dense), dict(dense.tp_plan))
     # (the model's own scale: sqrt(24) rounded to float32, then made float64 by .double())
     assert par.model.embed_tokens.output_scale == dense.model.embed_tokens.embed_scale.item() != 24 ** 0.5
     assert par.lm_head.weight is par.model.embed_tokens.weight
-    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1)).to(device)
     assert_same_loss_and_backward(dense, par, ids)
     assert_dense_grads(par, dense, 8 * torch.finfo(torch.float32).eps if kind == "gemma3" else 1e-12)
 
