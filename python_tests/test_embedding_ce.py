@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -651,6 +652,10 @@ def check_unchecked_id_fails_on_the_gpu():
     _, p = rank_world()
     vocab = 4 * p + 1
     emb = tp_kernels.VocabParallelEmbedding(vocab, 6, device="cuda")
+    # the group's NCCL communicator made first (torch makes it on the first collective), so that
+    # what fails after the assert is a CUDA call, not the communicator's making
+    dist.all_reduce(torch.zeros(1, device="cuda"))
+    torch.cuda.synchronize()
     os.environ["TP_KERNELS_CHECK_IDS"] = "0"
     try:
         out = emb(torch.tensor([[0, vocab]], device="cuda"))
