@@ -171,32 +171,29 @@ def chunking(iters: int, p: int = 8, chunks: int = 4) -> Dict:
         mp = m // p
         blocks = x.view(p, mp, k)
 
-        def rows_split():  # all-reduce's chunks
-            for a, b in chunk_bounds(m, chunks):
-                _extension.linear(x[a:b], w, out=y[a:b])
+        def row_gemms():  # all-reduce's chunks, a GEMM each
+            return (lambda a=a, b=b: _extension.linear(x[a:b], w, out=y[a:b]) for a, b in chunk_bounds(m, chunks))
+
+        def ring_gemms():  # all-gather ring: a GEMM per shard
+            return (lambda q=q: _extension.linear(x[q * mp:(q + 1) * mp], w, out=y[q * mp:(q + 1) * mp])
+                    for q in range(p))
+
+        def one_stream(gemms) -> None:
+            for gemm in gemms:
+                gemm()
 
         def rs_split():  # reduce-scatter's chunks: rows [a, b) of every destination block, batched
             for a, b in chunk_bounds(mp, chunks):
                 _extension.linear(blocks[:, a:b], w, out=y[p * a:p * b].view(p, b - a, n))
 
-        def ring_split():  # all-gather ring: one GEMM per shard
-            for q in range(p):
-                _extension.linear(x[q * mp:(q + 1) * mp], w, out=y[q * mp:(q + 1) * mp])
-
-        def rows_two_streams():  # the all-reduce's chunks, alternating between two streams
-            alternating(lambda a=a, b=b: _extension.linear(x[a:b], w, out=y[a:b]) for a, b in chunk_bounds(m, chunks))
-
-        def ring_two_streams():  # the ring's shards, alternating between two streams
-            alternating(lambda q=q: _extension.linear(x[q * mp:(q + 1) * mp], w, out=y[q * mp:(q + 1) * mp])
-                        for q in range(p))
-
         t_full = gpu_time_ms(lambda: _extension.linear(x, w, out=y), iters)
         t_torch = gpu_time_ms(lambda: F.linear(x, w), iters)
         entry = {"shape": [m, k, n], "dtype": "bfloat16", "unsplit_ms": t_full, "unsplit_tflops": tflops(m, k, n, t_full),
                  "f_linear_ms": t_torch, "native_vs_f_linear": t_torch / t_full}
-        for label, fn in ((f"{chunks}_row_chunks", rows_split), (f"{chunks}_rs_chunks_x{p}", rs_split),
-                          (f"ring_{p}_shards", ring_split), (f"{chunks}_row_chunks_two_streams", rows_two_streams),
-                          (f"ring_{p}_shards_two_streams", ring_two_streams)):
+        for label, fn in ((f"{chunks}_row_chunks", lambda: one_stream(row_gemms())),
+                          (f"{chunks}_rs_chunks_x{p}", rs_split), (f"ring_{p}_shards", lambda: one_stream(ring_gemms())),
+                          (f"{chunks}_row_chunks_two_streams", lambda: alternating(row_gemms())),
+                          (f"ring_{p}_shards_two_streams", lambda: alternating(ring_gemms()))):
             t = gpu_time_ms(fn, iters)
             entry[label] = {"ms": t, "tflops": tflops(m, k, n, t), "vs_unsplit": t_full / t}
         out[name] = entry
