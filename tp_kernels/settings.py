@@ -146,6 +146,14 @@ class _Variable:
         return self._value
 
 
+def _switch_value(enabled: Optional[bool]) -> Optional[bool]:
+    """``enabled``, a switch's setter's argument (a bool, or None: back to its environment variable
+    or default), else a ``ValueError`` naming it."""
+    if enabled is not None and not isinstance(enabled, bool):
+        raise ValueError(f"enabled: expected a bool or None, got {enabled!r}")
+    return enabled
+
+
 def _switch(name: str, default: bool) -> _Variable:
     """A 0/1 environment variable."""
     def parse(value: str) -> bool:
@@ -244,10 +252,8 @@ _CANDIDATES = _Variable("TP_KERNELS_AUTO_CANDIDATES", lambda value: _check_candi
 def set_autotune(enabled: Optional[bool]) -> None:
     """Whether ``"auto"`` measures its candidates (default: ``TP_KERNELS_AUTOTUNE``, else yes);
     without measuring it takes the first of them in the order of :data:`AUTO_CHOICES`."""
-    if enabled is not None and not isinstance(enabled, bool):
-        raise ValueError(f"enabled: expected a bool or None, got {enabled!r}")
     global _autotune
-    _autotune = enabled
+    _autotune = _switch_value(enabled)
 
 
 def autotune_enabled() -> bool:
@@ -269,10 +275,8 @@ def set_fingerprints(enabled: Optional[bool]) -> None:
     """Whether every call agrees across its group on what it does before any payload moves (see
     docs/api.md, "When ranks disagree"); None returns to ``TP_KERNELS_FINGERPRINTS`` or the
     default (:data:`FINGERPRINTS_DEFAULT`). Every rank of a group must use the same setting."""
-    if enabled is not None and not isinstance(enabled, bool):
-        raise ValueError(f"enabled: expected a bool or None, got {enabled!r}")
     global _fingerprints
-    _fingerprints = enabled
+    _fingerprints = _switch_value(enabled)
 
 
 def fingerprints_enabled() -> bool:
@@ -288,10 +292,8 @@ def set_ids_checked(enabled: Optional[bool]) -> None:
     vocabulary on the host (on CUDA a host sync a call); unchecked, an id or target out of range
     fails the lookup on every rank instead (see the table above). None returns to
     ``TP_KERNELS_CHECK_IDS`` or the default (on)."""
-    if enabled is not None and not isinstance(enabled, bool):
-        raise ValueError(f"enabled: expected a bool or None, got {enabled!r}")
     global _ids_checked
-    _ids_checked = enabled
+    _ids_checked = _switch_value(enabled)
 
 
 def ids_checked() -> bool:
