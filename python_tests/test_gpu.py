@@ -1073,6 +1073,27 @@ def test_hugging_face_models_by_their_own_plans_with_several_nccl_ranks(shared_g
         shared_gpu_world.run(test_parallelize.check_hugging_face_gemma, kind, "cuda")
 
 
+@pytest.mark.parametrize("gpu_world_size", [4], indirect=True)
+@pytest.mark.parametrize("sequence_parallel,mesh_kind", [(True, "fsdp"), (False, "hsdp")])
+def test_fully_sharded_data_parallel_over_tensor_parallel_with_four_nccl_ranks(shared_gpu_world, tmp_path,
+                                                                               sequence_parallel, mesh_kind):
+    """FSDP2 (or HSDP) over tensor parallelism 2 on 4 NCCL ranks sharing the GPU, in float64:
+    two clipped SGD steps against the dense model, the full and the sharded (dcp) state dicts, a
+    model made on the meta device and initialized on the GPU against one made without FSDP2
+    (test_parallelize)."""
+    shared_gpu_world.run(test_parallelize.check_fully_sharded_data_parallel_over_tensor_parallel,
+                         str(tmp_path / "checkpoint"), sequence_parallel, mesh_kind, device="cuda")
+
+
+@pytest.mark.parametrize("gpu_world_size", [4], indirect=True)
+def test_fused_layers_under_fully_sharded_data_parallel_with_four_nccl_ranks(shared_gpu_world, tmp_path):
+    """Fused [q, k, v] and [gate, up] layers and a padded vocabulary, which FSDP2's rows cut
+    across, on 4 NCCL ranks sharing the GPU: the dense model's steps, the checkpoint, a resume on a
+    model made on the meta device, and the load into tensor parallelism 4 (test_parallelize)."""
+    shared_gpu_world.run(test_parallelize.check_fused_layers_under_fully_sharded_data_parallel,
+                         str(tmp_path / "checkpoint"), "fsdp", device="cuda")
+
+
 @pytest.mark.parametrize("parallelism", ["tp", "ep"])
 def test_hugging_face_moe_grouped_gemm_with_several_nccl_ranks(shared_gpu_world, parallelism):
     """Mixtral by its plan (or whole experts a rank, by its ep_plan over it), its experts through

@@ -2590,7 +2590,23 @@ def test_data_parallel_over_tensor_parallel(world4):
     world4.run(check_data_parallel_over_tensor_parallel)
 
 
-def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parallel, mesh_kind):
+def _data_parallel_mesh(mesh_kind, device):
+    """The mesh FSDP2 shards over with tensor parallelism 2 on 4 ranks (the Megatron layout's
+    groups: TP [0, 1] [2, 3], DP [0, 2] [1, 3]): the data-parallel group's (``"fsdp"``), or
+    ``"hsdp"``'s two dims, replicated over the data-parallel ranks and sharded over none. Named
+    anew each time: torch caches meshes by value, and would hand back one of an earlier test's,
+    whose groups destroy_model_parallel destroyed."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    kind = torch.device(device).type
+    tag = tp_kernels.get_data_parallel_group().group_name
+    if mesh_kind == "hsdp":
+        names = (f"replicate{tag}", f"shard{tag}", f"tp{tag}")
+        return init_device_mesh(kind, (2, 1, 2), mesh_dim_names=names)[names[:2]]
+    return DeviceMesh.from_group(tp_kernels.get_data_parallel_group(), kind, mesh_dim_names=(f"dp{tag}",))
+
+
+def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parallel, mesh_kind, device="cpu"):
     """Tensor parallelism 2 x FSDP2 over the 2 data-parallel ranks (``fully_shard``; or HSDP,
     replicated over them) on 4 ranks, with sequence parallelism or without (its norms' gradients
     summed after backward, or, "hooked", by the plan's "replicated_with_grad_allreduce" in
@@ -2603,9 +2619,9 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parall
     all 4 ranks without FSDP2 loads it. A model made on the meta device, sharded, then initialized
     in place holds what it holds without FSDP2. A padded layer's full state dict is the dense one;
     parallelizing a model already sharded is a clear error; FSDP2 finds no view returned by the model
-    (its head is a column layer)."""
+    (its head is a column layer). On ``device``'s tensors (each model drawn on the CPU, then moved;
+    the meta-device one initialized on ``device``)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     r, _ = rank_world()
@@ -2613,14 +2629,7 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parall
     tp_kernels.initialize_model_parallel(2)
     try:
         dp = tp_kernels.get_data_parallel_rank()
-        # (meshes named anew each time: torch caches meshes by value, and would hand back one of an
-        # earlier test's, whose groups destroy_model_parallel destroyed)
-        tag = tp_kernels.get_data_parallel_group().group_name
-        if mesh_kind == "hsdp":  # the Megatron layout's groups: TP [0, 1] [2, 3], DP [0, 2] [1, 3]
-            names = (f"replicate{tag}", f"shard{tag}", f"tp{tag}")
-            mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=names)[names[:2]]
-        else:
-            mesh = DeviceMesh.from_group(tp_kernels.get_data_parallel_group(), "cpu", mesh_dim_names=(f"dp{tag}",))
+        mesh = _data_parallel_mesh(mesh_kind, device)
 
         # sequence parallelism's norms: their gradients summed after backward, or by the plan in backward
         plan = dict(LM_PLAN)
@@ -2629,7 +2638,7 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parall
 
         def sharded(seed, vocab=vocab):
             torch.manual_seed(seed)
-            model = tp_kernels.parallelize(LanguageModel(vocab, hidden, heads, ffn).double(), plan,
+            model = tp_kernels.parallelize(LanguageModel(vocab, hidden, heads, ffn).double().to(device), plan,
                                            sequence_parallel=bool(sequence_parallel))
             fully_shard(model.block, mesh=mesh)
             return fully_shard(model, mesh=mesh)
@@ -2638,8 +2647,8 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parall
             return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)  # would scale its rounding noise)
 
         g = torch.Generator().manual_seed(1)
-        batches = [(torch.randint(0, vocab, (4, 6), generator=g), torch.randint(0, vocab, (4, 6), generator=g))
-                   for _ in range(3)]
+        batches = [(torch.randint(0, vocab, (4, 6), generator=g).to(device),
+                    torch.randint(0, vocab, (4, 6), generator=g).to(device)) for _ in range(3)]
 
         def step(model, opt, ids, tokens):
             mine = slice(3 * dp, 3 * dp + 3)  # this data-parallel rank's half of the batch (dim 1)
@@ -2656,7 +2665,7 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parall
             return total
 
         torch.manual_seed(0)
-        dense = LanguageModel(vocab, hidden, heads, ffn).double()
+        dense = LanguageModel(vocab, hidden, heads, ffn).double().to(device)
         dense_opt = sgd(dense)
         par = sharded(5)
         tp_kernels.load_full_state_dict(par, dense.state_dict())
@@ -2698,7 +2707,7 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parall
             if shard:
                 fully_shard(model.block, mesh=mesh)
                 fully_shard(model, mesh=mesh)
-            model.to_empty(device="cpu")
+            model.to_empty(device=device)
             torch.manual_seed(11)
             for module in model.modules():
                 if hasattr(module, "reset_parameters"):
@@ -2710,15 +2719,15 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parall
         torch.manual_seed(3)
         joined = tp_kernels.full_state_dict(padded)  # without the padding: the dense model's
         for name, value in LanguageModel(7, hidden, heads, ffn).double().state_dict().items():
-            assert torch.equal(joined[name], value), name
-        late = fully_shard(LanguageModel(vocab, hidden, heads, ffn).double(), mesh=mesh)  # sharded, then parallelized
+            assert torch.equal(joined[name].cpu(), value), name
+        late = fully_shard(LanguageModel(vocab, hidden, heads, ffn).double().to(device), mesh=mesh)  # sharded, then parallelized
         with pytest.raises(ValueError, match="are DTensors .* parallelize the dense model first"):
             tp_kernels.parallelize(late, LM_PLAN)
     finally:
         tp_kernels.destroy_model_parallel()
     tp_kernels.initialize_model_parallel(4)  # the checkpoint into tensor parallelism alone, over all 4 ranks
     try:
-        wide = tp_kernels.parallelize(LanguageModel(vocab, hidden, heads, ffn).double(), LM_PLAN)
+        wide = tp_kernels.parallelize(LanguageModel(vocab, hidden, heads, ffn).double().to(device), LM_PLAN)
         dcp.load({"model": tp_kernels.sharded_state_dict(wide)}, checkpoint_id=path)
         for name, value in tp_kernels.full_state_dict(wide).items():
             torch.testing.assert_close(value, want[name], rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
@@ -2752,7 +2761,7 @@ class _GroupedQueryLM(nn.Module):
                 "block.down": "rowwise"}
 
 
-def check_fused_layers_under_fully_sharded_data_parallel(path, mesh_kind):
+def check_fused_layers_under_fully_sharded_data_parallel(path, mesh_kind, device="cpu"):
     """Tensor parallelism 2 x FSDP2 (or HSDP, replicated over the data-parallel ranks) on 4 ranks
     over a model each sharded layer of which is made of pieces that FSDP2's rows cut across: a
     vocabulary of 7 on 2 ranks (the embedding and the head padded), a fused [q, k, v] of 8 query
@@ -2763,9 +2772,8 @@ def check_fused_layers_under_fully_sharded_data_parallel(path, mesh_kind):
     weights and momenta; a model sharded alike (made on the meta device) resumes from it (its
     weights, padding zero, momenta and next step the original's), and the model parallelized over
     all 4 ranks without FSDP2 (another padding, the key/value head on 4 ranks) loads the same
-    weights and momenta."""
+    weights and momenta. On ``device``'s tensors (each model drawn on the CPU, then moved)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     r, _ = rank_world()
@@ -2779,10 +2787,11 @@ def check_fused_layers_under_fully_sharded_data_parallel(path, mesh_kind):
         return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
 
     torch.manual_seed(0)
-    dense = _GroupedQueryLM(**sizes).double()
+    dense = _GroupedQueryLM(**sizes).double().to(device)
     dense_opt = sgd(dense)
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(0, 7, (4, 6), generator=g), torch.randint(0, 7, (4, 6), generator=g)) for _ in range(3)]
+    batches = [(torch.randint(0, 7, (4, 6), generator=g).to(device), torch.randint(0, 7, (4, 6), generator=g).to(device))
+               for _ in range(3)]
     for ids, tokens in batches[:2]:
         F.cross_entropy(dense(ids).reshape(-1, 7), tokens.reshape(-1)).backward()
         dense_opt.step()
@@ -2792,22 +2801,17 @@ def check_fused_layers_under_fully_sharded_data_parallel(path, mesh_kind):
     tp_kernels.initialize_model_parallel(2)
     try:
         dp = tp_kernels.get_data_parallel_rank()
-        tag = tp_kernels.get_data_parallel_group().group_name  # (meshes named anew: torch caches them by value)
-        if mesh_kind == "hsdp":
-            names = (f"replicate{tag}", f"shard{tag}", f"tp{tag}")
-            mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=names)[names[:2]]
-        else:
-            mesh = DeviceMesh.from_group(tp_kernels.get_data_parallel_group(), "cpu", mesh_dim_names=(f"dp{tag}",))
+        mesh = _data_parallel_mesh(mesh_kind, device)
 
         def sharded(seed, meta=False):
             torch.manual_seed(seed)
             with torch.device("meta") if meta else contextlib.nullcontext():
                 model = _GroupedQueryLM(**sizes, tp=2).double()
-                model = tp_kernels.parallelize(model, model.plan())
+                model = tp_kernels.parallelize(model if meta else model.to(device), model.plan())
             fully_shard(model.block, mesh=mesh)
             fully_shard(model, mesh=mesh)
             if meta:  # (made on the meta device: its memory, padding included, NaN until loaded)
-                model.to_empty(device="cpu")
+                model.to_empty(device=device)
                 with torch.no_grad():
                     for param in model.parameters():
                         param.to_local().fill_(float("nan"))
@@ -2856,7 +2860,7 @@ def check_fused_layers_under_fully_sharded_data_parallel(path, mesh_kind):
     tp_kernels.initialize_model_parallel(4)  # the checkpoint into tensor parallelism alone, over all 4 ranks
     try:
         torch.manual_seed(1)
-        wide = _GroupedQueryLM(**sizes, tp=4).double()
+        wide = _GroupedQueryLM(**sizes, tp=4).double().to(device)
         wide = tp_kernels.parallelize(wide, wide.plan())
         wide_opt = sgd(wide)
         loaded = {"model": tp_kernels.sharded_state_dict(wide),
