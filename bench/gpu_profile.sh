@@ -4,7 +4,8 @@
 # stage a rank, the stages as phases, so ncu running one kernel at a time finds every flag a
 # kernel waits for set), with the sections that say where a launch's time goes (speed of light,
 # memory workload, occupancy, launch statistics, warp states). The answer to "why" for the decode
-# all-reduce's latency (16 KiB, 64 KiB) and for the bandwidth of the large ones (4 MiB):
+# all-reduce's latency (16 KiB, 64 KiB; at 16 KiB also with the flags' release-acquire form) and for
+# the bandwidth of the large ones (4 MiB):
 #
 #   OUT=DIR bash bench/gpu_profile.sh       # a short call of its own, on a machine the suite used
 #
@@ -36,15 +37,17 @@ if ! "$PY" -c "import tp_kernels, sys; sys.exit(tp_kernels.extension_status()['b
   fi
 fi
 status=0
-for case in "one_shot 16384" "one_shot 65536" "two_shot 65536" "one_shot 4194304" "two_shot 4194304"; do
-  read -r algorithm bytes <<<"$case"
-  args=(--p 8 --bytes "$bytes" --algorithm "$algorithm" --calls 3)
+# (a third word: the kernel's flags as acquire loads and release stores, the other form, at 16 KiB)
+for case in "one_shot 16384" "one_shot 16384 release-acquire" "one_shot 65536" "two_shot 65536" "one_shot 4194304" \
+    "two_shot 4194304"; do
+  read -r algorithm bytes form <<<"$case"
+  args=(--p 8 --bytes "$bytes" --algorithm "$algorithm" --calls 3 ${form:+"--$form"})
   if ! launches=$("$PY" bench/all_reduce_kernel.py "${args[@]}" --launches); then
     status=2
     break
   fi
   read -r skip count <<<"$launches"
-  name=ncu-$algorithm-$bytes
+  name=ncu-$algorithm-$bytes${form:+-$form}
   echo "== $name: launches $skip + $count"
   timeout 90 "$ncu" --clock-control none --kernel-name regex:tpk_all_reduce --launch-skip "$skip" \
     --launch-count "$count" --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \

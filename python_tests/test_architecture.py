@@ -216,6 +216,7 @@ def test_pythons_view_of_the_native_lists():
     from tp_kernels.backends import fused
 
     assert tuple(fused.algorithms()) == C.ALL_REDUCE_ALGORITHMS and set(fused.MAX_BYTES) < set(C.ALL_REDUCE_ALGORITHMS)
+    assert fused.kernel_algorithms() == ("one_shot", "two_shot")  # (the kernel's; scatter-gather runs copy engines)
     picked = {fused.all_reduce_algorithm(m, 4096, 8, torch.bfloat16) for m in (1, 64, 4096, 65536)}
     assert picked == set(C.ALL_REDUCE_ALGORITHMS)  # every algorithm is reachable by size, and only those
     assert len(C.REGIONS) == 3 and C.MAX_RANKS == 8

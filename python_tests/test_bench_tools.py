@@ -994,10 +994,11 @@ def test_the_kernel_profile_without_ncu_or_a_gpu(tmp_path):
     program = [sys.executable, os.path.join(bench, "all_reduce_kernel.py")]
     if _extension.unavailable() is None:
         C = _extension.require()
-        for algorithm, calls in (("one_shot", 3), ("two_shot", 2)):
+        for algorithm, calls, form in (("one_shot", 3, []), ("two_shot", 2, []),
+                                       ("one_shot", 3, ["--release-acquire"])):
             per_call = 8 * C.fused_phases("matmul_all_reduce", algorithm)
-            run = subprocess.run(program + ["--p", "8", "--algorithm", algorithm, "--calls", str(calls), "--launches"],
-                                 capture_output=True, text=True, timeout=120)
+            run = subprocess.run(program + ["--p", "8", "--algorithm", algorithm, "--calls", str(calls), "--launches",
+                                            *form], capture_output=True, text=True, timeout=120)
             assert run.returncode == 0, run.stderr
             assert run.stdout.split() == [str(per_call * (calls - 1)), str(per_call)]
         bad = subprocess.run(program + ["--algorithm", "scatter_gather", "--launches"], capture_output=True,
@@ -1115,6 +1116,14 @@ def test_one_gpu_report_reads_every_figure_against_its_target():
             "30.0 us; the all-reduce alone, chained, one launch a rank, graph-replayed: one_shot 6.5, two_shot (error: "
             "timed out) us; the all-reduce alone, chained, graph-replayed: one_shot 4.5") in one_gpu.format_report(
                 one_launch_rep)
+    # the flags' release-acquire form: listed beside the others, not read against the target (faster here)
+    measured["fused"]["all_reduce_latency"][1]["all_reduce_one_launch_release_acquire_us"] = {"one_shot": 3.5,
+                                                                                             "two_shot": 7.0}
+    ra_rep = one_gpu.report(measured, rows, "FakeGPU")
+    (decode,) = [c for c in ra_rep["checks"] if c["target"] == "decode_all_reduce_us"]
+    assert decode["value"] == 6.5
+    assert ("graph-replayed: one_shot 11.0, two_shot 9.0 us; the all-reduce alone, chained, one launch a rank, the "
+            "flags release-acquire, graph-replayed: one_shot 3.5, two_shot 7.0 us") in one_gpu.format_report(ra_rep)
     costs = rep["per_rank_costs"]
     assert [(c["backend"], round(c["added_us"], 3)) for c in costs] == [("reference", 2.5), ("pipelined", 1.0)]
     text = one_gpu.format_report(rep)

@@ -722,15 +722,17 @@ def test_fused_all_reduce_alone_is_the_rank_order_sum_for_every_algorithm(p, dty
 
 
 @native_built
+@pytest.mark.parametrize("release_acquire", [False, True])
 @pytest.mark.parametrize("p", [2, 8])
 @pytest.mark.parametrize("algorithm, other", [("one_shot", "two_shot"), ("two_shot", "one_shot")])
-def test_fused_all_reduce_in_one_launch_a_rank(p, algorithm, other):
+def test_fused_all_reduce_in_one_launch_a_rank(p, algorithm, other, release_acquire):
     """The one-shot and two-shot all-reduces as a rank that is a process of its own runs them
     (every phase at once: one kernel), here for p virtual ranks on their streams, in place and not,
     interleaved with calls of the other algorithm by phases, which share the export region's
-    flags: the rank-order sum on every rank, call after call."""
+    flags: the rank-order sum on every rank, call after call; with the kernel's flags in either
+    form (volatile accesses beside full fences, or acquire loads and release stores)."""
     dtype = torch.bfloat16
-    with VirtualRanks(p, timeout_s=10.0) as vr:
+    with VirtualRanks(p, timeout_s=10.0, release_acquire=release_acquire) as vr:
         for count in (7, 4096, 65537, 2**20 + 8):
             g = torch.Generator().manual_seed(count)
             xs = [torch.randn(count, generator=g).to("cuda", dtype) for _ in range(p)]
@@ -747,6 +749,33 @@ def test_fused_all_reduce_in_one_launch_a_rank(p, algorithm, other):
                     assert torch.equal(out, want), f"count {count} rank {q} in place {in_place}"
             for q, out in enumerate(vr.all_reduce(xs, other)):
                 assert torch.equal(out, want), f"{other} after {algorithm}, count {count} rank {q}"
+        vr.check()
+
+
+@native_built
+@pytest.mark.parametrize("release_acquire", [False, True])
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+def test_fused_all_reduce_chained_calls_each_read_their_own_partials(algorithm, release_acquire):
+    """Calls back to back on each of 8 virtual ranks' streams, one launch a call, nothing between
+    them but the flags (as the decode benchmark chains them), each call's partials its own: every
+    call's result is its own rank-order sum on every rank, so no call read a partial or a slice of
+    another (where every call's inputs were alike, one read too early would go unseen), with the
+    kernel's flags in either form."""
+    p, dtype, calls = 8, torch.bfloat16, 12
+    with VirtualRanks(p, timeout_s=10.0, release_acquire=release_acquire) as vr:
+        for count in (4096, 65536 + 8):
+            g = torch.Generator().manual_seed(count)
+            xs = [[torch.randn(count, generator=g).to("cuda", dtype) for _ in range(p)] for _ in range(calls)]
+            vr.all_reduce(xs[0], algorithm)  # the workspace for this count
+            outs = [[torch.empty_like(x) for x in call] for call in xs]
+            with forked(vr.streams):
+                for c in range(calls):
+                    for q, s in enumerate(vr.streams):
+                        fused.rank_all_reduce(vr.contexts[q], xs[c][q], outs[c][q], algorithm, s).enqueue(None)
+            for c in range(calls):
+                want = rank_order_sum(xs[c], dtype)
+                for q in range(p):
+                    assert torch.equal(outs[c][q], want), f"count {count} call {c} rank {q}"
         vr.check()
 
 

@@ -2720,7 +2720,8 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parall
         joined = tp_kernels.full_state_dict(padded)  # without the padding: the dense model's
         for name, value in LanguageModel(7, hidden, heads, ffn).double().state_dict().items():
             assert torch.equal(joined[name].cpu(), value), name
-        late = fully_shard(LanguageModel(vocab, hidden, heads, ffn).double().to(device), mesh=mesh)  # sharded, then parallelized
+        # sharded, then parallelized
+        late = fully_shard(LanguageModel(vocab, hidden, heads, ffn).double().to(device), mesh=mesh)
         with pytest.raises(ValueError, match="are DTensors .* parallelize the dense model first"):
             tp_kernels.parallelize(late, LM_PLAN)
     finally:
@@ -2790,8 +2791,7 @@ def check_fused_layers_under_fully_sharded_data_parallel(path, mesh_kind, device
     dense = _GroupedQueryLM(**sizes).double().to(device)
     dense_opt = sgd(dense)
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(0, 7, (4, 6), generator=g).to(device), torch.randint(0, 7, (4, 6), generator=g).to(device))
-               for _ in range(3)]
+    batches = [tuple(torch.randint(0, 7, (4, 6), generator=g).to(device) for _ in range(2)) for _ in range(3)]
     for ids, tokens in batches[:2]:
         F.cross_entropy(dense(ids).reshape(-1, 7), tokens.reshape(-1)).backward()
         dense_opt.step()

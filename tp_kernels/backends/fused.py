@@ -55,6 +55,7 @@ __all__ = [
     "all_reduce_algorithm",
     "check_algorithm",
     "collective_algorithm",
+    "kernel_algorithms",
     "matmul_all_reduce",
     "matmul_reduce_scatter",
     "rank_all_gather_matmul",
@@ -77,6 +78,12 @@ MAX_BYTES = {"one_shot": 256 * 1024, "two_shot": 8 * 2**20}
 def algorithms() -> Sequence[str]:
     """The all-reduce algorithms of fused ``matmul_all_reduce`` (the native module's list)."""
     return _extension.require().ALL_REDUCE_ALGORITHMS
+
+
+def kernel_algorithms() -> Sequence[str]:
+    """The all-reduce algorithms that run the all-reduce kernel (``tpk_all_reduce_*``; scatter-gather
+    runs copy engines): those whose flags ``PeerContext.release_acquire`` concerns."""
+    return tuple(a for a in algorithms() if a != "scatter_gather")
 
 
 def all_reduce_algorithm(m: int, n: int, p: int, dtype: torch.dtype, measured: Optional[str] = None) -> str:
