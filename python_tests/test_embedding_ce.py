@@ -294,15 +294,19 @@ def test_embedding_dim_split_errors(world):
     world.run(check_embedding_dim_split_errors)
 
 
-def check_cross_entropy(dtype_name, label_smoothing, scale):
+def check_cross_entropy(dtype_name, label_smoothing, scale, device="cpu"):
+    """vocab_parallel_cross_entropy of vocabulary-parallel logits (an ignored token, the last
+    class), each reduction, against F.cross_entropy of the whole logits in float64 on ``device``:
+    the loss and the logits' gradient within twice plain PyTorch's error in the same precision."""
     r, p = rank_world()
     dtype = getattr(torch, dtype_name)
     vocab = 13 * p
     g = torch.Generator().manual_seed(2)
-    full = (torch.randn(3, 7, vocab, generator=g) * scale).to(dtype)  # [s, b, V]
+    full = (torch.randn(3, 7, vocab, generator=g) * scale).to(device, dtype)  # [s, b, V]
     target = torch.randint(0, vocab, (3, 7), generator=g)
     target[0, 0], target[1, 1] = -100, vocab - 1  # an ignored token, the last class
-    dloss = torch.rand(3, 7, generator=g)
+    target = target.to(device)
+    dloss = torch.rand(3, 7, generator=g).to(device)
 
     def dense(d):
         logits = full.to(d, copy=True).requires_grad_()

@@ -1020,6 +1020,16 @@ def test_entropy_argmax_topk_with_several_nccl_ranks(shared_gpu_world, dtype):
         shared_gpu_world.run(check, dtype, "padded", device="cuda")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_vocab_parallel_cross_entropy_with_several_nccl_ranks(shared_gpu_world, dtype):
+    """vocab_parallel_cross_entropy of CUDA logits over NCCL, without and with label smoothing, of
+    ordinary and of large logits, every reduction: against float64 within twice plain PyTorch's
+    error on the GPU (test_embedding_ce)."""
+    for label_smoothing in (0.0, 0.1):
+        for scale in (1.0, 1000.0):
+            shared_gpu_world.run(test_embedding_ce.check_cross_entropy, dtype, label_smoothing, scale, device="cuda")
+
+
 def test_layers_under_autocast_with_several_nccl_ranks(shared_gpu_world):
     shared_gpu_world.run(test_layers.check_autocast, "cuda")
 
@@ -1100,6 +1110,22 @@ def test_hugging_face_models_by_their_own_plans_with_several_nccl_ranks(shared_g
         shared_gpu_world.run(test_parallelize.check_hugging_face_plans, kind, "cuda")
     for kind in ("gemma", "gemma2", "gemma3"):
         shared_gpu_world.run(test_parallelize.check_hugging_face_gemma, kind, "cuda")
+
+
+@pytest.mark.parametrize("gpu_world_size", [4], indirect=True)
+def test_torchtitan_composition_with_four_nccl_ranks(shared_gpu_world):
+    """TorchTitan's composition on a (dp 2, tp 2) CUDA mesh of 4 NCCL ranks sharing the GPU: tensor
+    parallelism by its plan with sequence parallelism, then FSDP2 over dp; two clipped SGD steps
+    against the dense model in float64 (test_parallelize)."""
+    shared_gpu_world.run(test_parallelize.check_torchtitan_composition, device="cuda")
+
+
+@pytest.mark.parametrize("gpu_world_size", [4], indirect=True)
+def test_data_parallel_over_tensor_parallel_with_four_nccl_ranks(shared_gpu_world):
+    """DistributedDataParallel over tensor parallelism 2 on 4 NCCL ranks sharing the GPU: two SGD
+    steps, each data-parallel rank on half the batch, against the dense model in float64
+    (test_parallelize)."""
+    shared_gpu_world.run(test_parallelize.check_data_parallel_over_tensor_parallel, device="cuda")
 
 
 @pytest.mark.parametrize("gpu_world_size", [4], indirect=True)

@@ -471,21 +471,21 @@ def test_torch_checkpoints_interoperate(world, tmp_path):
     world.run(check_torch_checkpoints_interoperate, str(tmp_path))
 
 
-def check_torchtitan_composition():
+def check_torchtitan_composition(device="cpu"):
     """TorchTitan's composition on 4 ranks: a (dp 2, tp 2) DeviceMesh, tensor parallelism by its
     plan over ``mesh["tp"]`` (sequence parallelism included), then FSDP2's ``fully_shard`` of each
     block and of the model over ``mesh["dp"]``, each data-parallel rank taking half the batch: two
     SGD steps with momentum, clipped by the whole model's norm, give the dense model's weights on
-    the whole batch in float64."""
+    the whole batch in float64, on ``device``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     r, p = rank_world()
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("titan_dp", "titan_tp"))
+    mesh = init_device_mesh(torch.device(device).type, (2, 2), mesh_dim_names=("titan_dp", "titan_tp"))
     dp, tp = mesh["titan_dp"], mesh["titan_tp"]
     vocab, hidden, heads, ffn = 8, 8, 4, 6
     torch.manual_seed(0)
-    dense = _TitanLM(vocab, hidden, heads, ffn).double()
+    dense = _TitanLM(vocab, hidden, heads, ffn).double().to(device)
     model = tp_kernels.parallelize(copy.deepcopy(dense), _titan_plan(True), group=tp)
     for layer in model.layers.values():
         fully_shard(layer, mesh=dp)
@@ -496,7 +496,7 @@ def check_torchtitan_composition():
     g = torch.Generator().manual_seed(1)
     mine = slice(2 * dp.get_local_rank(), 2 * dp.get_local_rank() + 2)  # this data-parallel rank's half
     for _ in range(2):
-        ids = torch.randint(0, vocab, (4, 4), generator=g)
+        ids = torch.randint(0, vocab, (4, 4), generator=g).to(device)
         F.cross_entropy(dense(ids).flatten(0, 1), ids.flatten()).backward()
         F.cross_entropy(model(ids[mine]).flatten(0, 1), ids[mine].flatten()).backward()  # (FSDP2 averages)
         torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.5)
@@ -2555,23 +2555,23 @@ def test_hugging_face_plan_compiled(world2):
     world2.run(check_hugging_face_plan_compiled)
 
 
-def check_data_parallel_over_tensor_parallel():
+def check_data_parallel_over_tensor_parallel(device="cpu"):
     """Tensor parallelism 2 x data parallelism 2 on 4 ranks: DistributedDataParallel over the
     data-parallel group wraps the parallelized model, each data-parallel rank takes half the batch,
-    and two SGD steps match the dense model's on the whole batch in float64."""
+    and two SGD steps match the dense model's on the whole batch in float64, on ``device``."""
     r, p = rank_world()
     tp_kernels.initialize_model_parallel(2)
     try:
         q, dp = tp_kernels.get_tensor_model_parallel_rank(), tp_kernels.get_data_parallel_rank()
         vocab, hidden, heads, ffn = 8, 6, 2, 8
         torch.manual_seed(0)
-        dense = LanguageModel(vocab, hidden, heads, ffn).double()
+        dense = LanguageModel(vocab, hidden, heads, ffn).double().to(device)
         par = tp_kernels.parallelize(copy.deepcopy(dense), LM_PLAN)
         ddp = nn.parallel.DistributedDataParallel(par, process_group=tp_kernels.get_data_parallel_group())
         opts = [torch.optim.SGD(dense.parameters(), lr=0.5), torch.optim.SGD(ddp.parameters(), lr=0.5)]
         g = torch.Generator().manual_seed(1)
         for _ in range(2):
-            ids, tokens = torch.randint(0, vocab, (4, 6), generator=g), torch.randint(0, vocab, (4, 6), generator=g)
+            ids, tokens = (torch.randint(0, vocab, (4, 6), generator=g).to(device) for _ in range(2))
             F.cross_entropy(dense(ids).reshape(-1, vocab), tokens.reshape(-1)).backward()
             mine = slice(3 * dp, 3 * dp + 3)  # this data-parallel rank's half of the batch (dim 1)
             tp_kernels.vocab_parallel_cross_entropy(ddp(ids[:, mine]), tokens[:, mine]).mean().backward()
