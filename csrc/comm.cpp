@@ -106,13 +106,16 @@ void Communicator::fail_locked(const std::string& message) {
   }
 }
 
+std::string Communicator::where() const {
+  return " on rank " + std::to_string(rank_) + " of " + std::to_string(size_);
+}
+
 Communicator::Progress Communicator::progress() const {
   return {finished_.load(), in_progress_.load(), polls_.load(), polling_ns_.load()};
 }
 
 void Communicator::finish(ncclResult_t result, const char* call, const std::string& what) {
   const Clock::time_point start = Clock::now();
-  const std::string where = " on rank " + std::to_string(rank_) + " of " + std::to_string(size_);
   finished_.fetch_add(1, std::memory_order_relaxed);
   if (result == ncclInProgress) in_progress_.fetch_add(1, std::memory_order_relaxed);
   int polls = 0;
@@ -120,7 +123,7 @@ void Communicator::finish(ncclResult_t result, const char* call, const std::stri
     double limit = timeout_s_.load();
     if (seconds_since(start) > limit) {
       fail_locked("tp_kernels: " + what + ": " + call + " did not complete within " + format_seconds(limit) + " s" +
-                  where +
+                  where() +
                   ". A peer rank may be missing, dead, or running a different collective; the communicator "
                   "was aborted. The limit is set with tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S.");
       check();
@@ -141,7 +144,7 @@ void Communicator::finish(ncclResult_t result, const char* call, const std::stri
   }
   if (result != ncclSuccess) {
     const char* detail = comm_ != nullptr ? ncclGetLastError(comm_) : nullptr;
-    fail_locked("tp_kernels: " + what + ": " + call + " failed" + where + ": NCCL error " + std::to_string(result) +
+    fail_locked("tp_kernels: " + what + ": " + call + " failed" + where() + ": NCCL error " + std::to_string(result) +
                 " (" + ncclGetErrorString(result) + ")" + (detail && *detail ? std::string(": ") + detail : "") +
                 ". The communicator was aborted.");
     check();
@@ -188,13 +191,12 @@ void Communicator::watchdog() {
       continue;
     }
     std::string message;
-    const std::string where = " on rank " + std::to_string(rank_) + " of " + std::to_string(size_);
     double limit = timeout_s_.load();
     if (status != cudaErrorNotReady) {
-      message = "tp_kernels: " + w.what + ": CUDA error while waiting for it" + where + ": " +
+      message = "tp_kernels: " + w.what + ": CUDA error while waiting for it" + where() + ": " +
                 cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")";
     } else if (seconds_since(w.start) > limit) {
-      message = "tp_kernels: " + w.what + " did not complete within " + format_seconds(limit) + " s" + where +
+      message = "tp_kernels: " + w.what + " did not complete within " + format_seconds(limit) + " s" + where() +
                 ". A peer rank may be missing, dead, or running a different collective; the communicator was "
                 "aborted and later calls on this group raise this error. The limit is set with "
                 "tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S.";
@@ -212,7 +214,7 @@ void Communicator::watchdog() {
         ncclResult_t state = ncclSuccess;
         if (message.empty() && ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state != ncclSuccess &&
             state != ncclInProgress)
-          message = "tp_kernels: " + what + " failed" + where + ": NCCL error " + std::to_string(state) + " (" +
+          message = "tp_kernels: " + what + " failed" + where() + ": NCCL error " + std::to_string(state) + " (" +
                     ncclGetErrorString(state) + "). The communicator was aborted.";
         if (!message.empty()) {
           std::fprintf(stderr, "%s\n", message.c_str());

@@ -75,6 +75,8 @@ class Communicator {
   void close();
 
  private:
+  // " on rank r of p", for error messages (made only when one is)
+  std::string where() const;
   struct Watched {
     cudaEvent_t event;
     std::chrono::steady_clock::time_point start;
