@@ -18,7 +18,11 @@ from helpers import (CopiedBytes, assert_close, assert_dense_grads, block, finge
                      rank_world, skip_unless_own_plan)
 
 
-def check_embedding(padding_idx):
+def check_embedding(padding_idx, device="cpu"):
+    """VocabParallelEmbedding against nn.Embedding on ``device``: its default init (drawn on the
+    CPU), the lookup (exact) and the weight's gradient, under no_grad and inference_mode too, the
+    padding row's zero gradient; ids out of range or not integers are a ValueError naming the
+    input on every rank."""
     r, p = rank_world()
     vocab, dim = 11 * p, 5
     torch.manual_seed(0)
@@ -27,11 +31,13 @@ def check_embedding(padding_idx):
     built = tp_kernels.VocabParallelEmbedding(vocab, dim, padding_idx=padding_idx)
     # default init draws the same full table as nn.Embedding under the same seed
     assert torch.equal(built.weight, block(dense.weight, 0, r, p))
+    dense = dense.to(device)
     par = tp_kernels.VocabParallelEmbedding.from_embedding(dense)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (4, 7), generator=g)
     ids[0, :3] = torch.tensor([0, vocab - 1, 11 * (p - 1)])  # both ends and the last rank's first row
     dy = torch.randn(4, 7, dim, generator=g)
+    ids, dy = ids.to(device), dy.to(device)
     y = par(ids)
     y.backward(dy)
     ref = dense(ids)
@@ -46,11 +52,11 @@ def check_embedding(padding_idx):
         if pad_owner == r:
             assert torch.all(par.weight.grad[pad_local] == 0)
     with pytest.raises(ValueError, match="input"):
-        par(torch.tensor([0, vocab]))
+        par(torch.tensor([0, vocab], device=device))
     with pytest.raises(ValueError, match="input"):
-        par(torch.tensor([-1]))
+        par(torch.tensor([-1], device=device))
     with pytest.raises(ValueError, match="input"):
-        par(torch.zeros(3))
+        par(torch.zeros(3, device=device))
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)

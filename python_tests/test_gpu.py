@@ -1020,6 +1020,14 @@ def test_entropy_argmax_topk_with_several_nccl_ranks(shared_gpu_world, dtype):
         shared_gpu_world.run(check, dtype, "padded", device="cuda")
 
 
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_vocab_parallel_embedding_with_several_nccl_ranks(shared_gpu_world, padding_idx):
+    """VocabParallelEmbedding on CUDA ids over NCCL against nn.Embedding: the lookup, the weight's
+    gradient, the padding row, and ids out of range refused on every rank (the check's read of
+    their range back from the GPU; test_embedding_ce)."""
+    shared_gpu_world.run(test_embedding_ce.check_embedding, padding_idx, device="cuda")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_vocab_parallel_cross_entropy_with_several_nccl_ranks(shared_gpu_world, dtype):
     """vocab_parallel_cross_entropy of CUDA logits over NCCL, without and with label smoothing, of
