@@ -57,6 +57,10 @@ def gpu_world_size(request):
         world.close()
 
 
+#: a test of 4 NCCL ranks sharing the GPU (2 x 2: tensor and data parallelism), not of 2 and 4
+four_nccl_ranks = pytest.mark.parametrize("gpu_world_size", [4], indirect=True)
+
+
 @pytest.fixture
 def shared_gpu_world(gpu_world_size):
     """NCCL ranks sharing the GPU, spawned once per size and reused as conftest's gloo worlds are."""
@@ -1120,7 +1124,7 @@ def test_hugging_face_models_by_their_own_plans_with_several_nccl_ranks(shared_g
         shared_gpu_world.run(test_parallelize.check_hugging_face_gemma, kind, "cuda")
 
 
-@pytest.mark.parametrize("gpu_world_size", [4], indirect=True)
+@four_nccl_ranks
 def test_torchtitan_composition_with_four_nccl_ranks(shared_gpu_world):
     """TorchTitan's composition on a (dp 2, tp 2) CUDA mesh of 4 NCCL ranks sharing the GPU: tensor
     parallelism by its plan with sequence parallelism, then FSDP2 over dp; two clipped SGD steps
@@ -1128,7 +1132,7 @@ def test_torchtitan_composition_with_four_nccl_ranks(shared_gpu_world):
     shared_gpu_world.run(test_parallelize.check_torchtitan_composition, device="cuda")
 
 
-@pytest.mark.parametrize("gpu_world_size", [4], indirect=True)
+@four_nccl_ranks
 def test_data_parallel_over_tensor_parallel_with_four_nccl_ranks(shared_gpu_world):
     """DistributedDataParallel over tensor parallelism 2 on 4 NCCL ranks sharing the GPU: two SGD
     steps, each data-parallel rank on half the batch, against the dense model in float64
@@ -1136,7 +1140,7 @@ def test_data_parallel_over_tensor_parallel_with_four_nccl_ranks(shared_gpu_worl
     shared_gpu_world.run(test_parallelize.check_data_parallel_over_tensor_parallel, device="cuda")
 
 
-@pytest.mark.parametrize("gpu_world_size", [4], indirect=True)
+@four_nccl_ranks
 @pytest.mark.parametrize("sequence_parallel,mesh_kind", [(True, "fsdp"), (False, "hsdp")])
 def test_fully_sharded_data_parallel_over_tensor_parallel_with_four_nccl_ranks(shared_gpu_world, tmp_path,
                                                                                sequence_parallel, mesh_kind):
@@ -1148,7 +1152,7 @@ def test_fully_sharded_data_parallel_over_tensor_parallel_with_four_nccl_ranks(s
                          str(tmp_path / "checkpoint"), sequence_parallel, mesh_kind, device="cuda")
 
 
-@pytest.mark.parametrize("gpu_world_size", [4], indirect=True)
+@four_nccl_ranks
 def test_fused_layers_under_fully_sharded_data_parallel_with_four_nccl_ranks(shared_gpu_world, tmp_path):
     """Fused [q, k, v] and [gate, up] layers and a padded vocabulary, which FSDP2's rows cut
     across, on 4 NCCL ranks sharing the GPU: the dense model's steps, the checkpoint, a resume on a
