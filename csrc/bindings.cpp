@@ -276,15 +276,19 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<Communicator, std::shared_ptr<Communicator>>(
       m, "Communicator",
-      "A group's NCCL communicator (nonblocking: every wait is bounded by the timeout), its "
-      "communication stream and a watchdog that aborts it when enqueued work does not complete.")
-      .def(py::init([](py::bytes unique_id, int rank, int size, int device, int stream_priority, double timeout_s) {
+      "A group's NCCL communicator (joined in nonblocking mode: every wait is bounded by the timeout), its "
+      "communication stream and a watchdog that aborts it when enqueued work does not complete. `blocking`: the "
+      "ops run on a split of it in NCCL's blocking mode, an enqueue blocked past the timeout revoked by the "
+      "watchdog (comm.h).")
+      .def(py::init([](py::bytes unique_id, int rank, int size, int device, int stream_priority, double timeout_s,
+                       bool blocking) {
              std::string id = unique_id;
              py::gil_scoped_release release;  // joining waits for the other ranks
-             return std::make_shared<Communicator>(id, rank, size, device, stream_priority, timeout_s);
+             return std::make_shared<Communicator>(id, rank, size, device, stream_priority, timeout_s, blocking);
            }),
            py::arg("unique_id"), py::arg("rank"), py::arg("size"), py::arg("device"), py::arg("stream_priority"),
-           py::arg("timeout_s"))
+           py::arg("timeout_s"), py::arg("blocking") = false)
+      .def_property_readonly("blocking", &Communicator::blocking)
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("size", &Communicator::size)
       .def_property_readonly("device", &Communicator::device)
@@ -303,8 +307,8 @@ PYBIND11_MODULE(_C, m) {
             d["polling_us"] = static_cast<double>(s.polling_ns) / 1e3;
             return d;
           },
-          "Since the communicator was made: the NCCL calls completed, how many returned ncclInProgress (it is "
-          "nonblocking), the polls of those and the host time spent polling them (us), as a dict.")
+          "Since the communicator was made: the NCCL calls completed, how many returned ncclInProgress (none "
+          "in blocking mode), the polls of those and the host time spent polling them (us), as a dict.")
       .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>(),
            "Flush outstanding work and destroy the NCCL communicator.");
 

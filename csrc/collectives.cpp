@@ -35,7 +35,7 @@ void nccl_collective(Communicator& comm, Collective c, const CollectiveArgs& a) 
   const std::string what = name + " of " + std::to_string(a.count) + " " + dtype_name(a.dtype) + " elements";
   const ncclDataType_t type = nccl_type(a.dtype);
   const size_t count = static_cast<size_t>(a.count);
-  auto guard = comm.lock();
+  auto guard = comm.lock(what);
   comm.check();
   ncclComm_t nccl = comm.nccl();
   switch (c) {

@@ -1,6 +1,9 @@
-// The NCCL communicator of a group: nonblocking initialisation and enqueues bounded by a timeout,
-// a prioritised communication stream, an event pool and a watchdog thread.
+// The NCCL communicator of a group: nonblocking initialisation and enqueues bounded by a timeout
+// (or, in blocking mode, enqueues bounded by the watchdog), a prioritised communication stream,
+// an event pool and a watchdog thread.
 #include "tp_kernels/comm.h"
+
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -26,6 +29,19 @@ std::string format_seconds(double s) {
   return out.str();
 }
 
+using RevokeFn = ncclResult_t (*)(ncclComm_t, int);
+
+// ncclCommRevoke of the NCCL library loaded (2.28.9 and later), else nullptr: looked up at run
+// time, since the library loaded may be older than the headers built against.
+RevokeFn nccl_revoke() {
+  static const RevokeFn fn = [] {
+    void* lib = dlopen("libnccl.so.2", RTLD_NOW | RTLD_NOLOAD);
+    void* sym = lib != nullptr ? dlsym(lib, "ncclCommRevoke") : nullptr;
+    return reinterpret_cast<RevokeFn>(sym != nullptr ? sym : dlsym(RTLD_DEFAULT, "ncclCommRevoke"));
+  }();
+  return fn;
+}
+
 }  // namespace
 
 std::string nccl_unique_id() {
@@ -35,14 +51,20 @@ std::string nccl_unique_id() {
 }
 
 Communicator::Communicator(const std::string& unique_id, int rank, int size, int device, int stream_priority,
-                           double timeout_s)
-    : rank_(rank), size_(size), device_(device), timeout_s_(timeout_s) {
+                           double timeout_s, bool blocking)
+    : rank_(rank), size_(size), device_(device), blocking_(blocking), timeout_s_(timeout_s) {
   if (unique_id.size() != sizeof(ncclUniqueId))
     throw Error("Communicator: unique_id must be " + std::to_string(sizeof(ncclUniqueId)) + " bytes, got " +
                 std::to_string(unique_id.size()));
   if (size < 1 || rank < 0 || rank >= size)
     throw Error("Communicator: rank " + std::to_string(rank) + " is not in [0, " + std::to_string(size) + ")");
   if (!(timeout_s > 0)) throw Error("Communicator: timeout_s must be positive");
+  if (blocking && nccl_revoke() == nullptr) {
+    int version = 0;
+    ncclGetVersion(&version);
+    throw Error("Communicator: blocking mode needs ncclCommRevoke (NCCL 2.28.9 or later) to bound a blocked call; "
+                "this NCCL is " + std::to_string(version) + ". Leave TP_KERNELS_NCCL_BLOCKING unset there.");
+  }
   DeviceGuard guard(device);
   int least = 0, greatest = 0;  // CUDA: a lower number is a higher priority
   TPK_CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
@@ -53,11 +75,33 @@ Communicator::Communicator(const std::string& unique_id, int rank, int size, int
   std::memcpy(id.internal, unique_id.data(), sizeof(id.internal));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;  // every call returns at once; finish() polls it against the timeout
+  config.splitShare = 0;  // a blocking split owns its resources: this communicator is destroyed then
+  const std::string joining = "joining the NCCL communicator";
+  ncclComm_t split = nullptr;
   try {
-    auto guard_op = lock();
-    ncclResult_t result = ncclCommInitRankConfig(&comm_, size, id, rank, &config);
-    finish(result, "ncclCommInitRankConfig", "joining the NCCL communicator");
+    auto guard_op = lock(joining);
+    finish(ncclCommInitRankConfig(&comm_, size, id, rank, &config), "ncclCommInitRankConfig", joining);
+    if (blocking) {
+      // The ops' communicator: a split of this one in blocking mode, made as this one's calls are
+      // (the split polled on it, nonblocking), then this one finalized with the peers and destroyed.
+      ncclConfig_t split_config = NCCL_CONFIG_INITIALIZER;
+      split_config.blocking = 1;
+      const std::string splitting = "making the NCCL communicator's blocking split";
+      finish(ncclCommSplit(comm_, 0, rank, &split, &split_config), "ncclCommSplit", splitting);
+      split = __atomic_load_n(&split, __ATOMIC_ACQUIRE);  // (set by NCCL's thread before the split completed)
+      if (split == nullptr) {
+        fail_locked("tp_kernels: " + splitting + ": ncclCommSplit completed without a communicator" + where());
+        check();
+      }
+      finish(ncclCommFinalize(comm_), "ncclCommFinalize", splitting);
+      TPK_CHECK_NCCL(ncclCommDestroy(comm_));
+      comm_ = split;
+      split = nullptr;
+    }
   } catch (...) {
+    if (split != nullptr) ncclCommAbort(split);
+    if (comm_ != nullptr) ncclCommAbort(comm_);
+    comm_ = nullptr;
     cudaStreamDestroy(stream_);
     throw;
   }
@@ -95,15 +139,53 @@ cudaEvent_t Communicator::event(size_t i) {
   return events_[i];
 }
 
+Communicator::OpLock::OpLock(Communicator& comm, const std::string& what) : comm_(comm), lock_(comm.op_mutex_) {
+  if (!comm_.blocking_) return;  // (finish() bounds a nonblocking call itself)
+  std::lock_guard<std::mutex> guard(comm_.enqueue_mutex_);
+  comm_.enqueue_since_ = Clock::now();
+  comm_.enqueue_what_ = what;
+}
+
+Communicator::OpLock::~OpLock() {
+  if (!comm_.blocking_) return;
+  std::lock_guard<std::mutex> guard(comm_.enqueue_mutex_);
+  comm_.enqueue_what_.clear();
+}
+
+void Communicator::record_error(const std::string& message) {
+  std::lock_guard<std::mutex> guard(error_mutex_);
+  if (error_.empty()) error_ = message;
+}
+
 void Communicator::fail_locked(const std::string& message) {
-  {
-    std::lock_guard<std::mutex> guard(error_mutex_);
-    if (error_.empty()) error_ = message;
-  }
+  if (!message.empty()) record_error(message);
+  std::lock_guard<std::mutex> guard(abort_mutex_);
   if (comm_ != nullptr) {
     ncclCommAbort(comm_);  // ends NCCL kernels still waiting for a peer, here and in the queue
     comm_ = nullptr;
   }
+}
+
+void Communicator::revoke_overdue_enqueue() {
+  if (!blocking_ || revoked_.load()) return;
+  const double limit = timeout_s_.load();
+  std::string what;
+  {
+    std::lock_guard<std::mutex> guard(enqueue_mutex_);
+    if (enqueue_what_.empty() || seconds_since(enqueue_since_) <= limit) return;
+    what = enqueue_what_;
+  }
+  const std::string message =
+      "tp_kernels: " + what + " did not complete within " + format_seconds(limit) + " s" + where() +
+      ": an NCCL call blocked the host (the communicator is in blocking mode). A peer rank may be missing, dead, or "
+      "running a different collective; the communicator was revoked and aborted, and later calls on this group raise "
+      "this error. The limit is set with tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S.";
+  std::fprintf(stderr, "%s\n", message.c_str());
+  record_error(message);
+  // Revoked, not aborted: the blocked call returns (NCCL's abort flags), and nothing it uses is
+  // freed under it; its thread aborts the communicator then (finish(), under op_mutex_).
+  std::lock_guard<std::mutex> guard(abort_mutex_);
+  if (comm_ != nullptr && !revoked_.exchange(true)) nccl_revoke()(comm_, 0);
 }
 
 std::string Communicator::where() const {
@@ -142,6 +224,10 @@ void Communicator::finish(ncclResult_t result, const char* call, const std::stri
                               std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count()),
                           std::memory_order_relaxed);
   }
+  if (revoked_.load()) {  // the watchdog revoked the communicator under this call (blocking mode): its error
+    fail_locked("");
+    check();
+  }
   if (result != ncclSuccess) {
     const char* detail = comm_ != nullptr ? ncclGetLastError(comm_) : nullptr;
     fail_locked("tp_kernels: " + what + ": " + call + " failed" + where() + ": NCCL error " + std::to_string(result) +
@@ -179,8 +265,17 @@ void Communicator::watchdog() {
   cudaThreadExchangeStreamCaptureMode(&mode);
   std::unique_lock<std::mutex> lk(watch_mutex_);
   while (!stop_) {
+    if (blocking_) {  // an enqueue blocked past the timeout is revoked (its op holds op_mutex_)
+      lk.unlock();
+      revoke_overdue_enqueue();
+      lk.lock();
+      if (stop_) break;
+    }
     if (queue_.empty()) {
-      watch_cv_.wait(lk);
+      if (blocking_)
+        watch_cv_.wait_for(lk, std::chrono::milliseconds(100));
+      else
+        watch_cv_.wait(lk);
       continue;
     }
     Watched& w = queue_.front();
@@ -206,9 +301,10 @@ void Communicator::watchdog() {
     bool failed = false;
     {
       // An asynchronous NCCL error (a peer's connection lost) ends the wait early. try_lock: an op
-      // being enqueued is not held up by the watchdog.
+      // being enqueued is not held up by the watchdog (in blocking mode not even past the timeout:
+      // an op blocked in NCCL holds the lock until revoke_overdue_enqueue() ends its call).
       std::unique_lock<std::mutex> op(op_mutex_, std::defer_lock);
-      if (!message.empty()) op.lock();
+      if (!message.empty() && !blocking_) op.lock();
       else op.try_lock();
       if (op.owns_lock() && comm_ != nullptr) {
         ncclResult_t state = ncclSuccess;
@@ -246,12 +342,37 @@ void Communicator::stop_watchdog() {
 
 void Communicator::close() {
   {
-    auto guard = lock();
+    const std::string closing = "closing the NCCL communicator";
+    auto guard = lock(closing);
     check();
     DeviceGuard device(device_);
-    finish(ncclCommFinalize(comm_), "ncclCommFinalize", "closing the NCCL communicator");
-    TPK_CHECK_NCCL(ncclCommDestroy(comm_));
-    comm_ = nullptr;
+    if (blocking_) {
+      // A blocking ncclCommFinalize would wait for the outstanding work unbounded, and cannot be
+      // revoked: the work the watchdog watches is waited for first, within the timeout (past it the
+      // watchdog revokes this wait), then the communicator, with nothing left to end, aborted.
+      const Clock::time_point start = Clock::now();
+      for (;;) {
+        {
+          std::lock_guard<std::mutex> watched(watch_mutex_);
+          if (queue_.empty()) break;
+        }
+        if (revoked_.load() || seconds_since(start) > 2 * timeout_s_.load()) {
+          fail_locked("tp_kernels: " + closing + ": its outstanding work did not complete" + where() +
+                      "; the communicator was aborted");
+          check();
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+      check();
+      std::lock_guard<std::mutex> abort(abort_mutex_);
+      ncclCommAbort(comm_);
+      comm_ = nullptr;
+    } else {
+      finish(ncclCommFinalize(comm_), "ncclCommFinalize", closing);
+      TPK_CHECK_NCCL(ncclCommDestroy(comm_));
+      std::lock_guard<std::mutex> abort(abort_mutex_);
+      comm_ = nullptr;
+    }
     std::lock_guard<std::mutex> error(error_mutex_);
     error_ = "tp_kernels: this NCCL communicator was closed";
   }

@@ -36,7 +36,7 @@ void all_gather_matmul(Communicator& comm, const OverlapArgs& a) {
   const int64_t mp = a.bounds.back();
   const size_t chunks = a.bounds.size() - 1;
   const std::string what = "all_gather_matmul (ring all-gather of " + shape(mp, a.k) + " shards)";
-  auto guard = comm.lock();
+  auto guard = comm.lock(what);
   comm.check();
   cudaStream_t cs = comm.stream();
   void* own = row_ptr(a.scratch, r * mp, a.k, a.dtype);
@@ -86,7 +86,7 @@ void matmul_reduce_scatter(Communicator& comm, const OverlapArgs& a) {
   const int64_t mp = a.bounds.back();
   const size_t chunks = a.bounds.size() - 1;
   const std::string what = "matmul_reduce_scatter (reduce-scatter of " + shape(p * mp, a.n) + ")";
-  auto guard = comm.lock();
+  auto guard = comm.lock(what);
   comm.check();
   cudaStream_t cs = comm.stream();
   for (size_t j = 0; j < chunks; ++j) {
@@ -109,7 +109,7 @@ void matmul_all_reduce(Communicator& comm, const OverlapArgs& a) {
   const int64_t m = a.bounds.back();
   const size_t chunks = a.bounds.size() - 1;
   const std::string what = "matmul_all_reduce (all-reduce of " + shape(m, a.n) + ")";
-  auto guard = comm.lock();
+  auto guard = comm.lock(what);
   comm.check();
   cudaStream_t cs = comm.stream();
   for (size_t j = 0; j < chunks; ++j) {

@@ -147,6 +147,18 @@ def test_overriding_gives_back_what_was_set(monkeypatch):
         assert settings.ids_checked() is False
         with pytest.raises(ValueError, match="enabled: expected a bool or None, got 0"):
             settings.set_ids_checked(0)
+        assert settings.nccl_blocking() is settings.NCCL_BLOCKING_DEFAULT is False
+        monkeypatch.setenv("TP_KERNELS_NCCL_BLOCKING", "1")
+        assert settings.nccl_blocking() is True
+        with settings.overriding(nccl_blocking=False):
+            assert settings.nccl_blocking() is False
+        assert settings.nccl_blocking() is True
+        monkeypatch.setenv("TP_KERNELS_NCCL_BLOCKING", "yes")
+        with pytest.raises(ValueError, match="TP_KERNELS_NCCL_BLOCKING: expected 0 or 1, got 'yes'"):
+            settings.nccl_blocking()
+        monkeypatch.delenv("TP_KERNELS_NCCL_BLOCKING")
+        with pytest.raises(ValueError, match="enabled: expected a bool or None, got 1"):
+            settings.set_nccl_blocking(1)
         monkeypatch.setenv("TP_KERNELS_TIMEOUT_S", "50")  # (none was set: the variable is read again)
         assert settings.get_timeout() == 50.0 and settings.get_comm_stream_priority() == settings.HIGHEST_PRIORITY
         with pytest.raises(RuntimeError, match="inside"), settings.overriding(timeout=2):

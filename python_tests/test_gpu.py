@@ -124,21 +124,51 @@ def test_native_ops_with_several_nccl_ranks_against_float64(shared_gpu_world, op
 
 
 @native_built
-def test_nccl_progress_with_several_nccl_ranks(shared_gpu_world):
-    shared_gpu_world.run(check_nccl_progress)
+@pytest.mark.parametrize("blocking", [False, True], ids=["nonblocking", "blocking"])
+def test_nccl_progress_with_several_nccl_ranks(shared_gpu_world, blocking):
+    shared_gpu_world.run(check_nccl_progress, blocking)
 
 
-def check_nccl_progress():
+def check_nccl_progress(blocking=False):
     """The host benchmark's count of what the pipelined path's NCCL calls cost the host on the
-    nonblocking communicator: a matmul_all_reduce in its default chunks makes an NCCL call a
-    chunk at least, at most all of them in progress, and polling them takes no negative time."""
+    group's communicator: a matmul_all_reduce in its default chunks makes an NCCL call a chunk at
+    least, at most all of them in progress (none in NCCL's blocking mode), and polling them takes
+    no negative time."""
     from tp_kernels.bench import host
 
     device = torch.device("cuda", torch.cuda.current_device())
-    got = host.nccl_progress(device, calls=host.PEER_CALLS_PER_SAMPLE)
+    with settings.overriding(nccl_blocking=blocking):
+        got = host.nccl_progress(device, calls=host.PEER_CALLS_PER_SAMPLE)
+        assert pipelined_native.communicator(_collectives.resolve_group(None), device).blocking is blocking
     assert set(got) == {"calls", "in_progress", "polls", "polling_us"}, got
     assert got["calls"] >= DEFAULT_NUM_CHUNKS["matmul_all_reduce"], got
     assert 0 <= got["in_progress"] <= got["calls"] and got["polls"] >= 0 and got["polling_us"] >= 0, got
+    if blocking:
+        assert got["in_progress"] == 0 and got["polls"] == 0, got
+
+
+@native_built
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("op", OPS)
+def test_native_ops_in_nccl_blocking_mode_with_several_nccl_ranks(shared_gpu_world, op, dtype):
+    """The native path with its communicator in NCCL's blocking mode (set_nccl_blocking: a split
+    of the nonblocking one, a communicator of its own): every op and its backward against float64,
+    and against the reference at every chunk count."""
+    shared_gpu_world.run(check_in_nccl_blocking_mode, test_ops.check_against_float64, op, dtype, "pipelined",
+                         device="cuda")
+    shared_gpu_world.run(check_in_nccl_blocking_mode, test_ops.check_pipelined_matches_reference, op, 7,
+                         device="cuda")
+
+
+def check_in_nccl_blocking_mode(check, *args, **kwargs):
+    """``check(*args, **kwargs)`` with the native path's communicators in NCCL's blocking mode; on
+    several ranks the group's communicator of that mode was made, and is in it."""
+    with settings.overriding(nccl_blocking=True):
+        check(*args, **kwargs)
+        if dist.get_world_size() > 1:
+            device = torch.device("cuda", torch.cuda.current_device())
+            assert pipelined_native._key(_collectives.resolve_group(None), device) in pipelined_native._communicators
+            assert pipelined_native.communicator(_collectives.resolve_group(None), device).blocking
 
 
 def check_native_routing_and_result(op):
@@ -158,32 +188,37 @@ def check_native_routing_and_result(op):
         assert pipelined_native._communicators, "the native path made no communicator"
 
 
-def check_native_timeout():
+def check_native_timeout(blocking=False):
     """Rank 1 skips a collective: rank 0's watchdog aborts its communicator within the timeout,
-    the GPU is released, and the next call raises an error naming the op and the timeout."""
+    the GPU is released, and the next call raises an error naming the op and the timeout; with
+    the communicator in NCCL's blocking mode too (where an enqueue that blocked would be revoked
+    by the watchdog instead, with the same words)."""
     r, p = rank_world()
     x = torch.randn(8, 16, device="cuda")
     w = torch.randn(12, 16, device="cuda")
-    tp_kernels.matmul_all_reduce(x, w, backend="pipelined")  # every rank: communicator made, connected
-    torch.cuda.synchronize()
-    dist.barrier()
-    if r == 0:
-        tp_kernels.set_timeout(3.0)
-        start = time.monotonic()
-        tp_kernels.matmul_all_reduce(x, w, backend="pipelined")  # never completes: rank 1 is not there
-        torch.cuda.synchronize()  # returns once the watchdog has aborted the communicator
-        elapsed = time.monotonic() - start
-        with pytest.raises(RuntimeError, match=r"matmul_all_reduce .* did not complete within 3 s on rank 0 of 2"):
-            tp_kernels.matmul_all_reduce(x, w, backend="pipelined")
-        assert 3.0 <= elapsed < 60.0, elapsed
-        tp_kernels.set_timeout(120.0)
-    dist.barrier()
+    with settings.overriding(nccl_blocking=blocking):
+        tp_kernels.matmul_all_reduce(x, w, backend="pipelined")  # every rank: communicator made, connected
+        torch.cuda.synchronize()
+        dist.barrier()
+        if r == 0:
+            tp_kernels.set_timeout(3.0)
+            start = time.monotonic()
+            tp_kernels.matmul_all_reduce(x, w, backend="pipelined")  # never completes: rank 1 is not there
+            torch.cuda.synchronize()  # returns once the watchdog has aborted the communicator
+            elapsed = time.monotonic() - start
+            with pytest.raises(RuntimeError,
+                               match=r"matmul_all_reduce .* did not complete within 3 s on rank 0 of 2"):
+                tp_kernels.matmul_all_reduce(x, w, backend="pipelined")
+            assert 3.0 <= elapsed < 60.0, elapsed
+            tp_kernels.set_timeout(120.0)
+        dist.barrier()
 
 
 @native_built
-def test_native_timeout_is_an_error():
+@pytest.mark.parametrize("blocking", [False, True], ids=["nonblocking", "blocking"])
+def test_native_timeout_is_an_error(blocking):
     with World(2, backend="nccl", timeout_s=120.0, env=ONE_GPU_RANKS_ENV, cuda_device=0) as world:
-        world.run(check_native_timeout, deadline_s=300)
+        world.run(check_native_timeout, blocking, deadline_s=300)
 
 
 def test_cuda_graph_with_several_nccl_ranks_on_one_gpu(shared_gpu_world):

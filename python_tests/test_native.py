@@ -6,6 +6,7 @@ The native ops themselves need a GPU: python_tests/test_gpu.py runs them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -173,6 +174,47 @@ def test_comm_stream_priority(monkeypatch):
         tp_kernels.set_comm_stream_priority(1.5)
 
 
+def test_a_groups_communicator_is_made_in_the_nccl_mode_set_then(monkeypatch):
+    """The native path's communicator of a group is made in NCCL's blocking mode where
+    settings.nccl_blocking says so when it is made, and kept per mode: a call after the mode
+    changed gets (or makes) the communicator of that mode, not the other's."""
+    made = []
+
+    class FakeC:
+        NCCL_UNIQUE_ID_BYTES = 128
+
+        @staticmethod
+        def nccl_unique_id():
+            return bytes(128)
+
+        class Communicator:
+            def __init__(self, uid, rank, size, device, priority, timeout_s, blocking):
+                self.timeout_s, self.blocking = timeout_s, blocking
+                made.append(blocking)
+
+    class Group:  # a group of 2 as the registry sees it
+        group_name = "g"
+
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 0
+
+    monkeypatch.setattr(_extension, "require", lambda: FakeC)
+    monkeypatch.setattr(pipelined_native.coll, "host_route", lambda group, device: (group, device))
+    monkeypatch.setattr(pipelined_native.coll, "all_gather_bytes", lambda uid, group, device: [uid, uid])
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(pipelined_native, "_communicators", {})
+    group, device = Group(), torch.device("cuda", 0)
+    nonblocking = pipelined_native.communicator(group, device)
+    assert nonblocking.blocking is False and pipelined_native.communicator(group, device) is nonblocking
+    with settings.overriding(nccl_blocking=True):
+        blocking = pipelined_native.communicator(group, device)
+        assert blocking.blocking is True and pipelined_native.communicator(group, device) is blocking
+    assert pipelined_native.communicator(group, device) is nonblocking and made == [False, True]
+
+
 def test_destroy_model_parallel_closes_the_groups_communicators(monkeypatch):
     closed = []
 
@@ -221,6 +263,22 @@ def test_communicator_without_a_gpu_is_a_clear_error():
     # the source is named relative to the project, not by the folder the extension was built in
     with pytest.raises(RuntimeError, match=r"^cudaGetDevice.*failed: CUDA error \d+ \(.+\) at csrc/[\w/]+\.(cpp|h):\d+$"):
         _extension._C.Communicator(_extension._C.nccl_unique_id(), 0, 1, 0, 0, 10.0)
+
+
+@built
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+def test_blocking_communicator_finds_nccl_revoke_before_touching_the_gpu():
+    """Blocking mode needs ncclCommRevoke (NCCL 2.28.9 and later), looked up in the NCCL loaded:
+    with the one built against (the runtime's), the lookup passes and the GPU's absence is the error;
+    a mode the NCCL cannot bound would be refused first, naming the variable that asks for it."""
+    C = _extension._C
+    major, minor, patch = (int(v) for v in _extension._build["nccl"].split("."))
+    if (major, minor, patch) < (2, 28, 9):
+        with pytest.raises(RuntimeError, match="blocking mode needs ncclCommRevoke .* TP_KERNELS_NCCL_BLOCKING"):
+            C.Communicator(C.nccl_unique_id(), 0, 1, 0, 0, 10.0, blocking=True)
+    else:
+        with pytest.raises(RuntimeError, match=r"^cudaGetDevice.*failed: CUDA error"):
+            C.Communicator(C.nccl_unique_id(), 0, 1, 0, 0, 10.0, blocking=True)
 
 
 @built

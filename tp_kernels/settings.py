@@ -35,6 +35,14 @@ environment variable                   setter (wins over it)       meaning, defa
                                                                    ``F.cross_entropy``'s do: an
                                                                    ``IndexError`` on the CPU, a device-side
                                                                    assert on CUDA); default 1
+``TP_KERNELS_NCCL_BLOCKING``           :func:`set_nccl_blocking`   the native path's NCCL communicators in
+                                                                   NCCL's blocking mode (1: no thread of
+                                                                   NCCL's a call; an enqueue blocked past the
+                                                                   timeout revoked by the watchdog; NCCL
+                                                                   2.28.9 and later) or nonblocking (0);
+                                                                   read when a group's communicator is made;
+                                                                   default 0 (an experiment, to be measured:
+                                                                   docs/benchmarks.md)
 =====================================  ==========================  ===========================================
 
 Environment values are read when used, so a change takes effect at the next call; a malformed
@@ -63,6 +71,7 @@ __all__ = [
     "BACKENDS",
     "BACKEND_NAMES",
     "DEFAULT_TIMEOUT_S",
+    "NCCL_BLOCKING_DEFAULT",
     "auto_fused",
     "auto_native",
     "auto_state",
@@ -71,6 +80,7 @@ __all__ = [
     "fingerprints_enabled",
     "ids_checked",
     "forced_all_reduce_algorithm",
+    "nccl_blocking",
     "get_auto_candidates",
     "get_comm_stream_priority",
     "get_timeout",
@@ -80,6 +90,7 @@ __all__ = [
     "set_comm_stream_priority",
     "set_fingerprints",
     "set_ids_checked",
+    "set_nccl_blocking",
     "set_timeout",
 ]
 
@@ -109,6 +120,7 @@ _candidates: Optional[Tuple[str, ...]] = None
 _autotune: Optional[bool] = None
 _fingerprints: Optional[bool] = None
 _ids_checked: Optional[bool] = None
+_nccl_blocking: Optional[bool] = None
 
 
 class _Variable:
@@ -305,6 +317,34 @@ def ids_checked() -> bool:
 _CHECK_IDS = _switch("TP_KERNELS_CHECK_IDS", True)
 
 
+#: Whether the native path's NCCL communicators are in NCCL's blocking mode by default. Off until
+#: measured: NCCL 2.28 starts a thread for every call of a nonblocking communicator (read in its
+#: source), which the host benchmark with peers times against the blocking mode (docs/benchmarks.md).
+NCCL_BLOCKING_DEFAULT = False
+
+
+def set_nccl_blocking(enabled: Optional[bool]) -> None:
+    """Whether a group's NCCL communicator of the native path, when it is made (its first native
+    call), runs the ops in NCCL's blocking mode: a collective launched on the calling thread,
+    where in nonblocking mode NCCL starts a thread for each call and the caller polls it. The
+    ranks join in nonblocking mode either way (bounded by the timeout); in blocking mode an
+    enqueue that has not returned within the timeout has its communicator revoked by the watchdog
+    (``ncclCommRevoke``: NCCL 2.28.9 and later; with an older NCCL the communicator's making
+    raises). None returns to ``TP_KERNELS_NCCL_BLOCKING`` or the default
+    (:data:`NCCL_BLOCKING_DEFAULT`). Every rank of a group must use the same setting: ranks set
+    apart fail at the communicator's making, within the timeout."""
+    global _nccl_blocking
+    _nccl_blocking = _switch_value(enabled)
+
+
+def nccl_blocking() -> bool:
+    """Whether a native communicator made now is in NCCL's blocking mode (:func:`set_nccl_blocking`)."""
+    return _NCCL_BLOCKING.get(_nccl_blocking)
+
+
+_NCCL_BLOCKING = _switch("TP_KERNELS_NCCL_BLOCKING", NCCL_BLOCKING_DEFAULT)
+
+
 #: Why the native pipelined path is no default candidate of ``"auto"`` (while it is not).
 AUTO_NATIVE_OFF = ("the native path is not yet chosen automatically (no GPU figure shows it faster than the "
                    "reference yet: docs/benchmarks.md); use backend='pipelined', or set TP_KERNELS_AUTO_NATIVE=1")
@@ -340,13 +380,14 @@ _FUSED_ALL_REDUCE = _Variable("TP_KERNELS_FUSED_ALL_REDUCE", str, None)
 #: what :func:`overriding` takes: a setting's name -> its setter, and the module variable it writes
 _SETTERS = {"timeout": (set_timeout, "_timeout_s"), "comm_stream_priority": (set_comm_stream_priority, "_priority"),
             "auto_candidates": (set_auto_candidates, "_candidates"), "autotune": (set_autotune, "_autotune"),
-            "fingerprints": (set_fingerprints, "_fingerprints"), "ids_checked": (set_ids_checked, "_ids_checked")}
+            "fingerprints": (set_fingerprints, "_fingerprints"), "ids_checked": (set_ids_checked, "_ids_checked"),
+            "nccl_blocking": (set_nccl_blocking, "_nccl_blocking")}
 
 
 @contextlib.contextmanager
 def overriding(**values):
     """The settings named (``timeout``, ``comm_stream_priority``, ``auto_candidates``,
-    ``autotune``, ``fingerprints``, ``ids_checked``) set inside the block, each checked as its setter checks it;
+    ``autotune``, ``fingerprints``, ``ids_checked``, ``nccl_blocking``) set inside the block, each checked as its setter checks it;
     after it, what was set before, exactly (a value a setter set, or none: the environment variable
     or the default again)::
 

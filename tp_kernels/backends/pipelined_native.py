@@ -50,9 +50,16 @@ __all__ = [
     "unsupported_reason",
 ]
 
-#: (id(group), group name, device index) -> (group, communicator). The group is kept so that its
-#: id cannot be reused by another group while the entry lives.
+#: (id(group), group name, device index, NCCL blocking mode) -> (group, communicator). The group
+#: is kept so that its id cannot be reused by another group while the entry lives.
 _communicators: dict = {}
+
+
+def _key(group, device: torch.device) -> tuple:
+    """The group's communicator's entry in :data:`_communicators` on ``device``, in the NCCL mode
+    set now (:func:`tp_kernels.settings.nccl_blocking`: a communicator of each mode, where the
+    mode was changed between calls, as the host benchmark changes it)."""
+    return (*coll.group_key(group, device), settings.nccl_blocking())
 
 
 def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, group) -> Optional[str]:
@@ -72,15 +79,16 @@ def unsupported_collective_reason(collective: str, x: torch.Tensor, group) -> Op
 
 def _capture_reason(x: torch.Tensor, group) -> Optional[str]:
     if (not torch.compiler.is_compiling() and coll.group_size(group) > 1
-            and coll.group_key(group, x.device) not in _communicators and torch.cuda.is_current_stream_capturing()):
+            and torch.cuda.is_current_stream_capturing() and _key(group, x.device) not in _communicators):
         return ("the group's NCCL communicator is made on its first call, which a CUDA graph capture "
                 "cannot contain: run the op once before capturing")
     return None
 
 
 def communicator(group, device: torch.device):
-    """The group's communicator on ``device``, made on first use (a collective call)."""
-    key = coll.group_key(group, device)
+    """The group's communicator on ``device``, made on first use (a collective call), in NCCL's
+    blocking mode where :func:`tp_kernels.settings.nccl_blocking` says so then."""
+    key = _key(group, device)
     entry = _communicators.get(key)
     C = _extension.require()
     if entry is None:
@@ -90,7 +98,8 @@ def communicator(group, device: torch.device):
             # route (its gloo twin where it has one: no wait for the GPU).
             uid = C.nccl_unique_id() if r == 0 else bytes(C.NCCL_UNIQUE_ID_BYTES)
             uid = coll.all_gather_bytes(uid, *coll.host_route(group, device))[0]
-            comm = C.Communicator(uid, r, p, device.index, settings.get_comm_stream_priority(), settings.get_timeout())
+            comm = C.Communicator(uid, r, p, device.index, settings.get_comm_stream_priority(), settings.get_timeout(),
+                                  key[-1])
         entry = _communicators[key] = (group, comm)
     comm = entry[1]
     timeout = settings.get_timeout()

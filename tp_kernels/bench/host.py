@@ -17,7 +17,9 @@ k = n = 64, float32, one thread):
 * ``matmul_all_reduce/<backend>``: :func:`tp_kernels.matmul_all_reduce` on each backend that can
   run on a fake group (the reference and the portable pipelined schedule; ``auto`` where it
   resolves to one of them; the native and fused paths need real peers and are skipped, saying
-  so);
+  so); on NCCL ranks also ``matmul_all_reduce/pipelined:blocking``, the native pipelined path with
+  its communicator in NCCL's blocking mode (:func:`tp_kernels.settings.set_nccl_blocking`, a
+  communicator of its own);
 * ``matmul_all_reduce/auto:measured``: ``"auto"`` choosing among every backend timed above (named
   with :func:`tp_kernels.settings.set_auto_candidates`), its shape class measured by the first,
   untimed call: the host time of a call ``"auto"`` has decided (the record's ``"auto_decisions"``
@@ -54,7 +56,8 @@ rank's ``added_us`` is in the record). A sample is then 20 calls, which stay und
 queue's depth with their chunks' kernels and events. On a GPU the record also holds, per rank,
 what the pipelined path's NCCL calls cost the host (``nccl_progress``: the calls a
 ``matmul_all_reduce`` makes on the nonblocking communicator, how many return in progress, and
-the µs spent polling them). On the CPU the ranks are gloo processes whose waits include the
+the µs spent polling them; ``nccl_progress_blocking`` the same on the blocking one, where none
+should). On the CPU the ranks are gloo processes whose waits include the
 transfer itself: a check of the tool, not a figure.
 
 Each figure is the fastest of ``--samples`` samples, each the mean host time of 200 calls, the
@@ -106,6 +109,8 @@ PEER_CALLS_PER_SAMPLE = 20
 MEASURED_AUTO = "matmul_all_reduce/auto:measured"
 #: the name of the in-place all-reduce on an NCCL communicator in nonblocking mode (NCCL groups only)
 NONBLOCKING_ALL_REDUCE = "plain_all_reduce_inplace/nonblocking"
+#: the native pipelined ``matmul_all_reduce`` on a communicator in NCCL's blocking mode (NCCL groups only)
+BLOCKING_PIPELINED = "matmul_all_reduce/pipelined:blocking"
 #: the name of the embedding's call without its ids' check (``set_ids_checked(False)``)
 UNCHECKED_EMBEDDING = "VocabParallelEmbedding/unchecked"
 #: the functions :func:`profiled` lists a call
@@ -316,6 +321,10 @@ def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("referenc
             continue
         calls[f"matmul_all_reduce/{backend}"] = (
             lambda backend=backend: ops.matmul_all_reduce(x, w, group=group, backend=backend), "plain")
+    if "matmul_all_reduce/pipelined" in calls and p > 1 and dist.get_backend(group) == "nccl":
+        # (the native path on a communicator of its own, made in NCCL's blocking mode by its first call)
+        calls[BLOCKING_PIPELINED] = (lambda: ops.matmul_all_reduce(x, w, group=group, backend="pipelined"), "plain",
+                                     lambda: settings.overriding(nccl_blocking=True))
     # "auto" choosing among every backend that runs here, its shape class measured by the first call
     named = tuple(b for b in backends if b != "auto" and f"matmul_all_reduce/{b}" in calls)
     if len(named) > 1:
@@ -426,7 +435,7 @@ def measure(p: int, device: torch.device, samples: int, profile: int = 0) -> Dic
 def nccl_progress(device: torch.device, calls: int = 10 * PEER_CALLS_PER_SAMPLE) -> Dict[str, float]:
     """Per call of the native pipelined ``matmul_all_reduce`` at the timed shape, on this
     process's group (real peers, CUDA): what its NCCL calls cost the host on the group's
-    nonblocking communicator (``Communicator.progress``): the NCCL calls the op made, how many of
+    communicator in the NCCL mode set (``Communicator.progress``): the NCCL calls the op made, how many of
     them returned ``ncclInProgress``, their polls, and the µs spent polling them; the device
     synchronised every :data:`PEER_CALLS_PER_SAMPLE` calls, as the timed samples are."""
     from ..backends import pipelined_native
@@ -459,6 +468,8 @@ def _peer_rank(p: int, device_type: str, samples: int, profile: int = 0) -> Dict
                  ("reference", "pipelined", "auto"))
     if device_type == "cuda":
         run["nccl_progress"] = nccl_progress(device)
+        with settings.overriding(nccl_blocking=True):
+            run["nccl_progress_blocking"] = nccl_progress(device)
     return run
 
 
@@ -539,9 +550,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         for d in run["auto_decisions"]:
             print(f"  auto measured {d['op']}: " + ", ".join(f"{v} {t * 1e6:.1f} us" for v, t in
                                                           zip(d["variants"], d["times_s"])) + f"; chose {d['choice']}")
-        if "nccl_progress" in run:
-            print("  matmul_all_reduce/pipelined, its NCCL calls a call: " +
-                  ", ".join(f"{key} {v:.1f}" for key, v in run["nccl_progress"].items()))
+        for key, mode in (("nccl_progress", "nonblocking"), ("nccl_progress_blocking", "blocking")):
+            if key in run:
+                print(f"  matmul_all_reduce/pipelined, its NCCL calls a call ({mode}): " +
+                      ", ".join(f"{name} {v:.1f}" for name, v in run[key].items()))
         for name, rows in run.get("profile", {}).items():
             print(f"  {name}, {profile_text(rows)}")
     save_record(record, args.out_dir, "host-peers" if args.peers else "host", args.tag)
