@@ -225,6 +225,13 @@ def test_cuda_graph_with_several_nccl_ranks_on_one_gpu(shared_gpu_world):
     shared_gpu_world.run(check_cuda_graph, "pipelined")
 
 
+@native_built
+def test_cuda_graph_in_nccl_blocking_mode_with_several_nccl_ranks(shared_gpu_world):
+    """The native path's MLP captured in a CUDA graph with its communicator in NCCL's blocking mode:
+    replays equal eager."""
+    shared_gpu_world.run(check_in_nccl_blocking_mode, check_cuda_graph, "pipelined")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("backend", ["reference", "pipelined", "auto"])
 @pytest.mark.parametrize("kind", ["column", "row"])
@@ -725,6 +732,14 @@ COMM_DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.complex64)  # c
 @pytest.mark.parametrize("backend", ["reference", "pipelined", "fused"])
 def test_communicator_against_torch_distributed_on_one_gpu(shared_gpu_world, backend):
     shared_gpu_world.run(test_communicator.check_against_torch_distributed, backend, "cuda", COMM_DTYPES)
+
+
+@native_built
+def test_communicator_in_nccl_blocking_mode_against_torch_distributed_on_one_gpu(shared_gpu_world):
+    """tp_kernels.Communicator's native collectives (all-reduce, all-gather, reduce-scatter, gather,
+    broadcast, send and recv) with the communicator in NCCL's blocking mode, against torch.distributed."""
+    shared_gpu_world.run(check_in_nccl_blocking_mode, test_communicator.check_against_torch_distributed, "pipelined",
+                         "cuda", COMM_DTYPES)
 
 
 def test_variable_sizes_with_several_nccl_ranks(shared_gpu_world):
