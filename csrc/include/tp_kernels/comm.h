@@ -13,6 +13,8 @@
 // timeout (a peer missing at a connection NCCL makes on first use, or NCCL's queue of work full
 // behind a collective that cannot complete) has its communicator revoked (ncclCommRevoke, NCCL
 // 2.28.9 and later: the call returns, nothing is freed under it), then aborted by the op's thread.
+// That is the failure path only, and NCCL documents no call beside another on one communicator:
+// the revoke is how NCCL stops calls in flight, not a promise that the two threads cannot meet.
 #pragma once
 
 #include <cuda_runtime_api.h>
