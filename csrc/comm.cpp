@@ -176,10 +176,8 @@ void Communicator::revoke_overdue_enqueue() {
     what = enqueue_what_;
   }
   const std::string message =
-      "tp_kernels: " + what + " did not complete within " + format_seconds(limit) + " s" + where() +
-      ": an NCCL call blocked the host (the communicator is in blocking mode). A peer rank may be missing, dead, or "
-      "running a different collective; the communicator was revoked and aborted, and later calls on this group raise "
-      "this error. The limit is set with tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S.";
+      timed_out(what, limit, ": an NCCL call blocked the host (the communicator is in blocking mode)",
+                "revoked and aborted, and later calls on this group raise this error");
   std::fprintf(stderr, "%s\n", message.c_str());
   record_error(message);
   // Revoked, not aborted: the blocked call returns (NCCL's abort flags), and nothing it uses is
@@ -190,6 +188,13 @@ void Communicator::revoke_overdue_enqueue() {
 
 std::string Communicator::where() const {
   return " on rank " + std::to_string(rank_) + " of " + std::to_string(size_);
+}
+
+std::string Communicator::timed_out(const std::string& subject, double limit, const std::string& how,
+                                    const std::string& ending) const {
+  return "tp_kernels: " + subject + " did not complete within " + format_seconds(limit) + " s" + where() + how +
+         ". A peer rank may be missing, dead, or running a different collective; the communicator was " + ending +
+         ". The limit is set with tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S.";
 }
 
 Communicator::Progress Communicator::progress() const {
@@ -204,10 +209,7 @@ void Communicator::finish(ncclResult_t result, const char* call, const std::stri
   for (; result == ncclInProgress; ++polls) {
     double limit = timeout_s_.load();
     if (seconds_since(start) > limit) {
-      fail_locked("tp_kernels: " + what + ": " + call + " did not complete within " + format_seconds(limit) + " s" +
-                  where() +
-                  ". A peer rank may be missing, dead, or running a different collective; the communicator "
-                  "was aborted. The limit is set with tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S.");
+      fail_locked(timed_out(what + ": " + call, limit, "", "aborted"));
       check();
     }
     if (polls < 1000)
@@ -291,10 +293,7 @@ void Communicator::watchdog() {
       message = "tp_kernels: " + w.what + ": CUDA error while waiting for it" + where() + ": " +
                 cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")";
     } else if (seconds_since(w.start) > limit) {
-      message = "tp_kernels: " + w.what + " did not complete within " + format_seconds(limit) + " s" + where() +
-                ". A peer rank may be missing, dead, or running a different collective; the communicator was "
-                "aborted and later calls on this group raise this error. The limit is set with "
-                "tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S.";
+      message = timed_out(w.what, limit, "", "aborted and later calls on this group raise this error");
     }
     std::string what = w.what;
     lk.unlock();

@@ -106,6 +106,11 @@ class Communicator {
  private:
   // " on rank r of p", for error messages (made only when one is)
   std::string where() const;
+  // The error of `subject` not done within `limit` seconds: "tp_kernels: <subject> did not complete
+  // within <limit> s on rank r of p<how>. A peer rank may be missing, ...; the communicator was
+  // <ending>. The limit is set with ..."
+  std::string timed_out(const std::string& subject, double limit, const std::string& how,
+                        const std::string& ending) const;
   struct Watched {
     cudaEvent_t event;
     std::chrono::steady_clock::time_point start;
