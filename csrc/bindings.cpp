@@ -142,6 +142,12 @@ OverlapArgs primitive_call(Primitive op, int size, int device, py::handle x, py:
                                     ws_ref, stream);
 }
 
+// The pipelined primitives' second stream for GEMMs and its workspace (boundary.h; 0 and None: none).
+void set_side(OverlapArgs& a, int device, uintptr_t side_stream, py::handle side_workspace) {
+  const OptionalRef ws = optional_arg(side_workspace, "side_workspace");
+  tp_kernels::set_side_stream(a, device, stream_ptr(side_stream), opt(ws));
+}
+
 // What the core receives for a call (boundary.h), for tests and diagnostics: no CUDA call.
 py::dict describe(const tp_kernels::LinearArgs& a) {
   py::dict d;
@@ -157,6 +163,7 @@ py::dict describe(const OverlapArgs& a) {
   d["n"] = a.n, d["k"] = a.k, d["ldw"] = a.ldw, d["w_col_major"] = a.w_col_major, d["bounds"] = a.bounds;
   d["dtype"] = tp_kernels::dtype_name(a.dtype), d["has_bias"] = a.bias != nullptr, d["has_scratch"] = a.scratch != nullptr;
   d["ring"] = a.ring, d["ring_next"] = a.ring_next, d["ring_prev"] = a.ring_prev;
+  d["side_stream"] = a.side_stream != nullptr, d["side_workspace_bytes"] = a.side_workspace_bytes;
   return d;
 }
 
@@ -244,15 +251,18 @@ PYBIND11_MODULE(_C, m) {
       "primitive_problem",
       [](const std::string& op, int rank, int size, int device, py::handle x, py::handle weight, py::handle bias,
          py::handle out, py::handle scratch, std::vector<int64_t> bounds, std::optional<std::vector<int>> ring,
-         int ring_next, int ring_prev, py::handle workspace) {
+         int ring_next, int ring_prev, py::handle workspace, uintptr_t stream, uintptr_t side_stream,
+         py::handle side_workspace) {
         OverlapArgs a = primitive_call(tp_kernels::parse_primitive(op, "op"), size, device, x, weight, bias, out, scratch,
-                                       "scratch", std::move(bounds), workspace, nullptr);
+                                       "scratch", std::move(bounds), workspace, stream_ptr(stream));
         if (ring) tp_kernels::set_ring(a, rank, size, std::move(*ring), ring_next, ring_prev);
+        set_side(a, device, side_stream, side_workspace);
         return describe(a);
       },
       py::arg("op"), py::arg("rank"), py::arg("size"), py::arg("device"), py::arg("x"), py::arg("weight"),
       py::arg("bias"), py::arg("out"), py::arg("scratch"), py::arg("bounds"), py::arg("ring") = py::none(),
-      py::arg("ring_next") = -1, py::arg("ring_prev") = -1, py::arg("workspace"),
+      py::arg("ring_next") = -1, py::arg("ring_prev") = -1, py::arg("workspace"), py::arg("stream") = 0,
+      py::arg("side_stream") = 0, py::arg("side_workspace") = py::none(),
       "The arguments primitive `op` (one of OPS) of rank `rank` of a group of `size` on `device` would get "
       "(checked as the primitives check them), as a dict; runs nothing.");
 
@@ -294,6 +304,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("device", &Communicator::device)
       .def_property_readonly("stream_priority", &Communicator::stream_priority)
       .def_property_readonly("stream", [](const Communicator& c) { return reinterpret_cast<uintptr_t>(c.stream()); })
+      .def_property_readonly("gemm_stream",
+                             [](const Communicator& c) { return reinterpret_cast<uintptr_t>(c.gemm_stream()); })
       .def_property("timeout_s", &Communicator::timeout_s, &Communicator::set_timeout_s)
       .def("check", &Communicator::check, "Raise the error that ended this communicator, if any.")
       .def(
@@ -316,42 +328,47 @@ PYBIND11_MODULE(_C, m) {
       "all_gather_matmul",
       [](Communicator& comm, py::handle x, py::handle weight, py::handle bias, py::handle out, py::handle gathered,
          std::vector<int64_t> bounds, std::vector<int> ring, int ring_next, int ring_prev, py::handle workspace,
-         uintptr_t stream) {
+         uintptr_t stream, uintptr_t side_stream, py::handle side_workspace) {
         OverlapArgs a = primitive_call(Primitive::kAllGatherMatmul, comm.size(), comm.device(), x, weight, bias, out,
                                        gathered, "gathered", std::move(bounds), workspace, stream_ptr(stream));
         tp_kernels::set_ring(a, comm.rank(), comm.size(), std::move(ring), ring_next, ring_prev);
+        set_side(a, comm.device(), side_stream, side_workspace);
         py::gil_scoped_release release;
         tp_kernels::all_gather_matmul(comm, a);
       },
       py::arg("comm"), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("gathered"),
       py::arg("bounds"), py::arg("ring"), py::arg("ring_next"), py::arg("ring_prev"), py::arg("workspace"),
-      py::arg("stream"),
+      py::arg("stream"), py::arg("side_stream") = 0, py::arg("side_workspace") = py::none(),
       "out [m, n] = AG(x)[m, k] weight^T (+ bias): ring all-gather into `gathered` by NCCL send/recv, "
       "in the order `ring`, overlapped with the GEMM of the shards already there.");
   m.def(
       "matmul_reduce_scatter",
       [](Communicator& comm, py::handle x, py::handle weight, py::handle out, py::handle partial,
-         std::vector<int64_t> bounds, py::handle workspace, uintptr_t stream) {
+         std::vector<int64_t> bounds, py::handle workspace, uintptr_t stream, uintptr_t side_stream,
+         py::handle side_workspace) {
         OverlapArgs a = primitive_call(Primitive::kMatmulReduceScatter, comm.size(), comm.device(), x, weight,
                                        py::none(), out, partial, "partial", std::move(bounds), workspace,
                                        stream_ptr(stream));
+        set_side(a, comm.device(), side_stream, side_workspace);
         py::gil_scoped_release release;
         tp_kernels::matmul_reduce_scatter(comm, a);
       },
       py::arg("comm"), py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("partial"), py::arg("bounds"),
-      py::arg("workspace"), py::arg("stream"),
+      py::arg("workspace"), py::arg("stream"), py::arg("side_stream") = 0, py::arg("side_workspace") = py::none(),
       "out [m/p, n] = RS(x[m, k] weight^T), chunk by chunk through `partial` [m, n].");
   m.def(
       "matmul_all_reduce",
       [](Communicator& comm, py::handle x, py::handle weight, py::handle out, std::vector<int64_t> bounds,
-         py::handle workspace, uintptr_t stream) {
+         py::handle workspace, uintptr_t stream, uintptr_t side_stream, py::handle side_workspace) {
         OverlapArgs a = primitive_call(Primitive::kMatmulAllReduce, comm.size(), comm.device(), x, weight, py::none(),
                                        out, py::none(), "partial", std::move(bounds), workspace, stream_ptr(stream));
+        set_side(a, comm.device(), side_stream, side_workspace);
         py::gil_scoped_release release;
         tp_kernels::matmul_all_reduce(comm, a);
       },
       py::arg("comm"), py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("bounds"), py::arg("workspace"),
-      py::arg("stream"), "out [m, n] = AR(x[m, k] weight^T), chunk by chunk, in place in out.");
+      py::arg("stream"), py::arg("side_stream") = 0, py::arg("side_workspace") = py::none(),
+      "out [m, n] = AR(x[m, k] weight^T), chunk by chunk, in place in out.");
 
   m.def(
       "nccl_collective",

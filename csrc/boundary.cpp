@@ -308,6 +308,26 @@ void set_ring(OverlapArgs& a, int rank, int p, std::vector<int> ring, int next, 
   a.ring_next = next, a.ring_prev = prev;
 }
 
+void set_side_stream(OverlapArgs& a, int device, cudaStream_t side, const TensorRef* workspace) {
+  if (side == nullptr) {
+    if (workspace != nullptr) throw ArgumentError(workspace->name + ": given without a side_stream");
+    return;
+  }
+  if (side == a.stream) throw ArgumentError("side_stream: expected a stream other than `stream`, got the same one");
+  if (workspace == nullptr)
+    throw ArgumentError("side_workspace: a side_stream needs a cuBLASLt workspace of its own, got None");
+  const TensorRef& ws = *workspace;
+  require_dim(ws, 1);
+  if (ws.dtype != DType::kUInt8 || ws.device != device) fail(ws, "uint8 bytes on cuda:" + std::to_string(device));
+  require_contiguous(ws);
+  const uintptr_t begin = ws.data, end = begin + static_cast<uintptr_t>(ws.numel());
+  const uintptr_t main_begin = reinterpret_cast<uintptr_t>(a.workspace), main_end = main_begin + a.workspace_bytes;
+  if (begin < main_end && main_begin < end) fail(ws, "bytes of its own (it shares some with workspace)");
+  a.side_stream = side;
+  a.side_workspace = ws.ptr();
+  a.side_workspace_bytes = static_cast<size_t>(ws.numel());
+}
+
 int64_t reduce_partials_args(const std::vector<TensorRef>& inputs, const TensorRef& out, const void** ptrs) {
   const int p = static_cast<int>(inputs.size());
   if (p < 1 || p > kMaxRanks)

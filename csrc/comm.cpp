@@ -70,6 +70,10 @@ Communicator::Communicator(const std::string& unique_id, int rank, int size, int
   TPK_CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
   stream_priority_ = std::min(std::max(stream_priority, greatest), least);
   TPK_CHECK_CUDA(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, stream_priority_));
+  if (cudaError_t e = cudaStreamCreateWithFlags(&gemm_stream_, cudaStreamNonBlocking); e != cudaSuccess) {
+    cudaStreamDestroy(stream_);
+    TPK_CHECK_CUDA(e);
+  }
 
   ncclUniqueId id;
   std::memcpy(id.internal, unique_id.data(), sizeof(id.internal));
@@ -103,6 +107,7 @@ Communicator::Communicator(const std::string& unique_id, int rank, int size, int
     if (comm_ != nullptr) ncclCommAbort(comm_);
     comm_ = nullptr;
     cudaStreamDestroy(stream_);
+    cudaStreamDestroy(gemm_stream_);
     throw;
   }
   thread_ = std::thread(&Communicator::watchdog, this);
@@ -116,6 +121,7 @@ Communicator::~Communicator() {
   for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
   for (Watched& w : queue_) cudaEventDestroy(w.event);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  if (gemm_stream_ != nullptr) cudaStreamDestroy(gemm_stream_);
 }
 
 double Communicator::timeout_s() const { return timeout_s_.load(); }

@@ -1,5 +1,6 @@
-// The pipelined primitives: GEMM chunks on the caller's stream, their communication on the
-// communicator's stream, ordered by events (see overlap.h for the contract).
+// The pipelined primitives: GEMM chunks on the caller's stream (or alternating between it and a
+// side stream), their communication on the communicator's stream, ordered by events (see
+// overlap.h for the contract).
 #include "tp_kernels/overlap.h"
 
 #include <iterator>
@@ -15,10 +16,47 @@ namespace {
 const char* const kPrimitiveNames[] = {"all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"};
 
 using detail::gemm;
+using detail::Lane;
+using detail::main_lane;
 using detail::nccl_type;
 using detail::order;
 using detail::row_ptr;
 using detail::shape;
+
+// The lanes of a call's `count` GEMMs: `stream` alone, or, with a side stream and several GEMMs,
+// GEMM g on `stream` when g is even and on the side stream when g is odd. The side stream first
+// waits for `stream` (event `first_event`); join() makes `stream` wait for it (event
+// first_event + 1), and so does the destructor where a call ends by an error before join(), so
+// that a capture is not left with a stream it cannot join.
+class GemmLanes {
+ public:
+  GemmLanes(Communicator& comm, const OverlapArgs& a, size_t count, size_t first_event)
+      : lanes_{main_lane(a), Lane{a.side_stream, a.side_workspace, a.side_workspace_bytes}},
+        two_(a.side_stream != nullptr && count > 1),
+        join_(two_ ? comm.event(first_event + 1) : nullptr) {
+    if (two_) order(a.stream, a.side_stream, comm.event(first_event));
+  }
+  ~GemmLanes() {  // an error path, best effort (a destructor does not throw)
+    if (two_ && !joined_ && cudaEventRecord(join_, lanes_[1].stream) == cudaSuccess)
+      cudaStreamWaitEvent(lanes_[0].stream, join_, 0);
+  }
+  GemmLanes(const GemmLanes&) = delete;
+  GemmLanes& operator=(const GemmLanes&) = delete;
+
+  const Lane& operator[](size_t g) const { return lanes_[two_ ? g % 2 : 0]; }
+
+  void join() {
+    if (!two_ || joined_) return;
+    joined_ = true;
+    order(lanes_[1].stream, lanes_[0].stream, join_);
+  }
+
+ private:
+  const Lane lanes_[2];
+  const bool two_;
+  bool joined_ = false;
+  cudaEvent_t join_;
+};
 
 }  // namespace
 
@@ -65,15 +103,19 @@ void all_gather_matmul(Communicator& comm, const OverlapArgs& a) {
       }
     }
   }
+  // (events 2 + (p - 1) * chunks and the next; the side stream forked after the own shard's copy)
+  GemmLanes lanes(comm, a, p * chunks, 2 + (p - 1) * chunks);
   for (int step = 0; step < p; ++step) {
     const int src = a.ring[step];
     for (size_t j = 0; j < chunks; ++j) {
       const int64_t row = src * mp + a.bounds[j];
-      if (step > 0) TPK_CHECK_CUDA(cudaStreamWaitEvent(a.stream, comm.event(1 + (step - 1) * chunks + j), 0));
-      gemm(a, row_ptr(a.scratch, row, a.k, a.dtype), row_ptr(a.out, row, a.n, a.dtype), a.bounds[j + 1] - a.bounds[j],
-           a.bias);
+      const Lane& lane = lanes[step * chunks + j];
+      if (step > 0) TPK_CHECK_CUDA(cudaStreamWaitEvent(lane.stream, comm.event(1 + (step - 1) * chunks + j), 0));
+      gemm(a, lane, row_ptr(a.scratch, row, a.k, a.dtype), row_ptr(a.out, row, a.n, a.dtype),
+           a.bounds[j + 1] - a.bounds[j], a.bias);
     }
   }
+  lanes.join();
   if (p > 1) {
     order(cs, a.stream, comm.event(1 + (p - 1) * chunks));
     comm.watch(cs, what);
@@ -89,17 +131,19 @@ void matmul_reduce_scatter(Communicator& comm, const OverlapArgs& a) {
   auto guard = comm.lock(what);
   comm.check();
   cudaStream_t cs = comm.stream();
+  GemmLanes lanes(comm, a, chunks, chunks + 1);  // (events chunks + 1 and chunks + 2)
   for (size_t j = 0; j < chunks; ++j) {
     const int64_t a0 = a.bounds[j], rows = a.bounds[j + 1] - a0;
     // Rows [a0, a0 + rows) of each destination's block, as p products; partial chunk j is
     // destination-major: [p, rows, n] at row p * a0.
     void* partial = row_ptr(a.scratch, p * a0, a.n, a.dtype);
-    gemm(a, row_ptr(a.x, a0, a.k, a.dtype), partial, rows, nullptr, p, mp * a.k, rows * a.n);
-    order(a.stream, cs, comm.event(j));
+    gemm(a, lanes[j], row_ptr(a.x, a0, a.k, a.dtype), partial, rows, nullptr, p, mp * a.k, rows * a.n);
+    order(lanes[j].stream, cs, comm.event(j));
     comm.finish(ncclReduceScatter(partial, row_ptr(a.out, a0, a.n, a.dtype), static_cast<size_t>(rows * a.n),
                                   nccl_type(a.dtype), ncclSum, comm.nccl(), cs),
                 "ncclReduceScatter", what);
   }
+  lanes.join();
   order(cs, a.stream, comm.event(chunks));
   comm.watch(cs, what);
 }
@@ -112,14 +156,16 @@ void matmul_all_reduce(Communicator& comm, const OverlapArgs& a) {
   auto guard = comm.lock(what);
   comm.check();
   cudaStream_t cs = comm.stream();
+  GemmLanes lanes(comm, a, chunks, chunks + 1);  // (events chunks + 1 and chunks + 2)
   for (size_t j = 0; j < chunks; ++j) {
     const int64_t a0 = a.bounds[j], rows = a.bounds[j + 1] - a0;
     void* y = row_ptr(a.out, a0, a.n, a.dtype);
-    gemm(a, row_ptr(a.x, a0, a.k, a.dtype), y, rows, nullptr);
-    order(a.stream, cs, comm.event(j));
+    gemm(a, lanes[j], row_ptr(a.x, a0, a.k, a.dtype), y, rows, nullptr);
+    order(lanes[j].stream, cs, comm.event(j));
     comm.finish(ncclAllReduce(y, y, static_cast<size_t>(rows * a.n), nccl_type(a.dtype), ncclSum, comm.nccl(), cs),
                 "ncclAllReduce", what);
   }
+  lanes.join();
   order(cs, a.stream, comm.event(chunks));
   comm.watch(cs, what);
 }

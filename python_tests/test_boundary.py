@@ -242,6 +242,49 @@ def test_well_formed_primitive_calls():
     assert primitive("matmul_all_reduce", bounds=[])["bounds"] == [0, 20]  # one chunk: the fused one-/two-shot
 
 
+#: two workspaces' memory, alive while the tests read their addresses (one of a temporary
+#: tensor could be handed out again, and seem to share bytes with the next)
+_BYTES = torch.empty(2, 64, dtype=torch.uint8)
+
+
+def workspaces(side_bytes=32, side_device=0):
+    """A call's workspace and a side stream's, apart."""
+    return dict(workspace=ref("workspace", _BYTES[0]),
+                side_workspace=ref("side_workspace", _BYTES[1, :side_bytes], side_device))
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
+def test_a_second_gemm_stream_with_its_own_workspace(op):
+    """The pipelined primitives' GEMMs may alternate with a side stream, which takes a cuBLASLt
+    workspace of its own; without one, nothing of it reaches the core."""
+    got = primitive(op, stream=7, side_stream=9, **workspaces(48))
+    assert (got["side_stream"], got["side_workspace_bytes"]) == (True, 48)
+    got = primitive(op, stream=7)
+    assert (got["side_stream"], got["side_workspace_bytes"]) == (False, 0)
+
+
+def test_bad_second_gemm_streams_are_named():
+    shared = _BYTES.view(-1)
+    float_bytes = torch.empty(8)
+    for refs, message in [
+        ({"side_stream": 9}, r"^side_workspace: a side_stream needs a cuBLASLt workspace of its own, got None$"),
+        (workspaces(), r"^side_workspace: given without a side_stream$"),
+        ({"side_stream": 7, **workspaces()}, r"^side_stream: expected a stream other than `stream`, got the same one$"),
+        ({"side_stream": 9, **workspaces(side_device=1)},
+         r"^side_workspace: expected uint8 bytes on cuda:0, got \[32\] uint8 on cuda:1"),
+        ({"side_stream": 9, "side_workspace": ref("side_workspace", float_bytes)},
+         r"^side_workspace: expected uint8 bytes on cuda:0, got \[8\] float32"),
+        ({"side_stream": 9, "workspace": ref("workspace", shared[:40]), "side_workspace": ref("side_workspace",
+                                                                                              shared[32:])},
+         r"^side_workspace: expected bytes of its own \(it shares some with workspace\)"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            primitive("matmul_all_reduce", stream=7, **refs)
+    got = primitive("matmul_all_reduce", stream=7, side_stream=9, workspace=ref("workspace", shared[:32]),
+                    side_workspace=ref("side_workspace", shared[32:64]))  # adjacent, not shared
+    assert got["side_workspace_bytes"] == 32
+
+
 @pytest.mark.parametrize("p", range(1, 9))
 def test_the_schedules_ring_is_what_the_native_side_accepts(p):
     for rank in range(p):

@@ -62,6 +62,11 @@ void check_phase(int phase, int phases);
 // first; `next` and `prev` are other ranks (or this one, when p = 1).
 void set_ring(OverlapArgs& args, int rank, int p, std::vector<int> ring, int next, int prev);
 
+// The pipelined primitives' second stream for GEMMs (overlap.h): `side` (null: none), another
+// stream than the call's, with a cuBLASLt workspace of its own, `workspace` (uint8 bytes on
+// `device`, none of them the call's workspace's); no side stream takes no workspace.
+void set_side_stream(OverlapArgs& args, int device, cudaStream_t side, const TensorRef* workspace);
+
 // reduce_partials: p = inputs.size() in [1, kMaxRanks] contiguous tensors of one shape and compute
 // dtype on one device, summed into out (same shape). Fills `ptrs` (kMaxRanks entries).
 int64_t reduce_partials_args(const std::vector<TensorRef>& inputs, const TensorRef& out, const void** ptrs);

@@ -55,6 +55,9 @@ class Communicator {
   int stream_priority() const { return stream_priority_; }
   bool blocking() const { return blocking_; }
   cudaStream_t stream() const { return stream_; }
+  // A second stream on the device, of the default priority, that the pipelined primitives' GEMMs
+  // may alternate with (OverlapArgs::side_stream): the communicator's, as one op at a time uses it.
+  cudaStream_t gemm_stream() const { return gemm_stream_; }
   double timeout_s() const;
   void set_timeout_s(double timeout_s);
 
@@ -127,7 +130,7 @@ class Communicator {
   int rank_, size_, device_, stream_priority_ = 0;
   bool blocking_ = false;
   ncclComm_t comm_ = nullptr;
-  cudaStream_t stream_ = nullptr;
+  cudaStream_t stream_ = nullptr, gemm_stream_ = nullptr;
   std::vector<cudaEvent_t> events_;
 
   std::mutex op_mutex_;  // every use of comm_, its abort included (but a revoke: abort_mutex_)

@@ -23,9 +23,18 @@ T* row_ptr(T* base, int64_t row, int64_t width, DType dtype) {
   return reinterpret_cast<T*>(reinterpret_cast<Byte*>(base) + row * width * static_cast<int64_t>(dtype_size(dtype)));
 }
 
-// `rows` rows of x (ldx = k) times W^T into y (ldy = n) on args.stream, as a batch when batch > 1.
-inline void gemm(const OverlapArgs& a, const void* x, void* y, int64_t rows, const void* bias, int64_t batch = 1,
-                 int64_t stride_x = 0, int64_t stride_y = 0) {
+// Where a GEMM runs: a stream, and the cuBLASLt workspace that only GEMMs on that stream use.
+struct Lane {
+  cudaStream_t stream;
+  void* workspace;
+  size_t workspace_bytes;
+};
+
+inline Lane main_lane(const OverlapArgs& a) { return {a.stream, a.workspace, a.workspace_bytes}; }
+
+// `rows` rows of x (ldx = k) times W^T into y (ldy = n) on `lane`, as a batch when batch > 1.
+inline void gemm(const OverlapArgs& a, const Lane& lane, const void* x, void* y, int64_t rows, const void* bias,
+                 int64_t batch = 1, int64_t stride_x = 0, int64_t stride_y = 0) {
   LinearArgs g;
   g.x = x;
   g.w = a.w;
@@ -36,10 +45,16 @@ inline void gemm(const OverlapArgs& a, const void* x, void* y, int64_t rows, con
   g.w_col_major = a.w_col_major;
   g.batch = batch, g.stride_x = stride_x, g.stride_y = stride_y;
   g.dtype = a.dtype;
-  g.workspace = a.workspace;
-  g.workspace_bytes = a.workspace_bytes;
-  g.stream = a.stream;
+  g.workspace = lane.workspace;
+  g.workspace_bytes = lane.workspace_bytes;
+  g.stream = lane.stream;
   linear(g);
+}
+
+// The same on args.stream with its workspace.
+inline void gemm(const OverlapArgs& a, const void* x, void* y, int64_t rows, const void* bias, int64_t batch = 1,
+                 int64_t stride_x = 0, int64_t stride_y = 0) {
+  gemm(a, main_lane(a), x, y, rows, bias, batch, stride_x, stride_y);
 }
 
 // Work enqueued on `to` from now on runs after the work enqueued on `from` so far (event `e`).

@@ -12,9 +12,12 @@
 // tp_kernels.schedule.ring likewise.
 //
 // Stream contract: the work is enqueued on `stream` and on the communicator's stream, which
-// first waits for `stream` and which `stream` waits for before the call returns. The host never
-// waits for the GPU, so the calls can be captured in a CUDA graph. Hold no other reference to
-// the buffers' memory on other streams.
+// first waits for `stream` and which `stream` waits for before the call returns. With a
+// `side_stream` (and its own cuBLASLt workspace), the GEMMs of a call that has several alternate
+// between `stream` and it (the first on `stream`), so that one GEMM's last, partly filled wave of
+// tiles may run beside the next one's first; it too first waits for `stream`, which waits for it
+// before the call returns. The host never waits for the GPU, so the calls can be captured in a
+// CUDA graph. Hold no other reference to the buffers' memory on other streams.
 //
 // The arguments are trusted: boundary.h checks them.
 #pragma once
@@ -55,6 +58,11 @@ struct OverlapArgs {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   cudaStream_t stream = nullptr;
+  // The pipelined primitives' second stream for GEMMs and its workspace (above); none: every GEMM
+  // on `stream`. The fused primitives take none.
+  cudaStream_t side_stream = nullptr;
+  void* side_workspace = nullptr;
+  size_t side_workspace_bytes = 0;
 };
 
 // Ring all-gather (at step s multiply the shard of rank ring[s] while the next one, ring[s + 1],
