@@ -159,6 +159,21 @@ def test_overriding_gives_back_what_was_set(monkeypatch):
         monkeypatch.delenv("TP_KERNELS_NCCL_BLOCKING")
         with pytest.raises(ValueError, match="enabled: expected a bool or None, got 1"):
             settings.set_nccl_blocking(1)
+        assert settings.gemm_streams() == settings.GEMM_STREAMS_DEFAULT == 1
+        monkeypatch.setenv("TP_KERNELS_GEMM_STREAMS", "2")
+        assert settings.gemm_streams() == 2
+        with settings.overriding(gemm_streams=1):
+            assert settings.gemm_streams() == 1
+        assert settings.gemm_streams() == 2
+        for bad in ("3", "two", "2.0"):
+            monkeypatch.setenv("TP_KERNELS_GEMM_STREAMS", bad)
+            with pytest.raises(ValueError, match=rf"TP_KERNELS_GEMM_STREAMS: expected one of \(1, 2\), got '{bad}'"):
+                settings.gemm_streams()
+        monkeypatch.delenv("TP_KERNELS_GEMM_STREAMS")
+        for bad in (0, 3, 2.0, True, "2"):
+            with pytest.raises(ValueError, match=r"count: expected one of \(1, 2\), got "):
+                settings.set_gemm_streams(bad)
+        assert settings.gemm_streams() == 1
         monkeypatch.setenv("TP_KERNELS_TIMEOUT_S", "50")  # (none was set: the variable is read again)
         assert settings.get_timeout() == 50.0 and settings.get_comm_stream_priority() == settings.HIGHEST_PRIORITY
         with pytest.raises(RuntimeError, match="inside"), settings.overriding(timeout=2):

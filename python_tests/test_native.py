@@ -215,6 +215,65 @@ def test_a_groups_communicator_is_made_in_the_nccl_mode_set_then(monkeypatch):
     assert pipelined_native.communicator(group, device) is nonblocking and made == [False, True]
 
 
+class _Comm:
+    """A communicator as the native path's Python reads it: its device and second GEMM stream."""
+    device, gemm_stream, timeout_s = 0, 22, 300.0
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
+def test_the_gemms_second_stream_reaches_the_primitive_where_two_are_set(monkeypatch, op):
+    """With settings.gemm_streams 2 each native op passes its communicator's second GEMM stream as
+    ``side`` (the primitive's side_stream, with a workspace of its own: _extension.call); with 1,
+    none."""
+    calls = []
+    monkeypatch.setattr(pipelined_native, "communicator", lambda group, device: _Comm())
+    monkeypatch.setattr(pipelined_native.coll, "group_size", lambda group: 2)
+    monkeypatch.setattr(pipelined_native.coll, "group_rank", lambda group: 0)
+    monkeypatch.setattr(_extension, "require", lambda: type("C", (), {op: staticmethod(lambda: None)}))
+    monkeypatch.setattr(_extension, "current_stream", lambda device: (0, 11))
+    monkeypatch.setattr(_extension, "call", lambda fn, comm, **kw: calls.append(kw))
+    x, w = torch.randn(8, 6), torch.randn(4, 6)
+    for count, side in ((1, None), (2, (0, 22))):
+        with settings.overriding(gemm_streams=count):
+            getattr(pipelined_native, op)(x, w, None, None, Impl("native", 4))
+        assert calls[-1]["side"] == side and calls[-1]["stream"] == (0, 11)
+
+
+def test_call_passes_the_side_streams_own_workspace(monkeypatch):
+    """_extension.call with ``side``: ``side_stream`` (the handle) and ``side_workspace`` (that
+    stream's workspace, not the call's stream's) beside ``workspace`` and ``stream``."""
+    monkeypatch.setattr(_extension, "_workspaces", {(0, 11): (None, "main ws"), (0, 22): (None, "side ws")})
+    got = []
+    _extension.call(lambda *context, **args: got.append((context, args)), "comm", stream=(0, 11), side=(0, 22), x=1)
+    assert got == [(("comm",), {"x": 1, "workspace": "main ws", "side_stream": 22, "side_workspace": "side ws",
+                               "stream": 11})]
+    _extension.call(lambda *context, **args: got.append(args), stream=(0, 11), x=1)
+    assert "side_stream" not in got[-1] and "side_workspace" not in got[-1]
+    assert _extension.has_workspace((0, 22)) and not _extension.has_workspace((0, 33))
+
+
+def test_a_capture_needs_the_second_gemm_streams_workspace_made_first(monkeypatch):
+    """Under a CUDA graph capture the native ops refuse (the path is not runnable, saying why) where
+    two GEMM streams are asked for and the second one's workspace is not made yet, as where the
+    communicator is not: its first call makes it, outside a capture. The collectives, which
+    multiply nothing, do not need it."""
+    group = object()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(pipelined_native.coll, "group_size", lambda group: 2)
+    monkeypatch.setattr(pipelined_native.coll, "group_key", lambda group, device: (id(group), "g", 0))
+    monkeypatch.setattr(pipelined_native, "_communicators", {})
+    monkeypatch.setattr(_extension, "_workspaces", {})
+    x = torch.randn(4, 6)
+    assert "communicator is made on its first call" in pipelined_native._capture_reason(x, group, gemms=True)
+    pipelined_native._communicators[pipelined_native._key(group, x.device)] = (group, _Comm())
+    assert pipelined_native._capture_reason(x, group, gemms=True) is None  # one stream: nothing more to make
+    with settings.overriding(gemm_streams=2):
+        assert "second GEMM stream" in pipelined_native._capture_reason(x, group, gemms=True)
+        assert pipelined_native._capture_reason(x, group, gemms=False) is None
+        _extension._workspaces[(0, 22)] = (None, "side ws")
+        assert pipelined_native._capture_reason(x, group, gemms=True) is None
+
+
 def test_destroy_model_parallel_closes_the_groups_communicators(monkeypatch):
     closed = []
 

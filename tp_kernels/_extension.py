@@ -227,7 +227,8 @@ def _workspace_ref(stream: StreamRef):
     return entry[1]
 
 
-def call(fn, *context, stream: Optional[StreamRef], gemm: bool = True, **args) -> None:
+def call(fn, *context, stream: Optional[StreamRef], gemm: bool = True, side: Optional[StreamRef] = None,
+         **args) -> None:
     """``fn(*context, **args)`` for a native function ``fn`` of ``_C``, enqueued on ``stream``.
 
     The tensors in ``args`` go as they are (a list of tensors too; None stays None): the native
@@ -235,11 +236,20 @@ def call(fn, *context, stream: Optional[StreamRef], gemm: bool = True, **args) -
     of the group or the input current for the call (``csrc/include/tp_kernels/device_guard.h``),
     so the caller need not. Then ``workspace`` (``stream``'s cuBLASLt workspace, for functions
     that multiply: ``gemm``) and ``stream``. ``stream`` is None for tensors not on a CUDA device:
-    ``fn``'s checks then reject them before anything runs.
+    ``fn``'s checks then reject them before anything runs. ``side``: a second stream the
+    pipelined primitives' GEMMs alternate with (passed as ``side_stream``, with its own workspace,
+    ``side_workspace``).
     """
     if gemm:
         args["workspace"] = torch.empty(0, dtype=torch.uint8) if stream is None else _workspace_ref(stream)
+    if side is not None:
+        args["side_stream"], args["side_workspace"] = side[1], _workspace_ref(side)
     fn(*context, **args, stream=0 if stream is None else stream[1])
+
+
+def has_workspace(stream: StreamRef) -> bool:
+    """Whether ``stream``'s cuBLASLt workspace is made (a CUDA graph capture cannot make it)."""
+    return stream in _workspaces
 
 
 def gemm_weight(weight: torch.Tensor) -> torch.Tensor:

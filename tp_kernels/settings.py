@@ -43,6 +43,14 @@ environment variable                   setter (wins over it)       meaning, defa
                                                                    read when a group's communicator is made;
                                                                    default 0 (an experiment, to be measured:
                                                                    docs/benchmarks.md)
+``TP_KERNELS_GEMM_STREAMS``            :func:`set_gemm_streams`    the streams the native pipelined path's
+                                                                   chunk GEMMs run on: 1 (the caller's) or 2
+                                                                   (alternating with a second stream of the
+                                                                   group's communicator, so that one GEMM's
+                                                                   last wave of tiles may run beside the
+                                                                   next one's first); default 1 (an
+                                                                   experiment, to be measured:
+                                                                   docs/benchmarks.md)
 =====================================  ==========================  ===========================================
 
 Environment values are read when used, so a change takes effect at the next call; a malformed
@@ -71,6 +79,7 @@ __all__ = [
     "BACKENDS",
     "BACKEND_NAMES",
     "DEFAULT_TIMEOUT_S",
+    "GEMM_STREAMS_DEFAULT",
     "NCCL_BLOCKING_DEFAULT",
     "auto_fused",
     "auto_native",
@@ -80,6 +89,7 @@ __all__ = [
     "fingerprints_enabled",
     "ids_checked",
     "forced_all_reduce_algorithm",
+    "gemm_streams",
     "nccl_blocking",
     "get_auto_candidates",
     "get_comm_stream_priority",
@@ -89,6 +99,7 @@ __all__ = [
     "set_autotune",
     "set_comm_stream_priority",
     "set_fingerprints",
+    "set_gemm_streams",
     "set_ids_checked",
     "set_nccl_blocking",
     "set_timeout",
@@ -121,6 +132,7 @@ _autotune: Optional[bool] = None
 _fingerprints: Optional[bool] = None
 _ids_checked: Optional[bool] = None
 _nccl_blocking: Optional[bool] = None
+_gemm_streams: Optional[int] = None
 
 
 class _Variable:
@@ -345,6 +357,45 @@ def nccl_blocking() -> bool:
 _NCCL_BLOCKING = _switch("TP_KERNELS_NCCL_BLOCKING", NCCL_BLOCKING_DEFAULT)
 
 
+#: The streams the native pipelined path's chunk GEMMs run on by default: one, until two are measured
+#: faster (docs/benchmarks.md: split into chunks, a GEMM's last wave of tiles leaves SMs idle).
+GEMM_STREAMS_DEFAULT = 1
+#: the counts :func:`set_gemm_streams` takes
+GEMM_STREAM_COUNTS = (1, 2)
+
+
+def _check_gemm_streams(what: str, count) -> int:
+    if not isinstance(count, int) or isinstance(count, bool) or count not in GEMM_STREAM_COUNTS:
+        raise ValueError(f"{what}: expected one of {GEMM_STREAM_COUNTS}, got {count!r}")
+    return count
+
+
+def _parse_gemm_streams(value: str) -> int:
+    if value.strip() not in [str(count) for count in GEMM_STREAM_COUNTS]:
+        raise ValueError(f"TP_KERNELS_GEMM_STREAMS: expected one of {GEMM_STREAM_COUNTS}, got {value!r}")
+    return int(value)
+
+
+def set_gemm_streams(count: Optional[int]) -> None:
+    """The streams the native pipelined path's GEMMs of a call run on when it has several (its
+    chunks, the all-gather's shards): 1, all on the caller's stream, one after another; 2,
+    alternating between it and a second stream of the group's communicator (with a cuBLASLt
+    workspace of its own), so that a GEMM's last, partly filled wave of tiles may run beside the
+    next GEMM's first; each collective still waits for its own GEMM only. None returns to
+    ``TP_KERNELS_GEMM_STREAMS`` or the default (:data:`GEMM_STREAMS_DEFAULT`). Ranks may differ:
+    what moves between them is the same."""
+    global _gemm_streams
+    _gemm_streams = None if count is None else _check_gemm_streams("count", count)
+
+
+def gemm_streams() -> int:
+    """The streams the native pipelined path's GEMMs of a call run on (:func:`set_gemm_streams`)."""
+    return _GEMM_STREAMS.get(_gemm_streams)
+
+
+_GEMM_STREAMS = _Variable("TP_KERNELS_GEMM_STREAMS", _parse_gemm_streams, GEMM_STREAMS_DEFAULT)
+
+
 #: Why the native pipelined path is no default candidate of ``"auto"`` (while it is not).
 AUTO_NATIVE_OFF = ("the native path is not yet chosen automatically (no GPU figure shows it faster than the "
                    "reference yet: docs/benchmarks.md); use backend='pipelined', or set TP_KERNELS_AUTO_NATIVE=1")
@@ -381,15 +432,16 @@ _FUSED_ALL_REDUCE = _Variable("TP_KERNELS_FUSED_ALL_REDUCE", str, None)
 _SETTERS = {"timeout": (set_timeout, "_timeout_s"), "comm_stream_priority": (set_comm_stream_priority, "_priority"),
             "auto_candidates": (set_auto_candidates, "_candidates"), "autotune": (set_autotune, "_autotune"),
             "fingerprints": (set_fingerprints, "_fingerprints"), "ids_checked": (set_ids_checked, "_ids_checked"),
-            "nccl_blocking": (set_nccl_blocking, "_nccl_blocking")}
+            "nccl_blocking": (set_nccl_blocking, "_nccl_blocking"),
+            "gemm_streams": (set_gemm_streams, "_gemm_streams")}
 
 
 @contextlib.contextmanager
 def overriding(**values):
     """The settings named (``timeout``, ``comm_stream_priority``, ``auto_candidates``,
-    ``autotune``, ``fingerprints``, ``ids_checked``, ``nccl_blocking``) set inside the block, each checked as its setter checks it;
-    after it, what was set before, exactly (a value a setter set, or none: the environment variable
-    or the default again)::
+    ``autotune``, ``fingerprints``, ``ids_checked``, ``nccl_blocking``, ``gemm_streams``) set
+    inside the block, each checked as its setter checks it; after it, what was set before, exactly
+    (a value a setter set, or none: the environment variable or the default again)::
 
         with tp_kernels.settings.overriding(timeout=5, fingerprints=True):
             ...

@@ -1,8 +1,10 @@
 """The ``pipelined`` schedule in the native extension (implementation ``"native"``), for CUDA
 tensors: what ``backend="pipelined"`` runs wherever :func:`unsupported_reason` allows it.
 
-The GEMMs run on cuBLASLt on the caller's stream and the collectives on NCCL on a communication
-stream of the group's own communicator (``tp_kernels._C.Communicator``), chunk by chunk with
+The GEMMs run on cuBLASLt on the caller's stream (or, with
+:func:`tp_kernels.settings.set_gemm_streams` at 2, alternating with a second stream of the group's
+communicator, ``gemm_stream``) and the collectives on NCCL on a communication stream of the
+group's own communicator (``tp_kernels._C.Communicator``), chunk by chunk with
 the boundaries of :func:`tp_kernels.schedule.chunk_bounds` and the ring of
 :func:`tp_kernels.schedule.ring` (passed to the native code, so the CPU-tested schedule is the
 one run). Nothing blocks the host: the ops can be captured in a CUDA graph once the group's
@@ -68,21 +70,41 @@ def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, group) -> Optional
     Depends only on what every rank of the group shares (the extension, the device type, dtype
     and shapes, whether a capture is running), so all ranks decide alike.
     """
-    return _extension.unsupported_tensors_reason(x, weight) or _capture_reason(x, group)
+    return _extension.unsupported_tensors_reason(x, weight) or _capture_reason(x, group, gemms=True)
 
 
 def unsupported_collective_reason(collective: str, x: torch.Tensor, group) -> Optional[str]:
     """Why the native path cannot run this collective, or None when it can (the reductions need a
     dtype of ``_C.DTYPES``; the others move any dtype). Depends only on what the ranks share."""
-    return _extension.unsupported_collective_reason(collective in REDUCTIONS, x) or _capture_reason(x, group)
+    return (_extension.unsupported_collective_reason(collective in REDUCTIONS, x)
+            or _capture_reason(x, group, gemms=False))
 
 
-def _capture_reason(x: torch.Tensor, group) -> Optional[str]:
+def _capture_reason(x: torch.Tensor, group, gemms: bool) -> Optional[str]:
+    """Why a call cannot be captured now: what its first call makes (the communicator; for an op
+    that multiplies, ``gemms``, the second GEMM stream's workspace where two streams are asked for)
+    is not made yet."""
     if (not torch.compiler.is_compiling() and coll.group_size(group) > 1
-            and torch.cuda.is_current_stream_capturing() and _key(group, x.device) not in _communicators):
-        return ("the group's NCCL communicator is made on its first call, which a CUDA graph capture "
-                "cannot contain: run the op once before capturing")
+            and torch.cuda.is_current_stream_capturing()):
+        entry = _communicators.get(_key(group, x.device))
+        if entry is None:
+            return ("the group's NCCL communicator is made on its first call, which a CUDA graph capture "
+                    "cannot contain: run the op once before capturing")
+        if gemms and settings.gemm_streams() == 2 and not _extension.has_workspace(_gemm_stream(entry[1])):
+            return ("the cuBLASLt workspace of the communicator's second GEMM stream (gemm_streams 2) is made on "
+                    "the first call that uses it, which a CUDA graph capture cannot contain: run the op once "
+                    "before capturing")
     return None
+
+
+def _gemm_stream(comm) -> _extension.StreamRef:
+    return comm.device, comm.gemm_stream
+
+
+def _side(comm) -> Optional[_extension.StreamRef]:
+    """The second stream the call's GEMMs alternate with, where
+    :func:`tp_kernels.settings.gemm_streams` asks for two; else None."""
+    return _gemm_stream(comm) if settings.gemm_streams() == 2 else None
 
 
 def communicator(group, device: torch.device):
@@ -130,9 +152,11 @@ def all_gather_matmul(x, weight, bias, group, impl):
     gathered = x.new_empty((p * mp, k))
     out = x.new_empty((p * mp, weight.shape[0]))
     order = ring(coll.group_rank(group), p)
-    _extension.call(C.all_gather_matmul, communicator(group, x.device), x=x, weight=_extension.gemm_weight(weight),
-                    bias=bias, out=out, gathered=gathered, bounds=boundaries(mp, impl.num_chunks), ring=order.sources,
-                    ring_next=order.next, ring_prev=order.prev, stream=_extension.current_stream(x.get_device()))
+    comm = communicator(group, x.device)
+    _extension.call(C.all_gather_matmul, comm, x=x, weight=_extension.gemm_weight(weight), bias=bias, out=out,
+                    gathered=gathered, bounds=boundaries(mp, impl.num_chunks), ring=order.sources,
+                    ring_next=order.next, ring_prev=order.prev, stream=_extension.current_stream(x.get_device()),
+                    side=_side(comm))
     return out, gathered
 
 
@@ -147,9 +171,10 @@ def _reduction(op: str, what: str, scatter: bool, x, weight, bias, group, impl) 
     rows = m // p if scatter else m  # the rows chunked, and the output's
     out = x.new_empty((rows, n))
     scratch = {"partial": x.new_empty((m, n))} if scatter else {}  # destination-major chunks of x Wᵀ
-    _extension.call(getattr(C, op), communicator(group, x.device), x=x, weight=_extension.gemm_weight(weight),
-                    out=out, bounds=boundaries(rows, impl.num_chunks), stream=_extension.current_stream(x.get_device()),
-                    **scratch)
+    comm = communicator(group, x.device)
+    _extension.call(getattr(C, op), comm, x=x, weight=_extension.gemm_weight(weight), out=out,
+                    bounds=boundaries(rows, impl.num_chunks), stream=_extension.current_stream(x.get_device()),
+                    side=_side(comm), **scratch)
     return Pending(out, what=what, group=group, finish=bias_epilogue(bias))
 
 
