@@ -147,19 +147,6 @@ def check_nccl_progress(blocking=False):
         assert got["in_progress"] == 0 and got["polls"] == 0, got
 
 
-@native_built
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("op", OPS)
-def test_native_ops_in_nccl_blocking_mode_with_several_nccl_ranks(shared_gpu_world, op, dtype):
-    """The native path with its communicator in NCCL's blocking mode (set_nccl_blocking: a split
-    of the nonblocking one, a communicator of its own): every op and its backward against float64,
-    and against the reference at every chunk count."""
-    shared_gpu_world.run(check_in_nccl_blocking_mode, test_ops.check_against_float64, op, dtype, "pipelined",
-                         device="cuda")
-    shared_gpu_world.run(check_in_nccl_blocking_mode, test_ops.check_pipelined_matches_reference, op, 7,
-                         device="cuda")
-
-
 def check_in_nccl_blocking_mode(check, *args, **kwargs):
     """``check(*args, **kwargs)`` with the native path's communicators in NCCL's blocking mode; on
     several ranks the group's communicator of that mode was made, and is in it."""
@@ -169,6 +156,69 @@ def check_in_nccl_blocking_mode(check, *args, **kwargs):
             device = torch.device("cuda", torch.cuda.current_device())
             assert pipelined_native._key(_collectives.resolve_group(None), device) in pipelined_native._communicators
             assert pipelined_native.communicator(_collectives.resolve_group(None), device).blocking
+
+
+def check_on_two_gemm_streams(check, *args, **kwargs):
+    """``check(*args, **kwargs)`` with the native path's GEMMs on two streams; on several ranks the
+    second stream's workspace was made (the ops ran there)."""
+    with settings.overriding(gemm_streams=2):
+        check(*args, **kwargs)
+    if dist.get_world_size() > 1:
+        device = torch.device("cuda", torch.cuda.current_device())
+        comm = pipelined_native.communicator(_collectives.resolve_group(None), device)
+        assert _extension.has_workspace((comm.device, comm.gemm_stream))
+
+
+#: the native path's opt-in modes, each by the function that runs a check in it: its communicator
+#: in NCCL's blocking mode (set_nccl_blocking: a split of the nonblocking one, a communicator of its
+#: own); its GEMMs alternating between the caller's stream and the communicator's second one
+#: (set_gemm_streams(2))
+NATIVE_MODES = {"nccl_blocking": check_in_nccl_blocking_mode, "two_gemm_streams": check_on_two_gemm_streams}
+
+
+@native_built
+@pytest.mark.parametrize("mode", NATIVE_MODES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("op", OPS)
+def test_native_ops_in_each_mode_with_several_nccl_ranks(shared_gpu_world, op, dtype, mode):
+    """The native path in each of its opt-in modes: every op and its backward against float64, and
+    against the reference at every chunk count."""
+    shared_gpu_world.run(NATIVE_MODES[mode], test_ops.check_against_float64, op, dtype, "pipelined", device="cuda")
+    shared_gpu_world.run(NATIVE_MODES[mode], test_ops.check_pipelined_matches_reference, op, 7, device="cuda")
+
+
+@native_built
+@pytest.mark.parametrize("op", OPS)
+def test_two_gemm_streams_give_one_streams_bits_with_several_nccl_ranks(shared_gpu_world, op):
+    """GEMMs long enough for a missing wait to show: on two streams each op gives, bit for bit, what
+    it gives on one (the same chunk GEMMs and the same NCCL sums; only where they run differs), in
+    4 chunks, eagerly and replayed from a CUDA graph, repeated."""
+    shared_gpu_world.run(check_two_gemm_streams_match_one, op)
+
+
+def check_two_gemm_streams_match_one(op):
+    r, p = rank_world()
+    g = torch.Generator("cuda").manual_seed(r)
+    rows = 2048 if op == "all_gather_matmul" else 2048 * p
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=g) / 64
+
+    def run():
+        return getattr(ops, op)(x, w, backend="pipelined", num_chunks=4)
+
+    with torch.no_grad():
+        with settings.overriding(gemm_streams=1):
+            want = run()
+        with settings.overriding(gemm_streams=2):
+            for _ in range(3):
+                assert torch.equal(run(), want), f"{op} on two GEMM streams differs from one"
+            graph = torch.cuda.CUDAGraph()  # (the calls above made what a capture cannot)
+            with torch.cuda.graph(graph):
+                static = run()
+            for _ in range(3):
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(static, want), f"{op} on two GEMM streams, replayed, differs from one"
 
 
 def check_native_routing_and_result(op):
@@ -226,10 +276,11 @@ def test_cuda_graph_with_several_nccl_ranks_on_one_gpu(shared_gpu_world):
 
 
 @native_built
-def test_cuda_graph_in_nccl_blocking_mode_with_several_nccl_ranks(shared_gpu_world):
-    """The native path's MLP captured in a CUDA graph with its communicator in NCCL's blocking mode:
+@pytest.mark.parametrize("mode", NATIVE_MODES)
+def test_cuda_graph_in_each_mode_with_several_nccl_ranks(shared_gpu_world, mode):
+    """The native path's MLP captured in a CUDA graph in each of the native path's opt-in modes:
     replays equal eager."""
-    shared_gpu_world.run(check_in_nccl_blocking_mode, check_cuda_graph, "pipelined")
+    shared_gpu_world.run(NATIVE_MODES[mode], check_cuda_graph, "pipelined")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
