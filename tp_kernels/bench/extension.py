@@ -20,8 +20,12 @@ against):
    reduce-scatter's 4 batched chunks over 8 destination blocks; the all-gather ring's 8 shards)
    against the unsplit GEMM (target for 4 chunks: ≥ 0.97× its TFLOP/s), and the 4 row chunks and
    the 8 shards alternating between two streams (``..._two_streams``: whether one GEMM's last
-   wave beside the next one's first wins back the split's cost); and the unsplit native GEMM
-   against ``F.linear`` at those shapes (target ≥ 0.99×).
+   wave beside the next one's first wins back the split's cost); the native
+   ``matmul_all_reduce`` primitive itself on a one-rank NCCL communicator, in 4 chunks, its
+   GEMMs on one stream and on two (``native_matmul_all_reduce_4_chunks[_two_streams]``:
+   :func:`tp_kernels.settings.set_gemm_streams`; the chunks' all-reduces there move nothing, so
+   what it adds to the GEMMs is the schedule's events and NCCL's launches); and the unsplit
+   native GEMM against ``F.linear`` at those shapes (target ≥ 0.99×).
 4. **Decode GEMMs**: the native GEMM against ``F.linear`` at m = 16 of those shapes, forward and
    the backward's dgrad (the weight transposed), replayed from a CUDA graph: the GEMMs' own time,
    without the host's launch (target ≥ 0.99×).
@@ -43,8 +47,8 @@ from typing import Callable, Dict
 import torch
 import torch.nn.functional as F
 
-from .. import _extension, ops
-from ..schedule import chunk_bounds
+from .. import _extension, ops, settings
+from ..schedule import boundaries, chunk_bounds
 from .host import host_times_us, profiled
 from .records import default_out_dir, gpu_record, save_record
 from .targets import TARGETS
@@ -153,6 +157,11 @@ def chunking(iters: int, p: int = 8, chunks: int = 4) -> Dict:
     back what splitting costs."""
     out = {}
     side = torch.cuda.Stream()
+    C = _extension.require()
+    device = torch.cuda.current_device()
+    # the native primitive's schedule at one rank (its communicator made and closed here)
+    comm = C.Communicator(C.nccl_unique_id(), 0, 1, device, settings.get_comm_stream_priority(),
+                          settings.get_timeout())
 
     def alternating(gemms) -> None:
         """Each of ``gemms`` (callables, each enqueuing one GEMM on the current stream) on the
@@ -186,6 +195,10 @@ def chunking(iters: int, p: int = 8, chunks: int = 4) -> Dict:
             for a, b in chunk_bounds(mp, chunks):
                 _extension.linear(blocks[:, a:b], w, out=y[p * a:p * b].view(p, b - a, n))
 
+        def native_op(side_stream):  # the primitive (pipelined_native's call) at one rank
+            _extension.call(C.matmul_all_reduce, comm, x=x, weight=w, out=y, bounds=boundaries(m, chunks),
+                            stream=_extension.current_stream(device), side=side_stream)
+
         t_full = gpu_time_ms(lambda: _extension.linear(x, w, out=y), iters)
         t_torch = gpu_time_ms(lambda: F.linear(x, w), iters)
         entry = {"shape": [m, k, n], "dtype": "bfloat16", "unsplit_ms": t_full, "unsplit_tflops": tflops(m, k, n, t_full),
@@ -193,10 +206,15 @@ def chunking(iters: int, p: int = 8, chunks: int = 4) -> Dict:
         for label, fn in ((f"{chunks}_row_chunks", lambda: one_stream(row_gemms())),
                           (f"{chunks}_rs_chunks_x{p}", rs_split), (f"ring_{p}_shards", lambda: one_stream(ring_gemms())),
                           (f"{chunks}_row_chunks_two_streams", lambda: alternating(row_gemms())),
-                          (f"ring_{p}_shards_two_streams", lambda: alternating(ring_gemms()))):
+                          (f"ring_{p}_shards_two_streams", lambda: alternating(ring_gemms())),
+                          (f"native_matmul_all_reduce_{chunks}_chunks", lambda: native_op(None)),
+                          (f"native_matmul_all_reduce_{chunks}_chunks_two_streams",
+                           lambda: native_op((device, comm.gemm_stream)))):
             t = gpu_time_ms(fn, iters)
             entry[label] = {"ms": t, "tflops": tflops(m, k, n, t), "vs_unsplit": t_full / t}
         out[name] = entry
+    torch.cuda.synchronize()
+    comm.close()
     out["target"] = TARGETS["chunk4_vs_unsplit"][0]
     return out
 

@@ -19,7 +19,9 @@ k = n = 64, float32, one thread):
   resolves to one of them; the native and fused paths need real peers and are skipped, saying
   so); on NCCL ranks also ``matmul_all_reduce/pipelined:blocking``, the native pipelined path with
   its communicator in NCCL's blocking mode (:func:`tp_kernels.settings.set_nccl_blocking`, a
-  communicator of its own);
+  communicator of its own), and ``matmul_all_reduce/pipelined:two_streams``, the native path with
+  its chunks' GEMMs alternating between two streams (:func:`tp_kernels.settings.set_gemm_streams`:
+  two events more a call);
 * ``matmul_all_reduce/auto:measured``: ``"auto"`` choosing among every backend timed above (named
   with :func:`tp_kernels.settings.set_auto_candidates`), its shape class measured by the first,
   untimed call: the host time of a call ``"auto"`` has decided (the record's ``"auto_decisions"``
@@ -111,6 +113,8 @@ MEASURED_AUTO = "matmul_all_reduce/auto:measured"
 NONBLOCKING_ALL_REDUCE = "plain_all_reduce_inplace/nonblocking"
 #: the native pipelined ``matmul_all_reduce`` on a communicator in NCCL's blocking mode (NCCL groups only)
 BLOCKING_PIPELINED = "matmul_all_reduce/pipelined:blocking"
+#: the native pipelined ``matmul_all_reduce`` with its GEMMs on two streams (NCCL groups only)
+TWO_STREAMS_PIPELINED = "matmul_all_reduce/pipelined:two_streams"
 #: the name of the embedding's call without its ids' check (``set_ids_checked(False)``)
 UNCHECKED_EMBEDDING = "VocabParallelEmbedding/unchecked"
 #: the functions :func:`profiled` lists a call
@@ -325,6 +329,8 @@ def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("referenc
         # (the native path on a communicator of its own, made in NCCL's blocking mode by its first call)
         calls[BLOCKING_PIPELINED] = (lambda: ops.matmul_all_reduce(x, w, group=group, backend="pipelined"), "plain",
                                      lambda: settings.overriding(nccl_blocking=True))
+        calls[TWO_STREAMS_PIPELINED] = (lambda: ops.matmul_all_reduce(x, w, group=group, backend="pipelined"),
+                                        "plain", lambda: settings.overriding(gemm_streams=2))
     # "auto" choosing among every backend that runs here, its shape class measured by the first call
     named = tuple(b for b in backends if b != "auto" and f"matmul_all_reduce/{b}" in calls)
     if len(named) > 1:

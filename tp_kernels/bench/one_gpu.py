@@ -194,6 +194,11 @@ def report(measured: dict, rows: List[dict], device: str) -> dict:
                       entry.get("native_vs_f_linear"))
                 check("chunk4_vs_unsplit", f"4 row chunks / unsplit, 70B TP8 {name}",
                       entry["4_row_chunks"]["vs_unsplit"])
+                for label, what in (("4_row_chunks_two_streams", "4 row chunks on two streams"),
+                                    ("native_matmul_all_reduce_4_chunks_two_streams",
+                                     "native matmul_all_reduce, 1 rank, 4 chunks on two streams")):
+                    if label in entry:  # (not in older records)
+                        check("chunk4_vs_unsplit", f"{what} / unsplit, 70B TP8 {name}", entry[label]["vs_unsplit"])
         for name, entry in ext.get("decode_gemms", {}).items():  # (not in older records)
             if isinstance(entry, dict):
                 for label in ("forward", "dgrad"):
