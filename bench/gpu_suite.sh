@@ -8,7 +8,7 @@
 # always ends with its records, naming what did not run:
 #
 #   TP_KERNELS_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_suite.sh all
-#       the three parts below in one call, correctness first: the tests (at most 270 s), the
+#       the three parts below in one call, correctness first: the tests (at most 320 s), the
 #       sanitizers (60 s each), then the benchmarks in what is left (the main job --quick, with
 #       20 samples a figure, then the fused path's sweeps, its timeline and the host times)
 #   ... bash bench/gpu_suite.sh tests [PYTEST_ARGS...]
@@ -70,7 +70,7 @@ LOGS_TARBALL=gpu-$part-$commit-logs.tar.gz
 
 # The steps' own limits: one part a call gives each part the whole budget; `all` shares it out.
 if [ "$part" = all ]; then
-  tests_s=270; sanitizer_s=60; bench_main_s=120; bench_main_args=(--quick --iters 20); pytest_bench=false
+  tests_s=320; sanitizer_s=60; bench_main_s=120; bench_main_args=(--quick --iters 20); pytest_bench=false
 else
   tests_s=480; sanitizer_s=180; bench_main_s=280; bench_main_args=(); pytest_bench=true
 fi

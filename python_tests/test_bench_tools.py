@@ -921,7 +921,7 @@ def test_the_gpu_suite_runs_all_its_parts_in_one_call(tmp_path):
     pytest_args = lines[tests[0]].split()
     assert "--timeout" in pytest_args and pytest_args[pytest_args.index("-n") + 1] == "4"
     session = int(pytest_args[pytest_args.index("--session-timeout") + 1])
-    assert 150 <= session <= 240  # inside the tests' 270 s
+    assert 150 <= session <= 290  # inside the tests' 320 s
     assert [lines[i].split()[1] for i in sanitizers] == ["memcheck", "racecheck"]
     assert "--quick --iters 20" in lines[benches[0]] and not any("-m pytest bench" in line for line in lines)
     records = {name: json.load(open(out / f"gpu-{name}-abc1234.json")) for name in ("tests", "sanitize", "bench")}
