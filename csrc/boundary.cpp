@@ -97,10 +97,15 @@ void require_bias(const TensorRef& b, const TensorRef& x, int64_t n) {
   require_contiguous(b);
 }
 
-void require_workspace(const TensorRef& ws, const TensorRef& x) {
+// A cuBLASLt workspace: uint8 bytes on `device` (called `device_name` in the error).
+void require_workspace(const TensorRef& ws, int device, const std::string& device_name) {
   require_dim(ws, 1);
-  if (ws.dtype != DType::kUInt8 || ws.device != x.device) fail(ws, "uint8 bytes on the device of " + x.name);
+  if (ws.dtype != DType::kUInt8 || ws.device != device) fail(ws, "uint8 bytes on " + device_name);
   require_contiguous(ws);
+}
+
+void require_workspace(const TensorRef& ws, const TensorRef& x) {
+  require_workspace(ws, x.device, "the device of " + x.name);
 }
 
 std::vector<int64_t> checked_bounds(std::vector<int64_t> bounds, int64_t rows, const std::string& what) {
@@ -317,9 +322,7 @@ void set_side_stream(OverlapArgs& a, int device, cudaStream_t side, const Tensor
   if (workspace == nullptr)
     throw ArgumentError("side_workspace: a side_stream needs a cuBLASLt workspace of its own, got None");
   const TensorRef& ws = *workspace;
-  require_dim(ws, 1);
-  if (ws.dtype != DType::kUInt8 || ws.device != device) fail(ws, "uint8 bytes on cuda:" + std::to_string(device));
-  require_contiguous(ws);
+  require_workspace(ws, device, "cuda:" + std::to_string(device));
   const uintptr_t begin = ws.data, end = begin + static_cast<uintptr_t>(ws.numel());
   const uintptr_t main_begin = reinterpret_cast<uintptr_t>(a.workspace), main_end = main_begin + a.workspace_bytes;
   if (begin < main_end && main_begin < end) fail(ws, "bytes of its own (it shares some with workspace)");
