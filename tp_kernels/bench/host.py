@@ -115,6 +115,9 @@ NONBLOCKING_ALL_REDUCE = "plain_all_reduce_inplace/nonblocking"
 BLOCKING_PIPELINED = "matmul_all_reduce/pipelined:blocking"
 #: the native pipelined ``matmul_all_reduce`` with its GEMMs on two streams (NCCL groups only)
 TWO_STREAMS_PIPELINED = "matmul_all_reduce/pipelined:two_streams"
+#: the native path's opt-in modes timed on NCCL groups: name -> the settings its calls run under
+#: (blocking mode: a communicator of its own, made in that mode by its first call)
+NATIVE_MODES = {BLOCKING_PIPELINED: {"nccl_blocking": True}, TWO_STREAMS_PIPELINED: {"gemm_streams": 2}}
 #: the name of the embedding's call without its ids' check (``set_ids_checked(False)``)
 UNCHECKED_EMBEDDING = "VocabParallelEmbedding/unchecked"
 #: the functions :func:`profiled` lists a call
@@ -326,11 +329,9 @@ def _calls(p: int, device: torch.device, dtype: torch.dtype, backends=("referenc
         calls[f"matmul_all_reduce/{backend}"] = (
             lambda backend=backend: ops.matmul_all_reduce(x, w, group=group, backend=backend), "plain")
     if "matmul_all_reduce/pipelined" in calls and p > 1 and dist.get_backend(group) == "nccl":
-        # (the native path on a communicator of its own, made in NCCL's blocking mode by its first call)
-        calls[BLOCKING_PIPELINED] = (lambda: ops.matmul_all_reduce(x, w, group=group, backend="pipelined"), "plain",
-                                     lambda: settings.overriding(nccl_blocking=True))
-        calls[TWO_STREAMS_PIPELINED] = (lambda: ops.matmul_all_reduce(x, w, group=group, backend="pipelined"),
-                                        "plain", lambda: settings.overriding(gemm_streams=2))
+        for name, mode in NATIVE_MODES.items():
+            calls[name] = (calls["matmul_all_reduce/pipelined"][0], "plain",
+                           lambda mode=mode: settings.overriding(**mode))
     # "auto" choosing among every backend that runs here, its shape class measured by the first call
     named = tuple(b for b in backends if b != "auto" and f"matmul_all_reduce/{b}" in calls)
     if len(named) > 1:
