@@ -1269,3 +1269,31 @@ def test_hugging_face_moe_grouped_gemm_with_several_nccl_ranks(shared_gpu_world,
     installed)."""
     pytest.importorskip("transformers")
     shared_gpu_world.run(test_experts.check_hugging_face_moe_grouped_gemm, "cuda", "bfloat16", parallelism)
+
+
+def test_the_benchmarks_hold_keeps_the_hosts_time_out_of_a_gpu_sample():
+    """A region whose host takes 3 ms to enqueue one short kernel: timed as it is, a sample is the
+    host's 3 ms (the GPU reached the start event at once and waited); with the stream held until
+    the region is enqueued (tp_kernels._timing.Hold), the kernel's own time, and no sample's host
+    outlasted the hold. The spinning kernel lasts about what it is asked."""
+    from tp_kernels import _timing
+
+    x = torch.randn(1024, 1024, device="cuda")
+
+    def body(i):
+        time.sleep(0.003)
+        x.mul_(1.0)
+
+    hold = _timing.Hold()
+    held = _timing.Timer(10, 2, True, None, hold=hold)(body)
+    unheld = _timing.Timer(10, 2, True, None)(body)
+    assert unheld > 2.5e-3, unheld
+    assert held < 1e-3, held
+    assert hold.summary() == {"samples": 10, "exposed": 0}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    _timing._sleep(1e-3)  # (the first, calibrating, out of the way)
+    start.record()
+    _timing._sleep(2e-3)
+    end.record()
+    end.synchronize()
+    assert 1e-3 < start.elapsed_time(end) * 1e-3 < 4e-3

@@ -4,10 +4,18 @@
 CUDA events on the current stream around the timed region on the GPU, ``time.perf_counter``
 around synchronous host work on the CPU; a barrier before each sample; a sample's time is the
 slowest rank's, so every rank gets the same figures.
+
+A GPU sample starts on an idle GPU (the barrier and the last sample's end are waited for), so
+its start event completes at once and the GPU then waits for each launch the host makes: the
+sample holds the host's time to enqueue the region as well as the GPU's time to run it. The
+benchmarks time the GPU's work (:class:`Hold`: the stream held before the start event until the
+region is enqueued), and the host's time apart (:mod:`tp_kernels.bench.host`); ``"auto"``'s
+measurement holds nothing, as an eager call pays both.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Callable, Optional
@@ -17,31 +25,117 @@ import torch.distributed as dist
 
 from . import _collectives as coll
 
-__all__ = ["Timer"]
+__all__ = ["HOLD", "Hold", "Timer", "gpu_events"]
+
+#: The shortest and the longest hold (seconds): the hold is :data:`HOLD_FACTOR` times the
+#: host's time to enqueue the last sample, within these.
+HOLD_MIN_S = 50e-6
+HOLD_MAX_S = 10e-3
+HOLD_FACTOR = 2.0
+
+
+@functools.lru_cache(maxsize=None)
+def _cycles_per_second(device: int) -> float:
+    """The rate of the GPU's clock that ``torch.cuda._sleep`` counts, measured once a device
+    (CUDA events around a wait of 2**22 cycles, about 2 ms)."""
+    cycles = 1 << 22
+    with torch.cuda.device(device):
+        torch.cuda._sleep(cycles)  # (loaded and warm)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        return cycles / (start.elapsed_time(end) * 1e-3)
+
+
+def _sleep(seconds: float) -> None:
+    """A kernel on the current stream that spins about ``seconds``."""
+    torch.cuda._sleep(max(1, int(seconds * _cycles_per_second(torch.cuda.current_device()))))
+
+
+class Hold:
+    """The current stream held (a kernel that spins) before a GPU sample's start event, long
+    enough for the host to enqueue the timed region meanwhile: the events then measure the GPU's
+    time for the region, not the host's time to enqueue it as well (see the module doc; nvbench
+    holds the stream the same way, with a kernel that waits for the host).
+
+    The hold lasts :data:`HOLD_FACTOR` times the host's time to enqueue the last sample, within
+    [:data:`HOLD_MIN_S`, :data:`HOLD_MAX_S`]. Where the host took longer than the hold (its start
+    event had completed when the region's end was enqueued: a region that waits for the GPU, or a
+    slow host), the sample still holds the host's time: :attr:`exposed` counts those samples of
+    :attr:`samples`.
+    """
+
+    def __init__(self):
+        self.seconds = HOLD_MIN_S
+        self.samples = 0
+        self.exposed = 0
+        self._enqueue_start = 0.0
+
+    def before(self) -> None:
+        """Enqueue the hold; the sample's start event, then its region, follow."""
+        _sleep(self.seconds)
+        self._enqueue_start = time.perf_counter()
+
+    def after(self, start, timed: bool = True) -> None:
+        """Once the region and its end event are enqueued: size the next hold, and count the
+        sample if ``timed`` (not a warm-up; exposed if the GPU had passed ``start`` already)."""
+        enqueued = time.perf_counter() - self._enqueue_start
+        if timed:
+            self.samples += 1
+            self.exposed += bool(start.query())
+        self.seconds = min(HOLD_MAX_S, max(HOLD_MIN_S, HOLD_FACTOR * enqueued))
+
+    def summary(self) -> dict:
+        """What a record keeps of the hold: ``{"samples", "exposed"}``."""
+        return {"samples": self.samples, "exposed": self.exposed}
+
+
+#: The benchmarks' hold, one a process: its counts are over every sample they took in it.
+HOLD = Hold()
+
+
+def gpu_events(body: Callable[[], object], hold: Optional[Hold] = None, timed: bool = True,
+               pre: Optional[Callable[[], object]] = None):
+    """``(start, end, pre())``: CUDA events on the current stream around ``body()``, after
+    ``pre()`` (untimed), the stream held first by ``hold`` (None: not held) until both are
+    enqueued; ``timed``: whether the hold counts the sample (not a warm-up)."""
+    if hold is not None:  # (before pre: what pre starts waits for it too)
+        hold.before()
+    state = pre() if pre is not None else None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    body()
+    end.record()
+    if hold is not None:
+        hold.after(start, timed)
+    return start, end, state
 
 
 class Timer:
     """Median seconds of ``body(i)`` over ``iters`` samples (slowest rank each), see the module doc.
 
     ``pre(i)`` and ``post(i)`` run around each sample, untimed (e.g. starting and finishing
-    communication that the timed GEMM should overlap).
+    communication that the timed GEMM should overlap). ``hold`` (on a GPU): each sample's stream
+    held until ``pre`` and ``body`` are enqueued (:class:`Hold`), so that a sample is the GPU's
+    time alone.
     """
 
-    def __init__(self, iters: int, warmup: int, cuda: bool, group=None):
+    def __init__(self, iters: int, warmup: int, cuda: bool, group=None, hold: Optional[Hold] = None):
         self.iters, self.warmup, self.cuda, self.group = iters, warmup, cuda, group
         self.p = coll.group_size(group)
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.hold = hold if cuda else None
 
     def __call__(self, body: Callable[[int], object], pre: Optional[Callable[[int], object]] = None,
                  post: Optional[Callable[[int], object]] = None) -> float:
         def once(i):
-            state = pre(i) if pre else None
             if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                body(i)
-                end.record()
+                start, end, state = gpu_events(lambda: body(i), self.hold, i >= self.warmup,
+                                               None if pre is None else lambda: pre(i))
             else:
+                state = pre(i) if pre else None
                 t0 = time.perf_counter()
                 body(i)
                 elapsed = time.perf_counter() - t0

@@ -144,6 +144,8 @@ def main(argv=None) -> int:
     header = (f"# {device}, {backend}, p={p}, {args.iters} samples per measurement (median, slowest rank)"
               + (f", measured GEMM peak TFLOP/s: {peaks}" if peaks else "") + f"; {elapsed:.0f} s")
     print(header)
+    if result.get("hold"):
+        print(report.format_hold(result["hold"]))
     if rows:
         print(report.format_table(rows))
         print(report.LEGEND.format(baseline=args.backends[0]))

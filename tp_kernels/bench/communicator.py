@@ -5,9 +5,11 @@ plain all-reduce of :class:`tp_kernels.Communicator` can take here is timed on t
 alone: ``torch.distributed`` (``reference``) everywhere; on CUDA the group's NCCL communicator
 (``native:1``) and each fused algorithm (``fused:one_shot``, ...) where the group can use peer
 memory. Each figure is the median over the samples of the slowest rank's time (CUDA events on
-the GPU, the host clock on the CPU), on one input buffer (a decode step's activations are in
-cache too). Then ``backend="auto"``, with every path allowed, chooses for each size; the
-crossovers are the sizes where its choice changes.
+the GPU, the stream held until the call is enqueued: the GPU's time; the host clock on the CPU),
+on one input buffer (a decode step's activations are in cache too). Then ``backend="auto"``, with
+every path allowed, chooses for each size; the crossovers are the sizes where its choice changes.
+``"auto"`` measures eagerly, the host's time to make a call with the GPU's, so where it chooses
+other than the fastest path here, the host's time decided.
 
 On a single GPU the main job runs one rank, so there is nothing to communicate; the fused
 algorithms' latencies there come from ``python -m tp_kernels.bench.fused`` (virtual ranks).

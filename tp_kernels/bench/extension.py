@@ -32,8 +32,10 @@ against):
 
 The targets are :data:`tp_kernels.bench.targets.TARGETS`.
 
-GPU times come from CUDA events, the median of ``--iters`` samples after warm-up. Needs a CUDA
-device and the built extension; exits with status 2 and says why otherwise.
+GPU times come from CUDA events, the median of ``--iters`` samples after warm-up, the stream held
+until each sample is enqueued (:class:`tp_kernels._timing.Hold`: the GPU's time, not the host's;
+``"hold"`` in the record counts the samples whose host outlasted it). Needs a CUDA device and the
+built extension; exits with status 2 and says why otherwise.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _extension, ops, settings
+from .._timing import HOLD, gpu_events
 from ..schedule import boundaries, chunk_bounds
 from .host import host_times_us, profiled
 from .records import default_out_dir, gpu_record, save_record
@@ -57,18 +60,14 @@ LLAMA70B_TP8 = {"column": (8192, 8192, 28672 // 8), "row": (8192, 28672 // 8, 81
 
 
 def gpu_time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
-    """Median GPU time of ``fn`` (CUDA events around each call)."""
-    for _ in range(warmup):
-        fn()
+    """Median GPU time of ``fn``: CUDA events around each call, the stream held until the call is
+    enqueued (:data:`tp_kernels._timing.HOLD`), so that the host's time to make it is not in it."""
     samples = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
+    for i in range(warmup + iters):
+        start, end, _ = gpu_events(fn, HOLD, timed=i >= warmup)
         end.synchronize()
         samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
+    return statistics.median(samples[warmup:])
 
 
 def graph_time_us(fn: Callable[[], object], calls: int, iters: int) -> float:
@@ -105,10 +104,10 @@ def decode_gemms(iters: int, m: int = 16) -> Dict:
     backward's dgrad (``dy [m, n]`` by the same weight transposed, the view the backward passes):
     ``{shape: {"forward"|"dgrad": {"f_linear_ms", "native_ms", "ratio", "eager_..."}}}`` (ratio:
     F.linear's time over the native one's, target as :func:`gemm_throughput`'s). The GEMMs' own
-    time, replayed from a CUDA graph of 20 calls: a GEMM of tens of microseconds timed eagerly
-    between two events also holds the host time its call takes to launch it, which
-    :func:`host_overhead` measures (docs/benchmarks.md); the eager figures are in the record too
-    (``"eager_f_linear_ms"``, ``"eager_native_ms"``, ``"eager_ratio"``)."""
+    time, replayed from a CUDA graph of 20 calls; each call alone, eagerly, is in the record too
+    (``"eager_f_linear_ms"``, ``"eager_native_ms"``, ``"eager_ratio"``: :func:`gpu_time_ms`, the
+    stream held while the host launches it; records before that hold timed the host's launch as
+    well, which :func:`host_overhead` measures apart, docs/benchmarks.md)."""
     out = {}
     for name, (_, k, n) in LLAMA70B_TP8.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -233,6 +232,7 @@ def main(argv=None) -> int:
                     ("chunking", chunking), ("decode_gemms", decode_gemms)):
         record[key] = fn(args.iters)
         print(f"{key}: {json.dumps(record[key])}", flush=True)
+    record["hold"] = HOLD.summary()  # (how many samples' host outlasted the stream's hold)
     save_record(record, args.out_dir, "extension", args.tag)
     return 0
 

@@ -62,6 +62,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from .. import _extension, perf_model
+from .._timing import HOLD
 from ..backends import fused
 from ..testing import VirtualRanks, forked, phase_order
 from .extension import gpu_time_ms, graph_time_us
@@ -181,10 +182,12 @@ def overlap(op: str, p: int, iters: int) -> Dict:
         t_comm = gpu_time_ms(lambda: _fork_join(copy_streams, comms), iters)
         t_overlap = gpu_time_ms(fused_op, iters)
 
-        # the GEMMs' own time while the copies run beside them: events on the GEMM streams only
-        def gemm_under_copies() -> float:
+        # the GEMMs' own time while the copies run beside them: events on the GEMM streams only (the
+        # stream held until all is enqueued, as gpu_time_ms holds it)
+        def gemm_under_copies(timed: bool = True) -> float:
             start = torch.cuda.Event(enable_timing=True)
             ends = [torch.cuda.Event(enable_timing=True) for _ in range(p)]
+            HOLD.before()
             start.record()
             current = torch.cuda.current_stream()
             for s in gemm_streams + copy_streams:
@@ -197,10 +200,11 @@ def overlap(op: str, p: int, iters: int) -> Dict:
                     ends[q].record()
             for s in gemm_streams + copy_streams:
                 current.wait_stream(s)
+            HOLD.after(start, timed)
             torch.cuda.synchronize()
             return max(start.elapsed_time(e) for e in ends)
 
-        gemm_under_copies()  # warm-up
+        gemm_under_copies(timed=False)  # warm-up
         samples = sorted(gemm_under_copies() for _ in range(iters))
         t_gemm_loaded = samples[len(samples) // 2]
     record = {"shape": {"m": m, "k": k, "n": n}, "p": p, "dtype": "bfloat16", "t_gemm_ms": t_gemm,
@@ -366,6 +370,7 @@ def main(argv=None) -> int:
         print(f"overlap {op}: {json.dumps(record['overlap'][op])}", flush=True)
     record["all_reduce_latency"] = all_reduce_latency(ps, args.iters)
     record["crossovers"] = crossovers(ps, args.iters)
+    record["hold"] = HOLD.summary()  # (how many samples' host outlasted the stream's hold)
     save_record(record, args.out_dir, "fused", args.tag)
     return 0
 

@@ -1,8 +1,10 @@
 """Per-rank measurements: each case's GEMMs alone, its collectives alone, the GEMMs while the
 collectives are in flight, and every backend's op (or layer forward+backward).
 
-Timing: CUDA events around the timed region on the GPU, ``time.perf_counter`` around
-synchronous host work on the CPU; a barrier before each sample; a sample's time is the
+Timing: CUDA events around the timed region on the GPU, the stream held before it until the host
+has enqueued the region (:class:`tp_kernels._timing.Hold`: the GPU's time, not the host's;
+:mod:`tp_kernels.bench.host` times that), ``time.perf_counter`` around synchronous host work on
+the CPU; a barrier before each sample; a sample's time is the
 slowest rank's; the median over ``iters`` samples after ``warmup`` untimed ones. Inputs rotate
 through enough buffer sets to exceed twice the last-level cache (L2 on the GPU; at most 16 sets
 and 4 GiB), and are random normal, never zeros.
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 
 from .. import _collectives as coll
 from .. import autotune, dispatch, ops
-from .._timing import Timer
+from .._timing import HOLD, Timer
 from ..layers import ColumnParallelLinear, RowParallelLinear
 from ..perf_model import OP_COLLECTIVE
 from . import communicator, one_gpu
@@ -237,7 +239,7 @@ def run_rank(config: dict) -> Optional[dict]:
     rank = coll.group_rank(group)
     cuda = dist.is_initialized() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    timer = Timer(config["iters"], config["warmup"], cuda, group)
+    timer = Timer(config["iters"], config["warmup"], cuda, group, hold=HOLD)  # GPU time: the host's apart
     cases = [Case(**c) for c in config["cases"]]
     total = len(cases) * len(config["dtypes"])
     start = time.monotonic()
@@ -265,6 +267,8 @@ def run_rank(config: dict) -> Optional[dict]:
             _progress(done, total, start, "communicator sweep")
         result["communicator"] = communicator.sweep(getattr(torch, config["dtypes"][0]), device, group, timer,
                                                     quick=config.get("quick", False))
+    if cuda:
+        result["hold"] = HOLD.summary()  # (this rank's)
     if rank == 0 and config.get("progress", True):
         _progress(done, total, start, "done", end=True)
     return result if rank == 0 else None

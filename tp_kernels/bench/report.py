@@ -29,8 +29,8 @@ from .. import perf_model
 from ..backends import parse
 from .cases import TARGETS, Case
 
-__all__ = ["CSV_FIELDS", "LEGEND", "compute_rows", "format_table", "model_error_summary", "plot", "schedule_of",
-           "to_csv"]
+__all__ = ["CSV_FIELDS", "LEGEND", "compute_rows", "format_hold", "format_table", "model_error_summary", "plot",
+           "schedule_of", "to_csv"]
 
 #: The E axis's range: a point outside it is drawn at the nearer end as a labelled triangle.
 _E_FLOOR, _E_CEILING = -2.0, 1.5
@@ -159,6 +159,12 @@ def _fmt(v, spec: str, width: int) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-".rjust(width)
     return format(v, spec).rjust(width)
+
+
+def format_hold(hold: dict) -> str:
+    """The line that says how the GPU samples were taken (``hold``: :meth:`tp_kernels._timing.Hold.summary`)."""
+    return (f"# GPU samples: the stream held until the host had enqueued each (the GPU's time, not the host's); "
+            f"the host outlasted the hold in {hold['exposed']} of {hold['samples']}")
 
 
 def format_table(rows: List[dict]) -> str:

@@ -1,0 +1,136 @@
+"""The benchmarks' timer on the CPU: the GPU's hold (tp_kernels._timing.Hold) with stand-ins for
+the CUDA events and the spinning kernel, so that the order of what is enqueued, the hold's size
+and its count of exposed samples are checked without a GPU (test_gpu.py times the real ones)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tp_kernels import _timing
+from tp_kernels.bench import extension, report
+
+
+class _Events:
+    """Stand-ins for ``torch.cuda.Event``: each logs what is done with it to ``log``; ``done``
+    says whether a start event has completed when asked (``query``); elapsed times are ``ms``."""
+
+    def __init__(self, log, done=False, ms=(1.0,)):
+        self.log, self.done, self.ms, self.made = log, done, list(ms), 0
+
+    def __call__(self, enable_timing=False):
+        assert enable_timing
+        outer = self
+        index = self.made
+        self.made += 1
+
+        class Event:
+            def record(self):
+                outer.log.append(("record", index))
+
+            def query(self):
+                outer.log.append(("query", index))
+                return outer.done
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, end):
+                return outer.ms[(index // 2) % len(outer.ms)]
+
+        return Event()
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """The hold's kernel and the CUDA events replaced; returns (log, events)."""
+    log = []
+    events = _Events(log)
+    monkeypatch.setattr(_timing, "_sleep", lambda seconds: log.append(("hold", seconds)))
+    monkeypatch.setattr(torch.cuda, "Event", events)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return log, events
+
+
+def test_the_stream_is_held_before_pre_and_the_start_event(fake_gpu):
+    log, _ = fake_gpu
+    hold = _timing.Hold()
+    start, end, state = _timing.gpu_events(lambda: log.append("body"), hold,
+                                           pre=lambda: log.append("pre") or "started")
+    assert state == "started"
+    assert log == [("hold", _timing.HOLD_MIN_S), "pre", ("record", 0), "body", ("record", 1), ("query", 0)]
+    assert hold.summary() == {"samples": 1, "exposed": 0}
+
+
+def test_without_a_hold_nothing_spins_and_nothing_is_asked(fake_gpu):
+    log, _ = fake_gpu
+    _timing.gpu_events(lambda: log.append("body"))
+    assert log == [("record", 0), "body", ("record", 1)]
+
+
+def test_the_hold_follows_the_hosts_last_enqueue_within_its_bounds(fake_gpu):
+    log, _ = fake_gpu
+    hold = _timing.Hold()
+    _timing.gpu_events(lambda: time.sleep(0.004), hold)  # 4 ms to enqueue: the next hold 8 ms
+    assert 2 * 0.004 <= hold.seconds <= _timing.HOLD_MAX_S
+    _timing.gpu_events(lambda: None, hold)
+    held = [entry[1] for entry in log if entry[0] == "hold"]
+    assert held[0] == _timing.HOLD_MIN_S and held[1] >= 0.008
+    assert hold.seconds < 0.008  # a quick enqueue shrinks it again, not below the floor
+    assert hold.seconds >= _timing.HOLD_MIN_S
+    _timing.gpu_events(lambda: time.sleep(0.03), hold)  # past the ceiling
+    assert hold.seconds == _timing.HOLD_MAX_S
+
+
+def test_a_sample_whose_start_had_passed_is_counted_exposed_and_warm_ups_not_at_all(fake_gpu):
+    _, events = fake_gpu
+    hold = _timing.Hold()
+    events.done = True
+    _timing.gpu_events(lambda: None, hold, timed=False)
+    assert hold.summary() == {"samples": 0, "exposed": 0}
+    _timing.gpu_events(lambda: None, hold)
+    events.done = False
+    _timing.gpu_events(lambda: None, hold)
+    assert hold.summary() == {"samples": 2, "exposed": 1}
+
+
+def test_the_timer_holds_each_sample_and_counts_the_timed_ones(fake_gpu):
+    log, events = fake_gpu
+    events.ms = [5.0, 1.0, 2.0, 3.0]  # per sample (two events each): warm-up 5, then 1, 2, 3
+    hold = _timing.Hold()
+    calls = []
+    timer = _timing.Timer(3, 1, True, None, hold=hold)
+    t = timer(lambda i: calls.append(i), pre=lambda i: log.append(f"pre {i}"))
+    assert t == pytest.approx(2.0e-3)  # the median of the timed samples, in seconds
+    assert calls == [0, 1, 2, 3]
+    assert hold.summary() == {"samples": 3, "exposed": 0}
+    holds = [i for i, entry in enumerate(log) if isinstance(entry, tuple) and entry[0] == "hold"]
+    pres = [i for i, entry in enumerate(log) if isinstance(entry, str)]
+    assert len(holds) == 4 and all(h + 1 == p for h, p in zip(holds, pres))  # each hold, then its pre
+
+
+def test_a_timer_without_a_hold_and_the_host_timer_spin_nothing(fake_gpu):
+    log, _ = fake_gpu
+    assert _timing.Timer(2, 1, True, None)(lambda i: None) == pytest.approx(1.0e-3)
+    assert not [entry for entry in log if entry[0] == "hold"]
+    log.clear()
+    cpu = _timing.Timer(2, 1, False, None, hold=_timing.Hold())
+    assert cpu.hold is None
+    assert cpu(lambda i: None) >= 0.0 and log == []
+
+
+def test_the_extension_benchmarks_time_with_the_shared_hold(fake_gpu, monkeypatch):
+    log, events = fake_gpu
+    events.ms = [9.0, 9.0, 1.0, 3.0, 2.0]
+    hold = _timing.Hold()
+    monkeypatch.setattr(extension, "HOLD", hold)
+    assert extension.gpu_time_ms(lambda: log.append("call"), 3, warmup=2) == pytest.approx(2.0)
+    assert log.count("call") == 5 and len([e for e in log if e[0] == "hold"]) == 5
+    assert hold.summary() == {"samples": 3, "exposed": 0}
+
+
+def test_the_main_jobs_line_on_the_hold():
+    line = report.format_hold({"samples": 40, "exposed": 3})
+    assert line.startswith("# ") and "3 of 40" in line and "held" in line
