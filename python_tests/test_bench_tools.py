@@ -467,8 +467,8 @@ def test_virtual_rank_bench_without_a_gpu_says_so(capsys, bench, bad_p):
 
 def test_timeline_summary_of_a_trace():
     """Where a traced call's GPU time went, from chrome-trace events: busy time per kind (the union
-    over streams), summed durations, the copies' time beside a GEMM, the top names; host events and
-    other phases passed over."""
+    over streams), summed durations, the copies' time beside a GEMM, the top names; host events,
+    other phases and the stream's hold before the call (torch.cuda._sleep's kernel) passed over."""
     from tp_kernels.bench import timeline
 
     def event(name, cat, ts, dur, tid=7, ph="X"):
@@ -484,6 +484,7 @@ def test_timeline_summary_of_a_trace():
         event("tpk_reduce_partials_bfloat16", "kernel", 40.0, 5.0, tid=7),
         event("Memset (Device)", "gpu_memset", 46.0, 1.0, tid=7),
         event("aten::linear", "cpu_op", 0.0, 100.0, tid=1),  # the host's: not a GPU activity
+        event("at::cuda::(anonymous namespace)::spin_kernel(long)", "kernel", -500.0, 499.0, tid=7),  # the hold
         event("nvjet_hsh", "kernel", 0.0, 1.0, ph="i"),  # an instant, not a span
     ]
     out = timeline.summarize(events, top=2)
@@ -497,10 +498,10 @@ def test_timeline_summary_of_a_trace():
     assert timeline.summarize([event("aten::mm", "cpu_op", 0.0, 1.0)]) == {"activities": 0}
     # a real trace of host work (torch.profiler's export): no GPU activity in it
     x = torch.randn(64, 64)
-    trace = timeline.traced(lambda: x @ x)
+    trace, held = timeline.traced(lambda: x @ x)
     assert any(e.get("cat") == "cpu_op" for e in trace) or torch.cuda.is_available()
     if not torch.cuda.is_available():
-        assert timeline.summarize(trace) == {"activities": 0}
+        assert held is None and timeline.summarize(trace) == {"activities": 0}
 
 
 def test_timeline_all_reduce_launches_by_stage():

@@ -1297,3 +1297,18 @@ def test_the_benchmarks_hold_keeps_the_hosts_time_out_of_a_gpu_sample():
     end.record()
     end.synchronize()
     assert 1e-3 < start.elapsed_time(end) * 1e-3 < 4e-3
+
+
+def test_a_traced_call_is_held_and_the_hold_is_left_out_of_its_timeline():
+    """The timeline's trace of one call: the stream held until the call is enqueued (its 50 ms
+    spin kernel in the trace, but not among the call's GPU activities), so the span is the one
+    kernel's."""
+    from tp_kernels.bench import timeline
+
+    x = torch.randn(1024, 1024, device="cuda")
+    events, held = timeline.traced(lambda: x.mul_(1.0))
+    assert held is True
+    assert any(timeline.HOLD_KERNEL in str(e.get("name", "")) for e in events)
+    out = timeline.summarize(events)
+    assert out["count"] == {"gemms": 0, "copies": 0, "waits": 0, "other": 1}, out
+    assert out["span_us"] < 1000.0, out

@@ -67,8 +67,8 @@ class Hold:
     :attr:`samples`.
     """
 
-    def __init__(self):
-        self.seconds = HOLD_MIN_S
+    def __init__(self, seconds: float = HOLD_MIN_S):
+        self.seconds = seconds  # (the first hold's)
         self.samples = 0
         self.exposed = 0
         self._enqueue_start = 0.0

@@ -13,6 +13,10 @@ GEMMs or after them, and the waits between. It also traces one decode all-reduce
 (``"all_reduce_two_shot"``): the all-reduce kernel's own durations (``top``; stage by stage in
 ``stages``), which the graph-replayed figures of ``tp_kernels.bench.fused`` hold together with the
 launches' gaps.
+
+Each call is traced with its stream held until the host has enqueued all of it
+(:func:`traced`; ``"held"``: whether the hold outlasted the enqueue), so that its spans are the
+GPU's time, as the fused benchmark's figures are, not stretched by the host's launches between.
 Needs a CUDA device and the built extension; exits with status 2 and says why otherwise.
 """
 
@@ -26,6 +30,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from .._timing import Hold
 from ..testing import VirtualRanks
 from .fused import LLAMA70B_TP8, _fork_join, fused_case, virtual_ranks_args
 from .records import gpu_record, save_record
@@ -34,19 +39,24 @@ from .records import gpu_record, save_record
 #: fused path's flag kernels (their waits and their writes: "waits"); every other kernel (the
 #: reduction, torch's copies) is "other"
 GEMM_KERNELS = ("gemm", "nvjet", "xmma", "cutlass")
+HOLD_KERNEL = "spin_kernel"  # (torch.cuda._sleep's: the stream's hold before a traced call, not the call's)
+#: The hold before a traced call (seconds): long, as its launches are slower under the profiler,
+#: and a trace is one sample.
+TRACE_HOLD_S = 0.05
 WAIT_KERNELS = ("tpk_wait_flags", "tpk_set_flags")
 KINDS = ("gemms", "copies", "waits", "other")
 
 
 def kind_of(event: dict) -> Optional[str]:
     """The kind of a trace event (chrome-trace format, as ``torch.profiler`` exports it): a GPU
-    activity's (``"gemms"``, ``"copies"``, ``"waits"``, ``"other"``), None for anything else."""
+    activity's (``"gemms"``, ``"copies"``, ``"waits"``, ``"other"``), None for anything else (the
+    host's events, the stream's hold)."""
     category, name = str(event.get("cat", "")).lower(), str(event.get("name", "")).lower()
     if category == "gpu_memcpy":
         return "copies"
     if category == "gpu_memset":
         return "other"
-    if category != "kernel":
+    if category != "kernel" or HOLD_KERNEL in name:
         return None
     if any(w in name for w in WAIT_KERNELS):
         return "waits"
@@ -132,21 +142,31 @@ def launches_by_stage(events: Iterable[dict], prefix: str = "tpk_all_reduce") ->
             for d in stages]
 
 
-def traced(fn: Callable[[], object]) -> List[dict]:
-    """The chrome-trace events of one call of ``fn`` under ``torch.profiler`` (CUDA activities)."""
+def traced(fn: Callable[[], object]) -> Tuple[List[dict], Optional[bool]]:
+    """The chrome-trace events of one call of ``fn`` under ``torch.profiler`` (CUDA activities),
+    and on a GPU whether the stream was held until the host had enqueued the whole call
+    (:class:`tp_kernels._timing.Hold`, :data:`TRACE_HOLD_S`: the call's GPU activities then run
+    without waiting for its launches, so its spans are the GPU's; None on the CPU)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
+    hold = None
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+        hold = Hold(TRACE_HOLD_S)
     with torch.profiler.profile(activities=activities) as prof:
+        if hold is not None:
+            hold.before()
+            start = torch.cuda.Event()
+            start.record()
         fn()
-        if torch.cuda.is_available():
+        if hold is not None:
+            hold.after(start)
             torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            return json.load(f).get("traceEvents", [])
+            return json.load(f).get("traceEvents", []), None if hold is None else hold.exposed == 0
 
 
 def timeline(op: str, p: int) -> Dict:
@@ -161,12 +181,13 @@ def timeline(op: str, p: int) -> Dict:
         for _ in range(3):  # warm: the workspace, cuBLASLt's plans, the kernels' modules
             case.fused_op()
             _fork_join(streams, case.gemms)
-        fused_summary = summarize(traced(case.fused_op))
-        alone = summarize(traced(lambda: _fork_join(streams, case.gemms)))
+        fused_events, fused_held = traced(case.fused_op)
+        alone_events, alone_held = traced(lambda: _fork_join(streams, case.gemms))
         vr.check()
+    fused_summary, alone = summarize(fused_events), summarize(alone_events)
     gemm_us = [s.get("kernel_us", {}).get("gemms") for s in (fused_summary, alone)]
     return {"shape": {"m": m, "k": k, "n": n}, "p": p, "dtype": "bfloat16", "fused": fused_summary,
-            "gemms_alone": alone,
+            "gemms_alone": alone, "held": bool(fused_held and alone_held),
             "gemm_kernel_inflation": gemm_us[0] / gemm_us[1] - 1.0 if all(gemm_us) else None}
 
 
@@ -179,10 +200,10 @@ def all_reduce_timeline(p: int, numel: int = 8192, algorithm: str = "one_shot") 
         xs = [torch.randn(numel, device="cuda", dtype=torch.bfloat16) for _ in range(p)]
         for _ in range(3):  # warm: the workspace, the kernels' module
             vr.all_reduce(xs, algorithm)
-        events = traced(lambda: vr.all_reduce(xs, algorithm))
+        events, held = traced(lambda: vr.all_reduce(xs, algorithm))
         vr.check()
     return {"numel": numel, "bytes": numel * 2, "p": p, "dtype": "bfloat16", "algorithm": algorithm,
-            "fused": summarize(events), "stages": launches_by_stage(events)}
+            "held": bool(held), "fused": summarize(events), "stages": launches_by_stage(events)}
 
 
 def main(argv=None) -> int:
