@@ -4,10 +4,10 @@ collectives are in flight, and every backend's op (or layer forward+backward).
 Timing: CUDA events around the timed region on the GPU, the stream held before it until the host
 has enqueued the region (:class:`tp_kernels._timing.Hold`: the GPU's time, not the host's;
 :mod:`tp_kernels.bench.host` times that), ``time.perf_counter`` around synchronous host work on
-the CPU; a barrier before each sample; a sample's time is the
-slowest rank's; the median over ``iters`` samples after ``warmup`` untimed ones. Inputs rotate
-through enough buffer sets to exceed twice the last-level cache (L2 on the GPU; at most 16 sets
-and 4 GiB), and are random normal, never zeros.
+the CPU; a barrier before each sample; a sample's time is the slowest rank's; the median over
+``iters`` samples after ``warmup`` untimed ones. Inputs rotate through enough buffer sets to
+exceed twice the last-level cache (L2 on the GPU; at most 16 sets and 4 GiB), and are random
+normal, never zeros.
 """
 
 from __future__ import annotations
