@@ -283,6 +283,8 @@ def test_main_job_writes_json_csv_png(tmp_path):
     assert "[2/2]" in run.stderr  # progress display
     record = json.load(open(tmp_path / "cpu-gloo-p2-quick.json"))
     assert record["commit"] == "abc1234" and record["device"].startswith("CPU") and record["date"]
+    assert record["hold"] is None and "hold" not in record["measurements"]  # (the host clock holds nothing)
+    assert "GPU samples" not in run.stdout
     assert {(r["target"], r["backend"]) for r in record["results"]} == {
         (t, b) for t in ("matmul_all_reduce", "row_sp") for b in ("reference", "pipelined")}
     for r in record["results"]:

@@ -171,6 +171,7 @@ def main(argv=None) -> int:
         "peak_tflops": result["peak_tflops"], "model_error": errors, "results": rows,
         "communicator": result.get("communicator"),  # the all-reduce latency sweep, when run
         "one_gpu": single,  # on one GPU: per-rank costs, the fused path on virtual ranks, the projection
+        "hold": result.pop("hold", None),  # on a GPU: the samples, and those whose host outlasted the hold
         "measurements": result,  # the raw per-case timings (seconds) the rows were computed from
     }
     os.makedirs(args.out_dir, exist_ok=True)
