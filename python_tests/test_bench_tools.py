@@ -938,7 +938,7 @@ def test_the_gpu_suite_runs_all_its_parts_in_one_call(tmp_path):
     assert {"./build.log", "./tests/status.txt", "./sanitize/sanitize-memcheck.log", "./bench/bench.log"} <= names
 
 
-def test_the_gpu_sanitize_and_bench_records(tmp_path):
+def test_the_gpu_sanitize_and_bench_records(tmp_path, capsys):
     import json
 
     summary = _gpu_summary()
@@ -963,10 +963,16 @@ def test_the_gpu_sanitize_and_bench_records(tmp_path):
     (logs / "status.txt").write_text("bench 0 120\nextension 124 60\n")
     (logs / "bench").mkdir()
     (logs / "bench" / "h100.json").write_text(json.dumps({"device": "H100", "measurements": [1, 2], "rows": [3]}))
+    (logs / "extension").mkdir()
+    (logs / "extension" / "extension-h100.json").write_text(json.dumps({"device": "H100",
+                                                                        "hold": {"samples": 40, "exposed": 2}}))
+    capsys.readouterr()
     assert summary.main(["bench", str(logs), str(results), "c0ffee"]) == 1  # a step out of time
     record = json.load(open(results / "gpu-bench-c0ffee.json"))
     assert record["steps"] == {"bench": 0, "extension": 124} and record["step_seconds"] == {"bench": 120, "extension": 60}
-    assert record["records"] == {"bench/h100.json": {"device": "H100", "rows": [3]}}
+    assert record["records"]["bench/h100.json"] == {"device": "H100", "rows": [3]}
+    assert record["holds"] == {"extension/extension-h100.json": {"samples": 40, "exposed": 2}}
+    assert "extension/extension-h100.json: 2 of 40 samples past the hold" in capsys.readouterr().out
     assert summary.main(["nonsense", str(logs), str(results), "c0ffee"]) == 2
 
 

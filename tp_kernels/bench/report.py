@@ -162,7 +162,8 @@ def _fmt(v, spec: str, width: int) -> str:
 
 
 def format_hold(hold: dict) -> str:
-    """The line that says how the GPU samples were taken (``hold``: :meth:`tp_kernels._timing.Hold.summary`)."""
+    """The line that says how the GPU samples were taken (``hold``:
+    :meth:`tp_kernels._timing.Hold.summary`)."""
     return (f"# GPU samples: the stream held until the host had enqueued each (the GPU's time, not the host's); "
             f"the host outlasted the hold in {hold['exposed']} of {hold['samples']}")
 
