@@ -62,7 +62,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from .. import _extension, perf_model
-from .._timing import HOLD
+from .._timing import HOLD, gpu_events
 from ..backends import fused
 from ..testing import VirtualRanks, forked, phase_order
 from .extension import gpu_time_ms, graph_time_us
@@ -185,22 +185,18 @@ def overlap(op: str, p: int, iters: int) -> Dict:
         # the GEMMs' own time while the copies run beside them: events on the GEMM streams only (the
         # stream held until all is enqueued, as gpu_time_ms holds it)
         def gemm_under_copies(timed: bool = True) -> float:
-            start = torch.cuda.Event(enable_timing=True)
             ends = [torch.cuda.Event(enable_timing=True) for _ in range(p)]
-            HOLD.before()
-            start.record()
-            current = torch.cuda.current_stream()
-            for s in gemm_streams + copy_streams:
-                s.wait_stream(current)
-            for q in range(p):
-                with torch.cuda.stream(copy_streams[q]):
-                    comms(q, copy_streams[q])
-                with torch.cuda.stream(gemm_streams[q]):
-                    gemms(q, gemm_streams[q])
-                    ends[q].record()
-            for s in gemm_streams + copy_streams:
-                current.wait_stream(s)
-            HOLD.after(start, timed)
+
+            def region():
+                with forked(gemm_streams + copy_streams):
+                    for q in range(p):
+                        with torch.cuda.stream(copy_streams[q]):
+                            comms(q, copy_streams[q])
+                        with torch.cuda.stream(gemm_streams[q]):
+                            gemms(q, gemm_streams[q])
+                            ends[q].record()
+
+            start, _, _ = gpu_events(region, HOLD, timed)
             torch.cuda.synchronize()
             return max(start.elapsed_time(e) for e in ends)
 

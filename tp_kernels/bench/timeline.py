@@ -30,7 +30,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .._timing import Hold
+from .._timing import Hold, gpu_events
 from ..testing import VirtualRanks
 from .fused import LLAMA70B_TP8, _fork_join, fused_case, virtual_ranks_args
 from .records import gpu_record, save_record
@@ -154,13 +154,10 @@ def traced(fn: Callable[[], object]) -> Tuple[List[dict], Optional[bool]]:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
         hold = Hold(TRACE_HOLD_S)
     with torch.profiler.profile(activities=activities) as prof:
-        if hold is not None:
-            hold.before()
-            start = torch.cuda.Event()
-            start.record()
-        fn()
-        if hold is not None:
-            hold.after(start)
+        if hold is None:
+            fn()
+        else:
+            gpu_events(fn, hold)
             torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "trace.json")
