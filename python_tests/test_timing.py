@@ -82,6 +82,9 @@ def test_the_hold_follows_the_hosts_last_enqueue_within_its_bounds(fake_gpu):
     assert hold.seconds >= _timing.HOLD_MIN_S
     _timing.gpu_events(lambda: time.sleep(0.03), hold)  # past the ceiling
     assert hold.seconds == _timing.HOLD_MAX_S
+    log.clear()
+    _timing.gpu_events(lambda: None, _timing.Hold(0.05))  # a first hold of its own (a trace's)
+    assert log[0] == ("hold", 0.05)
 
 
 def test_a_sample_whose_start_had_passed_is_counted_exposed_and_warm_ups_not_at_all(fake_gpu):
