@@ -41,10 +41,7 @@ def _cycles_per_second(device: int) -> float:
     cycles = 1 << 22
     with torch.cuda.device(device):
         torch.cuda._sleep(cycles)  # (loaded and warm)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
+        start, end, _ = gpu_events(lambda: torch.cuda._sleep(cycles))
         end.synchronize()
         return cycles / (start.elapsed_time(end) * 1e-3)
 
