@@ -39,12 +39,13 @@ from .records import gpu_record, save_record
 #: fused path's flag kernels (their waits and their writes: "waits"); every other kernel (the
 #: reduction, torch's copies) is "other"
 GEMM_KERNELS = ("gemm", "nvjet", "xmma", "cutlass")
-HOLD_KERNEL = "spin_kernel"  # (torch.cuda._sleep's: the stream's hold before a traced call, not the call's)
+WAIT_KERNELS = ("tpk_wait_flags", "tpk_set_flags")
+KINDS = ("gemms", "copies", "waits", "other")
+#: torch.cuda._sleep's kernel: the stream's hold before a traced call, none of the call's kinds
+HOLD_KERNEL = "spin_kernel"
 #: The hold before a traced call (seconds): long, as its launches are slower under the profiler,
 #: and a trace is one sample.
 TRACE_HOLD_S = 0.05
-WAIT_KERNELS = ("tpk_wait_flags", "tpk_set_flags")
-KINDS = ("gemms", "copies", "waits", "other")
 
 
 def kind_of(event: dict) -> Optional[str]:
