@@ -248,6 +248,45 @@ PYBIND11_MODULE(_C, m) {
       py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("workspace"), py::arg("stream") = 0,
       "The GEMM `linear` would run for these arguments (checked as it checks them), as a dict; runs nothing.");
   m.def(
+      "gemm_plans",
+      []() {
+        py::list out;
+        for (const tp_kernels::GemmPlanInfo& p : tp_kernels::gemm_plans()) {
+          py::dict d;
+          d["device"] = p.device;
+          d["m"] = p.m;
+          d["n"] = p.n;
+          d["k"] = p.k;
+          d["batch"] = p.batch;
+          d["ldx"] = p.ldx;
+          d["ldw"] = p.ldw;
+          d["ldy"] = p.ldy;
+          d["dtype"] = tp_kernels::dtype_name(p.dtype);
+          d["bias"] = p.bias;
+          d["w_col_major"] = p.w_col_major;
+          d["workspace_bytes"] = p.workspace_bytes;
+          d["algo_id"] = p.algo_id;
+          d["tile_id"] = p.tile_id;
+          d["stages_id"] = p.stages_id;
+          d["splitk"] = p.splitk;
+          d["reduction_scheme"] = p.reduction_scheme;
+          d["swizzle"] = p.swizzle;
+          d["custom_option"] = p.custom_option;
+          d["inner_shape_id"] = p.inner_shape_id;
+          d["cluster_shape_id"] = p.cluster_shape_id;
+          d["waves"] = p.waves;
+          d["workspace_needed"] = p.workspace_needed;
+          out.append(d);
+        }
+        return out;
+      },
+      "What cuBLASLt's heuristic chose for each GEMM problem `linear` has planned in this process, a dict "
+      "each (gemm.h's GemmPlanInfo): the problem (device, m, n, k, batch, leading dims, dtype, bias, "
+      "w_col_major, workspace_bytes), the algorithm's configuration as cublasLt.h numbers it (algo_id, "
+      "tile_id, stages_id, splitk, reduction_scheme, swizzle, custom_option, inner_shape_id, "
+      "cluster_shape_id; -1: not reported) and the heuristic's waves (its wavesCount: 1.0 fills every "
+      "multiprocessor once) and workspace_needed. Calls no CUDA function: [] before any GEMM.");
+  m.def(
       "primitive_problem",
       [](const std::string& op, int rank, int size, int device, py::handle x, py::handle weight, py::handle bias,
          py::handle out, py::handle scratch, std::vector<int64_t> bounds, std::optional<std::vector<int>> ring,

@@ -44,11 +44,14 @@ int alignment(const void* p, int64_t batch, int64_t stride, size_t elem) {
   return a;
 }
 
-// Descriptors and the chosen algorithm of one problem. Never freed: a process sees few shapes.
+// Descriptors and the chosen algorithm of one problem, with the heuristic's figures for it
+// (gemm_plans). Never freed: a process sees few shapes.
 struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  float waves = 0.0f;
+  size_t workspace_needed = 0;
 };
 
 using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, bool, int, int, int,
@@ -128,10 +131,58 @@ Plan make_plan(cublasLtHandle_t h, const LinearArgs& p) {
     throw Error("linear: cuBLASLt found no algorithm for m=" + std::to_string(p.m) + " n=" + std::to_string(p.n) +
                 " k=" + std::to_string(p.k) + " " + dtype_name(p.dtype));
   plan.algo = result.algo;
+  plan.waves = result.wavesCount;
+  plan.workspace_needed = result.workspaceSize;
   return plan;
 }
 
+// Configuration attribute `attr` of `algo`, stored as T, or -1 where cuBLASLt does not report it.
+template <typename T>
+int config(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
+  T value{};
+  size_t written = 0;
+  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &value, sizeof(value), &written) != CUBLAS_STATUS_SUCCESS ||
+      written != sizeof(value))
+    return -1;
+  return static_cast<int>(value);
+}
+
 }  // namespace
+
+std::vector<GemmPlanInfo> gemm_plans() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  std::vector<GemmPlanInfo> out;
+  out.reserve(g_plans.size());
+  for (const auto& [key, plan] : g_plans) {
+    GemmPlanInfo info;
+    info.device = std::get<0>(key);
+    info.m = std::get<1>(key);
+    info.n = std::get<2>(key);
+    info.k = std::get<3>(key);
+    info.ldx = std::get<4>(key);
+    info.ldw = std::get<5>(key);
+    info.ldy = std::get<6>(key);
+    info.dtype = static_cast<DType>(std::get<7>(key));
+    info.bias = std::get<8>(key);
+    info.workspace_bytes = std::get<13>(key);
+    info.w_col_major = std::get<14>(key);
+    info.batch = std::get<15>(key);
+    const cublasLtMatmulAlgo_t& a = plan.algo;
+    info.algo_id = config<int32_t>(a, CUBLASLT_ALGO_CONFIG_ID);
+    info.tile_id = config<uint32_t>(a, CUBLASLT_ALGO_CONFIG_TILE_ID);
+    info.stages_id = config<uint32_t>(a, CUBLASLT_ALGO_CONFIG_STAGES_ID);
+    info.splitk = config<int32_t>(a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
+    info.reduction_scheme = config<uint32_t>(a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME);
+    info.swizzle = config<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING);
+    info.custom_option = config<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION);
+    info.inner_shape_id = config<uint16_t>(a, CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID);
+    info.cluster_shape_id = config<uint16_t>(a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID);
+    info.waves = plan.waves;
+    info.workspace_needed = plan.workspace_needed;
+    out.push_back(info);
+  }
+  return out;
+}
 
 void linear(const LinearArgs& p) {
   if (p.m == 0 || p.n == 0 || p.k == 0 || p.batch == 0) return;  // no work, or an empty sum (see gemm.h)

@@ -20,6 +20,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "tp_kernels/tensor.h"
 
@@ -43,5 +44,29 @@ struct LinearArgs {
 
 // Throws tp_kernels::Error when a CUDA or cuBLASLt call fails.
 void linear(const LinearArgs& args);
+
+// What cuBLASLt's heuristic chose for one problem `linear` has planned in this process (its
+// cached plan): the problem, the algorithm's configuration as cublasLt.h numbers it (the
+// CUBLASLT_ALGO_CONFIG_* attributes: cublasLtMatmulTile_t, cublasLtMatmulStages_t,
+// cublasLtClusterShape_t, ...; -1 where this cuBLASLt does not report one) and the heuristic's
+// own figures: `waves` (its wavesCount: 1.0 fills every multiprocessor once, so a fraction past
+// a whole number is a last wave partly filled) and the workspace the algorithm needs. For the
+// benchmarks: why a GEMM runs at the rate it does.
+struct GemmPlanInfo {
+  int device = 0;
+  int64_t m = 0, n = 0, k = 0, batch = 1;
+  int64_t ldx = 0, ldw = 0, ldy = 0;
+  DType dtype = DType::kBFloat16;
+  bool bias = false, w_col_major = false;
+  size_t workspace_bytes = 0;  // the workspace the plan was made for
+  int algo_id = -1, tile_id = -1, stages_id = -1, splitk = -1, reduction_scheme = -1, swizzle = -1,
+      custom_option = -1, inner_shape_id = -1, cluster_shape_id = -1;
+  float waves = 0.0f;
+  size_t workspace_needed = 0;
+};
+
+// Every plan made so far, in the order of their problems (device, m, n, k, ...). Reads only what
+// the plans hold: no CUDA call.
+std::vector<GemmPlanInfo> gemm_plans();
 
 }  // namespace tp_kernels
