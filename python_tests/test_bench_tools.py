@@ -1158,6 +1158,25 @@ def test_one_gpu_report_reads_every_figure_against_its_target():
            "scatter_gather 30.0 us" in lines
 
 
+def test_one_gpu_report_says_how_full_the_split_gemms_last_wave_was():
+    """Where the chunking record has cuBLASLt's plans, the 4-chunk line ends with their waves
+    counts, each chunk size's and the unsplit GEMM's; where it has none (older records, or a split
+    whose plans were not found), nothing."""
+    from tp_kernels.bench import one_gpu
+
+    measured = _fake_one_gpu_measurements()
+    chunking = measured["extension"]["chunking"]
+    chunking["column"]["plans"] = {"unsplit": [{"waves": 6.787}], "4_row_chunks": [{"waves": 1.697}]}
+    chunking["row"]["plans"] = {"unsplit": [{"waves": 3.5}], "4_row_chunks": []}
+    text = one_gpu.format_report(one_gpu.report(measured, [], "FakeGPU"))
+    assert "4 row chunks / unsplit, 70B TP8 column (cuBLASLt's waves: 1.70 a chunk, 6.79 unsplit)" in text
+    assert "4 row chunks / unsplit, 70B TP8 row: 0.960" in text  # (no plan of its chunks: no waves)
+    assert text.count("cuBLASLt's waves") == 1
+    chunking["row"]["plans"]["4_row_chunks"] = [{"waves": 0.9}, {"waves": 0.85}]  # two chunk sizes
+    text = one_gpu.format_report(one_gpu.report(measured, [], "FakeGPU"))
+    assert "70B TP8 row (cuBLASLt's waves: 0.90/0.85 a chunk, 3.50 unsplit)" in text
+
+
 def test_one_gpu_projection_uses_the_gemm_times_measured():
     from tp_kernels.bench import one_gpu
 

@@ -410,6 +410,53 @@ def test_native_linear_in_cuda_graph():
 
 
 @native_built
+def test_native_linear_lists_what_cublaslt_chose_for_each_problem():
+    """``_C.gemm_plans``: a plan for each problem the GEMM ran (a batched one and a transposed
+    weight's apart), with the heuristic's waves count, which grows with the tiles to run, and the
+    workspace it needs within the one it was given; the benchmark's filter finds them."""
+    from tp_kernels.bench.extension import PLAN_FIELDS, cublaslt_plans
+
+    k, n = 512, 1536
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    for m in (128, 8192):
+        _extension.linear(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), w)
+    _extension.linear(torch.randn(4, 32, k, device="cuda", dtype=torch.bfloat16), w)
+    _extension.linear(torch.randn(16, n, device="cuda", dtype=torch.bfloat16), w.t())  # [16, k]: a dgrad
+    torch.cuda.synchronize()
+    plans = _extension.require().gemm_plans()
+    (small,), (large,) = (cublaslt_plans(m, n, k, plans=plans) for m in (128, 8192))
+    assert set(small) == set(PLAN_FIELDS) and (large["m"], large["n"], large["k"], large["batch"]) == (8192, n, k, 1)
+    assert 0 < small["waves"] < large["waves"]  # (64 times fewer outputs, in fewer tiles whatever their shape)
+    assert small["algo_id"] >= 0  # (set for every algorithm; the other ids -1 where cuBLASLt reports none)
+    assert all(isinstance(small[f], int) and small[f] >= -1 for f in PLAN_FIELDS if f != "waves")
+    (batched,) = cublaslt_plans(32, n, k, batch=4, plans=plans)
+    assert batched["batch"] == 4 and batched["waves"] > 0
+    (dgrad,) = cublaslt_plans(16, k, n, w_col_major=True, plans=plans)
+    assert dgrad["waves"] > 0
+    full = [q for q in plans if (q["m"], q["n"], q["k"]) == (8192, n, k)]
+    assert full and all(0 <= q["workspace_needed"] <= q["workspace_bytes"] and q["dtype"] == "bfloat16"
+                        and q["device"] == torch.cuda.current_device() for q in full)
+
+
+@native_built
+def test_section_1_chunking_records_the_plans_of_each_split():
+    """The main job's chunking figures (one sample each) with what cuBLASLt chose for the unsplit
+    GEMM and each split's GEMMs: one plan at least for each, of the split's rows."""
+    from tp_kernels.bench import extension
+
+    out = extension.chunking(iters=1)
+    for name in extension.LLAMA70B_TP8:
+        entry, (m, k, n) = out[name], extension.LLAMA70B_TP8[name]
+        assert entry["4_row_chunks"]["ms"] > 0 and entry["ring_8_shards_two_streams"]["vs_unsplit"] > 0
+        plans = entry["plans"]
+        assert [(q["m"], q["batch"]) for q in plans["unsplit"]][:1] == [(m, 1)]
+        assert {(q["m"], q["batch"]) for q in plans["4_row_chunks"]} == {(m // 4, 1)}
+        assert {(q["m"], q["batch"]) for q in plans["4_rs_chunks_x8"]} == {(m // 32, 8)}
+        assert {(q["m"], q["batch"]) for q in plans["ring_8_shards"]} == {(m // 8, 1)}
+        assert all(q["waves"] > 0 and (q["n"], q["k"]) == (n, k) for v in plans.values() for q in v)
+
+
+@native_built
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("w_transposed", [False, True])
 def test_native_batched_linear_shares_one_weight(dtype, w_transposed):
@@ -1312,3 +1359,4 @@ def test_a_traced_call_is_held_and_the_hold_is_left_out_of_its_timeline():
     out = timeline.summarize(events)
     assert out["count"] == {"gemms": 0, "copies": 0, "waits": 0, "other": 1}, out
     assert out["span_us"] < 1000.0, out
+

@@ -396,6 +396,35 @@ def test_driver_calls_without_a_driver_are_a_clear_error():
         C.reduce_partials(ref, C.TensorRef("out", 64, [10], [1], "float32", 0), 0)
 
 
+@built
+@pytest.mark.skipif(torch.cuda.is_available(), reason="no GEMM may have run in this process")
+def test_gemm_plans_are_read_without_a_device():
+    """``_C.gemm_plans`` lists the plans cuBLASLt made, reading no device: none without a GPU."""
+    assert _extension._C.gemm_plans() == []
+
+
+def test_the_benchmarks_keep_the_plans_of_the_problem_they_ran():
+    """:func:`tp_kernels.bench.extension.cublaslt_plans`: the plans of one problem (its rows, columns,
+    depth, batch, weight layout and dtype all alike), each cut to ``PLAN_FIELDS``."""
+    from tp_kernels.bench.extension import PLAN_FIELDS, cublaslt_plans
+
+    def plan(m, n=8192, k=3584, batch=1, w_col_major=False, dtype="bfloat16", waves=1.0, ldx=3584):
+        return {"device": 0, "m": m, "n": n, "k": k, "batch": batch, "ldx": ldx, "ldw": k, "ldy": n, "dtype": dtype,
+                "bias": False, "w_col_major": w_col_major, "workspace_bytes": 1 << 25, "algo_id": 66,
+                "tile_id": 23, "stages_id": 0, "splitk": 1, "reduction_scheme": 0, "swizzle": 0, "custom_option": 0,
+                "inner_shape_id": 0, "cluster_shape_id": 3, "waves": waves, "workspace_needed": 0}
+
+    plans = [plan(2048, waves=1.7), plan(2048, waves=1.7, ldx=4096), plan(8192, waves=6.8), plan(2048, batch=8),
+             plan(2048, w_col_major=True), plan(2048, dtype="float16"), plan(2048, n=4096), plan(2048, k=1024)]
+    got = cublaslt_plans(2048, 8192, 3584, plans=plans)
+    assert got == [{f: plans[0][f] for f in PLAN_FIELDS}] * 2  # the two leading dims' plans, nothing else
+    assert list(got[0]) == list(PLAN_FIELDS) and got[0]["waves"] == 1.7
+    assert cublaslt_plans(8192, 8192, 3584, plans=plans)[0]["waves"] == 6.8
+    assert [q["batch"] for q in cublaslt_plans(2048, 8192, 3584, batch=8, plans=plans)] == [8]
+    assert len(cublaslt_plans(2048, 8192, 3584, w_col_major=True, plans=plans)) == 1
+    assert cublaslt_plans(2048, 8192, 3584, dtype="float32", plans=plans) == []
+
+
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
 def test_native_implementation_without_the_extension_names_the_reason(monkeypatch, op):
     monkeypatch.setattr(_extension, "_C", None)

@@ -5,7 +5,8 @@
 against):
 
 1. **GEMM throughput**: the native cuBLASLt GEMM against ``torch.nn.functional.linear`` at
-   M = N = K = 8192, bf16 (target: ≥ 0.99×).
+   M = N = K = 8192, bf16 (target: ≥ 0.99×), with what cuBLASLt's heuristic chose for it
+   (``"native_plans"``: :func:`cublaslt_plans`, its tile and its waves count).
 2. **Host overhead per call** at a decode size (m = 16, k = 3584, n = 8192: the Llama-3-70B TP8
    row-parallel GEMM): the host time to issue one call (the GPU is never waited for inside the
    timed loop) of ``F.linear``, the native GEMM and ``tp_kernels.matmul_all_reduce`` on the
@@ -25,10 +26,12 @@ against):
    GEMMs on one stream and on two (``native_matmul_all_reduce_4_chunks[_two_streams]``:
    :func:`tp_kernels.settings.set_gemm_streams`; the chunks' all-reduces there move nothing, so
    what it adds to the GEMMs is the schedule's events and NCCL's launches); and the unsplit
-   native GEMM against ``F.linear`` at those shapes (target ≥ 0.99×).
+   native GEMM against ``F.linear`` at those shapes (target ≥ 0.99×). ``"plans"``: what cuBLASLt
+   chose for the unsplit GEMM and for each split's (:func:`cublaslt_plans`): the waves count
+   says how full a GEMM's last wave of tiles is, the account of what splitting costs.
 4. **Decode GEMMs**: the native GEMM against ``F.linear`` at m = 16 of those shapes, forward and
    the backward's dgrad (the weight transposed), replayed from a CUDA graph: the GEMMs' own time,
-   without the host's launch (target ≥ 0.99×).
+   without the host's launch (target ≥ 0.99×), each with cuBLASLt's plan (its split-K among it).
 
 The targets are :data:`tp_kernels.bench.targets.TARGETS`.
 
@@ -44,7 +47,7 @@ import argparse
 import json
 import statistics
 import sys
-from typing import Callable, Dict
+from typing import Callable, Dict, List
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +91,25 @@ def tflops(m: int, k: int, n: int, ms: float) -> float:
     return 2.0 * m * k * n / (ms * 1e-3) / 1e12
 
 
+#: What a record keeps of each of cuBLASLt's plans (``_C.gemm_plans``): the problem and what the
+#: heuristic chose for it, its ``waves`` (1.0: every multiprocessor busy once; 1.7: a second wave
+#: 70 % full) first.
+PLAN_FIELDS = ("m", "n", "k", "batch", "waves", "tile_id", "cluster_shape_id", "stages_id", "splitk", "algo_id")
+
+
+def cublaslt_plans(m: int, n: int, k: int, batch: int = 1, w_col_major: bool = False, dtype: str = "bfloat16",
+                   plans=None) -> List[dict]:
+    """What cuBLASLt's heuristic chose for the native GEMMs ``[m, k] × [n, k]ᵀ`` (``batch`` of
+    them; ``w_col_major``: the weight a transposed view, as a backward's dgrad passes it) that this
+    process ran: :data:`PLAN_FIELDS` of each plan of that problem (``plans``: ``_C.gemm_plans()``'s
+    list, read when None; several where the calls differed in leading dims, bias or alignment), so
+    that a record says which tiles a GEMM ran and how full its last wave was."""
+    plans = _extension.require().gemm_plans() if plans is None else plans
+    problem = (m, n, k, batch, w_col_major, dtype)
+    return [{f: q[f] for f in PLAN_FIELDS} for q in plans
+            if (q["m"], q["n"], q["k"], q["batch"], q["w_col_major"], q["dtype"]) == problem]
+
+
 def gemm_throughput(iters: int) -> Dict:
     m = k = n = 8192
     x, w = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in ((m, k), (n, k)))
@@ -95,7 +117,8 @@ def gemm_throughput(iters: int) -> Dict:
     t_native = gpu_time_ms(lambda: _extension.linear(x, w), iters)
     return {"shape": [m, k, n], "dtype": "bfloat16", "f_linear_ms": t_torch, "native_ms": t_native,
             "f_linear_tflops": tflops(m, k, n, t_torch), "native_tflops": tflops(m, k, n, t_native),
-            "ratio": t_torch / t_native, "target": TARGETS["native_gemm_vs_f_linear"][0]}
+            "ratio": t_torch / t_native, "native_plans": cublaslt_plans(m, n, k),
+            "target": TARGETS["native_gemm_vs_f_linear"][0]}
 
 
 def decode_gemms(iters: int, m: int = 16) -> Dict:
@@ -121,7 +144,8 @@ def decode_gemms(iters: int, m: int = 16) -> Dict:
             eager_native = gpu_time_ms(lambda: _extension.linear(a, b), iters)
             entry[label] = {"f_linear_ms": t_torch, "native_ms": t_native, "ratio": t_torch / t_native,
                             "eager_f_linear_ms": eager_torch, "eager_native_ms": eager_native,
-                            "eager_ratio": eager_torch / eager_native}
+                            "eager_ratio": eager_torch / eager_native,
+                            "native_plans": cublaslt_plans(m, b.shape[0], b.shape[1], w_col_major=label == "dgrad")}
         out[name] = {"m": m, "k": k, "n": n, "dtype": "bfloat16", **entry}
     out["target"] = TARGETS["native_gemm_vs_f_linear"][0]
     return out
@@ -211,6 +235,17 @@ def chunking(iters: int, p: int = 8, chunks: int = 4) -> Dict:
                            lambda: native_op((device, comm.gemm_stream)))):
             t = gpu_time_ms(fn, iters)
             entry[label] = {"ms": t, "tflops": tflops(m, k, n, t), "vs_unsplit": t_full / t}
+        # what cuBLASLt ran for each split's GEMMs (the two-stream forms and the primitive run the
+        # row chunks' and the shards' problems): the tiles, and how full each GEMM's last wave was
+        plans = C.gemm_plans()
+
+        def split(rows: int, batch: int = 1) -> List[dict]:  # the plans of chunk_bounds(rows, chunks)'s sizes
+            sizes = sorted({b - a for a, b in chunk_bounds(rows, chunks)}, reverse=True)
+            return [q for size in sizes for q in cublaslt_plans(size, n, k, batch, plans=plans)]
+
+        entry["plans"] = {"unsplit": cublaslt_plans(m, n, k, plans=plans), f"{chunks}_row_chunks": split(m),
+                          f"{chunks}_rs_chunks_x{p}": split(mp, p),
+                          f"ring_{p}_shards": cublaslt_plans(mp, n, k, plans=plans)}
         out[name] = entry
     torch.cuda.synchronize()
     comm.close()

@@ -176,6 +176,16 @@ def _decode_all_reduce_us(latency: List[dict]) -> Optional[dict]:
     return worst
 
 
+def _waves(plans: Optional[dict], split: str = "4_row_chunks") -> str:
+    """What cuBLASLt's heuristic said of the GEMMs of ``split`` and of the unsplit one (the
+    chunking record's ``"plans"``, not in older records): each plan's waves count, the fraction
+    past a whole number the last wave's fill, as a report's line ends with it; "" without them."""
+    if not plans or not plans.get(split) or not plans.get("unsplit"):
+        return ""
+    chunk, whole = ("/".join(f"{q['waves']:.2f}" for q in plans[key]) for key in (split, "unsplit"))
+    return f" (cuBLASLt's waves: {chunk} a chunk, {whole} unsplit)"
+
+
 def report(measured: dict, rows: List[dict], device: str) -> dict:
     """The three sections from :func:`measure`'s figures and the run's case rows: figures, each
     with its target and whether it meets it, and the projection."""
@@ -192,7 +202,7 @@ def report(measured: dict, rows: List[dict], device: str) -> dict:
             if isinstance(entry, dict):
                 check("native_gemm_vs_f_linear", f"native GEMM / F.linear, 70B TP8 {name}",
                       entry.get("native_vs_f_linear"))
-                check("chunk4_vs_unsplit", f"4 row chunks / unsplit, 70B TP8 {name}",
+                check("chunk4_vs_unsplit", f"4 row chunks / unsplit, 70B TP8 {name}" + _waves(entry.get("plans")),
                       entry["4_row_chunks"]["vs_unsplit"])
                 for label, what in (("4_row_chunks_two_streams", "4 row chunks on two streams"),
                                     ("native_matmul_all_reduce_4_chunks_two_streams",
