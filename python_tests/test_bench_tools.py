@@ -506,6 +506,25 @@ def test_timeline_summary_of_a_trace():
         assert held is None and timeline.summarize(trace) == {"activities": 0}
 
 
+def test_timeline_names_the_kernels_of_a_traced_call_in_the_order_they_ran():
+    """:func:`tp_kernels.bench.timeline.kernels_of`: every kernel of a trace by its start, with its
+    duration; the stream's hold, copies, memsets, host events and instants left out."""
+    from tp_kernels.bench import timeline
+
+    def event(name, cat, ts, dur, ph="X"):
+        return {"name": name, "cat": cat, "ts": ts, "dur": dur, "tid": 7, "ph": ph}
+
+    events = [event("cublasLt::splitKreduce_kernel", "kernel", 30.0, 2.0),
+              event("nvjet_sm90_tst_256x128_64x4_2x1_v_bz_coopB_NNT", "Kernel", 10.0, 19.5),
+              event("at::cuda::(anonymous namespace)::spin_kernel(long)", "kernel", -500.0, 499.0),
+              event("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 12.0, 6.0),
+              event("Memset (Device)", "gpu_memset", 5.0, 1.0),
+              event("aten::linear", "cpu_op", 0.0, 100.0), event("nvjet_x", "kernel", 0.0, 1.0, ph="i")]
+    assert timeline.kernels_of(events) == [["nvjet_sm90_tst_256x128_64x4_2x1_v_bz_coopB_NNT", 19.5],
+                                           ["cublasLt::splitKreduce_kernel", 2.0]]
+    assert timeline.kernels_of([]) == []
+
+
 def test_timeline_all_reduce_launches_by_stage():
     """The all-reduce kernel's launches by their place on their stream (stage k: the k-th launch of
     each stream, whatever order the trace lists them in); other kernels and host events passed over."""

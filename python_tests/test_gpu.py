@@ -1360,3 +1360,19 @@ def test_a_traced_call_is_held_and_the_hold_is_left_out_of_its_timeline():
     assert out["count"] == {"gemms": 0, "copies": 0, "waits": 0, "other": 1}, out
     assert out["span_us"] < 1000.0, out
 
+
+@native_built
+def test_the_timeline_names_the_kernels_of_the_gemms_section_1_compares():
+    """``gemm_kernels``: for each case (8192³, the 70B TP8 shapes and their 4-row chunks), at least
+    one kernel each for F.linear and for the native GEMM, every one with a name and a duration, the
+    native GEMM's among them a GEMM's by its name (the timeline's GEMM_KERNELS), as its summary
+    counts it."""
+    from tp_kernels.bench import timeline
+
+    out = timeline.gemm_kernels()
+    assert set(out) == {"8192^3", "column", "column_chunk_of_4", "row", "row_chunk_of_4"}
+    assert out["column_chunk_of_4"]["shape"] == [2048, 8192, 3584]
+    for case, entry in out.items():
+        for label in ("f_linear", "native"):
+            assert entry[label] and all(name and us > 0 for name, us in entry[label]), (case, label, entry)
+        assert any(any(g in name.lower() for g in timeline.GEMM_KERNELS) for name, _ in entry["native"]), entry

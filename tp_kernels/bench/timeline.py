@@ -12,7 +12,10 @@ GEMMs or after them, and the waits between. It also traces one decode all-reduce
 (``"all_reduce"``: 16 KiB, one-shot, eager) and one of 1 MiB by two-shot
 (``"all_reduce_two_shot"``): the all-reduce kernel's own durations (``top``; stage by stage in
 ``stages``), which the graph-replayed figures of ``tp_kernels.bench.fused`` hold together with the
-launches' gaps.
+launches' gaps. And it names the kernels that ``F.linear`` and the native GEMM run for the GEMMs the
+main job's section 1 compares (``"gemm_kernels"``, :func:`gemm_kernels`): a cuBLAS kernel's name
+spells its tile and cluster, so two timings of one problem that differ say whether they ran the
+same kernel.
 
 Each call is traced with its stream held until the host has enqueued all of it
 (:func:`traced`; ``"held"``: whether the hold outlasted the enqueue), so that its spans are the
@@ -29,9 +32,12 @@ import tempfile
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 
+from .. import _extension
 from .._timing import Hold, gpu_events
 from ..testing import VirtualRanks
+from . import extension
 from .fused import LLAMA70B_TP8, _fork_join, fused_case, virtual_ranks_args
 from .records import gpu_record, save_record
 
@@ -204,6 +210,35 @@ def all_reduce_timeline(p: int, numel: int = 8192, algorithm: str = "one_shot") 
             "held": bool(held), "fused": summarize(events), "stages": launches_by_stage(events)}
 
 
+def kernels_of(events: Iterable[dict]) -> List[list]:
+    """The kernels of a traced call, in the order they ran, as ``[name, µs]`` (the stream's hold
+    left out, as the copies and memsets are: not kernels)."""
+    ran = [e for e in events
+           if e.get("ph") == "X" and str(e.get("cat", "")).lower() == "kernel" and kind_of(e) is not None]
+    return [[str(e.get("name", ""))[:200], float(e.get("dur", 0.0))] for e in sorted(ran, key=lambda e: e["ts"])]
+
+
+def gemm_kernels() -> Dict:
+    """The kernels ``F.linear`` and the native GEMM (:func:`tp_kernels._extension.linear`) run, bf16,
+    for the GEMMs that section 1 of the main job times against each other
+    (:mod:`tp_kernels.bench.extension`): 8192³ and the Llama-3-70B TP8 column and row shapes,
+    unsplit and as one of their 4 row chunks, each warmed up and traced once: ``{case: {"shape":
+    [m, k, n], "f_linear": [[name, µs], ...], "native": [...]}}`` (:func:`kernels_of`)."""
+    cases = {"8192^3": (8192, 8192, 8192)}
+    for name, (m, k, n) in extension.LLAMA70B_TP8.items():
+        cases[name] = (m, k, n)
+        cases[f"{name}_chunk_of_4"] = (m // 4, k, n)
+    out = {}
+    for case, (m, k, n) in cases.items():
+        x, w = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in ((m, k), (n, k)))
+        entry = {"shape": [m, k, n]}
+        for label, fn in (("f_linear", lambda: F.linear(x, w)), ("native", lambda: _extension.linear(x, w))):
+            fn()  # warm: cuBLAS's plan and kernel module, the native plan and workspace
+            entry[label] = kernels_of(traced(fn)[0])
+        out[case] = entry
+    return out
+
+
 def main(argv=None) -> int:
     args = virtual_ranks_args("python -m tp_kernels.bench.timeline", __doc__, argv, "virtual ranks (2..8)",
                               iters=False)
@@ -220,6 +255,8 @@ def main(argv=None) -> int:
     # the two-shot kernel at a size the thresholds give it (1 MiB): its three launches a rank
     record["all_reduce_two_shot"] = all_reduce_timeline(args.p, 2**19, "two_shot")
     print(f"timeline all_reduce_two_shot: {json.dumps(record['all_reduce_two_shot'])}", flush=True)
+    record["gemm_kernels"] = gemm_kernels()
+    print(f"gemm_kernels: {json.dumps(record['gemm_kernels'])}", flush=True)
     save_record(record, args.out_dir, "timeline", args.tag)
     return 0
 
