@@ -148,6 +148,21 @@ void set_side(OverlapArgs& a, int device, uintptr_t side_stream, py::handle side
   tp_kernels::set_side_stream(a, device, stream_ptr(side_stream), opt(ws));
 }
 
+// An algorithm of cuBLASLt's (gemm.h's GemmAlgoInfo) into `d`, by the names of its fields.
+void add_algo(py::dict& d, const tp_kernels::GemmAlgoInfo& a) {
+  d["algo_id"] = a.algo_id;
+  d["tile_id"] = a.tile_id;
+  d["stages_id"] = a.stages_id;
+  d["splitk"] = a.splitk;
+  d["reduction_scheme"] = a.reduction_scheme;
+  d["swizzle"] = a.swizzle;
+  d["custom_option"] = a.custom_option;
+  d["inner_shape_id"] = a.inner_shape_id;
+  d["cluster_shape_id"] = a.cluster_shape_id;
+  d["waves"] = a.waves;
+  d["workspace_needed"] = a.workspace_needed;
+}
+
 // What the core receives for a call (boundary.h), for tests and diagnostics: no CUDA call.
 py::dict describe(const tp_kernels::LinearArgs& a) {
   py::dict d;
@@ -265,17 +280,7 @@ PYBIND11_MODULE(_C, m) {
           d["bias"] = p.bias;
           d["w_col_major"] = p.w_col_major;
           d["workspace_bytes"] = p.workspace_bytes;
-          d["algo_id"] = p.algo_id;
-          d["tile_id"] = p.tile_id;
-          d["stages_id"] = p.stages_id;
-          d["splitk"] = p.splitk;
-          d["reduction_scheme"] = p.reduction_scheme;
-          d["swizzle"] = p.swizzle;
-          d["custom_option"] = p.custom_option;
-          d["inner_shape_id"] = p.inner_shape_id;
-          d["cluster_shape_id"] = p.cluster_shape_id;
-          d["waves"] = p.waves;
-          d["workspace_needed"] = p.workspace_needed;
+          add_algo(d, p.algo);
           out.append(d);
         }
         return out;
@@ -286,6 +291,32 @@ PYBIND11_MODULE(_C, m) {
       "tile_id, stages_id, splitk, reduction_scheme, swizzle, custom_option, inner_shape_id, "
       "cluster_shape_id; -1: not reported) and the heuristic's waves (its wavesCount: 1.0 fills every "
       "multiprocessor once) and workspace_needed. Calls no CUDA function: [] before any GEMM.");
+  m.def(
+      "gemm_candidates",
+      [](py::handle x, py::handle weight, py::handle bias, py::handle out, py::handle workspace, uintptr_t stream,
+         int count, int iters) {
+        tp_kernels::LinearArgs a = linear_call(x, weight, bias, out, workspace, stream);
+        std::vector<tp_kernels::GemmCandidate> found;
+        {
+          py::gil_scoped_release release;
+          found = tp_kernels::gemm_candidates(a, count, iters);
+        }
+        py::list candidates;
+        for (const tp_kernels::GemmCandidate& c : found) {
+          py::dict d;
+          add_algo(d, c.algo);
+          d["ms"] = c.ms;
+          candidates.append(d);
+        }
+        return candidates;
+      },
+      py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("workspace"), py::arg("stream"),
+      py::arg("count"), py::arg("iters"),
+      "The first `count` (1..32) algorithms cuBLASLt's heuristic proposes for `linear`'s problem of these "
+      "arguments, in its order (the first is the one `linear` runs), each timed: a dict each, the algorithm as "
+      "gemm_plans describes it and `ms`, the mean of `iters` runs on `stream` after one (-1: cuBLASLt would not "
+      "run it). Waits for the stream; overwrites `out`; refuses a stream being captured. For the benchmarks.");
+
   m.def(
       "primitive_problem",
       [](const std::string& op, int rank, int size, int device, py::handle x, py::handle weight, py::handle bias,

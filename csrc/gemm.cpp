@@ -73,7 +73,8 @@ cublasLtHandle_t handle_for(int device) {
 // Column-major view of the row-major problem: Y^T [n, m] = W [n, k] . X^T [k, m], i.e.
 // C = op(A) op(B) with B = X stored as a column-major [k, m] and A = W: a row-major W is a
 // column-major [k, n] (op(A) = A^T); a column-major W is already [n, k] (op(A) = A).
-Plan make_plan(cublasLtHandle_t h, const LinearArgs& p) {
+// The descriptors of the problem of `p`, no algorithm yet.
+Plan describe_problem(const LinearArgs& p) {
   Plan plan;
   cudaDataType_t t = cuda_type(p.dtype);
   TPK_CHECK_CUBLAS(cublasLtMatmulDescCreate(&plan.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -104,35 +105,57 @@ Plan make_plan(cublasLtHandle_t h, const LinearArgs& p) {
     set(plan.b, p.stride_x);
     set(plan.c, p.stride_y);
   }
+  return plan;
+}
 
+// Frees the descriptors of a plan that is not kept (gemm_candidates').
+void release(Plan& plan) {
+  if (plan.c) cublasLtMatrixLayoutDestroy(plan.c);
+  if (plan.b) cublasLtMatrixLayoutDestroy(plan.b);
+  if (plan.a) cublasLtMatrixLayoutDestroy(plan.a);
+  if (plan.op) cublasLtMatmulDescDestroy(plan.op);
+  plan = Plan{};
+}
+
+// The first `count` algorithms the heuristic proposes for the problem of `plan` and `p` (its
+// workspace and its pointers' alignment), best first; none is an error.
+std::vector<cublasLtMatmulHeuristicResult_t> heuristics(cublasLtHandle_t h, const Plan& plan, const LinearArgs& p,
+                                                        int count) {
   cublasLtMatmulPreference_t pref = nullptr;
   TPK_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
   size_t ws = p.workspace_bytes;
   size_t elem = dtype_size(p.dtype);
   uint32_t align_a = alignment(p.w), align_b = alignment(p.x, p.batch, p.stride_x, elem),
            align_c = alignment(p.y, p.batch, p.stride_y, elem);
-  TPK_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
-                                                        sizeof(ws)));
-  TPK_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                                                        &align_a, sizeof(align_a)));
-  TPK_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                                                        &align_b, sizeof(align_b)));
-  TPK_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                                                        &align_c, sizeof(align_c)));
-  TPK_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                                                        &align_c, sizeof(align_c)));
-  cublasLtMatmulHeuristicResult_t result{};
+  cublasStatus_t status = CUBLAS_STATUS_SUCCESS;
+  auto prefer = [&](cublasLtMatmulPreferenceAttributes_t attr, const void* value, size_t size) {
+    if (status == CUBLAS_STATUS_SUCCESS) status = cublasLtMatmulPreferenceSetAttribute(pref, attr, value, size);
+  };
+  prefer(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a));
+  prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b));
+  prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c));
+  prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c));
+  std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<size_t>(count));
   int found = 0;
-  cublasStatus_t status =
-      cublasLtMatmulAlgoGetHeuristic(h, plan.op, plan.a, plan.b, plan.c, plan.c, pref, 1, &result, &found);
+  if (status == CUBLAS_STATUS_SUCCESS)
+    status = cublasLtMatmulAlgoGetHeuristic(h, plan.op, plan.a, plan.b, plan.c, plan.c, pref, count, results.data(),
+                                            &found);
   cublasLtMatmulPreferenceDestroy(pref);
   TPK_CHECK_CUBLAS(status);
   if (found == 0)
     throw Error("linear: cuBLASLt found no algorithm for m=" + std::to_string(p.m) + " n=" + std::to_string(p.n) +
                 " k=" + std::to_string(p.k) + " " + dtype_name(p.dtype));
-  plan.algo = result.algo;
-  plan.waves = result.wavesCount;
-  plan.workspace_needed = result.workspaceSize;
+  results.resize(static_cast<size_t>(found));
+  return results;
+}
+
+Plan make_plan(cublasLtHandle_t h, const LinearArgs& p) {
+  Plan plan = describe_problem(p);
+  const cublasLtMatmulHeuristicResult_t best = heuristics(h, plan, p, 1)[0];
+  plan.algo = best.algo;
+  plan.waves = best.wavesCount;
+  plan.workspace_needed = best.workspaceSize;
   return plan;
 }
 
@@ -145,6 +168,33 @@ int config(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_
       written != sizeof(value))
     return -1;
   return static_cast<int>(value);
+}
+
+GemmAlgoInfo algo_info(const cublasLtMatmulAlgo_t& a, float waves, size_t workspace_needed) {
+  GemmAlgoInfo info;
+  info.algo_id = config<int32_t>(a, CUBLASLT_ALGO_CONFIG_ID);
+  info.tile_id = config<uint32_t>(a, CUBLASLT_ALGO_CONFIG_TILE_ID);
+  info.stages_id = config<uint32_t>(a, CUBLASLT_ALGO_CONFIG_STAGES_ID);
+  info.splitk = config<int32_t>(a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
+  info.reduction_scheme = config<uint32_t>(a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME);
+  info.swizzle = config<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING);
+  info.custom_option = config<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION);
+  info.inner_shape_id = config<uint16_t>(a, CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID);
+  info.cluster_shape_id = config<uint16_t>(a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID);
+  info.waves = waves;
+  info.workspace_needed = workspace_needed;
+  return info;
+}
+
+// Enqueues Y = X W^T (+ b) of `p` by `algo` on the plan's descriptors (the bias pointer set first).
+void run(cublasLtHandle_t h, Plan& plan, const cublasLtMatmulAlgo_t& algo, const LinearArgs& p) {
+  if (p.bias != nullptr) {
+    TPK_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias,
+                                                    sizeof(p.bias)));
+  }
+  const float alpha = 1.0f, beta = 0.0f;
+  TPK_CHECK_CUBLAS(cublasLtMatmul(h, plan.op, &alpha, p.w, plan.a, p.x, plan.b, &beta, p.y, plan.c, p.y, plan.c,
+                                  &algo, p.workspace, p.workspace_bytes, p.stream));
 }
 
 }  // namespace
@@ -167,20 +217,73 @@ std::vector<GemmPlanInfo> gemm_plans() {
     info.workspace_bytes = std::get<13>(key);
     info.w_col_major = std::get<14>(key);
     info.batch = std::get<15>(key);
-    const cublasLtMatmulAlgo_t& a = plan.algo;
-    info.algo_id = config<int32_t>(a, CUBLASLT_ALGO_CONFIG_ID);
-    info.tile_id = config<uint32_t>(a, CUBLASLT_ALGO_CONFIG_TILE_ID);
-    info.stages_id = config<uint32_t>(a, CUBLASLT_ALGO_CONFIG_STAGES_ID);
-    info.splitk = config<int32_t>(a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
-    info.reduction_scheme = config<uint32_t>(a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME);
-    info.swizzle = config<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING);
-    info.custom_option = config<uint32_t>(a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION);
-    info.inner_shape_id = config<uint16_t>(a, CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID);
-    info.cluster_shape_id = config<uint16_t>(a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID);
-    info.waves = plan.waves;
-    info.workspace_needed = plan.workspace_needed;
+    info.algo = algo_info(plan.algo, plan.waves, plan.workspace_needed);
     out.push_back(info);
   }
+  return out;
+}
+
+std::vector<GemmCandidate> gemm_candidates(const LinearArgs& p, int count, int iters) {
+  if (count < 1 || count > 32)
+    throw ArgumentError("count: gemm_candidates takes 1 to 32 algorithms, got " + std::to_string(count));
+  if (iters < 1) throw ArgumentError("iters: gemm_candidates runs each algorithm at least once, got " +
+                                     std::to_string(iters));
+  if (p.m == 0 || p.n == 0 || p.k == 0 || p.batch == 0)
+    throw ArgumentError("x: gemm_candidates times a GEMM with work to do, got m=" + std::to_string(p.m) +
+                        " n=" + std::to_string(p.n) + " k=" + std::to_string(p.k));
+  std::optional<DeviceGuard> on;
+  if (p.device >= 0) on.emplace(p.device);
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  TPK_CHECK_CUDA(cudaStreamIsCapturing(p.stream, &capturing));
+  if (capturing != cudaStreamCaptureStatusNone)
+    throw Error("gemm_candidates: the stream is being captured; it times GEMMs, which a capture cannot");
+  int device = 0;
+  TPK_CHECK_CUDA(cudaGetDevice(&device));
+  cublasLtHandle_t h = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    h = handle_for(device);
+  }
+  Plan plan = describe_problem(p);
+  std::vector<GemmCandidate> out;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  try {
+    const std::vector<cublasLtMatmulHeuristicResult_t> results = heuristics(h, plan, p, count);
+    TPK_CHECK_CUDA(cudaEventCreate(&start));
+    TPK_CHECK_CUDA(cudaEventCreate(&stop));
+    for (const cublasLtMatmulHeuristicResult_t& r : results) {
+      GemmCandidate c;
+      c.algo = algo_info(r.algo, r.wavesCount, r.workspaceSize);
+      // a cuBLAS error running it: cuBLASLt would not run this one (its ms stays -1); a CUDA error
+      // (the events') is the caller's
+      auto runs = [&](int times) {
+        try {
+          for (int i = 0; i < times; ++i) run(h, plan, r.algo, p);
+          return true;
+        } catch (const Error&) {
+          return false;
+        }
+      };
+      if (runs(1)) {  // its warm-up
+        TPK_CHECK_CUDA(cudaEventRecord(start, p.stream));
+        const bool ran = runs(iters);
+        TPK_CHECK_CUDA(cudaEventRecord(stop, p.stream));
+        TPK_CHECK_CUDA(cudaEventSynchronize(stop));
+        float ms = 0.0f;
+        TPK_CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+        if (ran) c.ms = ms / static_cast<float>(iters);
+      }
+      out.push_back(c);
+    }
+  } catch (...) {
+    if (start) cudaEventDestroy(start);
+    if (stop) cudaEventDestroy(stop);
+    release(plan);
+    throw;
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  release(plan);
   return out;
 }
 
@@ -198,14 +301,7 @@ void linear(const LinearArgs& p) {
           p.w_col_major, p.batch, p.stride_x, p.stride_y};
   auto it = g_plans.find(key);
   if (it == g_plans.end()) it = g_plans.emplace(key, make_plan(h, p)).first;
-  Plan& plan = it->second;
-  if (p.bias != nullptr) {
-    TPK_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias,
-                                                    sizeof(p.bias)));
-  }
-  const float alpha = 1.0f, beta = 0.0f;
-  TPK_CHECK_CUBLAS(cublasLtMatmul(h, plan.op, &alpha, p.w, plan.a, p.x, plan.b, &beta, p.y, plan.c, p.y, plan.c,
-                                  &plan.algo, p.workspace, p.workspace_bytes, p.stream));
+  run(h, it->second, it->second.algo, p);
 }
 
 }  // namespace tp_kernels

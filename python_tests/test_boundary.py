@@ -53,6 +53,24 @@ def test_the_gemm_of_contiguous_operands():
     assert got["workspace_bytes"] == 64
 
 
+def test_timing_cublaslt_candidates_checks_its_arguments_before_any_cuda_call():
+    """``gemm_candidates`` (the benchmarks' timing of cuBLASLt's algorithms for one problem): the
+    tensors as ``linear`` checks them, then how many algorithms and runs, then a problem with work,
+    each error naming its argument, before anything reaches CUDA (here, where there is none)."""
+    x, w = torch.randn(6, 40, dtype=torch.bfloat16), torch.randn(24, 40, dtype=torch.bfloat16)
+    good = dict(x=ref("x", x), weight=ref("weight", w), bias=None, out=ref("out", torch.empty(6, 24, dtype=x.dtype)),
+                workspace=workspace(), stream=0, count=8, iters=5)
+    with pytest.raises(ValueError, match=r"^weight: "):
+        C.gemm_candidates(**dict(good, weight=ref("weight", torch.randn(24, 41, dtype=torch.bfloat16))))
+    for bad, message in ((dict(count=0), r"^count: gemm_candidates takes 1 to 32 algorithms, got 0"),
+                         (dict(count=33), r"^count: .* got 33"),
+                         (dict(iters=0), r"^iters: gemm_candidates runs each algorithm at least once, got 0")):
+        with pytest.raises(ValueError, match=message):
+            C.gemm_candidates(**dict(good, **bad))
+    with pytest.raises(ValueError, match=r"^x: gemm_candidates times a GEMM with work to do, got m=0"):
+        C.gemm_candidates(**dict(good, x=empty("x", [0, 40]), out=empty("out", [0, 24])))
+
+
 def test_the_gemm_runs_on_its_inputs_device():
     """``linear`` makes x's device current for the call (csrc device_guard.h), whichever one the
     caller made current; the other tensors must be on it."""

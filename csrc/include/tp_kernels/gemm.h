@@ -45,13 +45,21 @@ struct LinearArgs {
 // Throws tp_kernels::Error when a CUDA or cuBLASLt call fails.
 void linear(const LinearArgs& args);
 
+// An algorithm of cuBLASLt's as cublasLt.h numbers its configuration (the CUBLASLT_ALGO_CONFIG_*
+// attributes: cublasLtMatmulTile_t, cublasLtMatmulStages_t, cublasLtClusterShape_t, ...; -1 where
+// this cuBLASLt does not report one), and its heuristic's figures for a problem: `waves` (its
+// wavesCount: 1.0 fills every multiprocessor once, so a fraction past a whole number is a last
+// wave partly filled) and the workspace the algorithm needs.
+struct GemmAlgoInfo {
+  int algo_id = -1, tile_id = -1, stages_id = -1, splitk = -1, reduction_scheme = -1, swizzle = -1,
+      custom_option = -1, inner_shape_id = -1, cluster_shape_id = -1;
+  float waves = 0.0f;
+  size_t workspace_needed = 0;
+};
+
 // What cuBLASLt's heuristic chose for one problem `linear` has planned in this process (its
-// cached plan): the problem, the algorithm's configuration as cublasLt.h numbers it (the
-// CUBLASLT_ALGO_CONFIG_* attributes: cublasLtMatmulTile_t, cublasLtMatmulStages_t,
-// cublasLtClusterShape_t, ...; -1 where this cuBLASLt does not report one) and the heuristic's
-// own figures: `waves` (its wavesCount: 1.0 fills every multiprocessor once, so a fraction past
-// a whole number is a last wave partly filled) and the workspace the algorithm needs. For the
-// benchmarks: why a GEMM runs at the rate it does.
+// cached plan): the problem and the algorithm. For the benchmarks: why a GEMM runs at the rate it
+// does.
 struct GemmPlanInfo {
   int device = 0;
   int64_t m = 0, n = 0, k = 0, batch = 1;
@@ -59,14 +67,25 @@ struct GemmPlanInfo {
   DType dtype = DType::kBFloat16;
   bool bias = false, w_col_major = false;
   size_t workspace_bytes = 0;  // the workspace the plan was made for
-  int algo_id = -1, tile_id = -1, stages_id = -1, splitk = -1, reduction_scheme = -1, swizzle = -1,
-      custom_option = -1, inner_shape_id = -1, cluster_shape_id = -1;
-  float waves = 0.0f;
-  size_t workspace_needed = 0;
+  GemmAlgoInfo algo;
 };
 
 // Every plan made so far, in the order of their problems (device, m, n, k, ...). Reads only what
 // the plans hold: no CUDA call.
 std::vector<GemmPlanInfo> gemm_plans();
+
+// One of the algorithms cuBLASLt's heuristic proposes for a problem, timed (gemm_candidates).
+struct GemmCandidate {
+  GemmAlgoInfo algo;
+  float ms = -1.0f;  // the mean time of a run; -1 where cuBLASLt would not run it
+};
+
+// The first `count` (1..32) algorithms cuBLASLt's heuristic proposes for the problem of `args`
+// (within its workspace), in the heuristic's order (the first is the one `linear` runs), each run
+// once and then `iters` times between two CUDA events on args.stream, which this waits for; `args`'
+// output is overwritten. For the benchmarks (whether another algorithm than the heuristic's first
+// runs a problem faster), at sizes whose GEMM outlasts its launch; never on a stream being
+// captured. Throws ArgumentError for count or iters out of range, before any CUDA call.
+std::vector<GemmCandidate> gemm_candidates(const LinearArgs& args, int count, int iters);
 
 }  // namespace tp_kernels
