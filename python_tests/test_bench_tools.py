@@ -1177,23 +1177,33 @@ def test_one_gpu_report_reads_every_figure_against_its_target():
            "scatter_gather 30.0 us" in lines
 
 
-def test_one_gpu_report_says_how_full_the_split_gemms_last_wave_was():
-    """Where the chunking record has cuBLASLt's plans, the 4-chunk line ends with their waves
-    counts, each chunk size's and the unsplit GEMM's; where it has none (older records, or a split
-    whose plans were not found), nothing."""
+def test_one_gpu_report_says_what_cublaslt_ran_and_whether_another_algorithm_wins():
+    """Where the records have cuBLASLt's plans, the 4-chunk line ends with their waves counts, each
+    chunk size's and the unsplit GEMM's; where they have its proposals timed, how much faster the
+    fastest ran a chunk and the unsplit GEMM than the first (the 8192^3 line too); where they have
+    neither (older records), nothing."""
     from tp_kernels.bench import one_gpu
 
     measured = _fake_one_gpu_measurements()
-    chunking = measured["extension"]["chunking"]
+    ext = measured["extension"]
+    chunking = ext["chunking"]
     chunking["column"]["plans"] = {"unsplit": [{"waves": 6.787}], "4_row_chunks": [{"waves": 1.697}]}
     chunking["row"]["plans"] = {"unsplit": [{"waves": 3.5}], "4_row_chunks": []}
     text = one_gpu.format_report(one_gpu.report(measured, [], "FakeGPU"))
     assert "4 row chunks / unsplit, 70B TP8 column (cuBLASLt's waves: 1.70 a chunk, 6.79 unsplit)" in text
     assert "4 row chunks / unsplit, 70B TP8 row: 0.960" in text  # (no plan of its chunks: no waves)
-    assert text.count("cuBLASLt's waves") == 1
+    assert text.count("cuBLASLt's") == 1
     chunking["row"]["plans"]["4_row_chunks"] = [{"waves": 0.9}, {"waves": 0.85}]  # two chunk sizes
+    chunking["row"]["candidates"] = {"4_row_chunks": {"first_over_fastest": 1.081},
+                                     "unsplit": {"first_over_fastest": 1.0}}
+    chunking["column"]["candidates"] = {"4_row_chunks": {"first_over_fastest": None},  # none ran but the first
+                                        "unsplit": {"first_over_fastest": 1.0}}
+    ext["gemm_throughput"]["native_candidates"] = {"first_over_fastest": 1.0149}
     text = one_gpu.format_report(one_gpu.report(measured, [], "FakeGPU"))
-    assert "70B TP8 row (cuBLASLt's waves: 0.90/0.85 a chunk, 3.50 unsplit)" in text
+    assert ("70B TP8 row (cuBLASLt's waves: 0.90/0.85 a chunk, 3.50 unsplit; its fastest proposal 1.08x its "
+            "first a chunk, 1.00x unsplit): 0.960") in text
+    assert "70B TP8 column (cuBLASLt's waves: 1.70 a chunk, 6.79 unsplit): 0.980" in text
+    assert "native GEMM / F.linear, 8192^3 (cuBLASLt's fastest proposal 1.01x its first): 0.995" in text
 
 
 def test_one_gpu_projection_uses_the_gemm_times_measured():

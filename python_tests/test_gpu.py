@@ -439,9 +439,39 @@ def test_native_linear_lists_what_cublaslt_chose_for_each_problem():
 
 
 @native_built
+def test_cublaslts_proposals_are_timed_the_first_the_plans_and_each_one_right():
+    """``gemm_candidates``: the heuristic's proposals for a problem, timed; the first is the
+    algorithm the native GEMM's plan of that problem runs; what they leave in ``out`` is the
+    product; on a stream being captured, a clear error and nothing enqueued."""
+    from tp_kernels.bench.extension import CANDIDATES, gemm_candidates
+
+    m, k, n = 2048, 512, 1536
+    g = torch.Generator().manual_seed(5)
+    x, w = (torch.randn(s, generator=g).to("cuda", torch.bfloat16) for s in ((m, k), (n, k)))
+    y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    _extension.linear(x, w, out=y)  # its plan
+    got = gemm_candidates(x, w, y, iters=3)
+    cands = got["candidates"]
+    assert 1 <= len(cands) <= CANDIDATES and cands[0]["ms"] > 0
+    assert all(c["ms"] > 0 or c["ms"] == -1.0 for c in cands)
+    assert got["first_over_fastest"] >= 1.0
+    ids = ("algo_id", "tile_id", "stages_id", "splitk", "reduction_scheme", "swizzle", "cluster_shape_id")
+    plans = [q for q in _extension.require().gemm_plans()
+             if (q["m"], q["n"], q["k"], q["ldx"], q["ldy"], q["batch"], q["w_col_major"]) == (m, n, k, k, n, 1, False)]
+    assert any(all(cands[0][f] == q[f] for f in ids) for q in plans), (cands[0], plans)
+    assert_close("cuBLASLt's proposals' product", y, torch.nn.functional.linear(x.double(), w.double()),
+                 torch.nn.functional.linear(x, w))
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="the stream is being captured"):
+        with torch.cuda.graph(graph):
+            gemm_candidates(x, w, y, iters=1)
+
+
+@native_built
 def test_section_1_chunking_records_the_plans_of_each_split():
     """The main job's chunking figures (one sample each) with what cuBLASLt chose for the unsplit
-    GEMM and each split's GEMMs: one plan at least for each, of the split's rows."""
+    GEMM and each split's GEMMs (one plan at least for each, of the split's rows), and its
+    proposals for the unsplit GEMM and a row chunk, timed."""
     from tp_kernels.bench import extension
 
     out = extension.chunking(iters=1)
@@ -454,6 +484,9 @@ def test_section_1_chunking_records_the_plans_of_each_split():
         assert {(q["m"], q["batch"]) for q in plans["4_rs_chunks_x8"]} == {(m // 32, 8)}
         assert {(q["m"], q["batch"]) for q in plans["ring_8_shards"]} == {(m // 8, 1)}
         assert all(q["waves"] > 0 and (q["n"], q["k"]) == (n, k) for v in plans.values() for q in v)
+        for split in ("unsplit", "4_row_chunks"):  # cuBLASLt's proposals for both, timed
+            assert entry["candidates"][split]["candidates"][0]["ms"] > 0
+            assert entry["candidates"][split]["first_over_fastest"] >= 1.0
 
 
 @native_built

@@ -425,6 +425,38 @@ def test_the_benchmarks_keep_the_plans_of_the_problem_they_ran():
     assert cublaslt_plans(2048, 8192, 3584, dtype="float32", plans=plans) == []
 
 
+def test_the_benchmarks_time_cublaslts_proposals_against_its_first(monkeypatch):
+    """:func:`tp_kernels.bench.extension.gemm_candidates`: ``_C.gemm_candidates``'s proposals, each
+    with its algorithm's fields and time, and the first's time over the fastest that ran (one that
+    cuBLASLt would not run, -1, passed over; None when the first did not run)."""
+    from tp_kernels.bench import extension
+
+    def algo(waves, ms, tile_id=23):
+        return {"algo_id": 66, "tile_id": tile_id, "stages_id": 0, "splitk": 1, "reduction_scheme": 0, "swizzle": 0,
+                "custom_option": 0, "inner_shape_id": 0, "cluster_shape_id": 3, "waves": waves,
+                "workspace_needed": 0, "ms": ms}
+
+    seen = {}
+
+    def fake_call(fn, *context, stream, **args):
+        seen.update(args, stream=stream)
+        return fn()
+
+    found = [algo(1.7, 0.30), algo(3.4, -1.0, 20), algo(0.85, 0.25, 24)]
+    monkeypatch.setattr(extension._extension, "require", lambda: type("C", (), {"gemm_candidates": lambda: found}))
+    monkeypatch.setattr(extension._extension, "call", fake_call)
+    monkeypatch.setattr(extension._extension, "current_stream", lambda device: (device, 1234))
+    x, w, y = torch.randn(4, 8), torch.randn(6, 8), torch.empty(4, 6)
+    got = extension.gemm_candidates(x, w, y, iters=5)
+    assert seen["count"] == extension.CANDIDATES and seen["iters"] == 5 and seen["x"] is x and seen["stream"][1] == 1234
+    assert [c["tile_id"] for c in got["candidates"]] == [23, 20, 24] and "m" not in got["candidates"][0]
+    assert got["first_over_fastest"] == pytest.approx(0.30 / 0.25)
+    found[:] = [algo(1.7, -1.0), algo(0.85, 0.25)]
+    assert extension.gemm_candidates(x, w, y, iters=5)["first_over_fastest"] is None
+    found[:] = [algo(1.7, 0.3)]
+    assert extension.gemm_candidates(x, w, y, iters=5, count=1)["first_over_fastest"] == 1.0
+
+
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
 def test_native_implementation_without_the_extension_names_the_reason(monkeypatch, op):
     monkeypatch.setattr(_extension, "_C", None)

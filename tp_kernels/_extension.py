@@ -228,8 +228,9 @@ def _workspace_ref(stream: StreamRef):
 
 
 def call(fn, *context, stream: Optional[StreamRef], gemm: bool = True, side: Optional[StreamRef] = None,
-         **args) -> None:
-    """``fn(*context, **args)`` for a native function ``fn`` of ``_C``, enqueued on ``stream``.
+         **args):
+    """``fn(*context, **args)`` for a native function ``fn`` of ``_C``, enqueued on ``stream``; what
+    ``fn`` returns.
 
     The tensors in ``args`` go as they are (a list of tensors too; None stays None): the native
     side reads each into the TensorRef of the argument named by its keyword, and makes the device
@@ -244,7 +245,7 @@ def call(fn, *context, stream: Optional[StreamRef], gemm: bool = True, side: Opt
         args["workspace"] = torch.empty(0, dtype=torch.uint8) if stream is None else _workspace_ref(stream)
     if side is not None:
         args["side_stream"], args["side_workspace"] = side[1], _workspace_ref(side)
-    fn(*context, **args, stream=0 if stream is None else stream[1])
+    return fn(*context, **args, stream=0 if stream is None else stream[1])
 
 
 def has_workspace(stream: StreamRef) -> bool:

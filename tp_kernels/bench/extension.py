@@ -6,7 +6,8 @@ against):
 
 1. **GEMM throughput**: the native cuBLASLt GEMM against ``torch.nn.functional.linear`` at
    M = N = K = 8192, bf16 (target: ≥ 0.99×), with what cuBLASLt's heuristic chose for it
-   (``"native_plans"``: :func:`cublaslt_plans`, its tile and its waves count).
+   (``"native_plans"``: :func:`cublaslt_plans`, its tile and its waves count) and its other
+   proposals timed (``"native_candidates"``: :func:`gemm_candidates`).
 2. **Host overhead per call** at a decode size (m = 16, k = 3584, n = 8192: the Llama-3-70B TP8
    row-parallel GEMM): the host time to issue one call (the GPU is never waited for inside the
    timed loop) of ``F.linear``, the native GEMM and ``tp_kernels.matmul_all_reduce`` on the
@@ -28,7 +29,10 @@ against):
    what it adds to the GEMMs is the schedule's events and NCCL's launches); and the unsplit
    native GEMM against ``F.linear`` at those shapes (target ≥ 0.99×). ``"plans"``: what cuBLASLt
    chose for the unsplit GEMM and for each split's (:func:`cublaslt_plans`): the waves count
-   says how full a GEMM's last wave of tiles is, the account of what splitting costs.
+   says how full a GEMM's last wave of tiles is, the account of what splitting costs;
+   ``"candidates"``: the unsplit GEMM and a row chunk by each of cuBLASLt's first
+   :data:`CANDIDATES` proposals (:func:`gemm_candidates`), whether another algorithm would win it
+   back.
 4. **Decode GEMMs**: the native GEMM against ``F.linear`` at m = 16 of those shapes, forward and
    the backward's dgrad (the weight transposed), replayed from a CUDA graph: the GEMMs' own time,
    without the host's launch (target ≥ 0.99×), each with cuBLASLt's plan (its split-K among it).
@@ -110,6 +114,29 @@ def cublaslt_plans(m: int, n: int, k: int, batch: int = 1, w_col_major: bool = F
             if (q["m"], q["n"], q["k"], q["batch"], q["w_col_major"], q["dtype"]) == problem]
 
 
+#: How many of the algorithms cuBLASLt's heuristic proposes for a problem section 1 times
+#: (:func:`gemm_candidates`).
+CANDIDATES = 8
+
+
+def gemm_candidates(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, iters: int,
+                    count: int = CANDIDATES) -> Dict:
+    """The first ``count`` algorithms cuBLASLt's heuristic proposes for the native GEMM ``out = x
+    wᵀ``, each timed (``_C.gemm_candidates``: the mean of ``iters`` runs back to back after one,
+    between two CUDA events; the first proposal is the one the native GEMM runs):
+    ``{"candidates": [..., each :data:`PLAN_FIELDS`' algorithm fields and "ms"], "first_over_fastest":
+    the first's time over the fastest's}``: how much faster than the heuristic's choice another of
+    its proposals runs this problem (1.0: none)."""
+    C = _extension.require()
+    found = _extension.call(C.gemm_candidates, x=x, weight=w, bias=None, out=out,
+                            stream=_extension.current_stream(x.get_device()), count=count, iters=iters)
+    keep = [f for f in PLAN_FIELDS if f not in ("m", "n", "k", "batch")] + ["ms"]
+    candidates = [{f: c[f] for f in keep} for c in found]
+    ran = [c["ms"] for c in candidates if c["ms"] > 0]
+    first = candidates[0]["ms"] if candidates else -1.0
+    return {"candidates": candidates, "first_over_fastest": first / min(ran) if first > 0 and ran else None}
+
+
 def gemm_throughput(iters: int) -> Dict:
     m = k = n = 8192
     x, w = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in ((m, k), (n, k)))
@@ -118,6 +145,7 @@ def gemm_throughput(iters: int) -> Dict:
     return {"shape": [m, k, n], "dtype": "bfloat16", "f_linear_ms": t_torch, "native_ms": t_native,
             "f_linear_tflops": tflops(m, k, n, t_torch), "native_tflops": tflops(m, k, n, t_native),
             "ratio": t_torch / t_native, "native_plans": cublaslt_plans(m, n, k),
+            "native_candidates": gemm_candidates(x, w, torch.empty(m, n, device="cuda", dtype=torch.bfloat16), iters),
             "target": TARGETS["native_gemm_vs_f_linear"][0]}
 
 
@@ -246,6 +274,11 @@ def chunking(iters: int, p: int = 8, chunks: int = 4) -> Dict:
         entry["plans"] = {"unsplit": cublaslt_plans(m, n, k, plans=plans), f"{chunks}_row_chunks": split(m),
                           f"{chunks}_rs_chunks_x{p}": split(mp, p),
                           f"ring_{p}_shards": cublaslt_plans(mp, n, k, plans=plans)}
+        # and whether another of the heuristic's proposals runs them faster: the unsplit GEMM and
+        # the first row chunk
+        rows = chunk_bounds(m, chunks)[0][1]
+        entry["candidates"] = {"unsplit": gemm_candidates(x, w, y, iters),
+                               f"{chunks}_row_chunks": gemm_candidates(x[:rows], w, y[:rows], iters)}
         out[name] = entry
     torch.cuda.synchronize()
     comm.close()

@@ -176,14 +176,21 @@ def _decode_all_reduce_us(latency: List[dict]) -> Optional[dict]:
     return worst
 
 
-def _waves(plans: Optional[dict], split: str = "4_row_chunks") -> str:
-    """What cuBLASLt's heuristic said of the GEMMs of ``split`` and of the unsplit one (the
-    chunking record's ``"plans"``, not in older records): each plan's waves count, the fraction
-    past a whole number the last wave's fill, as a report's line ends with it; "" without them."""
-    if not plans or not plans.get(split) or not plans.get("unsplit"):
-        return ""
-    chunk, whole = ("/".join(f"{q['waves']:.2f}" for q in plans[key]) for key in (split, "unsplit"))
-    return f" (cuBLASLt's waves: {chunk} a chunk, {whole} unsplit)"
+def _cublaslt(entry: dict, split: str = "4_row_chunks") -> str:
+    """What a chunking figure's record says of cuBLASLt (not in older records), as its report line
+    ends with it ("" where it says nothing): the waves count of each plan of ``split``'s GEMMs and
+    of the unsplit one (``"plans"``: the fraction past a whole number, the last wave's fill), and how
+    much faster the fastest of the heuristic's proposals ran a chunk and the unsplit GEMM than its
+    first, the one the native GEMM runs (``"candidates"``)."""
+    notes = []
+    plans = entry.get("plans") or {}
+    if plans.get(split) and plans.get("unsplit"):
+        chunk, whole = ("/".join(f"{q['waves']:.2f}" for q in plans[key]) for key in (split, "unsplit"))
+        notes.append(f"cuBLASLt's waves: {chunk} a chunk, {whole} unsplit")
+    ratios = [(entry.get("candidates") or {}).get(key, {}).get("first_over_fastest") for key in (split, "unsplit")]
+    if all(r is not None for r in ratios):
+        notes.append(f"its fastest proposal {ratios[0]:.2f}x its first a chunk, {ratios[1]:.2f}x unsplit")
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def report(measured: dict, rows: List[dict], device: str) -> dict:
@@ -197,12 +204,15 @@ def report(measured: dict, rows: List[dict], device: str) -> dict:
 
     ext = measured.get("extension", {})
     if "skipped" not in ext and ext:
-        check("native_gemm_vs_f_linear", "native GEMM / F.linear, 8192^3", ext["gemm_throughput"]["ratio"])
+        faster = (ext["gemm_throughput"].get("native_candidates") or {}).get("first_over_fastest")
+        check("native_gemm_vs_f_linear", "native GEMM / F.linear, 8192^3"
+              + (f" (cuBLASLt's fastest proposal {faster:.2f}x its first)" if faster is not None else ""),
+              ext["gemm_throughput"]["ratio"])
         for name, entry in ext["chunking"].items():
             if isinstance(entry, dict):
                 check("native_gemm_vs_f_linear", f"native GEMM / F.linear, 70B TP8 {name}",
                       entry.get("native_vs_f_linear"))
-                check("chunk4_vs_unsplit", f"4 row chunks / unsplit, 70B TP8 {name}" + _waves(entry.get("plans")),
+                check("chunk4_vs_unsplit", f"4 row chunks / unsplit, 70B TP8 {name}" + _cublaslt(entry),
                       entry["4_row_chunks"]["vs_unsplit"])
                 for label, what in (("4_row_chunks_two_streams", "4 row chunks on two streams"),
                                     ("native_matmul_all_reduce_4_chunks_two_streams",
