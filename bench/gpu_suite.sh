@@ -135,8 +135,9 @@ run_bench() {
   # and the projection's GEMMs (tp_kernels.bench.one_gpu); the fused benchmark adds the sweeps.
   step bench "$bench_main_s" "$PY" -m tp_kernels.bench "${bench_main_args[@]}" --out-dir "$logs/bench" --tag "$commit"
   step fused 100 "$PY" -m tp_kernels.bench.fused --out-dir "$logs/fused" --tag "$commit"
-  # one fused call of each overlap op on 8 virtual ranks under torch.profiler: where its time went
-  step timeline 40 "$PY" -m tp_kernels.bench.timeline --out-dir "$logs/fused" --tag "$commit"
+  # one fused call of each overlap op on 8 virtual ranks under torch.profiler (where its time went), and
+  # the kernels that F.linear and the native GEMM run for section 1's GEMMs
+  step timeline 60 "$PY" -m tp_kernels.bench.timeline --out-dir "$logs/fused" --tag "$commit"
   if $pytest_bench; then
     step pytest-bench 60 "$PY" -m pytest bench -q -p no:cacheprovider --tp-m 16,8192 --tp-rounds 5 \
       --benchmark-json="$logs/pytest-bench.json"

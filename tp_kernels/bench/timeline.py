@@ -255,6 +255,7 @@ def main(argv=None) -> int:
     # the two-shot kernel at a size the thresholds give it (1 MiB): its three launches a rank
     record["all_reduce_two_shot"] = all_reduce_timeline(args.p, 2**19, "two_shot")
     print(f"timeline all_reduce_two_shot: {json.dumps(record['all_reduce_two_shot'])}", flush=True)
+    save_record(record, args.out_dir, "timeline", args.tag)  # (kept should the step's limit stop what follows)
     record["gemm_kernels"] = gemm_kernels()
     print(f"gemm_kernels: {json.dumps(record['gemm_kernels'])}", flush=True)
     save_record(record, args.out_dir, "timeline", args.tag)
