@@ -312,10 +312,11 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("workspace"), py::arg("stream"),
       py::arg("count"), py::arg("iters"),
-      "The first `count` (1..32) algorithms cuBLASLt's heuristic proposes for `linear`'s problem of these "
-      "arguments, in its order (the first is the one `linear` runs), each timed: a dict each, the algorithm as "
-      "gemm_plans describes it and `ms`, the mean of `iters` runs on `stream` after one (-1: cuBLASLt would not "
-      "run it). Waits for the stream; overwrites `out`; refuses a stream being captured. For the benchmarks.");
+      "The algorithm `linear` runs for its problem of these arguments, then the others of the first `count` "
+      "(1..32) cuBLASLt's heuristic proposes for it, in its order (`count` in all at most), each timed: a dict "
+      "each, the algorithm as gemm_plans describes it and `ms`, the mean of `iters` runs on `stream` after one "
+      "(-1: cuBLASLt would not run it). Waits for the stream; overwrites `out`; refuses a stream being "
+      "captured. For the benchmarks.");
 
   m.def(
       "primitive_problem",

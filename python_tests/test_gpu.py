@@ -461,10 +461,12 @@ def test_cublaslts_proposals_are_timed_the_first_the_plans_and_each_one_right():
     assert any(all(cands[0][f] == q[f] for f in ids) for q in plans), (cands[0], plans)
     assert_close("cuBLASLt's proposals' product", y, torch.nn.functional.linear(x.double(), w.double()),
                  torch.nn.functional.linear(x, w))
+    workspace = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")  # (made before the capture, as is the rest)
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="the stream is being captured"):
         with torch.cuda.graph(graph):
-            gemm_candidates(x, w, y, iters=1)
+            _extension.require().gemm_candidates(x=x, weight=w, bias=None, out=y, workspace=workspace, count=2,
+                                                 iters=1, stream=torch.cuda.current_stream().cuda_stream)
 
 
 @native_built

@@ -114,19 +114,19 @@ def cublaslt_plans(m: int, n: int, k: int, batch: int = 1, w_col_major: bool = F
             if (q["m"], q["n"], q["k"], q["batch"], q["w_col_major"], q["dtype"]) == problem]
 
 
-#: How many of the algorithms cuBLASLt's heuristic proposes for a problem section 1 times
-#: (:func:`gemm_candidates`).
+#: How many of the algorithms cuBLASLt's heuristic proposes for a problem section 1 times, the
+#: native GEMM's among them (:func:`gemm_candidates`).
 CANDIDATES = 8
 
 
 def gemm_candidates(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, iters: int,
                     count: int = CANDIDATES) -> Dict:
-    """The first ``count`` algorithms cuBLASLt's heuristic proposes for the native GEMM ``out = x
-    wᵀ``, each timed (``_C.gemm_candidates``: the mean of ``iters`` runs back to back after one,
-    between two CUDA events; the first proposal is the one the native GEMM runs):
-    ``{"candidates": [..., each :data:`PLAN_FIELDS`' algorithm fields and "ms"], "first_over_fastest":
-    the first's time over the fastest's}``: how much faster than the heuristic's choice another of
-    its proposals runs this problem (1.0: none)."""
+    """The algorithm the native GEMM runs for ``out = x wᵀ`` (its plan's, cuBLASLt's heuristic's
+    first) and the heuristic's other proposals, ``count`` in all at most, each timed
+    (``_C.gemm_candidates``: the mean of ``iters`` runs back to back after one, between two CUDA
+    events): ``{"candidates": [..., each :data:`PLAN_FIELDS`' algorithm fields and "ms"],
+    "first_over_fastest": the first's time over the fastest's}``: how much faster than the
+    heuristic's choice another of its proposals runs this problem (1.0: none)."""
     C = _extension.require()
     found = _extension.call(C.gemm_candidates, x=x, weight=w, bias=None, out=out,
                             stream=_extension.current_stream(x.get_device()), count=count, iters=iters)

@@ -57,8 +57,8 @@ struct GemmAlgoInfo {
   size_t workspace_needed = 0;
 };
 
-// What cuBLASLt's heuristic chose for one problem `linear` has planned in this process (its
-// cached plan): the problem and the algorithm. For the benchmarks: why a GEMM runs at the rate it
+// What cuBLASLt's heuristic chose for one problem `linear` (or gemm_candidates) has planned in this
+// process (its cached plan): the problem and the algorithm. For the benchmarks: why a GEMM runs at the rate it
 // does.
 struct GemmPlanInfo {
   int device = 0;
@@ -80,10 +80,11 @@ struct GemmCandidate {
   float ms = -1.0f;  // the mean time of a run; -1 where cuBLASLt would not run it
 };
 
-// The first `count` (1..32) algorithms cuBLASLt's heuristic proposes for the problem of `args`
-// (within its workspace), in the heuristic's order (the first is the one `linear` runs), each run
-// once and then `iters` times between two CUDA events on args.stream, which this waits for; `args`'
-// output is overwritten. For the benchmarks (whether another algorithm than the heuristic's first
+// The algorithm `linear` runs for the problem of `args` (its plan, made here if it is not yet),
+// then the others of the first `count` (1..32) cuBLASLt's heuristic proposes for it (within its
+// workspace), `count` in all at most, in the heuristic's order, each run once and then `iters`
+// times between two CUDA events on args.stream, which this waits for; `args`' output is
+// overwritten. For the benchmarks (whether another algorithm than the heuristic's first
 // runs a problem faster), at sizes whose GEMM outlasts its launch; never on a stream being
 // captured. Throws ArgumentError for count or iters out of range, before any CUDA call.
 std::vector<GemmCandidate> gemm_candidates(const LinearArgs& args, int count, int iters);
