@@ -30,9 +30,9 @@ against):
    native GEMM against ``F.linear`` at those shapes (target ≥ 0.99×). ``"plans"``: what cuBLASLt
    chose for the unsplit GEMM and for each split's (:func:`cublaslt_plans`): the waves count
    says how full a GEMM's last wave of tiles is, the account of what splitting costs;
-   ``"candidates"``: the unsplit GEMM and a row chunk by each of cuBLASLt's first
-   :data:`CANDIDATES` proposals (:func:`gemm_candidates`), whether another algorithm would win it
-   back.
+   ``"candidates"``: the unsplit GEMM and a row chunk by the native GEMM's algorithm and by the
+   heuristic's other proposals (:data:`CANDIDATES` in all, :func:`gemm_candidates`): whether
+   another algorithm would win the split's cost back.
 4. **Decode GEMMs**: the native GEMM against ``F.linear`` at m = 16 of those shapes, forward and
    the backward's dgrad (the weight transposed), replayed from a CUDA graph: the GEMMs' own time,
    without the host's launch (target ≥ 0.99×), each with cuBLASLt's plan (its split-K among it).
