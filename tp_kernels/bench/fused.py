@@ -65,11 +65,13 @@ from .. import _extension, perf_model
 from .._timing import HOLD, gpu_events
 from ..backends import fused
 from ..testing import VirtualRanks, forked, phase_order
+from .extension import LLAMA70B_TP8 as GEMM_SHAPES
 from .extension import gpu_time_ms, graph_time_us
 from .records import default_out_dir, gpu_record, save_record
 from .targets import TARGETS
 
-LLAMA70B_TP8 = {"all_gather_matmul": (8192, 8192, 28672 // 8), "matmul_reduce_scatter": (8192, 28672 // 8, 8192)}
+#: The fused ops' shapes (m, k, n): the all-gather's the column layer's GEMM, the reduce-scatter's the row layer's
+LLAMA70B_TP8 = {"all_gather_matmul": GEMM_SHAPES["column"], "matmul_reduce_scatter": GEMM_SHAPES["row"]}
 ALL_REDUCE_M = (1, 4, 16, 64, 256)  # the decode rows: 16 KiB to 4 MiB at n = 8192 bf16 (m <= 4: <= 64 KiB)
 SWEEP_BYTES = tuple(2**e for e in range(14, 27, 2))  # 16 KiB .. 64 MiB
 GRAPH_CALLS = 20  # all-reduces a graph replays, for the all-reduce alone's latency
