@@ -294,12 +294,12 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "gemm_candidates",
       [](py::handle x, py::handle weight, py::handle bias, py::handle out, py::handle workspace, uintptr_t stream,
-         int count, int iters) {
+         int count, int iters, double timeout_s) {
         tp_kernels::LinearArgs a = linear_call(x, weight, bias, out, workspace, stream);
         std::vector<tp_kernels::GemmCandidate> found;
         {
           py::gil_scoped_release release;
-          found = tp_kernels::gemm_candidates(a, count, iters);
+          found = tp_kernels::gemm_candidates(a, count, iters, timeout_s);
         }
         py::list candidates;
         for (const tp_kernels::GemmCandidate& c : found) {
@@ -311,12 +311,12 @@ PYBIND11_MODULE(_C, m) {
         return candidates;
       },
       py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("workspace"), py::arg("stream"),
-      py::arg("count"), py::arg("iters"),
+      py::arg("count"), py::arg("iters"), py::arg("timeout_s"),
       "The algorithm `linear` runs for its problem of these arguments, then the others of the first `count` "
       "(1..32) cuBLASLt's heuristic proposes for it, in its order (`count` in all at most), each timed: a dict "
       "each, the algorithm as gemm_plans describes it and `ms`, the mean of `iters` runs on `stream` after one "
-      "(-1: cuBLASLt would not run it). Waits for the stream; overwrites `out`; refuses a stream being "
-      "captured. For the benchmarks.");
+      "(-1: cuBLASLt would not run it). Waits for the stream, at most `timeout_s` seconds an algorithm (then "
+      "raises, the GEMMs still queued); overwrites `out`; refuses a stream being captured. For the benchmarks.");
 
   m.def(
       "primitive_problem",

@@ -4,12 +4,15 @@
 
 #include <cublasLt.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <sstream>
 #include <string>
+#include <thread>
 #include <tuple>
 
 #include "tp_kernels/check.h"
@@ -213,6 +216,30 @@ bool same_algo(const cublasLtMatmulAlgo_t& a, const cublasLtMatmulAlgo_t& b) {
   return std::memcmp(&a, &b, sizeof(a)) == 0;
 }
 
+// Returns once `event` has completed, polling it; throws past `timeout_s` seconds (the work
+// before it still queued: a GEMM behind a wait that never ends, a collective a peer never joins).
+void wait_for(cudaEvent_t event, double timeout_s, const LinearArgs& p) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point start = Clock::now();
+  for (int polls = 0;; ++polls) {
+    const cudaError_t status = cudaEventQuery(event);
+    if (status == cudaSuccess) return;
+    if (status != cudaErrorNotReady) TPK_CHECK_CUDA(status);
+    if (std::chrono::duration<double>(Clock::now() - start).count() > timeout_s) {
+      std::ostringstream limit;
+      limit << timeout_s;
+      throw Error("tp_kernels: gemm_candidates: the GEMMs it timed (m=" + std::to_string(p.m) + " n=" +
+                  std::to_string(p.n) + " k=" + std::to_string(p.k) + "), and the work queued on the stream before "
+                  "them, did not complete within " + limit.str() + " s; they stay queued. The limit is set with "
+                  "tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S.");
+    }
+    if (polls < 1000)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+}
+
 }  // namespace
 
 std::vector<GemmPlanInfo> gemm_plans() {
@@ -239,11 +266,17 @@ std::vector<GemmPlanInfo> gemm_plans() {
   return out;
 }
 
-std::vector<GemmCandidate> gemm_candidates(const LinearArgs& p, int count, int iters) {
+std::vector<GemmCandidate> gemm_candidates(const LinearArgs& p, int count, int iters, double timeout_s) {
   if (count < 1 || count > 32)
     throw ArgumentError("count: gemm_candidates takes 1 to 32 algorithms, got " + std::to_string(count));
   if (iters < 1) throw ArgumentError("iters: gemm_candidates runs each algorithm at least once, got " +
                                      std::to_string(iters));
+  if (!(timeout_s > 0)) {
+    std::ostringstream given;
+    given << timeout_s;
+    throw ArgumentError("timeout_s: gemm_candidates waits for its GEMMs at most a positive number of seconds, got " +
+                        given.str());
+  }
   if (p.m == 0 || p.n == 0 || p.k == 0 || p.batch == 0)
     throw ArgumentError("x: gemm_candidates times a GEMM with work to do, got m=" + std::to_string(p.m) +
                         " n=" + std::to_string(p.n) + " k=" + std::to_string(p.k));
@@ -291,7 +324,7 @@ std::vector<GemmCandidate> gemm_candidates(const LinearArgs& p, int count, int i
         TPK_CHECK_CUDA(cudaEventRecord(start, p.stream));
         const bool ran = runs(iters);
         TPK_CHECK_CUDA(cudaEventRecord(stop, p.stream));
-        TPK_CHECK_CUDA(cudaEventSynchronize(stop));
+        wait_for(stop, timeout_s, p);
         float ms = 0.0f;
         TPK_CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
         if (ran) c.ms = ms / static_cast<float>(iters);

@@ -55,16 +55,20 @@ def test_the_gemm_of_contiguous_operands():
 
 def test_timing_cublaslt_candidates_checks_its_arguments_before_any_cuda_call():
     """``gemm_candidates`` (the benchmarks' timing of cuBLASLt's algorithms for one problem): the
-    tensors as ``linear`` checks them, then how many algorithms and runs, then a problem with work,
-    each error naming its argument, before anything reaches CUDA (here, where there is none)."""
+    tensors as ``linear`` checks them, then how many algorithms and runs and how long a wait, then a
+    problem with work, each error naming its argument, before anything reaches CUDA (here, where
+    there is none)."""
     x, w = torch.randn(6, 40, dtype=torch.bfloat16), torch.randn(24, 40, dtype=torch.bfloat16)
     good = dict(x=ref("x", x), weight=ref("weight", w), bias=None, out=ref("out", torch.empty(6, 24, dtype=x.dtype)),
-                workspace=workspace(), stream=0, count=8, iters=5)
+                workspace=workspace(), stream=0, count=8, iters=5, timeout_s=30.0)
     with pytest.raises(ValueError, match=r"^weight: "):
         C.gemm_candidates(**dict(good, weight=ref("weight", torch.randn(24, 41, dtype=torch.bfloat16))))
     for bad, message in ((dict(count=0), r"^count: gemm_candidates takes 1 to 32 algorithms, got 0"),
                          (dict(count=33), r"^count: .* got 33"),
-                         (dict(iters=0), r"^iters: gemm_candidates runs each algorithm at least once, got 0")):
+                         (dict(iters=0), r"^iters: gemm_candidates runs each algorithm at least once, got 0"),
+                         (dict(timeout_s=0.0), r"^timeout_s: gemm_candidates waits for its GEMMs at most a positive "
+                                               r"number of seconds, got 0"),
+                         (dict(timeout_s=float("nan")), r"^timeout_s: .* got nan")):
         with pytest.raises(ValueError, match=message):
             C.gemm_candidates(**dict(good, **bad))
     with pytest.raises(ValueError, match=r"^x: gemm_candidates times a GEMM with work to do, got m=0"):

@@ -442,7 +442,8 @@ def test_native_linear_lists_what_cublaslt_chose_for_each_problem():
 def test_cublaslts_proposals_are_timed_the_first_the_plans_and_each_one_right():
     """``gemm_candidates``: the heuristic's proposals for a problem, timed; the first is the
     algorithm the native GEMM's plan of that problem runs; what they leave in ``out`` is the
-    product; on a stream being captured, a clear error and nothing enqueued."""
+    product; on a stream being captured, a clear error and nothing enqueued; behind work that
+    outlasts its timeout, a clear error at the timeout."""
     from tp_kernels.bench.extension import CANDIDATES, gemm_candidates
 
     m, k, n = 2048, 512, 1536
@@ -466,7 +467,16 @@ def test_cublaslts_proposals_are_timed_the_first_the_plans_and_each_one_right():
     with pytest.raises(RuntimeError, match="the stream is being captured"):
         with torch.cuda.graph(graph):
             _extension.require().gemm_candidates(x=x, weight=w, bias=None, out=y, workspace=workspace, count=2,
-                                                 iters=1, stream=torch.cuda.current_stream().cuda_stream)
+                                                 iters=1, stream=torch.cuda.current_stream().cuda_stream,
+                                                 timeout_s=30.0)
+    torch.cuda._sleep(2 * 10 ** 9)  # about a second of spinning (2e9 cycles) ahead of the GEMMs on the stream
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"gemm_candidates: the GEMMs it timed \(m=2048 n=1536 k=512\), and the "
+                                           r"work queued on the stream before them, did not complete within 0.2 s"):
+        _extension.require().gemm_candidates(x=x, weight=w, bias=None, out=y, workspace=workspace, count=2, iters=1,
+                                             stream=torch.cuda.current_stream().cuda_stream, timeout_s=0.2)
+    assert time.monotonic() - started < 5.0
+    torch.cuda.synchronize()
 
 
 @native_built

@@ -449,6 +449,7 @@ def test_the_benchmarks_time_cublaslts_proposals_against_its_first(monkeypatch):
     x, w, y = torch.randn(4, 8), torch.randn(6, 8), torch.empty(4, 6)
     got = extension.gemm_candidates(x, w, y, iters=5)
     assert seen["count"] == extension.CANDIDATES and seen["iters"] == 5 and seen["x"] is x and seen["stream"][1] == 1234
+    assert seen["timeout_s"] == settings.get_timeout()
     assert [c["tile_id"] for c in got["candidates"]] == [23, 20, 24] and "m" not in got["candidates"][0]
     assert got["first_over_fastest"] == pytest.approx(0.30 / 0.25)
     found[:] = [algo(1.7, -1.0), algo(0.85, 0.25)]

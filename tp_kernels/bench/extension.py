@@ -124,12 +124,13 @@ def gemm_candidates(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, iters: 
     """The algorithm the native GEMM runs for ``out = x wᵀ`` (its plan's, cuBLASLt's heuristic's
     first) and the heuristic's other proposals, ``count`` in all at most, each timed
     (``_C.gemm_candidates``: the mean of ``iters`` runs back to back after one, between two CUDA
-    events): ``{"candidates": [..., each :data:`PLAN_FIELDS`' algorithm fields and "ms"],
+    events, each algorithm's waited for within :func:`tp_kernels.settings.get_timeout`): ``{"candidates": [..., each :data:`PLAN_FIELDS`' algorithm fields and "ms"],
     "first_over_fastest": the first's time over the fastest's}``: how much faster than the
     heuristic's choice another of its proposals runs this problem (1.0: none)."""
     C = _extension.require()
     found = _extension.call(C.gemm_candidates, x=x, weight=w, bias=None, out=out,
-                            stream=_extension.current_stream(x.get_device()), count=count, iters=iters)
+                            stream=_extension.current_stream(x.get_device()), count=count, iters=iters,
+                            timeout_s=settings.get_timeout())
     keep = [f for f in PLAN_FIELDS if f not in ("m", "n", "k", "batch")] + ["ms"]
     candidates = [{f: c[f] for f in keep} for c in found]
     ran = [c["ms"] for c in candidates if c["ms"] > 0]

@@ -83,10 +83,11 @@ struct GemmCandidate {
 // The algorithm `linear` runs for the problem of `args` (its plan, made here if it is not yet),
 // then the others of the first `count` (1..32) cuBLASLt's heuristic proposes for it (within its
 // workspace), `count` in all at most, in the heuristic's order, each run once and then `iters`
-// times between two CUDA events on args.stream, which this waits for; `args`' output is
-// overwritten. For the benchmarks (whether another algorithm than the heuristic's first
+// times between two CUDA events on args.stream, which this waits for (each algorithm's runs, and
+// the stream's work queued before the first, within `timeout_s` seconds, else it throws); `args`'
+// output is overwritten. For the benchmarks (whether another algorithm than the heuristic's first
 // runs a problem faster), at sizes whose GEMM outlasts its launch; never on a stream being
-// captured. Throws ArgumentError for count or iters out of range, before any CUDA call.
-std::vector<GemmCandidate> gemm_candidates(const LinearArgs& args, int count, int iters);
+// captured. Throws ArgumentError for count, iters or timeout_s out of range, before any CUDA call.
+std::vector<GemmCandidate> gemm_candidates(const LinearArgs& args, int count, int iters, double timeout_s);
 
 }  // namespace tp_kernels
