@@ -1037,6 +1037,48 @@ def test_the_kernel_profile_without_ncu_or_a_gpu(tmp_path):
         assert run.returncode == 2 and "needs a CUDA device and the native extension" in run.stderr
 
 
+def test_the_kernel_profile_keeps_to_its_budget_and_returns_what_ran(tmp_path):
+    """bench/gpu_profile.sh under its budget, with a stand-in for ncu (a report made at once for the
+    first two cases, the third one hanging): the two first cases' reports, CSV pages and logs, the
+    third stopped at what the budget left it (124), the others not started (125), each in
+    status.txt, all in the tarball in $OUT, and exit status 1."""
+    import tarfile
+
+    from tp_kernels import _extension
+
+    if _extension.unavailable() is not None:
+        pytest.skip(f"the profile's program counts the kernel's launches with the extension: "
+                    f"{_extension.unavailable()}")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    ncu = bin_dir / "ncu"
+    ncu.write_text("""#!/usr/bin/env bash
+if [ "$1" = --import ]; then printf '"ID","Metric Name","Metric Value"\\n"0","x","1"\\n'; exit 0; fi
+while [ $# -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done
+case "$out" in *65536*) exec sleep 120 ;; esac
+echo "==PROF== Report: $out.ncu-rep"
+touch "$out.ncu-rep"
+""")
+    ncu.chmod(0o755)
+    out_dir = tmp_path / "out"
+    bench = os.path.join(os.path.dirname(__file__), "..", "bench")
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", OUT=str(out_dir),
+               PYTHON=sys.executable, TP_KERNELS_PROFILE_BUDGET_S="30")
+    run = subprocess.run(["bash", os.path.join(bench, "gpu_profile.sh")], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert run.returncode == 1, run.stdout + run.stderr
+    with tarfile.open(out_dir / "gpu-profile.tar.gz") as tar:
+        names = {os.path.normpath(n) for n in tar.getnames()}
+        status = tar.extractfile("./gpu-profile/status.txt").read().decode().split("\n")
+    ran = ["ncu-one_shot-16384", "ncu-one_shot-16384-release-acquire"]
+    for name in ran:
+        assert {f"gpu-profile/{name}{end}" for end in (".ncu-rep", ".csv", "-raw.csv", ".log")} <= names
+    codes = [line.split()[:2] for line in status if line]
+    assert codes == [[ran[0], "0"], [ran[1], "0"], ["ncu-one_shot-65536", "124"], ["ncu-two_shot-65536", "125"],
+                     ["ncu-one_shot-4194304", "125"], ["ncu-two_shot-4194304", "125"]], run.stdout + run.stderr
+    assert "gpu-profile/ncu-one_shot-65536.log" in names and "gpu-profile/ncu-two_shot-65536.log" not in names
+
+
 # --- the main job on one GPU: its report's layout, from made-up measurements -------------------------
 
 
