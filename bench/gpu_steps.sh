@@ -1,5 +1,6 @@
-# The steps of the GPU suite (sourced by bench/gpu_suite.sh), each under its own time limit and
-# under the call's budget, so that a call ends, its records written, inside the call that runs it:
+# The steps of the GPU suite (sourced by bench/gpu_suite.sh and bench/gpu_profile.sh), each under
+# its own time limit and under the call's budget, so that a call ends, its records written, inside
+# the call that runs it:
 #
 #   budget_s     seconds the whole call may take, counted by bash's SECONDS from its start
 #   reserve_s    seconds kept back at the end for the records and the copy of the logs
