@@ -73,6 +73,10 @@ for case in "one_shot 16384" "one_shot 16384 release-acquire" "one_shot 65536" "
     --section LaunchStats --section WarpStateStats -f -o "$work/$name" \
     "$PY" bench/all_reduce_kernel.py "${args[@]}" >/dev/null
   read -r _ rc _ < <(tail -n 1 "$logs/status.txt")
+  if [ "$rc" -eq "$NOT_STARTED" ]; then
+    status=1
+    continue
+  fi
   if [ -f "$work/$name.ncu-rep" ]; then
     "$ncu" --import "$work/$name.ncu-rep" --csv --page details >"$work/$name.csv" 2>>"$work/$name.log"
     # every metric collected, each launch a row: the warp-state section's stall reasons

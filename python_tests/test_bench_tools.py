@@ -1038,17 +1038,13 @@ def test_the_kernel_profile_without_ncu_or_a_gpu(tmp_path):
 
 
 def test_the_kernel_profile_keeps_to_its_budget_and_returns_what_ran(tmp_path):
-    """bench/gpu_profile.sh under its budget, with a stand-in for ncu (a report made at once for the
-    first two cases, the third one hanging): the two first cases' reports, CSV pages and logs, the
-    third stopped at what the budget left it (124), the others not started (125), each in
-    status.txt, all in the tarball in $OUT, and exit status 1."""
+    """bench/gpu_profile.sh under its budget, with stand-ins for ncu (a report made at once for the
+    first two cases, the third one hanging) and for its program (the launches counted at once):
+    the two first cases' reports, CSV pages and logs, the third stopped at what the budget left it
+    (124), the others not started (125), each in status.txt, all in the tarball in $OUT, and exit
+    status 1."""
     import tarfile
 
-    from tp_kernels import _extension
-
-    if _extension.unavailable() is not None:
-        pytest.skip(f"the profile's program counts the kernel's launches with the extension: "
-                    f"{_extension.unavailable()}")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     ncu = bin_dir / "ncu"
@@ -1059,11 +1055,16 @@ case "$out" in *65536*) exec sleep 120 ;; esac
 echo "==PROF== Report: $out.ncu-rep"
 touch "$out.ncu-rep"
 """)
-    ncu.chmod(0o755)
+    python = bin_dir / "python"  # (the extension "imports"; the launches: 2 calls' worth to skip, 1 to profile)
+    python.write_text("""#!/usr/bin/env bash
+case "$*" in *--launches*) echo "32 16" ;; esac
+""")
+    for f in (ncu, python):
+        f.chmod(0o755)
     out_dir = tmp_path / "out"
     bench = os.path.join(os.path.dirname(__file__), "..", "bench")
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", OUT=str(out_dir),
-               PYTHON=sys.executable, TP_KERNELS_PROFILE_BUDGET_S="30")
+               PYTHON=str(python), TP_KERNELS_PROFILE_BUDGET_S="12")
     run = subprocess.run(["bash", os.path.join(bench, "gpu_profile.sh")], capture_output=True, text=True,
                          timeout=120, env=env)
     assert run.returncode == 1, run.stdout + run.stderr
@@ -1077,6 +1078,7 @@ touch "$out.ncu-rep"
     assert codes == [[ran[0], "0"], [ran[1], "0"], ["ncu-one_shot-65536", "124"], ["ncu-two_shot-65536", "125"],
                      ["ncu-one_shot-4194304", "125"], ["ncu-two_shot-4194304", "125"]], run.stdout + run.stderr
     assert "gpu-profile/ncu-one_shot-65536.log" in names and "gpu-profile/ncu-two_shot-65536.log" not in names
+    assert "ncu-two_shot-4194304: not started, the call's budget of 12 s is spent" in run.stderr
 
 
 # --- the main job on one GPU: its report's layout, from made-up measurements -------------------------
