@@ -8,26 +8,13 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
-#include <sstream>
 
 #include "tp_kernels/check.h"
 #include "tp_kernels/detail.h"
+#include "tp_kernels/seconds.h"
 
 namespace tp_kernels {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-
-std::string format_seconds(double s) {
-  std::ostringstream out;
-  out << s;
-  return out.str();
-}
 
 using RevokeFn = ncclResult_t (*)(ncclComm_t, int);
 

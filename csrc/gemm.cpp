@@ -4,19 +4,18 @@
 
 #include <cublasLt.h>
 
-#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <tuple>
 
 #include "tp_kernels/check.h"
 #include "tp_kernels/device_guard.h"
+#include "tp_kernels/seconds.h"
 
 namespace tp_kernels {
 namespace {
@@ -219,18 +218,15 @@ bool same_algo(const cublasLtMatmulAlgo_t& a, const cublasLtMatmulAlgo_t& b) {
 // Returns once `event` has completed, polling it; throws past `timeout_s` seconds (the work
 // before it still queued: a GEMM behind a wait that never ends, a collective a peer never joins).
 void wait_for(cudaEvent_t event, double timeout_s, const LinearArgs& p) {
-  using Clock = std::chrono::steady_clock;
   const Clock::time_point start = Clock::now();
   for (int polls = 0;; ++polls) {
     const cudaError_t status = cudaEventQuery(event);
     if (status == cudaSuccess) return;
     if (status != cudaErrorNotReady) TPK_CHECK_CUDA(status);
-    if (std::chrono::duration<double>(Clock::now() - start).count() > timeout_s) {
-      std::ostringstream limit;
-      limit << timeout_s;
+    if (seconds_since(start) > timeout_s) {
       throw Error("tp_kernels: gemm_candidates: the GEMMs it timed (m=" + std::to_string(p.m) + " n=" +
                   std::to_string(p.n) + " k=" + std::to_string(p.k) + "), and the work queued on the stream before "
-                  "them, did not complete within " + limit.str() + " s; they stay queued. The limit is set with "
+                  "them, did not complete within " + format_seconds(timeout_s) + " s; they stay queued. The limit is set with "
                   "tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S.");
     }
     if (polls < 1000)
@@ -271,12 +267,9 @@ std::vector<GemmCandidate> gemm_candidates(const LinearArgs& p, int count, int i
     throw ArgumentError("count: gemm_candidates takes 1 to 32 algorithms, got " + std::to_string(count));
   if (iters < 1) throw ArgumentError("iters: gemm_candidates runs each algorithm at least once, got " +
                                      std::to_string(iters));
-  if (!(timeout_s > 0)) {
-    std::ostringstream given;
-    given << timeout_s;
+  if (!(timeout_s > 0))
     throw ArgumentError("timeout_s: gemm_candidates waits for its GEMMs at most a positive number of seconds, got " +
-                        given.str());
-  }
+                        format_seconds(timeout_s));
   if (p.m == 0 || p.n == 0 || p.k == 0 || p.batch == 0)
     throw ArgumentError("x: gemm_candidates times a GEMM with work to do, got m=" + std::to_string(p.m) +
                         " n=" + std::to_string(p.n) + " k=" + std::to_string(p.k));
