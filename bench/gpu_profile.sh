@@ -43,8 +43,8 @@ if [ -z "$ncu" ]; then
 fi
 if ! "$PY" -c "import tp_kernels, sys; sys.exit(tp_kernels.extension_status()['built'] is not True)" 2>/dev/null; then
   major=$("$PY" -c "import torch; print(torch.version.cuda.split('.')[0])")
-  if ! TP_KERNELS_CUDA_MAJOR=$major timeout "$(step_limit 300)" "$PY" -m pip install -v --no-build-isolation --no-deps -e . \
-      >"$work/build.log" 2>&1; then
+  if ! TP_KERNELS_CUDA_MAJOR=$major timeout "$(step_limit 300)" "$PY" -m pip install -v --no-build-isolation \
+      --no-deps -e . >"$work/build.log" 2>&1; then
     tail -n 40 "$work/build.log"
     echo "build failed" >&2
     exit 1

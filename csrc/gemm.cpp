@@ -226,8 +226,8 @@ void wait_for(cudaEvent_t event, double timeout_s, const LinearArgs& p) {
     if (seconds_since(start) > timeout_s) {
       throw Error("tp_kernels: gemm_candidates: the GEMMs it timed (m=" + std::to_string(p.m) + " n=" +
                   std::to_string(p.n) + " k=" + std::to_string(p.k) + "), and the work queued on the stream before "
-                  "them, did not complete within " + format_seconds(timeout_s) + " s; they stay queued. The limit is set with "
-                  "tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S.");
+                  "them, did not complete within " + format_seconds(timeout_s) +
+                  " s; they stay queued. The limit is set with tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S.");
     }
     if (polls < 1000)
       std::this_thread::yield();

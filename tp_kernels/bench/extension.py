@@ -124,7 +124,8 @@ def gemm_candidates(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, iters: 
     """The algorithm the native GEMM runs for ``out = x wᵀ`` (its plan's, cuBLASLt's heuristic's
     first) and the heuristic's other proposals, ``count`` in all at most, each timed
     (``_C.gemm_candidates``: the mean of ``iters`` runs back to back after one, between two CUDA
-    events, each algorithm's waited for within :func:`tp_kernels.settings.get_timeout`): ``{"candidates": [..., each :data:`PLAN_FIELDS`' algorithm fields and "ms"],
+    events, each algorithm's waited for within :func:`tp_kernels.settings.get_timeout`):
+    ``{"candidates": [..., each :data:`PLAN_FIELDS`' algorithm fields and "ms"],
     "first_over_fastest": the first's time over the fastest's}``: how much faster than the
     heuristic's choice another of its proposals runs this problem (1.0: none)."""
     C = _extension.require()
