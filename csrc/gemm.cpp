@@ -291,48 +291,48 @@ std::vector<GemmCandidate> gemm_candidates(const LinearArgs& p, int count, int i
     planned.wavesCount = cached.waves;
     planned.workspaceSize = cached.workspace_needed;
   }
-  Plan plan = describe_problem(p);
-  std::vector<GemmCandidate> out;
-  cudaEvent_t start = nullptr, stop = nullptr;
-  try {
-    std::vector<cublasLtMatmulHeuristicResult_t> results{planned};
-    for (const cublasLtMatmulHeuristicResult_t& r : heuristics(h, plan, p, count))
-      if (static_cast<int>(results.size()) < count && !same_algo(r.algo, planned.algo)) results.push_back(r);
-    TPK_CHECK_CUDA(cudaEventCreate(&start));
-    TPK_CHECK_CUDA(cudaEventCreate(&stop));
-    for (const cublasLtMatmulHeuristicResult_t& r : results) {
-      GemmCandidate c;
-      c.algo = algo_info(r.algo, r.wavesCount, r.workspaceSize);
-      // a cuBLAS error running it: cuBLASLt would not run this one (its ms stays -1); a CUDA error
-      // (the events') is the caller's
-      auto runs = [&](int times) {
-        try {
-          for (int i = 0; i < times; ++i) run(h, plan, r.algo, p);
-          return true;
-        } catch (const Error&) {
-          return false;
-        }
-      };
-      if (runs(1)) {  // its warm-up
-        TPK_CHECK_CUDA(cudaEventRecord(start, p.stream));
-        const bool ran = runs(iters);
-        TPK_CHECK_CUDA(cudaEventRecord(stop, p.stream));
-        wait_for(stop, timeout_s, p);
-        float ms = 0.0f;
-        TPK_CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-        if (ran) c.ms = ms / static_cast<float>(iters);
-      }
-      out.push_back(c);
+  // The descriptors and events of the timing, freed however it ends (an event still pending too:
+  // CUDA frees it once it completes)
+  struct Timing {
+    Plan plan;
+    cudaEvent_t start = nullptr, stop = nullptr;
+    ~Timing() {
+      if (start) cudaEventDestroy(start);
+      if (stop) cudaEventDestroy(stop);
+      release(plan);
     }
-  } catch (...) {
-    if (start) cudaEventDestroy(start);
-    if (stop) cudaEventDestroy(stop);
-    release(plan);
-    throw;
+  } timing{describe_problem(p)};
+  Plan& plan = timing.plan;
+  std::vector<cublasLtMatmulHeuristicResult_t> results{planned};
+  for (const cublasLtMatmulHeuristicResult_t& r : heuristics(h, plan, p, count))
+    if (static_cast<int>(results.size()) < count && !same_algo(r.algo, planned.algo)) results.push_back(r);
+  TPK_CHECK_CUDA(cudaEventCreate(&timing.start));
+  TPK_CHECK_CUDA(cudaEventCreate(&timing.stop));
+  std::vector<GemmCandidate> out;
+  for (const cublasLtMatmulHeuristicResult_t& r : results) {
+    GemmCandidate c;
+    c.algo = algo_info(r.algo, r.wavesCount, r.workspaceSize);
+    // a cuBLAS error running it: cuBLASLt would not run this one (its ms stays -1); a CUDA error
+    // (the events') is the caller's
+    auto runs = [&](int times) {
+      try {
+        for (int i = 0; i < times; ++i) run(h, plan, r.algo, p);
+        return true;
+      } catch (const Error&) {
+        return false;
+      }
+    };
+    if (runs(1)) {  // its warm-up
+      TPK_CHECK_CUDA(cudaEventRecord(timing.start, p.stream));
+      const bool ran = runs(iters);
+      TPK_CHECK_CUDA(cudaEventRecord(timing.stop, p.stream));
+      wait_for(timing.stop, timeout_s, p);
+      float ms = 0.0f;
+      TPK_CHECK_CUDA(cudaEventElapsedTime(&ms, timing.start, timing.stop));
+      if (ran) c.ms = ms / static_cast<float>(iters);
+    }
+    out.push_back(c);
   }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  release(plan);
   return out;
 }
 
