@@ -50,10 +50,19 @@ def _members(group):
     return [int(t) for t in gathered]
 
 
+def _own_timeout(group) -> float:
+    """The timeout ``group`` was made with (its gloo backend's options), in seconds."""
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
 def check_layout(t, q):
     rank, world = rank_world()
-    tp_kernels.initialize_model_parallel(t, q)
+    with tp_kernels.settings.overriding(timeout=47.5):  # not the world's (World: 60 s), nor new_group's 30 min
+        tp_kernels.initialize_model_parallel(t, q)
     try:
+        for group in (tp_kernels.get_tensor_model_parallel_group(), tp_kernels.get_pipeline_model_parallel_group(),
+                      tp_kernels.get_data_parallel_group()):
+            assert _own_timeout(group) == 47.5
         with pytest.raises(RuntimeError, match="already initialized"):
             tp_kernels.initialize_model_parallel(t, q)
         tp, pp, dp = rank_layout(world, t, q)

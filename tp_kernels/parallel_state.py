@@ -87,10 +87,17 @@ def carries_host_tensors(group=None) -> bool:
     return host_backend(group) != ""
 
 
+def _new_group(ranks: List[int], backend=None):
+    """``dist.new_group(ranks, backend)``, made by every rank of the world (as ``new_group``
+    requires), with :func:`tp_kernels.get_timeout` as the group's own timeout: the bound NCCL's
+    watchdog puts on its collectives (``new_group`` would give it torch's default instead, 10
+    minutes for NCCL and 30 for gloo, whatever the world's)."""
+    return dist.new_group(ranks, backend=backend, timeout=datetime.timedelta(seconds=get_timeout()))
+
+
 def _twin(ranks: List[int]):
-    """A gloo group of ``ranks``, made by every rank of the world (as ``new_group`` requires),
-    bounded by :func:`tp_kernels.get_timeout`."""
-    return dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=get_timeout()))
+    """A gloo group of ``ranks`` (:func:`_new_group`)."""
+    return _new_group(ranks, backend="gloo")
 
 
 def host_group(group):
@@ -180,7 +187,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     the sizes, bounded by :func:`tp_kernels.get_timeout`: sizes that differ between ranks, a size
     wrong on one rank, or a rank that does not arrive raise ``RuntimeError`` on every rank that
     did, saying which. Afterwards every tp_kernels API given ``group=None`` runs on this rank's
-    tensor-parallel group.
+    tensor-parallel group. Each group's own timeout (the bound NCCL's watchdog puts on its
+    collectives) is :func:`tp_kernels.get_timeout` at this call.
     """
     global _TENSOR_MODEL_PARALLEL_GROUP, _PIPELINE_MODEL_PARALLEL_GROUP, _DATA_PARALLEL_GROUP
     if not (dist.is_available() and dist.is_initialized()):
@@ -206,7 +214,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     for kind, ranks_lists in enumerate(layouts):
         own = None
         for ranks in ranks_lists:
-            g = dist.new_group(ranks)
+            g = _new_group(ranks)
             twin = _twin(ranks) if twins and kind == 0 and len(ranks) > 1 else None
             if rank in ranks:
                 own = g
