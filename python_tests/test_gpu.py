@@ -1367,7 +1367,8 @@ def test_the_benchmarks_hold_keeps_the_hosts_time_out_of_a_gpu_sample():
     """A region whose host takes 3 ms to enqueue one short kernel: timed as it is, a sample is the
     host's 3 ms (the GPU reached the start event at once and waited); with the stream held until
     the region is enqueued (tp_kernels._timing.Hold), the kernel's own time, and no sample's host
-    outlasted the hold. The spinning kernel lasts about what it is asked."""
+    outlasted the hold. The spinning kernel lasts about what it is asked, and an event behind a
+    second of it is waited for within the timeout (0.2 s: an error naming what was timed)."""
     from tp_kernels import _timing
 
     x = torch.randn(1024, 1024, device="cuda")
@@ -1387,8 +1388,15 @@ def test_the_benchmarks_hold_keeps_the_hosts_time_out_of_a_gpu_sample():
     start.record()
     _timing._sleep(2e-3)
     end.record()
-    end.synchronize()
+    _timing.wait_event(end, "the spin")
     assert 1e-3 < start.elapsed_time(end) * 1e-3 < 4e-3
+    _timing._sleep(1.0)  # a second of spinning: a sample's end behind it is waited for within the timeout
+    end.record()
+    started = time.monotonic()
+    with settings.overriding(timeout=0.2), pytest.raises(RuntimeError, match="a sample: the GPU work it timed"):
+        _timing.wait_event(end, "a sample")
+    assert time.monotonic() - started < 5.0
+    torch.cuda.synchronize()
 
 
 def test_a_traced_call_is_held_and_the_hold_is_left_out_of_its_timeline():

@@ -9,16 +9,17 @@ import time
 import pytest
 import torch
 
-from tp_kernels import _timing
+from tp_kernels import _timing, settings
 from tp_kernels.bench import extension, report
 
 
 class _Events:
     """Stand-ins for ``torch.cuda.Event``: each logs what is done with it to ``log``; ``done``
-    says whether a start event has completed when asked (``query``); elapsed times are ``ms``."""
+    says whether a start event (even index) has completed when asked (``query``), ``ended``
+    whether an end event (odd index) has; elapsed times are ``ms``."""
 
     def __init__(self, log, done=False, ms=(1.0,)):
-        self.log, self.done, self.ms, self.made = log, done, list(ms), 0
+        self.log, self.done, self.ended, self.ms, self.made = log, done, True, list(ms), 0
 
     def __call__(self, enable_timing=False):
         assert enable_timing
@@ -32,10 +33,7 @@ class _Events:
 
             def query(self):
                 outer.log.append(("query", index))
-                return outer.done
-
-            def synchronize(self):
-                pass
+                return outer.ended if index % 2 else outer.done
 
             def elapsed_time(self, end):
                 return outer.ms[(index // 2) % len(outer.ms)]
@@ -132,6 +130,47 @@ def test_the_extension_benchmarks_time_with_the_shared_hold(fake_gpu, monkeypatc
     assert extension.gpu_time_ms(lambda: log.append("call"), 3, warmup=2) == pytest.approx(2.0)
     assert log.count("call") == 5 and len([e for e in log if e[0] == "hold"]) == 5
     assert hold.summary() == {"samples": 3, "exposed": 0}
+
+
+class _Event:
+    """An event that completes at its ``after``-th query (never: None)."""
+
+    def __init__(self, after=None):
+        self.after, self.queries = after, 0
+
+    def query(self):
+        self.queries += 1
+        return self.after is not None and self.queries >= self.after
+
+
+def test_a_wait_for_an_event_returns_once_it_has_completed():
+    done = _Event(after=1)
+    _timing.wait_event(done, "x")
+    assert done.queries == 1  # complete already: asked once
+    later = _Event(after=4)
+    _timing.wait_event(later, "x")
+    assert later.queries == 4
+
+
+def test_a_wait_for_an_event_that_does_not_complete_raises_within_the_timeout():
+    event = _Event()
+    started = time.monotonic()
+    with settings.overriding(timeout=0.2), pytest.raises(
+            RuntimeError, match=r"tp_kernels: the third sample: the GPU work it timed, and the work queued on the "
+                                r"stream before it, did not complete within 0.2 s; it stays queued. The limit is "
+                                r"tp_kernels.set_timeout\(\)"):
+        _timing.wait_event(event, "the third sample")
+    assert 0.2 <= time.monotonic() - started < 5.0
+    assert event.queries > 2  # polled, not waited for once
+
+
+def test_the_timer_waits_for_a_gpu_sample_within_the_timeout_and_names_what_it_timed(fake_gpu):
+    _, events = fake_gpu
+    events.ended = False  # the GPU never reaches a sample's end
+    timer = _timing.Timer(2, 0, True, None, what="auto's measurement of matmul_all_reduce m=16")
+    with settings.overriding(timeout=0.1), pytest.raises(
+            RuntimeError, match=r"auto's measurement of matmul_all_reduce m=16: the GPU work it timed"):
+        timer(lambda i: None)
 
 
 def test_the_main_jobs_line_on_the_hold():

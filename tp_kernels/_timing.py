@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from . import _collectives as coll
+from .settings import get_timeout
 
-__all__ = ["HOLD", "Hold", "Timer", "gpu_events"]
+__all__ = ["HOLD", "Hold", "Timer", "gpu_events", "wait_event"]
 
 #: The shortest and the longest hold (seconds): the hold is :data:`HOLD_FACTOR` times the
 #: host's time to enqueue the last sample, within these.
@@ -42,7 +43,7 @@ def _cycles_per_second(device: int) -> float:
     with torch.cuda.device(device):
         torch.cuda._sleep(cycles)  # (loaded and warm)
         start, end, _ = gpu_events(lambda: torch.cuda._sleep(cycles))
-        end.synchronize()
+        wait_event(end, "the GPU clock's measurement")
         return cycles / (start.elapsed_time(end) * 1e-3)
 
 
@@ -110,17 +111,42 @@ def gpu_events(body: Callable[[], object], hold: Optional[Hold] = None, timed: b
     return start, end, state
 
 
+#: How long a host wait for an event (:func:`wait_event`) sleeps between its queries, in
+#: seconds, once its first query has yielded the thread.
+POLL_S = 100e-6
+
+
+def wait_event(event, what: str) -> None:
+    """Wait on the host until ``event`` has completed, at most :func:`tp_kernels.get_timeout`
+    seconds (polled: a query, then a yield, then a query every :data:`POLL_S`); past that, raise
+    ``RuntimeError`` naming ``what``, the GPU work it waited for. The work stays queued."""
+    if event.query():
+        return
+    timeout = get_timeout()
+    deadline = time.monotonic() + timeout
+    time.sleep(0)
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"tp_kernels: {what}: the GPU work it timed, and the work queued on the stream before it, did not "
+                f"complete within {timeout:g} s; it stays queued. The limit is tp_kernels.set_timeout() or "
+                "TP_KERNELS_TIMEOUT_S.")
+        time.sleep(POLL_S)
+
+
 class Timer:
     """Median seconds of ``body(i)`` over ``iters`` samples (slowest rank each), see the module doc.
 
     ``pre(i)`` and ``post(i)`` run around each sample, untimed (e.g. starting and finishing
     communication that the timed GEMM should overlap). ``hold`` (on a GPU): each sample's stream
     held until ``pre`` and ``body`` are enqueued (:class:`Hold`), so that a sample is the GPU's
-    time alone.
+    time alone. A GPU sample is waited for within :func:`tp_kernels.get_timeout` (:func:`wait_event`:
+    the error names ``what``).
     """
 
-    def __init__(self, iters: int, warmup: int, cuda: bool, group=None, hold: Optional[Hold] = None):
-        self.iters, self.warmup, self.cuda, self.group = iters, warmup, cuda, group
+    def __init__(self, iters: int, warmup: int, cuda: bool, group=None, hold: Optional[Hold] = None,
+                 what: str = "a timed sample"):
+        self.iters, self.warmup, self.cuda, self.group, self.what = iters, warmup, cuda, group, what
         self.p = coll.group_size(group)
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.hold = hold if cuda else None
@@ -139,7 +165,7 @@ class Timer:
             if post:
                 post(state)
             if self.cuda:
-                end.synchronize()
+                wait_event(end, self.what)
                 elapsed = start.elapsed_time(end) / 1e3
             return elapsed
 

@@ -265,7 +265,7 @@ def _measured(key: tuple, op: str, variants: Sequence[str], x: torch.Tensor, gro
     _agree(f"{op} m={m} n={n} k={k} {x.dtype} bias={bias} p={p}{also} candidates={','.join(variants)}",
            group, x.device)
     with torch.no_grad(), (torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()):
-        timer = Timer(REPEATS, WARMUP, x.is_cuda, group)
+        timer = Timer(REPEATS, WARMUP, x.is_cuda, group, what=f"auto's measurement of {op} m={m} n={n} k={k}")
         times = tuple(timer(lambda i, v=v: run(v)) for v in variants)
     best = min(range(len(variants)), key=times.__getitem__)
     decision = Decision(op, group.group_name, str(x.device), x.dtype, p, size_class(m), n, k, bias,

@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _extension, ops, settings
-from .._timing import HOLD, gpu_events
+from .._timing import HOLD, gpu_events, wait_event
 from ..schedule import boundaries, chunk_bounds
 from .host import host_times_us, profiled
 from .records import default_out_dir, gpu_record, save_record
@@ -72,7 +72,7 @@ def gpu_time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
     samples = []
     for i in range(warmup + iters):
         start, end, _ = gpu_events(fn, HOLD, timed=i >= warmup)
-        end.synchronize()
+        wait_event(end, "gpu_time_ms: a sample")
         samples.append(start.elapsed_time(end))
     return statistics.median(samples[warmup:])
 
