@@ -111,8 +111,8 @@ def gpu_events(body: Callable[[], object], hold: Optional[Hold] = None, timed: b
     return start, end, state
 
 
-#: How long a host wait for an event (:func:`wait_event`) sleeps between its queries, in
-#: seconds, once its first query has yielded the thread.
+#: How long a host wait for an event (:func:`wait_event`) sleeps between its queries after the
+#: second (the first two are a yield apart), in seconds.
 POLL_S = 100e-6
 
 
