@@ -417,6 +417,38 @@ def test_host_time_bench_with_peers(tmp_path):
         host.main(["--profile", "-1"])
 
 
+def test_host_nonblocking_group_takes_our_timeout(monkeypatch):
+    """The host bench's NCCL group in nonblocking mode is made with tp_kernels' timeout as its own
+    (new_group alone would give it torch's 10 minutes) and blocking = 0; a torch that cannot make
+    one is named (NCCL stood in for: this torch has none)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from tp_kernels import settings
+    from tp_kernels.bench import host
+
+    class Options:
+        def __init__(self):
+            self.config = type("Config", (), {"blocking": 1})()
+
+    made = []
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", type("PG", (), {"Options": Options}), raising=False)
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.append((ranks, kw)) or "group")
+    with settings.overriding(timeout=47.5):
+        assert host._nonblocking_nccl_group(4) == "group"
+    ((ranks, kw),) = made
+    assert ranks == [0, 1, 2, 3] and kw["backend"] == "nccl" and kw["pg_options"].config.blocking == 0
+    assert kw["timeout"] == datetime.timedelta(seconds=47.5)
+
+    def refuse(ranks, **kw):
+        raise RuntimeError("no NCCL here")
+
+    monkeypatch.setattr(dist, "new_group", refuse)
+    assert "made no group in NCCL's nonblocking mode: no NCCL here" in host._nonblocking_nccl_group(2)
+
+
+
 def test_function_calls_counts_what_a_call_goes_through():
     """host.function_calls: every function a call runs, Python's and builtins, each time it runs,
     the call itself included, and nothing of the profiler's."""

@@ -221,12 +221,15 @@ def profile_text(rows: List[list], top: int = 5) -> str:
 
 def _nonblocking_nccl_group(p: int):
     """A new NCCL group of the world's ``p`` ranks whose communicator is made in NCCL's
-    nonblocking mode (``config.blocking = 0``, as the native path's ``Communicator``), or why
-    this torch cannot make one."""
+    nonblocking mode (``config.blocking = 0``, as the native path's ``Communicator``), with
+    :func:`tp_kernels.get_timeout` as its own timeout (as the groups of
+    ``initialize_model_parallel``; ``new_group`` would give it torch's 10 minutes), or why this
+    torch cannot make one."""
     try:
         options = dist.ProcessGroupNCCL.Options()
         options.config.blocking = 0
-        return dist.new_group(list(range(p)), backend="nccl", pg_options=options)
+        return dist.new_group(list(range(p)), backend="nccl", pg_options=options,
+                              timeout=datetime.timedelta(seconds=settings.get_timeout()))
     except (AttributeError, TypeError, RuntimeError) as exc:  # (every rank alike)
         return f"torch {torch.__version__} made no group in NCCL's nonblocking mode: {exc}"
 
