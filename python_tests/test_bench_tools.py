@@ -448,7 +448,6 @@ def test_host_nonblocking_group_takes_our_timeout(monkeypatch):
     assert "made no group in NCCL's nonblocking mode: no NCCL here" in host._nonblocking_nccl_group(2)
 
 
-
 def test_function_calls_counts_what_a_call_goes_through():
     """host.function_calls: every function a call runs, Python's and builtins, each time it runs,
     the call itself included, and nothing of the profiler's."""

@@ -87,12 +87,14 @@ def carries_host_tensors(group=None) -> bool:
     return host_backend(group) != ""
 
 
-def _new_group(ranks: List[int], backend=None):
-    """``dist.new_group(ranks, backend)``, made by every rank of the world (as ``new_group``
-    requires), with :func:`tp_kernels.get_timeout` as the group's own timeout: the bound NCCL's
-    watchdog puts on its collectives (``new_group`` would give it torch's default instead, 10
-    minutes for NCCL and 30 for gloo, whatever the world's)."""
-    return dist.new_group(ranks, backend=backend, timeout=datetime.timedelta(seconds=get_timeout()))
+def _new_group(ranks: List[int], backend=None, pg_options=None):
+    """``dist.new_group(ranks, backend, pg_options)``, made by every rank of the world (as
+    ``new_group`` requires), with :func:`tp_kernels.get_timeout` as the group's own timeout: the
+    bound NCCL's watchdog puts on its collectives (``new_group`` would give it torch's default
+    instead, 10 minutes for NCCL and 30 for gloo, whatever the world's). Every group tp_kernels
+    makes is made here."""
+    return dist.new_group(ranks, backend=backend, pg_options=pg_options,
+                          timeout=datetime.timedelta(seconds=get_timeout()))
 
 
 def _twin(ranks: List[int]):

@@ -95,7 +95,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import autotune, dispatch, ops, settings
+from .. import autotune, dispatch, ops, parallel_state, settings
 from ..communicator import Communicator
 from ..embedding import VocabParallelEmbedding
 from ..layers import ColumnParallelLinear, RowParallelLinear
@@ -222,14 +222,12 @@ def profile_text(rows: List[list], top: int = 5) -> str:
 def _nonblocking_nccl_group(p: int):
     """A new NCCL group of the world's ``p`` ranks whose communicator is made in NCCL's
     nonblocking mode (``config.blocking = 0``, as the native path's ``Communicator``), with
-    :func:`tp_kernels.get_timeout` as its own timeout (as the groups of
-    ``initialize_model_parallel``; ``new_group`` would give it torch's 10 minutes), or why this
-    torch cannot make one."""
+    :func:`tp_kernels.get_timeout` as its own timeout (``parallel_state._new_group``, as the
+    groups of ``initialize_model_parallel``), or why this torch cannot make one."""
     try:
         options = dist.ProcessGroupNCCL.Options()
         options.config.blocking = 0
-        return dist.new_group(list(range(p)), backend="nccl", pg_options=options,
-                              timeout=datetime.timedelta(seconds=settings.get_timeout()))
+        return parallel_state._new_group(list(range(p)), backend="nccl", pg_options=options)
     except (AttributeError, TypeError, RuntimeError) as exc:  # (every rank alike)
         return f"torch {torch.__version__} made no group in NCCL's nonblocking mode: {exc}"
 
