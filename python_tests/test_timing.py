@@ -1,9 +1,12 @@
 """The benchmarks' timer on the CPU: the GPU's hold (tp_kernels._timing.Hold) with stand-ins for
 the CUDA events and the spinning kernel, so that the order of what is enqueued, the hold's size
-and its count of exposed samples are checked without a GPU (test_gpu.py times the real ones)."""
+and its count of exposed samples are checked without a GPU (test_gpu.py times the real ones); and
+the host's bounded waits for an event and for a whole device, with stand-ins for the event and for
+``torch.cuda.synchronize``."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -162,6 +165,60 @@ def test_a_wait_for_an_event_that_does_not_complete_raises_within_the_timeout():
         _timing.wait_event(event, "the third sample")
     assert 0.2 <= time.monotonic() - started < 5.0
     assert event.queries > 2  # polled, not waited for once
+
+
+class _Synchronize:
+    """A stand-in for ``torch.cuda.synchronize``: it logs the device it is given and the thread it
+    runs on, then returns once ``release`` is set (at once when made set), or raises ``error``."""
+
+    def __init__(self, released=True, error=None):
+        self.release, self.error, self.calls = threading.Event(), error, []
+        if released:
+            self.release.set()
+
+    def __call__(self, device=None):
+        self.calls.append((device, threading.current_thread()))
+        self.release.wait(30.0)
+        if self.error is not None:
+            raise self.error
+
+
+def test_a_device_wide_wait_returns_once_the_device_has_finished(monkeypatch):
+    sync = _Synchronize()
+    monkeypatch.setattr(torch.cuda, "synchronize", sync)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    _timing.synchronize("x")
+    _timing.synchronize("x", torch.device("cuda", 1))
+    # the current device's index is taken on the caller's thread: the helper's own would be 0
+    assert [device for device, _ in sync.calls] == [torch.device("cuda", 3), torch.device("cuda", 1)]
+    assert all(thread is not threading.current_thread() for _, thread in sync.calls)
+
+
+def test_a_device_wide_wait_that_does_not_finish_raises_within_the_timeout(monkeypatch):
+    sync = _Synchronize(released=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", sync)
+    started = time.monotonic()
+    try:
+        with settings.overriding(timeout=0.2), pytest.raises(
+                RuntimeError, match=r"tp_kernels: peer workspace release: the work queued on cuda:2, on every "
+                                    r"stream, did not complete within 0.2 s; it stays queued. The limit is "
+                                    r"tp_kernels.set_timeout\(\) or TP_KERNELS_TIMEOUT_S"):
+            _timing.synchronize("peer workspace release", torch.device("cuda", 2))
+        assert 0.2 <= time.monotonic() - started < 5.0
+        (_, helper), = sync.calls
+        assert helper.is_alive() and helper.daemon  # still waiting, and holding no exit
+    finally:
+        sync.release.set()
+    helper.join(5.0)
+    assert not helper.is_alive()
+
+
+def test_a_device_wide_wait_raises_the_error_the_synchronization_raised(monkeypatch):
+    error = RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(torch.cuda, "synchronize", _Synchronize(error=error))
+    with pytest.raises(RuntimeError) as raised:
+        _timing.synchronize("x", torch.device("cuda", 0))
+    assert raised.value is error
 
 
 def test_the_timer_waits_for_a_gpu_sample_within_the_timeout_and_names_what_it_timed(fake_gpu):

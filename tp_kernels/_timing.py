@@ -11,12 +11,16 @@ sample holds the host's time to enqueue the region as well as the GPU's time to 
 benchmarks time the GPU's work (:class:`Hold`: the stream held before the start event until the
 region is enqueued), and the host's time apart (:mod:`tp_kernels.bench.host`); ``"auto"``'s
 measurement holds nothing, as an eager call pays both.
+
+The host's waits for the GPU are here too, each within :func:`tp_kernels.get_timeout`: for an
+event (:func:`wait_event`) and for a whole device (:func:`synchronize`).
 """
 
 from __future__ import annotations
 
 import functools
 import statistics
+import threading
 import time
 from typing import Callable, Optional
 
@@ -26,7 +30,7 @@ import torch.distributed as dist
 from . import _collectives as coll
 from .settings import get_timeout
 
-__all__ = ["HOLD", "Hold", "Timer", "gpu_events", "wait_event"]
+__all__ = ["HOLD", "Hold", "Timer", "gpu_events", "synchronize", "wait_event"]
 
 #: The shortest and the longest hold (seconds): the hold is :data:`HOLD_FACTOR` times the
 #: host's time to enqueue the last sample, within these.
@@ -132,6 +136,36 @@ def wait_event(event, what: str) -> None:
                 f"complete within {timeout:g} s; it stays queued. The limit is tp_kernels.set_timeout() or "
                 "TP_KERNELS_TIMEOUT_S.")
         time.sleep(POLL_S)
+
+
+def synchronize(what: str, device: Optional[torch.device] = None) -> None:
+    """Wait on the host until the work queued on ``device`` (None: the current device) has
+    completed on every stream, at most :func:`tp_kernels.get_timeout` seconds; past that, raise
+    ``RuntimeError`` naming ``what``, the step that waited. ``torch.cuda.synchronize`` has no limit
+    of its own, so it runs on a helper thread (torch lets go of the GIL while it waits) and the
+    limit is on joining that thread. An error of the device's (an illegal address, say) is raised
+    here as the synchronization raised it. Past the limit the work stays queued and the helper
+    stays blocked until it ends (a daemon thread: it does not hold the interpreter's exit)."""
+    if device is None:  # (the helper thread's own current device is device 0)
+        device = torch.device("cuda", torch.cuda.current_device())
+    errors = []
+
+    def wait() -> None:
+        try:
+            torch.cuda.synchronize(device)
+        except BaseException as exc:  # handed to the caller
+            errors.append(exc)
+
+    helper = threading.Thread(target=wait, name=f"tp_kernels synchronize: {what}", daemon=True)
+    timeout = get_timeout()
+    helper.start()
+    helper.join(timeout)
+    if helper.is_alive():
+        raise RuntimeError(
+            f"tp_kernels: {what}: the work queued on {device}, on every stream, did not complete "
+            f"within {timeout:g} s; it stays queued. The limit is tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S.")
+    if errors:
+        raise errors[0]
 
 
 class Timer:
