@@ -1368,7 +1368,8 @@ def test_the_benchmarks_hold_keeps_the_hosts_time_out_of_a_gpu_sample():
     host's 3 ms (the GPU reached the start event at once and waited); with the stream held until
     the region is enqueued (tp_kernels._timing.Hold), the kernel's own time, and no sample's host
     outlasted the hold. The spinning kernel lasts about what it is asked, and an event behind a
-    second of it is waited for within the timeout (0.2 s: an error naming what was timed)."""
+    second of it is waited for within the timeout (0.2 s: an error naming what was timed), and so
+    is the whole device behind a second of it on another stream (tp_kernels._timing.synchronize)."""
     from tp_kernels import _timing
 
     x = torch.randn(1024, 1024, device="cuda")
@@ -1396,7 +1397,18 @@ def test_the_benchmarks_hold_keeps_the_hosts_time_out_of_a_gpu_sample():
     with settings.overriding(timeout=0.2), pytest.raises(RuntimeError, match="a sample: the GPU work it timed"):
         _timing.wait_event(end, "a sample")
     assert time.monotonic() - started < 5.0
-    torch.cuda.synchronize()
+    # the device-wide wait too: past its limit behind a second of spinning (on another stream), and
+    # within it once the spin has ended
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        _timing._sleep(1.0)
+    started = time.monotonic()
+    with settings.overriding(timeout=0.2), pytest.raises(
+            RuntimeError, match=r"the spin on a side stream: the work queued on cuda:\d+, on every stream"):
+        _timing.synchronize("the spin on a side stream")
+    assert time.monotonic() - started < 5.0
+    _timing.synchronize("the spin on a side stream")
+    assert side.query() and end.query()
 
 
 def test_a_traced_call_is_held_and_the_hold_is_left_out_of_its_timeline():

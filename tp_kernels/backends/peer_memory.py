@@ -32,6 +32,7 @@ import torch
 from .. import _collectives as coll
 from .. import _extension, parallel_state, settings
 from .._agreement import exchange_views
+from .._timing import synchronize
 
 __all__ = ["MIN_REGION_BYTES", "agree_on_growth", "all_reduce_needs", "capturing", "context", "destroy_workspaces",
            "grown", "region_needs", "topology_reason"]
@@ -175,14 +176,14 @@ class _GroupWorkspace:
     def _map(self, op: str, regions: List[int], call: str) -> None:
         C, dev = _extension.require(), self.device.index
         if self.base is not None:
-            torch.cuda.synchronize(self.device)  # this rank is done with its buffers ...
+            synchronize(f"{op}: this rank's work on the workspace it outgrew", self.device)  # done with its buffers ...
             self.ctx.check()  # ... and a failed workspace is not silently replaced
         agree_on_growth(op, regions, call, self.group, self.device)  # a barrier too: the old buffers are free
         self.release(barrier=False)
         base = C.workspace_alloc(C.CONTROL_BYTES + sum(regions), dev)
         try:
             C.workspace_init(base, dev)
-            torch.cuda.synchronize(self.device)  # its control block written before a peer can map it
+            synchronize(f"{op}: the new peer workspace's control block", self.device)  # written before a peer maps it
             handles = coll.all_gather_bytes(C.ipc_handle(base, dev), *coll.host_route(self.group, self.device))
             bases = [base if q == self.rank else C.ipc_open(h, dev) for q, h in enumerate(handles)]
         except BaseException:
@@ -198,7 +199,7 @@ class _GroupWorkspace:
         if self.base is None:
             return
         C, dev = _extension.require(), self.device.index
-        torch.cuda.synchronize(self.device)
+        synchronize("the peer workspace's release: this rank's work on its buffers", self.device)
         if barrier:
             coll.all_gather_bytes(b"\x01", *coll.host_route(self.group, self.device))
         self.ctx = None
@@ -225,7 +226,9 @@ def destroy_workspaces(group=None) -> None:
     """Free the fused workspaces of ``group`` (of every group when None).
 
     Each rank synchronises its device and, while the group still works, waits for the others
-    (bounded) before freeing, so no peer still reads its buffer; errors are not raised.
+    (bounded) before freeing, so no peer still reads its buffer; errors are not raised. A device
+    that does not finish its work within :func:`tp_kernels.get_timeout` keeps its buffers (not
+    freed under work that may still use them).
     """
     for key in [k for k, ws in _workspaces.items() if group is None or ws.group is group]:
         ws = _workspaces.pop(key)

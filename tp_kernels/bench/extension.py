@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _extension, ops, settings
-from .._timing import HOLD, gpu_events, wait_event
+from .._timing import HOLD, gpu_events, synchronize, wait_event
 from ..schedule import boundaries, chunk_bounds
 from .host import host_times_us, profiled
 from .records import default_out_dir, gpu_record, save_record
@@ -282,7 +282,7 @@ def chunking(iters: int, p: int = 8, chunks: int = 4) -> Dict:
         entry["candidates"] = {"unsplit": gemm_candidates(x, w, y, iters),
                                f"{chunks}_row_chunks": gemm_candidates(x[:rows], w, y[:rows], iters)}
         out[name] = entry
-    torch.cuda.synchronize()
+    synchronize("chunking: the last figures")
     comm.close()
     out["target"] = TARGETS["chunk4_vs_unsplit"][0]
     return out

@@ -62,7 +62,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from .. import _extension, perf_model
-from .._timing import HOLD, gpu_events
+from .._timing import HOLD, gpu_events, synchronize
 from ..backends import fused
 from ..testing import VirtualRanks, forked, phase_order
 from .extension import LLAMA70B_TP8 as GEMM_SHAPES
@@ -199,7 +199,7 @@ def overlap(op: str, p: int, iters: int) -> Dict:
                             ends[q].record()
 
             start, _, _ = gpu_events(region, HOLD, timed)
-            torch.cuda.synchronize()
+            synchronize("overlap: a sample of the GEMMs under the copies")
             return max(start.elapsed_time(e) for e in ends)
 
         gemm_under_copies(timed=False)  # warm-up
@@ -228,7 +228,7 @@ def _replayed_us(fn: Callable[[], object], iters: int, calls: int = GRAPH_CALLS)
     try:
         return graph_time_us(fn, calls, iters)
     except RuntimeError as exc:
-        torch.cuda.synchronize()
+        synchronize("a CUDA graph's capture or replay that failed")
         return f"error: {exc}"
 
 

@@ -96,6 +96,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import autotune, dispatch, ops, parallel_state, settings
+from .._timing import synchronize
 from ..communicator import Communicator
 from ..embedding import VocabParallelEmbedding
 from ..layers import ColumnParallelLinear, RowParallelLinear
@@ -151,7 +152,7 @@ def host_times_us(fns: Dict[str, Callable[[], object]], samples: int, cuda: bool
             for _ in range(3):
                 fn()
     if cuda:
-        torch.cuda.synchronize()
+        synchronize("host_times_us: the warm-up calls")
     times: Dict[str, List[float]] = {name: [] for name in fns}
     for _ in range(samples):
         for name, fn in fns.items():
@@ -161,7 +162,7 @@ def host_times_us(fns: Dict[str, Callable[[], object]], samples: int, cuda: bool
                     fn()
                 times[name].append((time.perf_counter() - t0) / calls * 1e6)
             if cuda:
-                torch.cuda.synchronize()
+                synchronize(f"host_times_us: {name}'s timed calls")
     return {name: {"median_us": statistics.median(t), "min_us": min(t)} for name, t in times.items()}
 
 
@@ -176,7 +177,7 @@ def profiled(fn: Callable[[], object], calls: int, cuda: bool, top: int = PROFIL
 
     fn()
     if cuda:
-        torch.cuda.synchronize()
+        synchronize("profiled: the first call")
     prof = cProfile.Profile()
     collecting = gc.isenabled()
     gc.disable()  # (a collection's pause is no part of a call's path; it would land on whichever ran)
@@ -189,7 +190,7 @@ def profiled(fn: Callable[[], object], calls: int, cuda: bool, top: int = PROFIL
         if collecting:
             gc.enable()
     if cuda:
-        torch.cuda.synchronize()
+        synchronize("profiled: the profiled calls")
     rows = sorted(pstats.Stats(prof).stats.items(), key=lambda item: -item[1][2])[:top]
     return [[f"{'/'.join(path.replace(chr(92), '/').split('/')[-2:])}:{line}({name})", count / calls,
              own / calls * 1e6, cumulative / calls * 1e6]
@@ -451,14 +452,14 @@ def nccl_progress(device: torch.device, calls: int = 10 * PEER_CALLS_PER_SAMPLE)
     group = dist.group.WORLD
     x, w = _operands(device, torch.bfloat16)
     ops.matmul_all_reduce(x, w, group=group, backend="pipelined")  # (the communicator made, the path warm)
-    torch.cuda.synchronize(device)
+    synchronize("nccl_progress: the first call", device)
     comm = pipelined_native.communicator(group, device)
     before = comm.progress()
     for i in range(calls):
         ops.matmul_all_reduce(x, w, group=group, backend="pipelined")
         if i % PEER_CALLS_PER_SAMPLE == PEER_CALLS_PER_SAMPLE - 1:
-            torch.cuda.synchronize(device)
-    torch.cuda.synchronize(device)
+            synchronize(f"nccl_progress: calls {i + 1 - PEER_CALLS_PER_SAMPLE}-{i}", device)
+    synchronize("nccl_progress: the last calls", device)
     after = comm.progress()
     return {key: (after[key] - before[key]) / calls for key in after}
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _extension
-from .._timing import Hold, gpu_events
+from .._timing import Hold, gpu_events, synchronize
 from ..testing import VirtualRanks
 from . import extension
 from .fused import LLAMA70B_TP8, _fork_join, fused_case, virtual_ranks_args
@@ -157,7 +157,7 @@ def traced(fn: Callable[[], object]) -> Tuple[List[dict], Optional[bool]]:
     activities = [torch.profiler.ProfilerActivity.CPU]
     hold = None
     if torch.cuda.is_available():
-        torch.cuda.synchronize()
+        synchronize("traced: the work before the trace")
         activities.append(torch.profiler.ProfilerActivity.CUDA)
         hold = Hold(TRACE_HOLD_S)
     with torch.profiler.profile(activities=activities) as prof:
@@ -165,7 +165,7 @@ def traced(fn: Callable[[], object]) -> Tuple[List[dict], Optional[bool]]:
             fn()
         else:
             gpu_events(fn, hold)
-            torch.cuda.synchronize()
+            synchronize("traced: the traced call")
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "trace.json")
         prof.export_chrome_trace(path)

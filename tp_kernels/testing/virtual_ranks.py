@@ -9,6 +9,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from .. import _extension, settings
+from .._timing import synchronize
 from ..backends import fused, peer_memory
 
 __all__ = ["VirtualRanks", "forked", "phase_order", "rank_order_sum"]
@@ -85,7 +86,7 @@ class VirtualRanks:
     def close(self) -> None:
         """Free every rank's buffer (after the device has finished with them)."""
         if self.bases:
-            torch.cuda.synchronize(self.device)
+            synchronize("VirtualRanks.close: the ranks' work on their buffers", self.device)
             self.contexts = []
             for b in self.bases:
                 _extension.require().workspace_free(b, self.device.index)
