@@ -262,17 +262,22 @@ def test_destroy_workspaces_frees_every_workspace_of_the_group(monkeypatch):
 
         def release(self, barrier):
             released.append((self.name, barrier))
-            if self.fail and barrier:
-                raise RuntimeError("a peer is gone")
+            if self.fail == "device" or (self.fail == "peer" and barrier):
+                raise RuntimeError("a peer is gone" if barrier else "the device did not finish")
 
     g1, g2 = object(), object()
+    busy = FakeWorkspace(g2, "busy", fail="device")
     monkeypatch.setattr(peer_memory, "_workspaces", {1: FakeWorkspace(g1, "a"), 2: FakeWorkspace(g2, "b"),
-                                                     3: FakeWorkspace(g1, "dead", fail=True)})
+                                                     3: FakeWorkspace(g1, "dead", fail="peer"), 4: busy})
+    monkeypatch.setattr(peer_memory, "_unreleased", [])
     assert peer_memory.destroy_workspaces in tp_kernels.parallel_state._TEARDOWNS  # per destroyed group
     peer_memory.destroy_workspaces(g1)  # a failed barrier still frees this rank's buffer, without raising
-    assert released == [("a", True), ("dead", True), ("dead", False)] and list(peer_memory._workspaces) == [2]
+    assert released == [("a", True), ("dead", True), ("dead", False)] and list(peer_memory._workspaces) == [2, 4]
+    assert peer_memory._unreleased == []
     peer_memory.destroy_workspaces()
-    assert released[-1] == ("b", True) and not peer_memory._workspaces
+    assert released[3:] == [("b", True), ("busy", True), ("busy", False)] and not peer_memory._workspaces
+    # a device that did not finish keeps its workspace, its buffers and context alive, not freed under its work
+    assert peer_memory._unreleased == [busy]
 
 
 @built

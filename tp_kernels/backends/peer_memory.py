@@ -83,6 +83,10 @@ def capture_growth_error(op: str, regions: Sequence[int]) -> RuntimeError:
 
 #: (id(group), group name, device index) -> _GroupWorkspace
 _workspaces: dict = {}
+#: Workspaces :func:`destroy_workspaces` could not release (their device had not finished within
+#: the timeout): kept, so that neither their buffers nor their context (its copy stream, its error
+#: word) are freed under work that may still use them.
+_unreleased: list = []
 #: (id(group), group name, device index) -> (group, reason or None, ranks on this GPU): whether the
 #: group can use peer memory, and how many of its ranks share this rank's GPU
 _topology: dict = {}
@@ -227,8 +231,8 @@ def destroy_workspaces(group=None) -> None:
 
     Each rank synchronises its device and, while the group still works, waits for the others
     (bounded) before freeing, so no peer still reads its buffer; errors are not raised. A device
-    that does not finish its work within :func:`tp_kernels.get_timeout` keeps its buffers (not
-    freed under work that may still use them).
+    that does not finish its work within :func:`tp_kernels.get_timeout` keeps its workspace, the
+    buffers and the context (in ``_unreleased``: not freed under work that may still use them).
     """
     for key in [k for k, ws in _workspaces.items() if group is None or ws.group is group]:
         ws = _workspaces.pop(key)
@@ -238,6 +242,6 @@ def destroy_workspaces(group=None) -> None:
             try:
                 ws.release(barrier=False)
             except Exception:
-                pass
+                _unreleased.append(ws)
     for key in [k for k, (g, *_) in _topology.items() if group is None or g is group]:
         del _topology[key]
