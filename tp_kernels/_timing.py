@@ -120,6 +120,13 @@ def gpu_events(body: Callable[[], object], hold: Optional[Hold] = None, timed: b
 POLL_S = 100e-6
 
 
+def _not_complete(what: str, work: str, timeout: float) -> RuntimeError:
+    """The error of a host wait, named ``what``, for GPU ``work`` (a phrase that a comma closes)
+    that passed ``timeout`` seconds."""
+    return RuntimeError(f"tp_kernels: {what}: {work}, did not complete within {timeout:g} s; it stays queued. "
+                        "The limit is tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S.")
+
+
 def wait_event(event, what: str) -> None:
     """Wait on the host until ``event`` has completed, at most :func:`tp_kernels.get_timeout`
     seconds (polled: a query, then a yield, then a query every :data:`POLL_S`); past that, raise
@@ -131,10 +138,7 @@ def wait_event(event, what: str) -> None:
     time.sleep(0)
     while not event.query():
         if time.monotonic() > deadline:
-            raise RuntimeError(
-                f"tp_kernels: {what}: the GPU work it timed, and the work queued on the stream before it, did not "
-                f"complete within {timeout:g} s; it stays queued. The limit is tp_kernels.set_timeout() or "
-                "TP_KERNELS_TIMEOUT_S.")
+            raise _not_complete(what, "the GPU work it timed, and the work queued on the stream before it", timeout)
         time.sleep(POLL_S)
 
 
@@ -161,9 +165,7 @@ def synchronize(what: str, device: Optional[torch.device] = None) -> None:
     helper.start()
     helper.join(timeout)
     if helper.is_alive():
-        raise RuntimeError(
-            f"tp_kernels: {what}: the work queued on {device}, on every stream, did not complete "
-            f"within {timeout:g} s; it stays queued. The limit is tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S.")
+        raise _not_complete(what, f"the work queued on {device}, on every stream", timeout)
     if errors:
         raise errors[0]
 
