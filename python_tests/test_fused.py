@@ -375,6 +375,43 @@ def test_virtual_ranks_check_their_arguments():
             VirtualRanks(2, release_acquire=form)
 
 
+def test_virtual_ranks_keep_what_they_could_not_free(monkeypatch):
+    """close: once the device has finished, every rank's buffer is freed; a device that has not
+    finished within the timeout keeps the buffers and contexts (peer_memory._unreleased), raises,
+    and the object starts afresh."""
+    from tp_kernels.testing import virtual_ranks
+
+    freed, waits, outcome = [], [], {}
+
+    def synchronize(what, device):
+        assert what.startswith("VirtualRanks.close") and device == torch.device("cuda", 1)
+        waits.append(what)
+        if "error" in outcome:
+            raise outcome["error"]
+
+    monkeypatch.setattr(virtual_ranks, "synchronize", synchronize)
+    monkeypatch.setattr(_extension, "require", lambda: SimpleNamespace(
+        workspace_free=lambda base, device: freed.append((base, device))))
+    monkeypatch.setattr(peer_memory, "_unreleased", [])
+
+    def ranks():
+        vr = object.__new__(VirtualRanks)
+        vr.device, vr.bases, vr.regions, vr.contexts = torch.device("cuda", 1), [11, 12], [64, 0, 0], ["c0", "c1"]
+        return vr
+
+    vr = ranks()
+    vr.close()
+    assert freed == [(11, 1), (12, 1)] and (vr.bases, vr.regions, vr.contexts) == ([], None, [])
+    vr.close()  # nothing left: nothing waited for or freed again
+    assert len(waits) == 1 and len(freed) == 2 and peer_memory._unreleased == []
+    outcome["error"] = RuntimeError("did not complete within 0.2 s")
+    busy = ranks()
+    with pytest.raises(RuntimeError, match="did not complete within 0.2 s"):
+        busy.close()
+    assert len(waits) == 2 and len(freed) == 2 and peer_memory._unreleased == [(["c0", "c1"], [11, 12])]
+    assert (busy.bases, busy.regions, busy.contexts) == ([], None, [])
+
+
 @pytest.mark.parametrize("world", [2], indirect=True)
 def test_all_gather_bytes(world):
     assert world.run(check_all_gather_bytes) == [[b"r0-x", b"r1-x"]] * 2

@@ -84,8 +84,8 @@ def capture_growth_error(op: str, regions: Sequence[int]) -> RuntimeError:
 #: (id(group), group name, device index) -> _GroupWorkspace
 _workspaces: dict = {}
 #: Workspaces :func:`destroy_workspaces` could not release (their device had not finished within
-#: the timeout): kept, so that neither their buffers nor their context (its copy stream, its error
-#: word) are freed under work that may still use them.
+#: the timeout), and those of ``testing.VirtualRanks.close``: kept, so that neither their buffers
+#: nor their contexts (a copy stream, an error word) are freed under work that may still use them.
 _unreleased: list = []
 #: (id(group), group name, device index) -> (group, reason or None, ranks on this GPU): whether the
 #: group can use peer memory, and how many of its ranks share this rank's GPU

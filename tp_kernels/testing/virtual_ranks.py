@@ -84,9 +84,19 @@ class VirtualRanks:
         self.close()
 
     def close(self) -> None:
-        """Free every rank's buffer (after the device has finished with them)."""
+        """Free every rank's buffer (after the device has finished with them).
+
+        A device that does not finish within the timeout keeps the buffers and the ranks' contexts
+        (in ``peer_memory._unreleased``: not freed under work that may still use them, as
+        :func:`~tp_kernels.backends.peer_memory.destroy_workspaces` keeps a group's), and the error
+        is raised; this object starts afresh at its next call."""
         if self.bases:
-            synchronize("VirtualRanks.close: the ranks' work on their buffers", self.device)
+            try:
+                synchronize("VirtualRanks.close: the ranks' work on their buffers", self.device)
+            except BaseException:
+                peer_memory._unreleased.append((self.contexts, self.bases))
+                self.contexts, self.bases, self.regions = [], [], None
+                raise
             self.contexts = []
             for b in self.bases:
                 _extension.require().workspace_free(b, self.device.index)
