@@ -9,6 +9,8 @@ with several processes sharing one GPU.
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -410,6 +412,43 @@ def test_virtual_ranks_keep_what_they_could_not_free(monkeypatch):
         busy.close()
     assert len(waits) == 2 and len(freed) == 2 and peer_memory._unreleased == [(["c0", "c1"], [11, 12])]
     assert (busy.bases, busy.regions, busy.contexts) == ([], None, [])
+
+
+_EXIT_SCRIPT = """
+import atexit, os, sys, types
+from tp_kernels import _extension
+from tp_kernels.backends import peer_memory
+
+class Context:  # stands in for _C.PeerContext, whose destructor waits for the device with no limit
+    def __init__(self, rank, *args):
+        self.name = "made" if rank == 0 else "other"
+    def __del__(self):
+        os.write(1, f"destroyed {self.name}\\n".encode())
+
+_extension.require = lambda: types.SimpleNamespace(PeerContext=Context)
+made = peer_memory.new_context(0, 2, 0, [1, 2], [0, 0, 0], 1.0, 1)
+other = Context(1)  # not made by new_context
+peer_memory._unreleased.extend([made, other])  # a module's list: cleared when the interpreter ends
+del made, other
+if sys.argv[1] == "unhooked":
+    atexit.unregister(peer_memory._keep_contexts_at_exit)
+print("exiting", flush=True)
+"""
+
+
+@pytest.mark.parametrize("hooked", [True, False])
+def test_contexts_alive_at_exit_are_never_destroyed(tmp_path, hooked):
+    """A PeerContext new_context made and still alive when the interpreter exits is never
+    destroyed (its destructor would wait for the device with no limit): the process's end frees it.
+    Without the exit hook, the interpreter's teardown destroys it, as it does a context made elsewhere."""
+    script = tmp_path / "exit.py"
+    script.write_text(_EXIT_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), "hooked" if hooked else "unhooked"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "exiting" and "destroyed other" in lines[1:]
+    assert ("destroyed made" in lines) is not hooked, done.stdout
 
 
 @pytest.mark.parametrize("world", [2], indirect=True)

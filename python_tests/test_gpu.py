@@ -6,6 +6,8 @@ Skipped cleanly without a CUDA device. The checks are the CPU suite's, run on ``
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -623,6 +625,32 @@ def _run_virtual(vr, case, xs, ws, biases=None, num_chunks=1):
     if case == "matmul_reduce_scatter":
         return vr.matmul_reduce_scatter(xs, ws)
     return vr.matmul_all_reduce(xs, ws, algorithm=case)
+
+
+_EXIT_WITH_CONTEXTS = """
+import torch
+from tp_kernels.backends import peer_memory
+from tp_kernels.testing import VirtualRanks
+
+vr = VirtualRanks(2, timeout_s=10.0)  # never closed: its contexts are alive at exit
+xs = [torch.randn(4, 8, device="cuda") for _ in range(2)]
+ws = [torch.randn(6, 8, device="cuda") for _ in range(2)]
+out = vr.matmul_all_reduce(xs, ws)
+torch.cuda.synchronize()
+assert set(vr.contexts) <= set(peer_memory._contexts) and len(vr.contexts) == 2
+print("sum", float(out[0].sum()), flush=True)
+"""
+
+
+@native_built
+def test_exit_with_live_contexts_is_clean(tmp_path):
+    """An interpreter that exits with PeerContexts alive (kept, not destroyed: the process's end
+    frees them) exits with status 0 and says nothing on stderr."""
+    script = tmp_path / "exit.py"
+    script.write_text(_EXIT_WITH_CONTEXTS)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("sum "), (done.returncode, done.stdout, done.stderr)
+    assert "Error" not in done.stderr and "Exception" not in done.stderr, done.stderr
 
 
 @native_built

@@ -16,6 +16,9 @@ The handles are exchanged over the group's host route (its gloo twin where it ha
   on cannot reach past a peer's buffer; the flags' call words (``peer.h``) catch the disagreements
   that need no growth.
 * :func:`destroy_workspaces`: free a group's workspace (``destroy_model_parallel`` does).
+* :func:`new_context`: where every ``PeerContext`` is made. Those still alive when the
+  interpreter exits are kept, never destroyed: the end of the process frees them, and their
+  destructor would wait for the device with no limit.
 
 Growth cannot happen inside a CUDA graph capture: the op then raises, asking for an eager call
 with those shapes first.
@@ -23,8 +26,11 @@ with those shapes first.
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import hashlib
 import socket
+import weakref
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -87,9 +93,33 @@ _workspaces: dict = {}
 #: the timeout), and those of ``testing.VirtualRanks.close``: kept, so that neither their buffers
 #: nor their contexts (a copy stream, an error word) are freed under work that may still use them.
 _unreleased: list = []
+#: Every PeerContext :func:`new_context` made and not yet destroyed
+_contexts: weakref.WeakSet = weakref.WeakSet()
 #: (id(group), group name, device index) -> (group, reason or None, ranks on this GPU): whether the
 #: group can use peer memory, and how many of its ranks share this rank's GPU
 _topology: dict = {}
+
+
+def new_context(rank: int, p: int, device: int, bases: Sequence[int], regions: Sequence[int], timeout_s: float,
+                sharing: int):
+    """A ``_C.PeerContext`` over the p buffers ``bases`` (rank ``rank``'s table; ``sharing``: the
+    ranks on this GPU), registered to be kept at interpreter exit (:func:`_keep_contexts_at_exit`)."""
+    ctx = _extension.require().PeerContext(rank, p, device, list(bases), list(regions), timeout_s, sharing)
+    _contexts.add(ctx)
+    return ctx
+
+
+@atexit.register
+def _keep_contexts_at_exit() -> None:
+    """Keep every PeerContext still alive, so that the interpreter's teardown never destroys one.
+
+    Its destructor synchronises its copy stream and frees its error word (``cudaFreeHost``, which
+    waits for the whole device), neither with a limit: a device still busy, or stuck on a peer that
+    is gone, would hang the exit. The process's end frees them instead. One added reference to a
+    list of them: objects that something outside the collector refers to are never destroyed."""
+    alive = list(_contexts)
+    if alive:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(alive))
 
 
 def host_id() -> bytes:
@@ -194,8 +224,8 @@ class _GroupWorkspace:
             C.workspace_free(base, dev)
             raise
         self.base, self.bases, self.regions = base, bases, list(regions)
-        self.ctx = C.PeerContext(self.rank, self.p, dev, bases, regions, settings.get_timeout(),
-                                 ranks_on_device(self.group, self.device))
+        self.ctx = new_context(self.rank, self.p, dev, bases, regions, settings.get_timeout(),
+                               ranks_on_device(self.group, self.device))
 
     def release(self, barrier: bool) -> None:
         """Unmap the peers' buffers and free this rank's, once no rank uses them any more: this

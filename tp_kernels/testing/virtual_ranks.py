@@ -120,7 +120,7 @@ class VirtualRanks:
                 C.workspace_init(self.bases[-1], dev)
             self.regions = grown
             # (sharing: every rank's kernels run on this one GPU)
-            self.contexts = [C.PeerContext(q, self.p, dev, self.bases, grown, self._timeout(), self.p)
+            self.contexts = [peer_memory.new_context(q, self.p, dev, self.bases, grown, self._timeout(), self.p)
                              for q in range(self.p)]
         for ctx in self.contexts:
             ctx.timeout_s = self._timeout()
