@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -219,6 +220,24 @@ def test_a_device_wide_wait_raises_the_error_the_synchronization_raised(monkeypa
     with pytest.raises(RuntimeError) as raised:
         _timing.synchronize("x", torch.device("cuda", 0))
     assert raised.value is error
+
+
+def test_a_device_wide_wait_that_cannot_start_its_helper_waits_for_nothing_and_says_so(monkeypatch):
+    """Python 3.12.1, in an atexit handler: "can't create new thread at interpreter shutdown". The
+    wait is not made without its limit: it raises, naming the step."""
+    sync = _Synchronize()
+    monkeypatch.setattr(torch.cuda, "synchronize", sync)
+
+    class Refused(threading.Thread):
+        def start(self):
+            raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(_timing, "threading", SimpleNamespace(Thread=Refused))
+    with pytest.raises(RuntimeError, match=r"tp_kernels: VirtualRanks.close: the wait for the work queued on cuda:1 is "
+                                           r"bounded on a helper thread, which could not start \(can't create new "
+                                           r"thread at interpreter shutdown\); nothing was waited for") as raised:
+        _timing.synchronize("VirtualRanks.close", torch.device("cuda", 1))
+    assert sync.calls == [] and isinstance(raised.value.__cause__, RuntimeError)
 
 
 def test_the_timer_waits_for_a_gpu_sample_within_the_timeout_and_names_what_it_timed(fake_gpu):

@@ -149,7 +149,9 @@ def synchronize(what: str, device: Optional[torch.device] = None) -> None:
     of its own, so it runs on a helper thread (torch lets go of the GIL while it waits) and the
     limit is on joining that thread. An error of the device's (an illegal address, say) is raised
     here as the synchronization raised it. Past the limit the work stays queued and the helper
-    stays blocked until it ends (a daemon thread: it does not hold the interpreter's exit)."""
+    stays blocked until it ends (a daemon thread: it does not hold the interpreter's exit). Where no
+    thread can start (some Pythons refuse one while the interpreter shuts down, as in an ``atexit``
+    handler), it raises ``RuntimeError`` naming ``what`` and waits for nothing: never without a limit."""
     if device is None:  # (the helper thread's own current device is device 0)
         device = torch.device("cuda", torch.cuda.current_device())
     errors = []
@@ -162,7 +164,12 @@ def synchronize(what: str, device: Optional[torch.device] = None) -> None:
 
     helper = threading.Thread(target=wait, name=f"tp_kernels synchronize: {what}", daemon=True)
     timeout = get_timeout()
-    helper.start()
+    try:
+        helper.start()
+    except RuntimeError as exc:  # some Pythons start no thread while the interpreter shuts down (atexit)
+        raise RuntimeError(f"tp_kernels: {what}: the wait for the work queued on {device} is bounded on a helper "
+                           f"thread, which could not start ({exc}); nothing was waited for, and the work stays "
+                           "queued") from exc
     helper.join(timeout)
     if helper.is_alive():
         raise _not_complete(what, f"the work queued on {device}, on every stream", timeout)
