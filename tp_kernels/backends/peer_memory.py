@@ -41,7 +41,7 @@ from .._agreement import exchange_views
 from .._timing import synchronize
 
 __all__ = ["MIN_REGION_BYTES", "agree_on_growth", "all_reduce_needs", "capturing", "context", "destroy_workspaces",
-           "grown", "region_needs", "topology_reason"]
+           "grown", "new_context", "region_needs", "topology_reason"]
 
 #: The smallest size a workspace region grows to (regions grow to powers of two).
 MIN_REGION_BYTES = 2**20
