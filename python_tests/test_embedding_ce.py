@@ -168,6 +168,14 @@ def check_scaled_embedding(dtype_name, sequence_parallel):
     want.backward(dy)
     got.backward(block(dy, 0, r, p) if sequence_parallel else dy)
     torch.testing.assert_close(par.weight.grad, block(dense.weight.grad, 0, r, p), rtol=0, atol=0)
+    # a scale given as a number not exact in the weight's dtype: the rows times it in that dtype, as
+    # Gemma's own embedding multiplies (not times the number itself, which rounds once, later)
+    direct = tp_kernels.VocabParallelEmbedding(5 * p, 24, padding_idx=1, output_scale=24 ** 0.5, dtype=dtype,
+                                               sequence_parallel=sequence_parallel)
+    direct.load_full_weight(dense.weight.detach())
+    want = F.embedding(ids, dense.weight.detach(), 1) * torch.tensor(24 ** 0.5, dtype=dtype)
+    got = direct(ids)
+    assert torch.equal(got, block(want, 0, r, p) if sequence_parallel else want), (got - want).abs().max()
     for kind, match in ((NormedEmbedding, "not the lookup times a constant"),
                         (ShiftedEmbedding, "not the lookup times a constant")):
         with pytest.raises(ValueError, match=f"embedding: {kind.__name__} is an nn.Embedding with a forward of its "
