@@ -70,6 +70,22 @@ class RoutedExperts(Experts):
         return out
 
 
+class ClampedExperts(Experts):
+    """:class:`Experts` that run every route, as transformers' batched experts do (``batched_mm``):
+    an id past the last expert (a route to an expert held elsewhere) is clamped to the last and
+    its product kept, relying on its routing weight being zero there, which expert parallelism
+    gives it."""
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        for slot in range(top_k_index.shape[-1]):
+            ids = top_k_index[:, slot].clamp(max=self.num_experts - 1)
+            gate, up = torch.einsum("th,tih->ti", hidden, self.gate_up_proj[ids]).chunk(2, dim=-1)
+            y = torch.einsum("ti,thi->th", F.silu(gate) * up, self.down_proj[ids]) + self.down_bias[ids]
+            out = out + y * top_k_weights[:, slot, None]
+        return out
+
+
 STYLES = {False: {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"},
           True: {"gate_up_proj": "packed_rowwise", "down_proj": "colwise"}}
 #: each split: (the module's layout, transposed; whether it has an output bias; the styles)
@@ -97,15 +113,17 @@ def _assert_expert_grads(par, dense, styles) -> None:
                                    msg=lambda m: f"{name}.grad: {m}")
 
 
-def check_experts_against_dense(split, device="cpu"):
+def check_experts_against_dense(split, device="cpu", module=Experts):
     """Each rank holds its block of every expert (of the gate and of the up projection each, packed
     in one parameter), or (``"experts"``) whole experts of its own, ``E/p`` of them, with their
     biases; the summed output, and the gradients of the hidden states, of the router's logits
-    (through the routing weights) and of the full expert weights, are the dense module's."""
+    (through the routing weights) and of the full expert weights, are the dense module's: also
+    for experts that run the routes to experts held elsewhere (``module``
+    :class:`ClampedExperts`), whose weights there are zero."""
     r, p = rank_world()
     transposed, bias, styles = SPLITS[split]
     torch.manual_seed(0)
-    dense = Experts(transposed, bias).to(device)
+    dense = module(transposed, bias).to(device)
     par = shard_experts(copy.deepcopy(dense), styles)
     for name, (dim, how) in par.parameter_splits.items():  # this rank's block of the gate's, and of the up's
         param, want = getattr(par, name), getattr(dense, name).detach()
@@ -130,6 +148,11 @@ def check_experts_against_dense(split, device="cpu"):
 @pytest.mark.parametrize("split", list(SPLITS))
 def test_experts_against_dense(world, split):
     world.run(check_experts_against_dense, split)
+
+
+@pytest.mark.parametrize("world", [2, 4], indirect=True)
+def test_experts_that_run_every_route_against_dense(world):
+    world.run(check_experts_against_dense, "experts", "cpu", ClampedExperts)
 
 
 def check_experts_partial_output(split):

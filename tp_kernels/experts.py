@@ -95,11 +95,11 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
     ``module`` is called as transformers' experts are,
     ``(hidden_states, top_k_index, top_k_weights)`` (its forward's first three parameters, by
     position or name), the expert ids global; it gets this rank's local ids, and for a route to an
-    expert held elsewhere the id ``c`` with weight 0, which it must skip (transformers' experts
-    do: their loop's ``expert_idx == self.num_experts``, and the grouped GEMMs' sentinel rows, which
-    ``_is_expert_parallel``, set here, turns on; their plain loops before transformers 5.18, and
-    GPT-OSS's and Nemotron-H's, do not, and are a ``ValueError`` here and on each call:
-    :func:`unskipped_elsewhere`). Its output is summed as above, and the gradient of each routing
+    expert held elsewhere the id ``c`` with weight 0, which it must skip, or run as another id times
+    that weight (transformers' experts do: their loop's ``expert_idx == self.num_experts``, and the
+    grouped and batched GEMMs' sentinel rows, which ``_is_expert_parallel``, set here, turns on;
+    their plain loops before transformers 5.18, and GPT-OSS's and Nemotron-H's, do not, and are a
+    ``ValueError`` here and on each call: :func:`unskipped_elsewhere`). Its output is summed as above, and the gradient of each routing
     weight comes from the rank holding its expert.
 
     With ``sequence_parallel=True`` each rank calls ``module`` with its own block of the tokens
