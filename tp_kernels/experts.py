@@ -99,8 +99,8 @@ def shard_experts(module: nn.Module, styles: Mapping[str, str], group=None, *,
     that weight (transformers' experts do: their loop's ``expert_idx == self.num_experts``, and the
     grouped and batched GEMMs' sentinel rows, which ``_is_expert_parallel``, set here, turns on;
     their plain loops before transformers 5.18, and GPT-OSS's and Nemotron-H's, do not, and are a
-    ``ValueError`` here and on each call: :func:`unskipped_elsewhere`). Its output is summed as above, and the gradient of each routing
-    weight comes from the rank holding its expert.
+    ``ValueError`` here and on each call: :func:`unskipped_elsewhere`). Its output is summed as
+    above, and the gradient of each routing weight comes from the rank holding its expert.
 
     With ``sequence_parallel=True`` each rank calls ``module`` with its own block of the tokens
     (dim 0 of every tensor argument: the hidden states ``[T/p, ...]``, the expert ids and routing
