@@ -215,6 +215,45 @@ def test_sharded_per_rank_models_match_the_dense_model(world, case):
     assert all(c == per_rank[0] for c in per_rank)  # every rank's graph makes the same collectives
 
 
+def _gemm_mlp(p):
+    """A dense ONNX MLP of two ``Gemm`` nodes whose ``alpha`` and ``beta`` are not 1 (as exporters
+    other than torch's write them; ``fc2``'s weight ``[k, n]``, ``transB=0``), its input, and its
+    output in float64."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = torch.Generator().manual_seed(0)
+    k, hidden, n = 6, 4 * p, 5
+    weights = {"w1": torch.randn(hidden, k, generator=g), "b1": torch.randn(hidden, generator=g),
+               "w2": torch.randn(hidden, n, generator=g), "b2": torch.randn(n, generator=g)}
+    x = torch.randn(3, k, generator=g)
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1", transB=1, alpha=0.75, beta=0.5),
+             helper.make_node("Relu", ["h"], ["a"], name="act"),
+             helper.make_node("Gemm", ["a", "w2", "b2"], ["y"], name="fc2", alpha=1.25, beta=-2.0)]
+    graph = helper.make_graph(nodes, "gemm_mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, n])],
+                              [numpy_helper.from_array(w.numpy(), name) for name, w in weights.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", tp_kernels.onnx.OPSET)])
+    w = {name: t.double() for name, t in weights.items()}
+    y = 1.25 * torch.relu(0.75 * x.double() @ w["w1"].t() + 0.5 * w["b1"]) @ w["w2"] - 2.0 * w["b2"]
+    return model, x, y
+
+
+def check_shard_gemm_scales():
+    """A ``Gemm``'s ``alpha`` and ``beta`` survive the split: the column-parallel one scales its
+    block of the product and of the bias, the row-parallel one each rank's partial product, and
+    its bias, times ``beta``, is added once after the sum."""
+    r, p = rank_world()
+    dense, x, want = _gemm_mlp(p)
+    mine = tp_kernels.onnx.shard(dense, {"fc1": "colwise", "fc2": "rowwise"}, p, r)
+    assert _collectives(mine) == (["AllReduce"] if p > 1 else [])
+    assert_close(f"Gemm MLP sharded, rank {r} of {p}", _run(mine, x), want)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_sharded_gemm_keeps_its_alpha_and_beta(world):
+    world.run(check_shard_gemm_scales, deadline_s=DEADLINE_S)
+
+
 # --- bad plans and arguments ----------------------------------------------------------------------
 
 
