@@ -54,6 +54,13 @@ class LanguageModelEnds(nn.Module):
         return self.lm_head(self.embed(ids))
 
 
+class LanguageModelProbabilities(LanguageModelEnds):
+    """:class:`LanguageModelEnds` with the softmax over the vocabulary, the axis its head splits."""
+
+    def forward(self, ids):
+        return super().forward(ids).softmax(-1)
+
+
 LM_PLAN = {"embed": "vocab", "lm_head": "colwise"}
 MLP_PLAN = {"0": "colwise", "2": "rowwise"}
 
@@ -68,8 +75,8 @@ def _dense(case, p):
         model, plan = Block(23, 3 * p, 17 * p), BLOCK_PLAN
         x = torch.randn(3 * p, 3, 23)
     else:
-        model, plan = LanguageModelEnds(16 * p, 12), LM_PLAN
-        x = torch.randint(0, 16 * p, (3, 5))
+        model = (LanguageModelProbabilities if case == "lm_softmax" else LanguageModelEnds)(16 * p, 12)
+        plan, x = LM_PLAN, torch.randint(0, 16 * p, (3, 5))
     return model.eval(), x, plan
 
 
@@ -188,7 +195,8 @@ def _dense_onnx(model, x) -> onnx.ModelProto:
 
 def check_shard(case):
     """The shard route: the dense model's ONNX split by the plan equals the dense model, with the
-    collectives tensor parallelism needs (one all-reduce per row-parallel projection)."""
+    collectives tensor parallelism needs (one all-reduce per row-parallel projection; the split
+    logits gathered for a softmax over the vocabulary)."""
     r, p = rank_world()
     dense, x, plan = _dense(case, p)
     ref = dense.double()(x if x.dtype == torch.int64 else x.double()).detach()
@@ -197,9 +205,10 @@ def check_shard(case):
     collectives = _collectives(mine)
     if p > 1:
         reduces = collectives.count("AllReduce")
-        assert reduces == {"mlp": 1, "block": 2, "lm": 1}[case], collectives
+        assert reduces == {"mlp": 1, "block": 2, "lm": 1, "lm_softmax": 1}[case], collectives
         gathers = collectives.count("AllGather")
-        assert gathers <= {"mlp": 0, "block": 1, "lm": 1}[case], collectives  # block: the keys, merged with the batch
+        # block: the keys, merged with the batch
+        assert gathers <= {"mlp": 0, "block": 1, "lm": 1, "lm_softmax": 1}[case], collectives
     else:
         assert collectives == []
     sizes = sum(i.ByteSize() for i in mine.graph.initializer)
@@ -209,7 +218,7 @@ def check_shard(case):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
-@pytest.mark.parametrize("case", ["mlp", "block", "lm"])
+@pytest.mark.parametrize("case", ["mlp", "block", "lm", "lm_softmax"])
 def test_sharded_per_rank_models_match_the_dense_model(world, case):
     per_rank = world.run(check_shard, case, deadline_s=DEADLINE_S)
     assert all(c == per_rank[0] for c in per_rank)  # every rank's graph makes the same collectives
