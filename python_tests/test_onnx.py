@@ -263,6 +263,26 @@ def test_sharded_gemm_keeps_its_alpha_and_beta(world):
     world.run(check_shard_gemm_scales, deadline_s=DEADLINE_S)
 
 
+def test_split_outputs_are_gathered_in_the_graphs_order():
+    """``shard`` gathers the graph outputs a rank holds a block of in the graph's order of them, so
+    that every rank's model, each made in a process of its own (whose hash seed differs), makes its
+    collectives in one order: here eight, an order a set's would match once in 40320."""
+    from onnx import helper, numpy_helper
+
+    names = [f"out{i}" for i in range(8)]
+    weight = numpy_helper.from_array(torch.randn(8, 6, generator=torch.Generator().manual_seed(0)).numpy(), "w")
+    nodes = [helper.make_node("Gemm", ["x", "w"], ["h"], name="fc", transB=1)]
+    nodes += [helper.make_node("Mul", ["h", "h"] if i % 2 else ["h", "x2"], [name]) for i, name in enumerate(names)]
+    scale = numpy_helper.from_array(torch.full((8,), 2.0).numpy(), "x2")
+    graph = helper.make_graph(nodes, "outputs", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3, 6])],
+                              [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [3, 8]) for n in names],
+                              [weight, scale])
+    dense = helper.make_model(graph, opset_imports=[helper.make_opsetid("", tp_kernels.onnx.OPSET)])
+    mine = tp_kernels.onnx.shard(dense, {"fc": "colwise"}, 2, 0)
+    gathered = [n.output[0] for n in mine.graph.node if n.op_type == "AllGather" and n.output[0] in names]
+    assert gathered == names
+
+
 # --- bad plans and arguments ----------------------------------------------------------------------
 
 

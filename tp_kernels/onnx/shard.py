@@ -278,9 +278,10 @@ class _Sharder:
                 self._copy(node, list(node.input))
             else:
                 getattr(self, f"_op_{node.op_type}", self._default)(node)
-        # every graph output whole
-        outputs = {o.name for o in graph.output}
-        for name in outputs:
+        # every graph output whole, gathered in the graph's order of them (the same on every rank: an
+        # order that differed, a set's, which varies from process to process, would pair one rank's
+        # collective with another's)
+        for name in dict.fromkeys(o.name for o in graph.output):
             if self.split.get(name) is not None:
                 local = self._name(name + "_local")
                 for node in self.nodes:
