@@ -263,6 +263,87 @@ def test_sharded_gemm_keeps_its_alpha_and_beta(world):
     world.run(check_shard_gemm_scales, deadline_s=DEADLINE_S)
 
 
+def _propagation_model(p, elem_type):
+    """A dense ONNX graph whose column-parallel ``Gemm`` (``fc1``, output ``h`` ``[3, 4p]``, split
+    along its last axis) feeds every node type the split follows through: along other axes
+    (reductions, ``Softmax``, ``Concat``, ``Slice``, ``Split``, ``Gather``, ``Transpose``,
+    ``Unsqueeze``/``Squeeze``, ``Reshape``, a broadcast ``Add`` of a replicated constant) into a
+    row-parallel ``Gemm`` (``fc2``), and along the split axis itself (each an output of its own,
+    and a ``LayerNormalization`` before ``fc2``), with the ``Shape`` of ``h``. In ``elem_type``;
+    returns the model and its input."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    w = 4 * p
+    g = torch.Generator().manual_seed(0)
+    np_type = helper.tensor_dtype_to_np_dtype(elem_type)
+    consts = {"w1": torch.randn(w, 6, generator=g), "b1": torch.randn(w, generator=g),
+              "w2": torch.randn(w, 5, generator=g), "cvec": torch.randn(w, generator=g),
+              "ln_scale": torch.rand(w, generator=g) + 0.5, "ln_bias": torch.randn(w, generator=g)}
+    initializers = [numpy_helper.from_array(t.numpy().astype(np_type), name) for name, t in consts.items()]
+    ints = {"ax0": [0], "ax1": [1], "ax2": [2], "starts": [1], "ends": [5], "starts1": [1], "ends1": [3],
+            "split13": [1, 3], "split_1": [1, w - 1], "rows": [2, 0], "cols": [0, w - 1], "shape3": [4, 2 * p, 2]}
+    initializers += [numpy_helper.from_array(np.array(v, dtype=np.int64), name) for name, v in ints.items()]
+    n = helper.make_node
+    nodes = [
+        n("Gemm", ["x", "w1", "b1"], ["h"], name="fc1", transB=1),
+        # along other axes than the split one: the split follows
+        n("ReduceSum", ["h", "ax0"], ["a"], keepdims=1), n("Sub", ["h", "a"], ["b"]),
+        n("Softmax", ["b"], ["c"], axis=0), n("Concat", ["c", "b"], ["d"], axis=0),
+        n("Slice", ["d", "starts", "ends", "ax0"], ["e"]), n("Transpose", ["e"], ["f"], perm=[1, 0]),
+        n("Unsqueeze", ["f", "ax0"], ["unsqueezed"]), n("Squeeze", ["unsqueezed", "ax0"], ["f2"]),
+        n("Transpose", ["f2"], ["e2"]), n("Add", ["e2", "cvec"], ["j"]),
+        n("Reshape", ["j", "shape3"], ["k"]), n("ReduceMax", ["k", "ax2"], ["k2"], keepdims=0),
+        n("Split", ["j", "split13"], ["j1", "j3"], axis=0), n("Gather", ["j3", "rows"], ["g0"], axis=0),
+        # along the split axis: on the whole of it
+        n("LayerNormalization", ["g0", "ln_scale", "ln_bias"], ["ln"], axis=-1),
+        n("Gemm", ["ln", "w2"], ["y"], name="fc2"),
+        n("ReduceSum", ["h", "ax1"], ["o_sum"], keepdims=0), n("Relu", ["h"], ["relu"]),
+        n("Concat", ["h", "relu"], ["o_cat"], axis=1), n("Slice", ["h", "starts1", "ends1", "ax1"], ["o_slice"]),
+        n("Split", ["h", "split_1"], ["o_first", "o_rest"], axis=1), n("Gather", ["h", "cols"], ["o_cols"], axis=1),
+        n("Softmax", ["h"], ["o_softmax"], axis=1), n("Shape", ["h"], ["o_shape"]),
+    ]
+    outputs = {"y": [2, 5], "k2": [4, 2 * p], "unsqueezed": [1, w, 4], "o_sum": [3], "o_cat": [3, 2 * w],
+               "o_slice": [3, 2], "o_first": [3, 1], "o_rest": [3, w - 1], "o_cols": [3, 2], "o_softmax": [3, w]}
+    graph = helper.make_graph(
+        nodes, "propagation", [helper.make_tensor_value_info("x", elem_type, [3, 6])],
+        [helper.make_tensor_value_info(name, elem_type, shape) for name, shape in outputs.items()]
+        + [helper.make_tensor_value_info("o_shape", onnx.TensorProto.INT64, [2])], initializers)
+    x = torch.randn(3, 6, generator=g).numpy().astype(np_type)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", tp_kernels.onnx.OPSET)]), x
+
+
+def check_shard_propagation():
+    """The split of a column-parallel output followed through each node type (:func:`_propagation_model`):
+    every output of the rank's model, float32, is the dense graph's in float64 (run by ONNX Runtime)."""
+    import onnxruntime
+
+    from onnx import TensorProto
+
+    r, p = rank_world()
+    dense, x = _propagation_model(p, TensorProto.FLOAT)
+    dense64, x64 = _propagation_model(p, TensorProto.DOUBLE)
+    reference = onnxruntime.InferenceSession(dense64.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in reference.get_outputs()]
+    want = dict(zip(names, reference.run(None, {"x": x64})))
+    mine = tp_kernels.onnx.shard(dense, {"fc1": "colwise", "fc2": "rowwise"}, p, r)
+    session = tp_kernels.onnx.cpu_session(mine)
+    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": x})))
+    assert sorted(got) == sorted(want)
+    for name in names:
+        if name == "o_shape":
+            assert got[name].tolist() == want[name].tolist() == [3, 4 * p], (got[name], want[name])
+        else:
+            assert_close(f"{name}, rank {r} of {p}", torch.from_numpy(got[name]), torch.from_numpy(want[name]))
+    return _collectives(mine)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_sharded_split_follows_every_node_type(world):
+    per_rank = world.run(check_shard_propagation, deadline_s=DEADLINE_S)
+    assert all(c == per_rank[0] for c in per_rank)
+
+
 def test_split_outputs_are_gathered_in_the_graphs_order():
     """``shard`` gathers the graph outputs a rank holds a block of in the graph's order of them, so
     that every rank's model, each made in a process of its own (whose hash seed differs), makes its
