@@ -27,6 +27,7 @@ from test_parallelize import Block
 try:  # (each test skipped without the onnx extra, not the module: the GPU suite's `-m gpu` then selects none
     # of them and reports no skip)
     import onnx
+    from onnx import helper, numpy_helper
 
     import tp_kernels.onnx
     MISSING = None
@@ -224,12 +225,15 @@ def test_sharded_per_rank_models_match_the_dense_model(world, case):
     assert all(c == per_rank[0] for c in per_rank)  # every rank's graph makes the same collectives
 
 
+def _hand_built(graph) -> onnx.ModelProto:
+    """A model of the hand-built ``graph``, at the opset tp_kernels.onnx writes."""
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", tp_kernels.onnx.OPSET)])
+
+
 def _gemm_mlp(p):
     """A dense ONNX MLP of two ``Gemm`` nodes whose ``alpha`` and ``beta`` are not 1 (as exporters
     other than torch's write them; ``fc2``'s weight ``[k, n]``, ``transB=0``), its input, and its
     output in float64."""
-    from onnx import TensorProto, helper, numpy_helper
-
     g = torch.Generator().manual_seed(0)
     k, hidden, n = 6, 4 * p, 5
     weights = {"w1": torch.randn(hidden, k, generator=g), "b1": torch.randn(hidden, generator=g),
@@ -238,10 +242,10 @@ def _gemm_mlp(p):
     nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1", transB=1, alpha=0.75, beta=0.5),
              helper.make_node("Relu", ["h"], ["a"], name="act"),
              helper.make_node("Gemm", ["a", "w2", "b2"], ["y"], name="fc2", alpha=1.25, beta=-2.0)]
-    graph = helper.make_graph(nodes, "gemm_mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, n])],
+    graph = helper.make_graph(nodes, "gemm_mlp", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3, k])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [3, n])],
                               [numpy_helper.from_array(w.numpy(), name) for name, w in weights.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", tp_kernels.onnx.OPSET)])
+    model = _hand_built(graph)
     w = {name: t.double() for name, t in weights.items()}
     y = 1.25 * torch.relu(0.75 * x.double() @ w["w1"].t() + 0.5 * w["b1"]) @ w["w2"] - 2.0 * w["b2"]
     return model, x, y
@@ -272,7 +276,6 @@ def _propagation_model(p, elem_type):
     and a ``LayerNormalization`` before ``fc2``), with the ``Shape`` of ``h``. In ``elem_type``;
     returns the model and its input."""
     import numpy as np
-    from onnx import helper, numpy_helper
 
     w = 4 * p
     g = torch.Generator().manual_seed(0)
@@ -310,7 +313,7 @@ def _propagation_model(p, elem_type):
         [helper.make_tensor_value_info(name, elem_type, shape) for name, shape in outputs.items()]
         + [helper.make_tensor_value_info("o_shape", onnx.TensorProto.INT64, [2])], initializers)
     x = torch.randn(3, 6, generator=g).numpy().astype(np_type)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", tp_kernels.onnx.OPSET)]), x
+    return _hand_built(graph), x
 
 
 def check_shard_propagation():
@@ -318,11 +321,9 @@ def check_shard_propagation():
     every output of the rank's model, float32, is the dense graph's in float64 (run by ONNX Runtime)."""
     import onnxruntime
 
-    from onnx import TensorProto
-
     r, p = rank_world()
-    dense, x = _propagation_model(p, TensorProto.FLOAT)
-    dense64, x64 = _propagation_model(p, TensorProto.DOUBLE)
+    dense, x = _propagation_model(p, onnx.TensorProto.FLOAT)
+    dense64, x64 = _propagation_model(p, onnx.TensorProto.DOUBLE)
     reference = onnxruntime.InferenceSession(dense64.SerializeToString(), providers=["CPUExecutionProvider"])
     names = [o.name for o in reference.get_outputs()]
     want = dict(zip(names, reference.run(None, {"x": x64})))
@@ -348,8 +349,6 @@ def test_split_outputs_are_gathered_in_the_graphs_order():
     """``shard`` gathers the graph outputs a rank holds a block of in the graph's order of them, so
     that every rank's model, each made in a process of its own (whose hash seed differs), makes its
     collectives in one order: here eight, an order a set's would match once in 40320."""
-    from onnx import helper, numpy_helper
-
     names = [f"out{i}" for i in range(8)]
     weight = numpy_helper.from_array(torch.randn(8, 6, generator=torch.Generator().manual_seed(0)).numpy(), "w")
     nodes = [helper.make_node("Gemm", ["x", "w"], ["h"], name="fc", transB=1)]
@@ -358,7 +357,7 @@ def test_split_outputs_are_gathered_in_the_graphs_order():
     graph = helper.make_graph(nodes, "outputs", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3, 6])],
                               [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [3, 8]) for n in names],
                               [weight, scale])
-    dense = helper.make_model(graph, opset_imports=[helper.make_opsetid("", tp_kernels.onnx.OPSET)])
+    dense = _hand_built(graph)
     mine = tp_kernels.onnx.shard(dense, {"fc": "colwise"}, 2, 0)
     gathered = [n.output[0] for n in mine.graph.node if n.op_type == "AllGather" and n.output[0] in names]
     assert gathered == names
