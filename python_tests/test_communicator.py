@@ -289,16 +289,21 @@ def test_broadcast_tensor_dict(world):
 
 
 def check_broadcast_tensor_dict_the_source_cannot_send(with_fingerprints: bool):
-    """A dict the source cannot send (not a dict, a value that does not pickle, a sparse tensor)
-    is its ValueError naming the entry, and on every other rank a RuntimeError carrying it, before
-    any tensor moves; a src out of range is a ValueError everywhere; the group works after."""
+    """A dict the source cannot send (not a dict, a value that does not pickle, a sparse tensor, a
+    tensor on another device than the CPU and the communicator's) is its ValueError naming the
+    entry, and on every other rank a RuntimeError carrying it, before any tensor moves (on one
+    rank, where nothing moves, the same ValueError); a src out of range is a ValueError
+    everywhere; the group works after."""
     r, p = rank_world()
     comm = Communicator()
     with fingerprints_set(with_fingerprints):
         for bad, message in [([torch.ones(2)], "tensor_dict: expected a dict on the source rank, got list"),
                              ({"x": torch.ones(2), "f": lambda: 0}, "tensor_dict['f']: a value that is not a "
                                                                     "tensor travels pickled, and this one cannot be"),
-                             ({"s": torch.eye(2).to_sparse()}, "tensor_dict['s']: expected a dense")]:
+                             ({"s": torch.eye(2).to_sparse()}, "tensor_dict['s']: expected a dense"),
+                             ({"x": torch.ones(2), "m": torch.ones(2, device="meta")},
+                              "tensor_dict['m']: expected a tensor on the CPU or on cpu (the communicator's device), "
+                              "got one on meta")]:
             if r == 0:
                 with pytest.raises(ValueError, match=re.escape(message)):
                     comm.broadcast_tensor_dict(bad)
@@ -312,7 +317,7 @@ def check_broadcast_tensor_dict_the_source_cannot_send(with_fingerprints: bool):
 
 
 @pytest.mark.parametrize("with_fingerprints", [False, True])
-@pytest.mark.parametrize("world", [2, 4], indirect=True)
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
 def test_broadcast_tensor_dict_the_source_cannot_send(world, with_fingerprints):
     world.run(check_broadcast_tensor_dict_the_source_cannot_send, with_fingerprints, deadline_s=DEADLINE_S)
 
