@@ -217,6 +217,7 @@ BAD_CALLS = [
     (lambda c, p: c.reduce_scatterv(torch.ones(2, 3), [2] * p, dim=1), r"x: dim 1 of \[2, 3\] is 3, but sizes \[2.*\] sum to \d"),
     (lambda c, p: c.reduce_scatterv(torch.ones(p, dtype=torch.bool), [1] * p), r"x: expected a real number dtype"),
     (lambda c, p: c.broadcast(torch.ones(2), src=p), r"src: expected a rank of the group's \d+, got \d+"),
+    (lambda c, p: c.broadcast(torch.ones(2), src=True), r"src: expected a rank of the group's \d+, got True"),
     (lambda c, p: c.send(torch.ones(2), dst=dist.get_rank()), r"dst: expected (another rank|a rank)"),
     (lambda c, p: c.recv((2,), torch.float32, src=dist.get_rank()), r"src: expected (another rank|a rank)"),
     (lambda c, p: c.recv((2, -1), torch.float32, src=(dist.get_rank() + 1) % p), r"shape: expected sizes >= 0|src:"),
