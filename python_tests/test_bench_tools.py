@@ -31,8 +31,9 @@ def test_simulate_two_stage_pipeline_by_hand():
     tasks[0].duration = 4.0
     assert pm.simulate(tasks) == pytest.approx(4 + 2 + 2)
     assert pm.simulate(pm._serial(tasks)) == pytest.approx(4 + 2 + 1 + 2)
-    with pytest.raises(ValueError, match="later task"):
-        pm.simulate([pm.Task("a", "compute", 1.0, (1,)), pm.Task("b", "link", 1.0)])
+    for deps in ((1,), (0,)):  # on a later task, or on itself
+        with pytest.raises(ValueError, match="task 0 \\(a\\) depends on a later task"):
+            pm.simulate([pm.Task("a", "compute", 1.0, deps), pm.Task("b", "link", 1.0)])
 
 
 def test_virtual_overlap_model_by_hand():
@@ -81,8 +82,17 @@ def test_link_calibration_recovers_a_line():
     link = pm.Link.calibrated("fit", pts)
     assert link.fits["all_reduce"] == pytest.approx((3e-5, 2e-10))
     assert link.time("all_reduce", 5e6, 2) == pytest.approx(3e-5 + 1e-3)
-    # a ring step of s bytes is one of the p-1 steps of an all-gather of p*s bytes
+    # a ring step of s bytes is one of the p-1 steps of an all-gather of p*s bytes: a (p-1)th of its
+    # launch and of its bytes' time
     assert link.time("ring_step", 1e4, 2) == pytest.approx(1e-4 * 2)
+    ag = pm.Link.calibrated("fit", {"all_gather": [(1e4, 3e-5 + 1e-4), (2e4, 3e-5 + 2e-4)]})
+    assert ag.time("ring_step", 1e4, 4) == pytest.approx(3e-5 / 3 + 1e-8 * 1e4 * 4 / 3)
+    # the line's launch and slope are never negative: times that grow faster than the bytes start at 0,
+    # times that fall are their mean
+    assert pm.Link.calibrated("fit", {"all_reduce": [(1e3, 0.5e-6), (2e3, 2e-6)]}).fits["all_reduce"] == \
+        pytest.approx((0.0, 1.5e-9))
+    assert pm.Link.calibrated("fit", {"all_reduce": [(1e3, 3e-6), (2e3, 1e-6)]}).fits["all_reduce"] == \
+        pytest.approx((2e-6, 0.0))
     with pytest.raises(ValueError, match="two"):
         pm.Link.calibrated("fit", {"all_reduce": [(1.0, 1.0)]})
 
@@ -135,6 +145,32 @@ def test_layer_tasks_count_three_gemms_of_flops(kind, sp):
         assert busy == pytest.approx(3 * 2.0 * m * k * n / p / flops_per_s)
         kinds = sorted(t.name.split()[0] for t in tasks if t.resource == "link")
         assert kinds, "a layer on 4 ranks communicates"
+    # the collectives of forward and backward, naive or in chunks, move what the layer's do: on a link
+    # of no latency, whose times add up by the bytes, the naive and the pipelined schedules' equal
+    # those of the layer's collectives whole (column: x gathered, and again for wgrad, the input's
+    # gradient reduce-scattered; or that gradient all-reduced; row: its output reduce-scattered and
+    # the output's gradient gathered; or the output all-reduced)
+    by_bytes = pm.Link("bytes", 100.0, 1.0, 0.0, 0.0)
+    x, y = m * k * 2, m * n * 2  # bf16 bytes of the input and of the output
+    whole = {("column", True): [("all_gather", x), ("all_gather", x), ("reduce_scatter", x)],
+             ("column", False): [("all_reduce", x)],
+             ("row", True): [("reduce_scatter", y), ("all_gather", y)],
+             ("row", False): [("all_reduce", y)]}[kind, sp]
+    want = sum(by_bytes.time(c, nbytes, p) for c, nbytes in whole)
+    for schedule in ("naive", "pipelined"):
+        tasks = pm.layer_tasks(kind, sp, m, k, n, p, "bfloat16", gemm, by_bytes, schedule)
+        assert sum(t.duration for t in tasks if t.resource == "link") == pytest.approx(want), schedule
+    # the pipelined forward is the op's own schedule, and nothing of the backward starts before the
+    # forward's output is whole (the column's x re-gathered, the row's dgrad on the summed output's gradient)
+    op = {("column", True): "all_gather_matmul", ("row", True): "matmul_reduce_scatter",
+          ("row", False): "matmul_all_reduce"}.get((kind, sp))
+    tasks = pm.layer_tasks(kind, sp, m, k, n, p, "bfloat16", gemm, link)
+    forward = pm.op_tasks(op, m, k, n, p, "bfloat16", gemm, link) if op else [tasks[0]]
+    assert [(t.resource, t.duration, t.deps) for t in tasks[:len(forward)]] == \
+        [(t.resource, t.duration, t.deps) for t in forward]
+    start, end = pm._schedule(tasks, [t.duration for t in tasks])
+    done = max(end[:len(forward)])
+    assert all(s >= done * (1 - 1e-12) for s in start[len(forward):]), [t.name for t in tasks[len(forward):]]
     # bandwidth-bound sizes: overlap wins; tiny sizes: four chunks pay four latencies and lose
     m, k, n = 8192, 4096, 8192
     naive = pm.simulate(pm.layer_tasks(kind, sp, m, k, n, p, "bfloat16", gemm, link, "naive"))
@@ -152,6 +188,15 @@ def test_transformer_projection_is_labelled_and_lists_inputs():
         assert key in proj["inputs"]
     assert [r["linear"] for r in proj["linears"]] == ["qkv", "out", "up", "down"]
     assert proj["naive_ms"] == pytest.approx(sum(r["naive_ms"] for r in proj["linears"]) + proj["attention_ms"])
+    # the attention core: forward and backward 3.5 times the forward's causal 2 m s h d FLOPs, at 50 %
+    # of the bf16 peak, each rank its heads: 64 heads of 128 over 8 ranks
+    gpu = pm.GPUS["h100"]
+    assert proj["attention_ms"] == pytest.approx(3.5 * 2 * 8192 * 8192 * 8 * 128 / (0.5 * gpu.tflops["bfloat16"] * 1e12)
+                                                 * 1e3)
+    # the GEMMs beside communication slowed as asked: the overlapped schedule's, not the naive one's
+    slower = pm.project_transformer_layer(pm.MODELS["llama3-70b"], 8, 8192, 8192, gpu, pm.LINKS["nvlink4"],
+                                          gemm_slowdown=1.5)
+    assert slower["overlapped_ms"] > proj["overlapped_ms"] and slower["naive_ms"] == proj["naive_ms"]
     assert proj["overlapped_ms"] < proj["naive_ms"]
     text = pm.format_projection(proj)
     assert "PROJECTION" in text and "projected" in text
