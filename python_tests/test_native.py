@@ -170,8 +170,10 @@ def test_comm_stream_priority(monkeypatch):
         settings.get_comm_stream_priority()
     tp_kernels.set_comm_stream_priority(-1)
     assert settings.get_comm_stream_priority() == -1
-    with pytest.raises(ValueError, match="priority"):
-        tp_kernels.set_comm_stream_priority(1.5)
+    for bad in (1.5, True, "0"):
+        with pytest.raises(ValueError, match=f"priority: expected an int, got {bad!r}"):
+            tp_kernels.set_comm_stream_priority(bad)
+    assert settings.get_comm_stream_priority() == -1
 
 
 def test_a_groups_communicator_is_made_in_the_nccl_mode_set_then(monkeypatch):
