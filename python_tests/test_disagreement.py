@@ -100,20 +100,23 @@ def check_settings_that_differ(op):
     """The same call on every rank, but rank 1 set apart in what decides its path: "auto" with
     other candidates (it would measure, a collective of its own, while the others ran the
     reference: a timeout, then a dead peer blamed), "fused" with another forced all-reduce
-    algorithm (another protocol over peer memory). Every rank raises at once, its message naming
-    the setting, and the group goes on."""
+    algorithm (another protocol over peer memory), and "auto" with the fused path a candidate on
+    every rank and another forced algorithm on rank 1. Every rank raises at once, its message
+    naming the setting, and the group goes on."""
     r, p = rank_world()
     x, w = torch.randn(4 * p if op != "all_gather_matmul" else 4, 6), torch.randn(5, 6)
     messages = []
-    for backend, apart, named in (
-            ("auto", {"auto_candidates": ("pipelined", "reference")}, "candidates=('pipelined', 'reference')"),
-            ("fused", {}, "TP_KERNELS_FUSED_ALL_REDUCE='two_shot'")):
+    for backend, everyone, apart, forced, named in (
+            ("auto", {}, {"auto_candidates": ("pipelined", "reference")}, None,
+             "candidates=('pipelined', 'reference')"),
+            ("fused", {}, {}, "two_shot", "TP_KERNELS_FUSED_ALL_REDUCE='two_shot'"),
+            ("auto", {"auto_candidates": ("fused", "reference")}, {}, "two_shot", "fused_all_reduce='two_shot'")):
         old = os.environ.pop("TP_KERNELS_FUSED_ALL_REDUCE", None)
-        if r == 1 and backend == "fused":
-            os.environ["TP_KERNELS_FUSED_ALL_REDUCE"] = "two_shot"
+        if r == 1 and forced is not None:  # (rank 1's forced fused all-reduce algorithm)
+            os.environ["TP_KERNELS_FUSED_ALL_REDUCE"] = forced
         start = time.monotonic()
         try:
-            with settings.overriding(**(apart if r == 1 else {})):
+            with settings.overriding(**everyone, **(apart if r == 1 else {})):
                 kind, message = _raises(lambda: getattr(ops, op)(x, w, backend=backend))
         finally:
             os.environ.pop("TP_KERNELS_FUSED_ALL_REDUCE", None)
