@@ -215,6 +215,42 @@ def test_checkpoint_recomputes_the_forwards_masks_after_the_stream_moved_on():
     assert torch.equal(y, plain) and not torch.equal(dx, dx_plain)
 
 
+def test_checkpoint_runs_the_context_fns_contexts():
+    """A ``context_fn``'s two contexts (a selective-checkpointing policy's) are kept: the first
+    around the forward, the second around the recompute, whose masks drawn in a fork are still the
+    forward's (the gradient the plain run's, bit for bit)."""
+    events = []
+
+    @contextlib.contextmanager
+    def context(name):
+        events.append(f"enter {name}")
+        try:
+            yield
+        finally:  # (torch stops a recompute early by raising through it once it has what it needs)
+            events.append(f"exit {name}")
+
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 5).double()
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    tracker = rng.get_rng_tracker()
+
+    def f(x):
+        events.append("run")
+        with tracker.fork():
+            return F.dropout(lin(x), 0.5)
+
+    rng.model_parallel_manual_seed(SEED)
+    plain = f(x)
+    (dx_plain,) = torch.autograd.grad(plain.sum(), x)
+    events.clear()
+    rng.model_parallel_manual_seed(SEED)
+    y = rng.checkpoint(f, x, context_fn=lambda: (context("forward"), context("recompute")))
+    assert events == ["enter forward", "run", "exit forward"]
+    (dx,) = torch.autograd.grad(y.sum(), x)
+    assert events[3:] == ["enter recompute", "run", "exit recompute"]
+    assert torch.equal(y, plain) and torch.equal(dx, dx_plain)
+
+
 def check_rank_fork():
     """``rank_fork`` draws a stream of each rank's own (another at each fork), the default stream
     afterwards where one draw of it leaves it (alike on every rank), and torch's own checkpoint,
@@ -267,11 +303,15 @@ def test_rank_fork(world):
 
 def check_seeds_that_differ():
     """Ranks given different seeds would drop their replicated activations differently: the
-    same error on every rank, naming each rank's seed, and the group works afterwards."""
+    same error on every rank, naming each rank's seed, and the group works afterwards. A seed
+    whose last rank's stream would leave the seeds' range is refused on every rank."""
     r, p = rank_world()
     with pytest.raises(RuntimeError, match=re.escape("rank 0: model_parallel_manual_seed: seed 5; "
                                                      "rank 1: model_parallel_manual_seed: seed 6")):
         rng.model_parallel_manual_seed(5 + r)
+    edge = rng.SEED_LIMIT - rng.SEED_OFFSET - 1  # rank 0's stream's seed would fit, rank 1's not: refused on both
+    with pytest.raises(ValueError, match=re.escape(f"seed: {edge} + 2718 + the rank (up to 1) leaves [0, 2**63)")):
+        rng.model_parallel_manual_seed(edge)
     own, theirs = (ValueError, "^seed: expected an int in"), (RuntimeError, "rejected its arguments.*rank 1: seed: ")
     kind, message = own if r == 1 else theirs
     with pytest.raises(kind, match=message):
