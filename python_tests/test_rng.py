@@ -331,6 +331,25 @@ def test_bad_seeds_are_named(seed):
         rng.model_parallel_manual_seed(seed)
 
 
+def test_states_are_copied_in_and_out():
+    """What get_states returns and set_states takes stays as it was: a fork after set_states moves
+    the tracker's stream, not the states put back, which put back again draw the same numbers."""
+    tracker = rng.RNGStatesTracker()
+    tracker.add("a", 1)
+    with tracker.fork("a"):
+        torch.rand(3)
+    saved = tracker.get_states()
+    tracker.set_states(saved)
+    with tracker.fork("a"):
+        after = torch.rand(3)
+    with tracker.fork("a"):
+        assert not torch.equal(torch.rand(3), after)
+    for _ in range(2):
+        tracker.set_states(saved)
+        with tracker.fork("a"):
+            assert torch.equal(torch.rand(3), after)
+
+
 def test_tracker_errors_name_what_is_wrong():
     tracker = rng.RNGStatesTracker()
     with pytest.raises(ValueError, match="model_parallel_manual_seed adds it"):
