@@ -2885,6 +2885,47 @@ def test_fused_layers_under_fully_sharded_data_parallel(world4, tmp_path, mesh_k
     world4.run(check_fused_layers_under_fully_sharded_data_parallel, str(tmp_path / "checkpoint"), mesh_kind)
 
 
+def check_data_parallel_layouts_not_taken():
+    """What tp_kernels takes of a model whose parameters are DTensors is FSDP2's layout alone, over
+    one mesh: a parameter sharded along another dim than 0, or parameters over two meshes, is a
+    ValueError naming them from clip_grad_norm_ and full_state_dict, on every rank, before anything
+    moves. Of a mesh that replicates (HSDP's dims), the first copy is the rank at coordinate 0 in
+    every dim."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from tp_kernels import _data_parallel
+
+    r, _ = rank_world()
+    tag = torch.distributed.group.WORLD.group_name
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=(f"layouts{tag}",))
+    other = init_device_mesh("cpu", (2,), mesh_dim_names=(f"other{tag}",))
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 4))
+    dense = [lin.weight.detach().clone() for lin in model]
+    model[0].weight = nn.Parameter(distribute_tensor(dense[0], mesh, [Shard(1)]))
+    for q in model.parameters():
+        q.grad = torch.ones_like(q)
+    for call in (lambda: tp_kernels.clip_grad_norm_(model, 1.0), lambda: tp_kernels.full_state_dict(model)):
+        with pytest.raises(ValueError, match=r"module: parameter '0.weight': a DTensor placed \(Shard\(dim=1\),\)"):
+            call()
+    model[0].weight = nn.Parameter(distribute_tensor(dense[0], mesh, [Shard(0)]))
+    model[1].weight = nn.Parameter(distribute_tensor(dense[1], other, [Replicate()]))
+    for q in model.parameters():
+        q.grad = torch.ones_like(q)
+    for call in (lambda: tp_kernels.clip_grad_norm_(model, 1.0), lambda: tp_kernels.full_state_dict(model)):
+        with pytest.raises(ValueError, match=r"module: its parameters are DTensors over 2 meshes \('0.weight', "
+                                             r"'1.weight'\)"):
+            call()
+    hsdp = init_device_mesh("cpu", (2, 1), mesh_dim_names=(f"replicate{tag}", f"shard{tag}"))
+    assert _data_parallel.first_copy(hsdp) is (r == 0)
+    assert _data_parallel.first_copy(init_device_mesh("cpu", (1, 2), mesh_dim_names=(f"one{tag}", f"two{tag}"))) \
+        is (r == 0)
+
+
+def test_data_parallel_layouts_not_taken(world2):
+    world2.run(check_data_parallel_layouts_not_taken)
+
+
 def check_distributed_checkpoint_with_optimizer(path, device="cpu"):
     """An Adam step, then the model and the optimizer saved with dcp from all the ranks
     (sharded_state_dict, sharded_optimizer_state_dict), and loaded into the model parallelized
