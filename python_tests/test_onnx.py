@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import re
 import subprocess
 import sys
 
@@ -187,6 +188,69 @@ def check_export_batch_first_sequence_parallel():
 @pytest.mark.parametrize("world", [2], indirect=True)
 def test_exported_batch_first_sequence_parallel_model(world):
     world.run(check_export_batch_first_sequence_parallel, deadline_s=DEADLINE_S)
+
+
+def check_sessions_on_the_group_given(path):
+    """A rank's model written by export (``f``) and read back by cpu_session from the file runs over
+    the group given: the tensor-parallel group of 2 on 4 ranks gives the dense model's logits; the
+    world's 4 ranks are refused by cpu_session, on every rank, naming the first collective node
+    whose ``group_size`` differs and both sizes."""
+    import torch.distributed as dist
+
+    r, _ = rank_world()
+    tp_kernels.initialize_model_parallel(2)
+    try:
+        dense, ids, _ = _dense("lm", 2)
+        ref = dense.double()(ids).detach()
+        model = copy.deepcopy(dense).float()
+        model.embed = tp_kernels.VocabParallelEmbedding.from_embedding(model.embed)
+        model.lm_head = tp_kernels.ColumnParallelLinear.from_linear(model.lm_head, gather_output=True)
+        file = f"{path}-{r}.onnx"
+        proto = tp_kernels.onnx.export(model, (ids,), file)
+        assert onnx.load(file) == proto
+        for group in (None, tp_kernels.get_tensor_model_parallel_group()):
+            session = tp_kernels.onnx.cpu_session(file, group=group)
+            (y,) = session.run(None, {session.get_inputs()[0].name: ids.numpy()})
+            assert_close(f"lm exported and read back, rank {r}, group {group}", torch.from_numpy(y), ref)
+        gather = next(n.name for n in proto.graph.node if n.op_type == "AllGather")
+        with pytest.raises(ValueError, match=re.escape(f"model: its AllGather node {gather!r} spans 2 ranks "
+                                                       "(group_size), the group 4")):
+            tp_kernels.onnx.cpu_session(proto, group=dist.group.WORLD)
+    finally:
+        tp_kernels.destroy_model_parallel()
+
+
+def test_sessions_run_on_the_group_given(world4, tmp_path):
+    world4.run(check_sessions_on_the_group_given, str(tmp_path / "lm"), deadline_s=DEADLINE_S)
+
+
+def check_a_collective_past_the_timeout():
+    """A collective node whose peer never runs its model fails once the timeout has passed: the
+    session's run raises a RuntimeError naming the node and the collective that did not complete
+    (the stand-in cannot raise: onnxruntime-extensions would end the process), bounded, and the
+    session runs again. Rank 1 runs nothing; rank 0 runs its MLP twice, each run failing."""
+    import time
+
+    import torch.distributed as dist
+
+    r, _ = rank_world()
+    group = dist.new_group([0, 1])  # used by both ranks to make their models, then abandoned by rank 1
+    dense, x, _ = _dense("mlp", 2)
+    proto = tp_kernels.onnx.export(tp_kernels.parallelize(copy.deepcopy(dense), MLP_PLAN, group=group), (x,))
+    if r != 0:
+        return None
+    session = tp_kernels.onnx.cpu_session(proto, group=group)
+    with tp_kernels.settings.overriding(timeout=2):
+        for _ in range(2):
+            start = time.monotonic()
+            with pytest.raises(RuntimeError, match=r"a collective AllReduce node of this rank's model failed, .* "
+                                                   r"all-reduce of \(12, 12\) torch.float32 did not complete"):
+                session.run(None, {session.get_inputs()[0].name: x.numpy()})
+            assert time.monotonic() - start < 15
+
+
+def test_a_collective_past_the_timeout_is_an_error_of_the_run(world2):
+    world2.run(check_a_collective_past_the_timeout, deadline_s=DEADLINE_S)
 
 
 def _dense_onnx(model, x) -> onnx.ModelProto:

@@ -8,12 +8,14 @@ other), over a ``torch.distributed`` group, in float32. It is how the per-rank m
 on the CPU (several gloo processes, one rank each), and a way to run them without a GPU build.
 
 Every rank runs its model with inputs of the same shapes at the same time, as it would make the
-calls in PyTorch; each collective is bounded by :func:`tp_kernels.get_timeout`.
+calls in PyTorch; each collective is bounded by :func:`tp_kernels.get_timeout`. A stand-in that
+fails cannot raise (onnxruntime-extensions would end the process): it keeps its error, and the
+session's ``run`` raises it once ONNX Runtime returns.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 import onnx
@@ -37,11 +39,29 @@ def _tensor(x: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
 
 
-def _check_size(op_type: str, group_size: int) -> None:
-    p = coll.group_size(_group)
-    if group_size != p:
-        raise RuntimeError(f"{op_type}: the node's group_size is {group_size}, this session's group has {p} ranks "
-                           "(run each rank's model on a group of the size it was made for)")
+#: The error the first stand-in to fail met in the run under way, with its op type, for
+#: :meth:`_Session.run` to raise: onnxruntime-extensions passes no exception of a Python op on (one
+#: raised there ends the process), so a stand-in keeps it here and hands ONNX Runtime zeros.
+_failed: List[Tuple[str, BaseException]] = []
+
+
+def _standing_in(op_type: str, out_shape, collective: Callable[[], np.ndarray]) -> np.ndarray:
+    """``collective()``, or zeros of ``out_shape`` where it raises (its error kept in :data:`_failed`)
+    or a stand-in of this run failed before (so no rank waits on a collective this one skips past
+    the timeout again)."""
+    if not _failed:
+        try:
+            return collective()
+        except Exception as exc:  # whatever the collective raised: a peer past the timeout, a dead group
+            _failed.append((op_type, exc))
+    return np.zeros(out_shape, dtype=np.float32)
+
+
+def _resized(shape, axis: int, factor: float) -> Tuple[int, ...]:
+    """``shape`` with dim ``axis`` times ``factor``."""
+    out = list(shape)
+    out[axis] = int(out[axis] * factor)
+    return tuple(out)
 
 
 _INT_ATTRS = {"group_size": PyCustomOpDef.dt_int64, "axis": PyCustomOpDef.dt_int64}
@@ -49,22 +69,55 @@ _INT_ATTRS = {"group_size": PyCustomOpDef.dt_int64, "axis": PyCustomOpDef.dt_int
 
 @onnx_op(op_type="AllReduce", inputs=[PyCustomOpDef.dt_float], outputs=[PyCustomOpDef.dt_float])
 def _all_reduce(x):
-    return coll.all_reduce(_tensor(x), _group, inplace=True).wait().numpy()
+    return _standing_in("AllReduce", x.shape, lambda: coll.all_reduce(_tensor(x), _group, inplace=True).wait().numpy())
 
 
 @onnx_op(op_type="AllGather", inputs=[PyCustomOpDef.dt_float], outputs=[PyCustomOpDef.dt_float], attrs=_INT_ATTRS)
 def _all_gather(x, group_size, axis):
-    _check_size("AllGather", group_size)
-    t = _tensor(x).movedim(axis, 0).contiguous()
-    return coll.all_gather_dim0(t, _group).wait().movedim(0, axis).contiguous().numpy()
+    def collective():
+        t = _tensor(x).movedim(axis, 0).contiguous()
+        return coll.all_gather_dim0(t, _group).wait().movedim(0, axis).contiguous().numpy()
+
+    return _standing_in("AllGather", _resized(x.shape, axis, group_size), collective)
 
 
 @onnx_op(op_type="ReduceScatter", inputs=[PyCustomOpDef.dt_float], outputs=[PyCustomOpDef.dt_float],
          attrs=_INT_ATTRS)
 def _reduce_scatter(x, group_size, axis):
-    _check_size("ReduceScatter", group_size)
-    t = _tensor(x).movedim(axis, 0).contiguous()
-    return coll.reduce_scatter_dim0(t, _group).wait().movedim(0, axis).contiguous().numpy()
+    def collective():
+        t = _tensor(x).movedim(axis, 0).contiguous()
+        return coll.reduce_scatter_dim0(t, _group).wait().movedim(0, axis).contiguous().numpy()
+
+    return _standing_in("ReduceScatter", _resized(x.shape, axis, 1 / group_size), collective)
+
+
+class _Session(ort.InferenceSession):
+    """The session :func:`cpu_session` returns: its :meth:`run` raises the error of a stand-in that
+    failed (:data:`_failed`)."""
+
+    def run(self, output_names, input_feed, run_options=None):
+        """``InferenceSession.run``; a ``RuntimeError`` where a collective node failed (its error
+        chained), the outputs not returned."""
+        _failed.clear()
+        outputs = super().run(output_names, input_feed, run_options)
+        if _failed:
+            op_type, exc = _failed[0]
+            _failed.clear()
+            raise RuntimeError(f"tp_kernels.onnx: a collective {op_type} node of this rank's model failed, so the "
+                               f"session's outputs were not made (the nodes after it ran on zeros, without "
+                               f"communicating): {exc}") from exc
+        return outputs
+
+
+def _check_group_sizes(model: onnx.ModelProto, p: int) -> None:
+    """A ``ValueError`` naming the first collective node of ``model`` whose ``group_size`` is not
+    ``p``, the group's size (an ``AllReduce`` has none to check)."""
+    for node in model.graph.node:
+        if node.domain in (_collective_ops.DOMAIN, STANDIN_DOMAIN) and node.op_type in _collective_ops.OPS:
+            size = next((a.i for a in node.attribute if a.name == "group_size"), p)
+            if size != p:
+                raise ValueError(f"model: its {node.op_type} node {node.name!r} spans {size} ranks (group_size), the "
+                                 f"group {p}; run each rank's model on a group of the size it was made for")
 
 
 def standin_model(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -85,13 +138,17 @@ def standin_model(model: onnx.ModelProto) -> onnx.ModelProto:
 def cpu_session(model, group=None, sess_options: Optional[ort.SessionOptions] = None) -> ort.InferenceSession:
     """An ONNX Runtime CPU session of this rank's ``model`` (a ModelProto or a path) whose
     collectives run over ``group`` (default: the tensor-parallel group) by the stand-ins (module
-    doc). Nodes run one at a time, in the same order on every rank."""
+    doc). Nodes run one at a time, in the same order on every rank. A collective node whose
+    ``group_size`` is not the group's size is a ``ValueError`` naming it, here; a collective that
+    fails in a run (a peer past the timeout) is a ``RuntimeError`` from the session's ``run``."""
     global _group
     if not isinstance(model, onnx.ModelProto):
         model = onnx.load(model)
-    _group = coll.resolve_group(group)
+    group = coll.resolve_group(group)
+    _check_group_sizes(model, coll.group_size(group))
+    _group = group
     options = sess_options or ort.SessionOptions()
     options.register_custom_ops_library(get_library_path())
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.inter_op_num_threads = 1
-    return ort.InferenceSession(standin_model(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return _Session(standin_model(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
