@@ -227,26 +227,35 @@ def test_sessions_run_on_the_group_given(world4, tmp_path):
 def check_a_collective_past_the_timeout():
     """A collective node whose peer never runs its model fails once the timeout has passed: the
     session's run raises a RuntimeError naming the node and the collective that did not complete
-    (the stand-in cannot raise: onnxruntime-extensions would end the process), bounded, and the
-    session runs again. Rank 1 runs nothing; rank 0 runs its MLP twice, each run failing."""
+    (the stand-in cannot raise: onnxruntime-extensions would end the process), bounded; the nodes
+    after it (the head's all-gather) do not communicate; and the session runs again. Rank 1 runs
+    nothing; rank 0 runs its language model twice, each run failing."""
     import time
+    from unittest import mock
 
     import torch.distributed as dist
 
+    from tp_kernels import _collectives
+
     r, _ = rank_world()
     group = dist.new_group([0, 1])  # used by both ranks to make their models, then abandoned by rank 1
-    dense, x, _ = _dense("mlp", 2)
-    proto = tp_kernels.onnx.export(tp_kernels.parallelize(copy.deepcopy(dense), MLP_PLAN, group=group), (x,))
+    dense, ids, _ = _dense("lm", 2)
+    model = tp_kernels.parallelize(copy.deepcopy(dense), {"embed": "vocab", "lm_head": "colwise_gather_output"},
+                                   group=group)
+    proto = tp_kernels.onnx.export(model, (ids,))
+    assert [n.op_type for n in proto.graph.node if n.domain == tp_kernels.onnx.DOMAIN] == ["AllReduce", "AllGather"]
     if r != 0:
         return None
     session = tp_kernels.onnx.cpu_session(proto, group=group)
-    with tp_kernels.settings.overriding(timeout=2):
+    with tp_kernels.settings.overriding(timeout=2), \
+            mock.patch.object(_collectives, "all_gather_dim0", side_effect=AssertionError("gathered")) as gather:
         for _ in range(2):
             start = time.monotonic()
             with pytest.raises(RuntimeError, match=r"a collective AllReduce node of this rank's model failed, .* "
-                                                   r"all-reduce of \(12, 12\) torch.float32 did not complete"):
-                session.run(None, {session.get_inputs()[0].name: x.numpy()})
+                                                   r"all-reduce of \(3, 5, 12\) torch.float32 did not complete"):
+                session.run(None, {session.get_inputs()[0].name: ids.numpy()})
             assert time.monotonic() - start < 15
+    assert not gather.called
 
 
 def test_a_collective_past_the_timeout_is_an_error_of_the_run(world2):
