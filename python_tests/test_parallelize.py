@@ -1819,6 +1819,20 @@ class DroppingMLP(nn.Module):
         return self.outer(self.down(self.inner(self.up(x).exp())))  # (exp: no zero but the mask's)
 
 
+class _NamedDropMLP(nn.Module):
+    """:class:`DroppingMLP`'s dropout of the hidden units as a float attribute named for it
+    (``attn_pdrop``, as GPT-BigCode's and DBRX's modules keep theirs) that its forward passes to
+    ``F.dropout``, with no dropout module."""
+
+    def __init__(self, dim, hidden, drop):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, hidden, bias=False), nn.Linear(hidden, dim, bias=False)
+        self.attn_pdrop = drop
+
+    def forward(self, x):
+        return self.down(F.dropout(self.up(x).exp(), self.attn_pdrop, self.training))
+
+
 def gathered(t: torch.Tensor) -> list:
     views = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather(views, t.contiguous())
@@ -1867,7 +1881,8 @@ def check_dropout_per_rank():
     (the output the same everywhere); the model is the dense one with the masks so drawn (float64),
     torch's checkpoint (reentrant or not) recomputes those masks (its gradients bit for bit the plain
     run's), and the default stream goes on alike on every rank. In eval mode, or with every dropout
-    0, nothing is drawn."""
+    0, nothing is drawn. A dropout kept as a float attribute named for it (``attn_pdrop``) is found
+    too."""
     r, p = rank_world()
     rows, dim, hidden, drop = 16, 4, 8, 0.5
     torch.manual_seed(0)
@@ -1899,6 +1914,14 @@ def check_dropout_per_rank():
     torch.manual_seed(0)
     quiet = tp_kernels.parallelize(DroppingMLP(dim, hidden, 0.0).double(), {"up": "colwise", "down": "rowwise"})
     assert not quiet._forward_pre_hooks and not quiet._forward_hooks  # (no dropout above 0: nothing hooked)
+    # a dropout probability kept as a float attribute named for it ("pdrop") draws each rank's own mask too
+    torch.manual_seed(0)
+    named = tp_kernels.parallelize(_NamedDropMLP(dim, hidden, drop).double(), {"up": "colwise", "down": "rowwise"})
+    named.down.register_forward_pre_hook(lambda m, args: masks.__setitem__("named", args[0] != 0))
+    torch.manual_seed(5)
+    named.train()(x)
+    views = gathered(masks["named"])
+    assert all(not torch.equal(views[q], views[r]) for q in range(p) if q != r), "hidden units dropped alike (pdrop)"
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
