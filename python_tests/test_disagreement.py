@@ -398,6 +398,18 @@ def check_initialize_with_sizes_that_differ():
     assert kind == "RuntimeError" and "initialize_model_parallel: the ranks disagree" in message, message
     assert "rank 0: tensor_model_parallel_size=2" in message and "rank 1: tensor_model_parallel_size=1" in message
     assert elapsed < 15 and not tp_kernels.model_parallel_is_initialized()
+    # a size wrong on rank 1 alone: its own ValueError there, the others told it rejected its arguments
+    kind, wrong = _raises(lambda: tp_kernels.initialize_model_parallel(3 if r == 1 else p))
+    if r == 1:
+        assert kind == "ValueError" and "(3) x pipeline_model_parallel_size (1) = 3 does not divide the world size" \
+            in wrong, wrong
+    else:
+        assert kind == "RuntimeError" and "initialize_model_parallel: a rank rejected its arguments, so no group was " \
+            "made (rank 1: tensor_model_parallel_size (3)" in wrong, wrong
+    # wrong on every rank alike: each rank's own ValueError
+    kind, wrong = _raises(lambda: tp_kernels.initialize_model_parallel(3))
+    assert kind == "ValueError" and f"does not divide the world size {p}" in wrong, wrong
+    assert not tp_kernels.model_parallel_is_initialized()
     tp_kernels.initialize_model_parallel(p)  # the same sizes everywhere: it works
     try:
         assert tp_kernels.get_tensor_model_parallel_world_size() == p
