@@ -3042,11 +3042,12 @@ def check_parameters_on_column_outputs():
     first call, which raises ValueError naming it, the column layer and the plan entry that fixes it
     where gradients are taken; under no_grad the output is the dense one, and a gradient that
     reaches its parameters later raises the same. Named ``"replicated_with_grad_allreduce"``, every
-    gradient is the dense model's; named ``"replicate"``, nothing is raised. The hooks are gone
-    after the first call. transformers' Apertus (its learnable xIELU activation) by its own plan
-    raises so, and so under sequence parallelism (its MLP moved whole by sequence_parallel_plan);
-    with the entry its gradients are the dense model's, both ways."""
-    _, p = rank_world()
+    gradient is the dense model's; named ``"replicate"``, nothing is raised; frozen (no gradient to
+    take), nothing is raised either. The hooks are gone after the first call. transformers' Apertus
+    (its learnable xIELU activation) by its own plan raises so, and so under sequence parallelism
+    (its MLP moved whole by sequence_parallel_plan); with the entry its gradients are the dense
+    model's, both ways."""
+    r, p = rank_world()
     plan = {"up": "colwise", "down": "rowwise"}
     x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))  # (alike on every rank)
     for view in (False, True):
@@ -3077,6 +3078,20 @@ def check_parameters_on_column_outputs():
             assert_dense_grads(par, dense, 1e-12)
         elif p > 1:  # (told it applies its parameter elsewhere: taken at its word, each rank its share)
             assert not torch.allclose(par.act.weight.grad, dense.act.weight.grad)
+    torch.manual_seed(0)  # a frozen parameter takes no gradient: nothing to raise
+    dense = _LearnedActivation().double()
+    dense.act.weight.requires_grad_(False)
+    par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+    y = par(x)
+    y.square().sum().backward()
+    dense(x).square().sum().backward()
+    torch.testing.assert_close(y, dense(x), rtol=1e-12, atol=1e-12)
+    for got, want in ((par.up.weight.grad, block(dense.up.weight.grad, 0, r, p)),
+                      (par.up.bias.grad, block(dense.up.bias.grad, 0, r, p)),
+                      (par.down.weight.grad, block(dense.down.weight.grad, 1, r, p)),
+                      (par.down.bias.grad, dense.down.bias.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert par.act.weight.grad is None
 
     transformers = pytest.importorskip("transformers")
     if getattr(transformers, "ApertusConfig", None) is None:
