@@ -89,6 +89,8 @@ def bad_calls(p):
         ("input:", lambda: row(torch.randn(3, 6, dtype=torch.bfloat16))),
         ("x", lambda: ops.all_gather_matmul(x.double(), w, b)),
         ("bias", lambda: ops.matmul_reduce_scatter(torch.randn(2 * p, 6), w, b.half())),
+        ("bias: device meta does not match weight's device cpu",
+         lambda: ops.matmul_all_reduce(x, w, torch.randn(5, device="meta"))),
         ("input:", lambda: col(torch.randn(3, 6, device="meta"))),
         ("input:", lambda: emb(torch.zeros(3, dtype=torch.long, device="meta"))),
         # sequence parallelism needs a dim 0 to split
@@ -122,6 +124,10 @@ def bad_calls(p):
          lambda: tp_kernels.ColumnParallelLinear.from_linear(_Adapted(6, 4 * p))),
         ("embedding: _Shifted is an nn.Embedding with a forward of its own, which is not the lookup times a constant",
          lambda: tp_kernels.VocabParallelEmbedding.from_embedding(_Shifted(3 * p, 2))),
+        ("linear: _WithChild is an nn.Linear that also holds 'adapter'",
+         lambda: tp_kernels.ColumnParallelLinear.from_linear(_WithChild(6, 4 * p))),
+        ("linear: _WithScratch is an nn.Linear that also holds 'scratch'",
+         lambda: tp_kernels.RowParallelLinear.from_linear(_WithScratch(6 * p, 4))),
         ("plan['fc1']: 'fc1': _Adapted is an nn.Linear that also holds 'lora_a'",
          lambda: tp_kernels.parallelize(_Tiny(p, _Adapted), {"fc1": "colwise"})),
         ("linear: this Linear has hooks registered on it (_forward_hooks)", lambda: tp_kernels.ColumnParallelLinear
@@ -160,6 +166,22 @@ class _Adapted(nn.Linear):
     def __init__(self, in_features, out_features):
         super().__init__(in_features, out_features)
         self.lora_a = nn.Parameter(torch.zeros(2, in_features))
+
+
+class _WithChild(nn.Linear):
+    """A linear layer holding a module of its own (an adapter as a submodule)."""
+
+    def __init__(self, in_features, out_features):
+        super().__init__(in_features, out_features)
+        self.adapter = nn.Linear(in_features, 2, bias=False)
+
+
+class _WithScratch(nn.Linear):
+    """A linear layer with nn.Linear's forward and a buffer kept out of its state dict."""
+
+    def __init__(self, in_features, out_features):
+        super().__init__(in_features, out_features)
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
 
 
 def _hooked(module):
