@@ -616,6 +616,13 @@ def check_torch_func(device="cpu", dtype=torch.float64, backend="auto"):
         if p > 1:  # (with one rank a layer is F.linear: any order)
             with pytest.raises(RuntimeError, match="cannot be differentiated again"):
                 grad(lambda u, loss=loss: grad(loss)(u).square().sum())(inp)
+            # of the weight, through the input's gradient of a loss linear in the output (its gradient in a
+            # constant: the weight reaches the input's gradient only as a tensor the formula saved)
+            def linear(ps, u, layer=layer):
+                return functional_call(layer, ps, (u,)).sum()
+
+            with pytest.raises(RuntimeError, match="cannot be differentiated again"):
+                grad(lambda ps, linear=linear: grad(linear, argnums=1)(ps, inp).square().sum())(params)
             with pytest.raises(RuntimeError, match="jvp"):
                 jvp(layer, (inp,), (torch.ones_like(inp),))
     # a mapping, and the cross-entropy of logits split along the vocabulary
