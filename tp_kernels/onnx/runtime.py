@@ -57,10 +57,10 @@ def _standing_in(op_type: str, out_shape, collective: Callable[[], np.ndarray]) 
     return np.zeros(out_shape, dtype=np.float32)
 
 
-def _resized(shape, axis: int, factor: float) -> Tuple[int, ...]:
-    """``shape`` with dim ``axis`` times ``factor``."""
+def _resized(shape, axis: int, times: int = 1, over: int = 1) -> Tuple[int, ...]:
+    """``shape`` with dim ``axis`` times ``times``, over ``over``."""
     out = list(shape)
-    out[axis] = int(out[axis] * factor)
+    out[axis] = out[axis] * times // over
     return tuple(out)
 
 
@@ -78,7 +78,7 @@ def _all_gather(x, group_size, axis):
         t = _tensor(x).movedim(axis, 0).contiguous()
         return coll.all_gather_dim0(t, _group).wait().movedim(0, axis).contiguous().numpy()
 
-    return _standing_in("AllGather", _resized(x.shape, axis, group_size), collective)
+    return _standing_in("AllGather", _resized(x.shape, axis, times=group_size), collective)
 
 
 @onnx_op(op_type="ReduceScatter", inputs=[PyCustomOpDef.dt_float], outputs=[PyCustomOpDef.dt_float],
@@ -88,7 +88,7 @@ def _reduce_scatter(x, group_size, axis):
         t = _tensor(x).movedim(axis, 0).contiguous()
         return coll.reduce_scatter_dim0(t, _group).wait().movedim(0, axis).contiguous().numpy()
 
-    return _standing_in("ReduceScatter", _resized(x.shape, axis, 1 / group_size), collective)
+    return _standing_in("ReduceScatter", _resized(x.shape, axis, over=group_size), collective)
 
 
 class _Session(ort.InferenceSession):
