@@ -64,6 +64,13 @@ def _resized(shape, axis: int, times: int = 1, over: int = 1) -> Tuple[int, ...]
     return tuple(out)
 
 
+def _along(x: np.ndarray, axis: int, dim0_collective) -> np.ndarray:
+    """``dim0_collective`` (:func:`coll.all_gather_dim0`, :func:`coll.reduce_scatter_dim0`) of ``x``
+    along ``axis``, over the session's group."""
+    t = _tensor(x).movedim(axis, 0).contiguous()
+    return dim0_collective(t, _group).wait().movedim(0, axis).contiguous().numpy()
+
+
 _INT_ATTRS = {"group_size": PyCustomOpDef.dt_int64, "axis": PyCustomOpDef.dt_int64}
 
 
@@ -74,21 +81,15 @@ def _all_reduce(x):
 
 @onnx_op(op_type="AllGather", inputs=[PyCustomOpDef.dt_float], outputs=[PyCustomOpDef.dt_float], attrs=_INT_ATTRS)
 def _all_gather(x, group_size, axis):
-    def collective():
-        t = _tensor(x).movedim(axis, 0).contiguous()
-        return coll.all_gather_dim0(t, _group).wait().movedim(0, axis).contiguous().numpy()
-
-    return _standing_in("AllGather", _resized(x.shape, axis, times=group_size), collective)
+    return _standing_in("AllGather", _resized(x.shape, axis, times=group_size),
+                        lambda: _along(x, axis, coll.all_gather_dim0))
 
 
 @onnx_op(op_type="ReduceScatter", inputs=[PyCustomOpDef.dt_float], outputs=[PyCustomOpDef.dt_float],
          attrs=_INT_ATTRS)
 def _reduce_scatter(x, group_size, axis):
-    def collective():
-        t = _tensor(x).movedim(axis, 0).contiguous()
-        return coll.reduce_scatter_dim0(t, _group).wait().movedim(0, axis).contiguous().numpy()
-
-    return _standing_in("ReduceScatter", _resized(x.shape, axis, over=group_size), collective)
+    return _standing_in("ReduceScatter", _resized(x.shape, axis, over=group_size),
+                        lambda: _along(x, axis, coll.reduce_scatter_dim0))
 
 
 class _Session(ort.InferenceSession):
