@@ -86,8 +86,8 @@ def _collectives(model: onnx.ModelProto):
     return sorted(n.op_type for n in model.graph.node if n.domain == tp_kernels.onnx.DOMAIN)
 
 
-def _run(model: onnx.ModelProto, x: torch.Tensor) -> torch.Tensor:
-    session = tp_kernels.onnx.cpu_session(model)
+def _run(model, x: torch.Tensor, group=None) -> torch.Tensor:
+    session = tp_kernels.onnx.cpu_session(model, group=group)
     (y,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
     return torch.from_numpy(y)
 
@@ -209,9 +209,7 @@ def check_sessions_on_the_group_given(path):
         proto = tp_kernels.onnx.export(model, (ids,), file)
         assert onnx.load(file) == proto
         for group in (None, tp_kernels.get_tensor_model_parallel_group()):
-            session = tp_kernels.onnx.cpu_session(file, group=group)
-            (y,) = session.run(None, {session.get_inputs()[0].name: ids.numpy()})
-            assert_close(f"lm exported and read back, rank {r}, group {group}", torch.from_numpy(y), ref)
+            assert_close(f"lm exported and read back, rank {r}, group {group}", _run(file, ids, group), ref)
         gather = next(n.name for n in proto.graph.node if n.op_type == "AllGather")
         with pytest.raises(ValueError, match=re.escape(f"model: its AllGather node {gather!r} spans 2 ranks "
                                                        "(group_size), the group 4")):
