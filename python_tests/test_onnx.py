@@ -14,6 +14,7 @@ import io
 import re
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ try:  # (each test skipped without the onnx extra, not the module: the GPU suite
     from onnx import helper, numpy_helper
 
     import tp_kernels.onnx
+    from tp_kernels.onnx._collective_ops import GROUP_SIZE_KEY, RANK_KEY, made_for
     MISSING = None
 except ImportError:
     MISSING = "the onnx extra is not installed (pip install tp_kernels[onnx])"
@@ -139,6 +141,7 @@ def check_export(case, sequence_parallel):
     x_rank = block(x, 0, r, p) if sp else x
     proto = tp_kernels.onnx.export(model, (x_rank,))
     onnx.checker.check_model(proto)
+    assert made_for(proto) == ((p, r) if p > 1 else None)  # the group the model was made for, in its metadata
     want = {"mlp": ["AllReduce"], "block": ["AllReduce", "AllReduce"], "lm": ["AllGather", "AllReduce"]}[case]
     if sp:
         # one all-gather per column-parallel input (q, k and v share theirs: the exporter merges the
@@ -193,8 +196,9 @@ def test_exported_batch_first_sequence_parallel_model(world):
 def check_sessions_on_the_group_given(path):
     """A rank's model written by export (``f``) and read back by cpu_session from the file runs over
     the group given: the tensor-parallel group of 2 on 4 ranks gives the dense model's logits; the
-    world's 4 ranks are refused by cpu_session, on every rank, naming the first collective node
-    whose ``group_size`` differs and both sizes."""
+    world's 4 ranks are refused by cpu_session, on every rank, naming the model's metadata (made
+    for rank r % 2 of 2) and this rank, and without it the first collective node whose
+    ``group_size`` differs and both sizes."""
     import torch.distributed as dist
 
     r, _ = rank_world()
@@ -210,6 +214,11 @@ def check_sessions_on_the_group_given(path):
         assert onnx.load(file) == proto
         for group in (None, tp_kernels.get_tensor_model_parallel_group()):
             assert_close(f"lm exported and read back, rank {r}, group {group}", _run(file, ids, group), ref)
+        with pytest.raises(ValueError, match=re.escape(
+                f"model: it is rank {r % 2}'s model of a group of 2 (its metadata {RANK_KEY!r}, {GROUP_SIZE_KEY!r}), "
+                f"and this process is rank {r} of the group of 4")):
+            tp_kernels.onnx.cpu_session(proto, group=dist.group.WORLD)
+        del proto.metadata_props[:]  # a model that does not say: its nodes do
         gather = next(n.name for n in proto.graph.node if n.op_type == "AllGather")
         with pytest.raises(ValueError, match=re.escape(f"model: its AllGather node {gather!r} spans 2 ranks "
                                                        "(group_size), the group 4")):
@@ -227,9 +236,8 @@ def check_a_collective_past_the_timeout():
     session's run raises a RuntimeError naming the node and the collective that did not complete
     (the stand-in cannot raise: onnxruntime-extensions would end the process), bounded; the nodes
     after it (the head's all-gather) do not communicate; and the session runs again. Rank 1 runs
-    nothing; rank 0 runs its language model twice, each run failing."""
+    nothing after making its session; rank 0 runs its language model twice, each run failing."""
     import time
-    from unittest import mock
 
     import torch.distributed as dist
 
@@ -242,9 +250,9 @@ def check_a_collective_past_the_timeout():
                                    group=group)
     proto = tp_kernels.onnx.export(model, (ids,))
     assert [n.op_type for n in proto.graph.node if n.domain == tp_kernels.onnx.DOMAIN] == ["AllReduce", "AllGather"]
+    session = tp_kernels.onnx.cpu_session(proto, group=group)
     if r != 0:
         return None
-    session = tp_kernels.onnx.cpu_session(proto, group=group)
     with tp_kernels.settings.overriding(timeout=2), \
             mock.patch.object(_collectives, "all_gather_dim0", side_effect=AssertionError("gathered")) as gather:
         for _ in range(2):
@@ -258,6 +266,75 @@ def check_a_collective_past_the_timeout():
 
 def test_a_collective_past_the_timeout_is_an_error_of_the_run(world2):
     world2.run(check_a_collective_past_the_timeout, deadline_s=DEADLINE_S)
+
+
+def check_sessions_of_models_the_ranks_disagree_on(path):
+    """cpu_session refuses, on every rank, models the ranks cannot run together: rank 0's model
+    loaded on both ranks (rank 1 names its model's metadata, rank 0 names rank 1 and its message),
+    and models of two dense models, each made for its rank (both ranks list each rank's
+    collectives). Without the metadata, rank 0's model runs on both ranks, and its logits are
+    wrong: the metadata is what catches it."""
+    import torch.distributed as dist
+
+    r, _ = rank_world()
+    models = {}
+    for case, plan in (("lm", {"embed": "vocab", "lm_head": "colwise_gather_output"}), ("mlp", MLP_PLAN)):
+        dense, x, _ = _dense(case, 2)
+        models[case] = tp_kernels.onnx.export(tp_kernels.parallelize(copy.deepcopy(dense), plan), (x,),
+                                              f"{path}-{case}-{r}.onnx")
+    dense, ids, _ = _dense("lm", 2)
+    dist.barrier()  # every rank's files written
+    first = onnx.load(f"{path}-lm-0.onnx")
+    if r == 1:
+        with pytest.raises(ValueError, match=re.escape(f"model: it is rank 0's model of a group of 2 (its metadata "
+                                                       f"{RANK_KEY!r}, {GROUP_SIZE_KEY!r}), and this process is "
+                                                       "rank 1 of the group of 2")):
+            tp_kernels.onnx.cpu_session(first)
+    else:
+        with pytest.raises(RuntimeError, match=r"tp_kernels.onnx.cpu_session: a rank of group .* rejected its "
+                                               r"arguments, so no rank ran the call \(rank 1: model: it is rank 0's"):
+            tp_kernels.onnx.cpu_session(first)
+    with pytest.raises(RuntimeError, match=re.escape(
+            "disagree on this call, so none of it ran (rank 0: tp_kernels.onnx.cpu_session: AllReduce(), "
+            "AllGather(group_size=2, axis=0); rank 1: tp_kernels.onnx.cpu_session: AllReduce())")):
+        tp_kernels.onnx.cpu_session(models["lm" if r == 0 else "mlp"])
+    del first.metadata_props[:]
+    logits = _run(first, ids)  # rank 1 runs rank 0's shards, unnoticed
+    assert logits.shape == (*ids.shape, 32) and not torch.allclose(logits.double(), dense.double()(ids), atol=1e-3)
+
+
+def test_sessions_of_models_the_ranks_disagree_on_are_refused(world2, tmp_path):
+    world2.run(check_sessions_of_models_the_ranks_disagree_on, str(tmp_path / "m"), deadline_s=DEADLINE_S)
+
+
+def check_sessions_of_models_that_say_what_they_are_not():
+    """One rank: a model whose metadata names no rank of its group, or not as an int, or one key
+    alone, is a ValueError naming the key; a model made for rank 1 of 2 is refused on a group of 1;
+    a group without a host route is named."""
+    rank_world()
+    dense, x, plan = _dense("mlp", 1)
+    proto = tp_kernels.onnx.export(tp_kernels.parallelize(copy.deepcopy(dense), plan), (x,))
+    assert made_for(proto) is None  # (a model of one rank: no collectives, no shards)
+    for props, message in (({GROUP_SIZE_KEY: "2", RANK_KEY: "2"}, "says rank 2 of a group of 2"),
+                           ({GROUP_SIZE_KEY: "two", RANK_KEY: "0"},
+                            f"metadata {GROUP_SIZE_KEY!r} is 'two', not an int"),
+                           ({RANK_KEY: "0"}, f"metadata {GROUP_SIZE_KEY!r} is None, not an int"),
+                           ({GROUP_SIZE_KEY: "2", RANK_KEY: "1"}, "it is rank 1's model of a group of 2")):
+        bad = copy.deepcopy(proto)
+        del bad.metadata_props[:]
+        helper.set_model_props(bad, props)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            tp_kernels.onnx.cpu_session(bad)
+    with mock.patch.object(tp_kernels.parallel_state, "host_group", return_value=None), \
+            pytest.raises(ValueError, match=r"group: .* carries no host tensors \(gloo\) and has no host twin"):
+        tp_kernels.onnx.cpu_session(proto)
+    assert_close("mlp exported, 1 rank", _run(proto, x), dense.double()(x.double()).detach())
+    assert made_for(tp_kernels.onnx.export(dense, (x,))) is None  # no tp_kernels op: nothing to say
+
+
+@pytest.mark.parametrize("world", [1], indirect=True)
+def test_sessions_of_models_that_say_what_they_are_not(world):
+    world.run(check_sessions_of_models_that_say_what_they_are_not, deadline_s=DEADLINE_S)
 
 
 def _dense_onnx(model, x) -> onnx.ModelProto:
@@ -274,6 +351,7 @@ def check_shard(case):
     ref = dense.double()(x if x.dtype == torch.int64 else x.double()).detach()
     full = _dense_onnx(dense.float(), x)
     mine = tp_kernels.onnx.shard(full, plan, p, r)
+    assert made_for(mine) == ((p, r) if p > 1 else None) and made_for(full) is None
     collectives = _collectives(mine)
     if p > 1:
         reduces = collectives.count("AllReduce")

@@ -18,7 +18,10 @@ custom op                              ONNX nodes (``Gemm`` with ``transB=1``: `
 
 The collective nodes are ONNX Runtime's (:mod:`tp_kernels.onnx._collective_ops`), with
 ``group_size`` the group's size; with one rank there are none. The rank's shards are the
-model's initializers. The backends do not matter: every backend's op has these semantics.
+model's initializers. The backends do not matter: every backend's op has these semantics. When
+the model's ops run over one group of several ranks (or groups alike in size and in this rank's
+place), the model's metadata says its size and this rank's rank there
+(:func:`tp_kernels.onnx._collective_ops.stamp`), which :func:`tp_kernels.onnx.cpu_session` checks.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 import onnx
 import torch
@@ -64,8 +67,15 @@ def _collective(name: str) -> values.Op:
 _ALL_REDUCE, _ALL_GATHER, _REDUCE_SCATTER = (_collective(n) for n in ("AllReduce", "AllGather", "ReduceScatter"))
 
 
+#: The groups the translations of the export under way met: (size, this rank's rank there).
+_groups_met: Set[Tuple[int, int]] = set()
+
+
 def _size(group: str) -> int:
-    return coll.group_size(coll.group_from_name(group))
+    resolved = coll.group_from_name(group)
+    p = coll.group_size(resolved)
+    _groups_met.add((p, coll.group_rank(resolved)))
+    return p
 
 
 def _all_reduce(x, group: str):
@@ -165,11 +175,15 @@ def export(model: torch.nn.Module, args: tuple, f=None, *, kwargs: Optional[dict
         raise RuntimeError(f"tp_kernels.onnx.export needs torch.onnx.export's custom_translation_table (torch >= "
                            f"2.6); this torch is {torch.__version__}")
     args = args if isinstance(args, tuple) else (args,)
+    _groups_met.clear()
     with torch.no_grad(), contextlib.redirect_stdout(None), _quiet_registry():  # the exporter's progress lines
         program = torch.onnx.export(model, args, kwargs=kwargs, dynamo=True, opset_version=opset_version,
                                     custom_translation_table=translation_table(), input_names=input_names,
                                     output_names=output_names, dynamic_shapes=dynamic_shapes, verbose=False)
     proto = program.model_proto
+    if len(_groups_met) == 1:  # the group the model was made for (module doc)
+        _collective_ops.stamp(proto, *_groups_met.pop())
+    _groups_met.clear()
     onnx.checker.check_model(proto)
     if f is not None:
         onnx.save(proto, f)

@@ -7,10 +7,12 @@ attributes, in that library's domain (``ai.onnx.contrib``; Python ops can be reg
 other), over a ``torch.distributed`` group, in float32. It is how the per-rank models are tested
 on the CPU (several gloo processes, one rank each), and a way to run them without a GPU build.
 
-Every rank runs its model with inputs of the same shapes at the same time, as it would make the
-calls in PyTorch; each collective is bounded by :func:`tp_kernels.get_timeout`. A stand-in that
-fails cannot raise (onnxruntime-extensions would end the process): it keeps its error, and the
-session's ``run`` raises it once ONNX Runtime returns.
+Every rank makes its session at the same time (the ranks agree there on their models' collectives
+and each checks that its model was made for its rank), then runs its model with inputs of the same
+shapes at the same time, as it would make the calls in PyTorch; each collective is bounded by
+:func:`tp_kernels.get_timeout`. A stand-in that fails cannot raise (onnxruntime-extensions would
+end the process): it keeps its error, and the session's ``run`` raises it once ONNX Runtime
+returns.
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
+import torch.distributed as dist
 from onnxruntime_extensions import PyCustomOpDef, default_opset_domain, get_library_path, onnx_op
 
 from .. import _collectives as coll
+from .. import parallel_state
+from .._agreement import agree
 from . import _collective_ops
 
 __all__ = ["STANDIN_DOMAIN", "cpu_session", "standin_model"]
@@ -110,15 +115,43 @@ class _Session(ort.InferenceSession):
         return outputs
 
 
-def _check_group_sizes(model: onnx.ModelProto, p: int) -> None:
-    """A ``ValueError`` naming the first collective node of ``model`` whose ``group_size`` is not
-    ``p``, the group's size (an ``AllReduce`` has none to check)."""
-    for node in model.graph.node:
-        if node.domain in (_collective_ops.DOMAIN, STANDIN_DOMAIN) and node.op_type in _collective_ops.OPS:
-            size = next((a.i for a in node.attribute if a.name == "group_size"), p)
-            if size != p:
-                raise ValueError(f"model: its {node.op_type} node {node.name!r} spans {size} ranks (group_size), the "
-                                 f"group {p}; run each rank's model on a group of the size it was made for")
+def _collective_nodes(model: onnx.ModelProto) -> List[onnx.NodeProto]:
+    return [n for n in model.graph.node
+            if n.domain in (_collective_ops.DOMAIN, STANDIN_DOMAIN) and n.op_type in _collective_ops.OPS]
+
+
+def _check_model(model: onnx.ModelProto, group) -> object:
+    """The group the stand-ins run over: ``group`` or its host twin. A ``ValueError`` naming the
+    argument where there is none, where ``model``'s metadata says another group size or another
+    rank than this rank's in ``group`` (:func:`_collective_ops.made_for`), or where a collective
+    node's ``group_size`` is not the group's size (naming the first such node; an ``AllReduce``
+    has none to check)."""
+    host = parallel_state.host_group(group)
+    if host is None:
+        raise ValueError(f"group: {group.group_name!r} carries no host tensors ({dist.get_backend(group)}) and "
+                         "has no host twin, and the stand-ins run on the host: pass a gloo group of the same ranks")
+    p, r = coll.group_size(group), coll.group_rank(group)
+    made = _collective_ops.made_for(model)
+    if made is not None and made != (p, r):
+        raise ValueError(f"model: it is rank {made[1]}'s model of a group of {made[0]} (its metadata "
+                         f"{_collective_ops.RANK_KEY!r}, {_collective_ops.GROUP_SIZE_KEY!r}), and this process is "
+                         f"rank {r} of the group of {p}; run each rank's model on the rank it was made for")
+    for node in _collective_nodes(model):
+        size = next((a.i for a in node.attribute if a.name == "group_size"), p)
+        if size != p:
+            raise ValueError(f"model: its {node.op_type} node {node.name!r} spans {size} ranks (group_size), the "
+                             f"group {p}; run each rank's model on a group of the size it was made for")
+    return host
+
+
+def _collectives_in_order(model: onnx.ModelProto) -> str:
+    """What every rank's model must agree on: its collective nodes, in order, with their attributes
+    in the schema's order (not their names, nor the shards)."""
+    def attributes(node):
+        given = {a.name: a.i for a in node.attribute}
+        return ", ".join(f"{name}={given.get(name)}" for name in _collective_ops.OPS[node.op_type])
+
+    return ", ".join(f"{n.op_type}({attributes(n)})" for n in _collective_nodes(model)) or "no collectives"
 
 
 def standin_model(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -139,15 +172,23 @@ def standin_model(model: onnx.ModelProto) -> onnx.ModelProto:
 def cpu_session(model, group=None, sess_options: Optional[ort.SessionOptions] = None) -> ort.InferenceSession:
     """An ONNX Runtime CPU session of this rank's ``model`` (a ModelProto or a path) whose
     collectives run over ``group`` (default: the tensor-parallel group) by the stand-ins (module
-    doc). Nodes run one at a time, in the same order on every rank. A collective node whose
-    ``group_size`` is not the group's size is a ``ValueError`` naming it, here; a collective that
-    fails in a run (a peer past the timeout) is a ``RuntimeError`` from the session's ``run``."""
+    doc), on the host: over ``group``, or for an NCCL group over its host twin
+    (:func:`tp_kernels.parallel_state.host_group`). Nodes run one at a time, in the same order on
+    every rank.
+
+    Every rank of ``group`` makes its session at the same time: they agree, bounded, that their
+    models have the same collective nodes in the same order, or all raise before anything runs.
+    A model whose metadata (``export``'s and ``shard``'s) says another rank or group size, or one
+    of whose collective nodes spans another number of ranks (``group_size``), is a ``ValueError``
+    naming it on its rank, and a ``RuntimeError`` on the others. A collective that fails in a run (a
+    peer past the timeout) is a ``RuntimeError`` from the session's ``run``."""
     global _group
     if not isinstance(model, onnx.ModelProto):
         model = onnx.load(model)
     group = coll.resolve_group(group)
-    _check_group_sizes(model, coll.group_size(group))
-    _group = group
+    host = agree("tp_kernels.onnx.cpu_session", group, lambda: _check_model(model, group),
+                 lambda _: _collectives_in_order(model), always=True)
+    _group = host
     options = sess_options or ort.SessionOptions()
     options.register_custom_ops_library(get_library_path())
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL

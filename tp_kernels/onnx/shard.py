@@ -65,7 +65,8 @@ def shard(model: onnx.ModelProto, plan: Mapping[str, str], world_size: int, rank
     type, a weight that is no initializer, a split size ``world_size`` does not divide, or one
     node given two styles raise ``ValueError`` naming the pattern and the node. ``model`` is not
     changed; the returned model's collectives take ``group_size=world_size`` (``AllReduce``:
-    over all the runtime's ranks).
+    over all the runtime's ranks), and its metadata says ``world_size`` and ``rank``
+    (:func:`tp_kernels.onnx._collective_ops.stamp`; with one rank it is a copy of ``model``).
     """
     if not isinstance(model, onnx.ModelProto):
         raise ValueError(f"model: expected an onnx.ModelProto, got {type(model).__name__}")
@@ -81,7 +82,9 @@ def shard(model: onnx.ModelProto, plan: Mapping[str, str], world_size: int, rank
         out = onnx.ModelProto()
         out.CopyFrom(model)
         return out
-    return sharder.run()
+    out = sharder.run()
+    _collective_ops.stamp(out, world_size, rank)
+    return out
 
 
 def _label(node: onnx.NodeProto, index: int) -> str:
