@@ -2315,6 +2315,73 @@ def test_moe_sequence_parallel_plan(world2, kind, parallelism):
     world2.run(check_moe_sequence_parallel_plan, kind, parallelism)
 
 
+def _qwen2_moe_split_shared_expert_plan(dense) -> dict:
+    """Qwen 2 MoE's tp_plan with its shared expert split as Qwen 3 Next's plan splits its."""
+    from test_experts import _plan
+
+    plan = _plan(dense, "tp")
+    plan.update({f"model.layers.*.mlp.shared_expert.{name}": style for name, style in
+                 (("gate_proj", "colwise"), ("up_proj", "colwise"), ("down_proj", "rowwise"))})
+    return plan
+
+
+def check_moe_row_layer_in_mixture_and_dense_layer():
+    """Qwen 2 MoE whose plan names its dense first layer's row layer and its mixture's shared
+    expert's by one entry (``mlp.*down_proj``): that row layer cannot leave its term of a partial
+    sum in one layer and reduce-scatter in the other, so both modules sum their outputs whole (then
+    split), and the logits, the loss and every gradient are the dense model's in float64."""
+    from test_experts import _moe_model
+    from torch.distributed.tensor import Replicate
+
+    _, p = rank_world()
+    dense = _moe_model("qwen2_moe")
+    plan = _qwen2_moe_split_shared_expert_plan(dense)
+    for relative in ("down_proj", "shared_expert.down_proj"):
+        del plan[f"model.layers.*.mlp.{relative}"]
+    plan["model.layers.*.mlp.*down_proj"] = "rowwise"
+    sequence_plan = tp_kernels.sequence_parallel_plan(dense, plan)
+    assert sequence_plan["model.layers.*.mlp"].prepare_module_output.output_layouts == (Replicate(),), sequence_plan
+    assert sequence_plan["model.layers.*.mlp.experts"] == "moe_tp_experts", sequence_plan  # (not partial)
+    par = tp_kernels.parallelize(copy.deepcopy(dense), sequence_plan)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    assert_same_loss_and_backward(dense, par, ids)
+    assert_dense_grads(par, dense, 4 * torch.finfo(torch.float32).eps)
+
+
+def test_moe_row_layer_in_mixture_and_dense_layer(world2):
+    skip_unless_own_plan("Qwen2MoeConfig", "layers.*.mlp.experts", "moe_tp_experts")
+    world2.run(check_moe_row_layer_in_mixture_and_dense_layer)
+
+
+@pytest.mark.parametrize("layout", ["router_with_another_parameter", "gate_of_two_outputs"])
+def test_sequence_plan_sums_a_mixture_it_cannot_tell_apart(layout):
+    """A mixture of experts holding a module the sequence plan cannot tell is a router (a module
+    with a parameter beside its ``[E, hidden]`` weight) or a shared expert's gate (an ``nn.Linear``
+    of two outputs): it might add to the mixture's output what every rank computes alike, which a
+    reduce-scatter of partial sums would count p times, so the mixture's output is summed whole,
+    then split, and the module gets no gate's entry. (The plan alone: such a gate is no model's.)"""
+    pytest.importorskip("transformers")
+    from test_experts import _moe_model, _plan
+    from torch.distributed.tensor import Replicate
+
+    kind = "qwen3_moe" if layout == "router_with_another_parameter" else "qwen2_moe"
+    if kind == "qwen2_moe":
+        skip_unless_own_plan("Qwen2MoeConfig", "layers.*.mlp.experts", "moe_tp_experts")
+    dense = _moe_model(kind)
+    plan = _plan(dense, "tp") if kind == "qwen3_moe" else _qwen2_moe_split_shared_expert_plan(dense)
+    assert tp_kernels.sequence_parallel_plan(dense, plan)["model.layers.*.mlp.experts"] == \
+        ("moe_tp_experts", "partial")  # (as it comes)
+    mixture = dense.model.layers[1].mlp
+    if layout == "router_with_another_parameter":
+        mixture.gate.register_parameter("scale", nn.Parameter(torch.ones(16, dtype=torch.float64)))
+    else:
+        mixture.shared_expert_gate = nn.Linear(16, 2, bias=False).double()
+    sequence_plan = tp_kernels.sequence_parallel_plan(dense, plan)
+    assert sequence_plan["model.layers.1.mlp"].prepare_module_output.output_layouts == (Replicate(),), sequence_plan
+    assert sequence_plan["model.layers.*.mlp.experts"] == "moe_tp_experts", sequence_plan
+    assert not any(name.endswith("shared_expert_gate") for name in sequence_plan), sequence_plan
+
+
 def check_hybrid_sequence_parallel_plan():
     """NemotronH, a hybrid whose decoder layers each hold one ``mixer`` of their own kind (a Mamba-2
     mixer, a mixture of experts, an attention, an MLP) and a ``norm``, its Mamba mixer a gated
