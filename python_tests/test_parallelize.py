@@ -1625,9 +1625,9 @@ def test_padded_vocabulary_model(world, vocab_of_p, tmp_path):
 
 
 def check_distributed_checkpoint_across_sizes(path, device="cpu"):
-    """torch.distributed.checkpoint with sharded_state_dict: a model parallelized over all the
-    ranks saves, and the same model parallelized over half of them loads in place, holding the
-    dense model's weights bit for bit. The plain state_dict names every rank's block as one tensor,
+    """torch.distributed.checkpoint with sharded_state_dict (its blocks DTensors, with one rank
+    plain tensors): a model parallelized over all the ranks saves, and the same model parallelized
+    over half of them loads in place, holding the dense model's weights bit for bit. The plain state_dict names every rank's block as one tensor,
     which dcp saves from one rank only: loading it back gives the other ranks that rank's blocks."""
     import torch.distributed.checkpoint as dcp
 
@@ -1636,7 +1636,10 @@ def check_distributed_checkpoint_across_sizes(path, device="cpu"):
     torch.manual_seed(0)
     dense = LanguageModel(vocab, hidden, heads, ffn).to(device)
     wide = tp_kernels.parallelize(copy.deepcopy(dense), LM_PLAN)
-    dcp.save(tp_kernels.sharded_state_dict(wide), checkpoint_id=f"{path}/sharded")
+    state = tp_kernels.sharded_state_dict(wide)
+    kinds = {type(v).__name__ for v in state.values()}
+    assert kinds == ({"Tensor"} if p == 1 else {"Tensor", "DTensor"}), kinds  # (with one rank, plain tensors)
+    dcp.save(state, checkpoint_id=f"{path}/sharded")
     tp_kernels.initialize_model_parallel(max(p // 2, 1))
     try:
         torch.manual_seed(1)  # other weights, replaced by the load
@@ -3072,8 +3075,9 @@ def test_distributed_checkpoint_with_optimizer(world, tmp_path):
 
 def test_dense_state_dict_joins_and_refuses_incomplete_entries():
     """dense_state_dict joins outputs and heads in order (whatever order the entries come in),
-    leaves other entries alone, and names an entry whose outputs or heads are not all there, or
-    whose unsplit values differ."""
+    packed expert weights' outputs along the dim they name, leaves other entries alone, and names
+    an entry whose outputs or heads are not all there, whose outputs name different dims, or whose
+    unsplit values differ."""
     t = [torch.full((1, 2), float(i)) for i in range(4)]
     got = tp_kernels.dense_state_dict({"a.w[1][1]": t[3], "b": t[0], "a.w[0]": t[0], "a.w[1][0]": t[2],
                                        "opt": {"state": {"a.w[1]": {"m": t[1], "step": 3}, "a.w[0]": {"m": t[0],
@@ -3081,8 +3085,13 @@ def test_dense_state_dict_joins_and_refuses_incomplete_entries():
     assert list(got) == ["a.w", "b", "opt"] and got["b"] is t[0]
     assert torch.equal(got["a.w"], torch.cat([t[0], t[2], t[3]]))
     assert torch.equal(got["opt"]["state"]["a.w"]["m"], torch.cat([t[0], t[1]])) and got["opt"]["state"]["a.w"]["step"] == 3
+    packed = tp_kernels.dense_state_dict({"e.gate_up[dim1][1]": t[1], "e.gate_up[dim1][0]": t[0]})
+    assert list(packed) == ["e.gate_up"] and torch.equal(packed["e.gate_up"], torch.cat([t[0], t[1]], 1))
     for bad, match in [({"a.w[1]": t[0]}, r"the entries of 'a.w' are not every output \(and head\) of it: \['a.w\[1\]'\]"),
                        ({"a.w[0][1]": t[0]}, "the entries of 'a.w' are not every output"),
+                       ({"a.w[dim1][0]": t[0], "a.w[1]": t[1]},
+                        r"the entries of 'a.w' are not every output \(and head\) of it: "
+                        r"\['a.w\[dim1\]\[0\]', 'a.w\[1\]'\]"),
                        ({"a.w[0]": {"m": t[0], "step": 1}, "a.w[1]": {"m": t[1], "step": 2}},
                         r"the pieces of 'a.w.step' hold different values"),
                        ([t[0]], "state_dict: expected a mapping, got list")]:
