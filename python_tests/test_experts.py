@@ -282,7 +282,8 @@ def check_experts_sequence_parallel(split, device="cpu"):
     weights for it (a router run on its sequence block): the experts, split either way, gather
     them and reduce-scatter their output, so each rank gets its block of the dense output, and its
     block of the gradients of the hidden states and of the router's logits; the expert weights'
-    gradients, joined, are the dense ones."""
+    gradients, joined, are the dense ones. Arguments of other token counts, or of no dim 0, are
+    named."""
     r, p = rank_world()
     transposed, bias, styles = SPLITS[split]
     torch.manual_seed(0)
@@ -307,6 +308,9 @@ def check_experts_sequence_parallel(split, device="cpu"):
     with pytest.raises(ValueError, match=r"every tensor argument must be this rank's block of the tokens, along "
                                          r"dim 0, but they are args\[0\] \[3, 6\] .*args\[1\] \[2, 2\]"):
         par(hidden[mine], index[:2], weights[:2])
+    with pytest.raises(ValueError, match=r"every tensor argument must be this rank's block of the tokens, along "
+                                         r"dim 0, but they are args\[0\] \[\] float64"):  # (no dim 0 at all)
+        par(hidden[mine][0, 0], index[0, 0], weights[0, 0])
 
 
 @pytest.mark.parametrize("world", [2, 4], indirect=True)
