@@ -1627,8 +1627,9 @@ def test_padded_vocabulary_model(world, vocab_of_p, tmp_path):
 def check_distributed_checkpoint_across_sizes(path, device="cpu"):
     """torch.distributed.checkpoint with sharded_state_dict (its blocks DTensors, with one rank
     plain tensors): a model parallelized over all the ranks saves, and the same model parallelized
-    over half of them loads in place, holding the dense model's weights bit for bit. The plain state_dict names every rank's block as one tensor,
-    which dcp saves from one rank only: loading it back gives the other ranks that rank's blocks."""
+    over half of them loads in place, holding the dense model's weights bit for bit. The plain
+    state_dict names every rank's block as one tensor, which dcp saves from one rank only: loading
+    it back gives the other ranks that rank's blocks."""
     import torch.distributed.checkpoint as dcp
 
     r, p = rank_world()
