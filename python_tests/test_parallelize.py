@@ -2242,10 +2242,7 @@ def check_moe_sequence_parallel_plan(kind, parallelism, device="cpu"):
 
     _, p = rank_world()
     dense = _moe_model(kind).to(device)
-    plan = _plan(dense, "tp" if parallelism == "tp_shared" else parallelism)
-    if parallelism == "tp_shared":
-        plan.update({f"model.layers.*.mlp.shared_expert.{name}": style for name, style in
-                     (("gate_proj", "colwise"), ("up_proj", "colwise"), ("down_proj", "rowwise"))})
+    plan = _qwen2_moe_split_shared_expert_plan(dense) if parallelism == "tp_shared" else _plan(dense, parallelism)
     sequence_plan = tp_kernels.sequence_parallel_plan(dense, plan)
     gated = kind == "qwen3_next" or parallelism == "tp_shared"  # (the shared expert's gate, its output's gradient summed)
     assert sequence_plan.get("model.layers.*.mlp.shared_expert_gate") == \
