@@ -184,21 +184,3 @@ def check_gather_for_column_layers():
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
 def test_gather_for_column_layers(world):
     world.run(check_gather_for_column_layers)
-
-
-@pytest.mark.parametrize("shape, dim", [((2, 16, 64), 1), ((2, 1, 64), 1), ((4, 3, 5, 6), 1), ((4, 3, 5, 6), 2),
-                                        ((3, 1, 1, 6), 2), ((3, 2, 5), 0), ((4, 6, 8), -1)])
-def test_blocks_cut_and_joined(shape, dim):
-    """``_collectives.join_stacked`` joins the blocks of a ``[p, *shape]`` tensor along ``dim`` as
-    ``torch.cat`` does, and ``join_blocks`` those of ``[p*b, ...]``, each a new contiguous tensor
-    (not a view), and ``blocks_first`` cuts them apart again: the layouts of every gather and
-    scatter along a dim other than 0 (a copy, none where the dims before ``dim`` are all 1)."""
-    from tp_kernels import _collectives as coll
-
-    stacked = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
-    p, d = shape[0], dim % (len(shape) - 1)
-    want = torch.cat(list(stacked), d)
-    for got in (coll.join_stacked(stacked, d), coll.join_blocks(stacked.flatten(0, 1), dim, p)):
-        assert torch.equal(got, want) and got.is_contiguous(), (shape, dim)
-        assert got._base is None or d == 0, "a view of the gathered blocks"
-    torch.testing.assert_close(coll.blocks_first(want, d, p), stacked.flatten(0, 1), rtol=0, atol=0)

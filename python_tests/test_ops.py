@@ -119,17 +119,17 @@ def test_ops_against_float64(world, op, dtype, backend):
 
 
 def check_gather_and_scatter_dims(device="cpu", dtype=torch.float64):
-    """``gather_dim`` / ``scatter_dim`` other than 0 (a batch-first ``[b, s/p, k]``, and a dim
-    inside a 4-D input, counted from either end): each rank's output is the dense product's block
-    of that dim (in float64, of the same rounded inputs), contiguous, and so are the gradients, on
-    both backends; the dim is checked, on every rank, before anything moves."""
+    """``gather_dim`` / ``scatter_dim`` other than 0 (a batch-first ``[b, s/p, k]``, s/p = 1 too,
+    and a dim inside a 4-D input, counted from either end): each rank's output is the dense
+    product's block of that dim (in float64, of the same rounded inputs), contiguous, and so are
+    the gradients, on both backends; the dim is checked, on every rank, before anything moves."""
     r, p = rank_world()
     g = torch.Generator().manual_seed(0)
 
     def draw(*shape):  # (rounded to dtype, held in float64)
         return torch.randn(shape, generator=g).to(dtype).double()
 
-    for shape, dim in [((3, 2 * p, 5), 1), ((2, 3, 2 * p, 5), -2), ((1, 2 * p, 5), 1)]:
+    for shape, dim in [((3, 2 * p, 5), 1), ((2, 3, 2 * p, 5), -2), ((1, 2 * p, 5), 1), ((3, p, 5), 1)]:
         d = dim % len(shape)
         x_col, w_col, b_col = draw(*shape), draw(4 * p, 5), draw(4 * p)
         x_row, w_row, b_row = draw(*shape[:-1], 3 * p), draw(4, 3 * p), draw(4)

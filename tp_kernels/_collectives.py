@@ -478,9 +478,9 @@ def join_blocks(x: torch.Tensor, dim: int, p: int) -> torch.Tensor:
     (``[p*b, s/p, h] -> [b, s, h]`` for 1; negative counts from the end): what a collective or op
     along dim 0 gathered gives back as a gather of ``dim``. Contiguous: a copy unless the dims
     before ``dim`` are all 1, and then not a view of a contiguous ``x`` (FSDP2 warns of a module
-    whose output is a view, as a language model's head's is); ``x`` itself for 0."""
+    whose output is a view, as a language model's head's is); ``x`` itself for 0 or one block."""
     dim %= x.dim()
-    if not dim:
+    if not dim or p == 1:
         return x
     return join_stacked(x.unflatten(0, (p, -1)), dim)
 
@@ -493,7 +493,8 @@ def join_stacked(stacked: torch.Tensor, dim: int) -> torch.Tensor:
     shape[dim] *= stacked.shape[0]
     if stacked.shape[1:dim + 1].numel() == 1 and stacked.is_contiguous():  # (the dims before dim all 1: the
         return UNSAFE_VIEW(stacked, shape)  # blocks side by side already)
-    return stacked.movedim(0, dim).reshape(*shape)  # ([b, p, s/p, h] -> [b, s, h]: a copy)
+    joined = stacked.movedim(0, dim).reshape(shape)  # ([b, p, s/p, h] -> [b, s, h]: a copy, but
+    return joined if joined.is_contiguous() else joined.contiguous()  # a strided view where s/p is 1)
 
 
 def split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
