@@ -1,14 +1,51 @@
 """The raw collectives (``tp_kernels._collectives``) on their own: what the ops, layers and
-checkpoints build on without checking it again. The layout helpers undo each other."""
+checkpoints build on without checking it again. A pending result completes once however often it
+is waited for; the layout helpers undo each other; the reductions other than a sum are that
+reduction, before and after a sum; the byte exchanges keep rank order; the guards of the helpers
+that callers reach directly raise before anything is sent."""
 
 from __future__ import annotations
 
 import math
+import os
+import time
 
+import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, strategies as st
 
 from tp_kernels import _collectives as coll
+
+from helpers import rank_world
+
+
+class _Work:
+    """A collective's work as the backends give it: ``wait(timeout)``, counted."""
+
+    def __init__(self):
+        self.waits = 0
+
+    def wait(self, timeout=None):
+        self.waits += 1
+
+
+def test_a_pending_result_completes_once():
+    """``Pending.wait`` waits for its dependencies, then its works, then runs its epilogues in the
+    order ``then`` added them, once: waiting again returns the same tensor and repeats nothing (a
+    bias added after a reduction is added once)."""
+    log = []
+    dep_work, work = _Work(), _Work()
+    dep = coll.Pending(torch.zeros(1), (dep_work,), "a chunk", finish=lambda t: log.append("chunk"))
+    out = torch.zeros(2)
+    pending = coll.Pending(out, (work,), "the call", deps=(dep,),
+                           finish=lambda t: log.append(("first", dep_work.waits)))
+    assert pending.then(lambda t: t.add_(1)).then(None).then(lambda t: log.append("second")) is pending
+    for _ in range(3):
+        assert pending.wait() is out
+    assert log == ["chunk", ("first", 1), "second"]
+    assert (dep_work.waits, work.waits) == (1, 1)
+    assert torch.equal(out, torch.ones(2))
 
 
 @given(shape=st.lists(st.integers(1, 3), min_size=1, max_size=4), pick=st.integers(0, 3), p=st.integers(1, 4))
@@ -31,3 +68,63 @@ def test_blocks_cut_and_joined(shape, pick, p):
         assert got._base is None or math.prod(shape[:dim]) == 1 or p == 1, "a view of the gathered blocks"
     cut = coll.blocks_first(want, dim, p)
     assert cut.is_contiguous() and torch.equal(cut, stacked.flatten(0, 1)), (shape, dim, p)
+
+
+def check_helpers(flag: str):
+    r, p = rank_world()
+    group = coll.resolve_group(None)
+    assert coll.group_from_name(coll.group_name(group)) is group
+    assert coll.group_name(None) == "" and coll.group_from_name("") is None
+
+    # Reductions other than a sum, between sums: each is its own reduction.
+    want = {dist.ReduceOp.SUM: p * (p + 1) / 2, dist.ReduceOp.MAX: p, dist.ReduceOp.MIN: 1,
+            dist.ReduceOp.PRODUCT: math.factorial(p)}
+    for op in (dist.ReduceOp.MAX, dist.ReduceOp.SUM, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT, dist.ReduceOp.SUM,
+               dist.ReduceOp.MAX):
+        x = torch.tensor([r + 1.0], dtype=torch.float64)
+        assert coll.all_reduce(x, group, op=op).wait().item() == want[op], op
+        assert x.item() == r + 1.0  # (not in place: a copy)
+
+    # A reduce-scatter of host tensors leaves its input as it was, unless it is scratch.
+    x = torch.arange(2.0 * p * 3).reshape(2 * p, 3) * (r + 1)
+    before = x.clone()
+    got = coll.reduce_scatter_dim0(x, group).wait()
+    assert torch.equal(got, (torch.arange(2.0 * p * 3).reshape(2 * p, 3) * p * (p + 1) / 2)[2 * r:2 * r + 2])
+    assert torch.equal(x, before)
+    with pytest.raises(ValueError, match=rf"reduce-scatter: dim 0 \({p + 1}\) is not divisible by the group size {p}"):
+        coll.reduce_scatter_dim0(torch.zeros(p + 1, 2), group)
+
+    # Bytes: every rank's in rank order; a pair's swapped.
+    mine = bytes([r, 7, 255 - r])
+    assert coll.all_gather_bytes(mine, group, torch.device("cpu")) == [bytes([q, 7, 255 - q]) for q in range(p)]
+    with pytest.raises(ValueError, match="payload: expected at least one byte"):
+        coll.all_gather_bytes(b"", group, torch.device("cpu"))
+    assert coll.swap_bytes(mine, r ^ 1, group, torch.device("cpu")) == bytes([r ^ 1, 7, 255 - (r ^ 1)])
+
+    # A gather of complex numbers, to the last rank: the root's result is the buffer it gave.
+    dst = p - 1
+    x = torch.tensor([complex(r, -r), complex(2 * r, 1)], dtype=torch.complex64)
+    out = torch.empty(2 * p, dtype=torch.complex64) if r == dst else None
+    got = coll.gather(x, out, dst, group).wait()
+    if r == dst:
+        assert got is out
+        assert torch.equal(out, torch.tensor([v for q in range(p) for v in (complex(q, -q), complex(2 * q, 1))],
+                                             dtype=torch.complex64))
+    else:
+        assert got is x
+
+    # A barrier returns on each rank once every rank has called it: rank 0 finds the flag the last
+    # rank writes just before its own call, late.
+    if r == p - 1:
+        time.sleep(0.5)
+        open(flag, "w").close()
+    coll.barrier(group, torch.device("cpu"))
+    assert os.path.exists(flag)
+    coll.barrier(group, torch.device("cpu"))  # (no rank removes it before rank 0 looked)
+    if r == p - 1:
+        os.remove(flag)
+
+
+@pytest.mark.parametrize("world", [2, 4], indirect=True)
+def test_the_helpers_on_several_ranks(world, tmp_path):
+    world.run(check_helpers, str(tmp_path / "last_rank_arrived"))
