@@ -91,6 +91,10 @@ def test_compiled_mlp_matches_eager(world2, sequence_parallel, sequence_dim, bac
     world2.run(check_compiled_mlp, sequence_parallel, backend, sequence_dim=sequence_dim, deadline_s=600)
 
 
+class _Subclass(torch.Tensor):
+    """A tensor subclass that changes nothing (torch's default ``__torch_function__``)."""
+
+
 def check_eager_calls_skip_the_dispatcher(op_name):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -118,12 +122,16 @@ def check_eager_calls_skip_the_dispatcher(op_name):
             assert torch.equal(got, want)
         with torch.no_grad():
             assert torch.equal(op(x, w, b, group, "reference"), grads[0][0]) and dispatched == []
+            # A tensor subclass (DTensor, say) goes through the dispatcher, where it can intercept the op
+            sub = op(x.as_subclass(_Subclass), w, b, group, "reference")
+            assert type(sub) is _Subclass and torch.equal(sub.as_subclass(torch.Tensor), grads[0][0])
+            assert dispatched == [1]
         # Traced or faked, the call is the one op
         gm = make_fx(lambda a, c, d: op(a, c, d, group, "reference"))(x, w, b)
         assert getattr(torch.ops.tp_kernels, op_name).default in [n.target for n in gm.graph.nodes]
         with FakeTensorMode() as mode:
             fake = op(mode.from_tensor(x), mode.from_tensor(w), mode.from_tensor(b), group, "reference")
-        assert fake.shape == grads[0][0].shape and len(dispatched) == 2
+        assert fake.shape == grads[0][0].shape and len(dispatched) == 3
     finally:
         op.op = real
 
