@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -200,17 +203,37 @@ def test_gather_and_scatter_dims_copy_once(world):
     world.run(check_dims_copy_once)
 
 
+@contextlib.contextmanager
+def _products():
+    """The output shapes of the ``Tensor.mm`` products run within the block (each backward's
+    weight gradient is one)."""
+    shapes, mm = [], torch.Tensor.mm
+
+    def counted(a, b):
+        out = mm(a, b)
+        shapes.append(tuple(out.shape))
+        return out
+
+    with mock.patch.object(torch.Tensor, "mm", counted):
+        yield shapes
+
+
 def check_empty_and_frozen(op):
-    """m = 0 rows works; a frozen weight gets no gradient and costs no re-gather."""
+    """m = 0 rows works; a frozen weight gets no gradient, and its backward computes none (the
+    product of the weight's shape runs only where the weight takes a gradient)."""
     args, _ = _case(op, 0, 11, 7, torch.float32)
     for backend in ("reference", "pipelined"):
         y = getattr(ops, op)(*args, backend=backend)
         assert y.shape[0] == 0
     args, _ = _case(op, 3, 11, 7, torch.float32)
-    x = args[0].clone().requires_grad_()
-    y = getattr(ops, op)(x, args[1], None, backend="pipelined", num_chunks=2)
-    y.sum().backward()
-    assert x.grad is not None and x.grad.shape == x.shape
+    for trained in (False, True):
+        x, w = args[0].clone().requires_grad_(), args[1].clone().requires_grad_(trained)
+        y = getattr(ops, op)(x, w, None, backend="pipelined", num_chunks=2)
+        with _products() as products:
+            y.sum().backward()
+        assert x.grad is not None and x.grad.shape == x.shape
+        assert (w.grad is not None) == trained
+        assert (tuple(w.shape) in products) == trained, (trained, products)
 
 
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
