@@ -221,11 +221,16 @@ def _products():
 def check_empty_and_frozen(op):
     """m = 0 rows works; a frozen weight gets no gradient, and its backward computes none (the
     product of the weight's shape runs only where the weight takes a gradient)."""
-    args, _ = _case(op, 0, 11, 7, torch.float32)
+    def case(m_per_rank):  # (linear_with_grad_all_reduce: the column layer's weight, x whole)
+        column = op == "linear_with_grad_all_reduce"
+        args, full = _case("all_gather_matmul" if column else op, m_per_rank, 11, 7, torch.float32)
+        return (full[0], *args[1:]) if column else args
+
+    args = case(0)
     for backend in ("reference", "pipelined"):
         y = getattr(ops, op)(*args, backend=backend)
         assert y.shape[0] == 0
-    args, _ = _case(op, 3, 11, 7, torch.float32)
+    args = case(3)
     for trained in (False, True):
         x, w = args[0].clone().requires_grad_(), args[1].clone().requires_grad_(trained)
         y = getattr(ops, op)(x, w, None, backend="pipelined", num_chunks=2)
@@ -236,7 +241,8 @@ def check_empty_and_frozen(op):
         assert (tuple(w.shape) in products) == trained, (trained, products)
 
 
-@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce",
+                                "linear_with_grad_all_reduce"])
 def test_empty_batch_and_frozen_weight(world2, op):
     world2.run(check_empty_and_frozen, op)
 
