@@ -82,6 +82,9 @@ def test_the_hold_follows_the_hosts_last_enqueue_within_its_bounds(fake_gpu):
     assert held[0] == _timing.HOLD_MIN_S and held[1] >= 0.008
     assert hold.seconds < 0.008  # a quick enqueue shrinks it again, not below the floor
     assert hold.seconds >= _timing.HOLD_MIN_S
+    hold.before()  # nothing enqueued: the floor
+    hold.after(_Event(), timed=False)
+    assert hold.seconds == _timing.HOLD_MIN_S
     _timing.gpu_events(lambda: time.sleep(0.03), hold)  # past the ceiling
     assert hold.seconds == _timing.HOLD_MAX_S
     log.clear()
@@ -124,6 +127,27 @@ def test_a_timer_without_a_hold_and_the_host_timer_spin_nothing(fake_gpu):
     cpu = _timing.Timer(2, 1, False, None, hold=_timing.Hold())
     assert cpu.hold is None
     assert cpu(lambda i: None) >= 0.0 and log == []
+
+
+def test_the_host_timer_times_the_body_alone_each_sample_after_a_barrier(monkeypatch):
+    """On the host, each timed sample follows a barrier of the group (the warm-up none); ``pre`` and
+    ``post`` run around the body, untimed, ``post`` given what ``pre`` returned."""
+    log = []
+    monkeypatch.setattr(_timing.coll, "barrier", lambda group, device: log.append("barrier"))
+
+    def pre(i):
+        time.sleep(0.05)
+        log.append(f"pre {i}")
+        return i
+
+    def post(state):
+        time.sleep(0.05)
+        log.append(f"post {state}")
+
+    t = _timing.Timer(2, 1, False, None)(lambda i: log.append(f"body {i}"), pre=pre, post=post)
+    assert log == ["pre 0", "body 0", "post 0", "barrier", "pre 1", "body 1", "post 1",
+                   "barrier", "pre 2", "body 2", "post 2"]
+    assert t < 0.05
 
 
 def test_the_extension_benchmarks_time_with_the_shared_hold(fake_gpu, monkeypatch):
