@@ -54,9 +54,9 @@ def test_blocks_cut_and_joined(shape, pick, p):
     blocks of a ``[p, *shape]`` tensor along ``dim`` as ``torch.cat`` does, and ``join_blocks``
     (``dim`` counted from either end) those of ``[p*b, ...]``, each contiguous, and a new tensor
     (not a view) unless the dims before ``dim`` are all 1 (then a view that autograd does not
-    track as one), ``dim`` is 0 or there is one block; ``blocks_first`` cuts them apart again, contiguous (block r of
-    the result is block r of ``dim``). Blocks one wide included: a reshape alone gave a view that
-    is not contiguous there."""
+    track as one), ``dim`` is 0 or there is one block; ``blocks_first`` cuts them apart again,
+    contiguous (block r of the result is block r of ``dim``). Blocks one wide included: a reshape
+    alone gives a view that is not contiguous there."""
     dim = pick % len(shape)
     stacked = torch.arange(p * math.prod(shape)).reshape(p, *shape)
     want = torch.cat(list(stacked), dim)
