@@ -11,6 +11,7 @@ import logging
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 import tp_kernels
 from tp_kernels import _extension, ops, parallel_state, settings
@@ -157,6 +158,43 @@ def test_weight_layouts():
     assert copy.is_contiguous() and torch.equal(copy, strided) and layout(copy) == (8, False)
     with pytest.raises(ValueError, match="weight: expected a row-major or column-major weight"):
         layout(strided)
+
+
+def _native_layout_error(x, weight):
+    """What the native GEMM's checks say of ``x`` and ``weight`` as they are (``_C.linear_problem``,
+    the tensors named as on device 0), or None when they take them."""
+    refs = {name: _extension._C.TensorRef(name, t.data_ptr(), list(t.shape), list(t.stride()), "float32", 0)
+            for name, t in (("x", x), ("weight", weight), ("out", torch.empty(*x.shape[:-1], weight.shape[0])))}
+    refs["workspace"] = _extension._C.TensorRef("workspace", 0, [0], [1], "uint8", 0)
+    try:
+        _extension._C.linear_problem(bias=None, **refs)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _strided(shape, strides):
+    """A float32 tensor of ``shape`` with these ``strides`` (any: rows apart, transposed,
+    overlapping, broadcast), over distinct values."""
+    size = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    return torch.arange(size, dtype=torch.float32).as_strided(shape, strides)
+
+
+@built
+@given(x_shape=st.lists(st.integers(1, 3), min_size=2, max_size=3), x_strides=st.lists(st.integers(0, 7), min_size=3,
+       max_size=3), n=st.integers(1, 3), w_strides=st.lists(st.integers(0, 7), min_size=2, max_size=2))
+def test_the_python_side_passes_what_the_native_gemm_takes(x_shape, x_strides, n, w_strides):
+    """Whatever the layout of x (``[m, k]`` or ``[batch, m, k]``) and of the weight, what the
+    Python side passes (``_gemm_input``, ``gemm_weight``) has the same values and is taken by the
+    native GEMM's checks; and it is the tensor itself whenever those checks take that as it is: a
+    copy only where one is needed."""
+    x = _strided(x_shape, x_strides[:len(x_shape)])
+    weight = _strided([n, x_shape[-1]], w_strides)
+    passed_x, passed_w = _extension._gemm_input(x), _extension.gemm_weight(weight)
+    assert torch.equal(passed_x, x) and torch.equal(passed_w, weight)
+    assert _native_layout_error(passed_x, passed_w) is None
+    assert (passed_x is x) == (_native_layout_error(x, passed_w) is None), (x.shape, x.stride())
+    assert (passed_w is weight) == (_native_layout_error(passed_x, weight) is None), (weight.shape, weight.stride())
 
 
 def test_comm_stream_priority(monkeypatch):

@@ -255,21 +255,28 @@ def has_workspace(stream: StreamRef) -> bool:
 
 def gemm_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` ``[n, k]`` as the native GEMMs take it: as it is when it is row-major or
-    column-major (a transposed view, as backward passes use), else a row-major copy. (A cheap
-    sufficient test; the native side checks the layout it gets.)"""
+    column-major (a transposed view, as backward passes use; rows or columns may be apart), else a
+    row-major copy. The layouts are those ``weight_layout`` in ``csrc/boundary.cpp`` takes (it
+    checks the weight it gets); python_tests/test_native.py holds the two to the same layouts."""
     if isinstance(weight, torch.Tensor) and weight.dim() == 2:
         (n, k), (s0, s1) = weight.shape, weight.stride()
-        if not ((s1 == 1 and s0 >= k) or (s0 == 1 and s1 >= n)):
+        if not (((k <= 1 or s1 == 1) and (n <= 1 or (s0 >= k and s0 > 0)))  # row-major
+                or ((n <= 1 or s0 == 1) and (k <= 1 or (s1 >= n and s1 > 0)))):  # column-major
             return weight.contiguous()
     return weight
 
 
 def _gemm_input(x: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[m, k]`` with a contiguous last dim and rows that do not overlap (the GEMMs' rows
-    may be strided), else a contiguous copy; other tensors as they are (the native side checks)."""
-    if isinstance(x, torch.Tensor) and x.dim() == 2:
-        (m, k), (s0, s1) = x.shape, x.stride()
-        if (k > 1 and s1 != 1) or (m > 1 and s0 < k):
+    """``x`` ``[m, k]`` or ``[batch, m, k]`` as it is when the native GEMM takes its layout (a
+    contiguous last dim; rows, and the batch's matrices, that may be apart but do not overlap:
+    ``row_stride`` and ``linear_args`` in ``csrc/boundary.cpp``), else a contiguous copy; other
+    tensors as they are (the native side checks them)."""
+    if isinstance(x, torch.Tensor) and 2 <= x.dim() <= 3:
+        shape, strides = x.shape, x.stride()
+        m, k, s0, s1 = shape[-2], shape[-1], strides[-2], strides[-1]
+        if (k > 1 and s1 != 1) or (m > 1 and (s0 < k or s0 < 1)):
+            return x.contiguous()
+        if len(shape) == 3 and shape[0] > 1 and strides[0] < m * (s0 if m > 1 else max(1, k)):
             return x.contiguous()
     return x
 
@@ -284,9 +291,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     autograd).
 
     Args:
-        x: ``[m, k]`` CUDA tensor, float32/float16/bfloat16 (rows need not be adjacent, but the
-            last dim must be contiguous; otherwise a contiguous copy is made); or ``[batch, m, k]``:
-            ``batch`` products with the one weight (no bias).
+        x: ``[m, k]`` CUDA tensor, float32/float16/bfloat16, or ``[batch, m, k]``: ``batch``
+            products with the one weight (no bias). Used as it is when its last dim is contiguous
+            and its rows (and matrices) do not overlap, though they may be apart; otherwise a
+            contiguous copy is made.
         weight: ``[n, k]``, same dtype and device, row- or column-major (a transposed view is
             used as it is; another layout is copied); bias: ``[n]`` or None.
         out: ``[m, n]`` (``[batch, m, n]``), same dtype and device, last dim contiguous (e.g. rows
