@@ -529,10 +529,11 @@ def test_the_benchmark_reports_what_auto_measured():
     from tp_kernels.bench import measure
 
     probe = torch.empty(4, 8)
-    assert measure._resolved("matmul_all_reduce", "auto", probe, 2, None, []) == "reference"
+    assert measure._resolved("matmul_all_reduce", "auto", probe, 2, None, None, []) == "reference"
     autotune.set_auto_candidates(["reference", "pipelined"])
     made = [autotune.Decision("matmul_all_reduce", "0", "cpu", torch.float32, 2, 4, 8, 8, False,
                               ("pipelined:4", "reference"), (2.0, 1.0), "reference")]
-    assert measure._resolved("matmul_all_reduce", "auto", probe, 2, None, made) == "reference (measured)"
-    assert measure._resolved("matmul_all_reduce", "auto", probe, 2, None, []) == "measured before"
-    assert measure._resolved("matmul_all_reduce", "pipelined", probe, 2, None, []) == "pipelined:4"
+    assert measure._resolved("matmul_all_reduce", "auto", probe, 2, None, None, made) == "reference (measured)"
+    assert measure._resolved("matmul_all_reduce", "auto", probe, 2, None, None, []) == "measured before"
+    assert measure._resolved("matmul_all_reduce", "pipelined", probe, 2, None, None, []) == "pipelined:4"
+    assert measure._resolved("matmul_all_reduce", "pipelined", probe, 2, None, 2, []) == "pipelined:2"  # (as asked)

@@ -322,7 +322,7 @@ def test_plot_writes_a_png(tmp_path):
 def test_main_job_writes_json_csv_png(tmp_path):
     env = dict(os.environ, TP_KERNELS_COMMIT="abc1234")
     cmd = [sys.executable, "-m", "tp_kernels.bench", "--quick", "--m", "16", "--iters", "2", "--warmup", "0",
-           "--targets", "matmul_all_reduce,row_sp", "--out-dir", str(tmp_path)]
+           "--targets", "matmul_all_reduce,row_sp", "--num-chunks", "2", "--out-dir", str(tmp_path)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "[2/2]" in run.stderr  # progress display
@@ -334,6 +334,7 @@ def test_main_job_writes_json_csv_png(tmp_path):
         (t, b) for t in ("matmul_all_reduce", "row_sp") for b in ("reference", "pipelined")}
     for r in record["results"]:
         assert r["median_ms"] > 0 and r["comm_ms"] > 0 and r["E"] is not None
+        assert r["resolved"] == ("pipelined:2" if r["backend"] == "pipelined" else "reference")  # (as asked)
     assert (tmp_path / "cpu-gloo-p2-quick.csv").read_text().startswith("target,model,m,")
     if record["results"] and _has_matplotlib():
         assert (tmp_path / "cpu-gloo-p2-quick.png").stat().st_size > 0

@@ -137,7 +137,7 @@ def main(argv=None) -> int:
               file=sys.stderr, flush=True)
         with World(p, backend=backend, timeout_s=300.0) as world:
             result = world.run(run_rank, config, deadline_s=6 * 3600.0)[0]
-    rows = report.compute_rows(result, p, args.backends[0], args.num_chunks)
+    rows = report.compute_rows(result, p, args.backends[0])
     device = device_name(backend)
     elapsed = time.monotonic() - start
     peaks = ", ".join(f"{d} {v:.2f}" for d, v in result["peak_tflops"].items())

@@ -195,17 +195,18 @@ def measure_case(case: Case, backends: List[str], dtype: torch.dtype, device: to
     for backend in backends:
         before = len(autotune.decisions())
         out["backend"][backend] = _time_backend(case, backend, dtype, device, group, timer, num_chunks, nsets)
-        out["resolved"][backend] = _resolved(op, backend, probe, p, group, autotune.decisions()[before:])
+        out["resolved"][backend] = _resolved(op, backend, probe, p, group, num_chunks, autotune.decisions()[before:])
     return out
 
 
-def _resolved(op: str, backend: str, probe: torch.Tensor, p: int, group, made) -> str:
-    """What ran for ``backend``: for a measured ``"auto"``, the implementations it chose during
-    the timing (``"<choice> (measured)"``), else the decision's answer."""
+def _resolved(op: str, backend: str, probe: torch.Tensor, p: int, group, num_chunks: Optional[int], made) -> str:
+    """What ran for ``backend`` (asked for ``num_chunks``): for a measured ``"auto"``, the
+    implementations it chose during the timing (``"<choice> (measured)"``), else the decision's
+    answer."""
     if backend == "auto" and len(dispatch.candidates(probe, probe, group, p)[0]) > 1:
         chosen = sorted({d.choice for d in made})
         return f"{'+'.join(chosen)} (measured)" if chosen else "measured before"
-    return dispatch.select_backend(op, backend, probe, p, group)
+    return dispatch.select_backend(op, backend, probe, p, group, num_chunks=num_chunks)
 
 
 def _time_backend(case, backend, dtype, device, group, timer, num_chunks, nsets) -> float:

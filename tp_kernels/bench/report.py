@@ -112,7 +112,7 @@ def _predict(case: Case, p: int, dtype: str, schedule: str, gemm, link, slowdown
     return perf_model.simulate(tasks, slowdown if schedule != "naive" else 1.0)
 
 
-def compute_rows(result: dict, p: int, baseline: str, num_chunks: Optional[int] = None) -> List[dict]:
+def compute_rows(result: dict, p: int, baseline: str) -> List[dict]:
     """One row per (case, dtype, backend) with every metric of the module docstring."""
     models = {d: _model_inputs(result, d) for d in {c["dtype"] for c in result["cases"]}}
     peaks = _peaks(result, p)
@@ -129,7 +129,7 @@ def compute_rows(result: dict, p: int, baseline: str, num_chunks: Optional[int] 
             tflops = case.gemm_flops(p) / t / 1e12
             schedule, chunks = schedule_of(resolved)
             model = (None if schedule is None else
-                     _predict(case, p, dtype, schedule, gemm, link, slowdown, chunks or num_chunks))
+                     _predict(case, p, dtype, schedule, gemm, link, slowdown, chunks))
             rows.append({
                 **case.as_dict(), "p": p, "dtype": dtype, "backend": backend, "resolved": resolved,
                 "median_ms": t * 1e3, "tflops": tflops, "pct_peak": 100.0 * tflops / peak,
