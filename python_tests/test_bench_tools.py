@@ -4,6 +4,7 @@ except the main job's end-to-end check)."""
 import csv
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -258,6 +259,7 @@ def test_report_metrics():
     assert pipe["model_ms"] is not None and pipe["model_err"] == pytest.approx(pipe["model_ms"] / 2.4 - 1)
     table = report.format_table(rows)
     assert "matmul_all_reduce" in table and "1.25x" in table
+    assert table.splitlines()[-1].endswith(f"{pipe['model_ms']:>9.3f} {100 * pipe['model_err']:>+5.0f}%")
     parsed = list(csv.DictReader(io.StringIO(report.to_csv(rows))))
     assert [r["backend"] for r in parsed] == ["reference", "pipelined"]
     summary = report.model_error_summary(rows)
@@ -294,6 +296,7 @@ def test_the_model_predicts_one_rank_from_the_gemms_alone():
     ref, pipe = report.compute_rows(result, p=1, baseline="reference")
     assert ref["model_ms"] == pytest.approx(2.0) and ref["model_err"] == pytest.approx(2.0 / 2.2 - 1)
     assert pipe["model_ms"] == pytest.approx(2.0) and pipe["model_err"] == pytest.approx(2.0 / 2.5 - 1)
+    assert ref["E"] is None and pipe["E"] is None  # (nothing communicated: nothing to hide)
     # the schedules themselves: one GEMM of the whole shape a call at p = 1, whatever the chunks
     gemm = lambda m, n, k, dtype: 1e-6 * m  # noqa: E731
     for op in pm.OP_COLLECTIVE:
@@ -310,12 +313,150 @@ def test_the_model_predicts_one_rank_from_the_gemms_alone():
     assert len([t for t in tasks if t.resource == "compute"]) == 4
 
 
+def _measured_case(case, p, dtype, s_per_flop, s_per_byte, backend):
+    """A case's entry as ``measure_case`` records it: each GEMM of the case timed at one rate, each
+    of its collectives at its size and at a quarter of it (10 µs plus a time per byte), and
+    ``backend``'s times, each backend run as itself."""
+    from tp_kernels.bench import measure
+
+    gemm = [[list(shape), 2.0 * math.prod(shape) * s_per_flop] for shape, _ in measure._gemms(case, p)]
+    esize = getattr(torch, dtype).itemsize
+    samples, comm_total = [], 0.0
+    for kind, shape, _ in measure._collectives(case, p):
+        nbytes = math.prod(shape) * esize * (p if kind == "all_gather" else 1)
+        comm_total += 10e-6 + nbytes * s_per_byte
+        samples += [[kind, nbytes, 10e-6 + nbytes * s_per_byte], [kind, nbytes // 4, 10e-6 + nbytes // 4 * s_per_byte]]
+    gemm_total = sum(t for _, t in gemm)
+    return {"case": case.__dict__, "dtype": dtype, "gemm": gemm, "gemm_total": gemm_total, "comm_total": comm_total,
+            "gemm_under_comm": 1.1 * gemm_total, "comm_samples": samples,
+            "resolved": {b: "pipelined:4" if b == "pipelined" else b for b in backend}, "backend": dict(backend)}
+
+
+def test_each_dtype_is_modelled_and_rated_from_its_own_measurements():
+    """With cases in two dtypes, each row comes from its dtype's measurements alone (its GEMM
+    times, the link fitted to its collectives, its peak), as if the other dtype had not run."""
+    case = cases.Case("matmul_all_reduce", "custom", 64, 32, 16)
+    entries = {
+        "float32": _measured_case(case, 2, "float32", 1e-12, 1e-9, {"reference": 5e-6, "pipelined": 4e-6}),
+        "bfloat16": _measured_case(case, 2, "bfloat16", 0.25e-12, 0.3e-9, {"reference": 2e-6, "pipelined": 1e-6})}
+    peaks = {"float32": 1e-6, "bfloat16": 3e-6}
+
+    def rows(*dtypes):
+        result = {"peak_tflops": {d: peaks[d] for d in dtypes}, "cases": [entries[d] for d in dtypes]}
+        return report.compute_rows(result, p=2, baseline="reference")
+
+    both = rows("float32", "bfloat16")
+    assert both == rows("float32") + rows("bfloat16")
+    assert all(r["model_ms"] is not None for r in both)
+    assert len({round(r["model_ms"], 12) for r in both}) == 4  # (each dtype's prediction its own)
+
+
+def test_the_model_needs_each_collective_the_case_runs_at_two_sizes():
+    """A layer with sequence parallelism is predicted from the all-gather and the reduce-scatter
+    its run measured (no all-reduce); a kind measured at one size only fits no line, and then
+    nothing is predicted for the case (rather than an error, or a line through one point)."""
+    case = cases.Case("row_sp", "custom", 64, 32, 16)
+    entry = _measured_case(case, 2, "float32", 1e-12, 1e-9, {"reference": 9e-6, "pipelined": 8e-6})
+    assert {kind for kind, _, _ in entry["comm_samples"]} == {"all_gather", "reduce_scatter"}
+    rows = report.compute_rows({"peak_tflops": {}, "cases": [entry]}, p=2, baseline="reference")
+    assert all(r["model_ms"] is not None for r in rows)
+    for kind in ("all_gather", "reduce_scatter"):
+        first = next(s for s in entry["comm_samples"] if s[0] == kind)
+        one_size = dict(entry, comm_samples=[s for s in entry["comm_samples"] if s[0] != kind or s is first])
+        rows = report.compute_rows({"peak_tflops": {}, "cases": [one_size]}, p=2, baseline="reference")
+        assert [(r["model_ms"], r["model_err"]) for r in rows] == [(None, None)] * 2, kind
+        assert "-" in report.format_table(rows).splitlines()[-1]
+
+
+def test_the_link_is_fitted_to_every_collective_time_of_the_run():
+    """One line per collective kind, least squares through every time the run measured of that
+    kind, whichever case measured it: the reference's prediction of each case is its GEMMs' time
+    and that line's time for its all-reduce."""
+    entries = []
+    for m, noise in ((64, 1.3), (128, 0.8)):
+        case = cases.Case("matmul_all_reduce", "custom", m, 32, 16)
+        entry = _measured_case(case, 2, "float32", 1e-12, 1e-9, {"reference": 1e-4})
+        entry["comm_samples"][1][2] *= noise  # (the times off any one line)
+        entries.append(entry)
+    rows = report.compute_rows({"peak_tflops": {}, "cases": entries}, p=2, baseline="reference")
+    points = [(nbytes, t) for e in entries for _, nbytes, t in e["comm_samples"]]
+    link = pm.Link.calibrated("all four", {"all_reduce": points})
+    for row, entry in zip(rows, entries):
+        nbytes = entry["comm_samples"][0][1]
+        assert row["model_ms"] == pytest.approx((entry["gemm_total"] + link.time("all_reduce", nbytes, 2)) * 1e3)
+
+
+def test_the_peak_is_the_fastest_rate_the_run_saw():
+    """%peak is against the fastest TFLOP/s of the run in that dtype: the square GEMM's, a case's
+    GEMMs alone or a backend's whole case; never above 100, and 100 for the fastest."""
+    result = _fake_result()  # the GEMMs alone at 2 * 64 * 16 * 16 FLOPs in 2 ms; the backends in 3 and 2.4 ms
+    gemm_rate = 2.0 * 64 * 16 * 16 / 2e-3 / 1e12
+    result["peak_tflops"] = {"float32": gemm_rate / 10}
+    ref, pipe = report.compute_rows(result, p=2, baseline="reference")
+    assert pipe["pct_peak"] == pytest.approx(100 * 2 / 2.4) and ref["pct_peak"] == pytest.approx(100 * 2 / 3)
+    result["cases"][0]["backend"]["pipelined"] = 1e-3  # faster than its GEMMs alone
+    ref, pipe = report.compute_rows(result, p=2, baseline="reference")
+    assert pipe["pct_peak"] == pytest.approx(100) and ref["pct_peak"] == pytest.approx(100 / 3)
+    result["peak_tflops"] = {"float32": 4 * pipe["tflops"]}  # a square GEMM faster still
+    ref, pipe = report.compute_rows(result, p=2, baseline="reference")
+    assert pipe["pct_peak"] == pytest.approx(25)
+
+
+def test_the_model_error_summary_is_of_each_schedule_where_it_ran():
+    """The median and worst |model / measured - 1| of the reference's rows and of the pipelined
+    backend's where it ran the pipelined schedule (not where it ran the reference, as every
+    backend does on one rank); rows without a prediction are left out."""
+    def row(backend, resolved, err):
+        return {"backend": backend, "resolved": resolved, "model_err": err}
+
+    rows = ([row("reference", "reference", e) for e in (0.1, -0.3, 0.05, None)]
+            + [row("pipelined", "pipelined:4", -0.02), row("pipelined", "native:2", 0.2),
+               row("pipelined", "reference", 0.5), row("pipelined", "fused:one_shot", None),
+               row("auto", "pipelined:4 (measured)", 0.9)])
+    assert report.model_error_summary(rows) == {
+        "reference": {"cases": 3, "median_abs_err": 0.1, "max_abs_err": 0.3},
+        "pipelined": {"cases": 2, "median_abs_err": 0.2, "max_abs_err": 0.2}}
+
+
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     rows = report.compute_rows(_fake_result(), p=2, baseline="reference")
     path = report.plot(rows, str(tmp_path / "p.png"), "title")
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_what_the_plot_draws(tmp_path, monkeypatch):
+    """One column per target, in the order of the targets; in each, a line per backend other than
+    the baseline: its speedup above and its E below, on one scale per row. An E beyond the axis's
+    floor is drawn at the floor as a triangle with its value beside it."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # (keeps the figure to look at)
+    layer = cases.Case("row_sp", "custom", 64, 32, 16)
+    entry = _measured_case(layer, 2, "float32", 1e-12, 1e-9, {"reference": 1e-3, "pipelined": 1e-3})
+    e_floor = -2.0
+    entry["backend"]["pipelined"] = entry["gemm_total"] + 6 * entry["comm_total"]  # E = (c - 6 c) / c = -5
+    result = _fake_result()
+    result["cases"].insert(0, entry)  # (the later target in the order first)
+    rows = report.compute_rows(result, p=2, baseline="reference")
+    assert report.plot(rows, str(tmp_path / "p.png"), "title") == str(tmp_path / "p.png")
+    (fig,) = figures
+    top, bottom = fig.axes[:2], fig.axes[2:4]
+    assert [ax.get_title() for ax in top] == ["matmul_all_reduce", "row_sp"]
+
+    def series(ax):
+        return {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()
+                if not line.get_label().startswith("_")}
+
+    want = {r["target"]: r for r in rows if r["backend"] == "pipelined"}
+    for ax, target in zip(top, ("matmul_all_reduce", "row_sp")):
+        assert series(ax) == {"pipelined, custom float32": [pytest.approx(want[target]["speedup"])]}
+    assert want["row_sp"]["E"] == pytest.approx(-5.0)
+    drawn = [line for line in bottom[1].get_lines() if line.get_marker() in ("o", "v")]
+    assert [(line.get_marker(), list(line.get_ydata())) for line in drawn] == [("o", [e_floor]), ("v", [e_floor])]
+    assert [t.get_text() for t in bottom[1].texts] == ["-5.0"]
+    assert len(bottom[0].texts) == 0 and bottom[0].get_ylim() == bottom[1].get_ylim()
 
 
 @pytest.mark.slow
