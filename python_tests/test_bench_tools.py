@@ -868,6 +868,37 @@ def test_gpu_bench_records_are_saved_by_device_and_tag(tmp_path):
     assert os.path.basename(save_record({"device": "x"}, str(tmp_path), "extension", "")) == "extension-x.json"
 
 
+def test_what_a_record_says_of_its_run(tmp_path, monkeypatch, capsys):
+    """A record's commit is ``TP_KERNELS_COMMIT`` when set, else this source tree's (git), else
+    "unknown"; records go to the user's cache (``$XDG_CACHE_HOME``, else ``~/.cache``), never the
+    source tree, unless told; a CPU run is named "cpu" in file names; the GPU benchmarks' record
+    is not started without a CUDA device, and says why."""
+    from tp_kernels.bench import records
+
+    monkeypatch.setenv("TP_KERNELS_COMMIT", "abc1234")
+    assert records.commit() == "abc1234"
+    monkeypatch.delenv("TP_KERNELS_COMMIT")
+    here = os.path.dirname(records.__file__)
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True)
+    assert records.commit() == (git.stdout.strip() if git.returncode == 0 else "unknown")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(OSError("no git")))
+    assert records.commit() == "unknown"
+    monkeypatch.undo()
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert records.default_out_dir() == str(tmp_path / "cache" / "tp_kernels" / "bench")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert records.default_out_dir() == str(tmp_path / "home" / ".cache" / "tp_kernels" / "bench")
+
+    cpu = records.device_name("gloo")
+    assert cpu.startswith("CPU (") and f"{os.cpu_count()} cores" in cpu and records.slug(cpu) == "cpu"
+    assert records.slug("NVIDIA H200") == "nvidia-h200"
+    if not torch.cuda.is_available():
+        assert records.gpu_record("tp_kernels.bench.fused") is None
+        assert "tp_kernels.bench.fused: needs a CUDA device" in capsys.readouterr().err
+
+
 # --- the GPU suite's records (bench/gpu_summary.py), from fake logs ------------------------------
 
 
