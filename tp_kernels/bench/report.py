@@ -92,13 +92,6 @@ def _predict(case: Case, p: int, dtype: str, schedule: str, gemm, link, slowdown
         link = _ONE_RANK
     elif link is None:
         return None
-    else:
-        if case.is_layer:
-            needed = {"all_gather", "reduce_scatter"} if case.sequence_parallel else {"all_reduce"}
-        else:
-            needed = {perf_model.OP_COLLECTIVE[case.target]}
-        if not needed <= set(link.fits):
-            return None
     try:
         if case.is_layer:
             tasks = perf_model.layer_tasks(case.kind, case.sequence_parallel, case.m, case.k, case.n, p, dtype, gemm,
@@ -107,7 +100,7 @@ def _predict(case: Case, p: int, dtype: str, schedule: str, gemm, link, slowdown
             tasks = perf_model.naive_op_tasks(case.target, case.m, case.k, case.n, p, dtype, gemm, link)
         else:
             tasks = perf_model.op_tasks(case.target, case.m, case.k, case.n, p, dtype, gemm, link, num_chunks)
-    except KeyError:  # a GEMM shape this run did not measure
+    except KeyError:  # a GEMM shape, or a kind of collective, this run did not measure (at two sizes)
         return None
     return perf_model.simulate(tasks, slowdown if schedule != "naive" else 1.0)
 
