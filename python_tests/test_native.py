@@ -11,7 +11,7 @@ import logging
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import example, given, settings as hypothesis_settings, strategies as st
 
 import tp_kernels
 from tp_kernels import _extension, ops, parallel_state, settings
@@ -181,8 +181,10 @@ def _strided(shape, strides):
 
 
 @built
+@hypothesis_settings(max_examples=1000, deadline=None)
 @given(x_shape=st.lists(st.integers(1, 3), min_size=2, max_size=3), x_strides=st.lists(st.integers(0, 7), min_size=3,
        max_size=3), n=st.integers(1, 3), w_strides=st.lists(st.integers(0, 7), min_size=2, max_size=2))
+@example(x_shape=[2, 1, 3], x_strides=[1, 0, 1], n=2, w_strides=[3, 1])  # one-row matrices of a batch that overlap
 def test_the_python_side_passes_what_the_native_gemm_takes(x_shape, x_strides, n, w_strides):
     """Whatever the layout of x (``[m, k]`` or ``[batch, m, k]``) and of the weight, what the
     Python side passes (``_gemm_input``, ``gemm_weight``) has the same values and is taken by the
