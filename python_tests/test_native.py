@@ -186,10 +186,10 @@ def _strided(shape, strides):
        max_size=3), n=st.integers(1, 3), w_strides=st.lists(st.integers(0, 7), min_size=2, max_size=2))
 @example(x_shape=[2, 1, 3], x_strides=[1, 0, 1], n=2, w_strides=[3, 1])  # one-row matrices of a batch that overlap
 def test_the_python_side_passes_what_the_native_gemm_takes(x_shape, x_strides, n, w_strides):
-    """Whatever the layout of x (``[m, k]`` or ``[batch, m, k]``) and of the weight, what the
-    Python side passes (``_gemm_input``, ``gemm_weight``) has the same values and is taken by the
-    native GEMM's checks; and it is the tensor itself whenever those checks take that as it is: a
-    copy only where one is needed."""
+    """Whatever the layout of x (``[m, k]`` or ``[batch, m, k]``, no dim empty) and of the weight,
+    what the Python side passes (``_gemm_input``, ``gemm_weight``) has the same values and is taken
+    by the native GEMM's checks; and it is the tensor itself whenever those checks take that as it
+    is: a copy only where one is needed."""
     x = _strided(x_shape, x_strides[:len(x_shape)])
     weight = _strided([n, x_shape[-1]], w_strides)
     passed_x, passed_w = _extension._gemm_input(x), _extension.gemm_weight(weight)
