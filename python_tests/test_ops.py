@@ -62,6 +62,42 @@ def test_pipelined_matches_reference(world, op, m_per_rank):
     world.run(check_pipelined_matches_reference, op, m_per_rank)
 
 
+def check_layouts(op):
+    """x and the weight in the layouts callers hand over (x's leading dims swapped in memory, its
+    last dim strided, its rows broadcast; the weight column-major, or its rows apart): every
+    backend, chunked or not, gives the output and gradients the reference gives their contiguous
+    copies."""
+    args, _ = _case(op, 2, 6, 5, torch.float32)
+    x, w, b = args
+    rows = x.flatten(0, 1)  # [m, k]: what the backends get as it is
+    layouts = {"x leading dims swapped": (x.transpose(0, 1).contiguous().transpose(0, 1), w),
+               "x last dim strided": (torch.stack([x, x], -1)[..., 0], w),
+               "x rows broadcast": (x[:, :1].expand_as(x), w),
+               "x 2-D, rows apart": (torch.cat([rows, rows], 1)[:, :rows.shape[1]], w),
+               "x 2-D, column-major": (rows.t().contiguous().t(), w),
+               "w column-major": (x, w.t().contiguous().t()),
+               "w rows apart": (x, torch.cat([w, w], 1)[:, :w.shape[1]])}
+    for layout, (xv, wv) in layouts.items():
+        assert not (xv.is_contiguous() and wv.is_contiguous()), layout
+        y_shape = getattr(ops, op)(xv.contiguous(), w, b, backend="reference").shape
+        dy = torch.randn(y_shape, generator=torch.Generator().manual_seed(3))
+        y_ref, grads_ref = _run(op, (xv.contiguous(), wv.contiguous(), b), dy, backend="reference")
+        for backend, chunks in (("reference", None), ("pipelined", 1), ("pipelined", 3), ("auto", None)):
+            leaves = [t.detach().requires_grad_() for t in (xv, wv, b)]  # (views kept as they are)
+            y = getattr(ops, op)(*leaves, backend=backend, num_chunks=chunks)
+            y.backward(dy)
+            what = f"{op} {backend}:{chunks} {layout}"
+            assert_close(f"{what} y", y, y_ref.double())
+            for name, leaf, g_ref in zip(("dx", "dw", "db"), leaves, grads_ref):
+                assert_close(f"{what} {name}", leaf.grad, g_ref.double())
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce",
+                                "linear_with_grad_all_reduce"])
+def test_layouts_of_x_and_the_weight(world2, op):
+    world2.run(check_layouts, op)
+
+
 def check_backward_chunks():
     """The backward of an all-gather + GEMM (a GEMM + reduce-scatter) and of a GEMM +
     reduce-scatter (an all-gather + GEMM) runs on the forward's backend in its own primitive's
