@@ -191,6 +191,15 @@ def test_native_ops_in_each_mode_with_several_nccl_ranks(shared_gpu_world, op, d
 
 @native_built
 @pytest.mark.parametrize("op", OPS)
+def test_layouts_of_x_and_the_weight_with_several_nccl_ranks(shared_gpu_world, op):
+    """x and the weight in the layouts callers hand over, on the native path (which takes rows
+    apart and either weight layout as they are, and copies the rest): every backend's output and
+    gradients are the reference's of their contiguous copies."""
+    shared_gpu_world.run(test_ops.check_layouts, op, device="cuda")
+
+
+@native_built
+@pytest.mark.parametrize("op", OPS)
 def test_two_gemm_streams_give_one_streams_bits_with_several_nccl_ranks(shared_gpu_world, op):
     """GEMMs long enough for a missing wait to show: on two streams each op gives, bit for bit, what
     it gives on one (the same chunk GEMMs and the same NCCL sums; only where they run differs), in

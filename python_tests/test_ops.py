@@ -62,12 +62,12 @@ def test_pipelined_matches_reference(world, op, m_per_rank):
     world.run(check_pipelined_matches_reference, op, m_per_rank)
 
 
-def check_layouts(op):
+def check_layouts(op, device="cpu"):
     """x and the weight in the layouts callers hand over (x's leading dims swapped in memory, its
     last dim strided, its rows broadcast; the weight column-major, or its rows apart): every
     backend, chunked or not, gives the output and gradients the reference gives their contiguous
     copies."""
-    args, _ = _case(op, 2, 6, 5, torch.float32)
+    args, _ = _case(op, 2, 6, 5, torch.float32, device=device)
     x, w, b = args
     rows = x.flatten(0, 1)  # [m, k]: what the backends get as it is
     layouts = {"x leading dims swapped": (x.transpose(0, 1).contiguous().transpose(0, 1), w),
@@ -80,7 +80,7 @@ def check_layouts(op):
     for layout, (xv, wv) in layouts.items():
         assert not (xv.is_contiguous() and wv.is_contiguous()), layout
         y_shape = getattr(ops, op)(xv.contiguous(), w, b, backend="reference").shape
-        dy = torch.randn(y_shape, generator=torch.Generator().manual_seed(3))
+        dy = torch.randn(y_shape, generator=torch.Generator().manual_seed(3)).to(device)
         y_ref, grads_ref = _run(op, (xv.contiguous(), wv.contiguous(), b), dy, backend="reference")
         for backend, chunks in (("reference", None), ("pipelined", 1), ("pipelined", 3), ("auto", None)):
             leaves = [t.detach().requires_grad_() for t in (xv, wv, b)]  # (views kept as they are)
