@@ -386,6 +386,50 @@ def test_the_link_is_fitted_to_every_collective_time_of_the_run():
         assert row["model_ms"] == pytest.approx((entry["gemm_total"] + link.time("all_reduce", nbytes, 2)) * 1e3)
 
 
+def _measure_once(target, m, num_chunks):
+    """``measure_case`` of a small ``target`` case on this rank with a timer that runs each body
+    once (``pre`` and ``post`` around it) and calls it 1 ms."""
+    import torch.distributed as dist
+
+    from tp_kernels.bench import measure
+
+    def timer(body, pre=None, post=None):
+        state = pre(0) if pre else None
+        body(0)
+        if post:
+            post(state)
+        return 1e-3
+
+    case = cases.Case(target, "custom", m, 12, 8)
+    out = measure.measure_case(case, ["reference", "pipelined"], torch.float32, torch.device("cpu"),
+                               dist.group.WORLD, timer, num_chunks)
+    return {"case": case.__dict__, "dtype": "float32", **out, "gemm": [[list(k), v] for k, v in out["gemm"].items()]}
+
+
+@pytest.mark.parametrize("num_chunks", [None, 3])
+def test_every_gemm_the_model_reads_is_measured(world2, monkeypatch, num_chunks):
+    """For every target, in the default chunks and in 3, the run measures each GEMM the model reads
+    to predict the reference's and the pipelined schedule (the chunk GEMMs of rows that do not
+    divide evenly too): none is scaled from another shape, and each of those rows is predicted."""
+    read, scaled = [], []
+    real = pm.MeasuredGemm.__call__
+
+    def reading(self, m, n, k, dtype):
+        read.append((m, n, k))
+        if (m, n, k, dtype) not in self.times:
+            scaled.append((m, n, k))
+        return real(self, m, n, k, dtype)
+
+    monkeypatch.setattr(pm.MeasuredGemm, "__call__", reading)
+    for target in cases.TARGETS:
+        entry = world2.run(_measure_once, target, 10, num_chunks)[0]
+        rows = report.compute_rows({"peak_tflops": {}, "cases": [entry]}, p=2, baseline="reference")
+        assert [r["resolved"] for r in rows] == ["reference", f"pipelined:{num_chunks}" if num_chunks else
+                                                 rows[1]["resolved"]], target
+        assert all(r["model_ms"] is not None for r in rows), target
+    assert read and scaled == []
+
+
 def test_the_peak_is_the_fastest_rate_the_run_saw():
     """%peak is against the fastest TFLOP/s of the run in that dtype: the square GEMM's, a case's
     GEMMs alone or a backend's whole case; never above 100, and 100 for the fastest."""

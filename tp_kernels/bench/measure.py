@@ -16,21 +16,20 @@ import dataclasses
 import math
 import sys
 import time
-from typing import List, Optional, Tuple
+from typing import List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import _collectives as coll
-from .. import autotune, dispatch, ops
+from .. import autotune, dispatch, ops, perf_model
 from .._timing import HOLD, Timer
 from ..layers import ColumnParallelLinear, RowParallelLinear
-from ..perf_model import OP_COLLECTIVE
 from . import communicator, one_gpu
 from .cases import Case
 
-__all__ = ["Timer", "buffer_sets", "measure_case", "measure_peak", "run_rank"]
+__all__ = ["Timer", "buffer_sets", "measure_case", "measure_peak", "model_gemms", "run_rank"]
 
 _CPU_CACHE_BYTES = 32 << 20
 _GPU_CACHE_BYTES = 64 << 20  # when torch does not report the L2 size
@@ -65,7 +64,7 @@ def _collectives(case: Case, p: int) -> List[Tuple[str, Tuple[int, int], str]]:
     """``(kind, shape, what)`` of the collectives one call (op, or layer fwd+bwd) communicates."""
     m, k, n = case.m, case.k, case.n
     if not case.is_layer:
-        kind = OP_COLLECTIVE[case.target]
+        kind = perf_model.OP_COLLECTIVE[case.target]
         return [(kind, (m // p, k), "x")] if kind == "all_gather" else [(kind, (m, n), "x W^T")]
     if case.kind == "column":
         if case.sequence_parallel:
@@ -106,6 +105,28 @@ def _gemms(case: Case, p: int) -> List[Tuple[Tuple[int, int, int], str]]:
     return [(fwd, "linear"), ((mm, kk, nn), "dgrad"), ((nn, kk, mm), "wgrad")]  # dgrad (m, k, n), wgrad (n, k, m)
 
 
+def model_gemms(case: Case, p: int, num_chunks: Optional[int]) -> Set[Tuple[int, int, int]]:
+    """The ``(m, n, k)`` of every GEMM :mod:`tp_kernels.perf_model` reads to predict ``case`` on
+    ``p`` ranks, in the reference's schedule and in the pipelined one of ``num_chunks`` (None: the
+    defaults) as the report asks it (:mod:`tp_kernels.bench.report`)."""
+    asked: Set[Tuple[int, int, int]] = set()
+
+    def gemm(m, n, k, dtype):
+        asked.add((m, n, k))
+        return 0.0
+
+    link = perf_model.LINKS["nvlink4"]  # (its times are not read)
+    args = (case.m, case.k, case.n, p, "float32", gemm, link)
+    for schedule in ("naive", "pipelined"):
+        if case.is_layer:
+            perf_model.layer_tasks(case.kind, case.sequence_parallel, *args, schedule, num_chunks)
+        elif schedule == "naive":
+            perf_model.naive_op_tasks(case.target, *args)
+        else:
+            perf_model.op_tasks(case.target, *args, num_chunks)
+    return asked
+
+
 def _gemm_call(shape: Tuple[int, int, int], layout: str, nsets: int, device, dtype):
     """The operands (``nsets`` of each) and the call of a GEMM of ``[m, n]`` over ``k`` as the ops
     and their backwards run it: ``"linear"``, ``F.linear(x [m, k], W [n, k])``; ``"dgrad"``, the
@@ -141,13 +162,18 @@ def measure_case(case: Case, backends: List[str], dtype: torch.dtype, device: to
         t = timer(lambda i: call(av[i % nsets], bv[i % nsets]))
         out["gemm"][shape] = t
         out["gemm_total"] += t
-    # chunk-sized GEMMs for the model (ops only): what the pipelined schedule runs (with one rank,
-    # the whole GEMM: nothing is split)
-    if not case.is_layer and p > 1:
-        (a, b, c), _ = gemms[0]
-        rows = max(1, (case.m // p if case.target == "all_gather_matmul" else case.m) // 4)
-        av = [t[:rows] for t in calls[0][0]]
-        out["gemm"][(rows, b, c)] = timer(lambda i: F.linear(av[i % nsets], calls[0][1][i % nsets]))
+    # the chunk GEMMs of the schedules the model predicts, each in the layout of the whole GEMM it
+    # is rows of (the model then reads each one rather than scaling another)
+    layouts = {(n, k): (layout, j) for j, ((_, n, k), layout) in enumerate(gemms)}
+    for shape in sorted(model_gemms(case, p, num_chunks) - set(out["gemm"])):
+        rows, n, k = shape
+        layout, j = layouts.get((n, k), ("linear", None))
+        if j is None or rows > gemms[j][0][0]:
+            av, bv, call = _gemm_call(shape, layout, nsets, device, dtype)
+        else:  # rows of the whole GEMM's operands
+            (av, bv, call), cut = calls[j], (lambda t: t[:, :rows]) if layout == "wgrad" else (lambda t: t[:rows])
+            av = [cut(t) for t in av]
+        out["gemm"][shape] = timer(lambda i: call(av[i % nsets], bv[i % nsets]))
 
     comm_bufs = [(kind, _rand(shape, 2, device, dtype)) for kind, shape, _ in colls]
     samples: List[Tuple[str, int, float]] = []
