@@ -430,6 +430,67 @@ def test_every_gemm_the_model_reads_is_measured(world2, monkeypatch, num_chunks)
     assert read and scaled == []
 
 
+def _products_run_and_timed(target):
+    """On this rank, the matrix products of the reference's timed call of a ``target`` case, and those
+    ``measure`` times alone for it (``_gemms``): each as ``(m, n, k)`` and which operands are read
+    transposed (column-major). (Products as the library's Python runs them: ``F.linear``,
+    ``torch.mm`` and ``Tensor.mm``.)"""
+    import contextlib
+    from unittest import mock
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from tp_kernels.bench import measure
+
+    linear, mm, tensor_mm = F.linear, torch.mm, torch.Tensor.mm
+
+    @contextlib.contextmanager
+    def products(seen):
+        def note(a, b):
+            seen.append(((a.shape[0], b.shape[1], a.shape[1]), a.stride(-1) != 1, b.stride(-1) != 1))
+
+        def linear_(x, w, bias=None):
+            note(x, w.t())
+            return linear(x, w, bias)
+
+        def mm_(a, b, **kw):
+            note(a, b)
+            return mm(a, b, **kw)
+
+        def tensor_mm_(a, b):
+            note(a, b)
+            return tensor_mm(a, b)
+
+        with mock.patch.object(F, "linear", linear_), mock.patch.object(torch, "mm", mm_), \
+                mock.patch.object(torch.Tensor, "mm", tensor_mm_):
+            yield
+
+    ran, timed = [], []
+
+    def timer(body, pre=None, post=None):
+        with products(ran):
+            body(0)
+        return 1e-3
+
+    case = cases.Case(target, "custom", 8, 12, 8)
+    measure._time_backend(case, "reference", torch.float32, torch.device("cpu"), dist.group.WORLD, timer, None, 1)
+    with products(timed):
+        for shape, layout in measure._gemms(case, dist.get_world_size()):
+            a, b, call = measure._gemm_call(shape, layout, 1, torch.device("cpu"), torch.float32)
+            call(a[0], b[0])
+    return sorted(ran), sorted(timed)
+
+
+def test_the_gemms_timed_alone_are_those_the_reference_runs(world2):
+    """The GEMMs a case's run times alone (its ``gemm_total``, E's GEMM time) are the products the
+    reference's call runs, shape and operand layout: an op's forward, a layer's forward, input
+    gradient and weight gradient."""
+    for target in cases.TARGETS:
+        ran, timed = world2.run(_products_run_and_timed, target)[0]
+        assert ran == timed and len(ran) == (3 if target in cases.LAYERS else 1), target
+
+
 def test_the_peak_is_the_fastest_rate_the_run_saw():
     """%peak is against the fastest TFLOP/s of the run in that dtype: the square GEMM's, a case's
     GEMMs alone or a backend's whole case; never above 100, and 100 for the fastest."""
