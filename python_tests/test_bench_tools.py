@@ -491,6 +491,39 @@ def test_the_gemms_timed_alone_are_those_the_reference_runs(world2):
         assert ran == timed and len(ran) == (3 if target in cases.LAYERS else 1), target
 
 
+def test_the_collectives_timed_are_those_the_model_reads(world2):
+    """For every target, each collective the case's call runs is timed at the size the model reads
+    it in the reference's schedule (kind and bytes: an all-gather's gathered bytes) and at a
+    quarter of it (a reduce-scatter's rows still a multiple of p, here 12 // 4 = 3 rows made 2),
+    to fit the link's line; the gathers' ring steps too."""
+    class Recording(pm.Link):
+        def time(self, kind, nbytes, p):
+            read.append((kind, nbytes))
+            return 0.0
+
+    for target in cases.TARGETS:
+        entry = world2.run(_measure_once, target, 12, None)[0]
+        case, read = cases.Case(**entry["case"]), []
+        link = Recording("recording", 1.0, 1.0, 0.0, 0.0)
+        if case.is_layer:
+            pm.layer_tasks(case.kind, case.sequence_parallel, case.m, case.k, case.n, 2, "float32", _const_gemm(0),
+                           link, "naive")
+        else:
+            pm.naive_op_tasks(case.target, case.m, case.k, case.n, 2, "float32", _const_gemm(0), link)
+        samples = [(kind, nbytes) for kind, nbytes, _ in entry["comm_samples"] if kind != "ring_step"]
+        full = samples[:len(read)]
+        assert sorted(full) == sorted(read), target
+        quarters = samples[len(read):]
+        assert sorted({kind for kind, _ in quarters}) == sorted({kind for kind, _ in read}), target
+        for kind, nbytes in quarters:
+            whole = next(b for k, b in full if k == kind)
+            assert 0 < nbytes <= whole // 4, (target, kind)
+            if kind == "reduce_scatter":  # (of all 12 rows)
+                assert nbytes * 12 // whole == 2, target
+        rings = [nbytes for kind, nbytes, _ in entry["comm_samples"] if kind == "ring_step"]
+        assert len(rings) == (2 if "all_gather" in {kind for kind, _ in read} else 0), target
+
+
 def test_the_peak_is_the_fastest_rate_the_run_saw():
     """%peak is against the fastest TFLOP/s of the run in that dtype: the square GEMM's, a case's
     GEMMs alone or a backend's whole case; never above 100, and 100 for the fastest."""
