@@ -504,12 +504,7 @@ def test_the_collectives_timed_are_those_the_model_reads(world2):
     for target in cases.TARGETS:
         entry = world2.run(_measure_once, target, 12, None)[0]
         case, read = cases.Case(**entry["case"]), []
-        link = Recording("recording", 1.0, 1.0, 0.0, 0.0)
-        if case.is_layer:
-            pm.layer_tasks(case.kind, case.sequence_parallel, case.m, case.k, case.n, 2, "float32", _const_gemm(0),
-                           link, "naive")
-        else:
-            pm.naive_op_tasks(case.target, case.m, case.k, case.n, 2, "float32", _const_gemm(0), link)
+        case.tasks(2, "float32", _const_gemm(0), Recording("recording", 1.0, 1.0, 0.0, 0.0), "naive")
         samples = [(kind, nbytes) for kind, nbytes, _ in entry["comm_samples"] if kind != "ring_step"]
         full = samples[:len(read)]
         assert sorted(full) == sorted(read), target

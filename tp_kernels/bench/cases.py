@@ -16,7 +16,7 @@ import dataclasses
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .._op_table import PRIMITIVES as OPS
-from ..perf_model import MODELS
+from .. import perf_model
 
 __all__ = ["Case", "DECODE_M", "OPS", "LAYERS", "SWEEPS", "TARGETS", "model_cases", "custom_cases"]
 
@@ -76,6 +76,18 @@ class Case:
         fwd = 2.0 * self.m * self.n * self.k / p
         return 3 * fwd if self.is_layer else fwd
 
+    def tasks(self, p: int, dtype: str, gemm, link, schedule: str, num_chunks: Optional[int] = None) -> list:
+        """The performance model's task graph of this case on ``p`` ranks in ``schedule``
+        (``"naive"``: the reference's; ``"pipelined"``, in ``num_chunks``, None: the defaults), with
+        GEMM times from ``gemm`` and collective times from ``link``
+        (:mod:`tp_kernels.perf_model`)."""
+        args = (self.m, self.k, self.n, p, dtype, gemm, link)
+        if self.is_layer:
+            return perf_model.layer_tasks(self.kind, self.sequence_parallel, *args, schedule, num_chunks)
+        if schedule == "naive":
+            return perf_model.naive_op_tasks(self.target, *args)
+        return perf_model.op_tasks(self.target, *args, num_chunks)
+
     def as_dict(self) -> dict:
         return {"target": self.target, "model": self.model, "m": self.m, "in": self.k, "out": self.n,
                 "sequence_parallel": self.sequence_parallel}
@@ -85,7 +97,7 @@ class Case:
 
 
 def _projections(model: str, scale: int) -> Dict[str, Tuple[int, int]]:
-    shape = MODELS[model]
+    shape = perf_model.MODELS[model]
     up = (shape.hidden // scale, shape.ffn // scale)
     down = (shape.ffn // scale, shape.hidden // scale)
     return {"all_gather_matmul": up, "column": up, "column_sp": up,

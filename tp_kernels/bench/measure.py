@@ -115,15 +115,8 @@ def model_gemms(case: Case, p: int, num_chunks: Optional[int]) -> Set[Tuple[int,
         asked.add((m, n, k))
         return 0.0
 
-    link = perf_model.LINKS["nvlink4"]  # (its times are not read)
-    args = (case.m, case.k, case.n, p, "float32", gemm, link)
     for schedule in ("naive", "pipelined"):
-        if case.is_layer:
-            perf_model.layer_tasks(case.kind, case.sequence_parallel, *args, schedule, num_chunks)
-        elif schedule == "naive":
-            perf_model.naive_op_tasks(case.target, *args)
-        else:
-            perf_model.op_tasks(case.target, *args, num_chunks)
+        case.tasks(p, "float32", gemm, perf_model.LINKS["nvlink4"], schedule, num_chunks)  # (the link's times unread)
     return asked
 
 

@@ -93,13 +93,7 @@ def _predict(case: Case, p: int, dtype: str, schedule: str, gemm, link, slowdown
     elif link is None:
         return None
     try:
-        if case.is_layer:
-            tasks = perf_model.layer_tasks(case.kind, case.sequence_parallel, case.m, case.k, case.n, p, dtype, gemm,
-                                           link, schedule, num_chunks)
-        elif schedule == "naive":
-            tasks = perf_model.naive_op_tasks(case.target, case.m, case.k, case.n, p, dtype, gemm, link)
-        else:
-            tasks = perf_model.op_tasks(case.target, case.m, case.k, case.n, p, dtype, gemm, link, num_chunks)
+        tasks = case.tasks(p, dtype, gemm, link, schedule, num_chunks)
     except KeyError:  # a GEMM shape, or a kind of collective, this run did not measure (at two sizes)
         return None
     return perf_model.simulate(tasks, slowdown if schedule != "naive" else 1.0)
