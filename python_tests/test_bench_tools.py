@@ -1,6 +1,7 @@
 """The performance model, the benchmark cases and the report's metrics (no distributed runs,
 except the main job's end-to-end check)."""
 
+import contextlib
 import csv
 import io
 import json
@@ -8,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -430,56 +432,94 @@ def test_every_gemm_the_model_reads_is_measured(world2, monkeypatch, num_chunks)
     assert read and scaled == []
 
 
-def _products_run_and_timed(target):
-    """On this rank, the matrix products of the reference's timed call of a ``target`` case, and those
-    ``measure`` times alone for it (``_gemms``): each as ``(m, n, k)`` and which operands are read
-    transposed (column-major). (Products as the library's Python runs them: ``F.linear``,
-    ``torch.mm`` and ``Tensor.mm``.)"""
-    import contextlib
-    from unittest import mock
-
-    import torch.distributed as dist
+@contextlib.contextmanager
+def _products(seen):
+    """Record in ``seen`` each matrix product run meanwhile, as ``(m, n, k)`` and which operands are
+    read transposed (column-major). (Products as the library's Python runs them: ``F.linear``,
+    ``torch.mm``, ``Tensor.mm`` and ``torch.addmm``.)"""
     import torch.nn.functional as F
 
+    linear, mm, tensor_mm, addmm = F.linear, torch.mm, torch.Tensor.mm, torch.addmm
+
+    def note(a, b):
+        seen.append(((a.shape[0], b.shape[1], a.shape[1]), a.stride(-1) != 1, b.stride(-1) != 1))
+
+    def linear_(x, w, bias=None):
+        note(x, w.t())
+        return linear(x, w, bias)
+
+    def mm_(a, b, **kw):
+        note(a, b)
+        return mm(a, b, **kw)
+
+    def tensor_mm_(a, b):
+        note(a, b)
+        return tensor_mm(a, b)
+
+    def addmm_(c, a, b, **kw):
+        note(a, b)
+        return addmm(c, a, b, **kw)
+
+    with mock.patch.object(F, "linear", linear_), mock.patch.object(torch, "mm", mm_), \
+            mock.patch.object(torch.Tensor, "mm", tensor_mm_), mock.patch.object(torch, "addmm", addmm_):
+        yield
+
+
+def _products_run_and_timed(target):
+    """On this rank, the matrix products of the reference's timed call of a ``target`` case, and those
+    ``measure`` times alone for it (``_gemms``), as :func:`_products` records them."""
+    import torch.distributed as dist
+
     from tp_kernels.bench import measure
-
-    linear, mm, tensor_mm = F.linear, torch.mm, torch.Tensor.mm
-
-    @contextlib.contextmanager
-    def products(seen):
-        def note(a, b):
-            seen.append(((a.shape[0], b.shape[1], a.shape[1]), a.stride(-1) != 1, b.stride(-1) != 1))
-
-        def linear_(x, w, bias=None):
-            note(x, w.t())
-            return linear(x, w, bias)
-
-        def mm_(a, b, **kw):
-            note(a, b)
-            return mm(a, b, **kw)
-
-        def tensor_mm_(a, b):
-            note(a, b)
-            return tensor_mm(a, b)
-
-        with mock.patch.object(F, "linear", linear_), mock.patch.object(torch, "mm", mm_), \
-                mock.patch.object(torch.Tensor, "mm", tensor_mm_):
-            yield
 
     ran, timed = [], []
 
     def timer(body, pre=None, post=None):
-        with products(ran):
+        with _products(ran):
             body(0)
         return 1e-3
 
     case = cases.Case(target, "custom", 8, 12, 8)
     measure._time_backend(case, "reference", torch.float32, torch.device("cpu"), dist.group.WORLD, timer, None, 1)
-    with products(timed):
+    with _products(timed):
         for shape, layout in measure._gemms(case, dist.get_world_size()):
             a, b, call = measure._gemm_call(shape, layout, 1, torch.device("cpu"), torch.float32)
             call(a[0], b[0])
     return sorted(ran), sorted(timed)
+
+
+def _measure_recorded(target, m, k, n):
+    """``measure_case`` of a ``target`` case on this rank, the reference and the pipelined backend in
+    their default chunks, with a timer that runs each body once and records, for each of its calls in
+    order: the time it returned (each call's its own), whether it was given ``pre`` and ``post``, the
+    collectives (kind, shape) ``pre`` and the body started, and the products the body ran
+    (:func:`_products`). Returns the calls and the measurements."""
+    import torch.distributed as dist
+
+    from tp_kernels.bench import measure
+
+    calls, started, ran, real_start = [], [], [], measure._start
+
+    def start(kind, buf, group):
+        started.append((kind, tuple(buf.shape)))
+        return real_start(kind, buf, group)
+
+    def timer(body, pre=None, post=None):
+        started.clear()
+        state = pre(0) if pre else None
+        ran.clear()
+        body(0)
+        if post:
+            post(state)
+        calls.append({"t": 1e-3 * (len(calls) + 1), "pre": pre is not None, "post": post is not None,
+                      "started": list(started), "products": sorted(set(ran))})
+        return calls[-1]["t"]
+
+    case = cases.Case(target, "custom", m, k, n)
+    with mock.patch.object(measure, "_start", start), _products(ran):
+        out = measure.measure_case(case, ["reference", "pipelined"], torch.float32, torch.device("cpu"),
+                                   dist.group.WORLD, timer, None)
+    return calls, {**out, "gemm": [[list(s), t] for s, t in out["gemm"].items()]}
 
 
 def test_the_gemms_timed_alone_are_those_the_reference_runs(world2):
@@ -489,6 +529,27 @@ def test_the_gemms_timed_alone_are_those_the_reference_runs(world2):
     for target in cases.TARGETS:
         ran, timed = world2.run(_products_run_and_timed, target)[0]
         assert ran == timed and len(ran) == (3 if target in cases.LAYERS else 1), target
+
+
+#: cases of 2 ranks whose GEMMs share a shape: a row layer's input and weight gradients where m = n,
+#: a column layer's where m = n/p
+_SHARED_SHAPES = [("row_sp", 8, 12, 8), ("column", 4, 12, 8)]
+
+
+@pytest.mark.parametrize("target,m,k,n", [(t, 12, 12, 8) for t in cases.TARGETS] + _SHARED_SHAPES)
+def test_each_gemm_timed_alone_is_one_the_schedules_run(world2, target, m, k, n):
+    """Every GEMM a case's run times alone, a whole one or a chunk the model reads, is a product the
+    reference's or the pipelined call of the case runs, in shape and operand layout (a chunk of the
+    input gradient as that GEMM runs, also where the weight gradient has its shape), and the time
+    recorded under a shape is that of a GEMM of that shape."""
+    calls, out = world2.run(_measure_recorded, target, m, k, n)[0]
+    *timings, reference, pipelined = calls
+    ran = set(reference["products"]) | set(pipelined["products"])
+    alone = [c for c in timings if c["products"] and not c["pre"]]
+    assert alone and all(len(c["products"]) == 1 and c["products"][0] in ran for c in alone), target
+    shape_of = {c["t"]: c["products"][0][0] for c in alone}
+    assert {tuple(shape) for shape, _ in out["gemm"]} == set(shape_of.values()), target
+    assert all(shape_of[t] == tuple(shape) for shape, t in out["gemm"]), target
 
 
 def test_the_collectives_timed_are_those_the_model_reads(world2):

@@ -155,17 +155,22 @@ def measure_case(case: Case, backends: List[str], dtype: torch.dtype, device: to
         t = timer(lambda i: call(av[i % nsets], bv[i % nsets]))
         out["gemm"][shape] = t
         out["gemm_total"] += t
-    # the chunk GEMMs of the schedules the model predicts, each in the layout of the whole GEMM it
-    # is rows of (the model then reads each one rather than scaling another)
-    layouts = {(n, k): (layout, j) for j, ((_, n, k), layout) in enumerate(gemms)}
+    # the chunk GEMMs of the schedules the model predicts, each on rows of the whole GEMM's operands,
+    # in its layout (the model then reads each one rather than scaling another). A schedule splits
+    # the forward's GEMM or the input gradient's, never the weight gradient's: where the latter's
+    # (n, k) is one of theirs too (a row layer's m = n), theirs is the layout
+    split = {}
+    for j, ((_, n, k), layout) in enumerate(gemms):
+        if layout != "wgrad":
+            split.setdefault((n, k), j)
     for shape in sorted(model_gemms(case, p, num_chunks) - set(out["gemm"])):
         rows, n, k = shape
-        layout, j = layouts.get((n, k), ("linear", None))
+        j = split.get((n, k))
         if j is None or rows > gemms[j][0][0]:
-            av, bv, call = _gemm_call(shape, layout, nsets, device, dtype)
-        else:  # rows of the whole GEMM's operands
-            (av, bv, call), cut = calls[j], (lambda t: t[:, :rows]) if layout == "wgrad" else (lambda t: t[:rows])
-            av = [cut(t) for t in av]
+            raise RuntimeError(f"{case.label()}: the model reads a GEMM {shape} that is no rows of the case's "
+                               f"GEMMs {gemms}")
+        av, bv, call = calls[j]
+        av = [t[:rows] for t in av]
         out["gemm"][shape] = timer(lambda i: call(av[i % nsets], bv[i % nsets]))
 
     comm_bufs = [(kind, _rand(shape, 2, device, dtype)) for kind, shape, _ in colls]
