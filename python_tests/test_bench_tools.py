@@ -552,6 +552,21 @@ def test_each_gemm_timed_alone_is_one_the_schedules_run(world2, target, m, k, n)
     assert all(shape_of[t] == tuple(shape) for shape, t in out["gemm"]), target
 
 
+@pytest.mark.parametrize("target", cases.TARGETS)
+def test_the_gemms_under_communication_run_beside_every_collective_of_the_case(world2, target):
+    """E's GEMM time under communication (``gemm_under_comm``) is one timing of the case's whole
+    GEMMs, those the reference runs, while each collective the case runs, as timed alone at the
+    bytes the model reads, is in flight: started before them, waited for after."""
+    calls, out = world2.run(_measure_recorded, target, 12, 12, 8)[0]
+    under = [c for c in calls if c["pre"]]
+    assert len(under) == 1 and under[0]["post"] and out["gemm_under_comm"] == under[0]["t"]
+    assert under[0]["products"] == calls[-2]["products"]
+    alone = [c["started"] for c in calls if c["started"] and not c["pre"]]
+    assert all(len(started) == 1 for started in alone)
+    assert under[0]["started"] == [started[0] for started in alone[:len(under[0]["started"])]]
+    assert {kind for kind, _ in under[0]["started"]} == {kind for (kind, _), in alone}
+
+
 def test_the_collectives_timed_are_those_the_model_reads(world2):
     """For every target, each collective the case's call runs is timed at the size the model reads
     it in the reference's schedule (kind and bytes: an all-gather's gathered bytes) and at a
@@ -578,6 +593,54 @@ def test_the_collectives_timed_are_those_the_model_reads(world2):
                 assert nbytes * 12 // whole == 2, target
         rings = [nbytes for kind, nbytes, _ in entry["comm_samples"] if kind == "ring_step"]
         assert len(rings) == (2 if "all_gather" in {kind for kind, _ in read} else 0), target
+        # a ring step moves one shard (in one piece): the bytes the pipelined schedule reads it in
+        read = []
+        case.tasks(2, "float32", _const_gemm(0), Recording("recording", 1.0, 1.0, 0.0, 0.0), "pipelined", 1)
+        steps = {nbytes for kind, nbytes in read if kind == "ring_step"}
+        assert steps <= set(rings) and bool(steps) == bool(rings), target
+
+
+def test_the_gemm_peak_is_the_flops_of_the_gemm_timed_over_its_time():
+    """The run's GEMM peak is one square GEMM's FLOPs (2 m n k) over the time its timer returned."""
+    from tp_kernels.bench import measure
+
+    ran = []
+
+    def timer(body):
+        with _products(ran):
+            body(0)
+            body(1)
+        return 2e-3
+
+    tflops = measure.measure_peak(torch.float32, torch.device("cpu"), timer)
+    ((m, n, k), *_), = set(ran)
+    assert m == n == k > 1 and tflops == pytest.approx(2 * m * n * k / 2e-3 / 1e12)
+
+
+@pytest.mark.parametrize("cache", [None, 50 << 20, 3 << 30])
+def test_the_buffer_sets_rotated_exceed_twice_the_cache_within_their_bounds(monkeypatch, cache):
+    """Between two uses of one buffer set, the others touch at least twice the last-level cache (the
+    host's, or the GPU's L2 as torch reports it; a cache of 3 GiB lets the bound of 4 GiB of sets
+    decide), with no set more than that needs, and no more than 16 sets and 4 GiB in all (but 2)."""
+    import types
+
+    from tp_kernels.bench import measure
+
+    cuda = cache is not None
+    if cuda:
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(L2_cache_size=cache))
+    else:
+        cache = measure._CPU_CACHE_BYTES
+    bounded = 0
+    for nbytes in (1, 1000, 1 << 20, 3 << 20, 7 << 20, 20 << 20, 64 << 20, 500 << 20, 1 << 30, 3 << 30, 5 << 30):
+        n = measure.buffer_sets(nbytes, cuda)
+        assert 2 <= n <= 16 and (n == 2 or n * nbytes <= 4 << 30), nbytes
+        if n < 16 and (n + 1) * nbytes <= 4 << 30:
+            assert (n - 1) * nbytes >= 2 * cache and (n == 2 or (n - 2) * nbytes < 2 * cache), nbytes
+        else:
+            bounded += 1
+    assert bounded
 
 
 def test_the_peak_is_the_fastest_rate_the_run_saw():
