@@ -1644,6 +1644,7 @@ def test_one_gpu_report_reads_every_figure_against_its_target():
              "backend": b, "resolved": b, "gemm_ms": 0.010, "median_ms": t} for b, t in (("reference", 0.0125),
                                                                                        ("pipelined", 0.0110))]
     rows.append(dict(rows[0], target="row", backend="reference"))  # a layer: not an op's per-rank cost
+    rows.append(dict(rows[0], p=2, backend="auto"))  # a case of 2 ranks: no per-rank cost either
     rep = one_gpu.report(_fake_one_gpu_measurements(), rows, "FakeGPU")
     verdicts = {c["what"]: c["meets"] for c in rep["checks"]}
     assert verdicts["native GEMM / F.linear, 8192^3"] and verdicts["native GEMM / F.linear, 70B TP8 column"]
@@ -1720,8 +1721,19 @@ def test_one_gpu_report_reads_every_figure_against_its_target():
             "flags release-acquire, graph-replayed: one_shot 3.5, two_shot 7.0 us") in one_gpu.format_report(ra_rep)
     costs = rep["per_rank_costs"]
     assert [(c["backend"], round(c["added_us"], 3)) for c in costs] == [("reference", 2.5), ("pipelined", 1.0)]
+    assert [c["vs_gemm"] for c in costs] == pytest.approx([0.010 / 0.0125, 0.010 / 0.0110])  # (GEMMs / the call)
+    # the host time of matmul_all_reduce's backends read against the target; the native GEMM's own is not
+    assert sorted(c["what"] for c in rep["checks"] if c["target"] == "host_overhead_us") == [
+        f"{b}: host time added per call, m = 16" for b in ("auto", "fused", "pipelined")]
     text = one_gpu.format_report(rep)
     lines = text.splitlines()
+    # every per-rank figure in section 1, the fused path's in section 2
+    section2 = next(i for i, line in enumerate(lines) if line.startswith("# 2."))
+    section3 = next(i for i, line in enumerate(lines) if line.startswith("# 3."))
+    for c in rep["checks"]:
+        (at,) = [i for i, line in enumerate(lines) if line.startswith(f"  {c['what']}: ")]
+        assert (at < section2) == (c["target"] in ("native_gemm_vs_f_linear", "host_overhead_us", "graph_overhead_us",
+                                                   "chunk4_vs_unsplit")) and at < section3, c["what"]
     assert lines[0] == ("# 1. Per-rank costs, MEASURED on FakeGPU, p = 1 (nothing to communicate: each backend runs "
                         "its GEMM alone)")
     assert any(line.startswith("# 2. The fused path on 8 virtual ranks, MEASURED on FakeGPU") for line in lines)
@@ -1752,6 +1764,9 @@ def test_one_gpu_report_says_what_cublaslt_ran_and_whether_another_algorithm_win
     assert "4 row chunks / unsplit, 70B TP8 column (cuBLASLt's waves: 1.70 a chunk, 6.79 unsplit)" in text
     assert "4 row chunks / unsplit, 70B TP8 row: 0.960" in text  # (no plan of its chunks: no waves)
     assert text.count("cuBLASLt's") == 1
+    chunking["row"]["plans"] = {"4_row_chunks": [{"waves": 0.9}]}  # (nor of the unsplit GEMM)
+    assert "4 row chunks / unsplit, 70B TP8 row: 0.960" in one_gpu.format_report(one_gpu.report(measured, [], "x"))
+    chunking["row"]["plans"] = {"unsplit": [{"waves": 3.5}]}
     chunking["row"]["plans"]["4_row_chunks"] = [{"waves": 0.9}, {"waves": 0.85}]  # two chunk sizes
     chunking["row"]["candidates"] = {"4_row_chunks": {"first_over_fastest": 1.081},
                                      "unsplit": {"first_over_fastest": 1.0}}
@@ -1778,6 +1793,21 @@ def test_one_gpu_projection_uses_the_gemm_times_measured():
     assert slow["label"].startswith("PROJECTION for 8 GPUs")
     gemm = lambda proj: sum(r["gemm_ms"] for r in proj["linears"])  # noqa: E731
     assert gemm(slow) == pytest.approx(2 * gemm(fast))  # every GEMM of the projection is a measured one
+
+
+def test_one_gpu_report_says_which_figures_are_missing():
+    """A figure the record lacks (a shape whose native GEMM was not timed) is NOT MEASURED, neither
+    meeting nor missing its target."""
+    from tp_kernels.bench import one_gpu
+
+    measured = _fake_one_gpu_measurements()
+    del measured["extension"]["chunking"]["column"]["native_vs_f_linear"]
+    rep = one_gpu.report(measured, [], "FakeGPU")
+    (missing,) = [c for c in rep["checks"] if c["value"] is None]
+    assert missing["what"] == "native GEMM / F.linear, 70B TP8 column" and not missing["meets"]
+    lines = one_gpu.format_report(rep).splitlines()
+    assert "  native GEMM / F.linear, 70B TP8 column: - (target >= 0.99) NOT MEASURED" in lines
+    assert sum(line.endswith("NOT MEASURED") for line in lines) == 1
 
 
 def test_one_gpu_report_without_the_extension_says_so():
