@@ -764,6 +764,37 @@ def test_the_communicator_sweep_alone(tmp_path):
     assert not (tmp_path / "cpu-gloo-p2-quick-sweep.csv").exists()  # no case, no case table
 
 
+def test_the_communicator_sweep_moves_each_size_in_the_dtype_asked():
+    """Each row's all-reduce moves its size in bytes of the dtype asked (bfloat16: as many elements
+    as bytes / 2), on every path, with every path a candidate of ``auto`` meanwhile; the candidates
+    named before are named again after, also where a call fails."""
+    from tp_kernels import settings
+
+    moved = []
+
+    def run_collective(kind, path, x, out, dim, group):
+        moved.append((kind, path, x.dtype, x.numel() * x.element_size(), out.shape == x.shape))
+        assert settings.get_auto_candidates() == settings.AUTO_CHOICES
+
+    def timer(body):
+        body(0)
+        return 1e-6
+
+    settings.set_auto_candidates(["reference"])
+    try:
+        with mock.patch.object(communicator.backends, "run_collective", run_collective):
+            result = communicator.sweep(torch.bfloat16, torch.device("cpu"), None, timer, quick=True)
+        assert settings.get_auto_candidates() == ("reference",)
+        assert [(r["bytes"], r["numel"] * 2) for r in result["rows"]] == [(b, b) for b in communicator.QUICK_SIZES]
+        assert moved == [("all_reduce", "reference", torch.bfloat16, b, True) for b in communicator.QUICK_SIZES]
+        with mock.patch.object(communicator.backends, "run_collective", side_effect=RuntimeError("failed")):
+            with pytest.raises(RuntimeError, match="failed"):
+                communicator.sweep(torch.bfloat16, torch.device("cpu"), None, timer, quick=True)
+        assert settings.get_auto_candidates() == ("reference",)
+    finally:
+        settings.set_auto_candidates(None)
+
+
 def test_communicator_table_and_crossovers():
     paths = ["fused:one_shot", "native:1", "reference"]
     times = [(1e-6, 5e-6, 9e-6), (8e-6, 6e-6, 9e-6), (9e-5, 2e-5, 3e-5)]

@@ -66,9 +66,8 @@ class Case:
 
     def local(self, p: int) -> Tuple[Tuple[int, int], Tuple[int, int]]:
         """This rank's ``(x shape, W shape)``."""
-        m_in = self.m // p if self.sequence_parallel and self.kind == "column" else self.m
-        if self.kind == "column":
-            return (m_in, self.k), (self.n // p, self.k)
+        if self.kind == "column":  # (its input's rows gathered under sequence parallelism)
+            return (self.m // p if self.sequence_parallel else self.m, self.k), (self.n // p, self.k)
         return (self.m, self.k // p), (self.n, self.k // p)
 
     def gemm_flops(self, p: int) -> float:
