@@ -750,6 +750,36 @@ def test_main_job_writes_json_csv_png(tmp_path):
     assert bad.returncode == 2 and "unknown target nope" in bad.stderr
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--shape", "16,64"], "--shape: expected three positive ints M,IN,OUT"),
+    (["--shape", "16,0,64"], "--shape: expected three positive ints M,IN,OUT"),
+    (["--shape", "a,b,c"], "--shape: expected three positive ints M,IN,OUT"),
+    (["--m", "16,0"], "--m: expected positive ints"),
+    (["--m", "16,x"], "expected comma-separated ints, got '16,x'"),
+    (["--iters", "0"], "--iters: expected a positive int, got 0"),
+    (["--num-chunks", "-1"], "--num-chunks: expected a positive int, got -1"),
+    (["-p", "0"], "--world-size: expected a positive int, got 0"),
+    (["--scale", "0"], "--scale: expected a positive int, got 0"),
+    (["--backends", "reference,nope"], "unknown backend nope"),
+    (["--dtypes", "float64"], "unknown dtype float64"),
+    (["--models", "gpt5"], "unknown model gpt5"),
+    (["--shape", "3,4,4", "-p", "2", "--targets", "all_gather_matmul"], "no case runs on p=2"),
+])
+def test_the_main_job_names_the_argument_it_cannot_take(capsys, argv, message):
+    """A bad argument is the usage error (exit status 2) naming it, before any rank starts."""
+    from tp_kernels.bench import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv + ["--no-save"])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_main_job_takes_20_samples_a_measurement_5_quick_by_default():
+    from tp_kernels.bench import cli
+
+    assert [cli._parse(argv)[0].iters for argv in ([], ["--quick"], ["--quick", "--iters", "3"])] == [20, 5, 3]
+
+
 @pytest.mark.slow
 def test_the_communicator_sweep_alone(tmp_path):
     cmd = [sys.executable, "-m", "tp_kernels.bench", "--quick", "--iters", "2", "--warmup", "0",
