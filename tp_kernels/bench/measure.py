@@ -154,13 +154,14 @@ def measure_case(case: Case, backends: List[str], dtype: torch.dtype, device: to
     for (shape, _), (av, bv, call) in zip(gemms, calls):
         whole.setdefault(shape, []).append(timer(lambda i: call(av[i % nsets], bv[i % nsets])))
     out["gemm_total"] = sum(sum(ts) for ts in whole.values())
-    # by shape, as the model reads them: a shape two GEMMs share (a row layer's input and weight
-    # gradients at m = n), the mean of their times, so that the model's two reads add up to theirs
+    # by shape, as the model reads them: a shape two GEMMs share (the input and weight gradients of a
+    # row layer at m = n, of a column layer at m = n/p), the mean of their times, so that the model's
+    # two reads add up to theirs
     out["gemm"] = {shape: sum(ts) / len(ts) for shape, ts in whole.items()}
     # the chunk GEMMs of the schedules the model predicts, each on rows of the whole GEMM's operands,
     # in its layout (the model then reads each one rather than scaling another). A schedule splits
     # the forward's GEMM or the input gradient's, never the weight gradient's: where the latter's
-    # (n, k) is one of theirs too (a row layer's m = n), theirs is the layout
+    # (n, k) is one of theirs too (as above), theirs is the layout
     split = {}
     for j, ((_, n, k), layout) in enumerate(gemms):
         if layout != "wgrad":
