@@ -871,6 +871,36 @@ HOST_CALLS = HOST_PLAIN | {"RowParallelLinear/auto", "ColumnParallelLinear/auto"
                                f"matmul_all_reduce/{b}" for b in ("reference", "pipelined", "auto", "auto:measured")}
 
 
+def _host_outputs():
+    """On this rank, each call the host benchmark times (:func:`tp_kernels.bench.host._calls`, float32
+    on the CPU) once, in its context: name -> (its plain counterpart's name, the output's shape, dtype
+    and whether it is the same tensor each call)."""
+    import torch.distributed as dist
+
+    from tp_kernels.bench import host
+
+    calls, skipped = host._calls(dist.get_world_size(), torch.device("cpu"), torch.float32)
+    out = {}
+    for name, (fn, plain, *context) in calls.items():
+        with (context[0]() if context else contextlib.nullcontext()):
+            first, second = fn(), fn()
+        out[name] = (plain, tuple(first.shape), first.dtype, first is second)
+    return out, skipped
+
+
+def test_each_host_call_does_the_work_of_its_plain_counterpart(world2):
+    """Each call the host benchmark times against a plain counterpart returns what that counterpart
+    returns, in shape and dtype (an all-reduce's output a new tensor where the counterpart's is, the
+    input itself where it is done in place), on 2 ranks: the host times compare like with like."""
+    out, skipped = world2.run(_host_outputs)[0]
+    assert set(out) == HOST_CALLS and skipped == {}
+    for name, (plain, shape, dtype, same) in out.items():
+        if plain is not None:
+            assert (shape, dtype, same) == out[plain][1:], name
+    assert out["plain_all_reduce_inplace"][3] and not out["plain_all_reduce"][3]
+    assert out["ColumnParallelLinear/gather_output"][1] == (16, 128)  # (m, p n): the gathered logits
+
+
 def test_host_time_bench_at_one_and_two_ranks(tmp_path):
     """python -m tp_kernels.bench.host on the CPU (its own process: it makes a fake world): every
     call is timed at each group size, against its plain counterpart, and nothing is skipped
