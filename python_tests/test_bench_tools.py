@@ -388,26 +388,6 @@ def test_the_link_is_fitted_to_every_collective_time_of_the_run():
         assert row["model_ms"] == pytest.approx((entry["gemm_total"] + link.time("all_reduce", nbytes, 2)) * 1e3)
 
 
-def _measure_once(target, m, num_chunks):
-    """``measure_case`` of a small ``target`` case on this rank with a timer that runs each body
-    once (``pre`` and ``post`` around it) and calls it 1 ms."""
-    import torch.distributed as dist
-
-    from tp_kernels.bench import measure
-
-    def timer(body, pre=None, post=None):
-        state = pre(0) if pre else None
-        body(0)
-        if post:
-            post(state)
-        return 1e-3
-
-    case = cases.Case(target, "custom", m, 12, 8)
-    out = measure.measure_case(case, ["reference", "pipelined"], torch.float32, torch.device("cpu"),
-                               dist.group.WORLD, timer, num_chunks)
-    return {"case": case.__dict__, "dtype": "float32", **out, "gemm": [[list(k), v] for k, v in out["gemm"].items()]}
-
-
 @pytest.mark.parametrize("num_chunks", [None, 3])
 def test_every_gemm_the_model_reads_is_measured(world2, monkeypatch, num_chunks):
     """For every target, in the default chunks and in 3, the run measures each GEMM the model reads
@@ -424,7 +404,7 @@ def test_every_gemm_the_model_reads_is_measured(world2, monkeypatch, num_chunks)
 
     monkeypatch.setattr(pm.MeasuredGemm, "__call__", reading)
     for target in cases.TARGETS:
-        entry = world2.run(_measure_once, target, 10, num_chunks)[0]
+        _, entry = world2.run(_measure_recorded, target, 10, 12, 8, num_chunks)[0]
         rows = report.compute_rows({"peak_tflops": {}, "cases": [entry]}, p=2, baseline="reference")
         assert [r["resolved"] for r in rows] == ["reference", f"pipelined:{num_chunks}" if num_chunks else
                                                  rows[1]["resolved"]], target
@@ -488,12 +468,13 @@ def _products_run_and_timed(target):
     return sorted(ran), sorted(timed)
 
 
-def _measure_recorded(target, m, k, n):
-    """``measure_case`` of a ``target`` case on this rank, the reference and the pipelined backend in
-    their default chunks, with a timer that runs each body once and records, for each of its calls in
-    order: the time it returned (each call's its own), whether it was given ``pre`` and ``post``, the
+def _measure_recorded(target, m, k, n, num_chunks=None):
+    """``measure_case`` of a small ``target`` case on this rank, the reference and the pipelined
+    backend in ``num_chunks`` (None: the defaults), float32, with a timer that runs each body once
+    (``pre`` and ``post`` around it) and records, for each of its calls in order: the time it
+    returned (each call's its own, in ms), whether it was given ``pre`` and ``post``, the
     collectives (kind, shape) ``pre`` and the body started, and the products the body ran
-    (:func:`_products`). Returns the calls and the measurements."""
+    (:func:`_products`). Returns the calls and the case's entry as a run's record holds it."""
     import torch.distributed as dist
 
     from tp_kernels.bench import measure
@@ -518,8 +499,9 @@ def _measure_recorded(target, m, k, n):
     case = cases.Case(target, "custom", m, k, n)
     with mock.patch.object(measure, "_start", start), _products(ran):
         out = measure.measure_case(case, ["reference", "pipelined"], torch.float32, torch.device("cpu"),
-                                   dist.group.WORLD, timer, None)
-    return calls, {**out, "gemm": [[list(s), t] for s, t in out["gemm"].items()]}
+                                   dist.group.WORLD, timer, num_chunks)
+    return calls, {"case": case.__dict__, "dtype": "float32", **out,
+                   "gemm": [[list(s), t] for s, t in out["gemm"].items()]}
 
 
 def test_the_gemms_timed_alone_are_those_the_reference_runs(world2):
@@ -587,7 +569,7 @@ def test_the_collectives_timed_are_those_the_model_reads(world2):
             return 0.0
 
     for target in cases.TARGETS:
-        entry = world2.run(_measure_once, target, 12, None)[0]
+        _, entry = world2.run(_measure_recorded, target, 12, 12, 8)[0]
         case, read = cases.Case(**entry["case"]), []
         case.tasks(2, "float32", _const_gemm(0), Recording("recording", 1.0, 1.0, 0.0, 0.0), "naive")
         samples = [(kind, nbytes) for kind, nbytes, _ in entry["comm_samples"] if kind != "ring_step"]
