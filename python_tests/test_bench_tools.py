@@ -1010,6 +1010,106 @@ def test_host_profile_ranks_a_calls_functions_by_their_own_time():
     assert any("test_bench_tools.py" in w and "(slow)" in w for w, *_ in host.profiled(call, 5, cuda=False))
 
 
+def _fingerprint_bench_rank():
+    """fingerprints.run_rank and round_trips on this rank, each timing recorded: whether
+    fingerprints were on, how many fingerprint exchanges the call made, and a made-up time handed
+    back (the i-th timing's), so which of the times each row keeps is known."""
+    from tp_kernels import _collectives, settings
+    from tp_kernels.bench import fingerprints
+
+    made_up = [3.0, 5.0, 2.0, 7.0, 4.0, 6.0, 8.0, 1.0]  # per backend: off, on, off, on
+    exchanges, timings = [0], []
+    time_backend, gather = fingerprints._time_backend, _collectives.all_gather_bytes
+
+    def counted_gather(*args, **kwargs):
+        exchanges[0] += 1
+        return gather(*args, **kwargs)
+
+    def recorded(*args):
+        before = exchanges[0]
+        time_backend(*args)
+        timings.append((settings.fingerprints_enabled(), exchanges[0] - before))
+        return made_up[len(timings) - 1]
+
+    default = settings.fingerprints_enabled()
+    config = {"cases": [cases.Case("column", "tiny", 8, 16, 12).__dict__], "backends": ["reference", "pipelined"],
+              "iters": 1, "warmup": 0, "modes": ["off", "on"]}
+    with mock.patch.object(fingerprints, "_time_backend", recorded), \
+            mock.patch.object(_collectives, "all_gather_bytes", counted_gather):
+        rows = fingerprints.run_rank(config)
+        after_rows = settings.fingerprints_enabled()
+        before = exchanges[0]
+        fixed = fingerprints.round_trips(config)
+        fixed_exchanges = exchanges[0] - before
+    return rows, timings, default, after_rows, settings.fingerprints_enabled(), fixed, fixed_exchanges
+
+
+def test_fingerprint_bench_times_each_setting_as_named(world2):
+    """``python -m tp_kernels.bench.fingerprints`` on 2 ranks: each backend of a case timed off, on,
+    off, on, with fingerprints exchanged exactly in the timings named "on"; each setting keeps its
+    faster time; the setting returns to what it was; the fixed costs' fingerprint exchange does
+    exchange."""
+    rows, timings, default, after_rows, after_fixed, fixed, fixed_exchanges = world2.run(_fingerprint_bench_rank)[0]
+    assert [on for on, _ in timings] == [False, True, False, True] * 2
+    assert all((n > 0) == on for on, n in timings), timings
+    assert [(r["target"], r["backend"], r["off_ms"], r["on_ms"]) for r in rows] == [
+        ("column", "reference", 2e3, 5e3), ("column", "pipelined", 4e3, 1e3)]
+    assert after_rows == default and after_fixed == default
+    assert fixed_exchanges > 0 and fixed["fingerprint_us"] > 0 and fixed["all_reduce_us"] > 0
+
+
+def test_fingerprint_bench_overheads_and_verdict():
+    """The fingerprint benchmark's overheads (on / off - 1, DETAIL's over the same off time), their
+    median and worst, and the verdict against the 3 % bar for turning fingerprints on by default."""
+    from tp_kernels.bench import fingerprints
+
+    rows = [{"target": "column", "m": 16, "in": 128, "out": 448, "backend": b, "off_ms": off, "on_ms": on}
+            for b, off, on in (("reference", 2.0, 2.02), ("pipelined", 4.0, 5.0), ("reference", 1.0, 1.01))]
+    detail = [{"off_ms": 3.0}, {"off_ms": 4.0}, {"off_ms": 0.5}]
+    merged = fingerprints.merge(rows, detail)
+    assert [r["overhead"] for r in merged] == pytest.approx([0.01, 0.25, 0.01])
+    assert [r["detail_ms"] for r in merged] == [3.0, 4.0, 0.5]
+    assert [r["detail_overhead"] for r in merged] == pytest.approx([0.5, 0.0, -0.5])
+    summary = fingerprints.summarize(merged)
+    assert summary == pytest.approx({"median_overhead": 0.01, "worst_overhead": 0.25, "cases": 3, "limit": 0.03,
+                                     "below_limit": True, "median_detail_overhead": 0.0,
+                                     "worst_detail_overhead": 0.5})
+    assert fingerprints.summarize(fingerprints.merge(rows[1:2], []))["below_limit"] is False
+    # at the bar itself: not below it
+    at_bar = fingerprints.merge([dict(rows[0], on_ms=2.0 * (1 + fingerprints.DEFAULT_LIMIT))], [])
+    assert fingerprints.summarize(at_bar)["below_limit"] is False
+    assert "detail_overhead" not in fingerprints.merge(rows, [])[0]
+    table = fingerprints.format_table(merged).splitlines()
+    assert len(table) == 4 and "DETAIL ms" in table[0]
+    assert table[2].split()[-4:] == ["5.000", "25.0%", "4.000", "0.0%"]
+    assert "DETAIL" not in fingerprints.format_table(fingerprints.merge(rows, []))
+
+
+def test_fingerprint_bench_main_job_on_two_gloo_ranks(tmp_path):
+    """python -m tp_kernels.bench.fingerprints on the CPU: every target of the main job at the
+    Llama-3-70B shapes divided by 64, both backends, timed on and off, and again in a
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` world; the summary is that of its rows."""
+    from tp_kernels.bench import fingerprints
+
+    out = subprocess.run([sys.executable, "-m", "tp_kernels.bench.fingerprints", "--iters", "1", "--m", "16",
+                          "--out-dir", str(tmp_path), "--tag", "t"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.load(open(tmp_path / "fingerprints-cpu-gloo-p2-t.json"))
+    assert (record["backend"], record["p"]) == ("gloo", 2)
+    rows = record["results"]
+    assert sorted((r["target"], r["backend"]) for r in rows) == sorted(
+        (t, b) for t in cases.TARGETS for b in ("reference", "pipelined"))
+    assert {(r["m"], r["in"], r["out"]) for r in rows} == {(16, 8192 // 64, 28672 // 64), (16, 28672 // 64, 8192 // 64)}
+    for r in rows:
+        assert r["off_ms"] > 0 and r["on_ms"] > 0 and r["detail_ms"] > 0
+        assert r["overhead"] == pytest.approx(r["on_ms"] / r["off_ms"] - 1)
+    assert record["summary"] == pytest.approx(
+        {**fingerprints.summarize(rows), **{k: record["summary"][k] for k in
+                                            ("all_reduce_us", "fingerprint_us", "all_reduce_detail_us")}})
+    assert all(record["summary"][k] > 0 for k in ("all_reduce_us", "fingerprint_us", "all_reduce_detail_us"))
+    assert "fixed costs: a fingerprint exchange" in out.stdout
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
 @pytest.mark.parametrize("bench, bad_p", [("fused", "9"), ("timeline", "1")])
 def test_virtual_rank_bench_without_a_gpu_says_so(capsys, bench, bad_p):
