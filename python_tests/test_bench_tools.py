@@ -724,6 +724,17 @@ def test_main_job_writes_json_csv_png(tmp_path):
     for r in record["results"]:
         assert r["median_ms"] > 0 and r["comm_ms"] > 0 and r["E"] is not None
         assert r["resolved"] == ("pipelined:2" if r["backend"] == "pipelined" else "reference")  # (as asked)
+    # the record says how it was run, and its rows and model errors are those of its raw timings
+    assert (record["backend"], record["p"], record["torch"]) == ("gloo", 2, torch.__version__)
+    assert record["config"] == {"backends": ["reference", "pipelined"], "dtypes": ["float32"], "iters": 2,
+                                "warmup": 0, "num_chunks": 2, "communicator": False, "quick": True, "one_gpu": False,
+                                "scale": 64, "ops": ["matmul_all_reduce"]}
+    assert record["results"] == report.compute_rows(record["measurements"], 2, "reference")
+    assert record["model_error"] == report.model_error_summary(record["results"])
+    assert set(record["peak_tflops"]) == {"float32"} and record["peak_tflops"] == record["measurements"]["peak_tflops"]
+    assert {(c["case"]["target"], c["case"]["k"], c["case"]["n"]) for c in record["measurements"]["cases"]} == {
+        ("matmul_all_reduce", 28672 // 64, 8192 // 64), ("row_sp", 28672 // 64, 8192 // 64)}
+    assert record["elapsed_s"] > 0 and record["communicator"] is None and record["one_gpu"] is None
     assert (tmp_path / "cpu-gloo-p2-quick.csv").read_text().startswith("target,model,m,")
     if record["results"] and _has_matplotlib():
         assert (tmp_path / "cpu-gloo-p2-quick.png").stat().st_size > 0
@@ -893,6 +904,9 @@ def test_host_time_bench_at_one_and_two_ranks(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     record = json.load(open(tmp_path / "host-cpu-t.json"))
     assert [run["p"] for run in record["runs"]] == [1, 2] and record["target_us"] == 5.0
+    assert (record["shape"], record["dtype"], record["samples"], record["calls_per_sample"]) == (
+        [16, 64, 64], "float32", 2, 200)
+    assert record["world"] == "one process of a fake group" and record["torch"] == torch.__version__
     for run in record["runs"]:
         assert set(run["times"]) == HOST_CALLS and run["skipped"] == {}
         assert all(0 < t["min_us"] <= t["median_us"] for t in run["times"].values())
@@ -928,6 +942,7 @@ def test_host_time_bench_with_peers(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     record = json.load(open(tmp_path / "host-peers-cpu-t.json"))
     assert [run["p"] for run in record["runs"]] == [2] and "gloo" in record["world"]
+    assert (record["samples"], record["calls_per_sample"]) == (2, 20)
     run = record["runs"][0]
     assert set(run["times"]) == HOST_CALLS and run["skipped"] == {}
     assert all(0 < t["min_us"] <= t["median_us"] for t in run["times"].values())
@@ -941,6 +956,42 @@ def test_host_time_bench_with_peers(tmp_path):
         host.main(["--peers", "--ranks", "1"])
     with pytest.raises(SystemExit):
         host.main(["--profile", "-1"])
+
+
+def test_host_times_are_samples_taken_in_turns_each_call_in_its_context(monkeypatch):
+    """host.host_times_us on a made-up clock: three warm-up calls of each function first, untimed;
+    then one sample of each function a round, a sample the mean of its calls; each function's
+    calls, warm-up and timed, inside its ``around`` context and no other's; per function the
+    median and the fastest sample."""
+    from tp_kernels.bench import host
+
+    clock, log, inside = [0.0], [], []
+    # µs a call: the warm-up's three (untimed), then two calls a sample over three samples
+    costs = {"a": [100.0] * 3 + [5.0, 5.0, 3.0, 3.0, 3.0, 5.0], "b": [100.0] * 3 + [2.0, 2.0, 2.0, 2.0, 8.0, 8.0]}
+
+    def fn(name):
+        def call():
+            log.append(name)
+            inside.append((name, bool(entered)))
+            clock[0] += costs[name].pop(0) * 1e-6
+        return call
+
+    entered = []
+
+    @contextlib.contextmanager
+    def around_b():
+        entered.append(1)
+        try:
+            yield
+        finally:
+            entered.pop()
+
+    monkeypatch.setattr(host.time, "perf_counter", lambda: clock[0])
+    out = host.host_times_us({"a": fn("a"), "b": fn("b")}, samples=3, cuda=False, calls=2, around={"b": around_b})
+    assert log == ["a"] * 3 + ["b"] * 3 + ["a", "a", "b", "b"] * 3
+    assert all(within == (name == "b") for name, within in inside)
+    assert out == {"a": {"median_us": pytest.approx(4.0), "min_us": pytest.approx(3.0)},
+                   "b": {"median_us": pytest.approx(2.0), "min_us": pytest.approx(2.0)}}
 
 
 def test_host_nonblocking_group_takes_our_timeout(monkeypatch):
@@ -1028,11 +1079,12 @@ def _fingerprint_bench_rank():
     def recorded(*args):
         before = exchanges[0]
         time_backend(*args)
-        timings.append((settings.fingerprints_enabled(), exchanges[0] - before))
+        timings.append((settings.fingerprints_enabled(), exchanges[0] - before, args[-1]))
         return made_up[len(timings) - 1]
 
     default = settings.fingerprints_enabled()
-    config = {"cases": [cases.Case("column", "tiny", 8, 16, 12).__dict__], "backends": ["reference", "pipelined"],
+    # (large enough that the buffer sets rotated are fewer than their bound)
+    config = {"cases": [cases.Case("column", "t", 1024, 1024, 1024).__dict__], "backends": ["reference", "pipelined"],
               "iters": 1, "warmup": 0, "modes": ["off", "on"]}
     with mock.patch.object(fingerprints, "_time_backend", recorded), \
             mock.patch.object(_collectives, "all_gather_bytes", counted_gather):
@@ -1048,10 +1100,16 @@ def test_fingerprint_bench_times_each_setting_as_named(world2):
     """``python -m tp_kernels.bench.fingerprints`` on 2 ranks: each backend of a case timed off, on,
     off, on, with fingerprints exchanged exactly in the timings named "on"; each setting keeps its
     faster time; the setting returns to what it was; the fixed costs' fingerprint exchange does
-    exchange."""
+    exchange; the operands rotate through as many buffer sets as the main job's would for their
+    bytes (a rank's input and weight): past twice the cache."""
+    from tp_kernels.bench import measure
+
     rows, timings, default, after_rows, after_fixed, fixed, fixed_exchanges = world2.run(_fingerprint_bench_rank)[0]
-    assert [on for on, _ in timings] == [False, True, False, True] * 2
-    assert all((n > 0) == on for on, n in timings), timings
+    assert [on for on, _, _ in timings] == [False, True, False, True] * 2
+    assert all((n > 0) == on for on, n, _ in timings), timings
+    per_set = (1024 * 1024 + 512 * 1024) * 4  # x [m, k] and this rank's w [n / 2, k], float32
+    assert {nsets for _, _, nsets in timings} == {measure.buffer_sets(per_set, False)}
+    assert 2 < measure.buffer_sets(per_set, False) < measure._MAX_SETS
     assert [(r["target"], r["backend"], r["off_ms"], r["on_ms"]) for r in rows] == [
         ("column", "reference", 2e3, 5e3), ("column", "pipelined", 4e3, 1e3)]
     assert after_rows == default and after_fixed == default
@@ -1076,8 +1134,7 @@ def test_fingerprint_bench_overheads_and_verdict():
                                      "worst_detail_overhead": 0.5})
     assert fingerprints.summarize(fingerprints.merge(rows[1:2], []))["below_limit"] is False
     # at the bar itself: not below it
-    at_bar = fingerprints.merge([dict(rows[0], on_ms=2.0 * (1 + fingerprints.DEFAULT_LIMIT))], [])
-    assert fingerprints.summarize(at_bar)["below_limit"] is False
+    assert fingerprints.summarize([{"overhead": fingerprints.DEFAULT_LIMIT}])["below_limit"] is False
     assert "detail_overhead" not in fingerprints.merge(rows, [])[0]
     table = fingerprints.format_table(merged).splitlines()
     assert len(table) == 4 and "DETAIL ms" in table[0]
