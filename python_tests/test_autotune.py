@@ -507,6 +507,35 @@ def test_ranks_that_disagree_get_an_error(world2):
     assert world2.run(check_ranks_that_disagree_get_an_error) == [(4, 6), (4, 6)]
 
 
+def check_the_fused_algorithm_measured_fastest_is_remembered():
+    """``choose`` among the fused all-reduce's algorithms and the reference (each run stood in for
+    by a sleep of its time): the fastest chosen; a fused choice's algorithm remembered for the size
+    class of the all-reduce's rows (and run there by the fused all-reduce), a choice of another
+    class that is none remembering none."""
+    _, p = rank_world()
+    group = _collectives.resolve_group(None)
+    run_variant = autotune._run_variant
+    seconds = {"fused:one_shot": 0.02, "fused:two_shot": 0.005, "reference": 0.03}
+    autotune._run_variant = lambda primitive, variant, *args: time.sleep(seconds[variant])
+    try:
+        w = torch.randn(4, 8)  # n = 4
+        chosen = [autotune.choose("matmul_all_reduce", list(seconds), torch.randn(6, 8), w, None, group)]
+        seconds.update({"fused:two_shot": 0.04, "reference": 0.001})
+        chosen.append(autotune.choose("matmul_all_reduce", list(seconds), torch.randn(16, 8), w, None, group))
+        return (chosen, [autotune.measured_algorithm(m, 4, p, torch.float32) for m in (5, 8, 9, 16)],
+                autotune.measured_algorithm(8, 4, p + 1, torch.float32),
+                dispatch.fused_all_reduce_algorithm("matmul_all_reduce", torch.randn(7, 8), w, p))
+    finally:
+        autotune._run_variant = run_variant
+        autotune.forget()
+
+
+@built
+def test_the_fused_algorithm_measured_fastest_is_remembered(world2):
+    assert world2.run(check_the_fused_algorithm_measured_fastest_is_remembered) == [
+        (["fused:two_shot", "reference"], ["two_shot", "two_shot", None, None], None, "two_shot")] * 2
+
+
 def check_without_measuring():
     autotune.set_auto_candidates(["reference", "pipelined"])
     autotune.set_autotune(False)
