@@ -573,6 +573,13 @@ def check_measured_collective():
     autotune.choose_collective("broadcast", ["reference", "reference"], x, group, 0)
     assert torch.equal(x, before)
     times = autotune.decisions()[-1].times_s
+    # a broadcast from another root is another class, measured again; a gather is measured into a
+    # scratch output on its root alone (the other ranks receive nothing)
+    autotune.choose_collective("broadcast", ["reference", "reference"], x, group, 1)
+    autotune.choose_collective("gather", ["reference", "reference"], x, group, 0)
+    assert [(d.op, d.m_class) for d in autotune.decisions()] == [("all_reduce", 128), ("broadcast", 128),
+                                                                 ("broadcast", 128), ("gather", 128)]
+    assert torch.equal(x, before)
     # under a torch.func transform nothing is measured (its tensors are the transform's wrappers,
     # of no storage a native path could read): the first variant, unremembered
     autotune.forget()
