@@ -496,6 +496,12 @@ def check_ranks_that_disagree_get_an_error():
                                                r"bias=False p=2 candidates=pipelined:4,reference; rank 1: .*bias=True"):
             ops.matmul_all_reduce(x, w, bias, backend="auto")
         assert autotune.decisions() == []
+        # a collective's root is part of the call measured: ranks that name different roots too
+        with pytest.raises(RuntimeError, match=r"disagree on the call to measure.*rank 0: broadcast m=8 n=0 k=0 "
+                                               r"torch.float32 bias=False p=2 peer=0 .*rank 1: .* peer=1 "):
+            autotune.choose_collective("broadcast", ["reference", "native:1"], torch.ones(8),
+                                       _collectives.resolve_group(None), r)
+        assert autotune.decisions() == []
         # nothing was left in flight: the group still works
         return ops.matmul_all_reduce(x, w, backend="reference").shape
     finally:
