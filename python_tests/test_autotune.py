@@ -45,6 +45,12 @@ def test_candidates_on_the_cpu(monkeypatch):
     for name in ("fused", "pipelined"):
         assert any(w.startswith(f"{name}: ") and reason in w for w in why), f"no '{name}: ...{reason}...' in {why}"
     assert dispatch.candidates(x, x, None, 1) == (["reference"], ["one rank, nothing to overlap"])
+    # the native path switched on for auto but unable to run here: the portable schedule does not
+    # stand in for it unless named (it measured slower than the reference on the CPU)
+    monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "1")
+    impls, why = dispatch.candidates(x, x, None, 2)
+    assert impls == ["reference"] and any(w.startswith("pipelined: ") and reason in w for w in why), why
+    monkeypatch.delenv("TP_KERNELS_AUTO_NATIVE")
     autotune.set_auto_candidates(["reference", "pipelined"])  # the order named does not matter
     assert dispatch.candidates(x, x, None, 2)[0] == ["pipelined", "reference"]
     autotune.set_auto_candidates(["pipelined"])
@@ -373,6 +379,12 @@ def test_nothing_is_kept_while_compiling_or_saying_why(monkeypatch, caplog):
     monkeypatch.setattr(dispatch, "RESOLVED_MAX", 1)  # full: dropped, to be resolved again
     assert dispatch.resolve("matmul_all_reduce", "auto", x[:4], 2, group, w) == "native:4"
     assert [key[3] for key in dispatch._resolved] == [(4, 16)]
+    # one rank: the reference, and auto says why when asked
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="tp_kernels.dispatch"):
+        assert dispatch.resolve("matmul_all_reduce", "auto", x, 1, group, w) == "reference"
+    assert any("candidates ['reference']; left out: one rank, nothing to overlap" in r.message
+               for r in caplog.records), caplog.records
 
 
 def test_a_collective_like_an_earlier_one_is_not_resolved_again(monkeypatch):
