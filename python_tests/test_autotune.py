@@ -408,6 +408,11 @@ def test_a_collective_like_an_earlier_one_is_not_resolved_again(monkeypatch):
     assert resolve(x=x.view(8, 8), peer=0) == ("reference", [])  # the elements, not the shape
     autotune.forget()
     assert resolve(peer=0) == ("reference", ["native", "choose"])
+    # an empty tensor moves nothing: the reference on every backend, nothing asked or measured
+    for backend in ("auto", "pipelined", "fused"):
+        asked.clear()
+        assert dispatch.resolve_collective("all_reduce", backend, torch.empty(0), group) == "reference"
+        assert asked == [], backend
 
 
 # --- on 2 gloo ranks ----------------------------------------------------------------------------
