@@ -240,12 +240,44 @@ def test_each_fused_all_reduce_algorithm_is_a_variant(monkeypatch):
         "fused:one_shot", "fused:two_shot", "fused:scatter_gather", "native:4", "reference"]
     assert _variants("matmul_reduce_scatter", 8, 2) == ["fused:4", "native:4", "reference"]
     assert _variants("all_gather_matmul", 8, 2) == ["fused:1", "native:1", "reference"]
+    # the row layer's backward all-reduces as matmul_all_reduce does: by the same algorithms
+    x, w = torch.empty(8, 16, device="meta"), torch.empty(8, 16, device="meta")
+    assert dispatch._variants("fused", "linear_with_grad_all_reduce", x, w, 2, 4) == [
+        "fused:one_shot", "fused:two_shot", "fused:scatter_gather"]
+    # a plain all-reduce of the communicator: each algorithm, the size thresholds' pick first
+    assert dispatch.collective_variants("fused", "all_reduce", torch.empty(64), 2) == [
+        "fused:one_shot", "fused:two_shot", "fused:scatter_gather"]
+    assert dispatch.collective_variants("native", "all_reduce", torch.empty(64), 2) == ["native:1"]
     monkeypatch.setenv("TP_KERNELS_FUSED_ALL_REDUCE", "two_shot")  # forced: not measured
     assert _variants("matmul_all_reduce", 8, 2) == ["fused:two_shot", "native:4", "reference"]
+    assert dispatch.collective_variants("fused", "all_reduce", torch.empty(64), 2) == ["fused:two_shot"]
     # unmeasured, the first runs: the algorithm the size thresholds pick comes first
     monkeypatch.delenv("TP_KERNELS_FUSED_ALL_REDUCE")
     big = fused.MAX_BYTES["two_shot"] // 16  # rows of a [m, 8] fp32 all-reduce past the two-shot threshold
     assert _variants("matmul_all_reduce", big, 2)[0] == "fused:scatter_gather"
+    assert dispatch.collective_variants("fused", "all_reduce", torch.empty(big * 8), 2)[0] == "fused:scatter_gather"
+
+
+@built
+def test_a_graph_capture_makes_the_paths_the_collectives_may_take(monkeypatch):
+    """capture_paths: what a CUDA graph capture of a communicator's collectives needs made first,
+    by backend, where the native path could run them (stood in for: no GPU here); "fused" runs its
+    other collectives on the NCCL communicator, so it needs both."""
+    x, group = torch.randn(64), SimpleNamespace(group_name="g", size=lambda: 2)
+    monkeypatch.setattr(pipelined_native, "unsupported_collective_reason", lambda *a: None)
+    monkeypatch.setattr(fused, "unsupported_collective_reason", lambda *a: None)
+    assert [dispatch.capture_paths(b, x, group) for b in ("reference", "pipelined", "fused")] == [
+        [], ["native"], ["fused", "native"]]
+    monkeypatch.setattr(settings, "AUTO_FUSED_DEFAULT", False)
+    monkeypatch.setattr(settings, "AUTO_NATIVE_DEFAULT", False)
+    assert dispatch.capture_paths("auto", x, group) == []
+    monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "1")
+    assert dispatch.capture_paths("auto", x, group) == ["native"]
+    monkeypatch.setenv("TP_KERNELS_AUTO_FUSED", "1")
+    assert dispatch.capture_paths("auto", x, group) == ["fused", "native"]
+    assert dispatch.capture_paths("fused", x, SimpleNamespace(group_name="one", size=lambda: 1)) == []
+    monkeypatch.setattr(pipelined_native, "unsupported_collective_reason", lambda *a: "not on a CUDA device")
+    assert [dispatch.capture_paths(b, x, group) for b in ("pipelined", "fused", "auto")] == [[], [], []]
 
 
 @built
