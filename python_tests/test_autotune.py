@@ -258,6 +258,28 @@ def test_each_fused_all_reduce_algorithm_is_a_variant(monkeypatch):
     assert dispatch.collective_variants("fused", "all_reduce", torch.empty(big * 8), 2)[0] == "fused:scatter_gather"
 
 
+def test_a_named_fused_backend_is_asked_about_the_calls_own_tensors(monkeypatch):
+    """check_runnable (and resolve, whose first step it is) asks the fused path about the call's
+    input and weight (x standing for a weight the call has none of), and raises its reason naming
+    the call; the other backends are not asked (they fall back or run anywhere)."""
+    asked = []
+    monkeypatch.setattr(fused, "unsupported_reason", lambda x, w, g: asked.append((x, w, g)) or "no peer access")
+    x, w, group = torch.randn(4, 8), torch.randn(6, 8), SimpleNamespace(group_name="g", size=lambda: 2)
+    message = (r"backend: 'fused' cannot run matmul_all_reduce \(p=2, x \(4, 8\) torch.float32 on cpu\): "
+               r"no peer access\. Use 'pipelined' or 'auto' there\.")
+    with pytest.raises(ValueError, match=message):
+        dispatch.check_runnable("matmul_all_reduce", "fused", x, 2, group, w)
+    with pytest.raises(ValueError, match=message):
+        dispatch.check_runnable("matmul_all_reduce", "fused", x, 2, group)
+    with pytest.raises(ValueError, match=message):
+        dispatch.resolve("matmul_all_reduce", "fused", x, 2, group, w)
+    assert [(a is x, b is w or (b is x and "x"), g is group) for a, b, g in asked] == [
+        (True, True, True), (True, "x", True), (True, True, True)]
+    for backend in ("reference", "pipelined", "auto"):
+        dispatch.check_runnable("matmul_all_reduce", backend, x, 2, group, w)
+    assert len(asked) == 3
+
+
 @built
 def test_a_graph_capture_makes_the_paths_the_collectives_may_take(monkeypatch):
     """capture_paths: what a CUDA graph capture of a communicator's collectives needs made first,
