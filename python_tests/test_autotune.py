@@ -280,6 +280,22 @@ def test_a_named_fused_backend_is_asked_about_the_calls_own_tensors(monkeypatch)
     assert len(asked) == 3
 
 
+def test_a_fused_communicator_runs_its_other_collectives_on_nccl(monkeypatch):
+    """backend="fused" for a plain collective: the all-reduce over peer memory (or the fused path's
+    reason, raised), every other collective on the group's NCCL communicator, where the fused
+    path (the all-reduce only) is not asked."""
+    x, group = torch.randn(64), SimpleNamespace(group_name="g", size=lambda: 2)
+    asked = []
+    monkeypatch.setattr(pipelined_native, "unsupported_collective_reason", lambda *a: None)
+    monkeypatch.setattr(fused, "unsupported_collective_reason", lambda c, x, g: asked.append(c) or "no peer access")
+    assert [dispatch.resolve_collective(c, "fused", x, group, 0)
+            for c in ("broadcast", "all_gather", "gather", "reduce_scatter")] == ["native:1"] * 4
+    assert asked == []
+    with pytest.raises(ValueError, match=r"backend: 'fused' cannot run all_reduce \(p=2, .*\): no peer access"):
+        dispatch.resolve_collective("all_reduce", "fused", x, group)
+    assert asked == ["all_reduce"]
+
+
 @built
 def test_a_graph_capture_makes_the_paths_the_collectives_may_take(monkeypatch):
     """capture_paths: what a CUDA graph capture of a communicator's collectives needs made first,
