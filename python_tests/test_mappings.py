@@ -179,6 +179,23 @@ def check_gather_for_column_layers():
         assert not M.partial_grads_of(gathered[:, :1], group)[1]
         assert not M.partial_grads_of(gathered.transpose(0, 1), group)[1]
         assert not M.partial_grads_of(gathered.view(-1)[4:].view(-1, 4), group)[1]
+        assert not M.partial_grads_of(gathered[:1], group)[1]  # where it starts, but not all of it
+        # only column layers of its own group take it unread, or leave their gradients in it
+        unread, other = M.gather_for_column_layers(block(x, 1, r, p).clone().requires_grad_(), sequence_dim=1), object()
+        assert M.deferred_block(unread, group) is unread
+        assert M.deferred_block(unread, other) is None and not M.partial_grads_of(unread, other)[1]
+        unread.gathered()
+        assert M.deferred_block(unread, group) is None  # read: gathered, its block no longer stands for it
+        # a backward run again over the graph it kept gives the same gradient (the partial
+        # gradients left by the first are not added to the second's)
+        mine = block(x, 1, r, p).clone().requires_grad_()
+        outs = model(M.gather_for_column_layers(mine, sequence_dim=1), a, b)
+        loss = sum((y * part(dy)).sum() for y, dy, part in zip(outs, dys, columns))
+        loss.backward(retain_graph=True)
+        first, mine.grad = mine.grad, None
+        loss.backward()
+        torch.testing.assert_close(mine.grad, first, rtol=0, atol=0)
+        torch.testing.assert_close(first, block(full.grad, 1, r, p), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
