@@ -381,6 +381,25 @@ def test_an_argument_wrong_on_one_rank_is_an_error_on_every_rank(world2, case):
     assert len(kinds) == 2
 
 
+@fingerprints
+def check_a_mapping_whose_backward_differs():
+    """The same forward on every rank, but rank 1's backward would split its gradient where rank
+    0's reduce-scatters it (a collective on one rank alone): both raise at the forward, naming the
+    flag."""
+    r, _ = rank_world()
+    x = torch.randn(2, 3, requires_grad=True)
+    kind, message = _raises(lambda: tp_kernels.mappings.gather_from_sequence_parallel_region(x, r == 0))
+    assert kind == "RuntimeError" and "disagree on this call, so none of it ran" in message, message
+    assert "tensor_parallel_output_grad True" in message and "tensor_parallel_output_grad False" in message, message
+    _still_works()
+    return message
+
+
+def test_a_mapping_whose_backward_differs_between_ranks_is_an_error_on_every_rank(world2):
+    per_rank = world2.run(check_a_mapping_whose_backward_differs, deadline_s=DEADLINE_S)
+    assert per_rank[0] == per_rank[1]
+
+
 def test_an_argument_wrong_on_one_rank_of_4(world4):
     kinds = world4.run(check_one_rank_wrong, "layer input width", deadline_s=DEADLINE_S)
     assert kinds == ["RuntimeError", "ValueError", "RuntimeError", "RuntimeError"]

@@ -184,7 +184,7 @@ def check_gather_for_column_layers():
         unread, other = M.gather_for_column_layers(block(x, 1, r, p).clone().requires_grad_(), sequence_dim=1), object()
         assert M.deferred_block(unread, group) is unread
         assert M.deferred_block(unread, other) is None and not M.partial_grads_of(unread, other)[1]
-        unread.gathered()
+        assert unread.gathered() is unread.gathered()  # gathered once
         assert M.deferred_block(unread, group) is None  # read: gathered, its block no longer stands for it
         # a backward run again over the graph it kept gives the same gradient (the partial
         # gradients left by the first are not added to the second's)
