@@ -72,20 +72,30 @@ def test_without_a_hold_nothing_spins_and_nothing_is_asked(fake_gpu):
     assert log == [("record", 0), "body", ("record", 1)]
 
 
-def test_the_hold_follows_the_hosts_last_enqueue_within_its_bounds(fake_gpu):
+def test_the_hold_follows_the_hosts_last_enqueue_within_its_bounds(fake_gpu, monkeypatch):
+    """The next hold is HOLD_FACTOR times the host's time to enqueue the last sample (on a made-up
+    clock: each body takes the host what it says), within [HOLD_MIN_S, HOLD_MAX_S]."""
     log, _ = fake_gpu
+    clock = [0.0]
+    monkeypatch.setattr(_timing, "time", SimpleNamespace(perf_counter=lambda: clock[0], monotonic=time.monotonic,
+                                                         sleep=time.sleep))
+
+    def enqueue(seconds):
+        return lambda: clock.__setitem__(0, clock[0] + seconds)
+
     hold = _timing.Hold()
-    _timing.gpu_events(lambda: time.sleep(0.004), hold)  # 4 ms to enqueue: the next hold 8 ms
-    assert 2 * 0.004 <= hold.seconds <= _timing.HOLD_MAX_S
-    _timing.gpu_events(lambda: None, hold)
+    _timing.gpu_events(enqueue(0.004), hold)  # 4 ms to enqueue: the next hold 8 ms
+    assert hold.seconds == pytest.approx(_timing.HOLD_FACTOR * 0.004) and 0.008 <= _timing.HOLD_MAX_S
+    _timing.gpu_events(enqueue(0.001), hold)
     held = [entry[1] for entry in log if entry[0] == "hold"]
-    assert held[0] == _timing.HOLD_MIN_S and held[1] >= 0.008
-    assert hold.seconds < 0.008  # a quick enqueue shrinks it again, not below the floor
-    assert hold.seconds >= _timing.HOLD_MIN_S
+    assert held == [_timing.HOLD_MIN_S, pytest.approx(0.008)]
+    assert hold.seconds == pytest.approx(0.002)  # a quicker enqueue shrinks it again
+    _timing.gpu_events(enqueue(1e-6), hold)
+    assert hold.seconds == _timing.HOLD_MIN_S  # not below the floor
     hold.before()  # nothing enqueued: the floor
     hold.after(_Event(), timed=False)
     assert hold.seconds == _timing.HOLD_MIN_S
-    _timing.gpu_events(lambda: time.sleep(0.03), hold)  # past the ceiling
+    _timing.gpu_events(enqueue(0.03), hold)  # past the ceiling
     assert hold.seconds == _timing.HOLD_MAX_S
     log.clear()
     _timing.gpu_events(lambda: None, _timing.Hold(0.05))  # a first hold of its own (a trace's)
