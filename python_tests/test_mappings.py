@@ -186,6 +186,10 @@ def check_gather_for_column_layers():
         assert M.deferred_block(unread, other) is None and not M.partial_grads_of(unread, other)[1]
         assert unread.gathered() is unread.gathered()  # gathered once
         assert M.deferred_block(unread, group) is None  # read: gathered, its block no longer stands for it
+        # an op of torch's writing in place on it writes the gathered tensor, which later reads see
+        written = M.gather_for_column_layers(block(x, 1, r, p).clone(), sequence_dim=1)
+        assert written.mul_(2) is written and torch.equal(written.gathered(), 2 * x)
+        assert torch.equal(written + 0, 2 * x)
         # a backward run again over the graph it kept gives the same gradient (the partial
         # gradients left by the first are not added to the second's)
         mine = block(x, 1, r, p).clone().requires_grad_()
