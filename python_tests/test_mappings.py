@@ -181,7 +181,8 @@ def check_gather_for_column_layers():
         assert not M.partial_grads_of(gathered.view(-1)[4:].view(-1, 4), group)[1]
         assert not M.partial_grads_of(gathered[:1], group)[1]  # where it starts, but not all of it
         # only column layers of its own group take it unread, or leave their gradients in it
-        unread, other = M.gather_for_column_layers(block(x, 1, r, p).clone().requires_grad_(), sequence_dim=1), object()
+        unread = M.gather_for_column_layers(block(x, 1, r, p).clone().requires_grad_(), sequence_dim=1)
+        other = object()  # another group
         assert M.deferred_block(unread, group) is unread
         assert M.deferred_block(unread, other) is None and not M.partial_grads_of(unread, other)[1]
         assert unread.gathered() is unread.gathered()  # gathered once

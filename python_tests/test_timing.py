@@ -77,8 +77,7 @@ def test_the_hold_follows_the_hosts_last_enqueue_within_its_bounds(fake_gpu, mon
     clock: each body takes the host what it says), within [HOLD_MIN_S, HOLD_MAX_S]."""
     log, _ = fake_gpu
     clock = [0.0]
-    monkeypatch.setattr(_timing, "time", SimpleNamespace(perf_counter=lambda: clock[0], monotonic=time.monotonic,
-                                                         sleep=time.sleep))
+    monkeypatch.setattr(_timing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))  # (the hold's clock only)
 
     def enqueue(seconds):
         return lambda: clock.__setitem__(0, clock[0] + seconds)
