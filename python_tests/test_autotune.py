@@ -22,6 +22,13 @@ from tp_kernels.schedule import DEFAULT_NUM_CHUNKS
 
 built = pytest.mark.skipif(_extension._C is None, reason="the native module is not built")
 
+
+def stand_in_group(name="g", p=2):
+    """What dispatch and autotune read of a process group (its name and size), for decisions made
+    without one."""
+    return SimpleNamespace(group_name=name, size=lambda: p)
+
+
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "linear_with_grad_all_reduce")
 
 
@@ -264,7 +271,7 @@ def test_a_named_fused_backend_is_asked_about_the_calls_own_tensors(monkeypatch)
     the call; the other backends are not asked (they fall back or run anywhere)."""
     asked = []
     monkeypatch.setattr(fused, "unsupported_reason", lambda x, w, g: asked.append((x, w, g)) or "no peer access")
-    x, w, group = torch.randn(4, 8), torch.randn(6, 8), SimpleNamespace(group_name="g", size=lambda: 2)
+    x, w, group = torch.randn(4, 8), torch.randn(6, 8), stand_in_group()
     message = (r"backend: 'fused' cannot run matmul_all_reduce \(p=2, x \(4, 8\) torch.float32 on cpu\): "
                r"no peer access\. Use 'pipelined' or 'auto' there\.")
     with pytest.raises(ValueError, match=message):
@@ -284,7 +291,7 @@ def test_a_fused_communicator_runs_its_other_collectives_on_nccl(monkeypatch):
     """backend="fused" for a plain collective: the all-reduce over peer memory (or the fused path's
     reason, raised), every other collective on the group's NCCL communicator, where the fused
     path (the all-reduce only) is not asked."""
-    x, group = torch.randn(64), SimpleNamespace(group_name="g", size=lambda: 2)
+    x, group = torch.randn(64), stand_in_group()
     asked = []
     monkeypatch.setattr(pipelined_native, "unsupported_collective_reason", lambda *a: None)
     monkeypatch.setattr(fused, "unsupported_collective_reason", lambda c, x, g: asked.append(c) or "no peer access")
@@ -301,7 +308,7 @@ def test_a_graph_capture_makes_the_paths_the_collectives_may_take(monkeypatch):
     """capture_paths: what a CUDA graph capture of a communicator's collectives needs made first,
     by backend, where the native path could run them (stood in for: no GPU here); "fused" runs its
     other collectives on the NCCL communicator, so it needs both."""
-    x, group = torch.randn(64), SimpleNamespace(group_name="g", size=lambda: 2)
+    x, group = torch.randn(64), stand_in_group()
     monkeypatch.setattr(pipelined_native, "unsupported_collective_reason", lambda *a: None)
     monkeypatch.setattr(fused, "unsupported_collective_reason", lambda *a: None)
     assert [dispatch.capture_paths(b, x, group) for b in ("reference", "pipelined", "fused")] == [
@@ -313,7 +320,7 @@ def test_a_graph_capture_makes_the_paths_the_collectives_may_take(monkeypatch):
     assert dispatch.capture_paths("auto", x, group) == ["native"]
     monkeypatch.setenv("TP_KERNELS_AUTO_FUSED", "1")
     assert dispatch.capture_paths("auto", x, group) == ["fused", "native"]
-    assert dispatch.capture_paths("fused", x, SimpleNamespace(group_name="one", size=lambda: 1)) == []
+    assert dispatch.capture_paths("fused", x, stand_in_group("one", 1)) == []
     monkeypatch.setattr(pipelined_native, "unsupported_collective_reason", lambda *a: "not on a CUDA device")
     assert [dispatch.capture_paths(b, x, group) for b in ("pipelined", "fused", "auto")] == [[], [], []]
 
@@ -343,7 +350,7 @@ def test_a_measured_algorithm_is_what_the_fused_all_reduce_runs(monkeypatch):
 
 
 def test_forget_drops_one_groups_decisions():
-    g1, g2 = SimpleNamespace(group_name="a"), SimpleNamespace(group_name="b")
+    g1, g2 = stand_in_group("a"), stand_in_group("b")
 
     def decision(name, choice):
         return autotune.Decision("matmul_all_reduce", name, "cpu", torch.float32, 1, 8, 4, 4, False,
@@ -365,7 +372,7 @@ def test_forget_drops_one_groups_decisions():
 def test_no_measurement_while_compiling(monkeypatch):
     """While torch.compile traces (or a graph is captured) the first candidate runs, unless the
     class was measured before; nothing is remembered."""
-    group = SimpleNamespace(group_name="g")
+    group = stand_in_group()
     x, w = torch.randn(4, 8), torch.randn(3, 8)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     variants = ["pipelined:2", "reference"]
@@ -395,7 +402,7 @@ def test_a_call_like_an_earlier_one_is_not_resolved_again(monkeypatch):
     anew. Nothing is kept while torch.compile traces, nor from a choice made while nothing could
     be measured."""
     x, w = torch.randn(8, 16), torch.randn(8, 16)
-    group = SimpleNamespace(group_name="g", size=lambda: 2)
+    group = stand_in_group()
     asked = []
     monkeypatch.setattr(pipelined_native, "unsupported_reason", lambda *a: asked.append("native") or None)
     monkeypatch.setattr(autotune, "choose", lambda op, variants, *args: asked.append("choose") or variants[-1])
@@ -431,7 +438,7 @@ def test_a_call_like_an_earlier_one_is_not_resolved_again(monkeypatch):
 
 def test_nothing_is_kept_while_compiling_or_saying_why(monkeypatch, caplog):
     x, w = torch.randn(8, 16), torch.randn(8, 16)
-    group = SimpleNamespace(group_name="g", size=lambda: 2)
+    group = stand_in_group()
     monkeypatch.setattr(pipelined_native, "unsupported_reason", lambda *a: None)
     monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "1")
     monkeypatch.setenv("TP_KERNELS_AUTOTUNE", "0")
@@ -459,7 +466,7 @@ def test_nothing_is_kept_while_compiling_or_saying_why(monkeypatch, caplog):
 
 def test_a_collective_like_an_earlier_one_is_not_resolved_again(monkeypatch):
     x = torch.randn(64)
-    group = SimpleNamespace(group_name="g", size=lambda: 2)
+    group = stand_in_group()
     asked = []
     monkeypatch.setattr(pipelined_native, "unsupported_collective_reason",
                         lambda *a: asked.append("native") or None)
