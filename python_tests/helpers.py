@@ -1,5 +1,6 @@
-"""Helpers of the tests: rank info, shards and tolerance checks (used inside the ranks), and which
-transformers plans a test can read (:func:`skip_unless_own_plan`).
+"""Helpers of the tests: rank info, shards and tolerance checks (used inside the ranks), which
+transformers plans a test can read (:func:`skip_unless_own_plan`), and the matrix products a
+block runs (:func:`matrix_products`).
 
 Tolerances follow one rule. Every result is compared with a float64 reference computed from
 the same (already rounded) inputs.
@@ -16,6 +17,9 @@ the same (already rounded) inputs.
 """
 
 from __future__ import annotations
+
+import contextlib
+from unittest import mock
 
 import pytest
 import torch
@@ -182,3 +186,36 @@ def skip_unless_own_plan(config_class: str, entry: str, style: str, plan: str = 
     if given != style:
         pytest.skip(f"transformers {transformers.__version__}: {config_class}'s {plan} gives {entry!r} {given!r}, "
                     f"not {style!r}")
+
+
+@contextlib.contextmanager
+def matrix_products(seen):
+    """Record in ``seen`` each matrix product run meanwhile, as ``(m, n, k)`` and which operands are
+    read transposed (column-major). (Products as the library's Python runs them: ``F.linear``,
+    ``torch.mm``, ``Tensor.mm`` and ``torch.addmm``.)"""
+    import torch.nn.functional as F
+
+    linear, mm, tensor_mm, addmm = F.linear, torch.mm, torch.Tensor.mm, torch.addmm
+
+    def note(a, b):
+        seen.append(((a.shape[0], b.shape[1], a.shape[1]), a.stride(-1) != 1, b.stride(-1) != 1))
+
+    def linear_(x, w, bias=None):
+        note(x, w.t())
+        return linear(x, w, bias)
+
+    def mm_(a, b, **kw):
+        note(a, b)
+        return mm(a, b, **kw)
+
+    def tensor_mm_(a, b):
+        note(a, b)
+        return tensor_mm(a, b)
+
+    def addmm_(c, a, b, **kw):
+        note(a, b)
+        return addmm(c, a, b, **kw)
+
+    with mock.patch.object(F, "linear", linear_), mock.patch.object(torch, "mm", mm_), \
+            mock.patch.object(torch.Tensor, "mm", tensor_mm_), mock.patch.object(torch, "addmm", addmm_):
+        yield

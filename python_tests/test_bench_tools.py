@@ -15,6 +15,7 @@ from unittest import mock
 import pytest
 import torch
 
+from helpers import matrix_products
 from tp_kernels import perf_model as pm
 from tp_kernels.bench import cases, communicator, report
 from tp_kernels.schedule import DEFAULT_NUM_CHUNKS
@@ -413,42 +414,9 @@ def test_every_gemm_the_model_reads_is_measured(world2, monkeypatch, num_chunks)
     assert read and scaled == []
 
 
-@contextlib.contextmanager
-def _products(seen):
-    """Record in ``seen`` each matrix product run meanwhile, as ``(m, n, k)`` and which operands are
-    read transposed (column-major). (Products as the library's Python runs them: ``F.linear``,
-    ``torch.mm``, ``Tensor.mm`` and ``torch.addmm``.)"""
-    import torch.nn.functional as F
-
-    linear, mm, tensor_mm, addmm = F.linear, torch.mm, torch.Tensor.mm, torch.addmm
-
-    def note(a, b):
-        seen.append(((a.shape[0], b.shape[1], a.shape[1]), a.stride(-1) != 1, b.stride(-1) != 1))
-
-    def linear_(x, w, bias=None):
-        note(x, w.t())
-        return linear(x, w, bias)
-
-    def mm_(a, b, **kw):
-        note(a, b)
-        return mm(a, b, **kw)
-
-    def tensor_mm_(a, b):
-        note(a, b)
-        return tensor_mm(a, b)
-
-    def addmm_(c, a, b, **kw):
-        note(a, b)
-        return addmm(c, a, b, **kw)
-
-    with mock.patch.object(F, "linear", linear_), mock.patch.object(torch, "mm", mm_), \
-            mock.patch.object(torch.Tensor, "mm", tensor_mm_), mock.patch.object(torch, "addmm", addmm_):
-        yield
-
-
 def _products_run_and_timed(target):
     """On this rank, the matrix products of the reference's timed call of a ``target`` case, and those
-    ``measure`` times alone for it (``_gemms``), as :func:`_products` records them."""
+    ``measure`` times alone for it (``_gemms``), as :func:`helpers.matrix_products` records them."""
     import torch.distributed as dist
 
     from tp_kernels.bench import measure
@@ -456,13 +424,13 @@ def _products_run_and_timed(target):
     ran, timed = [], []
 
     def timer(body, pre=None, post=None):
-        with _products(ran):
+        with matrix_products(ran):
             body(0)
         return 1e-3
 
     case = cases.Case(target, "custom", 8, 12, 8)
     measure._time_backend(case, "reference", torch.float32, torch.device("cpu"), dist.group.WORLD, timer, None, 1)
-    with _products(timed):
+    with matrix_products(timed):
         for shape, layout in measure._gemms(case, dist.get_world_size()):
             a, b, call = measure._gemm_call(shape, layout, 1, torch.device("cpu"), torch.float32)
             call(a[0], b[0])
@@ -498,7 +466,7 @@ def _measure_recorded(target, m, k, n, num_chunks=None):
         return calls[-1]["t"]
 
     case = cases.Case(target, "custom", m, k, n)
-    with mock.patch.object(measure, "_start", start), _products(ran):
+    with mock.patch.object(measure, "_start", start), matrix_products(ran):
         out = measure.measure_case(case, ["reference", "pipelined"], torch.float32, torch.device("cpu"),
                                    dist.group.WORLD, timer, num_chunks)
     return calls, {"case": case.__dict__, "dtype": "float32", **out,
@@ -599,7 +567,7 @@ def test_the_gemm_peak_is_the_flops_of_the_gemm_timed_over_its_time():
     ran = []
 
     def timer(body):
-        with _products(ran):
+        with matrix_products(ran):
             body(0)
             body(1)
         return 2e-3

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-from unittest import mock
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tp_kernels import ops
-from helpers import CopiedBytes, assert_close, block, rank_world
+from helpers import CopiedBytes, assert_close, block, matrix_products, rank_world
 
 
 def _case(op, m_per_rank, k, n, dtype, seed=0, device="cpu"):
@@ -239,21 +236,6 @@ def test_gather_and_scatter_dims_copy_once(world):
     world.run(check_dims_copy_once)
 
 
-@contextlib.contextmanager
-def _products():
-    """The output shapes of the ``Tensor.mm`` products run within the block (each backward's
-    weight gradient is one)."""
-    shapes, mm = [], torch.Tensor.mm
-
-    def counted(a, b):
-        out = mm(a, b)
-        shapes.append(tuple(out.shape))
-        return out
-
-    with mock.patch.object(torch.Tensor, "mm", counted):
-        yield shapes
-
-
 def check_empty_and_frozen(op):
     """m = 0 rows works; a frozen weight gets no gradient, and its backward computes none (the
     product of the weight's shape runs only where the weight takes a gradient)."""
@@ -270,8 +252,10 @@ def check_empty_and_frozen(op):
     for trained in (False, True):
         x, w = args[0].clone().requires_grad_(), args[1].clone().requires_grad_(trained)
         y = getattr(ops, op)(x, w, None, backend="pipelined", num_chunks=2)
-        with _products() as products:
+        seen = []
+        with matrix_products(seen):
             y.sum().backward()
+        products = [mnk[:2] for mnk, *_ in seen]  # (the output shapes)
         assert x.grad is not None and x.grad.shape == x.shape
         assert (w.grad is not None) == trained
         assert (tuple(w.shape) in products) == trained, (trained, products)
