@@ -170,15 +170,19 @@ def test_layers_built_apart_on_one_rank(world2, what):
 @fingerprints
 def check_long_views_that_differ_at_their_end():
     """Fingerprints longer than the bytes a view shows that differ only past them (a long call's
-    settings come last): still an error on every rank, which says where they differ; alike, none."""
+    settings come last): still an error on every rank, which says where they differ, and within
+    what time of each other the ranks must make their calls (the timeout set); alike, none."""
     from tp_kernels import _agreement
 
     r, p = rank_world()
     long = "x" * _agreement.PAYLOAD_BYTES
     assert _agreement.agree("probe", dist.group.WORLD, lambda: 1, lambda _: long + "same") == 1
-    kind, message = _raises(lambda: _agreement.agree("probe", dist.group.WORLD, lambda: 1, lambda _: f"{long}{r}"))
+    with settings.overriding(timeout=37.5):
+        kind, message = _raises(lambda: _agreement.agree("probe", dist.group.WORLD, lambda: 1,
+                                                         lambda _: f"{long}{r}"))
     assert kind == "RuntimeError" and "disagree on this call" in message, message
     assert f"they differ past the first {_agreement.PAYLOAD_BYTES} bytes shown" in message, message
+    assert message.endswith("within 37.5 s of each other"), message
     _still_works()
     return message
 
