@@ -404,6 +404,70 @@ def test_a_mapping_whose_backward_differs_between_ranks_is_an_error_on_every_ran
     assert per_rank[0] == per_rank[1]
 
 
+@fingerprints
+def check_a_gradient_wanted_on_one_rank():
+    """An input that wants a gradient on rank 1 alone: its backward would run a collective (the
+    gathered input's reduce-scatter) on that rank only, so both raise at the forward, naming it.
+    Under ``torch.no_grad()`` no backward is recorded on either rank: the call runs, the same on
+    both."""
+    r, p = rank_world()
+    x, w = torch.ones(4, 6, requires_grad=r == 1), torch.ones(5, 6)
+    kind, message = _raises(lambda: ops.all_gather_matmul(x, w, backend="reference"))
+    assert kind == "RuntimeError" and "disagree on this call, so none of it ran" in message, message
+    rank0, _, rank1 = message.partition("rank 0: ")[2].partition("; rank 1: ")
+    assert "x [4, 6] float32 cpu, weight" in rank0 and "x [4, 6] float32 cpu grad, weight" in rank1, message
+    with torch.no_grad():
+        y = ops.all_gather_matmul(x, w, backend="reference")
+    assert torch.equal(y, torch.full((4 * p, 5), 6.0))
+    _still_works()
+    return message
+
+
+def test_a_gradient_wanted_on_one_rank_is_an_error_on_every_rank(world2):
+    per_rank = world2.run(check_a_gradient_wanted_on_one_rank, deadline_s=DEADLINE_S)
+    assert per_rank[0] == per_rank[1]
+
+
+@fingerprints
+def check_no_exchange_while_compiling():
+    """With fingerprints on, a call compiled whole (``fullgraph=True``) neither exchanges while
+    torch.compile traces it (a collective read back on the host cannot be traced) nor when the
+    compiled graph runs, and computes what the eager call does; the eager call exchanges."""
+    r, p = rank_world()
+    exchanges = []
+    gather = _collectives.all_gather_bytes
+    _collectives.all_gather_bytes = lambda *args: exchanges.append(1) or gather(*args)
+    try:
+        x, w = torch.randn(4, 6, generator=torch.Generator().manual_seed(r)), torch.randn(5, 6)
+        eager = ops.matmul_all_reduce(x, w, backend="reference")
+        assert len(exchanges) == 1  # (one digest: the ranks agree)
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x, w: ops.matmul_all_reduce(x, w, backend="reference"),
+                                 backend="aot_eager", fullgraph=True)
+        for _ in range(2):
+            torch.testing.assert_close(compiled(x, w), eager)
+        assert len(exchanges) == 1
+    finally:
+        _collectives.all_gather_bytes = gather
+    return True
+
+
+def test_fingerprints_are_not_exchanged_while_compiling(world2):
+    assert world2.run(check_no_exchange_while_compiling, deadline_s=DEADLINE_S) == [True, True]
+
+
+def test_a_view_travels_cut_and_padded_to_the_size_asked():
+    """The bytes of a view: its UTF-8 cut to the size asked and padded with zeros to it (the
+    autotune's header travels in fewer bytes than a fingerprint), and the view they carry back."""
+    from tp_kernels import _agreement
+
+    assert _agreement._payload("abc", 8) == b"abc\0\0\0\0\0"
+    assert _agreement._payload("abcdefghij", 4) == b"abcd"
+    assert len(_agreement._payload("abc")) == _agreement.PAYLOAD_BYTES
+    assert _agreement._view(_agreement._payload("r\u00e9sum\u00e9", 16)) == "r\u00e9sum\u00e9"
+    assert _agreement._view(_agreement._payload("\u00e9", 1)) == "\ufffd"  # (a character cut: replaced, no error)
+
+
 def test_an_argument_wrong_on_one_rank_of_4(world4):
     kinds = world4.run(check_one_rank_wrong, "layer input width", deadline_s=DEADLINE_S)
     assert kinds == ["RuntimeError", "ValueError", "RuntimeError", "RuntimeError"]
