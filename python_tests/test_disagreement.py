@@ -473,6 +473,28 @@ def test_an_argument_wrong_on_one_rank_of_4(world4):
     assert kinds == ["RuntimeError", "ValueError", "RuntimeError", "RuntimeError"]
 
 
+@fingerprints
+def check_arguments_wrong_on_two_ranks():
+    """Ranks 1 and 3 of 4 pass an input of the wrong width: each raises its own error, and the
+    others one error naming both ranks, each with its message."""
+    r, p = rank_world()
+    layer = tp_kernels.ColumnParallelLinear(6, 2 * p)
+    x = torch.randn(3, 6 + r % 2)
+    kind, message = _raises(lambda: layer(x))
+    if r % 2:
+        assert kind == "ValueError" and message.startswith("input"), message
+    else:
+        assert kind == "RuntimeError" and "ranks of group" in message and "rejected its arguments" in message, message
+        assert "(rank 1: input" in message and "; rank 3: input" in message, message
+    _still_works()
+    return kind
+
+
+def test_arguments_wrong_on_two_ranks_of_4(world4):
+    kinds = world4.run(check_arguments_wrong_on_two_ranks, deadline_s=DEADLINE_S)
+    assert kinds == ["RuntimeError", "ValueError", "RuntimeError", "ValueError"]
+
+
 # --- setup: groups, and layers outliving them -------------------------------------------------------
 
 
