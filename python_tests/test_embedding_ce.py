@@ -743,6 +743,23 @@ def check_padded_vocabulary(vocab_of_p, device="cpu"):
                               ("head bias", head.bias, dense_head.bias)]:
             torch.testing.assert_close(q.grad, padded_block(full.grad, 0, r, p), rtol=1e-12, atol=1e-12,
                                        msg=lambda m: f"{name} gradient, smoothing {label_smoothing}: {m}")
+    # the reductions over the vocabulary, their logits far below 0 (a block of padding alone adds
+    # no maximum of its own, which would underflow every exponential: with p + 1 at p = 4)
+    logits, got_logits = logits.detach() - 1000, head(got_hidden).detach() - 1000
+    for vocab_size in (vocab, None):
+        torch.testing.assert_close(tp_kernels.vocab_parallel_cross_entropy(got_logits, target, vocab_size=vocab_size),
+                                   F.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1),
+                                                   reduction="none").reshape(s, 3), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(tp_kernels.vocab_parallel_entropy(got_logits, vocab_size=vocab),
+                               torch.special.entr(logits.softmax(-1)).sum(-1), rtol=1e-12, atol=1e-12)
+    greedy = tp_kernels.vocab_parallel_argmax(got_logits, vocab_size=vocab)
+    assert torch.equal(greedy, logits.argmax(-1))
+    assert torch.equal(tp_kernels.vocab_parallel_sample(got_logits, temperature=0, vocab_size=vocab), greedy)
+    for k in sorted({1, rows + 1, vocab}):
+        values, indices = tp_kernels.vocab_parallel_topk(got_logits, min(k, vocab), vocab_size=vocab)
+        want = torch.sort(logits, dim=-1, descending=True, stable=True)
+        torch.testing.assert_close(values, want.values[..., :min(k, vocab)], rtol=1e-12, atol=1e-12)
+        assert torch.equal(indices, want.indices[..., :min(k, vocab)]), k
     head.zero_grad()  # a gradient given to the padding goes nowhere: the padding rows get none
     head(emb(ids)).backward(torch.ones(s, 3, rows, dtype=torch.float64, device=device))
     assert torch.all(head.weight.grad[held:] == 0) and torch.all(head.bias.grad[held:] == 0)
