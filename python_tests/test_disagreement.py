@@ -223,6 +223,11 @@ def check_vocabulary_reductions_that_differ(case):
         "cross-entropy reduction": (lambda: tp_kernels.vocab_parallel_cross_entropy(
             x, torch.zeros(3, dtype=torch.long), reduction="sum" if odd else "mean"),
             f"reduction {'sum' if odd else 'mean'}"),
+        "cross-entropy label_smoothing": (lambda: tp_kernels.vocab_parallel_cross_entropy(
+            x, torch.zeros(3, dtype=torch.long), 0.1 if odd else 0.0), f"label_smoothing {0.1 if odd else 0.0}"),
+        "cross-entropy ignore_index": (lambda: tp_kernels.vocab_parallel_cross_entropy(
+            x, torch.zeros(3, dtype=torch.long), ignore_index=0 if odd else -100),
+            f"ignore_index {0 if odd else -100}"),
         "sample temperature": (lambda: tp_kernels.vocab_parallel_sample(
             x, temperature=0.5 if odd else 1.0, generator=torch.Generator().manual_seed(r)),
             f"temperature {0.5 if odd else 1.0}"),
@@ -234,7 +239,7 @@ def check_vocabulary_reductions_that_differ(case):
 
 
 @pytest.mark.parametrize("case", ["topk k", "argmax vocab_size", "entropy width", "cross-entropy reduction",
-                                  "sample temperature"])
+                                  "cross-entropy label_smoothing", "cross-entropy ignore_index", "sample temperature"])
 def test_vocabulary_reductions_that_differ_between_ranks(world2, case):
     per_rank = world2.run(check_vocabulary_reductions_that_differ, case, deadline_s=DEADLINE_S)
     assert per_rank[0] == per_rank[1]

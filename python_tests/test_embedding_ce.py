@@ -610,6 +610,17 @@ def check_cross_entropy_errors():
         tp_kernels.vocab_parallel_cross_entropy(logits.long(), torch.zeros(4, dtype=torch.long))
     with pytest.raises(ValueError, match="reduction: expected one of 'none', 'sum', 'mean', got 'avg'"):
         tp_kernels.vocab_parallel_cross_entropy(logits, torch.zeros(4, dtype=torch.long), reduction="avg")
+    with pytest.raises(ValueError, match="target: device meta does not match logits' device cpu"):
+        tp_kernels.vocab_parallel_cross_entropy(logits, torch.zeros(4, dtype=torch.long, device="meta"))
+    for bad in (True, 1.0, None):
+        with pytest.raises(ValueError, match=f"ignore_index: expected an int, got {bad!r}"):
+            tp_kernels.vocab_parallel_cross_entropy(logits, torch.zeros(4, dtype=torch.long), ignore_index=bad)
+    # label_smoothing at its bound, 1: the mean over the vocabulary alone, as F.cross_entropy's
+    full = torch.randn(4, 5 * p, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    target = torch.tensor([0, 5 * p - 1, -100, 3])
+    torch.testing.assert_close(tp_kernels.vocab_parallel_cross_entropy(block(full, -1, r, p), target, 1.0),
+                               F.cross_entropy(full, target, reduction="none", label_smoothing=1.0),
+                               rtol=1e-12, atol=1e-12)
     ignored = tp_kernels.vocab_parallel_cross_entropy(logits, torch.full((4,), -100), reduction="mean")
     assert ignored.isnan() and tp_kernels.vocab_parallel_cross_entropy(  # F.cross_entropy's: NaN, and a sum of 0
         logits, torch.full((4,), -100), reduction="sum") == 0
