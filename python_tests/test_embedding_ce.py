@@ -537,6 +537,8 @@ def check_sample(dtype_name, vocab_of_p, device="cpu"):
     rng.get_rng_tracker().reset()
     with pytest.raises(ValueError, match="call tp_kernels.model_parallel_manual_seed"):
         tp_kernels.vocab_parallel_sample(mine, vocab_size=vocab)
+    # temperature 0 draws no noise: no stream needed
+    assert torch.equal(tp_kernels.vocab_parallel_sample(mine, temperature=0, vocab_size=vocab), greedy)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
