@@ -531,9 +531,14 @@ def check_sample(dtype_name, vocab_of_p, device="cpu"):
                        (dict(temperature=float("inf")), "temperature"), (dict(temperature=True), "temperature"),
                        (dict(generator=3), "generator: expected a torch.Generator"),
                        (dict(temperature=torch.ones(6)), r"temperature: expected a floating tensor of the rows' shape"),
-                       (dict(temperature=torch.full((6, 2), -1.0, device=device)), "expected finite numbers >= 0")]:
+                       (dict(temperature=torch.full((6, 2), -1.0, device=device)), "expected finite numbers >= 0"),
+                       (dict(temperature=torch.full((6, 2), float("nan"), device=device)), "expected finite numbers"),
+                       (dict(temperature=torch.full((6, 2), float("inf"), device=device)), "expected finite numbers")]:
         with pytest.raises(ValueError, match=match):
             tp_kernels.vocab_parallel_sample(mine, vocab_size=vocab, **bad)
+    elsewhere = mine.to("meta") if device == "cpu" else mine  # (logits off the CPU, where the generator is)
+    with pytest.raises(ValueError, match=f"generator: on cpu, not on the logits' device {elsewhere.device.type}"):
+        tp_kernels.vocab_parallel_sample(elsewhere, generator=torch.Generator(), vocab_size=vocab)
     rng.get_rng_tracker().reset()
     with pytest.raises(ValueError, match="call tp_kernels.model_parallel_manual_seed"):
         tp_kernels.vocab_parallel_sample(mine, vocab_size=vocab)
