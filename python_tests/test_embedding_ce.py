@@ -148,6 +148,16 @@ class ShiftedEmbedding(nn.Embedding):
         return super().forward(ids) + 1
 
 
+class WidenedEmbedding(nn.Embedding):
+    def forward(self, ids):  # (the lookup times 2, in float64 whatever the weight's dtype)
+        return super().forward(ids).double() * 2
+
+
+class UnscaledEmbedding(nn.Embedding):
+    def forward(self, ids):  # (the lookup times 1: nothing to scale)
+        return super().forward(ids) * 1.0
+
+
 def check_scaled_embedding(dtype_name, sequence_parallel):
     """An ``nn.Embedding`` subclass whose forward is the lookup times a constant (Gemma's: the
     scale ``sqrt(24)``, not exact in any float) becomes a VocabParallelEmbedding scaling its rows
@@ -177,12 +187,20 @@ def check_scaled_embedding(dtype_name, sequence_parallel):
     got = direct(ids)
     assert torch.equal(got, block(want, 0, r, p) if sequence_parallel else want), (got - want).abs().max()
     for kind, match in ((NormedEmbedding, "not the lookup times a constant"),
-                        (ShiftedEmbedding, "not the lookup times a constant")):
+                        (ShiftedEmbedding, "not the lookup times a constant"),
+                        (WidenedEmbedding, "not the lookup times a constant")):
         with pytest.raises(ValueError, match=f"embedding: {kind.__name__} is an nn.Embedding with a forward of its "
                                              f"own, which is {match}"):
             tp_kernels.VocabParallelEmbedding.from_embedding(kind(4 * p, 3))
     with pytest.raises(ValueError, match="cannot be run on the meta device"):
         tp_kernels.VocabParallelEmbedding.from_embedding(ScaledEmbedding(4 * p, 3, device="meta"))
+    unscaled = tp_kernels.VocabParallelEmbedding.from_embedding(UnscaledEmbedding(4 * p, 3))
+    assert unscaled.output_scale is None and "output_scale" not in repr(unscaled)
+    hooked, called = ScaledEmbedding(4 * p, 3), []
+    hooked.register_forward_hook(lambda module, args, out: called.append(1) or out + 1)
+    with pytest.raises(ValueError, match="has hooks registered on it"):  # (and its forward not run to find a scale)
+        tp_kernels.VocabParallelEmbedding.from_embedding(hooked)
+    assert called == []
     kept = ScaledEmbedding(4 * p, 3)
     kept.register_buffer("counts", torch.zeros(4 * p))  # (in its state dict)
     with pytest.raises(ValueError, match="also holds 'counts'"):
