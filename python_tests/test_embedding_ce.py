@@ -29,8 +29,9 @@ def check_embedding(padding_idx, device="cpu"):
     dense = nn.Embedding(vocab, dim, padding_idx=padding_idx)
     torch.manual_seed(0)
     built = tp_kernels.VocabParallelEmbedding(vocab, dim, padding_idx=padding_idx)
-    # default init draws the same full table as nn.Embedding under the same seed
-    assert torch.equal(built.weight, block(dense.weight, 0, r, p))
+    # default init draws the same full table as nn.Embedding under the same seed (a negative
+    # padding index counted from the end, as nn.Embedding counts it)
+    assert torch.equal(built.weight, block(dense.weight, 0, r, p)) and built.padding_idx == dense.padding_idx
     dense = dense.to(device)
     par = tp_kernels.VocabParallelEmbedding.from_embedding(dense)
     g = torch.Generator().manual_seed(1)
@@ -48,7 +49,7 @@ def check_embedding(padding_idx, device="cpu"):
         with context():
             assert torch.equal(par(ids), ref), context
     if padding_idx is not None:
-        pad_owner, pad_local = divmod(padding_idx, 11)
+        pad_owner, pad_local = divmod(dense.padding_idx, 11)
         if pad_owner == r:
             assert torch.all(par.weight.grad[pad_local] == 0)
     with pytest.raises(ValueError, match="input"):
@@ -60,7 +61,7 @@ def check_embedding(padding_idx, device="cpu"):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
-@pytest.mark.parametrize("padding_idx", [None, 3])
+@pytest.mark.parametrize("padding_idx", [None, 3, -1])
 def test_embedding_matches_dense(world, padding_idx):
     world.run(check_embedding, padding_idx)
 

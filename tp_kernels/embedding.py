@@ -196,10 +196,11 @@ class VocabParallelEmbedding(ShareGroupOnCopy, nn.Module):
         check_int("embedding_dim", embedding_dim)
         check_float_dtype("dtype", dtype)
         if padding_idx is not None:
-            if padding_idx < 0:
+            given = padding_idx
+            if padding_idx < 0:  # (counted from the end, as nn.Embedding counts it)
                 padding_idx += num_embeddings
             if not 0 <= padding_idx < num_embeddings:
-                raise ValueError(f"padding_idx: must be within num_embeddings ({num_embeddings}), got {padding_idx}")
+                raise ValueError(f"padding_idx: must be within num_embeddings ({num_embeddings}), got {given}")
         self.group = coll.resolve_group(group)
         self.tp_size = coll.group_size(self.group)
         self.tp_rank = coll.group_rank(self.group)
