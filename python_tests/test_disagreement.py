@@ -145,6 +145,14 @@ LAYERS_BUILT_APART = {
                                                                  gather_output=True), torch.randn(3, 6)),
     "embedding scale": lambda odd: (tp_kernels.VocabParallelEmbedding(8, 4, output_scale=2.0 if odd else None),
                                     torch.arange(4)),
+    # (the padding row's gradient, the dim reduce-scattered, the dtype summed: each else apart, unsaid)
+    "embedding padding_idx": lambda odd: (tp_kernels.VocabParallelEmbedding(8, 4, padding_idx=1 if odd else None),
+                                          torch.arange(4)),
+    "embedding sequence_dim": lambda odd: (tp_kernels.VocabParallelEmbedding(8, 4, sequence_parallel=True,
+                                                                             sequence_dim=int(odd)),
+                                           torch.arange(16).view(4, 4) % 8),
+    "embedding dtype": lambda odd: (tp_kernels.VocabParallelEmbedding(8, 4, dtype=torch.float64 if odd else None),
+                                    torch.arange(4)),
 }
 
 
