@@ -746,6 +746,7 @@ def check_padded_vocabulary(vocab_of_p, device="cpu"):
     head_sp = tp_kernels.ColumnParallelLinear.from_linear(dense_head, sequence_parallel=True, skip_bias_add=True)
     assert emb.weight.shape == (rows, dim) and head.weight.shape == (rows, dim) and head.bias.shape == (rows,)
     assert emb.pad_rows == head.pad_rows == rows - held
+    assert (emb.vocab_start_index, emb.vocab_end_index) == (r * rows, r * rows + held)  # (its ids, no padding)
     for got, full in [(emb.weight, dense_emb.weight), (head.weight, dense_head.weight), (head.bias, dense_head.bias)]:
         assert torch.equal(got, padded_block(full, 0, r, p))  # the padding: zero rows
     g = torch.Generator().manual_seed(1)
