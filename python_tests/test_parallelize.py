@@ -780,7 +780,7 @@ def check_torch_parallel_style_errors():
     input with a sequence-split output, a move between two shardings, a style on a parameter, a
     move of a layer the plan replaces or two moves of one module, and a DeviceMesh of two dims."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
     _, p = rank_world()
@@ -792,6 +792,10 @@ def check_torch_parallel_style_errors():
          r"plan\['output'\]: ColwiseParallel: use_local_output=False: tp_kernels hands on a DTensor only as a "
          r"column layer's output split along its last dim \(torch's loss_parallel"),
         ({"tok_embeddings": ColwiseParallel()}, r"ColwiseParallel: on an nn.Embedding leaves each rank its columns"),
+        ({"tok_embeddings": RowwiseParallel(input_layouts=Shard(0))},
+         r"RowwiseParallel: on an nn.Embedding takes the ids whole, input_layouts=Replicate\(\), not Shard\(0\)"),
+        ({"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Partial())},
+         r"RowwiseParallel: output_layouts=Partial\(\): expected Replicate\(\) or the sequence"),
         ({"layers.*.attention.wo": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))},
          r"RowwiseParallel: input_layouts=Replicate\(\) with a sequence-sharded output"),
         ({"layers.*.attention": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Shard(2))},
@@ -839,6 +843,18 @@ def check_torch_parallel_style_errors():
 
 def test_torch_parallel_style_errors(world2):
     world2.run(check_torch_parallel_style_errors)
+
+
+def test_only_an_input_gathered_along_the_sequence_is_gathered_for_the_column_layers():
+    """What a PrepareModule style gathers for the module's column layers (deferred, one
+    reduce-scatter of their input gradients): an input gathered along a sequence dim, by position
+    or by name; not one gathered along the hidden units (-1), nor an output."""
+    from tp_kernels._torch_styles import Moves
+
+    assert Moves(inputs=((0, ("gather", 1)),)).gathers_sequence
+    assert Moves(kwargs=(("hidden_states", ("gather", 0)),)).gathers_sequence
+    assert not Moves(inputs=((0, ("gather", -1)),)).gathers_sequence
+    assert not Moves(inputs=((0, ("scatter", 1)),), outputs=((0, ("gather", 1)),)).gathers_sequence
 
 
 def check_vocab_plan_and_shared_modules():

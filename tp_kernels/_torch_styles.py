@@ -127,7 +127,7 @@ def translate(pattern: str, style, module: nn.Module) -> Tuple[str, object, Opti
         if not isinstance(module, (nn.Linear, nn.Embedding)):
             refuse(f"applies to nn.Linear or nn.Embedding, but the module is a {type(module).__name__}")
         if embedding and given != ("replicate", None):
-            refuse(f"on an nn.Embedding takes the ids whole, input_layouts=Replicate(), not {style.input_layouts[0]}")
+            refuse(f"on an nn.Embedding takes the ids whole, input_layouts=Replicate(), not {_shown(given)}")
         if isinstance(style, ColwiseParallel):
             if embedding:
                 if wanted != ("replicate", None):
@@ -139,7 +139,7 @@ def translate(pattern: str, style, module: nn.Module) -> Tuple[str, object, Opti
                 return "colwise", None, sequence, as_dtensor
             if wanted == ("replicate", None):
                 return "colwise_gather_output", None, sequence, False
-            refuse(f"output_layouts={style.output_layouts[0]}: a column layer's output is this rank's columns, "
+            refuse(f"output_layouts={_shown(wanted)}: a column layer's output is this rank's columns, "
                    "Shard(-1), or gathered, Replicate()")
         if wanted == ("partial", None) and not embedding:  # (its output each rank's term of the sum, not reduced)
             if given != ("shard", -1):
@@ -156,7 +156,7 @@ def translate(pattern: str, style, module: nn.Module) -> Tuple[str, object, Opti
                 refuse("input_layouts=Replicate() with a sequence-sharded output: under sequence parallelism a "
                        "row layer takes its input split along the last dim, Shard(-1)")
             return "rowwise_split_input", None, None, False
-        refuse(f"input_layouts={style.input_layouts[0]}: a row layer takes its input split along the last dim, "
+        refuse(f"input_layouts={_shown(given)}: a row layer takes its input split along the last dim, "
                "Shard(-1), or whole, Replicate()")
     if isinstance(style, SequenceParallel):  # (its parameters whole, applied to each rank's block)
         return "replicated_with_grad_allreduce", None, None, False
