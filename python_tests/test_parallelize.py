@@ -839,6 +839,10 @@ def check_torch_parallel_style_errors():
     with pytest.raises(ValueError, match=r"_TitanAttention: its PrepareModule style gives input 0 \('x' in its "
                                          r"forward\) two layouts"):
         tp_kernels.parallelize(copy.deepcopy(dense), {"layers.*.attention": twice})
+    # a style whose layouts are alike moves nothing: taken, no hook registered
+    alike = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Shard(1))
+    still = tp_kernels.parallelize(copy.deepcopy(dense), {"layers.*.attention": alike})
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in still.modules())
 
 
 def test_torch_parallel_style_errors(world2):
