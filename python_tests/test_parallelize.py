@@ -833,6 +833,12 @@ def check_torch_parallel_style_errors():
                                          r"which this call does not have \(2 positional, keywords \[\]\): its "
                                          r"forward's signature has no such input"):
         fresh(torch.zeros(2, 2 * p, dtype=torch.long))
+    # a layout given to an input that is no tensor (the attention's scale): an error at the call
+    scaled = tp_kernels.parallelize(copy.deepcopy(dense), {"layers.*.attention": PrepareModuleInput(
+        input_layouts=(None, Shard(1)), desired_input_layouts=(None, Replicate()))})
+    with pytest.raises(ValueError, match=r"_TitanAttention input 1: expected a tensor to move \(gather along dim "
+                                         r"1\), got float"):
+        scaled(torch.zeros(2, 2 * p, dtype=torch.long))
     # two layouts of one input (by position, and by its name in the forward's signature) that differ
     twice = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
                                input_kwarg_layouts={"x": Replicate()}, desired_input_kwarg_layouts={"x": Shard(1)})
