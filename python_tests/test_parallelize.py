@@ -551,6 +551,14 @@ def check_torch_prepare_module_input_output():
         want.square().sum().backward()
         got.square().sum().backward()
         assert_dense_grads(par, dense, 1e-12)
+    # the layout given by position, the input passed by its name: moved all the same
+    middle = PrepareModuleInputOutput(input_layouts=Replicate(), desired_input_layouts=Shard(1), **outputs)
+    par = tp_kernels.parallelize(copy.deepcopy(dense), {"1": middle, "1.norm": SequenceParallel()})
+    seen = []
+    par[1].norm.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+    hidden = dense[0](ids).detach()
+    torch.testing.assert_close(par[1](x=hidden), dense[1](hidden), rtol=1e-12, atol=1e-12)
+    assert seen == [(3, 2, 4 * p)], seen
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
