@@ -24,6 +24,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tp_kernels
@@ -193,8 +194,6 @@ def matrix_products(seen):
     """Record in ``seen`` each matrix product run meanwhile, as ``(m, n, k)`` and which operands are
     read transposed (column-major). (Products as the library's Python runs them: ``F.linear``,
     ``torch.mm``, ``Tensor.mm`` and ``torch.addmm``.)"""
-    import torch.nn.functional as F
-
     linear, mm, tensor_mm, addmm = F.linear, torch.mm, torch.Tensor.mm, torch.addmm
 
     def note(a, b):

@@ -216,38 +216,45 @@ def test_cross_entropy_over_blocks_of_different_widths_is_an_error_not_a_wrong_l
     assert per_rank[0] == per_rank[1]
 
 
+def _targets():
+    return torch.zeros(3, dtype=torch.long)
+
+
+#: case -> ``(call, mine)`` for rank ``r`` of ``p``, the call made otherwise on rank 1 (``odd``): the
+#: reduction over this rank's block of the vocabulary's logits, and what the error names of this rank's
+VOCABULARY_REDUCTIONS = {
+    "topk k": lambda odd, r, p: (lambda: tp_kernels.vocab_parallel_topk(torch.randn(3, 5), 3 if odd else 2),
+                                 f"k {3 if odd else 2}"),
+    "argmax vocab_size": lambda odd, r, p: (lambda: tp_kernels.vocab_parallel_argmax(
+        torch.randn(3, 5), vocab_size=5 * p - odd), f"vocabulary {5 * p - odd}"),
+    "entropy width": lambda odd, r, p: (lambda: tp_kernels.vocab_parallel_entropy(torch.randn(3, 5 + odd)),
+                                        f"logits [3, {5 + odd}]"),
+    "cross-entropy reduction": lambda odd, r, p: (lambda: tp_kernels.vocab_parallel_cross_entropy(
+        torch.randn(3, 5), _targets(), reduction="sum" if odd else "mean"), f"reduction {'sum' if odd else 'mean'}"),
+    "cross-entropy label_smoothing": lambda odd, r, p: (lambda: tp_kernels.vocab_parallel_cross_entropy(
+        torch.randn(3, 5), _targets(), 0.1 if odd else 0.0), f"label_smoothing {0.1 if odd else 0.0}"),
+    "cross-entropy ignore_index": lambda odd, r, p: (lambda: tp_kernels.vocab_parallel_cross_entropy(
+        torch.randn(3, 5), _targets(), ignore_index=0 if odd else -100), f"ignore_index {0 if odd else -100}"),
+    "sample temperature": lambda odd, r, p: (lambda: tp_kernels.vocab_parallel_sample(
+        torch.randn(3, 5), temperature=0.5 if odd else 1.0, generator=torch.Generator().manual_seed(r)),
+        f"temperature {0.5 if odd else 1.0}"),
+}
+
+
 @fingerprints
 def check_vocabulary_reductions_that_differ(case):
     """The reductions over vocabulary-parallel logits, called otherwise on rank 1: the same clear
     error on every rank, naming what differs, and the group works afterwards (without the check, a
     k or a vocab_size that differs would merge candidates of another shape, or name another class)."""
     r, p = rank_world()
-    x, odd = torch.randn(3, 5), r == 1
-    call, mine = {
-        "topk k": (lambda: tp_kernels.vocab_parallel_topk(x, 3 if odd else 2), f"k {3 if odd else 2}"),
-        "argmax vocab_size": (lambda: tp_kernels.vocab_parallel_argmax(x, vocab_size=5 * p - odd),
-                              f"vocabulary {5 * p - odd}"),
-        "entropy width": (lambda: tp_kernels.vocab_parallel_entropy(torch.randn(3, 5 + odd)), f"logits [3, {5 + odd}]"),
-        "cross-entropy reduction": (lambda: tp_kernels.vocab_parallel_cross_entropy(
-            x, torch.zeros(3, dtype=torch.long), reduction="sum" if odd else "mean"),
-            f"reduction {'sum' if odd else 'mean'}"),
-        "cross-entropy label_smoothing": (lambda: tp_kernels.vocab_parallel_cross_entropy(
-            x, torch.zeros(3, dtype=torch.long), 0.1 if odd else 0.0), f"label_smoothing {0.1 if odd else 0.0}"),
-        "cross-entropy ignore_index": (lambda: tp_kernels.vocab_parallel_cross_entropy(
-            x, torch.zeros(3, dtype=torch.long), ignore_index=0 if odd else -100),
-            f"ignore_index {0 if odd else -100}"),
-        "sample temperature": (lambda: tp_kernels.vocab_parallel_sample(
-            x, temperature=0.5 if odd else 1.0, generator=torch.Generator().manual_seed(r)),
-            f"temperature {0.5 if odd else 1.0}"),
-    }[case]
+    call, mine = VOCABULARY_REDUCTIONS[case](r == 1, r, p)
     kind, message = _raises(call)
     assert kind == "RuntimeError" and "disagree on this call" in message and mine in message, message
     _still_works()
     return message
 
 
-@pytest.mark.parametrize("case", ["topk k", "argmax vocab_size", "entropy width", "cross-entropy reduction",
-                                  "cross-entropy label_smoothing", "cross-entropy ignore_index", "sample temperature"])
+@pytest.mark.parametrize("case", sorted(VOCABULARY_REDUCTIONS))
 def test_vocabulary_reductions_that_differ_between_ranks(world2, case):
     per_rank = world2.run(check_vocabulary_reductions_that_differ, case, deadline_s=DEADLINE_S)
     assert per_rank[0] == per_rank[1]
