@@ -222,22 +222,27 @@ def _moves(given, wanted, refuse, labels) -> Tuple[Tuple[int, Optional[Move]], .
 
 
 def _move(x, move: Move, group, what: str):
+    """``x`` moved with the mappings; an error of theirs about it (a dim it does not have) names
+    ``what``, the module's input or output."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{what}: expected a tensor to move ({move[0]} along dim {move[1]}), got {type(x).__name__}")
     direction, dim = move
-    if direction == "all_reduce":
-        return reduce_from_tensor_model_parallel_region(x, group)
-    if direction == "reduce_scatter":
-        return reduce_scatter_to_sequence_parallel_region(x, group, sequence_dim=dim)
-    if dim == -1:
-        f = gather_from_tensor_model_parallel_region if direction == "gather" else \
-            scatter_to_tensor_model_parallel_region
-        return f(x, group)
-    if direction == "gather":
-        # (checked and agreed as the public mapping; then gathered for the column layers, which leave
-        # their partial input gradients for one reduce-scatter: mappings.gather_for_column_layers)
-        return gather_for_column_layers(x, group, sequence_dim=dim)
-    return scatter_to_sequence_parallel_region(x, group, sequence_dim=dim)
+    try:
+        if direction == "all_reduce":
+            return reduce_from_tensor_model_parallel_region(x, group)
+        if direction == "reduce_scatter":
+            return reduce_scatter_to_sequence_parallel_region(x, group, sequence_dim=dim)
+        if dim == -1:
+            f = gather_from_tensor_model_parallel_region if direction == "gather" else \
+                scatter_to_tensor_model_parallel_region
+            return f(x, group)
+        if direction == "gather":
+            # (checked and agreed as the public mapping; then gathered for the column layers, which leave
+            # their partial input gradients for one reduce-scatter: mappings.gather_for_column_layers)
+            return gather_for_column_layers(x, group, sequence_dim=dim)
+        return scatter_to_sequence_parallel_region(x, group, sequence_dim=dim)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from exc
 
 
 def _tokens_flat(x, move: Move, like, moved):
