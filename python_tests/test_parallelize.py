@@ -782,6 +782,88 @@ def test_torch_partial_outputs(world):
     world.run(check_torch_partial_outputs)
 
 
+class _Tokens(nn.Module):
+    """Its input, ``[b, s, h]``, times a factor, handed back flat, ``[b*s, h]`` (as Llama 4's mixture
+    of experts hands back its tokens), or, ``pooled``, summed over the batch, ``[s, h]``."""
+
+    def __init__(self, factor, pooled=False):
+        super().__init__()
+        self.factor, self.pooled = factor, pooled
+
+    def forward(self, x):
+        y = x * self.factor
+        return y.sum(0) if self.pooled else y.flatten(0, 1)
+
+
+def check_torch_outputs_of_two_dims():
+    """A module whose input a ``PrepareModuleInputOutput`` gathers along the sequence, ``[b, s/p, h]``
+    to ``[b, s, h]``, and whose output, each rank's partial sum, it reduce-scatters along the
+    sequence: an output that is the tokens flat, ``[b*s, h]``, is reduce-scattered as ``[b, s, h]``
+    and handed on flat, ``[b*s/p, h]``; one of two dims that is not (summed over the batch,
+    ``[s, h]``) is reduce-scattered along its own dim 0; a move along a dim the output does not have
+    besides its last (``Shard(2)``) is a ValueError naming the output and its shape as the module
+    gave it."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    r, p = rank_world()
+    b, s, h = 2, 2 * p, 4
+    total = p * (p + 1) // 2  # (the factors r + 1 summed)
+    x = torch.randn(b, s, h, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def model(pooled, dim):
+        return tp_kernels.parallelize(nn.Sequential(_Tokens(r + 1, pooled)), {"0": PrepareModuleInputOutput(
+            input_layouts=Shard(1), desired_input_layouts=Replicate(), output_layouts=Partial(),
+            desired_output_layouts=Shard(dim))})
+
+    for pooled, dim, want in ((False, 1, block(x * total, 1, r, p).flatten(0, 1)),
+                              (True, 0, block(x.sum(0) * total, 0, r, p))):
+        given = block(x, 1, r, p).clone().requires_grad_()
+        out = model(pooled, dim)(given)
+        torch.testing.assert_close(out, want, rtol=1e-15, atol=0)
+        out.sum().backward()
+        assert given.grad.shape == given.shape, pooled
+    with pytest.raises(ValueError, match=rf"_Tokens output 0: sequence_dim: .* of shape \({b * s}, {h}\), got 2"):
+        model(False, 2)(block(x, 1, r, p))
+
+
+def test_torch_outputs_of_two_dims(world2):
+    world2.run(check_torch_outputs_of_two_dims)
+
+
+class _Keyed(nn.Module):
+    """``x`` plus ``memory``, an input a call passes by its name alone."""
+
+    def forward(self, x, *, memory):
+        return x + memory
+
+
+def check_torch_keyword_inputs():
+    """A ``PrepareModuleInput``'s layouts of inputs by their names, several of them: each moves its
+    own input (one alike moves nothing), a keyword-only one too; a layout given by position past
+    the inputs a call may pass by position (``memory``, keyword-only) is a ValueError at the call,
+    naming it."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    r, p = rank_world()
+    g = torch.Generator().manual_seed(0)
+    x, memory = (torch.randn(2, 2 * p, 3, dtype=torch.float64, generator=g) for _ in range(2))
+    by_name = tp_kernels.parallelize(nn.Sequential(_Keyed()), {"0": PrepareModuleInput(
+        input_kwarg_layouts={"x": Replicate(), "memory": Shard(1)},
+        desired_input_kwarg_layouts={"x": Replicate(), "memory": Replicate()})})
+    torch.testing.assert_close(by_name[0](x, memory=block(memory, 1, r, p)), x + memory, rtol=0, atol=0)
+    by_position = tp_kernels.parallelize(nn.Sequential(_Keyed()), {"0": PrepareModuleInput(
+        input_layouts=(Replicate(), Shard(1)), desired_input_layouts=(Replicate(), Replicate()))})
+    with pytest.raises(ValueError, match=r"_Keyed: its PrepareModule style moves input 1, which this call does not "
+                                         r"have \(1 positional, keywords \['memory'\]\)"):
+        by_position[0](x, memory=block(memory, 1, r, p))
+
+
+def test_torch_keyword_inputs(world2):
+    world2.run(check_torch_keyword_inputs)
+
+
 def check_torch_parallel_style_errors():
     """What tp_kernels cannot take of torch's styles is a ValueError naming the pattern, before
     anything is replaced: DTensor outputs, an embedding's columns left split, a row layer's whole
@@ -789,7 +871,8 @@ def check_torch_parallel_style_errors():
     move of a layer the plan replaces or two moves of one module, and a DeviceMesh of two dims."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel)
 
     _, p = rank_world()
     torch.manual_seed(0)
@@ -841,6 +924,12 @@ def check_torch_parallel_style_errors():
                                          r"which this call does not have \(2 positional, keywords \[\]\): its "
                                          r"forward's signature has no such input"):
         fresh(torch.zeros(2, 2 * p, dtype=torch.long))
+    # an output moved that the module does not hand back: an error at the call, on every rank
+    extra = tp_kernels.parallelize(copy.deepcopy(dense), {"layers.*.attention": PrepareModuleOutput(
+        output_layouts=(Replicate(), Partial()), desired_output_layouts=(Replicate(), Replicate()))})
+    with pytest.raises(ValueError, match=r"_TitanAttention: its PrepareModule style moves output 1, which this call "
+                                         r"does not have \(1 outputs\): output_layouts counts the module's outputs"):
+        extra(torch.zeros(2, 2 * p, dtype=torch.long))
     # a layout given to an input that is no tensor (the attention's scale): an error at the call
     scaled = tp_kernels.parallelize(copy.deepcopy(dense), {"layers.*.attention": PrepareModuleInput(
         input_layouts=(None, Shard(1)), desired_input_layouts=(None, Replicate()))})
