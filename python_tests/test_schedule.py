@@ -29,6 +29,9 @@ def test_chunk_examples():
     assert chunk_bounds(0, 4) == []
     with pytest.raises(ValueError, match="num_chunks"):
         chunk_bounds(4, 0)
+    for m in (-1, -2):
+        with pytest.raises(ValueError, match=rf"m: expected a non-negative int, got {m}"):
+            chunk_bounds(m, 2)
 
 
 @given(p=st.integers(1, 16), r=st.integers(0, 15))
