@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from tp_kernels.schedule import DEFAULT_NUM_CHUNKS, chunk_bounds, resolve_num_chunks, ring_source
+from tp_kernels.schedule import DEFAULT_NUM_CHUNKS, boundaries, chunk_bounds, resolve_num_chunks, ring_source
 
 
 @given(m=st.integers(0, 5000), c=st.integers(1, 64))
@@ -18,6 +18,7 @@ def test_chunks_cover_rows_in_order(m, c):
     starts = [a for a, _ in bounds]
     ends = [b for _, b in bounds]
     assert starts == [0] + ends[:-1] and ends[-1] == m  # contiguous, in order, covering m
+    assert boundaries(m, c) == [0] + ends  # (the chunks as the native module takes them)
     sizes = [b - a for a, b in bounds]
     assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
     assert sizes == sorted(sizes, reverse=True)  # the longer chunks come first
@@ -27,6 +28,7 @@ def test_chunk_examples():
     assert chunk_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)]
     assert chunk_bounds(2, 5) == [(0, 1), (1, 2)]
     assert chunk_bounds(0, 4) == []
+    assert boundaries(7, 3) == [0, 3, 5, 7] and boundaries(0, 4) == [0]
     with pytest.raises(ValueError, match="num_chunks"):
         chunk_bounds(4, 0)
     for m in (-1, -2):
