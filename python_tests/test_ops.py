@@ -59,6 +59,51 @@ def test_pipelined_matches_reference(world, op, m_per_rank):
     world.run(check_pipelined_matches_reference, op, m_per_rank)
 
 
+def check_pipelined_follows_the_schedule(op):
+    """The portable pipelined backend runs one collective per chunk of the schedule
+    (:mod:`tp_kernels.schedule`), in its order: all-gather + GEMM sends each shard but the last
+    multiplied as ``num_chunks`` pieces at each of the p - 1 ring steps; GEMM + reduce-scatter
+    reduce-scatters rows ``chunk_bounds(m/p, num_chunks)[j]`` of every destination's block; GEMM +
+    all-reduce all-reduces rows ``chunk_bounds(m, num_chunks)[j]``."""
+    from unittest import mock
+
+    from tp_kernels import _collectives as coll
+    from tp_kernels.schedule import chunk_bounds
+
+    r, p = rank_world()
+    args, _ = _case(op, 5, 4, 3, torch.float32)
+    rows = args[0].shape[0] * args[0].shape[1]  # (the 2-D rows the backends get: [m, 3, k] flattened)
+    for c in (1, 2, 3, 7):
+        ran, inside = [], []  # (the collectives the backend starts, not those they start in turn)
+
+        def recording(name, f, rows_of):
+            def run(*a, **kw):
+                if not inside:
+                    ran.append((name, rows_of(a, kw)))
+                inside.append(name)
+                try:
+                    return f(*a, **kw)
+                finally:
+                    inside.pop()
+            return mock.patch.object(coll, name, run)
+
+        with recording("all_reduce", coll.all_reduce, lambda a, kw: a[0].shape[0]), \
+                recording("reduce_scatter_dim0", coll.reduce_scatter_dim0, lambda a, kw: kw["out"].shape[0]), \
+                recording("ring_exchange", coll.ring_exchange, lambda a, kw: a[0].shape[0]), torch.no_grad():
+            getattr(ops, op)(*args, backend="pipelined", num_chunks=c)
+        want = {"all_gather_matmul": [("ring_exchange", b - a) for _ in range(p - 1)
+                                      for a, b in chunk_bounds(rows, c)],
+                "matmul_reduce_scatter": [("reduce_scatter_dim0", b - a) for a, b in chunk_bounds(rows // p, c)],
+                "matmul_all_reduce": [("all_reduce", b - a) for a, b in chunk_bounds(rows, c)]}[op]
+        assert ran == want, (c, ran)
+
+
+@pytest.mark.parametrize("world", [2, 4], indirect=True)
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
+def test_pipelined_follows_the_schedule(world, op):
+    world.run(check_pipelined_follows_the_schedule, op)
+
+
 def check_layouts(op, device="cpu"):
     """x and the weight in the layouts callers hand over (x's leading dims swapped in memory, its
     last dim strided, its rows broadcast; the weight column-major, or its rows apart): every
