@@ -191,6 +191,28 @@ def test_experts_partial_output(world, split):
     world.run(check_experts_partial_output, split)
 
 
+def check_whole_bias_after_a_failed_call():
+    """The output bias kept whole, added by one rank (``"rowwise"`` of a 2-D ``[experts, out]``
+    bias): a call whose forward raises (tokens of the wrong width) leaves it the module's own
+    parameter on every rank, and the next call is the dense module's."""
+    r, p = rank_world()
+    transposed, bias, styles = SPLITS["packed_colwise_bias"]
+    torch.manual_seed(0)
+    dense = Experts(transposed, bias)
+    par = shard_experts(copy.deepcopy(dense), styles)
+    held = par.down_bias
+    hidden, _, index, weights = routed(1)
+    with pytest.raises(RuntimeError):
+        par(hidden[:, :-1], index, weights)
+    assert par._parameters["down_bias"] is held, type(par._parameters["down_bias"])
+    torch.testing.assert_close(par(hidden, index, weights), dense(hidden, index, weights), rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("world", [1, 2], indirect=True)
+def test_whole_bias_after_a_failed_call(world):
+    world.run(check_whole_bias_after_a_failed_call)
+
+
 def check_rank_without_routes(device="cpu"):
     """Expert parallelism where every token is routed to rank 0's experts, and the other ranks'
     experts, which run only the experts routed to (:class:`RoutedExperts`), use neither their
