@@ -17,7 +17,7 @@ import tp_kernels
 from helpers import (adam_atol, adam_drift, assert_close, assert_dense_grads, assert_same_loss_and_backward,
                      fingerprints_set, full_grads, rank_world, skip_unless_own_plan)
 from tp_kernels import experts as experts_module
-from tp_kernels.experts import check_styles, shard_experts
+from tp_kernels.experts import check_styles, shard_experts, share_identity_expert
 
 E, H, I, TOKENS, TOP = 4, 6, 8, 10, 2  # experts, hidden, each expert's hidden units, tokens, experts per token
 
@@ -868,13 +868,25 @@ def check_expert_plan_errors():
                                          r"experts, dim 0 of every parameter \(\[4\]\); got 2"):
         check_styles(unnumbered, whole, 2)
 
+    unnumbered.num_experts = 4.0  # (the count, but no int)
+    with pytest.raises(ValueError, match=r"its num_experts must be its number of experts, dim 0 of every parameter "
+                                         r"\(\[4\]\); got 4.0"):
+        check_styles(unnumbered, whole, 2)
+
     class Unrouted(Experts):
-        def forward(self, hidden):
+        def forward(self, hidden, top_k_index, *, top_k_weights=None):
             return hidden
 
     with pytest.raises(ValueError, match=r"calls Unrouted as transformers' experts are, \(hidden_states, "
-                                         r"top_k_index, top_k_weights\), but its forward takes \['hidden'\]"):
+                                         r"top_k_index, top_k_weights\), but its forward takes \['hidden', "
+                                         r"'top_k_index'\]"):
         check_styles(Unrouted(bias=True), whole, 2)
+    if p > 1:  # (an identity expert takes the tokens first, which it divides by p)
+        identity = share_identity_expert(nn.Identity())
+        torch.testing.assert_close(identity(torch.ones(2, 3)), torch.full((2, 3), 1 / p))
+        with pytest.raises(TypeError, match=r"Identity \(an identity expert, share_identity_expert\) takes the "
+                                            r"tokens, a floating-point tensor, first"):
+            identity(torch.ones(2, 3, dtype=torch.long))
     if p > 1:  # (the call's routing arguments, checked on every rank before the sum)
         par = shard_experts(Experts(bias=True), whole)
         hidden, _, index, weights = routed(1)
