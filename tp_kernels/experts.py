@@ -464,7 +464,7 @@ def check_styles(module: nn.Module, styles: Mapping[str, str], p: int, *, every:
     if split_experts:
         experts = {module._parameters[name].shape[0] for name in styles}
         count = getattr(module, "num_experts", None)
-        if len(experts) > 1 or type(count) is not int or {count} != experts:
+        if type(count) is not int or {count} != experts:  # (one count, of every parameter)
             raise ValueError(f"module: expert parallelism hands {type(module).__name__} this rank's expert ids, "
                              "its num_experts for an expert held elsewhere, so its num_experts must be its number "
                              f"of experts, dim 0 of every parameter ({sorted(experts)}); got {count!r}")
