@@ -893,6 +893,9 @@ def check_expert_plan_errors():
         with pytest.raises(ValueError, match=r"top_k_index: expected a tensor of integer expert ids, got "
                                              r"\[10, 2\] float64"):
             par(hidden, weights, weights)
+        with pytest.raises(ValueError, match=r"top_k_index: expected a tensor of integer expert ids, got "
+                                             r"\[10, 2\] bool"):
+            par(hidden, index > 0, weights)
         with pytest.raises(ValueError, match=r"top_k_weights: expected floating-point routing weights of "
                                              r"top_k_index's shape \[10, 2\], got \[10, 1\] float64"):
             par(hidden, top_k_weights=weights[:, :1], top_k_index=index)
