@@ -657,6 +657,13 @@ def check_gpt_oss_attention_and_experts(sequence, experts):
         with pytest.raises(ValueError, match=r"dim 2 of 'gate_up_proj' \(12, interleaved gate and up columns\) cannot "
                                              r"be split into 4 blocks of whole \(gate, up\) pairs"):
             check_styles(halves, {"gate_up_proj": "rowwise"}, 4, every=False)
+        # (and so its bias, [experts, out]: the same outputs, interleaved)
+        with pytest.raises(ValueError, match=r"dim 1 of 'gate_up_proj_bias' \(12, interleaved gate and up values\) "
+                                             r"cannot be split into 4 blocks of whole \(gate, up\) pairs"):
+            check_styles(halves, {"gate_up_proj_bias": "colwise"}, 4, every=False)
+        with pytest.raises(ValueError, match=r"GptOssExperts interleaves its gate's and its up projection's values "
+                                             r"in 'gate_up_proj_bias' .*use 'colwise'"):
+            check_styles(halves, {"gate_up_proj_bias": "packed_colwise"}, 2, every=False)
     if p > 2:
         for name in ("k_proj", "v_proj"):
             plan[f"model.layers.*.self_attn.{name}"] = ("colwise", [8], 4)
@@ -896,6 +903,8 @@ def check_expert_plan_errors():
         with pytest.raises(ValueError, match=r"top_k_index: expected a tensor of integer expert ids, got "
                                              r"\[10, 2\] bool"):
             par(hidden, index > 0, weights)
+        with pytest.raises(ValueError, match=r"hidden: expected floating-point hidden states, got \[10, 2\] int64"):
+            par(index, index, weights)
         with pytest.raises(ValueError, match=r"top_k_weights: expected floating-point routing weights of "
                                              r"top_k_index's shape \[10, 2\], got \[10, 1\] float64"):
             par(hidden, top_k_weights=weights[:, :1], top_k_index=index)
