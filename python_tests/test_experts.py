@@ -916,6 +916,26 @@ def test_expert_plan_errors(world):
     world.run(check_expert_plan_errors)
 
 
+def test_whole_experts_by_their_weights_entries():
+    """Experts named ``"moe_tp_experts"`` whose weights the plan names all ``"grouped_gemm"``
+    (transformers 5.17's expert-parallel plan) are read as ``"moe_ep_experts"``, a ``"partial"`` or
+    ``"sequence"`` kept with them; not where one of their own weights is split otherwise, and not
+    by a parameter of a module inside them."""
+    from tp_kernels.parallelize import read_expert_parallelism
+
+    weights = {"layers.*.experts.gate_up_proj": "grouped_gemm", "layers.*.experts.down_proj": "grouped_gemm"}
+    for value, read in (("moe_tp_experts", "moe_ep_experts"),
+                        (("moe_tp_experts", "partial"), ("moe_ep_experts", "partial")),
+                        (("moe_tp_experts", "sequence"), ("moe_ep_experts", "sequence"))):
+        plan = {"layers.*.experts": value, **weights}
+        assert read_expert_parallelism(plan) == {**plan, "layers.*.experts": read}, value
+        mixed = {**plan, "layers.*.experts.down_proj": "colwise"}
+        assert read_expert_parallelism(mixed) == mixed, value
+    inner = {"layers.*.experts": "moe_tp_experts", "layers.*.experts.gate_up_proj": "grouped_gemm",
+             "layers.*.experts.shared.down_proj": "colwise"}
+    assert read_expert_parallelism(inner)["layers.*.experts"] == "moe_ep_experts"
+
+
 def check_experts_ranks_disagree(split):
     """With fingerprints on, ranks that routed different numbers of tokens to the experts raise the
     same RuntimeError, naming each rank's view, before the output's sum moves; the group works
