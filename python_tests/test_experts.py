@@ -792,6 +792,11 @@ def check_expert_plan_errors():
         "owner_not_experts": ({k: v for k, v in plan.items() if k != experts},
                               r"split by parameter name.*does not name"),
         "vocab_on_parameter": ({**plan, f"{experts}.down_proj": "vocab"}, r"is a parameter, which takes one of"),
+        "sizes_on_parameter": ({**plan, f"{experts}.down_proj": ("colwise", [6])},
+                               r"down_proj' is a parameter, which takes one of .* not \('colwise'"),
+        "parameter_matched_twice": ({**plan, "model.layers.0.mlp.experts.down_proj": "colwise"},
+                                    r"plan: 'model.layers.0.mlp.experts.down_proj' is matched as 'colwise', but the "
+                                    r"same parameter \('model.layers.0.mlp.experts.down_proj'\) as 'rowwise'"),
         "packed_rowwise_on_linear": ({**plan, "model.layers.*.self_attn.o_proj": "packed_rowwise"},
                                      r"splits a parameter .*o_proj' is a Linear"),
         "no_rope_dim": ({**plan, "model.layers.*.self_attn.k_proj": "mla_kv_a_proj"},
