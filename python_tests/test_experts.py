@@ -803,6 +803,8 @@ def check_expert_plan_errors():
                         r"MixtralForCausalLM has no config.qk_rope_head_dim.*\('mla_kv_a_proj', columns\)"),
         "rope_dim_out_of_range": ({**plan, "model.layers.*.self_attn.k_proj": ("mla_kv_a_proj", 16)},
                                   r"k_proj' \('mla_kv_a_proj'\): the rotary key's columns must be an int in \[1, 16\)"),
+        "rope_dim_no_int": ({**plan, "model.layers.*.self_attn.k_proj": ("mla_kv_a_proj", 4.0)},
+                            r"the rotary key's columns must be an int in \[1, 16\) \(its out_features\), got 4.0"),
         "nothing_matched": ({**plan, "model.nothing.*": "colwise"}, r"'model.nothing.\*' matches no submodule.*strict"),
         "experts_split_both_ways_under_tp": ({**plan, f"{experts}.gate_up_proj": "grouped_gemm",
                                               f"{experts}.down_proj": "colwise"},
