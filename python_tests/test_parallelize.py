@@ -900,6 +900,9 @@ def check_torch_parallel_style_errors():
         ({"output": "colwise", "outpu[t]": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())},
          r"plan: 'output' is matched as \('redistribute', Moves.*but the same module \('output'\) as 'colwise', which "
          r"replaces it"),
+        ({"layers.*.attention.wq": ColwiseParallel(), "layers.0.attention.wq": ColwiseParallel(input_layouts=Shard(1))},
+         r"plan: 'layers.0.attention.wq' is matched with the sequence split along dim 1, but the same module "
+         r"\('layers.0.attention.wq'\) along no dim"),
         ({"layers.*.attention": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
           "layers.0.attention": PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1))},
          r"plan: 'layers.0.attention' is matched as \('redistribute', Moves\(inputs=\(\(0, \('scatter', 1\)\),\).*"
