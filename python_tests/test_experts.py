@@ -864,6 +864,13 @@ def check_expert_plan_errors():
     with pytest.raises(ValueError, match=r"experts' \('moe_tp_experts'\) holds the identity expert "
                                          r"'model.layers.0.mlp.experts.identity_expert', .*name it 'moe_identity_expert'"):
         tp_kernels.parallelize(longcat, {k: v for k, v in longcat.tp_plan.items() if v != "moe_identity_expert"})
+    with_identity = nn.Sequential(Experts())
+    with_identity[0].identity_expert = nn.Identity()
+    with pytest.raises(ValueError, match=r"plan: '0' \('moe_ep_experts'\) holds the identity expert "
+                                         r"'0.identity_expert', .*: expert parallelism leaves no rank to run it alone; "
+                                         r"split these experts by hidden units"):
+        tp_kernels.parallelize(with_identity, {"0": "moe_ep_experts", "0.gate_up_proj": "experts",
+                                               "0.down_proj": "experts", "0.identity_expert": "moe_identity_expert"})
     with pytest.raises(ValueError, match=r"sequence_parallel: expected a bool, got 'yes'"):
         shard_experts(Experts(), STYLES[False], sequence_parallel="yes")
     with pytest.raises(ValueError, match=r"mlp.experts': experts whose output is left partial, \('moe_tp_experts', 'partial'\), do not go with "
