@@ -73,20 +73,21 @@ def check_pipelined_follows_the_schedule(op):
     r, p = rank_world()
     args, _ = _case(op, 5, 4, 3, torch.float32)
     rows = args[0].shape[0] * args[0].shape[1]  # (the 2-D rows the backends get: [m, 3, k] flattened)
+    ran, inside = [], []  # (the collectives the backend starts, not those they start in turn)
+
+    def recording(name, f, rows_of):
+        def run(*a, **kw):
+            if not inside:
+                ran.append((name, rows_of(a, kw)))
+            inside.append(name)
+            try:
+                return f(*a, **kw)
+            finally:
+                inside.pop()
+        return mock.patch.object(coll, name, run)
+
     for c in (1, 2, 3, 7):
-        ran, inside = [], []  # (the collectives the backend starts, not those they start in turn)
-
-        def recording(name, f, rows_of):
-            def run(*a, **kw):
-                if not inside:
-                    ran.append((name, rows_of(a, kw)))
-                inside.append(name)
-                try:
-                    return f(*a, **kw)
-                finally:
-                    inside.pop()
-            return mock.patch.object(coll, name, run)
-
+        ran.clear()
         with recording("all_reduce", coll.all_reduce, lambda a, kw: a[0].shape[0]), \
                 recording("reduce_scatter_dim0", coll.reduce_scatter_dim0, lambda a, kw: kw["out"].shape[0]), \
                 recording("ring_exchange", coll.ring_exchange, lambda a, kw: a[0].shape[0]), torch.no_grad():
