@@ -868,7 +868,8 @@ def check_torch_parallel_style_errors():
     """What tp_kernels cannot take of torch's styles is a ValueError naming the pattern, before
     anything is replaced: DTensor outputs, an embedding's columns left split, a row layer's whole
     input with a sequence-split output, a move between two shardings, a style on a parameter, a
-    move of a layer the plan replaces or two moves of one module, and a DeviceMesh of two dims."""
+    move of a layer the plan replaces or two moves of one module, one module matched with two sequence
+    dims, and a DeviceMesh of two dims."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
