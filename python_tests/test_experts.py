@@ -871,6 +871,12 @@ def check_expert_plan_errors():
                                          r"split these experts by hidden units"):
         tp_kernels.parallelize(with_identity, {"0": "moe_ep_experts", "0.gate_up_proj": "experts",
                                                "0.down_proj": "experts", "0.identity_expert": "moe_identity_expert"})
+    attention = nn.Sequential(nn.Module())  # (an identity expert inside a module the plan names, but not experts)
+    attention[0].sinks, attention[0].identity_expert = nn.Parameter(torch.zeros(4)), nn.Identity()
+    with pytest.raises(ValueError, match=r"plan: '0.identity_expert' \('moe_identity_expert'\) divides its input by "
+                                         r"the group's size, .*it is inside none"):
+        tp_kernels.parallelize(attention, {"0": "local_params", "0.sinks": "colwise",
+                                           "0.identity_expert": "moe_identity_expert"})
     with pytest.raises(ValueError, match=r"sequence_parallel: expected a bool, got 'yes'"):
         shard_experts(Experts(), STYLES[False], sequence_parallel="yes")
     with pytest.raises(ValueError, match=r"mlp.experts': experts whose output is left partial, \('moe_tp_experts', 'partial'\), do not go with "
