@@ -2637,8 +2637,9 @@ def test_sequence_parallel_plan_of_every_transformers_model():
 
 def test_sequence_parallel_plan_errors():
     """What :func:`tp_kernels.sequence_parallel_plan` cannot write is a ValueError naming it: a
-    module whose entries leave its output split along the hidden units and hold no row layer, a
-    plan of torch's styles, entries outside the decoder layers, a model
+    module whose entries hold no row layer and leave its output split along the hidden units, or
+    sum a gradient over the group (a per-head norm's, DeepSeek's latent key/value projection's:
+    every rank would compute it whole), a plan of torch's styles, entries outside the decoder layers, a model
     without a ``tp_plan``, a module beside the layers that is not a norm, a module of the layers
     that is a norm in some of them only, a row layer's entry that would reduce-scatter in one layer
     and sum its output whole in another."""
@@ -2657,6 +2658,10 @@ def test_sequence_parallel_plan_errors():
         (llama, {**plan, "model.norm": "replicated_with_grad_allreduce"}, r"plan\['model.norm'\]: outside the decoder"),
         (nn.Linear(2, 2), None, r"plan: Linear has no tp_plan"),
         (llama, {"lm_head": "colwise"}, r"plan: expected the entries of one list of decoder layers"),
+        (llama, {**{k: v for k, v in plan.items() if ".mlp." not in k},
+                 "model.layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
+         r"plan: model.layers.0.mlp holds 'mlp.act_fn' \('replicated_with_grad_allreduce'\), whose gradient is summed "
+         r"over the group \(each rank's share of it where the module's heads are split\), but no 'rowwise' layer"),
     ]
     for model, given, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -2670,6 +2675,11 @@ def test_sequence_parallel_plan_errors():
         tp_kernels.sequence_parallel_plan(two)
     from test_experts import _moe_model, _plan
 
+    latent = _moe_model("deepseek_v2")  # (its latent key/value projection alone, its rotary key's gradient summed)
+    with pytest.raises(ValueError, match=r"plan: model.layers.0.self_attn holds 'self_attn.kv_a_proj_with_mqa' "
+                                         r"\('mla_kv_a_proj'\), whose gradient is summed over the group"):
+        tp_kernels.sequence_parallel_plan(latent, {k: v for k, v in _plan(latent, "tp").items()
+                                                   if ".self_attn." not in k or k.endswith("kv_a_proj_with_mqa")})
     deepseek = _moe_model("deepseek_v3")  # (a row entry of the dense MLP's and, inside the mixture, of its shared experts')
     with pytest.raises(ValueError, match=r"plan: model.layers.\*.mlp.down_proj is a row layer of a module of some "
                                          r"layers whose output must be whole"):

@@ -59,11 +59,14 @@ def _matches(layer: nn.Module, relative: str):
     return [m for name, m in layer.named_modules() if name and fnmatch.fnmatchcase(name, relative)]
 
 
-#: the styles of the layers that leave their output whole on every rank: a module whose plan
-#: entries are all such (Phi 3's and OLMo 2's gathered projections, "colwise_rep" and "rowwise_rep")
-#: computes its output whole, which the sequence plan then splits
-_WHOLE_OUTPUTS = ("colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce", "replicate",
-                  "mla_kv_a_proj")
+#: the styles of the layers that leave their output whole on every rank, and their gradients as the
+#: dense layer's: a module whose plan entries are all such (Phi 3's and OLMo 2's gathered projections,
+#: "colwise_rep" and "rowwise_rep") computes its output whole, which the sequence plan then splits
+_WHOLE_OUTPUTS = ("colwise_gather_output", "rowwise_split_input", "replicate")
+#: the styles whose gradient is summed over the group, each rank holding its heads' share of it where the
+#: module's column and row layers split its heads (Qwen 3's per-head norms, DeepSeek's latent key/value
+#: projection): in a module holding no row layer, every rank computes it whole, and the sum counts it p times
+_SUMMED_GRADIENTS = ("replicated_with_grad_allreduce", "replicated_with_output_grad_allreduce", "mla_kv_a_proj")
 
 
 def _kind(layer: nn.Module, name: str, styles, experts, rows, kept) -> str:
@@ -71,8 +74,8 @@ def _kind(layer: nn.Module, name: str, styles, experts, rows, kept) -> str:
     ``"moe"`` (it holds experts), ``"dense"`` (row layers of the plan, each reduce-scattering its
     output: none of those ``kept`` summing theirs whole), else ``"summed"`` (its output whole on
     every rank, then split), which, where it holds no row layer, each layer of the plan it holds
-    must leave whole: a ``ValueError`` naming one that leaves its output split along the hidden
-    units."""
+    must leave whole, its gradient the dense layer's: a ``ValueError`` naming one that leaves its
+    output split along the hidden units, or whose gradient is summed over the group."""
     if any(_matches(layer, relative) for relative in experts):
         return "moe"
     matched = {relative for relative in rows if _matches(layer, relative)}
@@ -80,9 +83,12 @@ def _kind(layer: nn.Module, name: str, styles, experts, rows, kept) -> str:
         return "summed" if matched & kept else "dense"
     for relative, style in styles.items():
         if style not in _WHOLE_OUTPUTS and _matches(layer, relative):
-            raise ValueError(f"plan: {name} holds {relative!r} ({style!r}), whose output is split along the hidden "
-                             "units, but no 'rowwise' layer, which would scatter the module's output back along the "
-                             "sequence")
+            why = ("whose gradient is summed over the group (each rank's share of it where the module's heads are "
+                   "split), but no 'rowwise' layer: every rank would compute the module whole, and the sum count "
+                   "that gradient once per rank") if style in _SUMMED_GRADIENTS else \
+                ("whose output is split along the hidden units, but no 'rowwise' layer, which would scatter the "
+                 "module's output back along the sequence")
+            raise ValueError(f"plan: {name} holds {relative!r} ({style!r}), {why}")
     return "summed"
 
 
@@ -211,7 +217,9 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
     names what it cannot write so: a plan with
     torch's styles already; entries outside the decoder layers other than the embedding's and the
     head's; a module of the layers whose entries hold no row layer and no experts and leave its
-    output split along the hidden units (a plan of column layers alone); no decoder layers;
+    output split along the hidden units (a plan of column layers alone), or sum a gradient over the
+    group (a per-head norm's, a latent key/value projection's: each rank's share of it where the
+    module's heads are split, which every rank would compute whole); no decoder layers;
     a module beside them that holds parameters and is not a norm (by its class's name: what the
     ranks may run on their blocks of the sequence alone); a module of the layers that is a norm in
     some and not in others; a row layer's entry that would have to reduce-scatter in some layers
