@@ -2481,33 +2481,96 @@ def test_moe_row_layer_in_mixture_and_dense_layer(world2):
     world2.run(check_moe_row_layer_in_mixture_and_dense_layer)
 
 
-@pytest.mark.parametrize("layout", ["router_with_another_parameter", "gate_of_two_outputs"])
+#: what makes a mixture of experts one the sequence plan cannot tell from one that adds to its output what
+#: every rank computes alike (then summed whole, then split, not reduce-scattered as partial sums), and the
+#: model it is made in (Qwen 2 MoE's plan with its shared expert split: a gated term of the partial sum)
+UNTOLD_MIXTURES = {
+    "router_with_another_parameter": "qwen3_moe",  # (the router holds a [hidden] parameter beside its [E, hidden])
+    "gate_of_two_outputs": "qwen2_moe",  # (the shared expert's gate of two outputs: no scale a token)
+    "gate_beside_no_row_layer": "qwen2_moe",  # (a gate of one output beside a module holding no row layer)
+    "router_inside_the_shared_expert": "qwen2_moe",  # (an [E, hidden] weight, not of a child of the mixture)
+    "router_weight_beside_planned_layers": "qwen2_moe",  # (the shared expert's own [E, hidden] parameter)
+    "expert_scales_alone": "qwen3_moe",  # (a child holding an [E] parameter, but no [E, hidden] weight)
+    "shared_experts_outputs_whole": "deepseek_v3",  # (its shared experts' layers gather their outputs whole)
+}
+
+
+@pytest.mark.parametrize("layout", list(UNTOLD_MIXTURES))
 def test_sequence_plan_sums_a_mixture_it_cannot_tell_apart(layout):
-    """A mixture of experts holding a module the sequence plan cannot tell is a router (a module
-    with a parameter beside its ``[E, hidden]`` weight) or a shared expert's gate (an ``nn.Linear``
-    of two outputs): it might add to the mixture's output what every rank computes alike, which a
-    reduce-scatter of partial sums would count p times, so the mixture's output is summed whole,
-    then split, and the module gets no gate's entry. (The plan alone: such a gate is no model's.)"""
+    """A mixture of experts holding a module the sequence plan cannot tell is a router (a child of
+    the mixture holding an ``[E, hidden]`` weight and ``[E]`` parameters alone) or a shared expert's
+    gate (an ``nn.Linear`` of one output beside a module holding a row layer of the plan), or whose
+    plan leaves a layer's output whole: it might add to the mixture's output what every rank
+    computes alike, which a reduce-scatter of partial sums would count p times, so the mixture's
+    output is summed whole, then split, and the module gets no gate's entry. (The plan alone: such
+    modules are no model's.)"""
     pytest.importorskip("transformers")
     from test_experts import _moe_model, _plan
     from torch.distributed.tensor import Replicate
 
-    kind = "qwen3_moe" if layout == "router_with_another_parameter" else "qwen2_moe"
+    kind = UNTOLD_MIXTURES[layout]
     if kind == "qwen2_moe":
         skip_unless_own_plan("Qwen2MoeConfig", "layers.*.mlp.experts", "moe_tp_experts")
     dense = _moe_model(kind)
-    plan = _plan(dense, "tp") if kind == "qwen3_moe" else _qwen2_moe_split_shared_expert_plan(dense)
+    plan = _qwen2_moe_split_shared_expert_plan(dense) if kind == "qwen2_moe" else _plan(dense, "tp")
     assert tp_kernels.sequence_parallel_plan(dense, plan)["model.layers.*.mlp.experts"] == \
         ("moe_tp_experts", "partial")  # (as it comes)
     mixture = dense.model.layers[1].mlp
     if layout == "router_with_another_parameter":
         mixture.gate.register_parameter("scale", nn.Parameter(torch.ones(16, dtype=torch.float64)))
-    else:
+    elif layout == "gate_of_two_outputs":
         mixture.shared_expert_gate = nn.Linear(16, 2, bias=False).double()
+    elif layout == "gate_beside_no_row_layer":
+        mixture.extra, mixture.extra_gate = nn.Identity(), nn.Linear(16, 1, bias=False).double()
+    elif layout == "router_inside_the_shared_expert":
+        mixture.shared_expert.router = nn.Linear(16, 4, bias=False).double()
+    elif layout == "router_weight_beside_planned_layers":
+        mixture.shared_expert.register_parameter("scores", nn.Parameter(torch.ones(4, 16, dtype=torch.float64)))
+    elif layout == "expert_scales_alone":
+        mixture.scales = nn.Module()
+        mixture.scales.register_parameter("weight", nn.Parameter(torch.ones(4, dtype=torch.float64)))
+    else:
+        plan.update({f"model.layers.*.mlp.shared_experts.{name}": style for name, style in (
+            ("gate_proj", "colwise_gather_output"), ("up_proj", "colwise_gather_output"),
+            ("down_proj", "rowwise_split_input"))})
     sequence_plan = tp_kernels.sequence_parallel_plan(dense, plan)
     assert sequence_plan["model.layers.1.mlp"].prepare_module_output.output_layouts == (Replicate(),), sequence_plan
     assert sequence_plan["model.layers.*.mlp.experts"] == "moe_tp_experts", sequence_plan
-    assert not any(name.endswith("shared_expert_gate") for name in sequence_plan), sequence_plan
+    assert not any(name.endswith("_gate") for name in sequence_plan), sequence_plan
+
+
+def check_moe_packed_shared_expert_sequence_plan():
+    """Qwen 2 MoE whose shared expert keeps its gate's and its up projection's rows in one layer
+    (Phi 3's MLP: ``gate_up_proj`` ``"packed_colwise"``, ``down_proj`` ``"rowwise"``) under
+    :func:`tp_kernels.sequence_parallel_plan`: a term of the mixture's sum each rank computes its
+    share of, as the split shared expert's, so the experts' and its outputs are left partial, the
+    module's reduce-scattered once, and its gate's output gradient summed; the logits, the loss and
+    every gradient are the dense model's in float64 (the router's softmax in float32)."""
+    import transformers
+    from test_experts import _moe_model
+    from torch.distributed.tensor import Partial
+
+    dense = _moe_model("qwen2_moe")
+    torch.manual_seed(2)
+    dense.model.layers[1].mlp.shared_expert = transformers.models.phi3.modeling_phi3.Phi3MLP(
+        transformers.Phi3Config(hidden_size=16, intermediate_size=12)).double()
+    plan = {k: v for k, v in _qwen2_moe_split_shared_expert_plan(dense).items()
+            if not k.endswith(("shared_expert.gate_proj", "shared_expert.up_proj"))}
+    plan["model.layers.*.mlp.shared_expert.gate_up_proj"] = "packed_colwise"
+    sequence_plan = tp_kernels.sequence_parallel_plan(dense, plan)
+    assert sequence_plan["model.layers.*.mlp.experts"] == ("moe_tp_experts", "partial"), sequence_plan
+    assert sequence_plan["model.layers.1.mlp"].prepare_module_output.output_layouts == (Partial(),), sequence_plan
+    assert sequence_plan["model.layers.*.mlp.shared_expert.down_proj"].output_layouts == (Partial(),), sequence_plan
+    assert sequence_plan["model.layers.*.mlp.shared_expert_gate"] == "replicated_with_output_grad_allreduce"
+    par = tp_kernels.parallelize(copy.deepcopy(dense), sequence_plan)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    assert_same_loss_and_backward(dense, par, ids)
+    assert_dense_grads(par, dense, 4 * torch.finfo(torch.float32).eps)
+
+
+def test_moe_packed_shared_expert_sequence_plan(world2):
+    skip_unless_own_plan("Qwen2MoeConfig", "layers.*.mlp.experts", "moe_tp_experts")
+    world2.run(check_moe_packed_shared_expert_sequence_plan)
 
 
 def check_hybrid_sequence_parallel_plan():
