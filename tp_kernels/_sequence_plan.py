@@ -27,8 +27,9 @@ __all__ = ["sequence_parallel_plan"]
 
 #: what the module holding the plan's row layer runs on: its input gathered
 _ROW = "rowwise"
-#: the styles of a head whose output is gathered (the logits whole on every rank)
-_GATHERED_HEADS = ("colwise_gather_output", "colwise_rep")
+#: the style of a head whose output is gathered (the logits whole on every rank; transformers'
+#: "colwise_rep" is read as it, :data:`ALIASES`)
+_GATHERED_HEAD = "colwise_gather_output"
 
 
 def _style_name(value) -> str:
@@ -389,7 +390,7 @@ def sequence_parallel_plan(model: nn.Module, plan: Optional[Mapping[str, object]
         out[full] = SequenceParallel()
     if head_name is not None:
         if head_name in plan:
-            gathered = _style_name(plan[head_name]) in _GATHERED_HEADS
+            gathered = _style_name(plan[head_name]) == _GATHERED_HEAD
             out[head_name] = ColwiseParallel(input_layouts=Shard(1),
                                              **({"output_layouts": Replicate()} if gathered else {}))
         else:
