@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -325,10 +326,21 @@ def test_seeds_that_differ_between_ranks_are_an_error_on_every_rank(world2):
     world2.run(check_seeds_that_differ)
 
 
-@pytest.mark.parametrize("seed", [True, -1, 1.5, "1", 2**63, 2**63 - 2718])
-def test_bad_seeds_are_named(seed):
-    with pytest.raises(ValueError, match="seed"):
+@pytest.mark.parametrize("seed, message", [
+    (True, r"seed: expected an int, got bool True"), (1.5, r"seed: expected an int, got float 1.5"),
+    ("1", r"seed: expected an int, got str '1'"), (-1, r"seed: expected an int in \[0, 2\*\*63\), got -1$"),
+    (2**63, r"seed: expected an int in \[0, 2\*\*63\), got 9223372036854775808$"),
+    (2**63 - 2718, r"seed: 9223372036854773090 \+ 2718 \+ the rank \(up to 0\) leaves \[0, 2\*\*63\)")])
+def test_bad_seeds_are_named(seed, message):
+    """A seed that is no int in [0, 2**63), or whose model-parallel stream's seed would leave that
+    range, is refused by ``model_parallel_manual_seed`` and by a tracker's ``add``, saying why."""
+    with pytest.raises(ValueError, match=message):
         rng.model_parallel_manual_seed(seed)
+    if seed != 2**63 - 2718:  # (a stream's own seed may be that: it adds nothing)
+        with pytest.raises(ValueError, match=message):
+            rng.RNGStatesTracker().add("stream", seed)
+    else:
+        rng.RNGStatesTracker().add("stream", seed)
 
 
 def test_states_are_copied_in_and_out():
@@ -348,6 +360,74 @@ def test_states_are_copied_in_and_out():
         tracker.set_states(saved)
         with tracker.fork("a"):
             assert torch.equal(torch.rand(3), after)
+    tracker.set_states(saved)
+    for per_device in (saved, tracker.get_states()):  # (the caller's tensors changed in place: not the tracker's)
+        per_device["a"]["cpu"].zero_()
+    with tracker.fork("a"):
+        assert torch.equal(torch.rand(3), after)
+
+
+def test_reset_inside_a_fork_forgets_the_forked_stream():
+    """``reset()`` inside a fork forgets the stream being forked: one added again under its name
+    forks inside that block, from its own seed, and the block's end leaves it where it went on to."""
+    tracker = rng.RNGStatesTracker()
+    tracker.add("a", 1)
+    with tracker.fork("a"):
+        tracker.reset()
+        tracker.add("a", 2)
+        with tracker.fork("a"):
+            first = torch.rand(3)
+    with tracker.fork("a"):
+        second = torch.rand(3)
+    assert torch.equal(torch.cat([first, second]), draws(2, [3, 3]))
+
+
+def test_forks_are_refused_inside_a_cuda_graph_capture():
+    """A fork, of a tracker's stream or of the rank's own, inside a CUDA graph capture (as torch
+    reports it, patched here) is a ``RuntimeError`` saying why, before anything is drawn: the
+    default stream where it was."""
+    tracker = rng.RNGStatesTracker()
+    tracker.add("a", 1)
+    torch.manual_seed(SEED)
+    with mock.patch.object(torch.cuda, "is_initialized", return_value=True), \
+            mock.patch.object(torch.cuda, "is_current_stream_capturing", return_value=True):
+        for fork, name in ((lambda: tracker.fork("a"), "fork"), (rng.rank_fork, "rank_fork")):
+            with pytest.raises(RuntimeError, match=rf"^{name}: a CUDA graph is being captured"):
+                with fork():
+                    pass
+    assert torch.equal(torch.rand(3), draws(SEED, [3]))
+    with tracker.fork("a"):
+        assert torch.equal(torch.rand(3), draws(1, [3]))
+
+
+def test_a_recompute_context_that_fails_leaves_the_streams_as_they_were():
+    """A ``context_fn`` whose recompute context fails to enter fails the backward, and leaves the
+    tracker's streams as they were before it, not as the forward began."""
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 5).double()
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    tracker = rng.get_rng_tracker()
+
+    class Refused:
+        def __enter__(self):
+            raise RuntimeError("recompute refused")
+
+        def __exit__(self, *exc):
+            return False
+
+    def f(x):
+        with tracker.fork():
+            return F.dropout(lin(x), 0.5)
+
+    rng.model_parallel_manual_seed(SEED)
+    y = rng.checkpoint(f, x, context_fn=lambda: (contextlib.nullcontext(), Refused()))
+    with tracker.fork():  # (the stream moved on after the forward)
+        torch.rand(4)
+    before = tracker.get_states()
+    with pytest.raises(RuntimeError, match="recompute refused"):
+        y.sum().backward()
+    after = tracker.get_states()
+    assert all(torch.equal(before[n][d], after[n][d]) for n in before for d in before[n])
 
 
 def test_tracker_errors_name_what_is_wrong():
