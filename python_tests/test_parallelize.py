@@ -1120,8 +1120,8 @@ def test_full_state_dict_across_sizes(world):
 
 
 def check_full_state_dict_options(device="cpu"):
-    """cpu_offload gives the dense state dict on the CPU; rank0_only gives it on the group's rank 0
-    and {} on the others; both are checked on every rank, and agreed: a rank that asks for another
+    """cpu_offload gives the dense state dict on the CPU, each tensor contiguous; rank0_only gives it
+    on the group's rank 0 and {} on the others; both are checked on every rank, and agreed: a rank that asks for another
     option than its peers gets the same error as they do, and the group works afterwards."""
     r, p = rank_world()
     torch.manual_seed(0)
@@ -1137,6 +1137,7 @@ def check_full_state_dict_options(device="cpu"):
             assert list(full) == list(want)
             for key, value in want.items():
                 assert full[key].device.type == ("cpu" if cpu_offload else value.device.type), key
+                assert full[key].is_contiguous(), key  # (a row layer's weight too, joined along dim 1)
                 assert torch.equal(full[key].to(value.device), value), (key, cpu_offload, rank0_only)
     for bad in ("cpu_offload", "rank0_only"):
         with pytest.raises(ValueError, match=f"{bad}: expected a bool, got 1"):

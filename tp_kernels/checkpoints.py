@@ -21,8 +21,9 @@ __all__ = ["dense_state_dict", "full_state_dict", "load_full_state_dict", "load_
 
 def full_state_dict(module: nn.Module, *, cpu_offload: bool = False,
                     rank0_only: bool = False) -> Dict[str, torch.Tensor]:
-    """``module.state_dict()`` with every parallel layer's blocks joined into the full tensors:
-    the dense model's state dict, under the same names (:func:`parallelize` keeps them). One
+    """``module.state_dict()`` with every parallel layer's blocks joined into the full tensors,
+    each contiguous (as ``safetensors`` saves them): the dense model's state dict, under the same
+    names (:func:`parallelize` keeps them). One
     collective per sharded parameter, in the state dict's order, on every rank of the group; the
     other entries are this rank's, detached. For checkpoints that any tensor-parallel size (or the
     dense model) can load with :func:`load_full_state_dict`.
