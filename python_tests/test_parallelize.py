@@ -2454,6 +2454,16 @@ def _qwen2_moe_split_shared_expert_plan(dense) -> dict:
     return plan
 
 
+def _assert_moe_runs_as_dense(dense, plan) -> None:
+    """A mixture of experts ``dense`` parallelized by ``plan``: on a batch, the logits, the loss and
+    every gradient are the dense model's in float64 (its router's softmax in float32: to float32's
+    precision)."""
+    par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    assert_same_loss_and_backward(dense, par, ids)
+    assert_dense_grads(par, dense, 4 * torch.finfo(torch.float32).eps)
+
+
 def check_moe_row_layer_in_mixture_and_dense_layer():
     """Qwen 2 MoE whose plan names its dense first layer's row layer and its mixture's shared
     expert's by one entry (``mlp.*down_proj``): that row layer cannot leave its term of a partial
@@ -2471,10 +2481,7 @@ def check_moe_row_layer_in_mixture_and_dense_layer():
     sequence_plan = tp_kernels.sequence_parallel_plan(dense, plan)
     assert sequence_plan["model.layers.*.mlp"].prepare_module_output.output_layouts == (Replicate(),), sequence_plan
     assert sequence_plan["model.layers.*.mlp.experts"] == "moe_tp_experts", sequence_plan  # (not partial)
-    par = tp_kernels.parallelize(copy.deepcopy(dense), sequence_plan)
-    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
-    assert_same_loss_and_backward(dense, par, ids)
-    assert_dense_grads(par, dense, 4 * torch.finfo(torch.float32).eps)
+    _assert_moe_runs_as_dense(dense, sequence_plan)
 
 
 def test_moe_row_layer_in_mixture_and_dense_layer(world2):
@@ -2563,10 +2570,7 @@ def check_moe_packed_shared_expert_sequence_plan():
     assert sequence_plan["model.layers.1.mlp"].prepare_module_output.output_layouts == (Partial(),), sequence_plan
     assert sequence_plan["model.layers.*.mlp.shared_expert.down_proj"].output_layouts == (Partial(),), sequence_plan
     assert sequence_plan["model.layers.*.mlp.shared_expert_gate"] == "replicated_with_output_grad_allreduce"
-    par = tp_kernels.parallelize(copy.deepcopy(dense), sequence_plan)
-    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
-    assert_same_loss_and_backward(dense, par, ids)
-    assert_dense_grads(par, dense, 4 * torch.finfo(torch.float32).eps)
+    _assert_moe_runs_as_dense(dense, sequence_plan)
 
 
 def test_moe_packed_shared_expert_sequence_plan(world2):
