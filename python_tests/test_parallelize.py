@@ -2919,6 +2919,7 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parall
     the meta-device one initialized on ``device``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
 
     r, _ = rank_world()
     vocab, hidden, heads, ffn = 8, 6, 4, 8
@@ -2979,6 +2980,11 @@ def check_fully_sharded_data_parallel_over_tensor_parallel(path, sequence_parall
         again = sharded(7)
         tp_kernels.load_full_state_dict(again, state)
         assert all(torch.equal(a, b) for a, b in zip(tp_kernels.full_state_dict(again).values(), state.values()))
+        # (a column layer's weight, one block a rank that FSDP2's rows cut alone: Shard(0) over the group, then
+        # FSDP2's own placements, its rows as they are, not a chunk)
+        column, param = tp_kernels.sharded_state_dict(par)["block.mlp.0.weight"], par.block.mlp[0].weight
+        assert list(column.placements) == [Shard(0), *param.placements], column.placements
+        assert type(column.to_local()) is torch.Tensor and column.shape == (ffn, hidden), column
 
         _save_with_dcp(par, opt, path)
         if r == 0:  # offline, whole: the dense model's weights and momenta
