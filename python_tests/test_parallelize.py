@@ -1121,8 +1121,9 @@ def test_full_state_dict_across_sizes(world):
 
 def check_full_state_dict_options(device="cpu"):
     """cpu_offload gives the dense state dict on the CPU, each tensor contiguous; rank0_only gives it
-    on the group's rank 0 and {} on the others; both are checked on every rank, and agreed: a rank that asks for another
-    option than its peers gets the same error as they do, and the group works afterwards."""
+    on the group's rank 0 and {} on the others; both are checked on every rank, and agreed: a rank
+    that asks for another option than its peers gets the same error as they do, and the group works
+    afterwards. load_full_state_dict passes ``strict`` to load_state_dict and returns its result."""
     r, p = rank_world()
     torch.manual_seed(0)
     dense = LanguageModel(4 * p, 10, 2 * p, 4 * p).double().to(device)
@@ -1148,6 +1149,11 @@ def check_full_state_dict_options(device="cpu"):
             tp_kernels.full_state_dict(wide, rank0_only=r == 1)
     full = tp_kernels.full_state_dict(wide)  # the group still works
     assert torch.equal(full["head.weight"], want["head.weight"])
+    extra = {**want, "extra": torch.zeros(1)}  # (strict as load_state_dict takes it, and its result)
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "extra"'):
+        tp_kernels.load_full_state_dict(wide, extra)
+    loaded = tp_kernels.load_full_state_dict(wide, extra, strict=False)
+    assert loaded.unexpected_keys == ["extra"] and loaded.missing_keys == [], loaded
 
 
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
