@@ -180,18 +180,25 @@ def test_dropout_in_a_parallel_block_matches_the_dense_block_and_checkpoints_exa
     world.run(check_parallel_dropout, sequence_parallel)
 
 
+def _dropout_case(fork=lambda: rng.get_rng_tracker().fork()):
+    """``(f, x)``: ``f`` a float64 linear layer (seeded 0) whose output is dropped at 0.5 inside
+    ``fork()`` (the tracker's model-parallel stream by default), ``x`` its input, needing its grad."""
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 5).double()
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+
+    def f(x):
+        with fork():
+            return F.dropout(lin(x), 0.5)
+    return f, x
+
+
 def test_checkpoint_recomputes_the_forwards_masks_after_the_stream_moved_on():
     """Backward twice through a retained graph recomputes twice; the stream drawn meanwhile does
     not change what the recomputation draws, and it is where it was afterwards. torch's own
     checkpoint, which does not know the tracker, recomputes with other masks."""
-    torch.manual_seed(0)
-    lin = nn.Linear(5, 5).double()
-    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    f, x = _dropout_case()
     tracker = rng.get_rng_tracker()
-
-    def f(x):
-        with tracker.fork():
-            return F.dropout(lin(x), 0.5)
 
     rng.model_parallel_manual_seed(SEED)
     plain = f(x)
@@ -230,15 +237,11 @@ def test_checkpoint_runs_the_context_fns_contexts():
         finally:  # (torch stops a recompute early by raising through it once it has what it needs)
             events.append(f"exit {name}")
 
-    torch.manual_seed(0)
-    lin = nn.Linear(5, 5).double()
-    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
-    tracker = rng.get_rng_tracker()
+    dropped, x = _dropout_case()
 
     def f(x):
         events.append("run")
-        with tracker.fork():
-            return F.dropout(lin(x), 0.5)
+        return dropped(x)
 
     rng.model_parallel_manual_seed(SEED)
     plain = f(x)
@@ -277,13 +280,7 @@ def check_rank_fork():
     assert torch.equal(torch.rand(4), after)
     assert all(torch.equal(v, after) for v in gathered(after))
 
-    torch.manual_seed(0)
-    lin = nn.Linear(5, 5).double()
-    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
-
-    def f(x):
-        with rng.rank_fork():
-            return F.dropout(lin(x), 0.5)
+    f, x = _dropout_case(rng.rank_fork)
 
     torch.manual_seed(SEED)
     plain = f(x)
@@ -403,9 +400,7 @@ def test_forks_are_refused_inside_a_cuda_graph_capture():
 def test_a_recompute_context_that_fails_leaves_the_streams_as_they_were():
     """A ``context_fn`` whose recompute context fails to enter fails the backward, and leaves the
     tracker's streams as they were before it, not as the forward began."""
-    torch.manual_seed(0)
-    lin = nn.Linear(5, 5).double()
-    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    f, x = _dropout_case()
     tracker = rng.get_rng_tracker()
 
     class Refused:
@@ -414,10 +409,6 @@ def test_a_recompute_context_that_fails_leaves_the_streams_as_they_were():
 
         def __exit__(self, *exc):
             return False
-
-    def f(x):
-        with tracker.fork():
-            return F.dropout(lin(x), 0.5)
 
     rng.model_parallel_manual_seed(SEED)
     y = rng.checkpoint(f, x, context_fn=lambda: (contextlib.nullcontext(), Refused()))
