@@ -206,3 +206,55 @@ def check_gather_for_column_layers():
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
 def test_gather_for_column_layers(world):
     world.run(check_gather_for_column_layers)
+
+
+def check_mappings_under_torch_func():
+    """Every public mapping under ``torch.func`` (docs/api.md): ``grad`` of a loss through it is
+    autograd's gradient of the same loss, and ``vmap`` of it over a leading batch dim is the mapping
+    of each entry, stacked (its collectives run entry by entry, alike on every rank; the mapping's
+    dims, ``sequence_dim`` too, those of one entry). ``gather_for_column_layers`` there is a plain
+    gather (no :class:`DeferredGather`, which the transforms cannot trace)."""
+    from torch.func import grad, vmap
+
+    r, p = rank_world()
+    g = torch.Generator().manual_seed(r)  # (different data on each rank)
+    x = torch.randn(2 * p, 2 * p, 3 * p, generator=g, dtype=torch.float64)
+    weight = torch.randn(2 * p * p, 2 * p * p, 3 * p * p, generator=torch.Generator().manual_seed(7),
+                         dtype=torch.float64)
+    cases = {
+        "copy_to_tensor_model_parallel_region": M.copy_to_tensor_model_parallel_region,
+        "reduce_from_tensor_model_parallel_region": M.reduce_from_tensor_model_parallel_region,
+        "scatter_to_tensor_model_parallel_region": M.scatter_to_tensor_model_parallel_region,
+        "gather_from_tensor_model_parallel_region": M.gather_from_tensor_model_parallel_region,
+        "scatter_to_sequence_parallel_region": M.scatter_to_sequence_parallel_region,
+        "scatter_to_sequence_parallel_region, sequence_dim 1":
+            lambda t: M.scatter_to_sequence_parallel_region(t, sequence_dim=1),
+        "gather_from_sequence_parallel_region": M.gather_from_sequence_parallel_region,
+        "gather_from_sequence_parallel_region, tensor_parallel_output_grad False":
+            lambda t: M.gather_from_sequence_parallel_region(t, tensor_parallel_output_grad=False),
+        "reduce_scatter_to_sequence_parallel_region": M.reduce_scatter_to_sequence_parallel_region,
+        "gather_for_column_layers": M.gather_for_column_layers,
+        "gather_for_column_layers, sequence_dim -2": lambda t: M.gather_for_column_layers(t, sequence_dim=-2),
+        "reduce_scatter_to_sequence_parallel_region, sequence_dim 1":
+            lambda t: M.reduce_scatter_to_sequence_parallel_region(t, sequence_dim=1),
+    }
+    for name, f in cases.items():
+        def loss(v, f=f):  # (weighted: every element of the output a gradient of its own)
+            y = f(v)
+            return (y * weight[: y.shape[0], : y.shape[1], : y.shape[2]]).sum() + y.square().sum()
+
+        leaf = x.clone().requires_grad_()
+        loss(leaf).backward()
+        got = grad(loss)(x)
+        assert type(got) is torch.Tensor, name
+        torch.testing.assert_close(got, leaf.grad, rtol=1e-12, atol=1e-12, msg=lambda m: f"grad, {name}: {m}")
+        batch = torch.stack([x, 2 * x + 1])
+        mapped = vmap(f)(batch)
+        assert type(mapped) is torch.Tensor, name
+        stacked = torch.stack([f(entry) + 0 for entry in batch])  # (+ 0: a DeferredGather read)
+        torch.testing.assert_close(mapped, stacked, rtol=0, atol=0, msg=lambda m: f"vmap, {name}: {m}")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_mappings_under_torch_func(world):
+    world.run(check_mappings_under_torch_func)
