@@ -613,6 +613,9 @@ def check_opcheck_collectives():
         (ops.gather, (x, 0, group, "reference")),
         (ops.broadcast, (x.clone(), 0, group, "reference")),
     ]
+    # a strided input: each op's output is a new contiguous tensor, its fake's too
+    strided = torch.randn(3, 2 * p, generator=torch.Generator().manual_seed(r)).t()
+    cases += [(op, (strided, group, "reference")) for op in (ops.all_reduce, ops.all_gather, ops.reduce_scatter)]
     for op, args in cases:
         torch.library.opcheck(op, args)
 

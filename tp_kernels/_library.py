@@ -422,7 +422,7 @@ def all_reduce(x: Tensor, group: str, impl: str) -> Tensor:
 
 @all_reduce.register_fake
 def _(x, group, impl):
-    return torch.empty_like(x)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)  # (as the body: a new contiguous tensor)
 
 
 all_reduce.register_no_gradient("all_reduce")
