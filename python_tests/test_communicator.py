@@ -618,6 +618,19 @@ def check_opcheck_collectives():
     cases += [(op, (strided, group, "reference")) for op in (ops.all_reduce, ops.all_gather, ops.reduce_scatter)]
     for op, args in cases:
         torch.library.opcheck(op, args)
+    # an op writing a strided tensor is refused (its values would stay as they were), eagerly and
+    # while torch.compile traces it
+    writes = [("out", lambda t: ops.all_reduce_out(x, t, group, "reference")),
+              ("x", lambda t: ops.all_reduce_inplace(t, group, "reference")),
+              ("x", lambda t: ops.broadcast(t, 0, group, "reference"))]
+    for name, call in writes:
+        for run in (call, torch.compile(call, backend="aot_eager", fullgraph=True)):
+            kept = strided.clone()
+            with pytest.raises(Exception, match=rf"{name}: the tensor the op writes must be contiguous, got shape "
+                                                rf"\[{2 * p}, 3\] with strides \[1, {2 * p}\]"):
+                run(kept)
+            assert torch.equal(kept, strided)
+        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("world", [1, 2], indirect=True)

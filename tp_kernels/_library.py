@@ -428,13 +428,23 @@ def _(x, group, impl):
 all_reduce.register_no_gradient("all_reduce")
 
 
+def _check_written(name: str, t: Tensor) -> None:
+    """A tensor a plain collective's op writes must be contiguous: the implementations write its
+    memory as one block (a strided one would keep its values, silently)."""
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: the tensor the op writes must be contiguous, got shape {list(t.shape)} with strides "
+                         f"{list(t.stride())}")
+
+
 @_define_mutating("out")
 def all_reduce_out(x: Tensor, out: Tensor, group: str, impl: str) -> None:
+    _check_written("out", out)
     run_collective("all_reduce", impl, x, out, -1, coll.group_from_name(group))
 
 
 @all_reduce_out.register_fake
 def _(x, out, group, impl):
+    _check_written("out", out)
     return None
 
 
@@ -443,11 +453,13 @@ all_reduce_out.register_no_gradient("all_reduce")
 
 @_define_mutating("x")
 def all_reduce_inplace(x: Tensor, group: str, impl: str) -> None:
+    _check_written("x", x)
     run_collective("all_reduce", impl, x, x, -1, coll.group_from_name(group))
 
 
 @all_reduce_inplace.register_fake
 def _(x, group, impl):
+    _check_written("x", x)
     return None
 
 
@@ -497,11 +509,13 @@ gather.register_no_gradient("gather")
 
 @_define_mutating("x")
 def broadcast(x: Tensor, src: int, group: str, impl: str) -> None:
+    _check_written("x", x)
     run_collective("broadcast", impl, x, x, src, coll.group_from_name(group))
 
 
 @broadcast.register_fake
 def _(x, src, group, impl):
+    _check_written("x", x)
     return None
 
 
