@@ -84,6 +84,12 @@ def bad_calls(p):
         ("bias: expected a torch.Tensor", lambda: ops.matmul_all_reduce(x, w, b.tolist())),
         ("bias: expected a 1-D tensor", lambda: ops.matmul_all_reduce(x, w, b[None])),
         ("x: expected at least 2 dims", lambda: ops.all_gather_matmul(x[0], w, b)),
+        ("input: expected a torch.Tensor, got list",
+         lambda: tp_kernels.mappings.copy_to_tensor_model_parallel_region(x.tolist())),
+        ("input: expected at least 1 dims, got shape ()",
+         lambda: tp_kernels.mappings.reduce_from_tensor_model_parallel_region(x[0, 0])),
+        ("input: expected at least 1 dims, got shape ()",
+         lambda: tp_kernels.mappings.gather_from_sequence_parallel_region(x[0, 0])),
         # dtype / device mismatch between input and weight
         ("input:", lambda: col(torch.randn(3, 6, dtype=torch.float64))),
         ("input:", lambda: row(torch.randn(3, 6, dtype=torch.bfloat16))),
