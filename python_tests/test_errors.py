@@ -49,6 +49,11 @@ def bad_calls(p):
     row = tp_kernels.RowParallelLinear(6 * p, 5)
     row_full = tp_kernels.RowParallelLinear(6 * p, 5, input_is_parallel=False)
     emb = tp_kernels.VocabParallelEmbedding(3 * p, 4)
+    # parameters with gradients: float32, float64, float32 on another device
+    graded, graded64, graded_meta = (nn.Parameter(torch.zeros(3, dtype=dtype, device=device))
+                                     for dtype, device in ((None, None), (torch.float64, None), (None, "meta")))
+    for param in (graded, graded64, graded_meta):
+        param.grad = torch.ones_like(param)
     divisibility = [
         # (a column's output and a vocabulary p does not divide are padded: test_embedding_ce)
         ("in_features", lambda: tp_kernels.RowParallelLinear(6 * p + 1, 5)),
@@ -90,6 +95,11 @@ def bad_calls(p):
          lambda: tp_kernels.mappings.reduce_from_tensor_model_parallel_region(x[0, 0])),
         ("input: expected at least 1 dims, got shape ()",
          lambda: tp_kernels.mappings.gather_from_sequence_parallel_region(x[0, 0])),
+        ("params[1]: expected a tensor, got str", lambda: tp_kernels.allreduce_sequence_parallel_grads([graded, "w"])),
+        ("params: every gradient must share one dtype and device",
+         lambda: tp_kernels.allreduce_sequence_parallel_grads([graded, graded64])),
+        ("params: every gradient must share one dtype and device",
+         lambda: tp_kernels.allreduce_sequence_parallel_grads([graded, graded_meta])),
         # dtype / device mismatch between input and weight
         ("input:", lambda: col(torch.randn(3, 6, dtype=torch.float64))),
         ("input:", lambda: row(torch.randn(3, 6, dtype=torch.bfloat16))),
