@@ -1081,6 +1081,36 @@ def test_sum_output_grads_over_group(world):
     world.run(check_sum_output_grads_over_group)
 
 
+def check_sum_grads_over_group():
+    """``grads.sum_grads_over_group``: the gradient of each parameter the module holds that wants
+    one is summed over the group in each backward, before it accumulates (two backwards: twice
+    the sum of every rank's), a parameter the module uses twice summed once, a frozen parameter
+    left without a gradient; the module returned."""
+    r, p = rank_world()
+    torch.manual_seed(0)
+    shared, norm = nn.Linear(3, 3, bias=False, dtype=torch.float64), nn.LayerNorm(3, dtype=torch.float64)
+    norm.bias.requires_grad_(False)
+    model = nn.Sequential(shared, norm, shared)
+    dense = copy.deepcopy(model)
+    assert tp_kernels.grads.sum_grads_over_group(model) is model
+    inputs = [torch.randn(2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(q)) for q in range(p)]
+    for x in inputs:  # (every rank's backward, on the dense copy here: their sum)
+        dense(x).square().sum().backward()
+    for _ in range(2):
+        model(inputs[r]).square().sum().backward()
+    for name, param in model.named_parameters():
+        want = dense.get_parameter(name).grad
+        if name == "1.bias":
+            assert param.grad is None and want is None
+            continue
+        torch.testing.assert_close(param.grad, 2 * want, rtol=1e-12, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_sum_grads_over_group(world):
+    world.run(check_sum_grads_over_group)
+
+
 def check_hugging_face_local_params(kind, sequence=False):
     """transformers models whose attention applies per-head parameters of its own (``"local_params"``,
     each split as the heads are, ``"colwise"`` on a 1-D parameter): Granite SWA's attention sinks,
