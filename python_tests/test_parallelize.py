@@ -3234,6 +3234,36 @@ def test_data_parallel_layouts_not_taken(world2):
     world2.run(check_data_parallel_layouts_not_taken)
 
 
+def check_layers_on_two_groups_refused():
+    """A model whose parallel layers use two groups (one made of the same ranks as the world, but
+    another group) is a ValueError saying so from every function that reads the whole model's
+    shards: clip_grad_norm_, full_state_dict, sharded_state_dict, load_full_state_dict and the
+    optimizer's state dicts, on every rank, before anything moves (its gradients left as they
+    were)."""
+    pair = torch.distributed.new_group([0, 1])
+    model = nn.Sequential(tp_kernels.ColumnParallelLinear(4, 6, group=pair), tp_kernels.RowParallelLinear(6, 4))
+    for q in model.parameters():
+        q.grad = torch.ones_like(q)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = {"clip_grad_norm_": lambda: tp_kernels.clip_grad_norm_(model, 1e-3),
+             "full_state_dict": lambda: tp_kernels.full_state_dict(model),
+             "sharded_state_dict": lambda: tp_kernels.sharded_state_dict(model),
+             "load_full_state_dict": lambda: tp_kernels.load_full_state_dict(model, {}),
+             "sharded_optimizer_state_dict": lambda: tp_kernels.sharded_optimizer_state_dict(model, optimizer)}
+    for name, call in calls.items():
+        with _counting_collectives() as counted, \
+                pytest.raises(ValueError, match=r"module: its parallel layers use 2 different groups; this takes one "
+                                                r"tensor-parallel group"):
+            call()
+            pytest.fail(f"{name} did not raise")
+        assert not counted, (name, counted)
+    assert all(torch.equal(q.grad, torch.ones_like(q)) for q in model.parameters())
+
+
+def test_layers_on_two_groups_refused(world2):
+    world2.run(check_layers_on_two_groups_refused)
+
+
 def check_distributed_checkpoint_with_optimizer(path, device="cpu"):
     """An Adam step, then the model and the optimizer saved with dcp from all the ranks
     (sharded_state_dict, sharded_optimizer_state_dict), and loaded into the model parallelized
