@@ -3209,8 +3209,8 @@ def check_replicated_heads_under_fully_sharded_data_parallel():
     """A fused query/key/value layer whose one key and one value head every rank of the
     tensor-parallel group holds whole (tensor parallelism 2), sharded by FSDP2 over the 2
     data-parallel ranks, its rows cut inside the replicated heads: clip_grad_norm_ counts each
-    replicated row once, its total the dense layer's norm in float64, and full_state_dict is the
-    dense layer's weights."""
+    replicated row once, its total the dense layer's norm in float64 (a total below max_norm: the
+    gradients left as they are), and full_state_dict is the dense layer's weights."""
     from torch.distributed.fsdp import fully_shard
 
     tp_kernels.initialize_model_parallel(2)
@@ -3228,7 +3228,9 @@ def check_replicated_heads_under_fully_sharded_data_parallel():
         (y[:, :2].sum() + y[:, 2:].sum() / 2).backward()
         dense(x).square().sum().backward()
         want = torch.nn.utils.clip_grad_norm_(dense.parameters(), 1e9)
+        before = [q.grad.to_local().clone() for q in model.parameters()]
         torch.testing.assert_close(tp_kernels.clip_grad_norm_(model, 1e9), want, rtol=1e-12, atol=0)
+        assert all(torch.equal(q.grad.to_local(), g) for q, g in zip(model.parameters(), before))  # (not scaled up)
         state = tp_kernels.full_state_dict(model)
         for name, value in dense.state_dict().items():
             torch.testing.assert_close(state[f"0.{name}"], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
