@@ -3205,22 +3205,35 @@ def test_fused_layers_under_fully_sharded_data_parallel(world4, tmp_path, mesh_k
     world4.run(check_fused_layers_under_fully_sharded_data_parallel, str(tmp_path / "checkpoint"), mesh_kind)
 
 
+class _InputScale(nn.Module):
+    """Its input times a parameter of its own, one factor per feature."""
+
+    def __init__(self, features):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, features, dtype=torch.float64))
+
+    def forward(self, x):
+        return x * self.weight
+
+
 def check_replicated_heads_under_fully_sharded_data_parallel():
     """A fused query/key/value layer whose one key and one value head every rank of the
     tensor-parallel group holds whole (tensor parallelism 2), sharded by FSDP2 over the 2
-    data-parallel ranks, its rows cut inside the replicated heads: clip_grad_norm_ counts each
-    replicated row once, its total the dense layer's norm in float64 (a total below max_norm: the
-    gradients left as they are), and full_state_dict is the dense layer's weights."""
+    data-parallel ranks, its rows cut inside the replicated heads, after a parameter FSDP2 leaves
+    whole (its module not sharded): clip_grad_norm_ counts each replicated row once and the whole
+    parameter once, its total the dense model's norm in float64 (a total below max_norm: the
+    gradients left as they are), and full_state_dict is the dense model's weights."""
     from torch.distributed.fsdp import fully_shard
 
     tp_kernels.initialize_model_parallel(2)
     try:
         mesh = _data_parallel_mesh("fsdp", "cpu")
         torch.manual_seed(0)
-        dense = nn.Linear(4, 8, dtype=torch.float64)  # the query's 2 heads of 2, a key head, a value head
-        layer = tp_kernels.ColumnParallelLinear.from_linear(dense, output_sizes=[4, 2, 2], head_size=2)
+        # the query's 2 heads of 2, a key head, a value head
+        dense = nn.Sequential(_InputScale(4), nn.Linear(4, 8, dtype=torch.float64))
+        layer = tp_kernels.ColumnParallelLinear.from_linear(dense[1], output_sizes=[4, 2, 2], head_size=2)
         assert layer.weight.shape[0] == 6  # (its query head; the key and value heads whole)
-        model = fully_shard(nn.Sequential(layer), mesh=mesh)
+        model = nn.Sequential(copy.deepcopy(dense[0]), fully_shard(layer, mesh=mesh))
         x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
         # (each tensor-parallel rank its query head and half the key and value heads' term: the layer sums
         # their gradients over the two; every data-parallel rank the same batch: FSDP2's average is it)
@@ -3228,12 +3241,13 @@ def check_replicated_heads_under_fully_sharded_data_parallel():
         (y[:, :2].sum() + y[:, 2:].sum() / 2).backward()
         dense(x).square().sum().backward()
         want = torch.nn.utils.clip_grad_norm_(dense.parameters(), 1e9)
-        before = [q.grad.to_local().clone() for q in model.parameters()]
+        local = [tp_kernels._data_parallel.local(q.grad) for q in model.parameters()]
+        before = [g.clone() for g in local]
         torch.testing.assert_close(tp_kernels.clip_grad_norm_(model, 1e9), want, rtol=1e-12, atol=0)
-        assert all(torch.equal(q.grad.to_local(), g) for q, g in zip(model.parameters(), before))  # (not scaled up)
+        assert all(torch.equal(g, b) for g, b in zip(local, before))  # (not scaled up)
         state = tp_kernels.full_state_dict(model)
         for name, value in dense.state_dict().items():
-            torch.testing.assert_close(state[f"0.{name}"], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
     finally:
         tp_kernels.destroy_model_parallel()
 
