@@ -38,8 +38,28 @@ def test_layout_partitions(t, q, d):
 def test_layout_rejects_bad_sizes():
     with pytest.raises(ValueError, match="does not divide"):
         rank_layout(8, 3, 1)
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size \(2\) x pipeline_model_parallel_size \(3\) = 6 "
+                                         r"does not divide the world size 8"):
+        rank_layout(8, 2, 3)  # (each divides it, their product does not)
     with pytest.raises(ValueError, match="tensor_model_parallel_size"):
         rank_layout(8, 0, 1)
+    for args, name in (((8, True, 1), "tensor_model_parallel_size"), ((8, 2, 2.0), "pipeline_model_parallel_size"),
+                       ((True, 1, 1), "world_size")):
+        with pytest.raises(ValueError, match=rf"{name}: expected a positive int, got"):
+            rank_layout(*args)
+
+
+def test_host_backend_reads_the_backend_of_host_tensors(monkeypatch):
+    """A group's backend for host tensors is the ``cpu:`` entry of its backend config: gloo's, or
+    the host side of ``cpu:gloo,cuda:nccl``; none for NCCL alone (then its fingerprints travel over
+    a host twin)."""
+    from tp_kernels import parallel_state
+
+    for config, backend in (("cpu:gloo,cuda:gloo", "gloo"), ("cuda:nccl", ""), ("cpu:gloo,cuda:nccl", "gloo"),
+                            ("cuda:nccl,cpu:gloo", "gloo")):
+        monkeypatch.setattr(dist, "get_backend_config", lambda group=None, config=config: config)
+        assert parallel_state.host_backend() == backend, config
+        assert parallel_state.carries_host_tensors() is (backend != ""), config
 
 
 def _members(group):
