@@ -514,6 +514,7 @@ def test_single_process_without_torch_distributed():
     col = tp_kernels.ColumnParallelLinear.from_linear(dense)
     row = tp_kernels.RowParallelLinear.from_linear(dense)
     assert col.tp_size == row.tp_size == 1
+    assert tp_kernels.get_tensor_model_parallel_world_size() == 1 and tp_kernels.get_tensor_model_parallel_rank() == 0
     torch.testing.assert_close(col(x), dense(x), rtol=0, atol=0)
     torch.testing.assert_close(row(x), dense(x), rtol=1e-6, atol=1e-6)
     # 1-D input, as nn.Linear accepts

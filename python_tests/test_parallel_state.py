@@ -115,5 +115,33 @@ def test_groups_on_8_ranks(world8):
     world8.run(check_layout, 1, 8)
 
 
+def check_teardowns():
+    """destroy_model_parallel calls each teardown registered with on_group_destroyed for each group
+    this rank is in (tensor-, pipeline-, data-parallel), while the group still works, then
+    destroys it; with no groups, it calls none."""
+    from tp_kernels import parallel_state
+
+    seen = []
+
+    def record(group):
+        seen.append((group, _members(group)))  # (a collective over it: not yet destroyed)
+
+    parallel_state.on_group_destroyed(record)
+    try:
+        tp_kernels.initialize_model_parallel(2, 2)
+        groups = [tp_kernels.get_tensor_model_parallel_group(), tp_kernels.get_pipeline_model_parallel_group(),
+                  tp_kernels.get_data_parallel_group()]
+        members = [_members(g) for g in groups]
+        tp_kernels.destroy_model_parallel()
+        assert [g for g, _ in seen] == groups and [m for _, m in seen] == members, seen
+        seen.clear()
+        tp_kernels.destroy_model_parallel()
+        assert not seen
+    finally:
+        parallel_state._TEARDOWNS.remove(record)
+        tp_kernels.destroy_model_parallel()
+
+
 def test_groups_on_4_ranks(world4):
     world4.run(check_layout, 2, 1)
+    world4.run(check_teardowns)
