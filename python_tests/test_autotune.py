@@ -140,6 +140,24 @@ def test_bad_settings_name_the_variable(monkeypatch):
     assert autotune.autotune_enabled() is False
 
 
+@pytest.mark.parametrize("variable, getter", [
+    ("TP_KERNELS_AUTO_NATIVE", "auto_native"), ("TP_KERNELS_AUTO_FUSED", "auto_fused"),
+    ("TP_KERNELS_AUTOTUNE", "autotune_enabled"), ("TP_KERNELS_FINGERPRINTS", "fingerprints_enabled"),
+    ("TP_KERNELS_CHECK_IDS", "ids_checked"), ("TP_KERNELS_NCCL_BLOCKING", "nccl_blocking")])
+def test_each_switch_reads_0_or_1_and_nothing_else(monkeypatch, variable, getter):
+    """Each 0/1 environment switch reads 0 as off and 1 as on; any other value (2, true, yes)
+    is a ValueError naming the variable, at every read."""
+    read = getattr(settings, getter)
+    for value, on in (("1", True), ("0", False)):
+        monkeypatch.setenv(variable, value)
+        assert read() is on, (variable, value)
+    for bad in ("2", "true", "yes", " 1"):
+        monkeypatch.setenv(variable, bad)
+        for _ in range(2):
+            with pytest.raises(ValueError, match=rf"{variable}: expected 0 or 1, got '{bad}'"):
+                read()
+
+
 def test_overriding_gives_back_what_was_set(monkeypatch):
     """settings.overriding sets its settings inside the block, each checked as its setter checks
     it, and after it gives back exactly what was set before: a setter's value, or none (the
