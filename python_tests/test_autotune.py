@@ -158,6 +158,32 @@ def test_each_switch_reads_0_or_1_and_nothing_else(monkeypatch, variable, getter
                 read()
 
 
+def test_the_other_settings_refuse_what_is_not_theirs(monkeypatch):
+    """A stream priority that is a bool, and a fused all-reduce algorithm the native module does
+    not know, are ValueErrors naming the setting."""
+    with pytest.raises(ValueError, match="priority: expected an int, got True"):
+        settings.set_comm_stream_priority(True)
+    monkeypatch.setenv("TP_KERNELS_FUSED_ALL_REDUCE", "three_shot")
+    with pytest.raises(ValueError, match=r"TP_KERNELS_FUSED_ALL_REDUCE: expected one of \('one_shot', 'two_shot'\), "
+                                         r"got 'three_shot'"):
+        settings.forced_all_reduce_algorithm(("one_shot", "two_shot"))
+    monkeypatch.setenv("TP_KERNELS_FUSED_ALL_REDUCE", "two_shot")
+    assert settings.forced_all_reduce_algorithm(("one_shot", "two_shot")) == "two_shot"
+
+
+def test_auto_state_takes_only_the_backends_allowed():
+    """A fast path is a candidate of "auto" where it is allowed (named, or none named) and named or
+    switched on: named candidates without it leave it off, whatever its switch says."""
+    cases = [((None, False, False), (False, False)), ((None, True, True), (True, True)),
+             ((None, False, True), (True, False)), ((("reference",), True, True), (False, False)),
+             ((("pipelined", "reference"), False, True), (False, True)),
+             ((("fused",), False, False), (True, False))]
+    for (candidates, native, fused), on in cases:
+        state = settings.AutoState(candidates, native, fused, True, None)
+        assert (state.fused_on, state.native_on) == on, state
+        assert state.fast_path_on is any(on), state
+
+
 def test_overriding_gives_back_what_was_set(monkeypatch):
     """settings.overriding sets its settings inside the block, each checked as its setter checks
     it, and after it gives back exactly what was set before: a setter's value, or none (the
