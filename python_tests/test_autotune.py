@@ -184,6 +184,21 @@ def test_auto_state_takes_only_the_backends_allowed():
         assert state.fast_path_on is any(on), state
 
 
+def test_auto_state_without_a_fast_path_ignores_what_changes_nothing(monkeypatch):
+    """With no fast path a candidate, "auto"'s state does not read whether it measures or the fused
+    algorithm forced: one state, whatever they say (so ranks set apart there still agree)."""
+    for variable in ("TP_KERNELS_AUTO_CANDIDATES", "TP_KERNELS_AUTO_NATIVE", "TP_KERNELS_AUTO_FUSED"):
+        monkeypatch.delenv(variable, raising=False)
+    with settings.overriding(auto_candidates=None, autotune=None):
+        monkeypatch.setenv("TP_KERNELS_AUTOTUNE", "0")
+        quiet = settings.auto_state()
+        monkeypatch.setenv("TP_KERNELS_AUTOTUNE", "1")
+        monkeypatch.setenv("TP_KERNELS_FUSED_ALL_REDUCE", "one_shot")
+        assert settings.auto_state() is quiet and (quiet.measures, quiet.fused_all_reduce) == (None, None)
+        monkeypatch.setenv("TP_KERNELS_AUTO_FUSED", "1")  # a fast path on: both read
+        assert (settings.auto_state().measures, settings.auto_state().fused_all_reduce) == (True, "one_shot")
+
+
 def test_overriding_gives_back_what_was_set(monkeypatch):
     """settings.overriding sets its settings inside the block, each checked as its setter checks
     it, and after it gives back exactly what was set before: a setter's value, or none (the
