@@ -178,8 +178,8 @@ def test_auto_state_takes_only_the_backends_allowed():
              ((None, False, True), (True, False)), ((("reference",), True, True), (False, False)),
              ((("pipelined", "reference"), False, True), (False, True)),
              ((("fused",), False, False), (True, False))]
-    for (candidates, native, fused), on in cases:
-        state = settings.AutoState(candidates, native, fused, True, None)
+    for (candidates, native, fused_switch), on in cases:
+        state = settings.AutoState(candidates, native, fused_switch, True, None)
         assert (state.fused_on, state.native_on) == on, state
         assert state.fast_path_on is any(on), state
 
