@@ -3300,9 +3300,9 @@ def test_data_parallel_layouts_not_taken(world2):
 def check_layers_on_two_groups_refused():
     """A model whose parallel layers use two groups (one made of the same ranks as the world, but
     another group) is a ValueError saying so from every function that reads the whole model's
-    shards: clip_grad_norm_, full_state_dict, sharded_state_dict, load_full_state_dict and the
-    optimizer's state dicts, on every rank, before anything moves (its gradients left as they
-    were)."""
+    shards: clip_grad_norm_, full_state_dict, sharded_state_dict, load_full_state_dict,
+    sharded_optimizer_state_dict and load_sharded_optimizer_state_dict, on every rank, before
+    anything moves (its gradients left as they were)."""
     pair = torch.distributed.new_group([0, 1])
     model = nn.Sequential(tp_kernels.ColumnParallelLinear(4, 6, group=pair), tp_kernels.RowParallelLinear(6, 4))
     for q in model.parameters():
@@ -3312,7 +3312,9 @@ def check_layers_on_two_groups_refused():
              "full_state_dict": lambda: tp_kernels.full_state_dict(model),
              "sharded_state_dict": lambda: tp_kernels.sharded_state_dict(model),
              "load_full_state_dict": lambda: tp_kernels.load_full_state_dict(model, {}),
-             "sharded_optimizer_state_dict": lambda: tp_kernels.sharded_optimizer_state_dict(model, optimizer)}
+             "sharded_optimizer_state_dict": lambda: tp_kernels.sharded_optimizer_state_dict(model, optimizer),
+             "load_sharded_optimizer_state_dict":
+                 lambda: tp_kernels.load_sharded_optimizer_state_dict(model, optimizer, {"state": {}, "param_groups": []})}
     for name, call in calls.items():
         with _counting_collectives() as counted, \
                 pytest.raises(ValueError, match=r"module: its parallel layers use 2 different groups; this takes one "
