@@ -3314,7 +3314,8 @@ def check_layers_on_two_groups_refused():
              "load_full_state_dict": lambda: tp_kernels.load_full_state_dict(model, {}),
              "sharded_optimizer_state_dict": lambda: tp_kernels.sharded_optimizer_state_dict(model, optimizer),
              "load_sharded_optimizer_state_dict":
-                 lambda: tp_kernels.load_sharded_optimizer_state_dict(model, optimizer, {"state": {}, "param_groups": []})}
+                 lambda: tp_kernels.load_sharded_optimizer_state_dict(model, optimizer, {"state": {},
+                                                                                         "param_groups": []})}
     for name, call in calls.items():
         with _counting_collectives() as counted, \
                 pytest.raises(ValueError, match=r"module: its parallel layers use 2 different groups; this takes one "
