@@ -8,6 +8,7 @@ import torch.distributed as dist
 from hypothesis import given, strategies as st
 
 import tp_kernels
+from tp_kernels import parallel_state
 from tp_kernels.parallel_state import rank_layout
 from helpers import rank_world
 
@@ -53,8 +54,6 @@ def test_host_backend_reads_the_backend_of_host_tensors(monkeypatch):
     """A group's backend for host tensors is the ``cpu:`` entry of its backend config: gloo's, or
     the host side of ``cpu:gloo,cuda:nccl``; none for NCCL alone (then its fingerprints travel over
     a host twin)."""
-    from tp_kernels import parallel_state
-
     for config, backend in (("cpu:gloo,cuda:gloo", "gloo"), ("cuda:nccl", ""), ("cpu:gloo,cuda:nccl", "gloo"),
                             ("cuda:nccl,cpu:gloo", "gloo")):
         monkeypatch.setattr(dist, "get_backend_config", lambda group=None, config=config: config)
@@ -119,8 +118,6 @@ def check_teardowns():
     """destroy_model_parallel calls each teardown registered with on_group_destroyed for each group
     this rank is in (tensor-, pipeline-, data-parallel), while the group still works, then
     destroys it; with no groups, it calls none."""
-    from tp_kernels import parallel_state
-
     seen = []
 
     def record(group):
