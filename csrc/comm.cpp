@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 
 #include "tp_kernels/check.h"
 #include "tp_kernels/detail.h"
@@ -78,10 +79,36 @@ Communicator::Communicator(const std::string& unique_id, int rank, int size, int
       ncclConfig_t split_config = NCCL_CONFIG_INITIALIZER;
       split_config.blocking = 1;
       const std::string splitting = "making the NCCL communicator's blocking split";
-      finish(ncclCommSplit(comm_, 0, rank, &split, &split_config), "ncclCommSplit", splitting);
-      split = __atomic_load_n(&split, __ATOMIC_ACQUIRE);  // (set by NCCL's thread before the split completed)
-      if (split == nullptr) {
-        fail_locked("tp_kernels: " + splitting + ": ncclCommSplit completed without a communicator" + where());
+      // On a nonblocking parent the split runs on NCCL's thread, and ncclCommSplit returns
+      // ncclSuccess while it does (its group's ncclInProgress is not passed on): finish() polls the
+      // parent's state, then the new communicator is waited for in `slot`, which NCCL's thread
+      // writes as the split ends. The slot is on the heap, left behind if that wait times out
+      // (the thread may still write it).
+      auto slot = std::make_unique<ncclComm_t>(nullptr);
+      const ncclResult_t started = ncclCommSplit(comm_, 0, rank, slot.get(), &split_config);
+      finish(started == ncclSuccess ? ncclInProgress : started, "ncclCommSplit", splitting);
+      const Clock::time_point start = Clock::now();
+      ncclResult_t state = ncclInProgress;  // the new communicator's, once written
+      for (int polls = 0; state == ncclInProgress; ++polls) {
+        split = __atomic_load_n(slot.get(), __ATOMIC_ACQUIRE);
+        if (split != nullptr && ncclCommGetAsyncError(split, &state) != ncclSuccess) state = ncclInternalError;
+        if (state != ncclInProgress) break;
+        const double limit = timeout_s_.load();
+        if (seconds_since(start) > limit) {
+          if (split == nullptr) (void)slot.release();
+          fail_locked(timed_out(splitting + ": ncclCommSplit's new communicator", limit, "", "aborted"));
+          check();
+        }
+        if (polls < 1000)
+          std::this_thread::yield();
+        else
+          std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+      if (state != ncclSuccess) {
+        const char* detail = ncclGetLastError(split);
+        fail_locked("tp_kernels: " + splitting + ": the new communicator failed" + where() + ": NCCL error " +
+                    std::to_string(state) + " (" + ncclGetErrorString(state) + ")" +
+                    (detail && *detail ? std::string(": ") + detail : "") + ". The communicator was aborted.");
         check();
       }
       finish(ncclCommFinalize(comm_), "ncclCommFinalize", splitting);
