@@ -1070,10 +1070,10 @@ def check_clip_grad_norm(sequence_parallel, device="cpu"):
     with pytest.raises(ValueError, match=r"module: its gradients are on several devices \(cpu, meta\)"):
         tp_kernels.clip_grad_norm_(two, 1.0)
     # bfloat16 gradients: each one's norm taken in float32, the float64 norm of their values to float32's rounding
-    low = nn.Linear(64, 64, dtype=torch.bfloat16)
+    low = nn.Linear(64, 64, dtype=torch.bfloat16, device=device)
     g = torch.Generator().manual_seed(3)  # (alike on every rank: a parameter every rank holds whole counts once)
     for q in low.parameters():
-        q.grad = torch.randn(q.shape, generator=g).to(torch.bfloat16)
+        q.grad = torch.randn(q.shape, generator=g).to(device, torch.bfloat16)
     exact = torch.linalg.vector_norm(torch.cat([q.grad.double().flatten() for q in low.parameters()]))
     torch.testing.assert_close(tp_kernels.clip_grad_norm_(low, 1e9), exact, rtol=1e-6, atol=0)
     return totals + [mine.item()]
