@@ -95,10 +95,15 @@ def tflops(m: int, k: int, n: int, ms: float) -> float:
     return 2.0 * m * k * n / (ms * 1e-3) / 1e12
 
 
+#: The fields of a cuBLASLt algorithm's configuration (``_C.gemm_plans`` and ``_C.gemm_candidates``
+#: report each, -1 where cuBLASLt reports none) that together name the algorithm.
+ALGO_FIELDS = ("algo_id", "tile_id", "stages_id", "splitk", "reduction_scheme", "swizzle", "custom_option",
+               "inner_shape_id", "cluster_shape_id")
+
 #: What a record keeps of each of cuBLASLt's plans (``_C.gemm_plans``): the problem and what the
 #: heuristic chose for it, its ``waves`` (1.0: every multiprocessor busy once; 1.7: a second wave
 #: 70 % full) first.
-PLAN_FIELDS = ("m", "n", "k", "batch", "waves", "tile_id", "cluster_shape_id", "stages_id", "splitk", "algo_id")
+PLAN_FIELDS = ("m", "n", "k", "batch", "waves") + ALGO_FIELDS
 
 
 def cublaslt_plans(m: int, n: int, k: int, batch: int = 1, w_col_major: bool = False, dtype: str = "bfloat16",
@@ -125,14 +130,14 @@ def gemm_candidates(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, iters: 
     first) and the heuristic's other proposals, ``count`` in all at most, each timed
     (``_C.gemm_candidates``: the mean of ``iters`` runs back to back after one, between two CUDA
     events, each algorithm's waited for within :func:`tp_kernels.settings.get_timeout`):
-    ``{"candidates": [..., each :data:`PLAN_FIELDS`' algorithm fields and "ms"],
+    ``{"candidates": [..., each with its "waves", :data:`ALGO_FIELDS` and "ms"],
     "first_over_fastest": the first's time over the fastest's}``: how much faster than the
     heuristic's choice another of its proposals runs this problem (1.0: none)."""
     C = _extension.require()
     found = _extension.call(C.gemm_candidates, x=x, weight=w, bias=None, out=out,
                             stream=_extension.current_stream(x.get_device()), count=count, iters=iters,
                             timeout_s=settings.get_timeout())
-    keep = [f for f in PLAN_FIELDS if f not in ("m", "n", "k", "batch")] + ["ms"]
+    keep = ("waves",) + ALGO_FIELDS + ("ms",)
     candidates = [{f: c[f] for f in keep} for c in found]
     ran = [c["ms"] for c in candidates if c["ms"] > 0]
     first = candidates[0]["ms"] if candidates else -1.0
