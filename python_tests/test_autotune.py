@@ -219,7 +219,7 @@ def test_overriding_gives_back_what_was_set(monkeypatch):
         assert settings.ids_checked() is False
         with pytest.raises(ValueError, match="enabled: expected a bool or None, got 0"):
             settings.set_ids_checked(0)
-        assert settings.nccl_blocking() is settings.NCCL_BLOCKING_DEFAULT is False
+        assert settings.nccl_blocking() is settings.NCCL_BLOCKING_DEFAULT is None  # (blocking_mode decides)
         monkeypatch.setenv("TP_KERNELS_NCCL_BLOCKING", "1")
         assert settings.nccl_blocking() is True
         with settings.overriding(nccl_blocking=False):

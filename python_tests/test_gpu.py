@@ -6,6 +6,7 @@ Skipped cleanly without a CUDA device. The checks are the CPU suite's, run on ``
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import time
@@ -135,7 +136,8 @@ def check_nccl_progress(blocking=False):
     """The host benchmark's count of what the pipelined path's NCCL calls cost the host on the
     group's communicator: a matmul_all_reduce in its default chunks makes an NCCL call a chunk at
     least, at most all of them in progress (none in NCCL's blocking mode), and polling them takes
-    no negative time."""
+    no negative time. NCCL here has ncclCommRevoke, so the default mode is the blocking one."""
+    assert pipelined_native.blocking_mode() is True
     from tp_kernels.bench import host
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -149,15 +151,16 @@ def check_nccl_progress(blocking=False):
         assert got["in_progress"] == 0 and got["polls"] == 0, got
 
 
-def check_in_nccl_blocking_mode(check, *args, **kwargs):
-    """``check(*args, **kwargs)`` with the native path's communicators in NCCL's blocking mode; on
-    several ranks the group's communicator of that mode was made, and is in it."""
-    with settings.overriding(nccl_blocking=True):
+def check_in_nccl_mode(blocking, check, *args, **kwargs):
+    """``check(*args, **kwargs)`` with the native path's communicators in NCCL's blocking mode or
+    its nonblocking one; on several ranks the group's communicator of that mode was made, and is in
+    it."""
+    with settings.overriding(nccl_blocking=blocking):
         check(*args, **kwargs)
         if dist.get_world_size() > 1:
             device = torch.device("cuda", torch.cuda.current_device())
             assert pipelined_native._key(_collectives.resolve_group(None), device) in pipelined_native._communicators
-            assert pipelined_native.communicator(_collectives.resolve_group(None), device).blocking
+            assert pipelined_native.communicator(_collectives.resolve_group(None), device).blocking is blocking
 
 
 def check_on_two_gemm_streams(check, *args, **kwargs):
@@ -171,11 +174,13 @@ def check_on_two_gemm_streams(check, *args, **kwargs):
         assert _extension.has_workspace((comm.device, comm.gemm_stream))
 
 
-#: the native path's opt-in modes, each by the function that runs a check in it: its communicator
-#: in NCCL's blocking mode (set_nccl_blocking: a split of the nonblocking one, a communicator of its
-#: own); its GEMMs alternating between the caller's stream and the communicator's second one
-#: (set_gemm_streams(2))
-NATIVE_MODES = {"nccl_blocking": check_in_nccl_blocking_mode, "two_gemm_streams": check_on_two_gemm_streams}
+#: the native path's modes, each by the function that runs a check in it: its communicator in
+#: NCCL's blocking mode (set_nccl_blocking: a split of the nonblocking one, a communicator of its
+#: own; the default here, where NCCL has ncclCommRevoke) and in its nonblocking mode; its GEMMs
+#: alternating between the caller's stream and the communicator's second one (set_gemm_streams(2))
+NATIVE_MODES = {"nccl_blocking": functools.partial(check_in_nccl_mode, True),
+                "nccl_nonblocking": functools.partial(check_in_nccl_mode, False),
+                "two_gemm_streams": check_on_two_gemm_streams}
 
 
 @native_built
@@ -917,7 +922,7 @@ def test_communicator_against_torch_distributed_on_one_gpu(shared_gpu_world, bac
 def test_communicator_in_nccl_blocking_mode_against_torch_distributed_on_one_gpu(shared_gpu_world):
     """tp_kernels.Communicator's native collectives (all-reduce, all-gather, reduce-scatter, gather,
     broadcast, send and recv) with the communicator in NCCL's blocking mode, against torch.distributed."""
-    shared_gpu_world.run(check_in_nccl_blocking_mode, test_communicator.check_against_torch_distributed, "pipelined",
+    shared_gpu_world.run(NATIVE_MODES["nccl_blocking"], test_communicator.check_against_torch_distributed, "pipelined",
                          "cuda", COMM_DTYPES)
 
 

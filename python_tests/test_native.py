@@ -219,7 +219,8 @@ def test_comm_stream_priority(monkeypatch):
 def test_a_groups_communicator_is_made_in_the_nccl_mode_set_then(monkeypatch):
     """The native path's communicator of a group is made in NCCL's blocking mode where
     settings.nccl_blocking says so when it is made, and kept per mode: a call after the mode
-    changed gets (or makes) the communicator of that mode, not the other's."""
+    changed gets (or makes) the communicator of that mode, not the other's. (The NCCL here has no
+    ncclCommRevoke, 2.20.5: its default is the nonblocking mode.)"""
     made = []
 
     class FakeC:
@@ -228,6 +229,10 @@ def test_a_groups_communicator_is_made_in_the_nccl_mode_set_then(monkeypatch):
         @staticmethod
         def nccl_unique_id():
             return bytes(128)
+
+        @staticmethod
+        def runtime_info():
+            return {"nccl_version": 22005}
 
         class Communicator:
             def __init__(self, uid, rank, size, device, priority, timeout_s, blocking):
@@ -248,13 +253,17 @@ def test_a_groups_communicator_is_made_in_the_nccl_mode_set_then(monkeypatch):
     monkeypatch.setattr(pipelined_native.coll, "all_gather_bytes", lambda uid, group, device: [uid, uid])
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(pipelined_native, "_communicators", {})
-    group, device = Group(), torch.device("cuda", 0)
-    nonblocking = pipelined_native.communicator(group, device)
-    assert nonblocking.blocking is False and pipelined_native.communicator(group, device) is nonblocking
-    with settings.overriding(nccl_blocking=True):
-        blocking = pipelined_native.communicator(group, device)
-        assert blocking.blocking is True and pipelined_native.communicator(group, device) is blocking
-    assert pipelined_native.communicator(group, device) is nonblocking and made == [False, True]
+    pipelined_native._nccl_can_revoke.cache_clear()
+    try:
+        group, device = Group(), torch.device("cuda", 0)
+        nonblocking = pipelined_native.communicator(group, device)
+        assert nonblocking.blocking is False and pipelined_native.communicator(group, device) is nonblocking
+        with settings.overriding(nccl_blocking=True):
+            blocking = pipelined_native.communicator(group, device)
+            assert blocking.blocking is True and pipelined_native.communicator(group, device) is blocking
+        assert pipelined_native.communicator(group, device) is nonblocking and made == [False, True]
+    finally:
+        pipelined_native._nccl_can_revoke.cache_clear()
 
 
 class _Comm:
@@ -507,3 +516,33 @@ def test_native_implementation_without_the_extension_names_the_reason(monkeypatc
     monkeypatch.setattr(_extension, "_reason", "not built: test")
     with pytest.raises(RuntimeError, match="the native extension is unavailable: not built: test"):
         getattr(pipelined_native, op)(torch.randn(4, 8), torch.randn(6, 8), None, None, Impl("native", 2))
+
+
+def test_the_native_communicators_are_blocking_by_default_where_nccl_can_revoke(monkeypatch):
+    """``pipelined_native.blocking_mode``: as ``set_nccl_blocking`` says where it is set; by default
+    NCCL's blocking mode where the NCCL loaded has ``ncclCommRevoke`` (2.28.9 and later: what
+    bounds a blocked call), else the nonblocking one; the NCCL version read once."""
+    from tp_kernels.backends import pipelined_native
+
+    reads = []
+
+    def native(version):
+        def runtime_info():
+            reads.append(version)
+            return {"nccl_version": version}
+        return type("C", (), {"runtime_info": staticmethod(runtime_info)})
+
+    try:
+        for version, blocking in ((22809, True), (22900, True), (22808, False), (22005, False)):
+            monkeypatch.setattr(pipelined_native._extension, "require", lambda v=version: native(v))
+            pipelined_native._nccl_can_revoke.cache_clear()
+            assert pipelined_native.blocking_mode() is blocking and pipelined_native.blocking_mode() is blocking
+            for chosen in (True, False):
+                with settings.overriding(nccl_blocking=chosen):
+                    assert pipelined_native.blocking_mode() is chosen
+            monkeypatch.setenv("TP_KERNELS_NCCL_BLOCKING", "0" if blocking else "1")
+            assert pipelined_native.blocking_mode() is not blocking
+            monkeypatch.delenv("TP_KERNELS_NCCL_BLOCKING")
+        assert reads == [22809, 22900, 22808, 22005]  # (once each: the version cached)
+    finally:
+        pipelined_native._nccl_can_revoke.cache_clear()

@@ -41,8 +41,8 @@ environment variable                   setter (wins over it)       meaning, defa
                                                                    timeout revoked by the watchdog; NCCL
                                                                    2.28.9 and later) or nonblocking (0);
                                                                    read when a group's communicator is made;
-                                                                   default 0 (an experiment, to be measured:
-                                                                   docs/benchmarks.md)
+                                                                   default: 1 where the NCCL loaded has
+                                                                   ncclCommRevoke, else 0
 ``TP_KERNELS_GEMM_STREAMS``            :func:`set_gemm_streams`    the streams the native pipelined path's
                                                                    chunk GEMMs run on: 1 (the caller's) or 2
                                                                    (alternating with a second stream of the
@@ -329,10 +329,13 @@ def ids_checked() -> bool:
 _CHECK_IDS = _switch("TP_KERNELS_CHECK_IDS", True)
 
 
-#: Whether the native path's NCCL communicators are in NCCL's blocking mode by default. Off until
-#: measured: NCCL 2.28 starts a thread for every call of a nonblocking communicator (read in its
-#: source), which the host benchmark with peers times against the blocking mode (docs/benchmarks.md).
-NCCL_BLOCKING_DEFAULT = False
+#: Whether the native path's NCCL communicators are in NCCL's blocking mode by default: None, which
+#: :func:`tp_kernels.backends.pipelined_native.blocking_mode` reads as blocking where the NCCL loaded
+#: has ``ncclCommRevoke`` (2.28.9 and later: what bounds a blocked call) and nonblocking elsewhere.
+#: Measured with peers (docs/benchmarks.md): NCCL starts a thread for every call of a nonblocking
+#: communicator, and the pipelined ``matmul_all_reduce`` added 323 µs more host time a call in
+#: nonblocking mode than in blocking mode.
+NCCL_BLOCKING_DEFAULT = None
 
 
 def set_nccl_blocking(enabled: Optional[bool]) -> None:
@@ -343,14 +346,16 @@ def set_nccl_blocking(enabled: Optional[bool]) -> None:
     enqueue that has not returned within the timeout has its communicator revoked by the watchdog
     (``ncclCommRevoke``: NCCL 2.28.9 and later; with an older NCCL the communicator's making
     raises). None returns to ``TP_KERNELS_NCCL_BLOCKING`` or the default
-    (:data:`NCCL_BLOCKING_DEFAULT`). Every rank of a group must use the same setting: ranks set
+    (:data:`NCCL_BLOCKING_DEFAULT`: blocking where the NCCL loaded has ``ncclCommRevoke``). Every rank of a group must use the same setting: ranks set
     apart fail at the communicator's making, within the timeout."""
     global _nccl_blocking
     _nccl_blocking = _switch_value(enabled)
 
 
-def nccl_blocking() -> bool:
-    """Whether a native communicator made now is in NCCL's blocking mode (:func:`set_nccl_blocking`)."""
+def nccl_blocking() -> Optional[bool]:
+    """Whether a native communicator made now is in NCCL's blocking mode, as set
+    (:func:`set_nccl_blocking`, ``TP_KERNELS_NCCL_BLOCKING``); None where neither says: the default,
+    which :func:`tp_kernels.backends.pipelined_native.blocking_mode` decides."""
     return _NCCL_BLOCKING.get(_nccl_blocking)
 
 

@@ -24,6 +24,7 @@ graph captures them; the collectives that only move data take any dtype, as byte
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -57,11 +58,30 @@ __all__ = [
 _communicators: dict = {}
 
 
+#: The first NCCL release with ``ncclCommRevoke`` (2.28.9), which a communicator in NCCL's blocking
+#: mode needs: the watchdog revokes an enqueue blocked past the timeout.
+NCCL_REVOKE_VERSION = 22809
+
+
+@functools.lru_cache(maxsize=1)
+def _nccl_can_revoke() -> bool:
+    return _extension.require().runtime_info()["nccl_version"] >= NCCL_REVOKE_VERSION
+
+
+def blocking_mode() -> bool:
+    """Whether a communicator made now is in NCCL's blocking mode: as
+    :func:`tp_kernels.settings.nccl_blocking` is set, and by default (unset) where the NCCL loaded
+    has ``ncclCommRevoke``, which bounds a blocked call (else nonblocking, each call polled
+    against the timeout)."""
+    chosen = settings.nccl_blocking()
+    return _nccl_can_revoke() if chosen is None else chosen
+
+
 def _key(group, device: torch.device) -> tuple:
     """The group's communicator's entry in :data:`_communicators` on ``device``, in the NCCL mode
-    set now (:func:`tp_kernels.settings.nccl_blocking`: a communicator of each mode, where the
-    mode was changed between calls, as the host benchmark changes it)."""
-    return (*coll.group_key(group, device), settings.nccl_blocking())
+    of a communicator made now (:func:`blocking_mode`: a communicator of each mode, where the mode
+    was changed between calls, as the host benchmark changes it)."""
+    return (*coll.group_key(group, device), blocking_mode())
 
 
 def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, group) -> Optional[str]:
@@ -109,7 +129,7 @@ def _side(comm) -> Optional[_extension.StreamRef]:
 
 def communicator(group, device: torch.device):
     """The group's communicator on ``device``, made on first use (a collective call), in NCCL's
-    blocking mode where :func:`tp_kernels.settings.nccl_blocking` says so then."""
+    blocking mode where :func:`blocking_mode` says so then."""
     key = _key(group, device)
     entry = _communicators.get(key)
     C = _extension.require()

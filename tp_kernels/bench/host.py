@@ -17,9 +17,9 @@ k = n = 64, float32, one thread):
 * ``matmul_all_reduce/<backend>``: :func:`tp_kernels.matmul_all_reduce` on each backend that can
   run on a fake group (the reference and the portable pipelined schedule; ``auto`` where it
   resolves to one of them; the native and fused paths need real peers and are skipped, saying
-  so); on NCCL ranks also ``matmul_all_reduce/pipelined:blocking``, the native pipelined path with
-  its communicator in NCCL's blocking mode (:func:`tp_kernels.settings.set_nccl_blocking`, a
-  communicator of its own), and ``matmul_all_reduce/pipelined:two_streams``, the native path with
+  so); on NCCL ranks also ``matmul_all_reduce/pipelined:nonblocking``, the native pipelined path
+  with its communicator in NCCL's nonblocking mode (:func:`tp_kernels.settings.set_nccl_blocking`,
+  a communicator of its own; the default is blocking where the NCCL loaded can revoke a call), and ``matmul_all_reduce/pipelined:two_streams``, the native path with
   its chunks' GEMMs alternating between two streams (:func:`tp_kernels.settings.set_gemm_streams`:
   two events more a call);
 * ``matmul_all_reduce/auto:measured``: ``"auto"`` choosing among every backend timed above (named
@@ -57,9 +57,9 @@ waits for the communication, and a figure is still the host time of issuing a ca
 rank's ``added_us`` is in the record). A sample is then 20 calls, which stay under the launch
 queue's depth with their chunks' kernels and events. On a GPU the record also holds, per rank,
 what the pipelined path's NCCL calls cost the host (``nccl_progress``: the calls a
-``matmul_all_reduce`` makes on the nonblocking communicator, how many return in progress, and
-the µs spent polling them; ``nccl_progress_blocking`` the same on the blocking one, where none
-should). On the CPU the ranks are gloo processes whose waits include the
+``matmul_all_reduce`` makes on the communicator of the default mode, how many return in progress,
+and the µs spent polling them; ``nccl_progress_nonblocking`` the same on a nonblocking one, where
+every call may return in progress). On the CPU the ranks are gloo processes whose waits include the
 transfer itself: a check of the tool, not a figure.
 
 Each figure is the fastest of ``--samples`` samples, each the mean host time of 200 calls, the
@@ -112,13 +112,13 @@ PEER_CALLS_PER_SAMPLE = 20
 MEASURED_AUTO = "matmul_all_reduce/auto:measured"
 #: the name of the in-place all-reduce on an NCCL communicator in nonblocking mode (NCCL groups only)
 NONBLOCKING_ALL_REDUCE = "plain_all_reduce_inplace/nonblocking"
-#: the native pipelined ``matmul_all_reduce`` on a communicator in NCCL's blocking mode (NCCL groups only)
-BLOCKING_PIPELINED = "matmul_all_reduce/pipelined:blocking"
+#: the native pipelined ``matmul_all_reduce`` on a communicator in NCCL's nonblocking mode (NCCL groups only)
+NONBLOCKING_PIPELINED = "matmul_all_reduce/pipelined:nonblocking"
 #: the native pipelined ``matmul_all_reduce`` with its GEMMs on two streams (NCCL groups only)
 TWO_STREAMS_PIPELINED = "matmul_all_reduce/pipelined:two_streams"
-#: the native path's opt-in modes timed on NCCL groups: name -> the settings its calls run under
-#: (blocking mode: a communicator of its own, made in that mode by its first call)
-NATIVE_MODES = {BLOCKING_PIPELINED: {"nccl_blocking": True}, TWO_STREAMS_PIPELINED: {"gemm_streams": 2}}
+#: the native path's other modes timed on NCCL groups: name -> the settings its calls run under
+#: (nonblocking mode: a communicator of its own, made in that mode by its first call)
+NATIVE_MODES = {NONBLOCKING_PIPELINED: {"nccl_blocking": False}, TWO_STREAMS_PIPELINED: {"gemm_streams": 2}}
 #: the name of the embedding's call without its ids' check (``set_ids_checked(False)``)
 UNCHECKED_EMBEDDING = "VocabParallelEmbedding/unchecked"
 #: the functions :func:`profiled` lists a call
@@ -477,8 +477,8 @@ def _peer_rank(p: int, device_type: str, samples: int, profile: int = 0) -> Dict
                  ("reference", "pipelined", "auto"))
     if device_type == "cuda":
         run["nccl_progress"] = nccl_progress(device)
-        with settings.overriding(nccl_blocking=True):
-            run["nccl_progress_blocking"] = nccl_progress(device)
+        with settings.overriding(nccl_blocking=False):
+            run["nccl_progress_nonblocking"] = nccl_progress(device)
     return run
 
 
@@ -559,7 +559,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for d in run["auto_decisions"]:
             print(f"  auto measured {d['op']}: " + ", ".join(f"{v} {t * 1e6:.1f} us" for v, t in
                                                           zip(d["variants"], d["times_s"])) + f"; chose {d['choice']}")
-        for key, mode in (("nccl_progress", "nonblocking"), ("nccl_progress_blocking", "blocking")):
+        for key, mode in (("nccl_progress", "the default mode"), ("nccl_progress_nonblocking", "nonblocking")):
             if key in run:
                 print(f"  matmul_all_reduce/pipelined, its NCCL calls a call ({mode}): " +
                       ", ".join(f"{name} {v:.1f}" for name, v in run[key].items()))
