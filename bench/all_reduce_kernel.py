@@ -1,7 +1,7 @@
 """The fused all-reduce on virtual ranks, alone: the program bench/gpu_profile.sh runs under
 Nsight Compute.
 
-    python bench/all_reduce_kernel.py --p 8 --bytes 16384 --algorithm one_shot [--calls 3] [--release-acquire]
+    python bench/all_reduce_kernel.py --p 8 --bytes 16384 --algorithm one_shot [--calls 3]
     python bench/all_reduce_kernel.py ... --launches    # prints "SKIP COUNT" for ncu, runs nothing
 
 Runs ``--calls`` all-reduces of ``--bytes`` bytes of bf16 a rank on p virtual ranks
@@ -10,8 +10,6 @@ k + 1 of any, so a profiler that runs one kernel at a time still finds every fla
 for set) and checks the last one against the rank-order sum in fp32 (the kernel's own order: the
 same bits). ``--launches`` prints how many launches of the all-reduce kernel the calls before the
 last make (ncu's ``--launch-skip``) and how many the last makes (``--launch-count``).
-``--release-acquire``: the kernel's flags as acquire loads and release stores
-(``VirtualRanks(release_acquire=True)``), not volatile accesses beside full fences.
 
 Exit status: 0 when the result is right, 1 when it is wrong, 2 without a CUDA device or the
 native extension, 3 when a device wait timed out.
@@ -34,8 +32,6 @@ def main(argv=None) -> int:
     ap.add_argument("--algorithm", default="one_shot", help="one_shot or two_shot (default: %(default)s)")
     ap.add_argument("--calls", type=int, default=3, help="all-reduces, the last one profiled (default: %(default)s)")
     ap.add_argument("--launches", action="store_true", help="print the launches to skip and to profile, and exit")
-    ap.add_argument("--release-acquire", action="store_true",
-                    help="the flags as acquire loads and release stores, not volatile accesses beside full fences")
     args = ap.parse_args(argv)
     if args.bytes <= 0 or args.bytes % 2 or args.calls < 1:
         ap.error("--bytes: a positive even number; --calls: at least 1")
@@ -57,7 +53,7 @@ def main(argv=None) -> int:
     xs = [torch.randn(numel, generator=g).to("cuda", torch.bfloat16) for _ in range(args.p)]
     want = rank_order_sum(xs, torch.bfloat16)
     try:
-        with VirtualRanks(args.p, timeout_s=60.0, release_acquire=args.release_acquire) as vr:
+        with VirtualRanks(args.p, timeout_s=60.0) as vr:
             for _ in range(args.calls):
                 outs = vr.all_reduce(xs, args.algorithm)
             torch.cuda.synchronize()
@@ -66,8 +62,7 @@ def main(argv=None) -> int:
         print(f"a device wait failed: {exc}", file=sys.stderr)
         return 3
     wrong = [q for q, out in enumerate(outs) if not torch.equal(out, want)]
-    form = ", release-acquire flags" if args.release_acquire else ""
-    print(f"{args.algorithm}{form}, {args.bytes} bytes, {args.p} virtual ranks, {args.calls} calls "
+    print(f"{args.algorithm}, {args.bytes} bytes, {args.p} virtual ranks, {args.calls} calls "
           f"({per_call} launches a call): " + (f"WRONG on ranks {wrong}" if wrong else "right"))
     return 1 if wrong else 0
 

@@ -4,8 +4,7 @@
 # stage a rank, the stages as phases, so ncu running one kernel at a time finds every flag a
 # kernel waits for set), with the sections that say where a launch's time goes (speed of light,
 # memory workload, occupancy, launch statistics, warp states). The answer to "why" for the decode
-# all-reduce's latency (16 KiB, 64 KiB; at 16 KiB also with the flags' release-acquire form) and for
-# the bandwidth of the large ones (4 MiB):
+# all-reduce's latency (16 KiB, 64 KiB) and for the bandwidth of the large ones (4 MiB):
 #
 #   OUT=DIR bash bench/gpu_profile.sh       # a short call of its own, on a machine the suite used
 #
@@ -51,17 +50,15 @@ if ! "$PY" -c "import tp_kernels, sys; sys.exit(tp_kernels.extension_status()['b
   fi
 fi
 status=0
-# (a third word: the kernel's flags as acquire loads and release stores, the other form, at 16 KiB)
-for case in "one_shot 16384" "one_shot 16384 release-acquire" "one_shot 65536" "two_shot 65536" "one_shot 4194304" \
-    "two_shot 4194304"; do
-  read -r algorithm bytes form <<<"$case"
-  name=ncu-$algorithm-$bytes${form:+-$form}
+for case in "one_shot 16384" "one_shot 65536" "two_shot 65536" "one_shot 4194304" "two_shot 4194304"; do
+  read -r algorithm bytes <<<"$case"
+  name=ncu-$algorithm-$bytes
   if [ "$(seconds_left)" -lt 5 ]; then  # recorded as not started (the budget is spent)
     step "$name" 0 true >/dev/null
     status=1
     continue
   fi
-  args=(--p 8 --bytes "$bytes" --algorithm "$algorithm" --calls 3 ${form:+"--$form"})
+  args=(--p 8 --bytes "$bytes" --algorithm "$algorithm" --calls 3)
   if ! launches=$("$PY" bench/all_reduce_kernel.py "${args[@]}" --launches); then
     status=2
     break

@@ -636,10 +636,6 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("copy_stream",
                              [](const PeerContext& c) { return reinterpret_cast<uintptr_t>(c.copy_stream()); })
       .def_property("timeout_s", &PeerContext::timeout_s, &PeerContext::set_timeout_s)
-      .def_property("release_acquire", &PeerContext::release_acquire, &PeerContext::set_release_acquire,
-                    "The all-reduce kernel's flags as acquire loads and release stores (True), or as volatile "
-                    "accesses beside full system fences (False, the default): the two forms the benchmarks "
-                    "compare (tp_kernels.bench.fused).")
       .def_property_readonly("error_code", &PeerContext::error_code,
                              "The error word: 0, or the code of the first wait that timed out.")
       .def("describe", &PeerContext::describe, py::arg("code"), "The message for an error code.")

@@ -105,8 +105,6 @@ void peer_all_reduce(const AllReduceParams& a, DType dtype, int sharing, cudaStr
     throw ArgumentError(std::string(fn) + ": " + std::to_string(sharing) + " ranks on this GPU, expected 1.." +
                         std::to_string(a.p));
   if (a.two_shot != 0 && a.two_shot != 1) throw ArgumentError(std::string(fn) + ": two_shot must be 0 or 1");
-  if (a.release_acquire != 0 && a.release_acquire != 1)
-    throw ArgumentError(std::string(fn) + ": release_acquire must be 0 or 1");
   const int all = kStagePublish | kStageReduce | (a.two_shot ? kStageGather : 0);
   if (a.stages <= 0 || (a.stages & ~all) != 0)
     throw ArgumentError(std::string(fn) + ": stages must be a nonempty set of kStagePublish, kStageReduce" +

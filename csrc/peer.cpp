@@ -198,7 +198,6 @@ void PeerContext::all_reduce(const void* src, void* out, int64_t count, bool two
   a.p = size_;
   a.two_shot = two_shot ? 1 : 0;
   a.stages = stages;
-  a.release_acquire = release_acquire_.load() ? 1 : 0;
   a.timeout_ns = timeout_ns();
   a.error_word = error_word_;
   a.arrivals = flag(rank_, kArrivalIndex);

@@ -372,9 +372,6 @@ def test_virtual_ranks_check_their_arguments():
             VirtualRanks(p)
     with pytest.raises(ValueError, match="timeout_s: expected a positive number"):
         VirtualRanks(2, timeout_s=0)
-    for form in (1, "yes", None):
-        with pytest.raises(ValueError, match="release_acquire: expected a bool"):
-            VirtualRanks(2, release_acquire=form)
 
 
 def test_virtual_ranks_keep_what_they_could_not_free(monkeypatch):

@@ -960,17 +960,15 @@ def test_fused_all_reduce_alone_is_the_rank_order_sum_for_every_algorithm(p, dty
 
 
 @native_built
-@pytest.mark.parametrize("release_acquire", [False, True])
 @pytest.mark.parametrize("p", [2, 8])
 @pytest.mark.parametrize("algorithm, other", [("one_shot", "two_shot"), ("two_shot", "one_shot")])
-def test_fused_all_reduce_in_one_launch_a_rank(p, algorithm, other, release_acquire):
+def test_fused_all_reduce_in_one_launch_a_rank(p, algorithm, other):
     """The one-shot and two-shot all-reduces as a rank that is a process of its own runs them
     (every phase at once: one kernel), here for p virtual ranks on their streams, in place and not,
     interleaved with calls of the other algorithm by phases, which share the export region's
-    flags: the rank-order sum on every rank, call after call; with the kernel's flags in either
-    form (volatile accesses beside full fences, or acquire loads and release stores)."""
+    flags: the rank-order sum on every rank, call after call."""
     dtype = torch.bfloat16
-    with VirtualRanks(p, timeout_s=10.0, release_acquire=release_acquire) as vr:
+    with VirtualRanks(p, timeout_s=10.0) as vr:
         for count in (7, 4096, 65537, 2**20 + 8):
             g = torch.Generator().manual_seed(count)
             xs = [torch.randn(count, generator=g).to("cuda", dtype) for _ in range(p)]
@@ -991,16 +989,14 @@ def test_fused_all_reduce_in_one_launch_a_rank(p, algorithm, other, release_acqu
 
 
 @native_built
-@pytest.mark.parametrize("release_acquire", [False, True])
 @pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
-def test_fused_all_reduce_chained_calls_each_read_their_own_partials(algorithm, release_acquire):
+def test_fused_all_reduce_chained_calls_each_read_their_own_partials(algorithm):
     """Calls back to back on each of 8 virtual ranks' streams, one launch a call, nothing between
     them but the flags (as the decode benchmark chains them), each call's partials its own: every
     call's result is its own rank-order sum on every rank, so no call read a partial or a slice of
-    another (where every call's inputs were alike, one read too early would go unseen), with the
-    kernel's flags in either form."""
+    another (where every call's inputs were alike, one read too early would go unseen)."""
     p, dtype, calls = 8, torch.bfloat16, 12
-    with VirtualRanks(p, timeout_s=10.0, release_acquire=release_acquire) as vr:
+    with VirtualRanks(p, timeout_s=10.0) as vr:
         for count in (4096, 65536 + 8):
             g = torch.Generator().manual_seed(count)
             xs = [[torch.randn(count, generator=g).to("cuda", dtype) for _ in range(p)] for _ in range(calls)]

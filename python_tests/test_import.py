@@ -151,9 +151,9 @@ def test_the_kernel_images_hold_every_kernel_for_every_architecture_of_the_build
             assert f".b8 tpk_wait_flags_param_0[{8 * p + 4 * p + 4 * p}]" in text  # FlagList
             assert f".b8 tpk_set_flags_param_0[{8 * p + 4 * p}]" in text  # FlagWrites
             assert f".b8 tpk_reduce_partials_float32_param_0[{8 * p}]" in text  # PartialPtrs
-            # AllReduceParams: 4 FlagLists, 4 FlagWrites, 2 PartialPtrs, src, out, count, slice, 5 ints
-            # (and 4 bytes of padding), the timeout, the error word and the counters
-            size = 4 * 16 * p + 4 * 12 * p + 2 * 8 * p + 4 * 8 + 5 * 4 + 4 + 3 * 8
+            # AllReduceParams: 4 FlagLists, 4 FlagWrites, 2 PartialPtrs, src, out, count, slice, 4 ints,
+            # the timeout, the error word and the counters
+            size = 4 * 16 * p + 4 * 12 * p + 2 * 8 * p + 4 * 8 + 4 * 4 + 3 * 8
             assert f".b8 tpk_all_reduce_float32_param_0[{size}]" in text
         else:
             data = im["data"]

@@ -71,13 +71,13 @@ __device__ __forceinline__ void reduce_partials(const tp_kernels::PartialPtrs& p
     static_cast<T*>(out)[i] = sum_element<T>(ptrs.in, p, i);
 }
 
-// The flags' accesses in the all-reduce's release-acquire form (AllReduceParams::release_acquire;
-// PTX's memory consistency model): a poll is an acquire load at system scope, so what the peer wrote
-// before its flag is read after it; a signal a release store at system scope, so what this rank
-// wrote and read before it (its blocks' too, through the arrival count) is done first; the arrival
-// count an acq_rel atomic at GPU scope (only this rank's blocks share it). No full fence
-// (fence.sc.sys, __threadfence_system) is needed then, where the other form, volatile accesses,
-// puts one beside each.
+// The all-reduce's flag accesses (PTX's memory consistency model): a poll is an acquire load at
+// system scope, so what the peer wrote before its flag is read after it; a signal a release store
+// at system scope, so what this rank wrote and read before it (its blocks' too, through the arrival
+// count) is done first; the arrival count an acq_rel atomic at GPU scope (only this rank's blocks
+// share it). No full fence (fence.sc.sys, __threadfence_system): volatile accesses each beside one
+// took 3.3-3.7 us more a one-shot call of <= 64 KiB on 8 virtual ranks of an H200
+// (docs/benchmarks.md, the seventh run).
 __device__ __forceinline__ unsigned int load_acquire_sys(const volatile unsigned int* p) {
   unsigned int v;
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -109,7 +109,7 @@ constexpr unsigned long long kErrorPollNs = 8192;
 // when it gives up: the error word found set (an earlier wait failed: drain the stream; read every
 // kErrorPollNs), or timeout_ns passed (code i recorded in the error word, if it is still 0). A
 // value other than expect[i] (when that is not 0) records code i | kMismatchBit. The flag is left
-// as it is. `acquire`: each poll an acquire load (the release-acquire form), else a volatile one.
+// as it is. `acquire`: each poll an acquire load (the all-reduce's), else a volatile one (tpk_wait_flags').
 __device__ unsigned int await_flag(const tp_kernels::FlagList& list, int i, unsigned long long timeout_ns,
                                    unsigned int* error_word, unsigned int sleep_ns, bool acquire = false) {
   volatile unsigned int* flag = list.flag[i];
@@ -136,58 +136,37 @@ __device__ unsigned int await_flag(const tp_kernels::FlagList& list, int i, unsi
 }
 
 // Thread i (< count) polls flag i of `list` until it is set, without clearing it (await_flag,
-// polling every 32 ns). Every thread of the block returns after it. `ra`: the release-acquire form.
+// polling every 32 ns, each poll an acquire load). Every thread of the block returns after it.
 __device__ void poll_flags(const tp_kernels::FlagList& list, int count, unsigned long long timeout_ns,
-                           unsigned int* error_word, bool ra) {
+                           unsigned int* error_word) {
   const int i = threadIdx.x;
-  if (i < count) {
-    await_flag(list, i, timeout_ns, error_word, 32, ra);
-    if (!ra) __threadfence_system();  // what the peer wrote before its flag is read after this
-  }
+  if (i < count) await_flag(list, i, timeout_ns, error_word, 32, true);
   __syncthreads();
 }
 
 // Each block of the grid calls this once, after its share of a stage: true in the last block to
 // arrive, when what every block wrote and read before is complete and visible. The counter is
-// zero again when it returns, for the next launch. `ra`: the release-acquire form (the count's
-// atomic orders the blocks' work; the last block's release stores of its signals then carry it to
-// the peers).
-__device__ bool last_to_arrive(unsigned int* counter, bool ra) {
+// zero again when it returns, for the next launch. The count's acq_rel atomic orders the blocks'
+// work; the last block's release stores of its signals then carry it to the peers.
+__device__ bool last_to_arrive(unsigned int* counter) {
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    if (ra) {
-      last = add_acq_rel_gpu(counter, 1u) == gridDim.x - 1;
-      if (last) *counter = 0u;  // (every block has counted: the next launch, stream-ordered, reads 0)
-    } else {
-      __threadfence_system();
-      last = atomicAdd(counter, 1u) == gridDim.x - 1;
-      if (last) {
-        atomicExch(counter, 0u);
-        __threadfence_system();
-      }
-    }
+    last = add_acq_rel_gpu(counter, 1u) == gridDim.x - 1;
+    if (last) *counter = 0u;  // (every block has counted: the next launch, stream-ordered, reads 0)
   }
   __syncthreads();
   return last;
 }
 
 // Thread i (< count) clears this rank's flag i of `clear`, then writes peer i's flag of `writes`:
-// the peer sets that flag of this rank again only after it has seen the write. `ra`: the
-// release-acquire form (the signal a release store, which orders the clear and all before it).
-__device__ void clear_then_signal(const tp_kernels::FlagList& clear, const tp_kernels::FlagWrites& writes, int count,
-                                  bool ra) {
+// the peer sets that flag of this rank again only after it has seen the write. The signal is a
+// release store, which orders the clear and all before it.
+__device__ void clear_then_signal(const tp_kernels::FlagList& clear, const tp_kernels::FlagWrites& writes, int count) {
   const int i = threadIdx.x;
   if (i >= count) return;
-  if (ra) {
-    store_relaxed_sys(clear.flag[i], 0u);
-    store_release_sys(writes.flag[i], writes.value[i]);
-    return;
-  }
-  *static_cast<volatile unsigned int*>(clear.flag[i]) = 0u;
-  __threadfence_system();
-  *static_cast<volatile unsigned int*>(writes.flag[i]) = writes.value[i];
-  __threadfence_system();
+  store_relaxed_sys(clear.flag[i], 0u);
+  store_release_sys(writes.flag[i], writes.value[i]);
 }
 
 // A thread's loads in flight in the all-reduce's copies and sums: a copy that stores each 16-byte
@@ -260,18 +239,17 @@ __device__ void all_reduce(const tp_kernels::AllReduceParams& a) {
   }
   const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
-  const bool ra = a.release_acquire != 0;
   if (a.stages & kStagePublish) {
-    poll_flags(a.export_flags.release, peers, a.timeout_ns, a.error_word, ra);  // the peers have read the last one
+    poll_flags(a.export_flags.release, peers, a.timeout_ns, a.error_word);  // the peers have read the last one
     copy_items<T>(a.src, const_cast<void*>(a.exports.in[a.rank]), vec ? a.count / kPer : a.count, vec, first, stride);
-    if (last_to_arrive(&a.arrivals[0], ra))
-      clear_then_signal(a.export_flags.release, a.export_flags.signal_ready, peers, ra);
+    if (last_to_arrive(&a.arrivals[0]))
+      clear_then_signal(a.export_flags.release, a.export_flags.signal_ready, peers);
   }
   if (a.stages & kStageReduce) {
-    poll_flags(a.export_flags.ready, peers, a.timeout_ns, a.error_word, ra);  // every peer's partial is in place
+    poll_flags(a.export_flags.ready, peers, a.timeout_ns, a.error_word);  // every peer's partial is in place
     void* slice = nullptr;  // two-shot: this rank's export2 region, its slice of the sum for the peers
     if (a.two_shot) {
-      poll_flags(a.export2_flags.release, peers, a.timeout_ns, a.error_word, ra);  // the peers have read its last slice
+      poll_flags(a.export2_flags.release, peers, a.timeout_ns, a.error_word);  // the peers have read its last slice
       slice = const_cast<void*>(a.exports2.in[a.rank]);
     }
     void* out = const_cast<void*>(offset<T>(a.out, lo));
@@ -287,22 +265,22 @@ __device__ void all_reduce(const tp_kernels::AllReduceParams& a) {
         if (slice != nullptr) static_cast<T*>(slice)[i] = v;
       }
     }
-    if (last_to_arrive(&a.arrivals[1], ra)) {
-      clear_then_signal(a.export_flags.ready, a.export_flags.signal_release, peers, ra);  // the peers' partials are read
+    if (last_to_arrive(&a.arrivals[1])) {
+      clear_then_signal(a.export_flags.ready, a.export_flags.signal_release, peers);  // the peers' partials are read
       if (a.two_shot)  // this rank's slice is there
-        clear_then_signal(a.export2_flags.release, a.export2_flags.signal_ready, peers, ra);
+        clear_then_signal(a.export2_flags.release, a.export2_flags.signal_ready, peers);
     }
   }
   if (a.two_shot && (a.stages & kStageGather)) {
-    poll_flags(a.export2_flags.ready, peers, a.timeout_ns, a.error_word, ra);  // every peer's slice is in place
+    poll_flags(a.export2_flags.ready, peers, a.timeout_ns, a.error_word);  // every peer's slice is in place
     for (int s = 1; s < a.p; ++s) {
       const int q = (a.rank + s) % a.p;
       const long long n = slice_length(a, q);
       copy_items<T>(a.exports2.in[q], const_cast<void*>(offset<T>(a.out, slice_start(a, q))), vec ? n / kPer : n, vec,
                     first, stride);
     }
-    if (last_to_arrive(&a.arrivals[2], ra))
-      clear_then_signal(a.export2_flags.ready, a.export2_flags.signal_release, peers, ra);
+    if (last_to_arrive(&a.arrivals[2]))
+      clear_then_signal(a.export2_flags.ready, a.export2_flags.signal_release, peers);
   }
 }
 

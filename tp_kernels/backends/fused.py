@@ -82,7 +82,7 @@ def algorithms() -> Sequence[str]:
 
 def kernel_algorithms() -> Sequence[str]:
     """The all-reduce algorithms that run the all-reduce kernel (``tpk_all_reduce_*``; scatter-gather
-    runs copy engines): those whose flags ``PeerContext.release_acquire`` concerns."""
+    runs copy engines): those its profile runs (``bench/all_reduce_kernel.py``)."""
     return tuple(a for a in algorithms() if a != "scatter_gather")
 
 

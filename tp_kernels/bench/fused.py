@@ -34,10 +34,9 @@ against):
    call's phases in rounds over the ranks), and ``"all_reduce_one_launch_us"`` the same with each
    rank's call one launch of all its phases, as a rank that is a process of its own runs it (for
    one-shot and two-shot one kernel a call, the ranks' kernels side by side on the GPU): the
-   figure read against the decode target. ``"all_reduce_one_launch_release_acquire_us"`` is that
-   figure with the kernel's flags as acquire loads and release stores
-   (``VirtualRanks(release_acquire=True)``) instead of volatile accesses beside full fences (the
-   default): what the default form's fences cost a small all-reduce.
+   figure read against the decode target. (Records before the kernel's flags became acquire loads
+   and release stores also hold ``"all_reduce_one_launch_release_acquire_us"``: that form beside
+   the volatile accesses and full fences they ran by default.)
 
 3. **Crossovers**: each all-reduce algorithm over output sizes 16 KiB .. 64 MiB at p = 2 and
    --p, and the thresholds they imply (the fastest algorithm per size): of ``matmul_all_reduce``,
@@ -283,9 +282,6 @@ def all_reduce_latency(ps: Sequence[int], iters: int, verbose: bool = True) -> L
                 contextlib.ExitStack() as stack:
             one_launch = {algo: stack.enter_context(VirtualRanks(p, timeout_s=CHAINED_TIMEOUT_S))
                           for algo in fused.algorithms()}
-            release_acquire = {algo: stack.enter_context(VirtualRanks(p, timeout_s=CHAINED_TIMEOUT_S,
-                                                                      release_acquire=True))
-                               for algo in fused.kernel_algorithms()}
             streams = [torch.cuda.Stream() for _ in range(p)]
             for m in ALL_REDUCE_M:
                 xs = [torch.randn(m, k, device="cuda", dtype=dtype) for _ in range(p)]
@@ -307,8 +303,6 @@ def all_reduce_latency(ps: Sequence[int], iters: int, verbose: bool = True) -> L
                                                 for algo in fused.algorithms()}
                 row["all_reduce_one_launch_us"] = {algo: _chained_us(one_launch[algo], partials, algo, iters, True)
                                                    for algo in fused.algorithms()}
-                row["all_reduce_one_launch_release_acquire_us"] = {
-                    algo: _chained_us(vr_ra, partials, algo, iters, True) for algo, vr_ra in release_acquire.items()}
                 rows.append(row)
                 if verbose:
                     print(f"all-reduce latency: {json.dumps(row)}", flush=True)

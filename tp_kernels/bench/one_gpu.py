@@ -139,11 +139,6 @@ def measure(iters: int) -> dict:
 DECODE_FIGURES = (("all_reduce_one_launch_us", "alone, chained, one launch a rank, graph-replayed"),
                   ("all_reduce_chained_us", "alone, chained, graph-replayed"),
                   ("all_reduce_graph_us", "alone, graph-replayed"))
-#: the first of them with the kernel's flags in their other form (acquire loads and release stores,
-#: not volatile accesses beside full fences): listed beside them, not read against the target (the
-#: fused path runs the default form)
-RELEASE_ACQUIRE_FIGURE = ("all_reduce_one_launch_release_acquire_us",
-                          "alone, chained, one launch a rank, the flags release-acquire, graph-replayed")
 
 
 def _times_us(times: dict) -> str:
@@ -284,7 +279,7 @@ def format_report(rep: dict) -> str:
         for row in rep["fused"]["all_reduce_latency"]:
             algos = ", ".join(f"{a} {ms * 1e3:.1f}" for a, ms in row["algorithms_ms"].items())
             alone = "".join(f"; the all-reduce {how}: {_times_us(row[key])} us"
-                            for key, how in (*DECODE_FIGURES, RELEASE_ACQUIRE_FIGURE) if row.get(key))
+                            for key, how in DECODE_FIGURES if row.get(key))
             harness = (f" (the fork and join alone: {row['harness_graph_us']:.1f} us)"
                        if isinstance(row.get("harness_graph_us"), (int, float)) else "")
             lines.append(f"  decode m = {row['m']:>4} ({row['bytes'] // 1024} KiB): GEMMs {row['gemms_ms'] * 1e3:.1f} "

@@ -53,25 +53,18 @@ class VirtualRanks:
     buffers are in one process (and on one GPU, so the copies share its memory bandwidth instead
     of NVLink).
 
-    ``release_acquire``: every rank's all-reduce kernel with its flags as acquire loads and
-    release stores (``PeerContext.release_acquire``) instead of volatile accesses beside full
-    fences (the default, and what a process group's fused path runs).
-
     Use as a context manager, or call :meth:`close`.
     """
 
-    def __init__(self, p: int, device=None, timeout_s: Optional[float] = None, release_acquire: bool = False):
+    def __init__(self, p: int, device=None, timeout_s: Optional[float] = None):
         C = _extension.require()
         if not isinstance(p, int) or isinstance(p, bool) or not 1 <= p <= C.MAX_RANKS:
             raise ValueError(f"p: expected an int in [1, {C.MAX_RANKS}], got {p!r}")
         if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"timeout_s: expected a positive number, got {timeout_s!r}")
-        if not isinstance(release_acquire, bool):
-            raise ValueError(f"release_acquire: expected a bool, got {release_acquire!r}")
         self.device = torch.device("cuda", torch.cuda.current_device() if device is None else torch.device(device).index)
         self.p = p
         self.timeout_s = timeout_s
-        self.release_acquire = release_acquire
         self.streams = [torch.cuda.Stream(self.device) for _ in range(p)]
         self.regions: Optional[List[int]] = None  # None: no workspace yet
         self.bases: List[int] = []
@@ -124,7 +117,6 @@ class VirtualRanks:
                              for q in range(self.p)]
         for ctx in self.contexts:
             ctx.timeout_s = self._timeout()
-            ctx.release_acquire = self.release_acquire
 
     def _timeout(self) -> float:
         return self.timeout_s if self.timeout_s is not None else settings.get_timeout()

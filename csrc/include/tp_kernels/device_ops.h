@@ -75,9 +75,8 @@ void reduce_partials(const void* const* in, int p, void* out, int64_t count, DTy
 // blocks, `sharing` the ranks whose launches run on this GPU (1..p; p for virtual ranks), so that
 // they fit on it side by side (kAllReduceBlocksPerSM blocks a multiprocessor at the least; a thread
 // keeps p 16-byte loads in flight in a sum, 4 in a copy). The sums are reduce_partials' bits.
-// params.release_acquire chooses how the flags order the data: volatile accesses beside full
-// system fences (0, the default), or acquire loads, release stores and an acq_rel arrival count
-// (1; PeerContext::release_acquire), the two forms the benchmarks compare.
+// The flags order the data by acquire loads, release stores and an acq_rel arrival count, with no
+// full system fence (kernels.cu).
 void peer_all_reduce(const AllReduceParams& params, DType dtype, int sharing, cudaStream_t stream);
 
 // True when the driver provides what these need: stream memory operations, module loading and

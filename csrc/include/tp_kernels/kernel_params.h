@@ -68,9 +68,6 @@ struct AllReduceParams {
   int rank, p;
   int two_shot;                // 1: two-shot, 0: one-shot
   int stages;                  // kStagePublish | kStageReduce (| kStageGather: two-shot)
-  int release_acquire;         // 1: the flags' polls acquire loads, their writes release stores and the
-                               // arrival count an acq_rel atomic; 0: volatile accesses beside
-                               // __threadfence_system (kernels.cu)
   unsigned long long timeout_ns;
   unsigned int* error_word;
   unsigned int* arrivals;      // three counters in this rank's control block (0 between launches)

@@ -108,10 +108,6 @@ class PeerContext {
   int sharing() const { return sharing_; }
   double timeout_s() const { return timeout_s_.load(); }
   void set_timeout_s(double timeout_s);
-  // The form of the all-reduce kernel's flag accesses (AllReduceParams::release_acquire): false,
-  // the default, volatile accesses beside full fences; true, acquire loads and release stores.
-  bool release_acquire() const { return release_acquire_.load(); }
-  void set_release_acquire(bool on) { release_acquire_.store(on); }
   size_t region_bytes(Region c) const { return region_bytes_[static_cast<int>(c)]; }
   // Rank q's region c as mapped here, plus `offset` bytes.
   void* region(int q, Region c, size_t offset = 0) const;
@@ -157,7 +153,6 @@ class PeerContext {
   std::vector<char*> bases_;
   std::vector<size_t> region_bytes_;
   std::atomic<double> timeout_s_;
-  std::atomic<bool> release_acquire_{false};
   int sharing_;
   cudaStream_t copy_stream_ = nullptr;
   std::vector<cudaEvent_t> events_;
