@@ -71,8 +71,10 @@ LOGS_TARBALL=gpu-$part-$commit-logs.tar.gz
 # The steps' own limits: one part a call gives each part the whole budget; `all` shares it out.
 if [ "$part" = all ]; then
   tests_s=320; sanitizer_s=60; bench_main_s=120; bench_main_args=(--quick --iters 20); pytest_bench=false
+  host_peers_args=(--samples 10 --profile 10)  # (20 and 20 took 82 s on an H200: more than `all` leaves)
 else
   tests_s=480; sanitizer_s=180; bench_main_s=280; bench_main_args=(); pytest_bench=true
+  host_peers_args=(--samples 20 --profile 20)
 fi
 
 echo "== build (commit $commit; the call's budget ${budget_s} s)"
@@ -144,12 +146,12 @@ run_bench() {
   fi
   # The host time of a call at 1, 2 and 8 ranks of a fake group (no communication): the reference
   # and auto on the reference, which is what a fake group can run (hence AUTO_NATIVE off here).
-  step host 20 env TP_KERNELS_AUTO_NATIVE=0 "$PY" -m tp_kernels.bench.host --samples 20 --profile 50 \
+  step host 30 env TP_KERNELS_AUTO_NATIVE=0 "$PY" -m tp_kernels.bench.host --samples 20 --profile 50 \
     --out-dir "$logs/host" --tag "$commit"
   # The same on two NCCL ranks sharing the GPU, where the native and fused paths run (and auto
   # may choose them): the host time of issuing a call with real peers.
   step host-peers 90 env TP_KERNELS_AUTO_NATIVE=1 TP_KERNELS_AUTO_FUSED=1 "$PY" -m tp_kernels.bench.host --peers \
-    --ranks 2 --samples 20 --profile 20 --out-dir "$logs/host" --tag "$commit"
+    --ranks 2 "${host_peers_args[@]}" --out-dir "$logs/host" --tag "$commit"
   cp "$logs"/bench/* "$logs"/fused/*.json "$logs"/host/*.json "$results/" 2>/dev/null
 }
 

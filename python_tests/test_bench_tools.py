@@ -1658,6 +1658,8 @@ def test_the_gpu_suite_runs_all_its_parts_in_one_call(tmp_path):
     assert 150 <= session <= 290  # inside the tests' 320 s
     assert [lines[i].split()[1] for i in sanitizers] == ["memcheck", "racecheck"]
     assert "--quick --iters 20" in lines[benches[0]] and not any("-m pytest bench" in line for line in lines)
+    (peers,) = [line for line in lines if "--peers" in line]  # (fewer samples than alone: what `all` leaves it)
+    assert "--samples 10 --profile 10" in peers, peers
     records = {name: json.load(open(out / f"gpu-{name}-abc1234.json")) for name in ("tests", "sanitize", "bench")}
     assert all(r["green"] and r["commit"] == "abc1234" for r in records.values())
     assert records["tests"]["counts"]["passed"] == 1 and records["tests"]["counts"]["not_reached"] == 0
