@@ -79,11 +79,11 @@ Communicator::Communicator(const std::string& unique_id, int rank, int size, int
       ncclConfig_t split_config = NCCL_CONFIG_INITIALIZER;
       split_config.blocking = 1;
       const std::string splitting = "making the NCCL communicator's blocking split";
-      // On a nonblocking parent the split runs on NCCL's thread, and ncclCommSplit returns
-      // ncclSuccess while it does (its group's ncclInProgress is not passed on): finish() polls the
-      // parent's state, then the new communicator is waited for in `slot`, which NCCL's thread
-      // writes as the split ends. The slot is on the heap, left behind if that wait times out
-      // (the thread may still write it).
+      // On a nonblocking parent the split runs on NCCL's thread, and ncclCommSplit may return
+      // ncclSuccess before it is done (NCCL 2.28.9 did, on an H200: the new communicator not yet
+      // written when it returned): finish() polls the parent's state, then the new communicator is
+      // waited for in `slot`, which NCCL's thread writes as the split ends. The slot is on the
+      // heap, left behind if that wait times out (the thread may still write it).
       auto slot = std::make_unique<ncclComm_t>(nullptr);
       const ncclResult_t started = ncclCommSplit(comm_, 0, rank, slot.get(), &split_config);
       finish(started == ncclSuccess ? ncclInProgress : started, "ncclCommSplit", splitting);
