@@ -346,8 +346,9 @@ def set_nccl_blocking(enabled: Optional[bool]) -> None:
     enqueue that has not returned within the timeout has its communicator revoked by the watchdog
     (``ncclCommRevoke``: NCCL 2.28.9 and later; with an older NCCL the communicator's making
     raises). None returns to ``TP_KERNELS_NCCL_BLOCKING`` or the default
-    (:data:`NCCL_BLOCKING_DEFAULT`: blocking where the NCCL loaded has ``ncclCommRevoke``). Every rank of a group must use the same setting: ranks set
-    apart fail at the communicator's making, within the timeout."""
+    (:data:`NCCL_BLOCKING_DEFAULT`: blocking where the NCCL loaded has ``ncclCommRevoke``). Every
+    rank of a group must use the same setting: ranks set apart fail at the communicator's making,
+    within the timeout."""
     global _nccl_blocking
     _nccl_blocking = _switch_value(enabled)
 
