@@ -92,6 +92,82 @@ def test_candidates_when_the_fast_paths_are_supported(monkeypatch):
     assert dispatch.candidates(x, x, None, 2)[0] == ["fused", "native"]
 
 
+def test_the_fused_path_is_no_candidate_where_the_native_one_cannot_run(monkeypatch):
+    """The fused path needs what the native one needs (the extension, CUDA tensors): where the
+    native path cannot run a call, the fused one is left out with the native one's reason, its own
+    check (whose first call of a group is collective) not asked."""
+    x = torch.randn(4, 8)
+    asked = []
+    monkeypatch.setattr(fused, "unsupported_reason", lambda *args: asked.append(args))  # (None: it could run)
+    monkeypatch.setattr(pipelined_native, "unsupported_reason", lambda x, w, g: "no native path here")
+    monkeypatch.setenv("TP_KERNELS_AUTO_FUSED", "1")
+    monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "1")
+    impls, why = dispatch.candidates(x, x, None, 2)
+    assert impls == ["reference"] and why == ["fused: no native path here", "pipelined: no native path here"]
+    assert asked == []
+
+
+def test_a_lone_candidate_runs_unmeasured(monkeypatch):
+    """Where ``"auto"`` has one candidate, it runs that one's first variant (the schedule's default
+    chunks) unmeasured: the measurement chooses among candidates."""
+    x, w = torch.randn(8, 16), torch.randn(8, 16)
+    monkeypatch.setattr(pipelined_native, "unsupported_reason", lambda *args: None)
+    monkeypatch.setattr(autotune, "choose", lambda op, variants, *args: pytest.fail(f"measured {variants}"))
+    autotune.set_auto_candidates(["pipelined"])
+    assert dispatch.resolve("matmul_all_reduce", "auto", x, 2, stand_in_group(), w) == "native:4"
+
+
+@built
+def test_a_measured_fused_algorithm_runs_only_where_it_can(monkeypatch):
+    """The fused all-reduce algorithm measured for a size class runs a call of that class only
+    where it can all-reduce the call's rows: scatter-gather needs a row a rank, and a call of fewer
+    runs two-shot."""
+    monkeypatch.setattr(pipelined_native, "unsupported_reason", lambda *args: None)
+    monkeypatch.setattr(fused, "unsupported_reason", lambda *args: None)
+    monkeypatch.setattr(autotune, "choose", lambda op, variants, *args: "fused:scatter_gather")
+    autotune.set_auto_candidates(["fused", "reference"])
+    w = torch.randn(8, 16)
+    for rows, want in ((1, "fused:two_shot"), (2, "fused:scatter_gather")):
+        assert dispatch.resolve("matmul_all_reduce", "auto", torch.randn(rows, 16), 2, stand_in_group(), w) == want
+
+
+@built
+def test_the_capture_paths_of_a_fused_backend_that_cannot_run_are_an_error(monkeypatch):
+    """``capture_paths`` of a named ``"fused"`` (what a CUDA graph capture needs made first) raises
+    where the fused all-reduce cannot run, as the call would; where it can, the fused and native
+    paths."""
+    x, group = torch.randn(64), stand_in_group()
+    monkeypatch.setattr(pipelined_native, "unsupported_collective_reason", lambda *args: None)
+    monkeypatch.setattr(fused, "unsupported_collective_reason", lambda *args: "no peer access here")
+    with pytest.raises(ValueError, match="backend: 'fused' cannot run all_reduce .*: no peer access here"):
+        dispatch.capture_paths("fused", x, group)
+    monkeypatch.setattr(fused, "unsupported_collective_reason", lambda *args: None)
+    assert dispatch.capture_paths("fused", x, group) == ["fused", "native"]
+
+
+def check_auto_compiles_whole_while_the_logger_says_why():
+    """With the dispatch logger at debug level, a call of ``backend="auto"`` still compiles whole
+    (``fullgraph=True``): nothing is said while torch.compile traces (a logger call there would
+    break the graph), and the result is the eager one."""
+    rank_world()
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(4, 6, generator=g), torch.randn(5, 6, generator=g)
+    logger = logging.getLogger("tp_kernels.dispatch")
+    logger.setLevel(logging.DEBUG)
+    try:
+        def call(x):
+            return ops.matmul_all_reduce(x, w, backend="auto")
+
+        torch.testing.assert_close(torch.compile(call, backend="aot_eager", fullgraph=True)(x), call(x))
+    finally:
+        logger.setLevel(logging.NOTSET)
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_auto_compiles_whole_while_the_dispatch_logger_says_why(world):
+    world.run(check_auto_compiles_whole_while_the_logger_says_why)
+
+
 def test_auto_measures_the_native_path_in_several_chunk_counts(monkeypatch):
     """Unless the call names its chunks, the native path of an op split by rows is measured in the
     schedule's default count first, then each other count of NATIVE_CHUNK_CHOICES that splits its

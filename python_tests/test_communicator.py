@@ -541,6 +541,10 @@ def check_decisions_on_the_cpu():
             assert dispatch.resolve_collective(collective, backend, x, group) == "reference"
         kinds, why = dispatch.collective_candidates(collective, x, group)
         assert kinds == ["reference"] and (p == 1 or why), (kinds, why)
+        # "pipelined" named: a lone collective has no portable schedule to stand in for NCCL's
+        with settings.overriding(auto_candidates=("pipelined", "reference")):
+            kinds, why = dispatch.collective_candidates(collective, x, group)
+        assert kinds == ["reference"] and (p == 1 or any(w.startswith("pipelined: ") for w in why)), (kinds, why)
     if p > 1:
         with pytest.raises(ValueError, match=r"backend: 'fused' cannot run all_reduce .*not on a CUDA device"):
             dispatch.resolve_collective("all_reduce", "fused", x, group)
