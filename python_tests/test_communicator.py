@@ -202,7 +202,9 @@ BAD_CALLS = [
     (lambda c, p: c.all_reduce(torch.ones(2, 3), out=torch.ones(3, 2).t()), r"out: expected a contiguous .* strided"),
     (lambda c, p: (lambda t: c.all_reduce(t[:2], out=t[1:]))(torch.ones(3)), r"out: shares memory with x"),
     (lambda c, p: c.all_gather(torch.ones(2, 3), dim=2), r"dim: expected a dim of x \[2, 3\] \(in \[-2, 1\]\), got 2"),
+    (lambda c, p: c.all_gather(torch.ones(2, 3), dim=-3), r"dim: expected a dim of x \[2, 3\] \(in \[-2, 1\]\), got -3"),
     (lambda c, p: c.all_gather(torch.ones(2, 3), dim=1.0), r"dim: expected an int, got 1.0"),
+    (lambda c, p: c.all_gather(torch.ones(2, 3), dim=True), r"dim: expected an int, got True"),
     (lambda c, p: c.all_gather(torch.tensor(1.0)), r"x: expected a tensor with a dim .* got a 0-d"),
     (lambda c, p: c.gather(torch.ones(2), dst=p), r"dst: expected a rank of the group's \d+, got \d+"),
     (lambda c, p: c.gather(torch.ones(2), dst=-1), r"dst: expected a rank of the group's \d+, got -1"),
@@ -211,6 +213,7 @@ BAD_CALLS = [
     (lambda c, p: c.reduce_scatter(torch.ones(2, dtype=torch.complex64)), r"x: expected a real number dtype"),
     (lambda c, p: c.all_gatherv(torch.ones(2, 3), [2] * (p + 1)), r"sizes: expected a list of \d+ non-negative ints"),
     (lambda c, p: c.all_gatherv(torch.ones(2, 3), [-1] + [2] * (p - 1)), r"sizes: expected a list of .*got \[-1"),
+    (lambda c, p: c.all_gatherv(torch.ones(2, 3), [True] + [2] * (p - 1)), r"sizes: expected a list of .*got \[True"),
     (lambda c, p: c.all_gatherv(torch.ones(2, 3), [3] * p, dim=1.0), r"dim: expected an int, got 1.0"),
     (lambda c, p: c.all_gatherv(torch.ones(2, 3), [2] * p, dim=1),
      r"x: dim 1 of \[2, 3\] is 3, but sizes\[\d\] \(this rank's\) is 2"),
@@ -321,6 +324,14 @@ def check_broadcast_tensor_dict_the_source_cannot_send(with_fingerprints: bool):
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
 def test_broadcast_tensor_dict_the_source_cannot_send(world, with_fingerprints):
     world.run(check_broadcast_tensor_dict_the_source_cannot_send, with_fingerprints, deadline_s=DEADLINE_S)
+
+
+def test_a_cuda_device_without_an_index_is_the_current_one(monkeypatch):
+    """``device="cuda"`` is the current CUDA device (the communicator compares the tensors'
+    devices with it, and a tensor's CUDA device always has an index)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert Communicator(device="cuda").device == torch.device("cuda", 3)
+    assert Communicator(device="cuda:1").device == torch.device("cuda", 1)
 
 
 def check_bad_calls(with_fingerprints: bool):
