@@ -81,7 +81,9 @@ def check_against_torch_distributed(backend="auto", device="cpu", dtypes=DTYPES)
         # a complex tensor is moved, never summed (the sums reject it: test_bad_inputs_are_named_on_every_rank)
         sums = not dtype.is_complex and (backend != "fused" or dtype in (torch.float32, torch.float16, torch.bfloat16))
         if sums:
-            _sum_matches(f"all_reduce {name}", comm.all_reduce(x), x, _torch_sum(x), exact)
+            y = comm.all_reduce(x)
+            _sum_matches(f"all_reduce {name}", y, x, _torch_sum(x), exact)
+            assert y.data_ptr() != x.data_ptr(), "all_reduce returned x's memory"  # (a new tensor, one rank too)
             out = torch.empty_like(x)
             assert comm.all_reduce(x, out=out) is out
             _sum_matches(f"all_reduce out= {name}", out, x, _torch_sum(x), exact)
