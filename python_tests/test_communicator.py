@@ -390,9 +390,10 @@ def test_bad_constructor_arguments():
         Communicator(backend="nccl")
     with pytest.raises(ValueError, match=r"device: expected a torch.device or a device string, got 'gpu0'"):
         Communicator(device="gpu0")
-    with pytest.raises(ValueError, match=r"max_bytes: expected a positive int, got 0"):
-        with Communicator().capture(max_bytes=0):
-            pass
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match=rf"max_bytes: expected a positive int, got {bad}"):
+            with Communicator().capture(max_bytes=bad):
+                pass
 
 
 # --- ranks that disagree (fingerprints on): every rank raises, nothing hangs ------------------------

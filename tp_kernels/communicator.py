@@ -562,8 +562,8 @@ def tensor_parallel_communicator() -> Communicator:
 
 
 @parallel_state.on_group_destroyed
-def _forget(group=None) -> None:
-    for key in [k for k, (g, _) in _tp_communicators.items() if group is None or g is group]:
+def _forget(group) -> None:
+    for key in [k for k, (g, _) in _tp_communicators.items() if g is group]:
         del _tp_communicators[key]
 
 
