@@ -354,6 +354,8 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "nccl_unique_id", []() { return py::bytes(tp_kernels::nccl_unique_id()); },
       "A new NCCL unique id (bytes), made by one rank of a group and sent to the others.");
+  m.def("nccl_can_revoke", &tp_kernels::nccl_can_revoke,
+        "Whether the NCCL loaded has ncclCommRevoke (2.28.9 and later), which a Communicator in blocking mode needs.");
 
   py::class_<Communicator, std::shared_ptr<Communicator>>(
       m, "Communicator",

@@ -32,6 +32,8 @@ RevokeFn nccl_revoke() {
 
 }  // namespace
 
+bool nccl_can_revoke() { return nccl_revoke() != nullptr; }
+
 std::string nccl_unique_id() {
   ncclUniqueId id;
   TPK_CHECK_NCCL(ncclGetUniqueId(&id));

@@ -220,7 +220,7 @@ def test_a_groups_communicator_is_made_in_the_nccl_mode_set_then(monkeypatch):
     """The native path's communicator of a group is made in NCCL's blocking mode where
     settings.nccl_blocking says so when it is made, and kept per mode: a call after the mode
     changed gets (or makes) the communicator of that mode, not the other's. (The NCCL here has no
-    ncclCommRevoke, 2.20.5: its default is the nonblocking mode.)"""
+    ncclCommRevoke: its default is the nonblocking mode.)"""
     made = []
 
     class FakeC:
@@ -231,8 +231,8 @@ def test_a_groups_communicator_is_made_in_the_nccl_mode_set_then(monkeypatch):
             return bytes(128)
 
         @staticmethod
-        def runtime_info():
-            return {"nccl_version": 22005}
+        def nccl_can_revoke():
+            return False
 
         class Communicator:
             def __init__(self, uid, rank, size, device, priority, timeout_s, blocking):
@@ -346,6 +346,14 @@ def test_destroy_model_parallel_closes_the_groups_communicators(monkeypatch):
     assert sorted(closed) == ["a", "failed"] and list(pipelined_native._communicators) == [(2, "b", 0)]
     native_teardown()
     assert closed[-1] == "b" and not pipelined_native._communicators
+
+
+@built
+def test_the_extension_says_whether_nccl_can_revoke_as_its_version_does():
+    """``_C.nccl_can_revoke()`` (what blocking mode's default and the communicator's making read):
+    whether the NCCL loaded has ``ncclCommRevoke``, new in NCCL 2.28.9."""
+    C = _extension._C
+    assert C.nccl_can_revoke() is (C.runtime_info()["nccl_version"] >= 22809)
 
 
 @built
@@ -521,20 +529,20 @@ def test_native_implementation_without_the_extension_names_the_reason(monkeypatc
 def test_the_native_communicators_are_blocking_by_default_where_nccl_can_revoke(monkeypatch):
     """``pipelined_native.blocking_mode``: as ``set_nccl_blocking`` says where it is set; by default
     NCCL's blocking mode where the NCCL loaded has ``ncclCommRevoke`` (2.28.9 and later: what
-    bounds a blocked call), else the nonblocking one; the NCCL version read once."""
+    bounds a blocked call), else the nonblocking one; the extension asked once."""
     from tp_kernels.backends import pipelined_native
 
     reads = []
 
-    def native(version):
-        def runtime_info():
-            reads.append(version)
-            return {"nccl_version": version}
-        return type("C", (), {"runtime_info": staticmethod(runtime_info)})
+    def native(can_revoke):
+        def nccl_can_revoke():
+            reads.append(can_revoke)
+            return can_revoke
+        return type("C", (), {"nccl_can_revoke": staticmethod(nccl_can_revoke)})
 
     try:
-        for version, blocking in ((22809, True), (22900, True), (22808, False), (22005, False)):
-            monkeypatch.setattr(pipelined_native._extension, "require", lambda v=version: native(v))
+        for blocking in (True, False):
+            monkeypatch.setattr(pipelined_native._extension, "require", lambda b=blocking: native(b))
             pipelined_native._nccl_can_revoke.cache_clear()
             assert pipelined_native.blocking_mode() is blocking and pipelined_native.blocking_mode() is blocking
             for chosen in (True, False):
@@ -543,6 +551,6 @@ def test_the_native_communicators_are_blocking_by_default_where_nccl_can_revoke(
             monkeypatch.setenv("TP_KERNELS_NCCL_BLOCKING", "0" if blocking else "1")
             assert pipelined_native.blocking_mode() is not blocking
             monkeypatch.delenv("TP_KERNELS_NCCL_BLOCKING")
-        assert reads == [22809, 22900, 22808, 22005]  # (once each: the version cached)
+        assert reads == [True, False]  # (once each: the answer cached)
     finally:
         pipelined_native._nccl_can_revoke.cache_clear()

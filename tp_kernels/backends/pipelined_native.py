@@ -58,14 +58,12 @@ __all__ = [
 _communicators: dict = {}
 
 
-#: The first NCCL release with ``ncclCommRevoke`` (2.28.9), which a communicator in NCCL's blocking
-#: mode needs: the watchdog revokes an enqueue blocked past the timeout.
-NCCL_REVOKE_VERSION = 22809
-
-
 @functools.lru_cache(maxsize=1)
 def _nccl_can_revoke() -> bool:
-    return _extension.require().runtime_info()["nccl_version"] >= NCCL_REVOKE_VERSION
+    """Whether the NCCL loaded has ``ncclCommRevoke`` (2.28.9 and later), which a communicator in
+    NCCL's blocking mode needs (the watchdog revokes an enqueue blocked past the timeout): the
+    extension's answer, the one the communicator's making checks too."""
+    return _extension.require().nccl_can_revoke()
 
 
 def blocking_mode() -> bool:

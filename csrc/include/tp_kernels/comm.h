@@ -35,6 +35,10 @@ namespace tp_kernels {
 // A new NCCL unique id (the bytes of ncclUniqueId), made by one rank and sent to the others.
 std::string nccl_unique_id();
 
+// Whether the NCCL loaded has ncclCommRevoke (2.28.9 and later), which a Communicator in blocking
+// mode needs: its watchdog revokes an enqueue blocked past the timeout.
+bool nccl_can_revoke();
+
 class Communicator {
  public:
   // Joins the group: every rank of `size` calls this with the same `unique_id`. Runs on `device`.
