@@ -6,7 +6,6 @@ Skipped cleanly without a CUDA device. The checks are the CPU suite's, run on ``
 
 from __future__ import annotations
 
-import functools
 import subprocess
 import sys
 import time
@@ -151,16 +150,15 @@ def check_nccl_progress(blocking=False):
         assert got["in_progress"] == 0 and got["polls"] == 0, got
 
 
-def check_in_nccl_mode(blocking, check, *args, **kwargs):
-    """``check(*args, **kwargs)`` with the native path's communicators in NCCL's blocking mode or
-    its nonblocking one; on several ranks the group's communicator of that mode was made, and is in
-    it."""
-    with settings.overriding(nccl_blocking=blocking):
+def check_in_nccl_nonblocking_mode(check, *args, **kwargs):
+    """``check(*args, **kwargs)`` with the native path's communicators in NCCL's nonblocking mode; on
+    several ranks the group's communicator of that mode was made, and is in it."""
+    with settings.overriding(nccl_blocking=False):
         check(*args, **kwargs)
         if dist.get_world_size() > 1:
             device = torch.device("cuda", torch.cuda.current_device())
             assert pipelined_native._key(_collectives.resolve_group(None), device) in pipelined_native._communicators
-            assert pipelined_native.communicator(_collectives.resolve_group(None), device).blocking is blocking
+            assert pipelined_native.communicator(_collectives.resolve_group(None), device).blocking is False
 
 
 def check_on_two_gemm_streams(check, *args, **kwargs):
@@ -174,12 +172,12 @@ def check_on_two_gemm_streams(check, *args, **kwargs):
         assert _extension.has_workspace((comm.device, comm.gemm_stream))
 
 
-#: the native path's modes, each by the function that runs a check in it: its communicator in
-#: NCCL's blocking mode (set_nccl_blocking: a split of the nonblocking one, a communicator of its
-#: own; the default here, where NCCL has ncclCommRevoke) and in its nonblocking mode; its GEMMs
-#: alternating between the caller's stream and the communicator's second one (set_gemm_streams(2))
-NATIVE_MODES = {"nccl_blocking": functools.partial(check_in_nccl_mode, True),
-                "nccl_nonblocking": functools.partial(check_in_nccl_mode, False),
+#: the native path's modes other than its default, each by the function that runs a check in it:
+#: its communicator in NCCL's nonblocking mode (set_nccl_blocking(False); the default here, where
+#: NCCL has ncclCommRevoke, is the blocking one, which every other native test runs: check_nccl_progress
+#: asserts it); its GEMMs alternating between the caller's stream and the communicator's second one
+#: (set_gemm_streams(2))
+NATIVE_MODES = {"nccl_nonblocking": check_in_nccl_nonblocking_mode,
                 "two_gemm_streams": check_on_two_gemm_streams}
 
 
@@ -188,8 +186,8 @@ NATIVE_MODES = {"nccl_blocking": functools.partial(check_in_nccl_mode, True),
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("op", OPS)
 def test_native_ops_in_each_mode_with_several_nccl_ranks(shared_gpu_world, op, dtype, mode):
-    """The native path in each of its opt-in modes: every op and its backward against float64, and
-    against the reference at every chunk count."""
+    """The native path in each of its modes but the default: every op and its backward against
+    float64, and against the reference at every chunk count."""
     shared_gpu_world.run(NATIVE_MODES[mode], test_ops.check_against_float64, op, dtype, "pipelined", device="cuda")
     shared_gpu_world.run(NATIVE_MODES[mode], test_ops.check_pipelined_matches_reference, op, 7, device="cuda")
 
@@ -294,8 +292,8 @@ def test_cuda_graph_with_several_nccl_ranks_on_one_gpu(shared_gpu_world):
 @native_built
 @pytest.mark.parametrize("mode", NATIVE_MODES)
 def test_cuda_graph_in_each_mode_with_several_nccl_ranks(shared_gpu_world, mode):
-    """The native path's MLP captured in a CUDA graph in each of the native path's opt-in modes:
-    replays equal eager."""
+    """The native path's MLP captured in a CUDA graph in each of the native path's modes but the
+    default: replays equal eager."""
     shared_gpu_world.run(NATIVE_MODES[mode], check_cuda_graph, "pipelined")
 
 
@@ -919,11 +917,12 @@ def test_communicator_against_torch_distributed_on_one_gpu(shared_gpu_world, bac
 
 
 @native_built
-def test_communicator_in_nccl_blocking_mode_against_torch_distributed_on_one_gpu(shared_gpu_world):
+def test_communicator_in_nccl_nonblocking_mode_against_torch_distributed_on_one_gpu(shared_gpu_world):
     """tp_kernels.Communicator's native collectives (all-reduce, all-gather, reduce-scatter, gather,
-    broadcast, send and recv) with the communicator in NCCL's blocking mode, against torch.distributed."""
-    shared_gpu_world.run(NATIVE_MODES["nccl_blocking"], test_communicator.check_against_torch_distributed, "pipelined",
-                         "cuda", COMM_DTYPES)
+    broadcast, send and recv) with the communicator in NCCL's nonblocking mode (not the default
+    here), against torch.distributed."""
+    shared_gpu_world.run(NATIVE_MODES["nccl_nonblocking"], test_communicator.check_against_torch_distributed,
+                         "pipelined", "cuda", COMM_DTYPES)
 
 
 def test_variable_sizes_with_several_nccl_ranks(shared_gpu_world):
