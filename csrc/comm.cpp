@@ -30,6 +30,14 @@ RevokeFn nccl_revoke() {
   return fn;
 }
 
+// Between two polls of an NCCL state: a yield for the first 1000, then 200 us of sleep each.
+void pause_between_polls(int polls) {
+  if (polls < 1000)
+    std::this_thread::yield();
+  else
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+}
+
 }  // namespace
 
 bool nccl_can_revoke() { return nccl_revoke() != nullptr; }
@@ -101,10 +109,7 @@ Communicator::Communicator(const std::string& unique_id, int rank, int size, int
           fail_locked(timed_out(splitting + ": ncclCommSplit's new communicator", limit, "", "aborted"));
           check();
         }
-        if (polls < 1000)
-          std::this_thread::yield();
-        else
-          std::this_thread::sleep_for(std::chrono::microseconds(200));
+        pause_between_polls(polls);
       }
       if (state != ncclSuccess) {
         const char* detail = ncclGetLastError(split);
@@ -234,10 +239,7 @@ void Communicator::finish(ncclResult_t result, const char* call, const std::stri
       fail_locked(timed_out(what + ": " + call, limit, "", "aborted"));
       check();
     }
-    if (polls < 1000)
-      std::this_thread::yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    pause_between_polls(polls);
     if (comm_ == nullptr) break;
     ncclResult_t query = ncclCommGetAsyncError(comm_, &result);
     if (query != ncclSuccess) result = query;
