@@ -63,8 +63,8 @@ def _sum_matches(name, got, x, want, exact, reduce=lambda t: t):
         _same(name, got, want)
         return
     p = dist.get_world_size()
-    ref64 = reduce(_torch_all_gather(x.unsqueeze(0), 0).double().sum(0))
-    assert_close(name, got, ref64, want, terms=p)
+    terms = _torch_all_gather(x.unsqueeze(0), 0).double()
+    assert_close(name, got, reduce(terms.sum(0)), want, terms=p, summed=reduce(terms.abs().sum(0)))
 
 
 def check_against_torch_distributed(backend="auto", device="cpu", dtypes=DTYPES):
