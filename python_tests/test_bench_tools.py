@@ -824,6 +824,57 @@ def test_extension_bench_flop_count():
     assert tflops(8192, 8192, 8192, 1.0) == pytest.approx(2 * 8192**3 / 1e-3 / 1e12)
 
 
+def test_the_figures_a_ratio_compares_are_sampled_in_turns_so_a_drift_falls_on_each_alike(monkeypatch):
+    """extension.in_turns: one sample of each sampler a round, the order rotated each round, the
+    warm-up rounds untimed and left out. Under a card that slows 1 % a sample, two calls of one cost
+    measure within 2 % of each other, where sampled one after the other (20 samples each) they
+    would differ by the 20 % the clock drifted meanwhile. event_sampler: CUDA events around one
+    call under the benchmarks' hold, waited for under the name given."""
+    from tp_kernels import _timing
+    from tp_kernels.bench import extension
+
+    order, clock = [], [0]
+
+    def sampler(name, cost):
+        def sample(timed):
+            order.append((name, timed))
+            clock[0] += 1
+            return cost * (1 + 0.01 * clock[0])
+        return sample
+
+    times = extension.in_turns({"a": sampler("a", 1.0), "b": sampler("b", 1.0), "c": sampler("c", 2.0)}, 20, 2)
+    assert order[:9] == [("a", False), ("b", False), ("c", False), ("b", False), ("c", False), ("a", False),
+                         ("c", True), ("a", True), ("b", True)]
+    assert len(order) == 3 * 22 and sorted(set(order)) == sorted({(n, t) for n in "abc" for t in (False, True)})
+    assert times["a"] / times["b"] == pytest.approx(1.0, abs=0.02)
+    assert times["c"] / times["a"] == pytest.approx(2.0, abs=0.04)
+    clock[0] = 0
+    blocks = [extension.in_turns({"a": sampler("a", 1.0)}, 20, 2)["a"],
+              extension.in_turns({"b": sampler("b", 1.0)}, 20, 2)["b"]]
+    assert blocks[1] / blocks[0] > 1.15  # what in turns avoids
+
+    calls = []
+
+    class Event:
+        def elapsed_time(self, end):
+            return 4.5
+
+    def gpu_events(fn, hold, timed):
+        fn()
+        calls.append((hold, timed))
+        return Event(), Event(), None
+
+    waited = []
+    monkeypatch.setattr(extension, "gpu_events", gpu_events)
+    monkeypatch.setattr(extension, "wait_event", lambda end, what: waited.append(what))
+    ran = []
+    assert extension.event_sampler(lambda: ran.append(1), "the thing")(False) == 4.5
+    assert calls == [(_timing.HOLD, False)] and waited == ["the thing"] and ran == [1]
+    assert extension.gpu_times_ms({"x": lambda: ran.append(2)}, 3, 1) == {"x": 4.5}
+    assert [t for _, t in calls[1:]] == [False, True, True, True] and ran[1:] == [2] * 4
+    assert waited[1:] == ["gpu_times_ms: a sample of x"] * 4
+
+
 #: what python -m tp_kernels.bench.host times on the CPU, and which of those are plain PyTorch
 HOST_PLAIN = {"plain", "plain_layer", "plain_column", "plain_head", "plain_embedding", "plain_all_reduce",
               "plain_all_reduce_inplace", "plain_all_gather"}

@@ -39,8 +39,9 @@ against):
 
 The targets are :data:`tp_kernels.bench.targets.TARGETS`.
 
-GPU times come from CUDA events, the median of ``--iters`` samples after warm-up, the stream held
-until each sample is enqueued (:class:`tp_kernels._timing.Hold`: the GPU's time, not the host's;
+GPU times come from CUDA events, the median of ``--iters`` samples after warm-up, the samples of
+the figures one ratio compares taken in turns (:func:`in_turns`), the stream held until each
+sample is enqueued (:class:`tp_kernels._timing.Hold`: the GPU's time, not the host's;
 ``"hold"`` in the record counts the samples whose host outlasted it). Needs a CUDA device and the
 built extension; exits with status 2 and says why otherwise.
 """
@@ -66,29 +67,69 @@ from .targets import TARGETS
 LLAMA70B_TP8 = {"column": (8192, 8192, 28672 // 8), "row": (8192, 28672 // 8, 8192)}  # (m, k, n)
 
 
-def gpu_time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
-    """Median GPU time of ``fn``: CUDA events around each call, the stream held until the call is
-    enqueued (:data:`tp_kernels._timing.HOLD`), so that the host's time to make it is not in it."""
-    samples = []
+def in_turns(samplers: Dict[str, Callable[[bool], float]], iters: int, warmup: int = 3) -> Dict[str, float]:
+    """The median of ``iters`` samples of each of ``samplers`` (``sample(timed) -> ms``; ``timed``
+    False for the ``warmup`` rounds first), the samples taken in turns, one of each a round, the
+    order rotated each round: what drifts over a run (the card's clock as it warms, its power
+    limit) falls on every figure alike, so that their ratios are the calls', where figures taken
+    one after the other differed by the moment (the same cuBLASLt kernel 1.42 ms in one run and
+    1.57 in the next, beside an ``F.linear`` of 1.47 and 1.46 taken before it)."""
+    names = list(samplers)
+    samples = {name: [] for name in names}
     for i in range(warmup + iters):
-        start, end, _ = gpu_events(fn, HOLD, timed=i >= warmup)
-        wait_event(end, "gpu_time_ms: a sample")
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples[warmup:])
+        for j in range(len(names)):
+            name = names[(i + j) % len(names)]
+            ms = samplers[name](i >= warmup)
+            if i >= warmup:
+                samples[name].append(ms)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def event_sampler(fn: Callable[[], object], what: str) -> Callable[[bool], float]:
+    """A sampler of :func:`in_turns`: the GPU time of one call of ``fn``, CUDA events around it,
+    the stream held until the call is enqueued (:data:`tp_kernels._timing.HOLD`), so that the
+    host's time to make it is not in it; waited for within the timeout (the error names ``what``)."""
+    def sample(timed: bool) -> float:
+        start, end, _ = gpu_events(fn, HOLD, timed=timed)
+        wait_event(end, what)
+        return start.elapsed_time(end)
+
+    return sample
+
+
+def gpu_times_ms(fns: Dict[str, Callable[[], object]], iters: int, warmup: int = 3) -> Dict[str, float]:
+    """Median GPU time of each of ``fns`` (:func:`event_sampler`), their samples in turns
+    (:func:`in_turns`): the figures of one comparison."""
+    return in_turns({name: event_sampler(fn, f"gpu_times_ms: a sample of {name}") for name, fn in fns.items()},
+                    iters, warmup)
+
+
+def gpu_time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    """Median GPU time of ``fn`` alone (:func:`gpu_times_ms` of one)."""
+    return gpu_times_ms({"the call": fn}, iters, warmup)["the call"]
+
+
+def graph_times_us(fns: Dict[str, Callable[[], object]], calls: int, iters: int) -> Dict[str, float]:
+    """GPU time per call of each of ``fns`` replayed from a CUDA graph of ``calls`` calls of it,
+    the graphs' replays timed in turns (:func:`gpu_times_ms`)."""
+    graphs = {}
+    for name, fn in fns.items():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()  # plans, workspaces and communicators exist before the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name]):
+            for _ in range(calls):
+                fn()
+    times = gpu_times_ms({name: graph.replay for name, graph in graphs.items()}, iters)
+    return {name: ms * 1e3 / calls for name, ms in times.items()}
 
 
 def graph_time_us(fn: Callable[[], object], calls: int, iters: int) -> float:
     """GPU time per call of ``fn`` replayed from a CUDA graph of ``calls`` calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # plans, workspaces and communicators exist before the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return gpu_time_ms(graph.replay, iters) * 1e3 / calls
+    return graph_times_us({"the call": fn}, calls, iters)["the call"]
 
 
 def tflops(m: int, k: int, n: int, ms: float) -> float:
@@ -147,8 +188,8 @@ def gemm_candidates(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, iters: 
 def gemm_throughput(iters: int) -> Dict:
     m = k = n = 8192
     x, w = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in ((m, k), (n, k)))
-    t_torch = gpu_time_ms(lambda: F.linear(x, w), iters)
-    t_native = gpu_time_ms(lambda: _extension.linear(x, w), iters)
+    times = gpu_times_ms({"f_linear": lambda: F.linear(x, w), "native": lambda: _extension.linear(x, w)}, iters)
+    t_torch, t_native = times["f_linear"], times["native"]
     return {"shape": [m, k, n], "dtype": "bfloat16", "f_linear_ms": t_torch, "native_ms": t_native,
             "f_linear_tflops": tflops(m, k, n, t_torch), "native_tflops": tflops(m, k, n, t_native),
             "ratio": t_torch / t_native, "native_plans": cublaslt_plans(m, n, k),
@@ -173,10 +214,10 @@ def decode_gemms(iters: int, m: int = 16) -> Dict:
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         entry = {}
         for label, a, b in (("forward", x, w), ("dgrad", dy, w.t())):
-            t_torch = graph_time_us(lambda: F.linear(a, b), 20, iters) / 1e3
-            t_native = graph_time_us(lambda: _extension.linear(a, b), 20, iters) / 1e3
-            eager_torch = gpu_time_ms(lambda: F.linear(a, b), iters)
-            eager_native = gpu_time_ms(lambda: _extension.linear(a, b), iters)
+            pair = {"f_linear": lambda: F.linear(a, b), "native": lambda: _extension.linear(a, b)}
+            replayed, eager = graph_times_us(pair, 20, iters), gpu_times_ms(pair, iters)
+            t_torch, t_native = replayed["f_linear"] / 1e3, replayed["native"] / 1e3
+            eager_torch, eager_native = eager["f_linear"], eager["native"]
             entry[label] = {"f_linear_ms": t_torch, "native_ms": t_native, "ratio": t_torch / t_native,
                             "eager_f_linear_ms": eager_torch, "eager_native_ms": eager_native,
                             "eager_ratio": eager_torch / eager_native,
@@ -197,7 +238,7 @@ def host_overhead(iters: int) -> Dict:
     }
     times = host_times_us(calls, iters, cuda=True)  # the fastest sample: what disturbs a host only adds
     host = {name: t["min_us"] for name, t in times.items()}
-    graph = {name: graph_time_us(fn, 20, iters) for name, fn in calls.items()}
+    graph = graph_times_us(calls, 20, iters)
     return {"shape": [m, k, n], "dtype": "bfloat16", "eager_host_us": host,
             "eager_host_median_us": {name: t["median_us"] for name, t in times.items()}, "graph_gpu_us": graph,
             # where each call's host time goes (tp_kernels.bench.host.profiled)
@@ -257,18 +298,21 @@ def chunking(iters: int, p: int = 8, chunks: int = 4) -> Dict:
             _extension.call(C.matmul_all_reduce, comm, x=x, weight=w, out=y, bounds=boundaries(m, chunks),
                             stream=_extension.current_stream(device), side=side_stream)
 
-        t_full = gpu_time_ms(lambda: _extension.linear(x, w, out=y), iters)
-        t_torch = gpu_time_ms(lambda: F.linear(x, w), iters)
+        splits = {f"{chunks}_row_chunks": lambda: one_stream(row_gemms()),
+                  f"{chunks}_rs_chunks_x{p}": rs_split, f"ring_{p}_shards": lambda: one_stream(ring_gemms()),
+                  f"{chunks}_row_chunks_two_streams": lambda: alternating(row_gemms()),
+                  f"ring_{p}_shards_two_streams": lambda: alternating(ring_gemms()),
+                  f"native_matmul_all_reduce_{chunks}_chunks": lambda: native_op(None),
+                  f"native_matmul_all_reduce_{chunks}_chunks_two_streams":
+                      lambda: native_op((device, comm.gemm_stream))}
+        # every figure of the shape in turns: its ratios to the unsplit GEMM are the same moment's
+        times = gpu_times_ms({"unsplit": lambda: _extension.linear(x, w, out=y), "f_linear": lambda: F.linear(x, w),
+                              **splits}, iters)
+        t_full, t_torch = times["unsplit"], times["f_linear"]
         entry = {"shape": [m, k, n], "dtype": "bfloat16", "unsplit_ms": t_full, "unsplit_tflops": tflops(m, k, n, t_full),
                  "f_linear_ms": t_torch, "native_vs_f_linear": t_torch / t_full}
-        for label, fn in ((f"{chunks}_row_chunks", lambda: one_stream(row_gemms())),
-                          (f"{chunks}_rs_chunks_x{p}", rs_split), (f"ring_{p}_shards", lambda: one_stream(ring_gemms())),
-                          (f"{chunks}_row_chunks_two_streams", lambda: alternating(row_gemms())),
-                          (f"ring_{p}_shards_two_streams", lambda: alternating(ring_gemms())),
-                          (f"native_matmul_all_reduce_{chunks}_chunks", lambda: native_op(None)),
-                          (f"native_matmul_all_reduce_{chunks}_chunks_two_streams",
-                           lambda: native_op((device, comm.gemm_stream)))):
-            t = gpu_time_ms(fn, iters)
+        for label in splits:
+            t = times[label]
             entry[label] = {"ms": t, "tflops": tflops(m, k, n, t), "vs_unsplit": t_full / t}
         # what cuBLASLt ran for each split's GEMMs (the two-stream forms and the primitive run the
         # row chunks' and the shards' problems): the tiles, and how full each GEMM's last wave was

@@ -46,8 +46,10 @@ against):
 Virtual ranks share one GPU: their GEMMs share its SMs and the copies between their buffers go
 through its own memory rather than over NVLink, so these figures measure the schedule and the
 kernels, not an 8-GPU node (``tp_kernels.perf_model`` projects that). GPU times come from CUDA
-events, the median of ``--iters`` samples after warm-up. Needs a CUDA device and the built
-extension; exits with status 2 and says why otherwise.
+events, the median of ``--iters`` samples after warm-up; the four figures of an overlap (the
+GEMMs, the copies, the fused op, the GEMMs beside the copies) sampled in turns
+(:func:`tp_kernels.bench.extension.in_turns`). Needs a CUDA device and the built extension;
+exits with status 2 and says why otherwise.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ from .._timing import HOLD, gpu_events, synchronize
 from ..backends import fused
 from ..testing import VirtualRanks, forked, phase_order
 from .extension import LLAMA70B_TP8 as GEMM_SHAPES
-from .extension import gpu_time_ms, graph_time_us
+from .extension import event_sampler, gpu_time_ms, graph_time_us, in_turns
 from .records import default_out_dir, gpu_record, save_record
 from .targets import TARGETS
 
@@ -179,13 +181,10 @@ def overlap(op: str, p: int, iters: int) -> Dict:
     with VirtualRanks(p) as vr:
         case = fused_case(vr, op)
         gemms, comms, fused_op = case.gemms, case.comms, case.fused_op
-        t_gemm = gpu_time_ms(lambda: _fork_join(gemm_streams, gemms), iters)
-        t_comm = gpu_time_ms(lambda: _fork_join(copy_streams, comms), iters)
-        t_overlap = gpu_time_ms(fused_op, iters)
 
         # the GEMMs' own time while the copies run beside them: events on the GEMM streams only (the
         # stream held until all is enqueued, as gpu_time_ms holds it)
-        def gemm_under_copies(timed: bool = True) -> float:
+        def gemm_under_copies(timed: bool) -> float:
             ends = [torch.cuda.Event(enable_timing=True) for _ in range(p)]
 
             def region():
@@ -201,9 +200,13 @@ def overlap(op: str, p: int, iters: int) -> Dict:
             synchronize("overlap: a sample of the GEMMs under the copies")
             return max(start.elapsed_time(e) for e in ends)
 
-        gemm_under_copies(timed=False)  # warm-up
-        samples = sorted(gemm_under_copies() for _ in range(iters))
-        t_gemm_loaded = samples[len(samples) // 2]
+        # the four in turns: E and the slowdown compare them, so the card's drift over the run
+        # falls on each alike
+        times = in_turns({"gemm": event_sampler(lambda: _fork_join(gemm_streams, gemms), "overlap: the GEMMs"),
+                          "comm": event_sampler(lambda: _fork_join(copy_streams, comms), "overlap: the copies"),
+                          "overlap": event_sampler(fused_op, "overlap: the fused op"),
+                          "gemm_loaded": gemm_under_copies}, iters)
+        t_gemm, t_comm, t_overlap, t_gemm_loaded = (times[k] for k in ("gemm", "comm", "overlap", "gemm_loaded"))
     record = {"shape": {"m": m, "k": k, "n": n}, "p": p, "dtype": "bfloat16", "t_gemm_ms": t_gemm,
               "t_comm_ms": t_comm, "t_overlap_ms": t_overlap,
               "overlap_efficiency": overlap_efficiency(t_gemm, t_comm, t_overlap),
