@@ -144,9 +144,9 @@ run_bench() {
     step pytest-bench 60 "$PY" -m pytest bench -q -p no:cacheprovider --tp-m 16,8192 --tp-rounds 5 \
       --benchmark-json="$logs/pytest-bench.json"
   fi
-  # The host time of a call at 1, 2 and 8 ranks of a fake group (no communication): the reference
-  # and auto on the reference, which is what a fake group can run (hence AUTO_NATIVE off here).
-  step host 30 env TP_KERNELS_AUTO_NATIVE=0 "$PY" -m tp_kernels.bench.host --samples 20 --profile 50 \
+  # The host time of a call at 1, 2 and 8 ranks of a fake group (no communication): the reference,
+  # and auto on the reference, which is what a fake group can run (bench.host.FAKE_GROUP_AUTO).
+  step host 30 "$PY" -m tp_kernels.bench.host --samples 20 --profile 50 \
     --out-dir "$logs/host" --tag "$commit"
   # The same on two NCCL ranks sharing the GPU, where the native and fused paths run (and auto
   # may choose them): the host time of issuing a call with real peers.

@@ -952,6 +952,23 @@ def test_host_time_bench_at_one_and_two_ranks(tmp_path):
         host.main(["--ranks", "0"])
 
 
+def test_host_time_bench_on_a_fake_group_lets_auto_choose_only_what_runs_without_peers(monkeypatch):
+    """On a fake group (collectives that move nothing) "auto" has the reference as its one
+    candidate whatever the settings name: with the fused path named (TP_KERNELS_AUTO_FUSED=1 on a
+    GPU) its first call exchanged memory handles through the fake group and failed in
+    cudaIpcOpenMemHandle."""
+    from tp_kernels import settings
+    from tp_kernels.bench import host
+
+    seen = []
+    monkeypatch.setattr(host, "fake_world", lambda p: seen.append(p))
+    monkeypatch.setattr(host, "_timed", lambda *args: settings.get_auto_candidates())
+    with settings.overriding(auto_candidates=("fused", "pipelined", "reference")):
+        assert host.measure(2, torch.device("cpu"), 1) == host.FAKE_GROUP_AUTO == ("reference",)
+        assert settings.get_auto_candidates() == ("fused", "pipelined", "reference")
+    assert seen == [2]
+
+
 def test_host_time_bench_with_peers(tmp_path):
     """--peers: the same calls on the processes of a real group (gloo ranks here; NCCL ranks
     sharing the GPU on one), rank 0's figures and every rank's added time in the record; p = 1

@@ -15,9 +15,9 @@ k = n = 64, float32, one thread):
 * ``plain``: what a hand-written row-parallel layer does: ``F.linear``, then (p > 1)
   ``dist.all_reduce`` of the result, issued asynchronously and waited for;
 * ``matmul_all_reduce/<backend>``: :func:`tp_kernels.matmul_all_reduce` on each backend that can
-  run on a fake group (the reference and the portable pipelined schedule; ``auto`` where it
-  resolves to one of them; the native and fused paths need real peers and are skipped, saying
-  so); on NCCL ranks also ``matmul_all_reduce/pipelined:nonblocking``, the native pipelined path
+  run on a fake group (the reference and the portable pipelined schedule; ``auto``, whose one
+  candidate there is the reference, :data:`FAKE_GROUP_AUTO`; the native and fused paths need real
+  peers and are skipped, saying so); on NCCL ranks also ``matmul_all_reduce/pipelined:nonblocking``, the native pipelined path
   with its communicator in NCCL's nonblocking mode (:func:`tp_kernels.settings.set_nccl_blocking`,
   a communicator of its own; the default is blocking where the NCCL loaded can revoke a call),
   and ``matmul_all_reduce/pipelined:two_streams``, the native path with its chunks' GEMMs
@@ -435,11 +435,18 @@ def _timed(p: int, device: torch.device, samples: int, calls_per_sample: int, pr
     return run
 
 
+#: What ``"auto"`` chooses among on a fake group, whatever ``TP_KERNELS_AUTO_*`` say: the native and
+#: fused paths exchange NCCL ids and memory handles through the group, which a fake group does not
+#: move (``auto:measured`` still names the portable schedule beside it).
+FAKE_GROUP_AUTO = ("reference",)
+
+
 def measure(p: int, device: torch.device, samples: int, profile: int = 0) -> Dict:
-    """Every call's host time at ``p`` ranks (a fake world of this process), and what each adds
-    over its plain counterpart."""
+    """Every call's host time at ``p`` ranks (a fake world of this process; ``"auto"`` there
+    choosing among :data:`FAKE_GROUP_AUTO`), and what each adds over its plain counterpart."""
     fake_world(p)
-    return _timed(p, device, samples, CALLS_PER_SAMPLE, profile)
+    with settings.overriding(auto_candidates=FAKE_GROUP_AUTO):
+        return _timed(p, device, samples, CALLS_PER_SAMPLE, profile)
 
 
 def nccl_progress(device: torch.device, calls: int = 10 * PEER_CALLS_PER_SAMPLE) -> Dict[str, float]:
