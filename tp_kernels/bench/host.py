@@ -17,12 +17,12 @@ k = n = 64, float32, one thread):
 * ``matmul_all_reduce/<backend>``: :func:`tp_kernels.matmul_all_reduce` on each backend that can
   run on a fake group (the reference and the portable pipelined schedule; ``auto``, whose one
   candidate there is the reference, :data:`FAKE_GROUP_AUTO`; the native and fused paths need real
-  peers and are skipped, saying so); on NCCL ranks also ``matmul_all_reduce/pipelined:nonblocking``, the native pipelined path
-  with its communicator in NCCL's nonblocking mode (:func:`tp_kernels.settings.set_nccl_blocking`,
-  a communicator of its own; the default is blocking where the NCCL loaded can revoke a call),
-  and ``matmul_all_reduce/pipelined:two_streams``, the native path with its chunks' GEMMs
-  alternating between two streams (:func:`tp_kernels.settings.set_gemm_streams`: two events more
-  a call);
+  peers and are skipped, saying so); on NCCL ranks also
+  ``matmul_all_reduce/pipelined:nonblocking``, the native pipelined path with its communicator in
+  NCCL's nonblocking mode (:func:`tp_kernels.settings.set_nccl_blocking`, a communicator of its
+  own; the default is blocking where the NCCL loaded can revoke a call), and
+  ``matmul_all_reduce/pipelined:two_streams``, the native path with its chunks' GEMMs alternating
+  between two streams (:func:`tp_kernels.settings.set_gemm_streams`: two events more a call);
 * ``matmul_all_reduce/auto:measured``: ``"auto"`` choosing among every backend timed above (named
   with :func:`tp_kernels.settings.set_auto_candidates`), its shape class measured by the first,
   untimed call: the host time of a call ``"auto"`` has decided (the record's ``"auto_decisions"``
