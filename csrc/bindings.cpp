@@ -281,6 +281,10 @@ PYBIND11_MODULE(_C, m) {
           d["w_col_major"] = p.w_col_major;
           d["workspace_bytes"] = p.workspace_bytes;
           add_algo(d, p.algo);
+          d["tuning_timed"] = p.tuning.timed;
+          d["tuning_first_ms"] = p.tuning.first_ms;
+          d["tuning_chosen_ms"] = p.tuning.chosen_ms;
+          d["tuning_note"] = p.tuning.note;
           out.append(d);
         }
         return out;
@@ -290,7 +294,21 @@ PYBIND11_MODULE(_C, m) {
       "w_col_major, workspace_bytes), the algorithm's configuration as cublasLt.h numbers it (algo_id, "
       "tile_id, stages_id, splitk, reduction_scheme, swizzle, custom_option, inner_shape_id, "
       "cluster_shape_id; -1: not reported) and the heuristic's waves (its wavesCount: 1.0 fills every "
-      "multiprocessor once) and workspace_needed. Calls no CUDA function: [] before any GEMM.");
+      "multiprocessor once) and workspace_needed; what its making timed where tuning was on (set_gemm_tuning): "
+      "tuning_timed (the proposals timed; 0: none), tuning_first_ms and tuning_chosen_ms (the mean run of the "
+      "heuristic's first and of the algorithm kept; -1: not timed) and tuning_note (why it did not time, or "
+      "stopped; '' where it timed). Calls no CUDA function: [] before any GEMM.");
+  m.def("forget_gemm_plans", &tp_kernels::forget_gemm_plans,
+        "Drops every GEMM plan: the next GEMM of each problem makes its plan again, under the tuning set then "
+        "(for the benchmarks, which compare a problem's plans with tuning off and on). Calls no CUDA function.");
+  m.def("set_gemm_tuning", &tp_kernels::set_gemm_tuning, py::arg("candidates"), py::arg("iters"),
+        py::arg("timeout_s"),
+        "Tuning of the GEMM plans made from now on: `candidates` 0 (off: cuBLASLt's heuristic's first "
+        "algorithm) or 2..32: a plan's making times that many of the heuristic's proposals for its problem, "
+        "each run once then `iters` times (1..1000), on a stream, output and workspace of its own, without "
+        "waiting for the caller's stream (each proposal's runs waited for within `timeout_s` seconds), and "
+        "keeps the fastest where it beats the first by more than 2 %. Calls no CUDA function; raises "
+        "ValueError naming the argument out of range.");
   m.def(
       "gemm_candidates",
       [](py::handle x, py::handle weight, py::handle bias, py::handle out, py::handle workspace, uintptr_t stream,

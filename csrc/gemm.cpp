@@ -4,6 +4,7 @@
 
 #include <cublasLt.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -55,7 +56,19 @@ struct Plan {
   cublasLtMatmulAlgo_t algo{};
   float waves = 0.0f;
   size_t workspace_needed = 0;
+  GemmTuningInfo tuning;  // what its making timed (set_gemm_tuning)
 };
+
+// The tuning of the plans made from now on (set_gemm_tuning; g_mutex held).
+struct Tuning {
+  int candidates = 0;  // 0: off
+  int iters = 5;
+  double timeout_s = 300.0;
+};
+
+// How much faster than the heuristic's first a proposal must run to be kept: the timing's own
+// spread between two runs of one algorithm, so that a tie keeps the heuristic's choice.
+constexpr float kTuneMargin = 0.02f;
 
 using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, bool, int, int, int,
                        int, size_t, bool, int64_t, int64_t, int64_t>;
@@ -63,6 +76,7 @@ using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t
 std::mutex g_mutex;
 std::map<int, cublasLtHandle_t> g_handles;  // per device
 std::map<Key, Plan> g_plans;
+Tuning g_tuning;
 
 cublasLtHandle_t handle_for(int device) {
   auto it = g_handles.find(device);
@@ -153,15 +167,6 @@ std::vector<cublasLtMatmulHeuristicResult_t> heuristics(cublasLtHandle_t h, cons
   return results;
 }
 
-Plan make_plan(cublasLtHandle_t h, const LinearArgs& p) {
-  Plan plan = describe_problem(p);
-  const cublasLtMatmulHeuristicResult_t best = heuristics(h, plan, p, 1)[0];
-  plan.algo = best.algo;
-  plan.waves = best.wavesCount;
-  plan.workspace_needed = best.workspaceSize;
-  return plan;
-}
-
 // Configuration attribute `attr` of `algo`, stored as T, or -1 where cuBLASLt does not report it.
 template <typename T>
 int config(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
@@ -200,31 +205,21 @@ void run(cublasLtHandle_t h, Plan& plan, const cublasLtMatmulAlgo_t& algo, const
                                   &algo, p.workspace, p.workspace_bytes, p.stream));
 }
 
-// The plan of the problem of `p` on `device`, made on its first use (g_mutex held).
-Plan& plan_for(cublasLtHandle_t h, int device, const LinearArgs& p) {
-  Key key{device, p.m, p.n, p.k, p.ldx, p.ldw, p.ldy, static_cast<int>(p.dtype), p.bias != nullptr,
-          alignment(p.x, p.batch, p.stride_x, dtype_size(p.dtype)), alignment(p.w),
-          alignment(p.y, p.batch, p.stride_y, dtype_size(p.dtype)), p.bias ? alignment(p.bias) : 0, p.workspace_bytes,
-          p.w_col_major, p.batch, p.stride_x, p.stride_y};
-  auto it = g_plans.find(key);
-  if (it == g_plans.end()) it = g_plans.emplace(key, make_plan(h, p)).first;
-  return it->second;
-}
-
 bool same_algo(const cublasLtMatmulAlgo_t& a, const cublasLtMatmulAlgo_t& b) {
   return std::memcmp(&a, &b, sizeof(a)) == 0;
 }
 
 // Returns once `event` has completed, polling it; throws past `timeout_s` seconds (the work
 // before it still queued: a GEMM behind a wait that never ends, a collective a peer never joins).
-void wait_for(cudaEvent_t event, double timeout_s, const LinearArgs& p) {
+// `what` names the caller in the error.
+void wait_for(cudaEvent_t event, double timeout_s, const LinearArgs& p, const char* what) {
   const Clock::time_point start = Clock::now();
   for (int polls = 0;; ++polls) {
     const cudaError_t status = cudaEventQuery(event);
     if (status == cudaSuccess) return;
     if (status != cudaErrorNotReady) TPK_CHECK_CUDA(status);
     if (seconds_since(start) > timeout_s) {
-      throw Error("tp_kernels: gemm_candidates: the GEMMs it timed (m=" + std::to_string(p.m) + " n=" +
+      throw Error(std::string("tp_kernels: ") + what + ": the GEMMs it timed (m=" + std::to_string(p.m) + " n=" +
                   std::to_string(p.n) + " k=" + std::to_string(p.k) + "), and the work queued on the stream before "
                   "them, did not complete within " + format_seconds(timeout_s) +
                   " s; they stay queued. The limit is set with tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S.");
@@ -234,6 +229,120 @@ void wait_for(cudaEvent_t event, double timeout_s, const LinearArgs& p) {
     else
       std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
+}
+
+// The mean time of a run of `algo` for the problem of `p` (on p.stream, into p.y and p.workspace):
+// one run, then `iters` between `start` and `stop`, waited for within `timeout_s` (`what` names the
+// wait in its error); -1 where cuBLASLt would not run it (a cuBLAS error; a CUDA error is thrown).
+float time_algo(cublasLtHandle_t h, Plan& plan, const cublasLtMatmulAlgo_t& algo, const LinearArgs& p, int iters,
+                cudaEvent_t start, cudaEvent_t stop, double timeout_s, const char* what) {
+  auto runs = [&](int times) {
+    try {
+      for (int i = 0; i < times; ++i) run(h, plan, algo, p);
+      return true;
+    } catch (const Error&) {
+      return false;
+    }
+  };
+  if (!runs(1)) return -1.0f;  // (its warm-up)
+  TPK_CHECK_CUDA(cudaEventRecord(start, p.stream));
+  const bool ran = runs(iters);
+  TPK_CHECK_CUDA(cudaEventRecord(stop, p.stream));
+  wait_for(stop, timeout_s, p, what);
+  float ms = 0.0f;
+  TPK_CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+  return ran ? ms / static_cast<float>(iters) : -1.0f;
+}
+
+// The elements from X's, or Y's, first to its last of the problem of `p` (rows `ld` apart, `cols`
+// wide, batches `stride` apart).
+size_t extent(int64_t m, int64_t cols, int64_t ld, int64_t batch, int64_t stride) {
+  return static_cast<size_t>((batch - 1) * stride + (m - 1) * ld + cols);
+}
+
+// Times `proposals` (the heuristic's, best first) for the problem of `p` as `t` says and keeps the
+// fastest in `plan` where it beats the first by more than kTuneMargin (set_gemm_tuning); what it
+// timed, or why it did not, in plan.tuning. On a stream of its own, into an output and a workspace
+// of its own: nothing waits for the caller's stream, and the caller's output and workspace are
+// left alone. A CUDA error leaves the first (its message in the note; a non-sticky one cleared).
+void tune(cublasLtHandle_t h, Plan& plan, const std::vector<cublasLtMatmulHeuristicResult_t>& proposals,
+          const LinearArgs& p, const Tuning& t) {
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(p.stream, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone) {
+    cudaGetLastError();
+    plan.tuning.note = "made while its stream was captured: the heuristic's first, untimed";
+    return;
+  }
+  struct Scratch {  // freed however the timing ends: stream-ordered, after the GEMMs queued on it
+    cudaStream_t stream = nullptr;
+    cudaEvent_t start = nullptr, stop = nullptr;
+    void* y = nullptr;
+    void* workspace = nullptr;
+    ~Scratch() {
+      if (y) cudaFreeAsync(y, stream);
+      if (workspace) cudaFreeAsync(workspace, stream);
+      if (start) cudaEventDestroy(start);
+      if (stop) cudaEventDestroy(stop);
+      if (stream) cudaStreamDestroy(stream);
+    }
+  };
+  std::vector<float> ms;
+  try {
+    Scratch s;
+    TPK_CHECK_CUDA(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
+    TPK_CHECK_CUDA(cudaEventCreate(&s.start));
+    TPK_CHECK_CUDA(cudaEventCreate(&s.stop));
+    LinearArgs q = p;
+    q.stream = s.stream;
+    TPK_CHECK_CUDA(cudaMallocAsync(&s.y, extent(p.m, p.n, p.ldy, p.batch, p.stride_y) * dtype_size(p.dtype),
+                                   s.stream));
+    q.y = s.y;
+    if (p.workspace_bytes > 0) {
+      TPK_CHECK_CUDA(cudaMallocAsync(&s.workspace, p.workspace_bytes, s.stream));
+      q.workspace = s.workspace;
+    }
+    for (const cublasLtMatmulHeuristicResult_t& r : proposals)
+      ms.push_back(time_algo(h, plan, r.algo, q, t.iters, s.start, s.stop, t.timeout_s, "tuning a GEMM's plan"));
+  } catch (const Error& e) {
+    cudaGetLastError();
+    plan.tuning.note = std::string("its timing failed, the heuristic's first kept: ") + e.what();
+    return;
+  }
+  size_t chosen = 0;
+  for (size_t i = 1; i < ms.size(); ++i)
+    if (ms[i] > 0 && (ms[chosen] <= 0 || ms[i] < ms[chosen])) chosen = i;
+  if (chosen != 0 && ms[0] > 0 && ms[chosen] >= ms[0] * (1.0f - kTuneMargin)) chosen = 0;
+  plan.tuning.timed = static_cast<int>(ms.size());
+  plan.tuning.first_ms = ms[0];
+  plan.tuning.chosen_ms = ms[chosen];
+  plan.algo = proposals[chosen].algo;
+  plan.waves = proposals[chosen].wavesCount;
+  plan.workspace_needed = proposals[chosen].workspaceSize;
+}
+
+// The plan of the problem of `p`: the heuristic's first algorithm, or, with tuning on
+// (set_gemm_tuning), the fastest of its first proposals (tune).
+Plan make_plan(cublasLtHandle_t h, const LinearArgs& p) {
+  const Tuning t = g_tuning;
+  Plan plan = describe_problem(p);
+  const std::vector<cublasLtMatmulHeuristicResult_t> proposals =
+      heuristics(h, plan, p, t.candidates > 1 ? t.candidates : 1);
+  plan.algo = proposals[0].algo;
+  plan.waves = proposals[0].wavesCount;
+  plan.workspace_needed = proposals[0].workspaceSize;
+  if (t.candidates > 1 && p.m > 0 && p.n > 0 && p.k > 0 && p.batch > 0) tune(h, plan, proposals, p, t);
+  return plan;
+}
+
+// The plan of the problem of `p` on `device`, made on its first use (g_mutex held).
+Plan& plan_for(cublasLtHandle_t h, int device, const LinearArgs& p) {
+  Key key{device, p.m, p.n, p.k, p.ldx, p.ldw, p.ldy, static_cast<int>(p.dtype), p.bias != nullptr,
+          alignment(p.x, p.batch, p.stride_x, dtype_size(p.dtype)), alignment(p.w),
+          alignment(p.y, p.batch, p.stride_y, dtype_size(p.dtype)), p.bias ? alignment(p.bias) : 0, p.workspace_bytes,
+          p.w_col_major, p.batch, p.stride_x, p.stride_y};
+  auto it = g_plans.find(key);
+  if (it == g_plans.end()) it = g_plans.emplace(key, make_plan(h, p)).first;
+  return it->second;
 }
 
 }  // namespace
@@ -257,9 +366,29 @@ std::vector<GemmPlanInfo> gemm_plans() {
     info.w_col_major = std::get<14>(key);
     info.batch = std::get<15>(key);
     info.algo = algo_info(plan.algo, plan.waves, plan.workspace_needed);
+    info.tuning = plan.tuning;
     out.push_back(info);
   }
   return out;
+}
+
+void forget_gemm_plans() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  for (auto& [key, plan] : g_plans) release(plan);
+  g_plans.clear();
+}
+
+void set_gemm_tuning(int candidates, int iters, double timeout_s) {
+  if (candidates != 0 && (candidates < 2 || candidates > 32))
+    throw ArgumentError("candidates: GEMM tuning times 2 to 32 of cuBLASLt's proposals (0: off), got " +
+                        std::to_string(candidates));
+  if (iters < 1 || iters > 1000)
+    throw ArgumentError("iters: GEMM tuning runs each proposal 1 to 1000 times, got " + std::to_string(iters));
+  if (!(timeout_s > 0) || !std::isfinite(timeout_s))
+    throw ArgumentError("timeout_s: GEMM tuning waits for its GEMMs at most a positive number of seconds, got " +
+                        format_seconds(timeout_s));
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_tuning = Tuning{candidates, iters, timeout_s};
 }
 
 std::vector<GemmCandidate> gemm_candidates(const LinearArgs& p, int count, int iters, double timeout_s) {
@@ -312,25 +441,8 @@ std::vector<GemmCandidate> gemm_candidates(const LinearArgs& p, int count, int i
   for (const cublasLtMatmulHeuristicResult_t& r : results) {
     GemmCandidate c;
     c.algo = algo_info(r.algo, r.wavesCount, r.workspaceSize);
-    // a cuBLAS error running it: cuBLASLt would not run this one (its ms stays -1); a CUDA error
-    // (the events') is the caller's
-    auto runs = [&](int times) {
-      try {
-        for (int i = 0; i < times; ++i) run(h, plan, r.algo, p);
-        return true;
-      } catch (const Error&) {
-        return false;
-      }
-    };
-    if (runs(1)) {  // its warm-up
-      TPK_CHECK_CUDA(cudaEventRecord(timing.start, p.stream));
-      const bool ran = runs(iters);
-      TPK_CHECK_CUDA(cudaEventRecord(timing.stop, p.stream));
-      wait_for(timing.stop, timeout_s, p);
-      float ms = 0.0f;
-      TPK_CHECK_CUDA(cudaEventElapsedTime(&ms, timing.start, timing.stop));
-      if (ran) c.ms = ms / static_cast<float>(iters);
-    }
+    // -1 where cuBLASLt would not run it; a CUDA error (the events') is the caller's
+    c.ms = time_algo(h, plan, r.algo, p, iters, timing.start, timing.stop, timeout_s, "gemm_candidates");
     out.push_back(c);
   }
   return out;

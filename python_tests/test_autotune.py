@@ -322,6 +322,25 @@ def test_overriding_gives_back_what_was_set(monkeypatch):
             with pytest.raises(ValueError, match=r"count: expected one of \(1, 2\), got "):
                 settings.set_gemm_streams(bad)
         assert settings.gemm_streams() == 1
+        assert settings.gemm_tuning() == settings.GEMM_TUNING_DEFAULT == 0
+        monkeypatch.setenv("TP_KERNELS_GEMM_TUNING", " 8 ")
+        assert settings.gemm_tuning() == 8
+        with settings.overriding(gemm_tuning=0):
+            assert settings.gemm_tuning() == 0
+        assert settings.gemm_tuning() == 8
+        for bad in ("1", "33", "-2", "eight", "8.0"):
+            monkeypatch.setenv("TP_KERNELS_GEMM_TUNING", bad)
+            with pytest.raises(ValueError, match=rf"TP_KERNELS_GEMM_TUNING: expected 0 \(off\) or 2..32 proposals, "
+                                                 rf"got '{bad}'"):
+                settings.gemm_tuning()
+        monkeypatch.delenv("TP_KERNELS_GEMM_TUNING")
+        for bad in (1, 33, -1, 8.0, True, "8"):
+            with pytest.raises(ValueError, match=r"candidates: expected 0 \(off\) or 2..32 proposals, got "):
+                settings.set_gemm_tuning(bad)
+        settings.set_gemm_tuning(32)
+        assert settings.gemm_tuning() == 32
+        settings.set_gemm_tuning(None)
+        assert settings.gemm_tuning() == 0
         monkeypatch.setenv("TP_KERNELS_TIMEOUT_S", "50")  # (none was set: the variable is read again)
         assert settings.get_timeout() == 50.0 and settings.get_comm_stream_priority() == settings.HIGHEST_PRIORITY
         with pytest.raises(RuntimeError, match="inside"), settings.overriding(timeout=2):

@@ -428,7 +428,7 @@ def test_native_linear_lists_what_cublaslt_chose_for_each_problem():
     """``_C.gemm_plans``: a plan for each problem the GEMM ran (a batched one and a transposed
     weight's apart), with the heuristic's waves count, which grows with the tiles to run, and the
     workspace it needs within the one it was given; the benchmark's filter finds them."""
-    from tp_kernels.bench.extension import PLAN_FIELDS, cublaslt_plans
+    from tp_kernels.bench.extension import ALGO_FIELDS, PLAN_FIELDS, cublaslt_plans
 
     k, n = 512, 1536
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -442,7 +442,10 @@ def test_native_linear_lists_what_cublaslt_chose_for_each_problem():
     assert set(small) == set(PLAN_FIELDS) and (large["m"], large["n"], large["k"], large["batch"]) == (8192, n, k, 1)
     assert 0 < small["waves"] < large["waves"]  # (64 times fewer outputs, in fewer tiles whatever their shape)
     assert small["algo_id"] >= 0  # (set for every algorithm; the other ids -1 where cuBLASLt reports none)
-    assert all(isinstance(small[f], int) and small[f] >= -1 for f in PLAN_FIELDS if f != "waves")
+    assert all(isinstance(small[f], int) and small[f] >= -1 for f in ("m", "n", "k", "batch") + ALGO_FIELDS)
+    # made untuned (the default): nothing timed
+    assert (small["tuning_timed"], small["tuning_first_ms"], small["tuning_chosen_ms"], small["tuning_note"]) == (
+        0, -1.0, -1.0, "")
     (batched,) = cublaslt_plans(32, n, k, batch=4, plans=plans)
     assert batched["batch"] == 4 and batched["waves"] > 0
     (dgrad,) = cublaslt_plans(16, k, n, w_col_major=True, plans=plans)
@@ -450,6 +453,65 @@ def test_native_linear_lists_what_cublaslt_chose_for_each_problem():
     full = [q for q in plans if (q["m"], q["n"], q["k"]) == (8192, n, k)]
     assert full and all(0 <= q["workspace_needed"] <= q["workspace_bytes"] and q["dtype"] == "bfloat16"
                         and q["device"] == torch.cuda.current_device() for q in full)
+
+
+@native_built
+def test_tuned_gemm_plans_run_the_fastest_proposal_without_waiting_for_the_callers_stream():
+    """With GEMM tuning on (settings.set_gemm_tuning), a problem's first call times cuBLASLt's
+    proposals and its plan keeps the fastest (never slower than the heuristic's first as timed);
+    the call returns while the caller's stream is still held by a second of spinning (the timing
+    waits for its own GEMMs alone, on a stream of its own), and its product is right; a plan made
+    while the stream is captured keeps the heuristic's first and says so; with tuning off again,
+    plans made after forget_gemm_plans time nothing."""
+    from tp_kernels import _timing
+    from tp_kernels.bench.extension import ALGO_FIELDS, cublaslt_plans
+
+    C = _extension.require()
+    m, k, n = 2048, 3584, 8192
+    g = torch.Generator().manual_seed(11)
+    x, w = (torch.randn(s, generator=g).to("cuda", torch.bfloat16) for s in ((m, k), (n, k)))
+    y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    C.forget_gemm_plans()
+    try:
+        with settings.overriding(gemm_tuning=8):
+            _timing._sleep(1.0)  # the caller's stream held for a second
+            started = time.monotonic()
+            _extension.linear(x, w, out=y)
+            assert time.monotonic() - started < 0.9  # (the spin is still running: nothing waited for it)
+            torch.cuda.synchronize()
+            (plan,) = cublaslt_plans(m, n, k)
+            assert plan["tuning_note"] == "" and plan["tuning_timed"] >= 2, plan
+            assert 0 < plan["tuning_chosen_ms"] <= plan["tuning_first_ms"], plan
+            found = C.gemm_candidates(x=x, weight=w, bias=None, out=torch.empty_like(y),
+                                      workspace=torch.empty(_extension.WORKSPACE_BYTES, dtype=torch.uint8,
+                                                            device="cuda"),
+                                      count=8, iters=1, stream=torch.cuda.current_stream().cuda_stream, timeout_s=60.0)
+            assert all(found[0][f] == plan[f] for f in ALGO_FIELDS)  # (the first candidate: the plan's algorithm)
+            assert_close("a tuned plan's product", y, torch.nn.functional.linear(x.double(), w.double()),
+                         torch.nn.functional.linear(x, w))
+            # a plan first made inside a capture: the heuristic's first, untimed
+            xs = x[:1024]
+            ys = torch.empty(1024, n, device="cuda", dtype=torch.bfloat16)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                _extension.linear(x[:8], w)  # (the capture stream's workspace made before the capture)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                _extension.linear(xs, w, out=ys)
+            graph.replay()
+            torch.cuda.synchronize()
+            (captured,) = cublaslt_plans(1024, n, k)
+            assert captured["tuning_timed"] == 0 and "captured" in captured["tuning_note"], captured
+            assert torch.equal(ys, _extension.linear(xs, w))
+        C.forget_gemm_plans()
+        _extension.linear(x, w, out=y)
+        (untuned,) = cublaslt_plans(m, n, k)
+        assert (untuned["tuning_timed"], untuned["tuning_note"]) == (0, "")
+    finally:
+        C.forget_gemm_plans()
+        torch.cuda.synchronize()
 
 
 @native_built

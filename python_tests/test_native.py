@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -303,6 +304,39 @@ def test_call_passes_the_side_streams_own_workspace(monkeypatch):
     assert _extension.has_workspace((0, 22)) and not _extension.has_workspace((0, 33))
 
 
+def test_a_call_that_multiplies_passes_the_gemm_tuning_set_then(monkeypatch):
+    """_extension.call hands settings.gemm_tuning (with the timeout that bounds its waits, and
+    GEMM_TUNING_ITERS) to the extension before a function that multiplies, once per change; none
+    while tuning stays off, nor for a function that does not multiply."""
+    told = []
+    monkeypatch.setattr(_extension, "require", lambda: SimpleNamespace(
+        set_gemm_tuning=lambda **kw: told.append(kw)))
+    monkeypatch.setattr(_extension, "_tuning_set", (0, None))
+    monkeypatch.setattr(_extension, "_workspaces", {(0, 11): (None, "ws")})
+    ran = []
+
+    def fn(**args):
+        ran.append(args)
+
+    _extension.call(fn, stream=(0, 11), x=1)
+    assert told == [] and len(ran) == 1  # off, as the extension starts
+    with settings.overriding(gemm_tuning=8, timeout=7.5):
+        _extension.call(fn, stream=None, gemm=False, x=1)
+        assert told == []  # (nothing multiplies)
+        _extension.call(fn, stream=(0, 11), x=1)
+        _extension.call(fn, stream=(0, 11), x=1)
+        assert told == [{"candidates": 8, "iters": settings.GEMM_TUNING_ITERS, "timeout_s": 7.5}]
+        with settings.overriding(timeout=9.0):
+            _extension.call(fn, stream=(0, 11), x=1)
+        assert told[-1] == {"candidates": 8, "iters": settings.GEMM_TUNING_ITERS, "timeout_s": 9.0}
+        _extension.call(fn, stream=(0, 11), x=1)
+        assert told[-1]["timeout_s"] == 7.5 and len(told) == 3
+    _extension.call(fn, stream=(0, 11), x=1)
+    assert told[-1] == {"candidates": 0, "iters": settings.GEMM_TUNING_ITERS, "timeout_s": settings.DEFAULT_TIMEOUT_S}
+    _extension.call(fn, stream=(0, 11), x=1)
+    assert len(told) == 4 and [args.get("workspace") for args in ran] == ["ws", None] + ["ws"] * 6
+
+
 def test_a_capture_needs_the_second_gemm_streams_workspace_made_first(monkeypatch):
     """Under a CUDA graph capture the native ops refuse (the path is not runnable, saying why) where
     two GEMM streams are asked for and the second one's workspace is not made yet, as where the
@@ -354,6 +388,26 @@ def test_the_extension_says_whether_nccl_can_revoke_as_its_version_does():
     whether the NCCL loaded has ``ncclCommRevoke``, new in NCCL 2.28.9."""
     C = _extension._C
     assert C.nccl_can_revoke() is (C.runtime_info()["nccl_version"] >= 22809)
+
+
+@built
+def test_gemm_tuning_refuses_what_is_out_of_range_before_touching_the_gpu():
+    """_C.set_gemm_tuning: a ValueError naming the argument out of range, with no CUDA call (this
+    runs without a GPU); the range of proposals is the one settings.set_gemm_tuning takes.
+    forget_gemm_plans and gemm_plans make no CUDA call either."""
+    C = _extension.require()
+    top = settings.GEMM_TUNING_MAX
+    for (candidates, iters, timeout_s), name in (((1, 5, 10.0), "candidates"), ((top + 1, 5, 10.0), "candidates"),
+                                                 ((-1, 5, 10.0), "candidates"), ((8, 0, 10.0), "iters"),
+                                                 ((8, 1001, 10.0), "iters"), ((8, 5, 0.0), "timeout_s"),
+                                                 ((8, 5, float("inf")), "timeout_s"),
+                                                 ((8, 5, float("nan")), "timeout_s")):
+        with pytest.raises(ValueError, match=f"^{name}: GEMM tuning "):
+            C.set_gemm_tuning(candidates=candidates, iters=iters, timeout_s=timeout_s)
+    for candidates in (2, top, 0):  # (ends off, as _extension last told it)
+        C.set_gemm_tuning(candidates=candidates, iters=settings.GEMM_TUNING_ITERS, timeout_s=10.0)
+    C.forget_gemm_plans()
+    assert C.gemm_plans() == []
 
 
 @built
@@ -471,7 +525,8 @@ def test_the_benchmarks_keep_the_plans_of_the_problem_they_ran():
         return {"device": 0, "m": m, "n": n, "k": k, "batch": batch, "ldx": ldx, "ldw": k, "ldy": n, "dtype": dtype,
                 "bias": False, "w_col_major": w_col_major, "workspace_bytes": 1 << 25, "algo_id": 66,
                 "tile_id": 23, "stages_id": 0, "splitk": 1, "reduction_scheme": 0, "swizzle": 0, "custom_option": 0,
-                "inner_shape_id": 0, "cluster_shape_id": 3, "waves": waves, "workspace_needed": 0}
+                "inner_shape_id": 0, "cluster_shape_id": 3, "waves": waves, "workspace_needed": 0,
+                "tuning_timed": 0, "tuning_first_ms": -1.0, "tuning_chosen_ms": -1.0, "tuning_note": ""}
 
     plans = [plan(2048, waves=1.7), plan(2048, waves=1.7, ldx=4096), plan(8192, waves=6.8), plan(2048, batch=8),
              plan(2048, w_col_major=True), plan(2048, dtype="float16"), plan(2048, n=4096), plan(2048, k=1024)]

@@ -35,6 +35,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import settings
 from .settings import BACKEND_NAMES
 
 
@@ -227,6 +228,26 @@ def _workspace_ref(stream: StreamRef):
     return entry[1]
 
 
+#: The GEMM tuning the extension has now: (proposals, timeout) as last passed to
+#: ``_C.set_gemm_tuning`` (its own default: off).
+_tuning_set: tuple = (settings.GEMM_TUNING_DEFAULT, None)
+
+
+def _apply_gemm_tuning() -> None:
+    """Pass :func:`tp_kernels.settings.gemm_tuning` (and, with it on, the timeout, which bounds
+    its waits) to the extension where it changed since the last call that multiplies: the plans
+    made from then on follow it."""
+    global _tuning_set
+    candidates = settings.gemm_tuning()
+    if candidates == 0 == _tuning_set[0]:
+        return
+    wanted = (candidates, settings.get_timeout() if candidates else None)
+    if wanted != _tuning_set:
+        require().set_gemm_tuning(candidates=candidates, iters=settings.GEMM_TUNING_ITERS,
+                                  timeout_s=wanted[1] or settings.DEFAULT_TIMEOUT_S)
+        _tuning_set = wanted
+
+
 def call(fn, *context, stream: Optional[StreamRef], gemm: bool = True, side: Optional[StreamRef] = None,
          **args):
     """``fn(*context, **args)`` for a native function ``fn`` of ``_C``, enqueued on ``stream``; what
@@ -239,9 +260,10 @@ def call(fn, *context, stream: Optional[StreamRef], gemm: bool = True, side: Opt
     that multiply: ``gemm``) and ``stream``. ``stream`` is None for tensors not on a CUDA device:
     ``fn``'s checks then reject them before anything runs. ``side``: a second stream the
     pipelined primitives' GEMMs alternate with (passed as ``side_stream``, with its own workspace,
-    ``side_workspace``).
+    ``side_workspace``). For those, the GEMM tuning set (:func:`_apply_gemm_tuning`) first.
     """
     if gemm:
+        _apply_gemm_tuning()
         args["workspace"] = torch.empty(0, dtype=torch.uint8) if stream is None else _workspace_ref(stream)
     if side is not None:
         args["side_stream"], args["side_workspace"] = side[1], _workspace_ref(side)

@@ -51,6 +51,11 @@ environment variable                   setter (wins over it)       meaning, defa
                                                                    next one's first); default 1 (an
                                                                    experiment, to be measured:
                                                                    docs/benchmarks.md)
+``TP_KERNELS_GEMM_TUNING``             :func:`set_gemm_tuning`     how many of cuBLASLt's proposals the
+                                                                   native GEMM times for a problem on its
+                                                                   first call, keeping the fastest: 0 (off:
+                                                                   the heuristic's first) or 2..32; default
+                                                                   0 (to be measured: docs/benchmarks.md)
 =====================================  ==========================  ===========================================
 
 Environment values are read when used, so a change takes effect at the next call; a malformed
@@ -80,6 +85,7 @@ __all__ = [
     "BACKEND_NAMES",
     "DEFAULT_TIMEOUT_S",
     "GEMM_STREAMS_DEFAULT",
+    "GEMM_TUNING_DEFAULT",
     "NCCL_BLOCKING_DEFAULT",
     "auto_fused",
     "auto_native",
@@ -90,6 +96,7 @@ __all__ = [
     "ids_checked",
     "forced_all_reduce_algorithm",
     "gemm_streams",
+    "gemm_tuning",
     "nccl_blocking",
     "get_auto_candidates",
     "get_comm_stream_priority",
@@ -100,6 +107,7 @@ __all__ = [
     "set_comm_stream_priority",
     "set_fingerprints",
     "set_gemm_streams",
+    "set_gemm_tuning",
     "set_ids_checked",
     "set_nccl_blocking",
     "set_timeout",
@@ -133,6 +141,7 @@ _fingerprints: Optional[bool] = None
 _ids_checked: Optional[bool] = None
 _nccl_blocking: Optional[bool] = None
 _gemm_streams: Optional[int] = None
+_gemm_tuning: Optional[int] = None
 
 
 class _Variable:
@@ -401,6 +410,53 @@ def gemm_streams() -> int:
 
 _GEMM_STREAMS = _Variable("TP_KERNELS_GEMM_STREAMS", _parse_gemm_streams, GEMM_STREAMS_DEFAULT)
 
+#: How many of cuBLASLt's proposals the native GEMM times for a problem by default: none (its
+#: heuristic's first runs; at 4640cd4 on an H200 a 70B TP8 row chunk's fastest proposal ran 1.15x
+#: faster than the first: docs/benchmarks.md)
+GEMM_TUNING_DEFAULT = 0
+#: the most proposals :func:`set_gemm_tuning` takes
+GEMM_TUNING_MAX = 32
+#: how many times a tuned problem's proposals each run, after one, between two CUDA events
+GEMM_TUNING_ITERS = 5
+
+
+def _check_gemm_tuning(what: str, candidates) -> int:
+    if (not isinstance(candidates, int) or isinstance(candidates, bool)
+            or not (candidates == 0 or 2 <= candidates <= GEMM_TUNING_MAX)):
+        raise ValueError(f"{what}: expected 0 (off) or 2..{GEMM_TUNING_MAX} proposals, got {candidates!r}")
+    return candidates
+
+
+def _parse_gemm_tuning(value: str) -> int:
+    try:
+        return _check_gemm_tuning("TP_KERNELS_GEMM_TUNING", int(value.strip()))
+    except ValueError:
+        raise ValueError(f"TP_KERNELS_GEMM_TUNING: expected 0 (off) or 2..{GEMM_TUNING_MAX} proposals, "
+                         f"got {value!r}") from None
+
+
+def set_gemm_tuning(candidates: Optional[int]) -> None:
+    """How many of cuBLASLt's proposals for a GEMM problem the native GEMMs time on the problem's
+    first call, keeping the fastest where it runs more than 2 % faster than the heuristic's first:
+    0, off (the heuristic's first, :data:`GEMM_TUNING_DEFAULT`), or 2..32. The timing runs each
+    proposal :data:`GEMM_TUNING_ITERS` times on a stream of its own, into an output and a
+    cuBLASLt workspace of its own, without waiting for the work queued before the call; it waits
+    (within :func:`get_timeout`) for those GEMMs alone, once per problem and process, and never in
+    a CUDA graph capture (a plan first made there keeps the heuristic's first). Plans made before
+    the setting changed stay as they are. Which proposal wins can differ between runs and ranks,
+    and with it the rounding of a product. None returns to ``TP_KERNELS_GEMM_TUNING`` or the
+    default."""
+    global _gemm_tuning
+    _gemm_tuning = None if candidates is None else _check_gemm_tuning("candidates", candidates)
+
+
+def gemm_tuning() -> int:
+    """How many of cuBLASLt's proposals a new GEMM plan times (:func:`set_gemm_tuning`; 0: off)."""
+    return _GEMM_TUNING.get(_gemm_tuning)
+
+
+_GEMM_TUNING = _Variable("TP_KERNELS_GEMM_TUNING", _parse_gemm_tuning, GEMM_TUNING_DEFAULT)
+
 
 #: Why the native pipelined path is no default candidate of ``"auto"`` (while it is not).
 AUTO_NATIVE_OFF = ("the native path is not yet chosen automatically (no GPU figure shows it faster than the "
@@ -439,13 +495,14 @@ _SETTERS = {"timeout": (set_timeout, "_timeout_s"), "comm_stream_priority": (set
             "auto_candidates": (set_auto_candidates, "_candidates"), "autotune": (set_autotune, "_autotune"),
             "fingerprints": (set_fingerprints, "_fingerprints"), "ids_checked": (set_ids_checked, "_ids_checked"),
             "nccl_blocking": (set_nccl_blocking, "_nccl_blocking"),
-            "gemm_streams": (set_gemm_streams, "_gemm_streams")}
+            "gemm_streams": (set_gemm_streams, "_gemm_streams"), "gemm_tuning": (set_gemm_tuning, "_gemm_tuning")}
 
 
 @contextlib.contextmanager
 def overriding(**values):
     """The settings named (``timeout``, ``comm_stream_priority``, ``auto_candidates``,
-    ``autotune``, ``fingerprints``, ``ids_checked``, ``nccl_blocking``, ``gemm_streams``) set
+    ``autotune``, ``fingerprints``, ``ids_checked``, ``nccl_blocking``, ``gemm_streams``,
+    ``gemm_tuning``) set
     inside the block, each checked as its setter checks it; after it, what was set before, exactly
     (a value a setter set, or none: the environment variable or the default again)::
 

@@ -20,6 +20,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "tp_kernels/tensor.h"
@@ -57,6 +58,15 @@ struct GemmAlgoInfo {
   size_t workspace_needed = 0;
 };
 
+// What a plan's making timed where tuning was on (set_gemm_tuning): how many of the heuristic's
+// proposals ran (0: none, the heuristic's first kept unmeasured), the mean time of a run of its
+// first and of the algorithm kept, and why tuning did not run or stopped ("" where it ran).
+struct GemmTuningInfo {
+  int timed = 0;
+  float first_ms = -1.0f, chosen_ms = -1.0f;
+  std::string note;
+};
+
 // What cuBLASLt's heuristic chose for one problem `linear` (or gemm_candidates) has planned in this
 // process (its cached plan): the problem and the algorithm. For the benchmarks: why a GEMM runs at the rate it
 // does.
@@ -68,11 +78,30 @@ struct GemmPlanInfo {
   bool bias = false, w_col_major = false;
   size_t workspace_bytes = 0;  // the workspace the plan was made for
   GemmAlgoInfo algo;
+  GemmTuningInfo tuning;
 };
 
 // Every plan made so far, in the order of their problems (device, m, n, k, ...). Reads only what
 // the plans hold: no CUDA call.
 std::vector<GemmPlanInfo> gemm_plans();
+
+// Drops every plan (their descriptors freed): the next GEMM of each problem makes its plan again,
+// under the tuning set then. For the benchmarks, which compare a problem's plans with tuning off
+// and on in one process. No CUDA call.
+void forget_gemm_plans();
+
+// Tuning of the plans made from now on: `candidates` 0 (off: each plan runs cuBLASLt's heuristic's
+// first algorithm, the default) or 2..32: a plan's making times the heuristic's first `candidates`
+// proposals for its problem and keeps the fastest where it is more than 2 % faster than the first.
+// Each proposal runs once, then `iters` times between two CUDA events, on a stream of the plan's
+// own, into an output and a workspace of its own (allocated stream-ordered, freed after): the
+// caller's X and W are read without waiting for the work queued before the call (a GEMM's time
+// does not depend on its values), so the wait, within `timeout_s` seconds in all, is for these
+// GEMMs alone, never behind a collective the peers have yet to join. A plan made while its stream
+// is captured, or whose timing fails (no memory for the output, say), keeps the heuristic's first
+// and says why (gemm_plans). Which algorithm wins can differ between runs and ranks, and with it
+// the rounding of a product. Throws ArgumentError for an argument out of range; no CUDA call.
+void set_gemm_tuning(int candidates, int iters, double timeout_s);
 
 // One of the algorithms cuBLASLt's heuristic proposes for a problem, timed (gemm_candidates).
 struct GemmCandidate {
