@@ -32,7 +32,9 @@ against):
    says how full a GEMM's last wave of tiles is, the account of what splitting costs;
    ``"candidates"``: the unsplit GEMM and a row chunk by the native GEMM's algorithm and by the
    heuristic's other proposals (:data:`CANDIDATES` in all, :func:`gemm_candidates`): whether
-   another algorithm would win the split's cost back.
+   another algorithm would win the split's cost back; ``"tuned"``: the unsplit GEMM, the 4 row
+   chunks and the native primitive again with the native GEMM's plans tuned, each the fastest of
+   those proposals (:func:`tuned_chunking`, :func:`tp_kernels.settings.set_gemm_tuning`).
 4. **Decode GEMMs**: the native GEMM against ``F.linear`` at m = 16 of those shapes, forward and
    the backward's dgrad (the weight transposed), replayed from a CUDA graph: the GEMMs' own time,
    without the host's launch (target ≥ 0.99×), each with cuBLASLt's plan (its split-K among it).
@@ -143,8 +145,9 @@ ALGO_FIELDS = ("algo_id", "tile_id", "stages_id", "splitk", "reduction_scheme", 
 
 #: What a record keeps of each of cuBLASLt's plans (``_C.gemm_plans``): the problem and what the
 #: heuristic chose for it, its ``waves`` (1.0: every multiprocessor busy once; 1.7: a second wave
-#: 70 % full) first.
-PLAN_FIELDS = ("m", "n", "k", "batch", "waves") + ALGO_FIELDS
+#: 70 % full) first; then what its making timed where tuning was on (:func:`tuned_chunking`).
+PLAN_FIELDS = ("m", "n", "k", "batch", "waves") + ALGO_FIELDS + (
+    "tuning_timed", "tuning_first_ms", "tuning_chosen_ms", "tuning_note")
 
 
 def cublaslt_plans(m: int, n: int, k: int, batch: int = 1, w_col_major: bool = False, dtype: str = "bfloat16",
@@ -248,6 +251,31 @@ def host_overhead(iters: int) -> Dict:
             "target_us": TARGETS["host_overhead_us"][0]}
 
 
+def tuned_chunking(m: int, n: int, k: int, fns: Dict[str, Callable[[], object]], plans: Callable[[], dict],
+                   iters: int) -> Dict:
+    """``fns`` (``"unsplit"`` and splits of one problem) again with the native GEMM's plans tuned
+    (:func:`tp_kernels.settings.set_gemm_tuning`, :data:`CANDIDATES` proposals each): every plan
+    dropped and made again under tuning by a first call of each, then their samples in turns;
+    each split's ``"vs_unsplit"`` against the tuned unsplit GEMM; ``"plans"``: ``plans()`` then
+    (each plan's tuning figures among its fields). The plans are dropped again after, so that what
+    follows makes them untuned."""
+    C = _extension.require()
+    C.forget_gemm_plans()
+    try:
+        with settings.overriding(gemm_tuning=CANDIDATES):
+            for fn in fns.values():
+                fn()  # (each problem's plan made, its proposals timed)
+            synchronize("chunking: the tuned plans' first calls")
+            times = gpu_times_ms(fns, iters)
+            made = plans()
+    finally:
+        C.forget_gemm_plans()
+    t_full = times["unsplit"]
+    return {"candidates": CANDIDATES, "unsplit_ms": t_full, "plans": made,
+            **{label: {"ms": t, "tflops": tflops(m, k, n, t), "vs_unsplit": t_full / t}
+               for label, t in times.items() if label != "unsplit"}}
+
+
 def chunking(iters: int, p: int = 8, chunks: int = 4) -> Dict:
     """Section 3 of the module doc: each split's GEMMs one after the other on the current stream,
     as the schedules run them, and (``..._two_streams``) the row chunks and the ring's shards
@@ -318,7 +346,7 @@ def chunking(iters: int, p: int = 8, chunks: int = 4) -> Dict:
         # row chunks' and the shards' problems): the tiles, and how full each GEMM's last wave was
         plans = C.gemm_plans()
 
-        def split(rows: int, batch: int = 1) -> List[dict]:  # the plans of chunk_bounds(rows, chunks)'s sizes
+        def split(rows: int, batch: int = 1, plans=plans) -> List[dict]:  # chunk_bounds(rows, chunks)'s plans
             sizes = sorted({b - a for a, b in chunk_bounds(rows, chunks)}, reverse=True)
             return [q for size in sizes for q in cublaslt_plans(size, n, k, batch, plans=plans)]
 
@@ -330,6 +358,13 @@ def chunking(iters: int, p: int = 8, chunks: int = 4) -> Dict:
         rows = chunk_bounds(m, chunks)[0][1]
         entry["candidates"] = {"unsplit": gemm_candidates(x, w, y, iters),
                                f"{chunks}_row_chunks": gemm_candidates(x[:rows], w, y[:rows], iters)}
+        entry["tuned"] = tuned_chunking(m, n, k, {"unsplit": lambda: _extension.linear(x, w, out=y),
+                                                  f"{chunks}_row_chunks": splits[f"{chunks}_row_chunks"],
+                                                  f"native_matmul_all_reduce_{chunks}_chunks":
+                                                      splits[f"native_matmul_all_reduce_{chunks}_chunks"]},
+                                        lambda: {"unsplit": cublaslt_plans(m, n, k),
+                                                 f"{chunks}_row_chunks": split(m, plans=C.gemm_plans())},
+                                        iters)
         out[name] = entry
     synchronize("chunking: the last figures")
     comm.close()

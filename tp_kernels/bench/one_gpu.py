@@ -214,6 +214,13 @@ def report(measured: dict, rows: List[dict], device: str) -> dict:
                                      "native matmul_all_reduce, 1 rank, 4 chunks on two streams")):
                     if label in entry:  # (not in older records)
                         check("chunk4_vs_unsplit", f"{what} / unsplit, 70B TP8 {name}", entry[label]["vs_unsplit"])
+                tuned = entry.get("tuned")  # (not in older records)
+                if tuned:
+                    primitive = "native matmul_all_reduce, 1 rank, 4 chunks"
+                    for label, what in (("4_row_chunks", "4 row chunks"),
+                                        ("native_matmul_all_reduce_4_chunks", primitive)):
+                        check("chunk4_vs_unsplit", f"{what} / unsplit, both tuned (the fastest of cuBLASLt's "
+                              f"{tuned['candidates']} proposals each), 70B TP8 {name}", tuned[label]["vs_unsplit"])
         for name, entry in ext.get("decode_gemms", {}).items():  # (not in older records)
             if isinstance(entry, dict):
                 for label in ("forward", "dgrad"):
