@@ -411,7 +411,7 @@ def gemm_streams() -> int:
 _GEMM_STREAMS = _Variable("TP_KERNELS_GEMM_STREAMS", _parse_gemm_streams, GEMM_STREAMS_DEFAULT)
 
 #: How many of cuBLASLt's proposals the native GEMM times for a problem by default: none (its
-#: heuristic's first runs; at 4640cd4 on an H200 a 70B TP8 row chunk's fastest proposal ran 1.15x
+#: heuristic's first runs; at 4640cd4 on an H200 a 70B TP8 column chunk's fastest proposal ran 1.15x
 #: faster than the first: docs/benchmarks.md)
 GEMM_TUNING_DEFAULT = 0
 #: the most proposals :func:`set_gemm_tuning` takes
