@@ -146,21 +146,29 @@ def test_the_capture_paths_of_a_fused_backend_that_cannot_run_are_an_error(monke
 
 
 def check_auto_compiles_whole_while_the_logger_says_why():
-    """With the dispatch logger at debug level, a call of ``backend="auto"`` still compiles whole
-    (``fullgraph=True``): nothing is said while torch.compile traces (a logger call there would
-    break the graph), and the result is the eager one."""
+    """With the dispatch and autotune loggers at debug level, a call of ``backend="auto"`` still
+    compiles whole (``fullgraph=True``): nothing is said while torch.compile traces (a logger call
+    there would break the graph), with one candidate and with two over a shape class never
+    measured (the first then runs, unmeasured), and the result is the eager one."""
     rank_world()
     g = torch.Generator().manual_seed(4)
     x, w = torch.randn(4, 6, generator=g), torch.randn(5, 6, generator=g)
-    logger = logging.getLogger("tp_kernels.dispatch")
-    logger.setLevel(logging.DEBUG)
+    loggers = [logging.getLogger(name) for name in ("tp_kernels.dispatch", "tp_kernels.autotune")]
+    for logger in loggers:
+        logger.setLevel(logging.DEBUG)
     try:
         def call(x):
             return ops.matmul_all_reduce(x, w, backend="auto")
 
-        torch.testing.assert_close(torch.compile(call, backend="aot_eager", fullgraph=True)(x), call(x))
+        for candidates in (None, ("reference", "pipelined")):
+            autotune.forget()
+            with settings.overriding(auto_candidates=candidates):
+                compiled = torch.compile(call, backend="aot_eager", fullgraph=True)(x)
+                torch.testing.assert_close(compiled, call(x))
     finally:
-        logger.setLevel(logging.NOTSET)
+        for logger in loggers:
+            logger.setLevel(logging.NOTSET)
+        autotune.forget()
 
 
 @pytest.mark.parametrize("world", [2], indirect=True)
@@ -696,6 +704,68 @@ def test_measured_choice(world2):
     # rows: 3 m_per_rank gathered by all_gather_matmul, 3 m_per_rank p for the others
     assert [(op, m) for op, m, *_ in per_rank[0]] == [(op, m) for op in OPS
                                                        for m in ((16, 64) if op == "all_gather_matmul" else (32, 128))]
+
+
+def check_what_auto_measures():
+    """What auto's measurement of a shape class runs: each candidate WARMUP untimed and REPEATS
+    timed times, on the primitive's own operands (for linear_with_grad_all_reduce, its backward's
+    all-reduce: dy [m, n/p] by W as [k, n/p]), each run's output the all-reduced product itself
+    (the collective waited for); the decision names the group's size, and moves the generation on
+    (what a choice made from the decisions stays true for)."""
+    from collections import Counter
+
+    r, p = rank_world()
+    seen = []
+    run_variant = autotune._run_variant
+
+    def recording(primitive, variant, x, w, b, group):
+        out = run_variant(primitive, variant, x, w, b, group)
+        seen.append((primitive, variant, tuple(x.shape), tuple(w.shape), out, x.detach().clone(), w.detach().clone()))
+        return out
+
+    autotune._run_variant = recording
+    autotune.set_auto_candidates(["reference", "pipelined"])
+    try:
+        x = torch.randn(5, 12, generator=torch.Generator().manual_seed(1))  # replicated
+        w = torch.randn(6, 12, generator=torch.Generator().manual_seed(2 + r)).requires_grad_()  # W [n/p, k]
+        before = autotune.generation()
+        ops.linear_with_grad_all_reduce(x, w, backend="auto")
+        (d,) = autotune.decisions()
+        assert d.op == "linear_with_grad_all_reduce" and d.p == p and autotune.generation() > before
+        assert {(prim, xs, ws) for prim, _, xs, ws, *_ in seen} == {("matmul_all_reduce", (5, 6), (12, 6))}
+        assert sorted(Counter(v for _, v, *_ in seen).items()) == [
+            (v, autotune.WARMUP + autotune.REPEATS) for v in sorted(d.variants)]
+        for _, v, _, _, out, xm, wm in seen:
+            assert isinstance(out, torch.Tensor), (v, out)
+            torch.testing.assert_close(out, ops.matmul_all_reduce(xm, wm, backend="reference"))
+    finally:
+        autotune._run_variant = run_variant
+        autotune.set_auto_candidates(None)
+        autotune.forget()
+
+
+def test_what_auto_measures(world2):
+    world2.run(check_what_auto_measures)
+
+
+def test_point_to_point_is_never_measured(monkeypatch):
+    """``send`` and ``recv`` under ``"auto"`` run their first variant, unmeasured (one side alone
+    cannot time them), before anything asks the group."""
+    from tp_kernels._op_table import POINT_TO_POINT
+
+    monkeypatch.setattr(autotune, "_measured", lambda *args, **kwargs: pytest.fail("measured"))
+    for collective in sorted(POINT_TO_POINT):
+        assert autotune.choose_collective(collective, ["native", "reference"], torch.zeros(3), None, peer=1) == "native"
+    assert autotune.decisions() == []
+
+
+def test_nothing_is_measured_inside_a_torch_func_transform():
+    """Under a torch.func transform the input is the transform's wrapper, of no storage the native
+    paths could read: nothing is measured there (the class's decision, or its first variant)."""
+    seen = []
+    torch.func.vmap(lambda t: seen.append(autotune.unmeasurable_reason(t)) or t)(torch.zeros(2, 3))
+    assert seen == ["a torch.func transform is active"]
+    assert autotune.unmeasurable_reason(torch.zeros(2)) is None
 
 
 def check_the_slowest_rank_decides():
