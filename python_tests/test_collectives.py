@@ -125,6 +125,51 @@ def check_helpers(flag: str):
         os.remove(flag)
 
 
+def test_a_collective_that_fails_to_start_raises_as_a_dead_peer_does(monkeypatch):
+    """A backend error starting a collective (a peer's connection gone) is raised as a failed wait
+    is: what the collective was, on which rank, and what to do, the backend's message kept."""
+    monkeypatch.setattr(coll.dist, "get_rank", lambda *args: 3)
+
+    def start():
+        raise RuntimeError("Connection reset by peer")
+
+    with pytest.raises(RuntimeError, match=r"^tp_kernels: all-reduce did not complete on global rank 3 \(group of 1 "
+                                           r"ranks, timeout .* s\): Connection reset by peer\. A peer rank may have "
+                                           r"died") as caught:
+        coll._issue("all-reduce", None, torch.zeros(2), start)
+    assert isinstance(caught.value.__cause__, RuntimeError)
+
+
+def test_a_ring_exchange_hands_back_the_send_apart_and_the_receive_as_the_pending_result(monkeypatch):
+    """ring_exchange issues its send to the next rank and its receive from the previous as one
+    batch, and returns the send's work apart and the receive's in the pending result, so that
+    waiting for that result waits for the data received (not for the send); where the backend
+    coalesces the batch into one work, that work is the pending result's."""
+    issued = []
+
+    class Group:
+        def rank(self):
+            return 1
+
+        def size(self):
+            return 3
+
+    def batch(ops):
+        issued.extend(ops)
+        return [f"work {op[0]} {op[2]}" for op in ops]
+
+    monkeypatch.setattr(coll.dist, "get_global_rank", lambda group, q: 10 + q)
+    monkeypatch.setattr(coll.dist, "P2POp", lambda fn, t, peer, group, tag: (fn.__name__, t, peer, tag))
+    monkeypatch.setattr(coll.dist, "batch_isend_irecv", batch)
+    send, recv = torch.zeros(2), torch.empty(2)
+    sent, pending = coll.ring_exchange(send, recv, Group(), 7, "ring step")
+    assert [(name, t is send, t is recv, peer, tag) for name, t, peer, tag in issued] == [
+        ("isend", True, False, 12, 7), ("irecv", False, True, 10, 7)]
+    assert sent == "work isend 12" and pending.works == ("work irecv 10",) and pending.tensor is recv
+    monkeypatch.setattr(coll.dist, "batch_isend_irecv", lambda ops: ["coalesced"])
+    assert coll.ring_exchange(send, recv, Group(), 7, "ring step")[0] is None
+
+
 @pytest.mark.parametrize("world", [2, 4], indirect=True)
 def test_the_helpers_on_several_ranks(world, tmp_path):
     world.run(check_helpers, str(tmp_path / "last_rank_arrived"))
