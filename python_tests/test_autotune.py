@@ -714,6 +714,8 @@ def check_what_auto_measures():
     (what a choice made from the decisions stays true for)."""
     from collections import Counter
 
+    from tp_kernels import _timing
+
     r, p = rank_world()
     seen = []
     run_variant = autotune._run_variant
@@ -735,6 +737,9 @@ def check_what_auto_measures():
         assert {(prim, xs, ws) for prim, _, xs, ws, *_ in seen} == {("matmul_all_reduce", (5, 6), (12, 6))}
         assert sorted(Counter(v for _, v, *_ in seen).items()) == [
             (v, autotune.WARMUP + autotune.REPEATS) for v in sorted(d.variants)]
+        # in turns, the order rotated each round, warm-up rounds first
+        assert [v for _, v, *_ in seen] == [d.variants[b] for rounds in (autotune.WARMUP, autotune.REPEATS)
+                                             for _, b in _timing.turns(len(d.variants), rounds)]
         for _, v, _, _, out, xm, wm in seen:
             assert isinstance(out, torch.Tensor), (v, out)
             torch.testing.assert_close(out, ops.matmul_all_reduce(xm, wm, backend="reference"))

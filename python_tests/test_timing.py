@@ -159,6 +159,25 @@ def test_the_host_timer_times_the_body_alone_each_sample_after_a_barrier(monkeyp
     assert t < 0.05
 
 
+def test_the_timer_takes_several_bodies_samples_in_turns(monkeypatch):
+    """Timer.in_turns: each body's warm-up runs, then its timed samples, one of each a round after
+    a barrier, the order rotated each round (turns); each body's own median, in their order."""
+    log = []
+    monkeypatch.setattr(_timing.coll, "barrier", lambda group, device: log.append("barrier"))
+    assert _timing.turns(3, 2) == [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (1, 0)]
+
+    def body(name, seconds):
+        def run(i):
+            log.append(f"{name} {i}")
+            time.sleep(seconds)
+        return run
+
+    fast, slow = _timing.Timer(3, 1, False, None).in_turns([body("a", 0.0), body("b", 0.03)])
+    assert log == ["a 0", "b 0", "barrier", "a 1", "barrier", "b 1", "barrier", "b 2", "barrier", "a 2",
+                   "barrier", "a 3", "barrier", "b 3"]
+    assert fast < 0.02 < 0.03 <= slow
+
+
 def test_the_extension_benchmarks_time_with_the_shared_hold(fake_gpu, monkeypatch):
     log, events = fake_gpu
     events.ms = [9.0, 9.0, 1.0, 3.0, 2.0]

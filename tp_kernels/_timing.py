@@ -22,7 +22,7 @@ import functools
 import statistics
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from . import _collectives as coll
 from .settings import get_timeout
 
-__all__ = ["HOLD", "Hold", "Timer", "gpu_events", "synchronize", "wait_event"]
+__all__ = ["HOLD", "Hold", "Timer", "gpu_events", "synchronize", "turns", "wait_event"]
 
 #: The shortest and the longest hold (seconds): the hold is :data:`HOLD_FACTOR` times the
 #: host's time to enqueue the last sample, within these.
@@ -177,6 +177,14 @@ def synchronize(what: str, device: Optional[torch.device] = None) -> None:
         raise errors[0]
 
 
+def turns(count: int, rounds: int) -> List[Tuple[int, int]]:
+    """The order in which ``count`` figures are sampled in turns over ``rounds`` rounds: ``(round,
+    figure)`` pairs, each figure once a round, the order rotated each round, so that what drifts
+    over a measurement (a GPU's clock rising from idle, its temperature, its power limit) falls on
+    every figure alike. The same on every rank."""
+    return [(i, (i + j) % count) for i in range(rounds) for j in range(count)]
+
+
 class Timer:
     """Median seconds of ``body(i)`` over ``iters`` samples (slowest rank each), see the module doc.
 
@@ -196,7 +204,14 @@ class Timer:
 
     def __call__(self, body: Callable[[int], object], pre: Optional[Callable[[int], object]] = None,
                  post: Optional[Callable[[int], object]] = None) -> float:
-        def once(i):
+        return self.in_turns([body], pre, post)[0]
+
+    def in_turns(self, bodies: Sequence[Callable[[int], object]], pre: Optional[Callable[[int], object]] = None,
+                 post: Optional[Callable[[int], object]] = None) -> List[float]:
+        """The median seconds of each of ``bodies``, as :meth:`__call__` times one, their samples
+        taken in turns (:func:`turns`): the warm-up rounds, then ``iters`` rounds of one sample
+        each, so that a drift over the measurement does not decide between them."""
+        def once(body, i):
             if self.cuda:
                 start, end, state = gpu_events(lambda: body(i), self.hold, i >= self.warmup,
                                                None if pre is None else lambda: pre(i))
@@ -212,13 +227,13 @@ class Timer:
                 elapsed = start.elapsed_time(end) / 1e3
             return elapsed
 
-        for i in range(self.warmup):
-            once(i)
-        samples = []
-        for i in range(self.iters):
+        for i, b in turns(len(bodies), self.warmup):
+            once(bodies[b], i)
+        samples: List[List[float]] = [[] for _ in bodies]
+        for i, b in turns(len(bodies), self.iters):
             coll.barrier(self.group, self.device)
-            samples.append(once(self.warmup + i))
-        if self.p > 1:
+            samples[b].append(once(bodies[b], self.warmup + i))
+        if self.p > 1:  # each sample the slowest rank's
             t = torch.tensor(samples, dtype=torch.float64, device=coll.exchange_device(self.group, self.device))
             samples = coll.all_reduce(t, self.group, op=dist.ReduceOp.MAX, inplace=True).wait().tolist()
-        return statistics.median(samples)
+        return [statistics.median(s) for s in samples]

@@ -19,7 +19,9 @@ the class:
   without autograd: :data:`WARMUP` untimed runs (which also make communicators and workspaces),
   then :data:`REPEATS` timed ones, each after a barrier, timed by CUDA events on the current
   stream (host clock for host tensors, whose calls complete before they return), the slowest
-  rank's time per sample, the median over samples (:class:`tp_kernels._timing.Timer`);
+  rank's time per sample, the median over samples, the candidates' runs taken in turns, the order
+  rotated each round (:meth:`tp_kernels._timing.Timer.in_turns`: a GPU's clock rising from idle
+  under the first candidate does not decide against it);
 * the fused ``matmul_all_reduce`` is measured once per all-reduce algorithm (each its own
   implementation name, ``"fused:two_shot"``), and the fastest one is remembered for its size
   class (:func:`measured_algorithm`, which ``backend="fused"`` then runs too) unless
@@ -266,7 +268,7 @@ def _measured(key: tuple, op: str, variants: Sequence[str], x: torch.Tensor, gro
            group, x.device)
     with torch.no_grad(), (torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()):
         timer = Timer(REPEATS, WARMUP, x.is_cuda, group, what=f"auto's measurement of {op} m={m} n={n} k={k}")
-        times = tuple(timer(lambda i, v=v: run(v)) for v in variants)
+        times = tuple(timer.in_turns([lambda i, v=v: run(v) for v in variants]))
     best = min(range(len(variants)), key=times.__getitem__)
     decision = Decision(op, group.group_name, str(x.device), x.dtype, p, size_class(m), n, k, bias,
                         tuple(variants), times, variants[best])

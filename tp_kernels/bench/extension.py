@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _extension, ops, settings
-from .._timing import HOLD, gpu_events, synchronize, wait_event
+from .._timing import HOLD, gpu_events, synchronize, turns, wait_event
 from ..schedule import boundaries, chunk_bounds
 from .host import host_times_us, profiled
 from .records import default_out_dir, gpu_record, save_record
@@ -78,12 +78,10 @@ def in_turns(samplers: Dict[str, Callable[[bool], float]], iters: int, warmup: i
     1.57 in the next, beside an ``F.linear`` of 1.47 and 1.46 taken before it)."""
     names = list(samplers)
     samples = {name: [] for name in names}
-    for i in range(warmup + iters):
-        for j in range(len(names)):
-            name = names[(i + j) % len(names)]
-            ms = samplers[name](i >= warmup)
-            if i >= warmup:
-                samples[name].append(ms)
+    for i, j in turns(len(names), warmup + iters):
+        ms = samplers[names[j]](i >= warmup)
+        if i >= warmup:
+            samples[names[j]].append(ms)
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
