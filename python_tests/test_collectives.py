@@ -173,3 +173,37 @@ def test_a_ring_exchange_hands_back_the_send_apart_and_the_receive_as_the_pendin
 @pytest.mark.parametrize("world", [2, 4], indirect=True)
 def test_the_helpers_on_several_ranks(world, tmp_path):
     world.run(check_helpers, str(tmp_path / "last_rank_arrived"))
+
+
+def check_the_group_a_call_runs_on():
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from tp_kernels import ops, parallel_state
+
+    r, p = rank_world()
+    world = dist.group.WORLD
+    assert coll.resolve_group(None) is (parallel_state.tensor_model_parallel_group_or_none() or world)
+    assert coll.resolve_group(world) is world
+    assert coll.resolve_group(DeviceMesh.from_group(world, "cpu")) is world  # a one-dim mesh: its group
+    with pytest.raises(ValueError, match=r"group: a DeviceMesh of 2 dims .* pass its tensor-parallel dim"):
+        coll.resolve_group(DeviceMesh("cpu", torch.arange(p).reshape(1, p)))
+    first = dist.new_group([0])  # (every rank makes it; the others get torch's sentinel)
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    if r == 0:
+        assert coll.resolve_group(first) is first
+        torch.testing.assert_close(ops.matmul_all_reduce(x, w, group=first), x @ w.T)
+    else:
+        message = rf"group: this process \(global rank {r}\) is not a member of the group it was given"
+        with pytest.raises(ValueError, match=message):
+            coll.resolve_group(first)
+        with pytest.raises(ValueError, match=message):
+            ops.matmul_all_reduce(x, w, group=first)
+    dist.barrier()
+
+
+def test_the_group_a_call_runs_on(world2):
+    """``resolve_group``: None is the tensor-parallel group, else the default one; a process group
+    is itself; a one-dim DeviceMesh is its group, one of more dims an error saying what to pass; a
+    group this process is no member of (torch's sentinel) an error naming ``group`` before anything
+    is sent, where a member runs the call."""
+    world2.run(check_the_group_a_call_runs_on)

@@ -153,15 +153,18 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+#: ``_C.DTYPES`` as torch dtypes, for the tests on a call's path (empty without ``_C``)
+_native_dtypes = frozenset(getattr(torch, name) for name in _C.DTYPES) if _C is not None else frozenset()
+
+
 def unsupported_tensors_reason(x: torch.Tensor, weight: torch.Tensor) -> Optional[str]:
     """Why the native module cannot take these tensors here, or None (what every native path
     needs: the module, a CUDA device, a dtype of ``_C.DTYPES``, no empty dimension)."""
-    reason = unavailable()
-    if reason is not None:
-        return reason
+    if _C is None:
+        return unavailable()
     if not x.is_cuda:
         return f"x is on {x.device.type}, not on a CUDA device"
-    if dtype_name(x.dtype) not in _C.DTYPES:
+    if x.dtype not in _native_dtypes:
         return f"dtype {x.dtype} is not supported natively ({', '.join(_C.DTYPES)})"
     if x.numel() == 0 or weight.numel() == 0:
         return f"an empty dimension (x {tuple(x.shape)}, weight {tuple(weight.shape)})"
@@ -172,12 +175,11 @@ def unsupported_collective_reason(reduces: bool, x: torch.Tensor) -> Optional[st
     """Why the native module cannot take this collective's input here, or None: the module, a CUDA
     device and, for a collective that sums (``reduces``), a dtype of ``_C.DTYPES`` (the others
     move any dtype, as bytes)."""
-    reason = unavailable()
-    if reason is not None:
-        return reason
+    if _C is None:
+        return unavailable()
     if not x.is_cuda:
         return f"x is on {x.device.type}, not on a CUDA device"
-    if reduces and dtype_name(x.dtype) not in _C.DTYPES:
+    if reduces and x.dtype not in _native_dtypes:
         return f"dtype {x.dtype} is not summed natively ({', '.join(_C.DTYPES)})"
     return None
 

@@ -203,7 +203,8 @@ def check_runnable(op: str, backend: str, x: torch.Tensor, p: int, group=None,
     (with one rank, or a forward that communicates nothing and records no backward), where no
     path's name is needed. ``x`` of any dims."""
     if backend == "fused":
-        reason = fused.unsupported_reason(x, x if weight is None else weight, group)
+        # (one rank's group asks nothing of the fused path: None for it spares a call's host time its size)
+        reason = fused.unsupported_reason(x, x if weight is None else weight, group if p > 1 else None)
         if reason is not None:
             raise ValueError(f"backend: 'fused' cannot run {op} (p={p}, x {tuple(x.shape)} {x.dtype} on "
                              f"{x.device}): {reason}. Use 'pipelined' or 'auto' there.")

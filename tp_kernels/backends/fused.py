@@ -123,7 +123,7 @@ def unsupported_reason(x: torch.Tensor, weight: torch.Tensor, group) -> Optional
     The first call of a group with several ranks checks, collectively, that the group is on one
     node with peer access; everything else depends only on what all ranks share.
     """
-    return _extension.unsupported_tensors_reason(x, weight) or _group_reason(group, x.device)
+    return _extension.unsupported_tensors_reason(x, weight) or _group_reason(group, x)
 
 
 def unsupported_collective_reason(collective: str, x: torch.Tensor, group) -> Optional[str]:
@@ -131,10 +131,13 @@ def unsupported_collective_reason(collective: str, x: torch.Tensor, group) -> Op
     only, in the dtypes of ``_C.DTYPES``; the group as for :func:`unsupported_reason`."""
     if collective != "all_reduce":
         return f"the fused path has no {collective} (only the all-reduce)"
-    return _extension.unsupported_collective_reason(True, x) or _group_reason(group, x.device)
+    return _extension.unsupported_collective_reason(True, x) or _group_reason(group, x)
 
 
-def _group_reason(group, device: torch.device) -> Optional[str]:
+def _group_reason(group, x: torch.Tensor) -> Optional[str]:
+    """Why the fused path cannot run on ``group`` with tensors on ``x``'s device, or None."""
+    if group is None:
+        return None
     p = coll.group_size(group)
     if p == 1:
         return None
@@ -143,7 +146,7 @@ def _group_reason(group, device: torch.device) -> Optional[str]:
         return f"{p} ranks: the fused path supports at most {C.MAX_RANKS}"
     if not C.stream_memory_ops_available():
         return "the CUDA driver does not provide stream memory operations (cuStreamWriteValue32)"
-    return peer_memory.topology_reason(group, device)
+    return peer_memory.topology_reason(group, x.device)
 
 
 # --- one rank's part, on a PeerContext: shared by process groups and virtual ranks -----------------
