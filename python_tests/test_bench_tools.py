@@ -997,7 +997,8 @@ def test_host_time_bench_with_peers(tmp_path):
 
 def test_host_times_are_samples_taken_in_turns_each_call_in_its_context(monkeypatch):
     """host.host_times_us on a made-up clock: three warm-up calls of each function first, untimed;
-    then one sample of each function a round, a sample the mean of its calls; each function's
+    then one sample of each function a round, the order rotated each round (a function is not always
+    timed after the same one), a sample the mean of its calls; each function's
     calls, warm-up and timed, inside its ``around`` context and no other's; per function the
     median and the fastest sample."""
     from tp_kernels.bench import host
@@ -1023,7 +1024,7 @@ def test_host_times_are_samples_taken_in_turns_each_call_in_its_context(monkeypa
 
     monkeypatch.setattr(host, "time", SimpleNamespace(perf_counter=lambda: clock[0]))  # (host's clock only)
     out = host.host_times_us({"a": fn("a"), "b": fn("b")}, samples=3, cuda=False, calls=2, around={"b": around_b})
-    assert log == ["a"] * 3 + ["b"] * 3 + ["a", "a", "b", "b"] * 3
+    assert log == ["a"] * 3 + ["b"] * 3 + ["a", "a", "b", "b"] + ["b", "b", "a", "a"] + ["a", "a", "b", "b"]
     assert all(within == (name == "b") for name, within in inside)
     assert out == {"a": {"median_us": pytest.approx(4.0), "min_us": pytest.approx(3.0)},
                    "b": {"median_us": pytest.approx(2.0), "min_us": pytest.approx(2.0)}}

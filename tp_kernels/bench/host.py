@@ -64,8 +64,8 @@ every call may return in progress). On the CPU the ranks are gloo processes whos
 transfer itself: a check of the tool, not a figure.
 
 Each figure is the fastest of ``--samples`` samples, each the mean host time of 200 calls, the
-calls timed in turns (on a GPU the device is synchronised between samples only, so issuing never
-waits for it; 200 calls stay under CUDA's launch queue depth). The fastest, not the median: what
+calls timed in turns, the order rotated each round (on a GPU the device is synchronised between
+samples only, so issuing never waits for it; 200 calls stay under CUDA's launch queue depth). The fastest, not the median: what
 disturbs a host's timing (other processes, interrupts, a shared VM's neighbours) only adds to it,
 so the fastest sample is the call's own cost (the median is in the record too).
 ``added_us`` is a call's figure minus its plain counterpart's. ``function_calls`` counts the
@@ -97,7 +97,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import autotune, dispatch, ops, parallel_state, settings
-from .._timing import synchronize
+from .._timing import synchronize, turns
 from ..communicator import Communicator
 from ..embedding import VocabParallelEmbedding
 from ..layers import ColumnParallelLinear, RowParallelLinear
@@ -144,9 +144,11 @@ def host_times_us(fns: Dict[str, Callable[[], object]], samples: int, cuda: bool
                   calls: int = CALLS_PER_SAMPLE,
                   around: Optional[Dict[str, Callable[[], ContextManager]]] = None) -> Dict[str, Dict[str, float]]:
     """For each of ``fns``, the median and the fastest of ``samples`` mean host times of a call
-    (µs). The samples are taken in turns, one of each function per round, so that a machine's
-    drift weighs on all of them alike. ``around[name]()``: a context a function's calls run in,
-    entered outside its timed loop (settings it needs)."""
+    (µs). The samples are taken in turns, one of each function per round, the order rotated each
+    round (:func:`tp_kernels._timing.turns`, as the GPU figures are), so that a machine's drift, and
+    what one function leaves behind for the next (a cache, a collection due), weigh on all of them
+    alike. ``around[name]()``: a context a function's calls run in, entered outside its timed loop
+    (settings it needs)."""
     around = around or {}
     for name, fn in fns.items():
         with around.get(name, contextlib.nullcontext)():
@@ -155,15 +157,16 @@ def host_times_us(fns: Dict[str, Callable[[], object]], samples: int, cuda: bool
     if cuda:
         synchronize("host_times_us: the warm-up calls")
     times: Dict[str, List[float]] = {name: [] for name in fns}
-    for _ in range(samples):
-        for name, fn in fns.items():
-            with around.get(name, contextlib.nullcontext)():
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                times[name].append((time.perf_counter() - t0) / calls * 1e6)
-            if cuda:
-                synchronize(f"host_times_us: {name}'s timed calls")
+    names = list(fns)
+    for _, j in turns(len(names), samples):
+        name, fn = names[j], fns[names[j]]
+        with around.get(name, contextlib.nullcontext)():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - t0) / calls * 1e6)
+        if cuda:
+            synchronize(f"host_times_us: {name}'s timed calls")
     return {name: {"median_us": statistics.median(t), "min_us": min(t)} for name, t in times.items()}
 
 
