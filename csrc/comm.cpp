@@ -30,14 +30,6 @@ RevokeFn nccl_revoke() {
   return fn;
 }
 
-// Between two polls of an NCCL state: a yield for the first 1000, then 200 us of sleep each.
-void pause_between_polls(int polls) {
-  if (polls < 1000)
-    std::this_thread::yield();
-  else
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-}
-
 }  // namespace
 
 bool nccl_can_revoke() { return nccl_revoke() != nullptr; }
@@ -374,7 +366,7 @@ void Communicator::close() {
       // revoked: the work the watchdog watches is waited for first, within the timeout (past it the
       // watchdog revokes this wait), then the communicator, with nothing left to end, aborted.
       const Clock::time_point start = Clock::now();
-      for (;;) {
+      for (int polls = 0;; ++polls) {
         {
           std::lock_guard<std::mutex> watched(watch_mutex_);
           if (queue_.empty()) break;
@@ -384,7 +376,7 @@ void Communicator::close() {
                       "; the communicator was aborted");
           check();
         }
-        std::this_thread::sleep_for(std::chrono::microseconds(200));
+        pause_between_polls(polls);
       }
       check();
       std::lock_guard<std::mutex> abort(abort_mutex_);

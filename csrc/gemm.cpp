@@ -11,7 +11,6 @@
 #include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
 #include <tuple>
 
 #include "tp_kernels/check.h"
@@ -224,10 +223,7 @@ void wait_for(cudaEvent_t event, double timeout_s, const LinearArgs& p, const ch
                   "them, did not complete within " + format_seconds(timeout_s) +
                   " s; they stay queued. The limit is set with tp_kernels.set_timeout() or TP_KERNELS_TIMEOUT_S.");
     }
-    if (polls < 1000)
-      std::this_thread::yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    pause_between_polls(polls);
   }
 }
 
@@ -268,8 +264,14 @@ size_t extent(int64_t m, int64_t cols, int64_t ld, int64_t batch, int64_t stride
 void tune(cublasLtHandle_t h, Plan& plan, const std::vector<cublasLtMatmulHeuristicResult_t>& proposals,
           const LinearArgs& p, const Tuning& t) {
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(p.stream, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone) {
+  const cudaError_t asked = cudaStreamIsCapturing(p.stream, &capturing);
+  if (asked != cudaSuccess) {
     cudaGetLastError();
+    plan.tuning.note = std::string("whether its stream was captured could not be asked (") +
+                       cudaGetErrorString(asked) + "): the heuristic's first, untimed";
+    return;
+  }
+  if (capturing != cudaStreamCaptureStatusNone) {
     plan.tuning.note = "made while its stream was captured: the heuristic's first, untimed";
     return;
   }
