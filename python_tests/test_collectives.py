@@ -187,23 +187,13 @@ def check_the_group_a_call_runs_on():
     assert coll.resolve_group(DeviceMesh.from_group(world, "cpu")) is world  # a one-dim mesh: its group
     with pytest.raises(ValueError, match=r"group: a DeviceMesh of 2 dims .* pass its tensor-parallel dim"):
         coll.resolve_group(DeviceMesh("cpu", torch.arange(p).reshape(1, p)))
-    first = dist.new_group([0])  # (every rank makes it; the others get torch's sentinel)
-    x, w = torch.randn(4, 8), torch.randn(6, 8)
-    if r == 0:
-        assert coll.resolve_group(first) is first
-        torch.testing.assert_close(ops.matmul_all_reduce(x, w, group=first), x @ w.T)
-    else:
-        message = rf"group: this process \(global rank {r}\) is not a member of the group it was given"
-        with pytest.raises(ValueError, match=message):
-            coll.resolve_group(first)
-        with pytest.raises(ValueError, match=message):
-            ops.matmul_all_reduce(x, w, group=first)
-    dist.barrier()
+    x, w = torch.randn(4, 8), torch.randn(6, 8)  # (a call on the mesh runs on its group)
+    torch.testing.assert_close(ops.matmul_all_reduce(x, w, group=DeviceMesh.from_group(world, "cpu")),
+                               ops.matmul_all_reduce(x, w, group=world))
 
 
 def test_the_group_a_call_runs_on(world2):
     """``resolve_group``: None is the tensor-parallel group, else the default one; a process group
-    is itself; a one-dim DeviceMesh is its group, one of more dims an error saying what to pass; a
-    group this process is no member of (torch's sentinel) an error naming ``group`` before anything
-    is sent, where a member runs the call."""
+    is itself; a one-dim DeviceMesh is its group (a call on it runs on that group), one of more dims
+    an error saying what to pass. (A group this process is no member of: test_errors.)"""
     world2.run(check_the_group_a_call_runs_on)
