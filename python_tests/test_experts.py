@@ -130,6 +130,15 @@ def check_experts_against_dense(split, device="cpu", module=Experts):
         parts = want.split(how.split_parts, dim)
         assert torch.equal(param, torch.cat([part.chunk(p, dim)[r] for part in parts], dim)), name
     assert par.num_experts == (E // p if split == "experts" else E)
+    # a frozen weight stays frozen; with one rank each parameter is its own block, the same object
+    frozen = copy.deepcopy(dense)
+    held = dict(frozen.named_parameters(recurse=False))
+    first = next(iter(par.parameter_splits))
+    held[first].requires_grad_(False)
+    frozen = shard_experts(frozen, styles)
+    assert not getattr(frozen, first).requires_grad and all(
+        getattr(frozen, name).requires_grad for name in frozen.parameter_splits if name != first)
+    assert all((getattr(frozen, name) is held[name]) == (p == 1) for name in frozen.parameter_splits)
     outs = []
     for model in (dense, par):
         hidden, logits, index, weights = routed(1, device)
