@@ -65,9 +65,10 @@ transfer itself: a check of the tool, not a figure.
 
 Each figure is the fastest of ``--samples`` samples, each the mean host time of 200 calls, the
 calls timed in turns, the order rotated each round (on a GPU the device is synchronised between
-samples only, so issuing never waits for it; 200 calls stay under CUDA's launch queue depth). The fastest, not the median: what
-disturbs a host's timing (other processes, interrupts, a shared VM's neighbours) only adds to it,
-so the fastest sample is the call's own cost (the median is in the record too).
+samples only, so issuing never waits for it; 200 calls stay under CUDA's launch queue depth).
+The fastest, not the median: what disturbs a host's timing (other processes, interrupts, a shared
+VM's neighbours) only adds to it, so the fastest sample is the call's own cost (the median is in
+the record too).
 ``added_us`` is a call's figure minus its plain counterpart's. ``function_calls`` counts the
 functions, Python and builtin, one call goes through (:func:`function_calls`), and
 ``added_function_calls`` what it counts over the plain counterpart: the host work as a number
