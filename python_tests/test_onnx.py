@@ -541,6 +541,25 @@ def test_bad_plans_name_the_pattern(dense_block, plan, world_size, message):
         tp_kernels.onnx.shard(dense_block, plan, world_size, 0)
 
 
+def test_nodes_a_style_cannot_split_name_the_pattern():
+    """A ``Gemm`` that transposes its input (``transA=1``: the rows a column split keeps would be
+    its columns) and a ``Gather`` along another axis than the table's rows are refused, naming the
+    pattern and the node, where splitting them as their style says would compute another model."""
+    weight = numpy_helper.from_array(torch.randn(8, 6, generator=torch.Generator().manual_seed(0)).numpy(), "w")
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [6, 3])
+    gemm = _hand_built(helper.make_graph(
+        [helper.make_node("Gemm", ["x", "w"], ["y"], name="fc", transA=1, transB=1)], "gemm", [x],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [3, 8])], [weight]))
+    with pytest.raises(ValueError, match=r"plan\['fc'\]: 'fc' is a Gemm with transA=1, which is not supported"):
+        tp_kernels.onnx.shard(gemm, {"fc": "colwise"}, 2, 0)
+    ids = helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [4])
+    gather = _hand_built(helper.make_graph(
+        [helper.make_node("Gather", ["w", "ids"], ["rows"], name="lookup", axis=1)], "gather", [ids],
+        [helper.make_tensor_value_info("rows", onnx.TensorProto.FLOAT, [8, 4])], [weight]))
+    with pytest.raises(ValueError, match=r"plan\['lookup'\]: 'lookup' gathers along axis 1, not the table's rows"):
+        tp_kernels.onnx.shard(gather, {"lookup": "vocab"}, 2, 0)
+
+
 def test_bad_shard_and_export_arguments(dense_block):
     for world_size, rank, message in ((2, 2, r"rank 2 of 2"), (0, 0, r"rank 0 of 0"), (2, True, r"rank: expected an int")):
         with pytest.raises(ValueError, match=message):
