@@ -560,6 +560,43 @@ def test_nodes_a_style_cannot_split_name_the_pattern():
         tp_kernels.onnx.shard(gather, {"lookup": "vocab"}, 2, 0)
 
 
+def test_a_weight_another_node_uses_too_is_kept_whole_for_it():
+    """A weight the planned node shares with another node (here an ``Identity`` handing it on as an
+    output) is cut into a new initializer for the planned node; the other node keeps the whole one,
+    under its own name (cut in place, it would read this rank's block)."""
+    weight = numpy_helper.from_array(torch.randn(8, 6, generator=torch.Generator().manual_seed(0)).numpy(), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "w"], ["y"], name="fc", transB=1),
+         helper.make_node("Identity", ["w"], ["w_out"])],
+        "shared", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3, 6])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [3, 8]),
+         helper.make_tensor_value_info("w_out", onnx.TensorProto.FLOAT, [8, 6])], [weight])
+    mine = tp_kernels.onnx.shard(_hand_built(graph), {"fc": "colwise"}, 2, 1)
+    inits = {i.name: numpy_helper.to_array(i) for i in mine.graph.initializer}
+    fc = next(n for n in mine.graph.node if n.op_type == "Gemm")
+    identity = next(n for n in mine.graph.node if n.op_type == "Identity")
+    assert identity.input[0] == "w" and inits["w"].shape == (8, 6)
+    assert fc.input[1] != "w" and (inits[fc.input[1]] == inits["w"][4:]).all()
+
+
+def test_a_subgraph_reading_a_block_is_refused():
+    """A node whose subgraph (an ``If``'s branches) reads a value this rank holds only a block of is
+    refused, naming it, where its branches would compute on the block as if it were whole."""
+    weight = numpy_helper.from_array(torch.randn(8, 6, generator=torch.Generator().manual_seed(0)).numpy(), "w")
+    branch = [helper.make_graph([helper.make_node("Identity", ["h"], [f"{side}_out"])], side, [],
+                                [helper.make_tensor_value_info(f"{side}_out", onnx.TensorProto.FLOAT, [3, 8])])
+              for side in ("then", "else")]
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "w"], ["h"], name="fc", transB=1),
+         helper.make_node("If", ["cond"], ["y"], name="choose", then_branch=branch[0], else_branch=branch[1])],
+        "branching", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3, 6]),
+                      helper.make_tensor_value_info("cond", onnx.TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [3, 8])], [weight])
+    with pytest.raises(ValueError, match=r"shard: 'choose' \(If\) has a subgraph that uses a value this rank holds "
+                                         r"only a block of"):
+        tp_kernels.onnx.shard(_hand_built(graph), {"fc": "colwise"}, 2, 0)
+
+
 def test_bad_shard_and_export_arguments(dense_block):
     for world_size, rank, message in ((2, 2, r"rank 2 of 2"), (0, 0, r"rank 0 of 0"), (2, True, r"rank: expected an int")):
         with pytest.raises(ValueError, match=message):
