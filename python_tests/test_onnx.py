@@ -579,6 +579,21 @@ def test_a_weight_another_node_uses_too_is_kept_whole_for_it():
     assert fc.input[1] != "w" and (inits[fc.input[1]] == inits["w"][4:]).all()
 
 
+def test_int32_ids_keep_their_type():
+    """An embedding looked up by int32 ids (as some exporters write them) is split with its bounds
+    and masks in int32: the sharded model type-checks (ONNX's strict inference), where bounds in
+    int64 beside int32 ids would be a type error that ONNX Runtime refuses."""
+    table = numpy_helper.from_array(torch.randn(8, 6, generator=torch.Generator().manual_seed(0)).numpy(), "table")
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["rows"], name="lookup")], "lookup",
+        [helper.make_tensor_value_info("ids", onnx.TensorProto.INT32, [4])],
+        [helper.make_tensor_value_info("rows", onnx.TensorProto.FLOAT, [4, 6])], [table])
+    mine = tp_kernels.onnx.shard(_hand_built(graph), {"lookup": "vocab"}, 2, 1)
+    onnx.shape_inference.infer_shapes(mine, check_type=True, strict_mode=True)
+    bounds = [i for i in mine.graph.initializer if i.name.startswith(("table_start", "table_end"))]
+    assert len(bounds) == 2 and all(i.data_type == onnx.TensorProto.INT32 for i in bounds), bounds
+
+
 def test_a_subgraph_reading_a_block_is_refused():
     """A node whose subgraph (an ``If``'s branches) reads a value this rank holds only a block of is
     refused, naming it, where its branches would compute on the block as if it were whole."""
