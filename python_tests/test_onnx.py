@@ -594,6 +594,23 @@ def test_int32_ids_keep_their_type():
     assert len(bounds) == 2 and all(i.data_type == onnx.TensorProto.INT32 for i in bounds), bounds
 
 
+def test_a_gather_of_a_block_moves_its_split_past_the_indices_dims():
+    """A ``Gather`` along axis 0 of a value held as blocks of its last axis, by indices of two dims,
+    holds its output as blocks of its last axis too (axis 2 of ``[2, 2, 8]``): the graph output is
+    gathered along it."""
+    weight = numpy_helper.from_array(torch.randn(8, 6, generator=torch.Generator().manual_seed(0)).numpy(), "w")
+    picks = numpy_helper.from_array(torch.tensor([[0, 2], [1, 1]]).numpy(), "picks")
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "w"], ["h"], name="fc", transB=1),
+         helper.make_node("Gather", ["h", "picks"], ["rows"], axis=0)],
+        "picked", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3, 6])],
+        [helper.make_tensor_value_info("rows", onnx.TensorProto.FLOAT, [2, 2, 8])], [weight, picks])
+    mine = tp_kernels.onnx.shard(_hand_built(graph), {"fc": "colwise"}, 2, 0)
+    (gather,) = [n for n in mine.graph.node if n.op_type == "AllGather"]
+    assert list(gather.output) == ["rows"] and helper.get_attribute_value(gather.attribute[
+        [a.name for a in gather.attribute].index("axis")]) == 2, gather
+
+
 def test_a_subgraph_reading_a_block_is_refused():
     """A node whose subgraph (an ``If``'s branches) reads a value this rank holds only a block of is
     refused, naming it, where its branches would compute on the block as if it were whole."""
