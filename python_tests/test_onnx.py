@@ -611,6 +611,21 @@ def test_a_gather_of_a_block_moves_its_split_past_the_indices_dims():
         [a.name for a in gather.attribute].index("axis")]) == 2, gather
 
 
+def test_a_matmul_over_blocks_of_its_contracted_axis_sums_them():
+    """A ``MatMul`` of two values held as blocks of the axis it contracts (``h [3, 8/p]`` by its
+    transpose ``[8/p, 3]``) multiplies the blocks and all-reduces the partial products: one
+    ``AllReduce``, nothing gathered."""
+    weight = numpy_helper.from_array(torch.randn(8, 6, generator=torch.Generator().manual_seed(0)).numpy(), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "w"], ["h"], name="fc", transB=1),
+         helper.make_node("Transpose", ["h"], ["ht"], perm=[1, 0]),
+         helper.make_node("MatMul", ["h", "ht"], ["gram"])],
+        "gram", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3, 6])],
+        [helper.make_tensor_value_info("gram", onnx.TensorProto.FLOAT, [3, 3])], [weight])
+    mine = tp_kernels.onnx.shard(_hand_built(graph), {"fc": "colwise"}, 2, 0)
+    assert [n.op_type for n in mine.graph.node if n.domain == tp_kernels.onnx.DOMAIN] == ["AllReduce"]
+
+
 def test_a_subgraph_reading_a_block_is_refused():
     """A node whose subgraph (an ``If``'s branches) reads a value this rank holds only a block of is
     refused, naming it, where its branches would compute on the block as if it were whole."""
