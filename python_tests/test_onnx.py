@@ -626,6 +626,30 @@ def test_a_matmul_over_blocks_of_its_contracted_axis_sums_them():
     assert [n.op_type for n in mine.graph.node if n.domain == tp_kernels.onnx.DOMAIN] == ["AllReduce"]
 
 
+def test_a_reshape_keeps_a_split_only_where_p_divides_the_dim_it_lands_in():
+    """A ``Reshape`` of ``h [3, 8]``, held as blocks of its last axis, to ``[3, 2, 4]`` keeps the
+    split in axis 1 where p divides its 2 (p = 2: the output is gathered along axis 1); where p does
+    not (p = 4: each rank's block of 2 columns is half a row of the 4 the reshape makes), ``h`` is
+    gathered whole before the reshape and its output is whole."""
+    weight = numpy_helper.from_array(torch.randn(8, 6, generator=torch.Generator().manual_seed(0)).numpy(), "w")
+    shape = numpy_helper.from_array(torch.tensor([3, 2, 4]).numpy(), "shape")
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "w"], ["h"], name="fc", transB=1),
+         helper.make_node("Reshape", ["h", "shape"], ["k"])],
+        "reshaped", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3, 6])],
+        [helper.make_tensor_value_info("k", onnx.TensorProto.FLOAT, [3, 2, 4])], [weight, shape])
+
+    def gathers(p):
+        mine = tp_kernels.onnx.shard(_hand_built(graph), {"fc": "colwise"}, p, 0)
+        return [(n.input[0], n.output[0], helper.get_attribute_value(next(a for a in n.attribute if a.name == "axis")))
+                for n in mine.graph.node if n.op_type == "AllGather"]
+
+    (kept,) = gathers(2)
+    assert kept[1:] == ("k", 1), kept
+    (whole,) = gathers(4)
+    assert whole[0] == "h" and whole[2] == 1, whole
+
+
 def test_a_subgraph_reading_a_block_is_refused():
     """A node whose subgraph (an ``If``'s branches) reads a value this rank holds only a block of is
     refused, naming it, where its branches would compute on the block as if it were whole."""
