@@ -3542,10 +3542,23 @@ def test_hugging_face_style_names_and_their_errors():
         with pytest.raises(ValueError, match=rf"plan: '0' \({style}\) holds the parallel layer '0.1'"):
             tp_kernels.parallelize(other, {"0": style, "0.1": "colwise"})
     assert isinstance(other[0][1], nn.Linear)  # untouched
-    gated = nn.Sequential(nn.Linear(4, 1))  # (kept, its output's gradient summed: on one rank nothing)
+    gated = nn.Sequential(nn.Linear(4, 1), nn.Linear(4, 4))  # (kept, its output's gradient summed: on one rank nothing)
     gate = gated[0]
-    tp_kernels.parallelize(gated, {"0": "replicated_with_output_grad_allreduce"})
+    tp_kernels.parallelize(gated, {"0": "replicated_with_output_grad_allreduce", "1": "colwise"})
     assert gated[0] is gate
+    # a gradient summed where nothing is split: every rank's is the whole one, the sum p times it
+    for style, call in (("replicated_with_grad_allreduce", "sum_grads_over_group"),
+                        ("replicated_with_output_grad_allreduce", "sum_output_grads_over_group"),
+                        (("mla_kv_a_proj", 1), "sum_output_grads_over_group")):
+        alone = nn.Sequential(nn.Linear(4, 2), nn.Linear(2, 3))
+        with pytest.raises(ValueError, match=rf"plan: '0' is '{style if isinstance(style, str) else style[0]}', which "
+                                             rf"sums a gradient over the group, but the plan splits nothing of "
+                                             rf"Sequential .* call tp_kernels.grads.{call}$"):
+            tp_kernels.parallelize(alone, {"0": style, "1": "replicate"})
+        assert type(alone[0]) is nn.Linear and not alone[0]._forward_pre_hooks and not alone[0]._forward_hooks
+    before = nn.Sequential(nn.Linear(4, 2), nn.Linear(2, 3))  # (split by an earlier call: summed)
+    tp_kernels.parallelize(before, {"1": "colwise"})
+    tp_kernels.parallelize(before, {"0": "replicated_with_grad_allreduce"})
     torch.manual_seed(0)
     dense = nn.Sequential(nn.Linear(4, 2), nn.Linear(2, 3))
     rep = tp_kernels.parallelize(copy.deepcopy(dense), {"0": "colwise_rep", "1": "rowwise_rep"})  # (transformers')

@@ -21,7 +21,7 @@ from typing import Dict, Mapping, Optional, Tuple
 import torch.nn as nn
 
 from ._torch_styles import is_torch_style
-from .parallelize import _EXPERTS, ALIASES, read_expert_parallelism
+from .parallelize import _EXPERTS, _SUMMED_GRADIENTS, ALIASES, read_expert_parallelism
 
 __all__ = ["sequence_parallel_plan"]
 
@@ -64,10 +64,6 @@ def _matches(layer: nn.Module, relative: str):
 #: dense layer's: a module whose plan entries are all such (Phi 3's and OLMo 2's gathered projections,
 #: "colwise_rep" and "rowwise_rep") computes its output whole, which the sequence plan then splits
 _WHOLE_OUTPUTS = ("colwise_gather_output", "rowwise_split_input", "replicate")
-#: the styles whose gradient is summed over the group, each rank holding its heads' share of it where the
-#: module's column and row layers split its heads (Qwen 3's per-head norms, DeepSeek's latent key/value
-#: projection): in a module holding no row layer, every rank computes it whole, and the sum counts it p times
-_SUMMED_GRADIENTS = ("replicated_with_grad_allreduce", "replicated_with_output_grad_allreduce", "mla_kv_a_proj")
 
 
 def _kind(layer: nn.Module, name: str, styles, experts, rows, kept) -> str:

@@ -21,7 +21,8 @@ from .embedding import VocabParallelEmbedding, check_embedding, check_embedding_
 from .experts import PARAMETER_STYLES, check_styles, shard_experts, shard_parameters, share_identity_expert
 from .grads import sum_grads_over_group, sum_output_grads_over_group
 from ._torch_styles import describe, is_torch_style, output_as_dtensor, redistribute, translate
-from .layers import ColumnParallelLinear, RowParallelLinear, check_output_sizes, check_sequence_dim, share_input_gathers
+from .layers import (ColumnParallelLinear, RowParallelLinear, check_output_sizes, check_sequence_dim,
+                     share_input_gathers, sharded_blocks)
 from .mappings import SEQUENCE_BLOCK
 
 __all__ = ["ALIASES", "STYLES", "parallelize"]
@@ -74,6 +75,10 @@ STYLES = {
 _OWNERS = ("moe_tp_experts", "moe_ep_experts", "local_params")
 #: the styles of a module every rank holds whole and runs alike, a gradient of it summed over the group
 _REPLICATED = ("replicated_with_grad_allreduce", "replicated_with_output_grad_allreduce")
+#: the styles whose gradient is summed over the group, each rank holding its heads' share of it where the
+#: plan splits the heads around them (Qwen 3's per-head norms, DeepSeek's latent key/value projection):
+#: where every rank computes it whole, the sum counts it p times
+_SUMMED_GRADIENTS = (*_REPLICATED, "mla_kv_a_proj")
 #: the styles of a mixture's experts, shard_experts' modules
 _EXPERTS = ("moe_tp_experts", "moe_ep_experts")
 #: the styles of a module kept whose parameters, its submodules' too, the plan takes care of (summed, split,
@@ -736,9 +741,30 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
                 raise ValueError(f"plan: {name!r} ({style}) holds the parallel layer {inner[0]!r}, whose "
                                  "gradients must not be summed over the group: name the modules every rank holds "
                                  "whole")
+    _check_something_split(module, chosen)
 
     ties = _ties(module, named, style_of)
     return named, chosen, style_of, split_styles, ties, as_dtensor, also_moved, _key_value_groups(module, chosen, p)
+
+
+def _check_something_split(module: nn.Module, chosen: Dict[str, tuple]) -> None:
+    """A ``ValueError`` for a plan whose styles sum a gradient over the group (:data:`_SUMMED_GRADIENTS`)
+    where nothing makes the ranks' activations differ: no style splits a layer, a parameter or the
+    activations themselves (``"redistribute"``), and ``module`` holds no parallel layer already.
+    Every rank's gradient is then the whole one, and their sum p times it, silently (a
+    transformers ``tp_plan`` whose split layers' patterns, under ``strict=False``, matched no
+    name of this model, its norms' did)."""
+    summed = [(name, style) for name, (style, _, _) in chosen.items() if style in _SUMMED_GRADIENTS]
+    if not summed or any(style not in (*_SUMMED_GRADIENTS, "replicate") for style, _, _ in chosen.values()):
+        return
+    if sharded_blocks(module)[0]:
+        return  # (a model parallelized before, by another plan or by hand: its layers split)
+    name, style = summed[0]
+    raise ValueError(f"plan: {name!r} is {style!r}, which sums a gradient over the group, but the plan splits nothing "
+                     f"of {type(module).__name__} (no layer, parameter or activation): every rank's gradient is the "
+                     "whole one, and the sum would be the group's size times it. Split the layers around it, or leave "
+                     "it out; where the model splits its activations itself, call tp_kernels.grads."
+                     f"{'sum_grads' if style == 'replicated_with_grad_allreduce' else 'sum_output_grads'}_over_group")
 
 
 def _replicated_heads(pattern: str, name: str, layer: nn.Linear, model: nn.Module, p: int) -> Optional[tuple]:
