@@ -3556,6 +3556,10 @@ def test_hugging_face_style_names_and_their_errors():
                                              rf"Sequential .* call tp_kernels.grads.{call}$"):
             tp_kernels.parallelize(alone, {"0": style, "1": "replicate"})
         assert type(alone[0]) is nn.Linear and not alone[0]._forward_pre_hooks and not alone[0]._forward_hooks
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    alone = nn.Sequential(nn.LayerNorm(4))  # (torch's SequenceParallel: the model may split the sequence itself)
+    tp_kernels.parallelize(alone, {"0": SequenceParallel()})
     before = nn.Sequential(nn.Linear(4, 2), nn.Linear(2, 3))  # (split by an earlier call: summed)
     tp_kernels.parallelize(before, {"1": "colwise"})
     tp_kernels.parallelize(before, {"0": "replicated_with_grad_allreduce"})

@@ -741,19 +741,23 @@ def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool
                 raise ValueError(f"plan: {name!r} ({style}) holds the parallel layer {inner[0]!r}, whose "
                                  "gradients must not be summed over the group: name the modules every rank holds "
                                  "whole")
-    _check_something_split(module, chosen)
+    _check_something_split(module, plan, chosen)
 
     ties = _ties(module, named, style_of)
     return named, chosen, style_of, split_styles, ties, as_dtensor, also_moved, _key_value_groups(module, chosen, p)
 
 
-def _check_something_split(module: nn.Module, chosen: Dict[str, tuple]) -> None:
+def _check_something_split(module: nn.Module, plan: Mapping[str, object], chosen: Dict[str, tuple]) -> None:
     """A ``ValueError`` for a plan whose styles sum a gradient over the group (:data:`_SUMMED_GRADIENTS`)
     where nothing makes the ranks' activations differ: no style splits a layer, a parameter or the
     activations themselves (``"redistribute"``), and ``module`` holds no parallel layer already.
     Every rank's gradient is then the whole one, and their sum p times it, silently (a
     transformers ``tp_plan`` whose split layers' patterns, under ``strict=False``, matched no
-    name of this model, its norms' did)."""
+    name of this model, its norms' did). Not for a plan of torch styles: torch's
+    ``SequenceParallel`` takes its input as this rank's block of the sequence, which the model's
+    own code may have split."""
+    if any(is_torch_style(entry) for entry in plan.values()):
+        return
     summed = [(name, style) for name, (style, _, _) in chosen.items() if style in _SUMMED_GRADIENTS]
     if not summed or any(style not in (*_SUMMED_GRADIENTS, "replicate") for style, _, _ in chosen.values()):
         return
