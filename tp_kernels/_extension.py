@@ -154,7 +154,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 #: ``_C.DTYPES`` as torch dtypes, for the tests on a call's path (empty without ``_C``)
-_native_dtypes = frozenset(getattr(torch, name) for name in _C.DTYPES) if _C is not None else frozenset()
+NATIVE_DTYPES = frozenset(getattr(torch, name) for name in _C.DTYPES) if _C is not None else frozenset()
 
 
 def unsupported_tensors_reason(x: torch.Tensor, weight: torch.Tensor) -> Optional[str]:
@@ -164,7 +164,7 @@ def unsupported_tensors_reason(x: torch.Tensor, weight: torch.Tensor) -> Optiona
         return unavailable()
     if not x.is_cuda:
         return f"x is on {x.device.type}, not on a CUDA device"
-    if x.dtype not in _native_dtypes:
+    if x.dtype not in NATIVE_DTYPES:
         return f"dtype {x.dtype} is not supported natively ({', '.join(_C.DTYPES)})"
     if x.numel() == 0 or weight.numel() == 0:
         return f"an empty dimension (x {tuple(x.shape)}, weight {tuple(weight.shape)})"
@@ -179,7 +179,7 @@ def unsupported_collective_reason(reduces: bool, x: torch.Tensor) -> Optional[st
         return unavailable()
     if not x.is_cuda:
         return f"x is on {x.device.type}, not on a CUDA device"
-    if reduces and x.dtype not in _native_dtypes:
+    if reduces and x.dtype not in NATIVE_DTYPES:
         return f"dtype {x.dtype} is not summed natively ({', '.join(_C.DTYPES)})"
     return None
 

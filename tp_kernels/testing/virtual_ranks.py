@@ -130,7 +130,7 @@ class VirtualRanks:
             if x.dim() != 2 or w.dim() != 2 or x.shape != xs[0].shape or w.shape != weights[0].shape:
                 raise ValueError(f"xs[{q}]/weights[{q}]: expected 2-D tensors shaped like rank 0's "
                                  f"{tuple(xs[0].shape)}/{tuple(weights[0].shape)}")
-            if _extension.dtype_name(x.dtype) not in _extension.require().DTYPES or x.dtype != w.dtype:
+            if x.dtype not in _extension.NATIVE_DTYPES or x.dtype != w.dtype:
                 raise ValueError(f"xs[{q}]: dtype {x.dtype} (weight {w.dtype}): expected one of "
                                  f"{', '.join(_extension.require().DTYPES)} for both")
             if x.shape[1] != w.shape[1]:
