@@ -295,9 +295,16 @@ def check_sessions_of_models_the_ranks_disagree_on(path):
                                                r"arguments, so no rank ran the call \(rank 1: model: it is rank 0's"):
             tp_kernels.onnx.cpu_session(first)
     with pytest.raises(RuntimeError, match=re.escape(
-            "disagree on this call, so none of it ran (rank 0: tp_kernels.onnx.cpu_session: AllReduce(), "
-            "AllGather(group_size=2, axis=0); rank 1: tp_kernels.onnx.cpu_session: AllReduce())")):
+            "disagree on this call, so none of it ran (rank 0: tp_kernels.onnx.cpu_session: AllReduce(float32), "
+            "AllGather(group_size=2, axis=0, float32); rank 1: tp_kernels.onnx.cpu_session: AllReduce(float32))")):
         tp_kernels.onnx.cpu_session(models["lm" if r == 0 else "mlp"])
+    # the same collectives in another type on one rank: as many elements, another number of bytes
+    mlp, x, plan = _dense("mlp", 2)
+    wide = tp_kernels.onnx.export(tp_kernels.parallelize(copy.deepcopy(mlp).double(), plan), (x.double(),))
+    with pytest.raises(RuntimeError, match=re.escape(
+            "(rank 0: tp_kernels.onnx.cpu_session: AllReduce(float32); rank 1: tp_kernels.onnx.cpu_session: "
+            "AllReduce(float64))")):
+        tp_kernels.onnx.cpu_session(models["mlp"] if r == 0 else wide)
     del first.metadata_props[:]
     logits = _run(first, ids)  # rank 1 runs rank 0's shards, unnoticed
     assert logits.shape == (*ids.shape, 32) and not torch.allclose(logits.double(), dense.double()(ids), atol=1e-3)
@@ -372,6 +379,65 @@ def check_shard(case):
 def test_sharded_per_rank_models_match_the_dense_model(world, case):
     per_rank = world.run(check_shard, case, deadline_s=DEADLINE_S)
     assert all(c == per_rank[0] for c in per_rank)  # every rank's graph makes the same collectives
+
+
+def check_shard_in_other_types():
+    """The shard route in float64 and float16: the stand-ins move float64 as it is and float16 as
+    float32, between two ``Cast`` nodes. An MLP (an all-reduce) and an LM head with a softmax over
+    the vocabulary (an all-gather) each equal the dense model in float64: to 1e-6 in float64, in
+    float16 within twice the error of the dense float16 model run by ONNX Runtime, plus an ulp."""
+    import onnxruntime
+
+    r, p = rank_world()
+    for case in ("mlp", "lm_softmax"):
+        dense, x, plan = _dense(case, p)
+        if case == "mlp":
+            dense[1] = nn.ReLU()  # (ONNX Runtime's CPU build has no Erf in float64 nor float16)
+        ref = dense.double()(x if x.dtype == torch.int64 else x.double()).detach()
+        for dtype in (torch.float64, torch.float16):
+            xt = x if x.dtype == torch.int64 else x.to(dtype)
+            full = _dense_onnx(copy.deepcopy(dense).to(dtype), xt)
+            mine = tp_kernels.onnx.shard(full, plan, p, r)
+            standins = tp_kernels.onnx.standin_model(mine)
+            casts = [n for n in standins.graph.node if n.op_type == "Cast" and n.output[0].endswith("float32_in")]
+            assert len(casts) == (len(_collectives(mine)) if dtype == torch.float16 else 0), standins.graph.node
+            plain = None
+            if dtype == torch.float16:
+                session = onnxruntime.InferenceSession(full.SerializeToString(), providers=["CPUExecutionProvider"])
+                plain = torch.from_numpy(session.run(None, {session.get_inputs()[0].name: xt.numpy()})[0])
+            got = _run(mine, xt)
+            assert got.dtype == dtype, got.dtype
+            assert_close(f"{case} sharded in {dtype}, rank {r} of {p}", got, ref, plain)
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_sharded_models_in_float64_and_float16(world):
+    world.run(check_shard_in_other_types, deadline_s=DEADLINE_S)
+
+
+def test_a_collective_of_another_type_is_refused():
+    """A collective node moving a type the stand-ins do not move (here int64) is a ``ValueError``
+    naming the node and the type, from ``standin_model`` (and so from ``cpu_session``, on its rank,
+    before anything runs); one of bfloat16 moves as float32 between two ``Cast`` nodes."""
+    for elem_type, name in ((onnx.TensorProto.INT64, "int64"), (onnx.TensorProto.BFLOAT16, None)):
+        graph = helper.make_graph(
+            [helper.make_node("Neg", ["x"], ["y"]),
+             helper.make_node("AllGather", ["y"], ["z"], name="gather_y", domain=tp_kernels.onnx.DOMAIN, group_size=2,
+                              axis=0)],
+            "typed", [helper.make_tensor_value_info("x", elem_type, [3])],
+            [helper.make_tensor_value_info("z", elem_type, [6])])
+        model = _hand_built(graph)
+        model.opset_import.append(helper.make_opsetid(tp_kernels.onnx.DOMAIN, 1))
+        if name is not None:
+            with pytest.raises(ValueError, match=rf"model: its AllGather node 'gather_y' moves {name}, a type the CPU "
+                                                 r"stand-ins do not move: float32 and float64"):
+                tp_kernels.onnx.standin_model(model)
+            continue
+        standins = tp_kernels.onnx.standin_model(model)
+        assert [(n.op_type, n.domain) for n in standins.graph.node] == [
+            ("Neg", ""), ("Cast", ""), ("AllGather", tp_kernels.onnx.STANDIN_DOMAIN), ("Cast", "")]
+        assert standins.graph.node[-1].output[0] == "z"
+        assert helper.get_attribute_value(standins.graph.node[-1].attribute[0]) == elem_type
 
 
 def _hand_built(graph) -> onnx.ModelProto:
