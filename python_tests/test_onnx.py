@@ -198,7 +198,8 @@ def check_sessions_on_the_group_given(path):
     the group given: the tensor-parallel group of 2 on 4 ranks gives the dense model's logits; the
     world's 4 ranks are refused by cpu_session, on every rank, naming the model's metadata (made
     for rank r % 2 of 2) and this rank, and without it the first collective node whose
-    ``group_size`` differs and both sizes."""
+    ``group_size`` differs and both sizes. A model whose layers run over both groups says no
+    group in its metadata."""
     import torch.distributed as dist
 
     r, _ = rank_world()
@@ -220,9 +221,17 @@ def check_sessions_on_the_group_given(path):
             tp_kernels.onnx.cpu_session(proto, group=dist.group.WORLD)
         del proto.metadata_props[:]  # a model that does not say: its nodes do
         gather = next(n.name for n in proto.graph.node if n.op_type == "AllGather")
-        with pytest.raises(ValueError, match=re.escape(f"model: its AllGather node {gather!r} spans 2 ranks "
-                                                       "(group_size), the group 4")):
-            tp_kernels.onnx.cpu_session(proto, group=dist.group.WORLD)
+        for given in (proto, tp_kernels.onnx.standin_model(proto)):  # (its stand-ins checked alike)
+            with pytest.raises(ValueError, match=re.escape(f"model: its AllGather node {gather!r} spans 2 ranks "
+                                                           "(group_size), the group 4")):
+                tp_kernels.onnx.cpu_session(given, group=dist.group.WORLD)
+        # a model whose layers run over two groups (the tensor-parallel 2, the world's 4): no one group to
+        # name, so its metadata says none (its nodes say their sizes)
+        torch.manual_seed(0)
+        two = nn.Sequential(tp_kernels.ColumnParallelLinear(6, 4, gather_output=True),
+                            tp_kernels.ColumnParallelLinear(4, 8, gather_output=True, group=dist.group.WORLD))
+        mixed = tp_kernels.onnx.export(two.eval(), (torch.randn(3, 6),))
+        assert made_for(mixed) is None and _collectives(mixed) == ["AllGather", "AllGather"], _collectives(mixed)
     finally:
         tp_kernels.destroy_model_parallel()
 
@@ -418,8 +427,10 @@ def test_sharded_models_in_float64_and_float16(world):
 def test_a_collective_of_another_type_is_refused():
     """A collective node moving a type the stand-ins do not move (here int64) is a ``ValueError``
     naming the node and the type, from ``standin_model`` (and so from ``cpu_session``, on its rank,
-    before anything runs); one of bfloat16 moves as float32 between two ``Cast`` nodes."""
-    for elem_type, name in ((onnx.TensorProto.INT64, "int64"), (onnx.TensorProto.BFLOAT16, None)):
+    before anything runs); one of bfloat16 moves as float32 between two ``Cast`` nodes; one of
+    float64 is its own stand-in, which a second ``standin_model`` leaves as it is."""
+    for elem_type, name in ((onnx.TensorProto.INT64, "int64"), (onnx.TensorProto.BFLOAT16, None),
+                            (onnx.TensorProto.DOUBLE, None)):
         graph = helper.make_graph(
             [helper.make_node("Neg", ["x"], ["y"]),
              helper.make_node("AllGather", ["y"], ["z"], name="gather_y", domain=tp_kernels.onnx.DOMAIN, group_size=2,
@@ -434,6 +445,11 @@ def test_a_collective_of_another_type_is_refused():
                 tp_kernels.onnx.standin_model(model)
             continue
         standins = tp_kernels.onnx.standin_model(model)
+        assert tp_kernels.onnx.standin_model(standins) == standins  # (its stand-ins known as such)
+        if elem_type == onnx.TensorProto.DOUBLE:
+            assert [(n.op_type, n.domain) for n in standins.graph.node] == [
+                ("Neg", ""), ("AllGatherFloat64", tp_kernels.onnx.STANDIN_DOMAIN)]
+            continue
         assert [(n.op_type, n.domain) for n in standins.graph.node] == [
             ("Neg", ""), ("Cast", ""), ("AllGather", tp_kernels.onnx.STANDIN_DOMAIN), ("Cast", "")]
         assert standins.graph.node[-1].output[0] == "z"

@@ -193,12 +193,10 @@ def _collectives_in_order(model: onnx.ModelProto, types: List[int]) -> str:
 def _collective_types(model: onnx.ModelProto) -> List[int]:
     """The element type of each collective node's input, in the graph's order, as ONNX's type
     inference finds it with each collective taken for an ``Identity`` (which keeps the type; the
-    shapes that makes are not read); float32 where inference cannot tell (a value of a custom op's)."""
+    shapes that makes, which the model's own may contradict, are not read: ONNX's inference, not
+    strict, keeps going past them); float32 where it cannot tell (a value of a custom op's)."""
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
-    del probe.graph.value_info[:]
-    for value in probe.graph.output:
-        value.type.tensor_type.ClearField("shape")
     for node in probe.graph.node:
         if _collective(node) is not None:
             node.domain, node.op_type = "", "Identity"
