@@ -48,6 +48,10 @@ def bad_calls(p):
     col_sp = tp_kernels.ColumnParallelLinear(6, 4 * p, sequence_parallel=True)
     row = tp_kernels.RowParallelLinear(6 * p, 5)
     row_full = tp_kernels.RowParallelLinear(6 * p, 5, input_is_parallel=False)
+
+    def integer_x_under_autocast():  # (autocast casts floating-point inputs only, as F.linear's does)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return ops.matmul_all_reduce(x.long(), w, b)
     emb = tp_kernels.VocabParallelEmbedding(3 * p, 4)
     # parameters with gradients: float32, float64, float32 on another device
     graded, graded64, graded_meta = (nn.Parameter(torch.zeros(3, dtype=dtype, device=device))
@@ -104,6 +108,9 @@ def bad_calls(p):
         ("input:", lambda: col(torch.randn(3, 6, dtype=torch.float64))),
         ("input:", lambda: row(torch.randn(3, 6, dtype=torch.bfloat16))),
         ("x", lambda: ops.all_gather_matmul(x.double(), w, b)),
+        ("weight: expected a floating-point tensor, got torch.int64",
+         lambda: ops.matmul_all_reduce(x.long(), w.long(), b.long())),
+        ("x: dtype torch.int64 does not match weight's dtype torch.float32", integer_x_under_autocast),
         ("bias", lambda: ops.matmul_reduce_scatter(torch.randn(2 * p, 6), w, b.half())),
         ("bias: device meta does not match weight's device cpu",
          lambda: ops.matmul_all_reduce(x, w, torch.randn(5, device="meta"))),

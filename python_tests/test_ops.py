@@ -236,7 +236,7 @@ def check_gather_and_scatter_dims(device="cpu", dtype=torch.float64):
                 for name, leaf, grad in zip(("x", "weight", "bias"), leaves, grad_blocks(*(t.grad for t in dense))):
                     assert_close(f"{what} d{name}", leaf.grad, grad.to(device))
     x, w = torch.randn(3, 2, 5, device=device), torch.randn(4, 5, device=device)
-    for bad in (2, -1, 3, -4, True, 1.0):
+    for bad in (2, -1, 3, -4, True, 1.0, False, 0.0):
         with pytest.raises(ValueError, match=r"gather_dim: expected a dim of x other than its last, in \[-3, 1\] "
                                              rf"for x of shape \(3, 2, 5\), got {bad!r}"):
             ops.all_gather_matmul(x, w, gather_dim=bad)
