@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tp_kernels
 from tp_kernels._collectives import group_name
@@ -95,6 +96,18 @@ class _Subclass(torch.Tensor):
     """A tensor subclass that changes nothing (torch's default ``__torch_function__``)."""
 
 
+class _OpsSeen(TorchDispatchMode):
+    """A dispatch mode that lists the ops it sees, and runs them."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
 def check_eager_calls_skip_the_dispatcher(op_name):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -132,6 +145,10 @@ def check_eager_calls_skip_the_dispatcher(op_name):
         with FakeTensorMode() as mode:
             fake = op(mode.from_tensor(x), mode.from_tensor(w), mode.from_tensor(b), group, "reference")
         assert fake.shape == grads[0][0].shape and len(dispatched) == 3
+        # A dispatch mode alone (no function mode, plain tensors) sees the one op too
+        with _OpsSeen() as seen, torch.no_grad():
+            assert torch.equal(op(x, w, b, group, "reference"), grads[0][0])
+        assert seen.ops[0] is getattr(torch.ops.tp_kernels, op_name).default and len(dispatched) == 4, seen.ops
     finally:
         op.op = real
 
