@@ -126,6 +126,8 @@ def test_backward_names():
     assert backward_name("pipelined:2", "matmul_reduce_scatter") == "pipelined:4"
     assert backward_name("fused:4", "all_gather_matmul") == "fused:1"
     assert backward_name("reference", "all_gather_matmul") == "reference"
+    if _extension._C is not None:  # (the fused algorithms are the extension's)
+        assert backward_name("fused:two_shot", "matmul_reduce_scatter") == "fused:two_shot"
 
 
 def test_every_implementation_has_the_three_primitives():
