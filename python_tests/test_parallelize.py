@@ -3510,6 +3510,113 @@ def test_parameters_on_column_outputs(world):
     world.run(check_parameters_on_column_outputs)
 
 
+class _NormedMLP(nn.Module):
+    """An embedding, a norm of its output (in a Sequential), an MLP and a norm of the MLP's output.
+    ``kind``: ``"gathered"``, the output norm takes the up layer's output; ``"own_split"``, the
+    output norm runs on this rank's block of the rows of the MLP's output, which the model's own
+    code takes (``chunk``); ``"columns"`` and ``"sequence"``, a module of a parameter of its own
+    (:class:`_WeightedSum`) takes the MLP's output beside the up layer's (each rank's block of its
+    columns), or beside that output's block of rows (a sequence-parallel block). The blocks are
+    taken where ``split``, as a parallelized model's; else the tensors whole."""
+
+    def __init__(self, kind=None):
+        super().__init__()
+        self.embed, self.norm = nn.Embedding(8, 8), nn.Sequential(nn.LayerNorm(8))
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+        mixed = kind in ("columns", "sequence")
+        self.out_norm = _WeightedSum() if mixed else nn.LayerNorm(16 if kind == "gathered" else 8)
+        self.kind, self.split = kind, True
+
+    def forward(self, ids):
+        u = self.up(self.norm(self.embed(ids)))
+        if self.kind == "gathered":
+            return self.out_norm(u)
+        h = self.down(F.gelu(u))
+        if self.kind == "columns":
+            return self.out_norm(h, u)
+        if self.kind == "sequence":
+            return self.out_norm(h, tp_kernels.mappings.scatter_to_sequence_parallel_region(h) if self.split else h)
+        if self.kind == "own_split" and self.split:
+            r, p = rank_world()
+            return self.out_norm(h.chunk(p)[r])
+        return self.out_norm(h)
+
+
+class _WeightedSum(nn.Module):
+    """``u`` times the sum of ``h`` weighted by its own parameter: given the whole ``h`` and a rank's
+    block of ``u``, its gradient on each rank is that block's share."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, h, u):
+        return u * (h * self.weight).sum()
+
+
+def check_summed_gradients_of_whole_inputs():
+    """A module the plan names "replicated_with_grad_allreduce" whose input is whole and alike on
+    every rank (an embedding's summed output, a row layer's, a column layer's gathered) would take its whole gradient on
+    every rank, summed p times: its first call raises ValueError naming it, the layer whose output
+    it took and the entry that fixes it, where gradients are taken; under no_grad the output is the
+    dense one and a gradient that reaches its parameters later raises the same. Named "replicate"
+    instead, its gradients are the dense model's. Not raised where its input is a part of that output
+    that the model's own code takes (its rows' blocks, each rank's: then the sum is the dense
+    gradient), or where another of its inputs is a rank's block of a column layer's output. The
+    hooks are gone after the first call."""
+    r, p = rank_world()
+    ids = torch.randint(0, 8, (4, 3), generator=torch.Generator().manual_seed(1))
+    layers = {"embed": "vocab", "up": "colwise", "down": "rowwise"}
+    for named, source, kind, kept in (("norm", "embed", "Sequential", None), ("out_norm", "down", "LayerNorm", None),
+                                      ("out_norm", "up", "LayerNorm", "gathered")):
+        torch.manual_seed(0)
+        dense = _NormedMLP(kept).double()
+        plan = {**layers, named: "replicated_with_grad_allreduce"}
+        if kept == "gathered":
+            plan = {"embed": "vocab", "up": "colwise_gather_output", named: "replicated_with_grad_allreduce"}
+        par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+        if p == 1:
+            assert not par.down._forward_hooks
+            continue
+        with pytest.raises(ValueError, match=rf"'{named}' \({kind}\) is named 'replicated_with_grad_allreduce' "
+                                             rf".*its input is the output of '{source}', whole and alike on every "
+                                             rf"rank.*Name it in the plan: '{named}': 'replicate'"):
+            par(ids)
+        assert not par.get_submodule(source)._forward_hooks and not par.embed._forward_hooks  # (checked once)
+        par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+        with torch.no_grad():
+            torch.testing.assert_close(par(ids), dense(ids), rtol=1e-12, atol=1e-12)
+        with pytest.raises(ValueError, match=rf"'{named}' \({kind}\) is named 'replicated_with_grad_allreduce'"):
+            par(ids).square().sum().backward()
+    torch.manual_seed(0)
+    dense = _NormedMLP().double()
+    par = tp_kernels.parallelize(copy.deepcopy(dense), {**layers, "norm": "replicate", "out_norm": "replicate"})
+    par(ids).square().sum().backward()
+    dense(ids).square().sum().backward()
+    assert_dense_grads(par, dense, 1e-11)  # (the embedding's, through two norms and a sum of p: 1e-12 is tight)
+
+    if p == 1:
+        return
+    # the model's own split; the whole output beside a block of the up layer's columns, or of its own rows
+    for kind, dim in (("own_split", 0), ("columns", -1), ("sequence", 0)):
+        torch.manual_seed(0)
+        dense = _NormedMLP(kind).double()
+        par = tp_kernels.parallelize(copy.deepcopy(dense), {**layers, "out_norm": "replicated_with_grad_allreduce"})
+        dense.split = False
+        got, want = par(ids), dense(ids)
+        torch.testing.assert_close(got, block(want, dim, r, p), rtol=1e-12, atol=1e-12)
+        got.square().sum().backward()
+        want.square().sum().backward()
+        for name, q in dense.out_norm.named_parameters():
+            torch.testing.assert_close(par.out_norm.get_parameter(name).grad, q.grad, rtol=0,
+                                       atol=1e-12 * q.grad.abs().max().item(), msg=lambda m: f"{kind} {name}: {m}")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
+def test_summed_gradients_of_whole_inputs(world):
+    world.run(check_summed_gradients_of_whole_inputs)
+
+
 def test_hugging_face_style_names_and_their_errors():
     """Hugging Face's style names are styles too ('embedding_rowwise' is 'vocab'), an unknown style
     lists them, a row layer whose input is whole refuses sequence parallelism, a (style, how) entry

@@ -275,8 +275,9 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     model (a digest of its parameters' and buffers' names, shapes, dtypes and a sample of their
     values): ranks that drew their weights from different random states raise ``RuntimeError``,
     rather than each keep its shard of another model. A module the plan does not name that holds
-    parameters and takes a column layer's output raises ``ValueError`` at its first call
-    (:func:`_watch_column_outputs`). Returns ``module``.
+    parameters and takes a column layer's output, or one named ``"replicated_with_grad_allreduce"``
+    that takes a tensor whole on every rank, raises ``ValueError`` at its first call
+    (:func:`_watch_first_calls`). Returns ``module``.
     """
     group = coll.resolve_group(group)
     p = coll.group_size(group)
@@ -354,7 +355,7 @@ def parallelize(module: nn.Module, plan: Mapping[str, object], *, group=None,
     for m, moves in moved:
         redistribute(m, moves, group)
     if p > 1:
-        _watch_column_outputs(module, chosen)
+        _watch_first_calls(module, chosen)
         _dropout_per_rank(module, group)
         # (a module's sequence-parallel column layers: one gather of their input; so the column layers of a
         # module a PrepareModule* style gathers the sequence into: one gather of its deferred input)
@@ -461,15 +462,36 @@ class _RankDropout:
             fork.__exit__(None, None, None)
 
 
-def _watch_column_outputs(module: nn.Module, chosen: Dict[str, tuple]) -> None:
-    """Check, at each module's first call, that no module the plan does not name that holds
-    parameters (beside a column layer, inside the module holding it) takes a column layer's output
-    (or a view of it), each rank's block of its columns: its parameters would then take on each
-    rank that block's share of their gradient, silently not the dense one (transformers' Apertus,
-    whose learnable activation runs on the MLP's column outputs). Such a call raises
-    ``ValueError`` naming the module, where gradients are taken (else a gradient that reaches the
-    parameters later does): the plan names it ``"replicated_with_grad_allreduce"`` (its gradients
-    summed over the group) or ``"replicate"`` (it applies them to something else). Forward hooks,
+def _whole(layer: nn.Module) -> bool:
+    """Whether ``layer`` (one of this library's) returns its output whole and alike on every rank:
+    a row layer that sums its output, a column layer that gathers it, an embedding that sums its
+    rows, none of them along the sequence."""
+    if isinstance(layer, RowParallelLinear):
+        return layer.reduce_results and not layer.sequence_parallel
+    if isinstance(layer, ColumnParallelLinear):
+        return layer.gather_output
+    return isinstance(layer, VocabParallelEmbedding) and not layer.sequence_parallel
+
+
+def _watch_first_calls(module: nn.Module, chosen: Dict[str, tuple]) -> None:
+    """Check, at each watched module's first call, that its parameters' gradients come out the dense
+    model's, by what its input is. Two mistakes of a plan are silently wrong gradients:
+
+    - a module the plan does not name that holds parameters (beside a column layer, inside the
+      module holding it) takes a column layer's output (or a view of it), each rank's block of its
+      columns: its parameters would then take on each rank that block's share of their gradient
+      (transformers' Apertus, whose learnable activation runs on the MLP's column outputs). The
+      plan names it ``"replicated_with_grad_allreduce"`` (its gradients summed over the group) or
+      ``"replicate"`` (it applies them to something else);
+    - a module the plan names ``"replicated_with_grad_allreduce"`` takes, as its first tensor
+      argument, a tensor whole and alike on every rank (the output of a row layer that sums it, a
+      column layer that gathers it or an embedding that sums it, or a view of all of it), and no
+      rank's block of anything (a column layer's output, a sequence-parallel block): every rank
+      computes the whole gradient, which the sum counts p times (a norm of the residual stream
+      named so without sequence parallelism). The plan names it ``"replicate"``, or not at all.
+
+    Either raises ``ValueError`` naming the module and the layer whose output it took, where
+    gradients are taken (else a gradient that reaches the parameters later does). Forward hooks,
     each removed after its first call (none where there is nothing to watch): no cost after the
     first forward."""
     named = dict(module.named_modules(remove_duplicate=False))
@@ -479,74 +501,114 @@ def _watch_column_outputs(module: nn.Module, chosen: Dict[str, tuple]) -> None:
     for name, (style, _, _) in chosen.items():
         if style != "redistribute":
             covered.update(id(m) for m in (named[name].modules() if style in _WHOLE_SUBTREES else [named[name]]))
-    watched: Dict[int, tuple] = {}
+    watched: Dict[int, tuple] = {}  # id(module) -> (its name, it, whether the plan sums its gradients)
     for parent_name in dict.fromkeys(name.rpartition(".")[0] for name in columns.values()):  # (each holder once)
         parent = module.get_submodule(parent_name)
         for inner_name, inner in parent.named_modules(prefix=parent_name):
             if inner is not parent and id(inner) not in covered and id(inner) not in watched and \
                     next(inner.parameters(recurse=False), None) is not None:
-                watched[id(inner)] = (inner_name, inner)
+                watched[id(inner)] = (inner_name, inner, False)
+    for name, (style, _, _) in chosen.items():
+        m = named[name]
+        if style == "replicated_with_grad_allreduce" and any(q.requires_grad for q in m.parameters()):
+            watched.setdefault(id(m), (name, m, True))
     if not watched:
         return
-    shards: Dict[int, tuple] = {}  # id(a column layer's output) -> (a weak reference to it, the layer's name)
+    sources = {id(m): name for name, m in named.items() if id(m) in columns or _whole(m)}
+    outputs: Dict[int, tuple] = {}  # id(a watched layer's output) -> (a weak reference to it, the layer's name,
+    # whether it is whole)
     handles = []
 
     def finish(*_):  # (every hook removed: each watched module called once, or the model's first call done)
+        if torch.compiler.is_compiling():  # (traced, they check nothing: left for the first eager call)
+            return
         for h in handles:
             h.remove()
         handles.clear()
         watched.clear()
-        shards.clear()
+        outputs.clear()
 
     def record(layer, args, output):
         if not torch.compiler.is_compiling():
             out = output[0] if isinstance(output, tuple) else output
-            shards[id(out)] = (weakref.ref(out), columns[id(layer)])
+            outputs[id(out)] = (weakref.ref(out), sources[id(layer)], id(layer) not in columns)
 
-    def source_of(x):
+    def source_of(x, whole: bool):
+        """The layer whose output ``x`` is, or a view of: for ``whole``, a view of all of it (a part
+        may be a rank's block, the model's own split)."""
         for t in (x, x._base):
-            entry = shards.get(id(t)) if t is not None else None
-            if entry is not None and entry[0]() is t:
+            entry = outputs.get(id(t)) if t is not None else None
+            if entry is not None and entry[0]() is t and entry[2] == whole and \
+                    (not whole or t.numel() == x.numel()):
                 return entry[1]
         return None
 
-    def check(name: str, m: nn.Module, handle):
+    def check(name: str, m: nn.Module, summed: bool, handle):
         def hook(_, args, kwargs):
             if torch.compiler.is_compiling():
                 return
             handle[0].remove()
             watched.pop(id(m), None)
-            sources = [source_of(x) for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+            tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+            fed = next(filter(None, (source_of(x, False) for x in tensors)), None)  # (a column layer's block)
+            whole = source_of(tensors[0], True) if tensors else None
+            try:
+                if not summed and fed is not None:
+                    _misplaced_gradient(m, _trained(m, False), _shared_message(name, m, fed))
+                elif summed and whole is not None and fed is None and \
+                        not any(getattr(x, SEQUENCE_BLOCK, False) for x in tensors):
+                    _misplaced_gradient(m, _trained(m, True), _summed_message(name, m, whole))
+            except ValueError:
+                finish()  # (the model's first call ends here)
+                raise
             if not watched:
                 finish()
-            if any(sources):
-                _shared_parameters(name, m, next(filter(None, sources)))
         return hook
 
-    for layer_name in columns.values():
+    for layer_name in sources.values():
         handles.append(named[layer_name].register_forward_hook(record))
-    for name, m in list(watched.values()):
+    for name, m, summed in list(watched.values()):
         handle = [None]
-        handle[0] = m.register_forward_pre_hook(check(name, m, handle), with_kwargs=True)
+        handle[0] = m.register_forward_pre_hook(check(name, m, summed, handle), with_kwargs=True)
         handles.append(handle[0])
     handles.append(module.register_forward_hook(finish))
 
 
-def _shared_parameters(name: str, m: nn.Module, source: str) -> None:
-    """What :func:`_watch_column_outputs` does on finding ``m`` (``name``) fed by the column layer
-    ``source``: a ``ValueError`` now where its parameters take gradients, else one raised by any
-    gradient that reaches them."""
-    params = [attr for attr, q in m.named_parameters(recurse=False) if q.requires_grad]
+def _trained(m: nn.Module, recurse: bool) -> list:
+    """The names of ``m``'s parameters that take gradients (its own, or its submodules' too)."""
+    return [attr for attr, q in m.named_parameters(recurse=recurse) if q.requires_grad]
+
+
+def _shared_message(name: str, m: nn.Module, source: str) -> str:
+    """The error of a module the plan does not name, ``m`` (``name``), fed by the column layer
+    ``source``."""
+    pattern = re.sub(r"(?<=\.)\d+(?=\.)", "*", name)  # (every layer's: "model.layers.*.mlp.act_fn")
+    return (f"tp_kernels: parallelize: {name!r} ({type(m).__name__}) holds parameters "
+            f"({', '.join(_trained(m, False))}) that the plan keeps whole, and takes the output of the column layer "
+            f"{source!r}, each rank's block of its columns: its gradient on each rank would be that block's share, "
+            f"not the dense one. Name it in the plan: {pattern!r}: 'replicated_with_grad_allreduce' (its gradients "
+            "summed over the group: where it acts on each column, or each head, alone; one that mixes the columns, a "
+            "norm over all of them, needs them whole: 'colwise_gather_output' for the column layer), or 'replicate' "
+            "(it applies its parameters to something else)")
+
+
+def _summed_message(name: str, m: nn.Module, source: str) -> str:
+    """The error of a module the plan names ``"replicated_with_grad_allreduce"``, ``m`` (``name``),
+    whose input is the whole output of ``source``."""
+    pattern = re.sub(r"(?<=\.)\d+(?=\.)", "*", name)
+    return (f"tp_kernels: parallelize: {name!r} ({type(m).__name__}) is named 'replicated_with_grad_allreduce' "
+            f"(its gradients summed over the group), but its input is the output of {source!r}, whole and alike on "
+            "every rank: every rank computes its whole gradient, and the sum would count it once per rank. Name it "
+            f"in the plan: {pattern!r}: 'replicate' (or leave it out); 'replicated_with_grad_allreduce' is for a "
+            "module run on each rank's block (a column layer's output, a sequence-parallel block)")
+
+
+def _misplaced_gradient(m: nn.Module, params: list, message: str) -> None:
+    """What :func:`_watch_first_calls` does on finding ``m`` fed wrongly: raise ``message`` now where
+    its parameters ``params`` (their names in ``m``; none: nothing) take gradients, else on any
+    gradient that reaches them later (the forward is the dense model's: only a gradient is wrong)."""
     if not params:
         return
-    pattern = re.sub(r"(?<=\.)\d+(?=\.)", "*", name)  # (every layer's: "model.layers.*.mlp.act_fn")
-    message = (f"tp_kernels: parallelize: {name!r} ({type(m).__name__}) holds parameters ({', '.join(params)}) that "
-               f"the plan keeps whole, and takes the output of the column layer {source!r}, each rank's block of its "
-               "columns: its gradient on each rank would be that block's share, not the dense one. Name it in the "
-               f"plan: {pattern!r}: 'replicated_with_grad_allreduce' (its gradients summed over the group: where it "
-               "acts on each column, or each head, alone; one that mixes the columns, a norm over all of them, needs "
-               "them whole: 'colwise_gather_output' for the column layer), or 'replicate' (it applies its parameters "
-               "to something else)")
     if torch.is_grad_enabled():
         raise ValueError(message)
 
@@ -554,7 +616,7 @@ def _shared_parameters(name: str, m: nn.Module, source: str) -> None:
         raise ValueError(message)
 
     for attr in params:
-        getattr(m, attr).register_hook(refuse)
+        m.get_parameter(attr).register_hook(refuse)
 
 
 def _resolve(module: nn.Module, plan: Mapping[str, object], p: int, strict: bool, sequence_parallel: bool,
