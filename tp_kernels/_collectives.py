@@ -168,8 +168,9 @@ def check_alive(group) -> None:
 
 def group_key(group, device: torch.device):
     """A key for per-group, per-device state (communicators, workspaces): the caller keeps the
-    group alive with the entry, so that its id cannot be reused by another group meanwhile."""
-    return (id(group), group.group_name, device.index)
+    group alive with the entry, so that its id cannot be reused by another group meanwhile (the
+    group's name is not read: ~0.15 µs of each call's host time)."""
+    return (id(group), device.index)
 
 
 def group_size(group) -> int:

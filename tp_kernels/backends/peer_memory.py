@@ -87,7 +87,7 @@ def capture_growth_error(op: str, regions: Sequence[int]) -> RuntimeError:
         "op once with these shapes before capturing")
 
 
-#: (id(group), group name, device index) -> _GroupWorkspace
+#: (id(group), device index) -> _GroupWorkspace
 _workspaces: dict = {}
 #: Workspaces :func:`destroy_workspaces` could not release (their device had not finished within
 #: the timeout), and those of ``testing.VirtualRanks.close``: kept, so that neither their buffers
@@ -95,7 +95,7 @@ _workspaces: dict = {}
 _unreleased: list = []
 #: Every PeerContext :func:`new_context` made and not yet destroyed
 _contexts: weakref.WeakSet = weakref.WeakSet()
-#: (id(group), group name, device index) -> (group, reason or None, ranks on this GPU): whether the
+#: (id(group), device index) -> (group, reason or None, ranks on this GPU): whether the
 #: group can use peer memory, and how many of its ranks share this rank's GPU
 _topology: dict = {}
 

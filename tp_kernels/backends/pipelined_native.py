@@ -53,7 +53,7 @@ __all__ = [
     "unsupported_reason",
 ]
 
-#: (id(group), group name, device index, NCCL blocking mode) -> (group, communicator). The group
+#: (id(group), device index, NCCL blocking mode) -> (group, communicator). The group
 #: is kept so that its id cannot be reused by another group while the entry lives.
 _communicators: dict = {}
 
