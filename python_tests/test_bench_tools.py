@@ -54,6 +54,9 @@ def test_virtual_overlap_model_by_hand():
     # GEMMs' 4 is 1 on those 2, each 1.5 times as long: [1,2.5], [2.5,4], then [4,5], [5,6]
     assert pm.slowdown_factor(tasks, 0.25, 4.0) == pytest.approx(1.5)
     assert pm.predict_virtual_overlap("all_gather_matmul", 2, 4.0, 1.0, 0.25) == pytest.approx(6.0)
+    # at p = 3, GEMMs short beside the copies (0.1 each, a shard copy 1): publishing [0,6], the first
+    # pulls [6,9], the second [9,12]; each rank's GEMM of a shard waits for that shard: the last [12,12.1]
+    assert pm.simulate(pm.virtual_overlap_tasks("all_gather_matmul", 3, 0.9, 6.0)) == pytest.approx(12.1)
     # reduce-scatter, t_comm 10 over 2 pushes of 2 blocks' bytes and 2 sums of 3: a push 2, a sum 3;
     # rank 0's GEMM of block 1 [0,1] pushed [1,3]; rank 1's of block 0 [1,2] pushed [3,5]; the own
     # blocks [2,3] and [3,4]; rank 0's sum waits for its push [5,8], rank 1's [8,11]
@@ -110,6 +113,23 @@ def test_measured_gemm_lookup_and_scaling():
     assert gemm(0, 64, 32, "float32") == 0.0
     with pytest.raises(KeyError):
         gemm(8, 7, 7, "float32")
+    # a (n, k, dtype) never measured: the fallback's time; one measured: never the fallback's
+    fallback = pm.MeasuredGemm(gemm.times, fallback=lambda m, n, k, dtype: 1.0 + m)
+    assert fallback(8, 7, 7, "float32") == 9.0 and fallback(8, 64, 32, "bfloat16") == 9.0
+    assert fallback(512, 64, 32, "float32") == pytest.approx(1e-3)
+
+
+def test_roofline_gemm_by_hand():
+    """The roofline: the slower of the FLOPs at its share of the GPU's peak and the bytes at its
+    share of HBM, plus one launch; nothing where there is no product (m, n or k zero)."""
+    h100 = pm.GPUS["h100"]
+    gemm = pm.RooflineGemm(h100, efficiency=0.5, hbm_efficiency=0.8, launch_us=3.0)
+    big = 2.0 * 8192 ** 3 / (0.5 * 989.4e12)  # compute-bound
+    assert gemm(8192, 8192, 8192, "bfloat16") == pytest.approx(big + 3e-6, rel=1e-12)
+    thin = 2 * (16 * 8192 + 8192 * 8192 + 16 * 8192) / (0.8 * 3.35e12)  # a decode GEMM: memory-bound
+    assert gemm(16, 8192, 8192, "bfloat16") == pytest.approx(thin + 3e-6, rel=1e-12)
+    assert gemm(16, 8192, 8192, "float32") == pytest.approx(2 * thin + 3e-6, rel=1e-12)  # 4 bytes an element
+    assert gemm(0, 8192, 8192, "bfloat16") == gemm(16, 0, 8192, "bfloat16") == gemm(16, 8192, 0, "bfloat16") == 0.0
 
 
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
@@ -176,6 +196,11 @@ def test_layer_tasks_count_three_gemms_of_flops(kind, sp):
     start, end = pm._schedule(tasks, [t.duration for t in tasks])
     done = max(end[:len(forward)])
     assert all(s >= done * (1 - 1e-12) for s in start[len(forward):]), [t.name for t in tasks[len(forward):]]
+    if kind == "column" and sp:  # wgrad multiplies x re-gathered: after it, on a link slower than the dgrad GEMMs too
+        tasks = pm.layer_tasks(kind, sp, m, k, n, p, "bfloat16", gemm, pm.Link("slow", 1e-3, 1.0, 0.0, 0.0))
+        start, end = pm._schedule(tasks, [t.duration for t in tasks])
+        names = [t.name for t in tasks]
+        assert start[names.index("wgrad")] >= end[names.index("all-gather x")]
     # bandwidth-bound sizes: overlap wins; tiny sizes: four chunks pay four latencies and lose
     m, k, n = 8192, 4096, 8192
     naive = pm.simulate(pm.layer_tasks(kind, sp, m, k, n, p, "bfloat16", gemm, link, "naive"))
@@ -211,8 +236,11 @@ def test_perf_model_cli(capsys):
     assert pm.main(["--link", "ib400", "--tokens", "4096"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("# PROJECTION") and "InfiniBand" in out
-    with pytest.raises(SystemExit):
-        pm.main(["--tp", "3"])
+    for argv, message in ((["--tp", "3"], "--tp: llama3-70b has heads = 64, not divisible by 3"),
+                          (["--tp", "4", "--tokens", "4098"], "--tokens: 4098 is not divisible by --tp 4")):
+        with pytest.raises(SystemExit):
+            pm.main(argv)
+        assert message in capsys.readouterr().err
 
 
 def test_cases_shapes_and_filters():
