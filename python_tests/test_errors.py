@@ -93,6 +93,7 @@ def bad_calls(p):
         ("bias: expected a torch.Tensor", lambda: ops.matmul_all_reduce(x, w, b.tolist())),
         ("bias: expected a 1-D tensor", lambda: ops.matmul_all_reduce(x, w, b[None])),
         ("x: expected at least 2 dims", lambda: ops.all_gather_matmul(x[0], w, b)),
+        ("x: expected at least 2 dims", lambda: ops.matmul_reduce_scatter(x[0], w, b)),  # (a row to scatter)
         ("input: expected a torch.Tensor, got list",
          lambda: tp_kernels.mappings.copy_to_tensor_model_parallel_region(x.tolist())),
         ("input: expected at least 1 dims, got shape ()",
