@@ -1932,6 +1932,15 @@ def _fake_one_gpu_measurements(scale=1.0):
     }
 
 
+def test_a_figure_at_its_bound_meets_its_target():
+    """A target is a bound a figure may reach: at the bound it meets it, a little past it (on the
+    wrong side of its sense) it misses, and a figure not measured misses."""
+    from tp_kernels.bench.targets import TARGETS, meets
+    for name, (bound, sense, _) in TARGETS.items():
+        past = bound * (1 - 1e-9) if sense == ">=" else bound * (1 + 1e-9)
+        assert meets(name, bound) and not meets(name, past) and not meets(name, None), name
+
+
 def test_one_gpu_report_reads_every_figure_against_its_target():
     from tp_kernels.bench import one_gpu
 
@@ -2086,6 +2095,13 @@ def test_one_gpu_projection_uses_the_gemm_times_measured():
     assert slow["label"].startswith("PROJECTION for 8 GPUs")
     gemm = lambda proj: sum(r["gemm_ms"] for r in proj["linears"])  # noqa: E731
     assert gemm(slow) == pytest.approx(2 * gemm(fast))  # every GEMM of the projection is a measured one
+    # a record without the shapes of one (n, k) (an older one): those GEMMs from the projected GPU's roofline,
+    # which the made-up times are at scale 1
+    n0, k0 = shapes[0][1:3]
+    partial = {(m, n, k, d): t for m, n, k, d, t in _fake_one_gpu_measurements(1.0)["projection_gemm_s"]
+               if (n, k) != (n0, k0)}
+    assert len(partial) < len(shapes)
+    assert gemm(one_gpu.project(partial, "FakeGPU")) == pytest.approx(gemm(fast))
 
 
 def test_one_gpu_report_says_which_figures_are_missing():
@@ -2101,6 +2117,18 @@ def test_one_gpu_report_says_which_figures_are_missing():
     lines = one_gpu.format_report(rep).splitlines()
     assert "  native GEMM / F.linear, 70B TP8 column: - (target >= 0.99) NOT MEASURED" in lines
     assert sum(line.endswith("NOT MEASURED") for line in lines) == 1
+    # no decode row of at most 64 KiB: that figure NOT MEASURED, not met; a figure of two digits shows one
+    # decimal, a negative one too
+    measured = _fake_one_gpu_measurements()
+    for row in measured["fused"]["all_reduce_latency"]:
+        row["bytes"] = 128 * 1024
+    measured["extension"]["host_overhead"]["added_eager_us"]["matmul_all_reduce_auto"] = -18.7
+    rep = one_gpu.report(measured, [], "FakeGPU")
+    (missing,) = [c for c in rep["checks"] if c["value"] is None]
+    assert missing["target"] == "decode_all_reduce_us" and not missing["meets"]
+    lines = one_gpu.format_report(rep).splitlines()
+    assert "  decode all-reduce part, <= 64 KiB, best algorithm: - (target <= 8) NOT MEASURED" in lines
+    assert "  auto: host time added per call, m = 16: -18.7 (target <= 5) meets" in lines
 
 
 def test_one_gpu_report_without_the_extension_says_so():
