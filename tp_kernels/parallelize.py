@@ -554,7 +554,8 @@ def _watch_first_calls(module: nn.Module, chosen: Dict[str, tuple]) -> None:
             whole = source_of(tensors[0], True) if tensors else None
             try:
                 if not summed and fed is not None:
-                    _misplaced_gradient(m, _trained(m, False), _shared_message(name, m, fed))
+                    params = _trained(m, False)
+                    _misplaced_gradient(m, params, _shared_message(name, m, fed, params))
                 elif summed and whole is not None and fed is None and \
                         not any(getattr(x, SEQUENCE_BLOCK, False) for x in tensors):
                     _misplaced_gradient(m, _trained(m, True), _summed_message(name, m, whole))
@@ -579,28 +580,31 @@ def _trained(m: nn.Module, recurse: bool) -> list:
     return [attr for attr, q in m.named_parameters(recurse=recurse) if q.requires_grad]
 
 
-def _shared_message(name: str, m: nn.Module, source: str) -> str:
-    """The error of a module the plan does not name, ``m`` (``name``), fed by the column layer
-    ``source``."""
-    pattern = re.sub(r"(?<=\.)\d+(?=\.)", "*", name)  # (every layer's: "model.layers.*.mlp.act_fn")
-    return (f"tp_kernels: parallelize: {name!r} ({type(m).__name__}) holds parameters "
-            f"({', '.join(_trained(m, False))}) that the plan keeps whole, and takes the output of the column layer "
-            f"{source!r}, each rank's block of its columns: its gradient on each rank would be that block's share, "
-            f"not the dense one. Name it in the plan: {pattern!r}: 'replicated_with_grad_allreduce' (its gradients "
-            "summed over the group: where it acts on each column, or each head, alone; one that mixes the columns, a "
-            "norm over all of them, needs them whole: 'colwise_gather_output' for the column layer), or 'replicate' "
-            "(it applies its parameters to something else)")
+def _pattern(name: str) -> str:
+    """The plan's pattern for ``name`` in every layer: ``"model.layers.*.mlp.act_fn"``."""
+    return re.sub(r"(?<=\.)\d+(?=\.)", "*", name)
+
+
+def _shared_message(name: str, m: nn.Module, source: str, params: list) -> str:
+    """The error of a module the plan does not name, ``m`` (``name``) holding ``params``, fed by
+    the column layer ``source``."""
+    return (f"tp_kernels: parallelize: {name!r} ({type(m).__name__}) holds parameters ({', '.join(params)}) that "
+            f"the plan keeps whole, and takes the output of the column layer {source!r}, each rank's block of its "
+            "columns: its gradient on each rank would be that block's share, not the dense one. Name it in the "
+            f"plan: {_pattern(name)!r}: 'replicated_with_grad_allreduce' (its gradients summed over the group: where "
+            "it acts on each column, or each head, alone; one that mixes the columns, a norm over all of them, needs "
+            "them whole: 'colwise_gather_output' for the column layer), or 'replicate' (it applies its parameters "
+            "to something else)")
 
 
 def _summed_message(name: str, m: nn.Module, source: str) -> str:
     """The error of a module the plan names ``"replicated_with_grad_allreduce"``, ``m`` (``name``),
     whose input is the whole output of ``source``."""
-    pattern = re.sub(r"(?<=\.)\d+(?=\.)", "*", name)
     return (f"tp_kernels: parallelize: {name!r} ({type(m).__name__}) is named 'replicated_with_grad_allreduce' "
             f"(its gradients summed over the group), but its input is the output of {source!r}, whole and alike on "
             "every rank: every rank computes its whole gradient, and the sum would count it once per rank. Name it "
-            f"in the plan: {pattern!r}: 'replicate' (or leave it out); 'replicated_with_grad_allreduce' is for a "
-            "module run on each rank's block (a column layer's output, a sequence-parallel block)")
+            f"in the plan: {_pattern(name)!r}: 'replicate' (or leave it out); 'replicated_with_grad_allreduce' is "
+            "for a module run on each rank's block (a column layer's output, a sequence-parallel block)")
 
 
 def _misplaced_gradient(m: nn.Module, params: list, message: str) -> None:
