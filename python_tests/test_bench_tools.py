@@ -1125,6 +1125,15 @@ def test_host_profile_ranks_a_calls_functions_by_their_own_time():
     where, per_call, own_us, cumulative_us = rows[0]  # time.sleep's own time: about 2 ms a call
     assert "sleep" in where and per_call == 1.0 and own_us > 1000 and cumulative_us >= own_us
     assert any("test_bench_tools.py" in w and "(slow)" in w for w, *_ in host.profiled(call, 5, cuda=False))
+    # no collection pauses a profiled call (it would land on whichever function ran), and collections go on after
+    import gc
+    seen = []
+    host.profiled(lambda: seen.append(gc.isenabled()), 3, cuda=False)
+    assert seen == [True, False, False, False] and gc.isenabled()  # (the first call, unprofiled; then the 3)
+    # the report's line: the first five rows, each function's own time a call
+    text = host.profile_text([[f"f{i}", 1.0, 10.0 - i, 20.0] for i in range(7)])
+    assert text == ("the functions by own time a call (us, under cProfile): f0 10.00; f1 9.00; f2 8.00; f3 7.00; "
+                    "f4 6.00")
 
 
 def _fingerprint_bench_rank():
