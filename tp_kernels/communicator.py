@@ -554,7 +554,7 @@ def tensor_parallel_communicator() -> Communicator:
     on the current device, made on first use."""
     group = coll.resolve_group(None)
     device = _default_device(group)
-    key = (id(group), device)  # (the entry keeps the group: its id is not reused meanwhile)
+    key = coll.group_key(group, device)  # (the entry keeps the group: its id is not reused meanwhile)
     entry = _tp_communicators.get(key)
     if entry is None:
         entry = _tp_communicators[key] = (group, Communicator(group, device=device))

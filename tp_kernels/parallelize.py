@@ -510,7 +510,7 @@ def _watch_first_calls(module: nn.Module, chosen: Dict[str, tuple]) -> None:
                 watched[id(inner)] = (inner_name, inner, False)
     for name, (style, _, _) in chosen.items():
         m = named[name]
-        if style == "replicated_with_grad_allreduce" and any(q.requires_grad for q in m.parameters()):
+        if style == "replicated_with_grad_allreduce" and _trained(m, True):
             watched.setdefault(id(m), (name, m, True))
     if not watched:
         return
