@@ -748,6 +748,7 @@ def test_main_job_writes_json_csv_png(tmp_path):
     (["--shape", "a,b,c"], "--shape: expected three positive ints M,IN,OUT"),
     (["--m", "16,0"], "--m: expected positive ints"),
     (["--m", "16,x"], "expected comma-separated ints, got '16,x'"),
+    (["--m", ","], "--m: expected positive ints"),
     (["--iters", "0"], "--iters: expected a positive int, got 0"),
     (["--num-chunks", "-1"], "--num-chunks: expected a positive int, got -1"),
     (["-p", "0"], "--world-size: expected a positive int, got 0"),
@@ -770,6 +771,26 @@ def test_the_main_job_takes_20_samples_a_measurement_5_quick_by_default():
     from tp_kernels.bench import cli
 
     assert [cli._parse(argv)[0].iters for argv in ([], ["--quick"], ["--quick", "--iters", "3"])] == [20, 5, 3]
+
+
+def test_the_main_job_runs_every_model_at_the_decode_and_training_m_by_default():
+    """Without --quick, every model at the decode m and the device's training m; with it, Llama-3
+    70B at two m; --m and --models in their place; a list may end in a comma."""
+    from tp_kernels.bench import cli
+    from tp_kernels.bench.cases import DECODE_M, TARGETS, TRAIN_M
+
+    def run(argv, where):
+        args, ap = cli._parse(argv)
+        cases = cli._cases(args, ap, 2, where, 64)
+        return {c.model for c in cases}, sorted({c.m for c in cases}), {c.target for c in cases}
+
+    for where in ("cpu", "cuda"):
+        models, ms, targets = run([], where)
+        assert models == {f"{m}/64" for m in pm.MODELS} and ms == sorted(DECODE_M + TRAIN_M[where])
+        assert targets == set(TARGETS)
+        assert run(["--quick"], where)[:2] == ({"llama3-70b/64"}, list(cli.QUICK_M[where]))
+    assert run(["--m", "16,", "--models", "llama3-8b,", "--targets", "row,"], "cpu") == ({"llama3-8b/64"}, [16], {"row"})
+    assert cli._parse(["--backends", "reference,pipelined,"])[0].backends == ["reference", "pipelined"]
 
 
 @pytest.mark.slow

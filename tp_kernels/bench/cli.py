@@ -95,6 +95,21 @@ def _parse(argv=None):
     return args, ap
 
 
+def _cases(args, ap: argparse.ArgumentParser, p: int, where: str, scale: int) -> List:
+    """The cases of ``args`` on ``p`` ranks (``where``: "cuda" or "cpu"): its shapes, else its
+    models' (default: every model; --quick, Llama-3 70B) at its m (default: the decode m and
+    ``where``'s training m; --quick, two), feature sizes divided by ``scale``."""
+    case_targets = [t for t in args.targets if t in TARGETS]
+    if args.shape:
+        return custom_cases(args.shape, case_targets, p)
+    models = args.models or (["llama3-70b"] if args.quick else sorted(MODELS))
+    ms = args.m or (QUICK_M[where] if args.quick else DECODE_M + TRAIN_M[where])
+    try:
+        return model_cases(models, ms, case_targets, p, scale)
+    except KeyError as exc:
+        ap.error(f"--models: {exc}")
+
+
 def main(argv=None) -> int:
     args, ap = _parse(argv)
     torchrun = launched_by_torchrun()
@@ -105,17 +120,8 @@ def main(argv=None) -> int:
         backend = default_backend(p)
     where = "cuda" if backend == "nccl" else "cpu"
     scale = args.scale or (1 if where == "cuda" else 64)
-    case_targets = [t for t in args.targets if t in TARGETS]
     sweep = "communicator" in args.targets
-    if args.shape:
-        cases = custom_cases(args.shape, case_targets, p)
-    else:
-        models = args.models or (["llama3-70b"] if args.quick else sorted(MODELS))
-        ms = args.m or (QUICK_M[where] if args.quick else DECODE_M + TRAIN_M[where])
-        try:
-            cases = model_cases(models, ms, case_targets, p, scale)
-        except KeyError as exc:
-            ap.error(f"--models: {exc}")
+    cases = _cases(args, ap, p, where, scale)
     if not cases and not sweep:
         ap.error(f"no case runs on p={p} (m and the split feature sizes must be divisible by p)")
     dtypes = args.dtypes or (["bfloat16"] if where == "cuda" else ["float32"])
