@@ -503,6 +503,60 @@ def _measure_recorded(target, m, k, n, num_chunks=None):
                    "gemm": [[list(s), t] for s, t in out["gemm"].items()]}
 
 
+def _started_collectives():
+    """What ``measure._start`` of each kind returns on this rank, for rank r's [8, 3] of (r + 1)
+    times 0..23."""
+    import torch.distributed as dist
+
+    from tp_kernels.bench import measure
+
+    x = torch.arange(24, dtype=torch.float64).reshape(8, 3) * (dist.get_rank() + 1)
+    return {kind: measure._start(kind, x.clone(), dist.group.WORLD).wait()
+            for kind in ("all_gather", "reduce_scatter", "all_reduce")}
+
+
+def test_the_collectives_timed_are_each_kinds(world2):
+    """The collective timed for each kind is that kind: the all-gather along dim 0, the
+    reduce-scatter's sum of this rank's block of rows, the all-reduce's sum."""
+    base = torch.arange(24, dtype=torch.float64).reshape(8, 3)
+    for r, out in enumerate(world2.run(_started_collectives)):
+        assert torch.equal(out["all_gather"], torch.cat([base, 2 * base]))
+        assert torch.equal(out["reduce_scatter"], (3 * base).chunk(2)[r])
+        assert torch.equal(out["all_reduce"], 3 * base)
+
+
+def _measured_with_the_model_reading(shape):
+    """``measure_case`` of a row case (m 12, k 12, n 8) on this rank, no backend, where the model
+    reads the GEMM ``shape`` alone: the error it raises, or None."""
+    import torch.distributed as dist
+
+    from tp_kernels.bench import measure
+
+    def timer(body, pre=None, post=None):
+        body(0)
+        return 1e-3
+
+    with mock.patch.object(measure, "model_gemms", lambda *args: {tuple(shape)}):
+        try:
+            measure.measure_case(cases.Case("row", "custom", 12, 12, 8), [], torch.float32, torch.device("cpu"),
+                                 dist.group.WORLD, timer, None)
+        except RuntimeError as exc:
+            return str(exc)
+    return None
+
+
+def test_a_gemm_the_model_reads_is_timed_on_rows_of_the_forward_or_input_gradient(world2):
+    """A chunk GEMM the model reads is timed on rows of the case's forward GEMM or its input
+    gradient's (a row layer of 2 ranks: [12, 8] over 6, [12, 6] over 8); rows of the weight
+    gradient's ([8, 6] over 12), which no schedule splits, or more rows than the case has, are an
+    error naming the GEMM."""
+    assert world2.run(_measured_with_the_model_reading, (4, 8, 6))[0] is None
+    assert world2.run(_measured_with_the_model_reading, (4, 6, 8))[0] is None
+    for shape in ((13, 8, 6), (4, 6, 12)):
+        error = world2.run(_measured_with_the_model_reading, shape)[0]
+        assert error is not None and f"the model reads a GEMM {shape} that is no rows of the case's" in error
+
+
 def test_the_gemms_timed_alone_are_those_the_reference_runs(world2):
     """The GEMMs a case's run times alone (its ``gemm_total``, E's GEMM time) are the products the
     reference's call runs, shape and operand layout: an op's forward, a layer's forward, input
@@ -555,6 +609,19 @@ def test_the_gemms_under_communication_run_beside_every_collective_of_the_case(w
     assert all(len(started) == 1 for started in alone)
     assert under[0]["started"] == [started[0] for started in alone[:len(under[0]["started"])]]
     assert {kind for kind, _ in under[0]["started"]} == {kind for (kind, _), in alone}
+
+
+@pytest.mark.parametrize("world", [1, 2], indirect=True)
+def test_a_collective_too_small_for_a_quarter_is_timed_whole_and_one_rank_times_none(world):
+    """An all-reduce of 2 rows has no quarter to time (no collective of no bytes is): its one
+    sample is the whole one; on one rank nothing is communicated and the GEMMs under communication
+    are the GEMMs alone."""
+    calls, out = world.run(_measure_recorded, "matmul_all_reduce", 2, 12, 8)[0]
+    if world.world_size == 1:
+        assert out["comm_samples"] == [] and out["comm_total"] == 0.0 and not any(c["pre"] for c in calls)
+        assert out["gemm_under_comm"] == out["gemm_total"] > 0
+    else:
+        assert [(kind, nbytes) for kind, nbytes, _ in out["comm_samples"]] == [("all_reduce", 2 * 8 * 4)]
 
 
 def test_the_collectives_timed_are_those_the_model_reads(world2):
@@ -799,7 +866,9 @@ def test_the_communicator_sweep_alone(tmp_path):
            "--targets", "communicator", "--out-dir", str(tmp_path), "--tag", "sweep"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    sweep = json.load(open(tmp_path / "cpu-gloo-p2-quick-sweep.json"))["communicator"]
+    record = json.load(open(tmp_path / "cpu-gloo-p2-quick-sweep.json"))
+    sweep = record["communicator"]
+    assert record["peak_tflops"] == {} and record["results"] == []  # (no case: no GEMM peak measured either)
     assert (sweep["p"], sweep["dtype"], sweep["paths"]) == (2, "float32", ["reference"])  # the CPU: one path
     assert [r["bytes"] for r in sweep["rows"]] == list(communicator.QUICK_SIZES)
     assert all(r["times_s"]["reference"] > 0 and r["auto"] == "reference" for r in sweep["rows"])
