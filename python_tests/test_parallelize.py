@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tp_kernels
+from tp_kernels.parallelize import _ELEMENTWISE
 from helpers import (adam_atol, adam_drift, assert_close, assert_dense_grads, assert_same_loss_and_backward, block,
                      fingerprints_set, padded_block, rank_world, skip_unless_own_plan)
 
@@ -3516,7 +3517,10 @@ class _NormedMLP(nn.Module):
     output norm runs on this rank's block of the rows of the MLP's output, which the model's own
     code takes (``chunk``); ``"columns"`` and ``"sequence"``, a module of a parameter of its own
     (:class:`_WeightedSum`) takes the MLP's output beside the up layer's (each rank's block of its
-    columns), or beside that output's block of rows (a sequence-parallel block). The blocks are
+    columns), or beside that output's block of rows (a sequence-parallel block); ``"residual"``,
+    the output norm takes the embedding's output plus half the MLP's (a residual sum), and
+    ``"own_split_residual"`` this rank's block of its rows; ``"scaled_columns"``, a module scaling
+    by a parameter of its own (:class:`_Scale`) takes half the up layer's output. The blocks are
     taken where ``split``, as a parallelized model's; else the tensors whole."""
 
     def __init__(self, kind=None):
@@ -3524,22 +3528,38 @@ class _NormedMLP(nn.Module):
         self.embed, self.norm = nn.Embedding(8, 8), nn.Sequential(nn.LayerNorm(8))
         self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
         mixed = kind in ("columns", "sequence")
-        self.out_norm = _WeightedSum() if mixed else nn.LayerNorm(16 if kind == "gathered" else 8)
+        self.out_norm = _WeightedSum() if mixed else _Scale() if kind == "scaled_columns" else \
+            nn.LayerNorm(16 if kind == "gathered" else 8)
         self.kind, self.split = kind, True
 
     def forward(self, ids):
-        u = self.up(self.norm(self.embed(ids)))
-        if self.kind == "gathered":
-            return self.out_norm(u)
+        e = self.embed(ids)
+        u = self.up(self.norm(e))
+        if self.kind in ("gathered", "scaled_columns"):
+            return self.out_norm(u if self.kind == "gathered" else 0.5 * u)
         h = self.down(F.gelu(u))
+        if self.kind in ("residual", "own_split_residual"):
+            h = e + 0.5 * h
         if self.kind == "columns":
             return self.out_norm(h, u)
         if self.kind == "sequence":
             return self.out_norm(h, tp_kernels.mappings.scatter_to_sequence_parallel_region(h) if self.split else h)
-        if self.kind == "own_split" and self.split:
+        if self.kind in ("own_split", "own_split_residual") and self.split:
             r, p = rank_world()
             return self.out_norm(h.chunk(p)[r])
         return self.out_norm(h)
+
+
+class _Scale(nn.Module):
+    """Its input times a parameter of its own (one number): given a rank's block of columns, its
+    gradient on each rank is that block's share."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.weight * x
 
 
 class _WeightedSum(nn.Module):
@@ -3563,7 +3583,9 @@ def check_summed_gradients_of_whole_inputs():
     instead, its gradients are the dense model's. Not raised where its input is a part of that output
     that the model's own code takes (its rows' blocks, each rank's: then the sum is the dense
     gradient), or where another of its inputs is a rank's block of a column layer's output. The
-    hooks are gone after the first call."""
+    same for an input computed from such an output by elementwise steps (a residual sum), where
+    gradients are taken, but not for one computed so from a column layer's block (a scaling: the
+    sum is the dense gradient). The hooks are gone after the first call."""
     r, p = rank_world()
     ids = torch.randint(0, 8, (4, 3), generator=torch.Generator().manual_seed(1))
     layers = {"embed": "vocab", "up": "colwise", "down": "rowwise"}
@@ -3588,6 +3610,31 @@ def check_summed_gradients_of_whole_inputs():
             torch.testing.assert_close(par(ids), dense(ids), rtol=1e-12, atol=1e-12)
         with pytest.raises(ValueError, match=rf"'{named}' \({kind}\) is named 'replicated_with_grad_allreduce'"):
             par(ids).square().sum().backward()
+    # a residual sum of the row layer's output and the (plain) embedding's; a rank's block of its rows
+    # (the model's own split: summed rightly); half the column layer's output (each rank's block of it)
+    assert all(hasattr(torch._C._functions, step) for step in _ELEMENTWISE)  # (torch's names, each)
+    for kind in ("residual", "own_split_residual", "scaled_columns"):
+        torch.manual_seed(0)
+        dense = _NormedMLP(kind).double()
+        plan = {"up": "colwise", "down": "rowwise", "out_norm": "replicated_with_grad_allreduce"}
+        par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
+        if p > 1 and kind == "residual":
+            with pytest.raises(ValueError, match=r"'out_norm' \(LayerNorm\) is named 'replicated_with_grad_allreduce' "
+                                                 r".*its input is computed elementwise from the output of 'down' \(a "
+                                                 r"residual sum\), whole and alike on every rank.*Name it in the plan: "
+                                                 r"'out_norm': 'replicate'"):
+                par(ids)
+            assert not par.down._forward_hooks and len(par.out_norm._forward_pre_hooks) == 1  # (the sum's own)
+            continue
+        dense.split = False
+        got, want = par(ids), dense(ids)
+        torch.testing.assert_close(got, want if kind == "residual" else block(want, 0, r, p) if kind ==
+                                   "own_split_residual" else block(want, -1, r, p), rtol=1e-12, atol=1e-12)
+        got.square().sum().backward()
+        want.square().sum().backward()
+        for name, q in dense.out_norm.named_parameters():
+            torch.testing.assert_close(par.out_norm.get_parameter(name).grad, q.grad, rtol=0,
+                                       atol=1e-12 * q.grad.abs().max().item(), msg=lambda m: f"{kind} {name}: {m}")
     torch.manual_seed(0)
     dense = _NormedMLP().double()
     par = tp_kernels.parallelize(copy.deepcopy(dense), {**layers, "norm": "replicate", "out_norm": "replicate"})

@@ -485,10 +485,12 @@ def _watch_first_calls(module: nn.Module, chosen: Dict[str, tuple]) -> None:
       ``"replicate"`` (it applies them to something else);
     - a module the plan names ``"replicated_with_grad_allreduce"`` takes, as its first tensor
       argument, a tensor whole and alike on every rank (the output of a row layer that sums it, a
-      column layer that gathers it or an embedding that sums it, or a view of all of it), and no
-      rank's block of anything (a column layer's output, a sequence-parallel block): every rank
-      computes the whole gradient, which the sum counts p times (a norm of the residual stream
-      named so without sequence parallelism). The plan names it ``"replicate"``, or not at all.
+      column layer that gathers it or an embedding that sums it, a view of all of it, or, where
+      gradients are taken (autograd records the steps), a tensor computed from it by elementwise
+      steps alone: :data:`_ELEMENTWISE`, a residual sum), and no rank's block of
+      anything (a column layer's output, a sequence-parallel block): every rank computes the whole
+      gradient, which the sum counts p times (a norm of the residual stream named so without
+      sequence parallelism). The plan names it ``"replicate"``, or not at all.
 
     Either raises ``ValueError`` naming the module and the layer whose output it took, where
     gradients are taken (else a gradient that reaches the parameters later does). Forward hooks,
@@ -517,6 +519,8 @@ def _watch_first_calls(module: nn.Module, chosen: Dict[str, tuple]) -> None:
     sources = {id(m): name for name, m in named.items() if id(m) in columns or _whole(m)}
     outputs: Dict[int, tuple] = {}  # id(a watched layer's output) -> (a weak reference to it, the layer's name,
     # whether it is whole)
+    whole_steps: Dict[int, tuple] = {}  # id(a whole output's autograd node) -> (the node, the layer's name): held
+    # until the first call ends
     handles = []
 
     def finish(*_):  # (every hook removed: each watched module called once, or the model's first call done)
@@ -527,11 +531,14 @@ def _watch_first_calls(module: nn.Module, chosen: Dict[str, tuple]) -> None:
         handles.clear()
         watched.clear()
         outputs.clear()
+        whole_steps.clear()
 
     def record(layer, args, output):
         if not torch.compiler.is_compiling():
             out = output[0] if isinstance(output, tuple) else output
             outputs[id(out)] = (weakref.ref(out), sources[id(layer)], id(layer) not in columns)
+            if id(layer) not in columns and out.grad_fn is not None:
+                whole_steps[id(out.grad_fn)] = (out.grad_fn, sources[id(layer)])
 
     def source_of(x, whole: bool):
         """The layer whose output ``x`` is, or a view of: for ``whole``, a view of all of it (a part
@@ -543,6 +550,22 @@ def _watch_first_calls(module: nn.Module, chosen: Dict[str, tuple]) -> None:
                 return entry[1]
         return None
 
+    def computed_from_whole(x):
+        """The layer of whose whole output ``x`` is computed by elementwise steps alone (a residual
+        sum); None where none is found within a few steps."""
+        stack, seen = [x.grad_fn] if x.grad_fn is not None else [], set()
+        while stack and len(seen) < 32:
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            entry = whole_steps.get(id(node))
+            if entry is not None and entry[0] is node:
+                return entry[1]
+            if node.name() in _ELEMENTWISE:
+                stack.extend(n for n, _ in node.next_functions if n is not None)
+        return None
+
     def check(name: str, m: nn.Module, summed: bool, handle):
         def hook(_, args, kwargs):
             if torch.compiler.is_compiling():
@@ -552,13 +575,14 @@ def _watch_first_calls(module: nn.Module, chosen: Dict[str, tuple]) -> None:
             tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
             fed = next(filter(None, (source_of(x, False) for x in tensors)), None)  # (a column layer's block)
             whole = source_of(tensors[0], True) if tensors else None
+            computed = computed_from_whole(tensors[0]) if tensors and whole is None else None
             try:
                 if not summed and fed is not None:
                     params = _trained(m, False)
                     _misplaced_gradient(m, params, _shared_message(name, m, fed, params))
-                elif summed and whole is not None and fed is None and \
+                elif summed and (whole or computed) and fed is None and \
                         not any(getattr(x, SEQUENCE_BLOCK, False) for x in tensors):
-                    _misplaced_gradient(m, _trained(m, True), _summed_message(name, m, whole))
+                    _misplaced_gradient(m, _trained(m, True), _summed_message(name, m, whole or computed, not whole))
             except ValueError:
                 finish()  # (the model's first call ends here)
                 raise
@@ -573,6 +597,13 @@ def _watch_first_calls(module: nn.Module, chosen: Dict[str, tuple]) -> None:
         handle[0] = m.register_forward_pre_hook(check(name, m, summed, handle), with_kwargs=True)
         handles.append(handle[0])
     handles.append(module.register_forward_hook(finish))
+
+
+#: the autograd steps through which a tensor computed from a whole one is whole and alike on every
+#: rank too (:func:`_watch_first_calls`): sums, scalings, dropout, casts, copies
+_ELEMENTWISE = frozenset({"AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "RsubBackward0",
+                          "RsubBackward1", "MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1",
+                          "NativeDropoutBackward0", "ToCopyBackward0", "CloneBackward0"})
 
 
 def _trained(m: nn.Module, recurse: bool) -> list:
@@ -597,11 +628,13 @@ def _shared_message(name: str, m: nn.Module, source: str, params: list) -> str:
             "to something else)")
 
 
-def _summed_message(name: str, m: nn.Module, source: str) -> str:
+def _summed_message(name: str, m: nn.Module, source: str, computed: bool) -> str:
     """The error of a module the plan names ``"replicated_with_grad_allreduce"``, ``m`` (``name``),
-    whose input is the whole output of ``source``."""
+    whose input is the whole output of ``source`` (``computed``: computed from it elementwise)."""
+    what = f"computed elementwise from the output of {source!r} (a residual sum)" if computed else \
+        f"the output of {source!r}"
     return (f"tp_kernels: parallelize: {name!r} ({type(m).__name__}) is named 'replicated_with_grad_allreduce' "
-            f"(its gradients summed over the group), but its input is the output of {source!r}, whole and alike on "
+            f"(its gradients summed over the group), but its input is {what}, whole and alike on "
             "every rank: every rank computes its whole gradient, and the sum would count it once per rank. Name it "
             f"in the plan: {_pattern(name)!r}: 'replicate' (or leave it out); 'replicated_with_grad_allreduce' is "
             "for a module run on each rank's block (a column layer's output, a sequence-parallel block)")
