@@ -163,14 +163,15 @@ def test_weight_layouts():
         layout(strided)
 
 
-def _native_layout_error(x, weight):
-    """What the native GEMM's checks say of ``x`` and ``weight`` as they are (``_C.linear_problem``,
-    the tensors named as on device 0), or None when they take them."""
+def _native_layout_error(x, weight, bias=None):
+    """What the native GEMM's checks say of ``x``, ``weight`` and ``bias`` as they are
+    (``_C.linear_problem``, the tensors named as on device 0), or None when they take them."""
     refs = {name: _extension._C.TensorRef(name, t.data_ptr(), list(t.shape), list(t.stride()), "float32", 0)
-            for name, t in (("x", x), ("weight", weight), ("out", torch.empty(*x.shape[:-1], weight.shape[0])))}
+            for name, t in (("x", x), ("weight", weight), ("out", torch.empty(*x.shape[:-1], weight.shape[0])),
+                            ("bias", bias)) if t is not None}
     refs["workspace"] = _extension._C.TensorRef("workspace", 0, [0], [1], "uint8", 0)
     try:
-        _extension._C.linear_problem(bias=None, **refs)
+        _extension._C.linear_problem(**{"bias": None, **refs})
     except ValueError as exc:
         return str(exc)
     return None
@@ -179,22 +180,30 @@ def _native_layout_error(x, weight):
 def _strided(shape, strides):
     """A float32 tensor of ``shape`` with these ``strides`` (any: rows apart, transposed,
     overlapping, broadcast), over distinct values."""
-    size = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    size = 1 + sum(max(n - 1, 0) * s for n, s in zip(shape, strides))
     return torch.arange(size, dtype=torch.float32).as_strided(shape, strides)
 
 
 @built
 @hypothesis_settings(max_examples=1000, deadline=None)
-@given(x_shape=st.lists(st.integers(1, 3), min_size=2, max_size=3), x_strides=st.lists(st.integers(0, 7), min_size=3,
-       max_size=3), n=st.integers(1, 3), w_strides=st.lists(st.integers(0, 7), min_size=2, max_size=2))
-@example(x_shape=[2, 1, 3], x_strides=[1, 0, 1], n=2, w_strides=[3, 1])  # one-row matrices of a batch that overlap
-def test_the_python_side_passes_what_the_native_gemm_takes(x_shape, x_strides, n, w_strides):
-    """Whatever the layout of x (``[m, k]`` or ``[batch, m, k]``, no dim empty) and of the weight,
+@given(x_shape=st.lists(st.integers(0, 3), min_size=2, max_size=3), x_strides=st.lists(st.integers(0, 7), min_size=3,
+       max_size=3), n=st.integers(0, 3), w_strides=st.lists(st.integers(0, 7), min_size=2, max_size=2),
+       b_stride=st.integers(0, 2))
+@example(x_shape=[2, 1, 3], x_strides=[1, 0, 1], n=2, w_strides=[3, 1], b_stride=1)  # one-row matrices that overlap
+@example(x_shape=[0, 2], x_strides=[0, 0, 0], n=0, w_strides=[0, 0], b_stride=0)  # empty, and strides of nothing
+def test_the_python_side_passes_what_the_native_gemm_takes(x_shape, x_strides, n, w_strides, b_stride):
+    """Whatever the layout of x (``[m, k]`` or ``[batch, m, k]``, dims empty too) and of the weight,
     what the Python side passes (``_gemm_input``, ``gemm_weight``) has the same values and is taken
     by the native GEMM's checks; and it is the tensor itself whenever those checks take that as it
-    is: a copy only where one is needed."""
+    is: a copy only where one is needed. An empty tensor's strides are any (torch calls it
+    contiguous whatever they are): one the native checks would refuse is passed as a new one. A
+    bias (of one product: a batch takes none) is passed contiguous."""
     x = _strided(x_shape, x_strides[:len(x_shape)])
     weight = _strided([n, x_shape[-1]], w_strides)
+    bias = _strided([n], [b_stride])
+    if len(x_shape) == 2:
+        assert _native_layout_error(_extension._gemm_input(x), _extension.gemm_weight(weight),
+                                    _extension._contiguous(bias)) is None
     passed_x, passed_w = _extension._gemm_input(x), _extension.gemm_weight(weight)
     assert torch.equal(passed_x, x) and torch.equal(passed_w, weight)
     assert _native_layout_error(passed_x, passed_w) is None

@@ -286,8 +286,14 @@ def gemm_weight(weight: torch.Tensor) -> torch.Tensor:
         (n, k), (s0, s1) = weight.shape, weight.stride()
         if not (((k <= 1 or s1 == 1) and (n <= 1 or (s0 >= k and s0 > 0)))  # row-major
                 or ((n <= 1 or s0 == 1) and (k <= 1 or (s1 >= n and s1 > 0)))):  # column-major
-            return weight.contiguous()
+            return _contiguous(weight)
     return weight
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    """A row-major copy of ``t``; of an empty one, a new empty tensor (``contiguous`` would keep
+    its strides, which are any: nothing is stored)."""
+    return t.contiguous() if t.numel() else t.new_empty(t.shape)
 
 
 def _gemm_input(x: torch.Tensor) -> torch.Tensor:
@@ -299,9 +305,9 @@ def _gemm_input(x: torch.Tensor) -> torch.Tensor:
         shape, strides = x.shape, x.stride()
         m, k, s0, s1 = shape[-2], shape[-1], strides[-2], strides[-1]
         if (k > 1 and s1 != 1) or (m > 1 and (s0 < k or s0 < 1)):
-            return x.contiguous()
+            return _contiguous(x)
         if len(shape) == 3 and shape[0] > 1 and strides[0] < m * (s0 if m > 1 else max(1, k)):
-            return x.contiguous()
+            return _contiguous(x)
     return x
 
 
@@ -330,7 +336,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     """
     C = require()
     x, weight = _gemm_input(x), gemm_weight(weight)
-    bias = bias.contiguous() if isinstance(bias, torch.Tensor) else bias
+    bias = _contiguous(bias) if isinstance(bias, torch.Tensor) else bias
     y = out if out is not None else x.new_empty(tuple(x.shape[:-1]) + (weight.shape[0],))
     call(C.linear, x=x, weight=weight, bias=bias, out=y, stream=_stream(x))  # host tensors: rejected there
     if x.shape[-1] == 0:  # an empty sum: the bias alone (the GEMM wrote nothing)
