@@ -69,6 +69,11 @@ def test_a_torch_of_another_cuda_major_keeps_the_pure_pytorch_backends_and_says_
 def test_status_of_this_installation():
     status = tp_kernels.extension_status()
     assert status["cuda_available"] == torch.cuda.is_available()
+    assert (status["cuda_reason"] is None) == status["cuda_available"]
+    if torch.version.cuda is None:  # (a CPU torch)
+        assert status["cuda_reason"] == "this torch build has no CUDA support"
+    # the fused path needs the native module and a GPU
+    assert ("fused" in status["backends"]) == (status["built"] and status["cuda_available"])
     if os.environ.get("TP_KERNELS_EXPECT_NATIVE") == "1":  # set by CI, which builds it
         assert status["built"], status["reason"]
     if not status["built"]:
