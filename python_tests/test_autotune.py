@@ -507,6 +507,7 @@ def test_a_measured_algorithm_is_what_the_fused_all_reduce_runs(monkeypatch):
     assert [autotune.size_class(m) for m in (1, 2, 3, 4, 5, 4096, 4097)] == [1, 2, 4, 4, 8, 4096, 8192]
     with pytest.raises(ValueError, match="algorithm: scatter_gather needs at least p = 4 rows, got 3"):
         fused.check_algorithm("scatter_gather", 3, 4)
+    assert fused.check_algorithm("scatter_gather", 4, 4) == "scatter_gather"  # (a row each)
     with pytest.raises(ValueError, match="algorithm: expected one of"):
         fused.check_algorithm("ring", 8, 2)
 

@@ -74,11 +74,51 @@ def test_unsupported_reasons_in_order(monkeypatch):
     assert "float64 is not supported" in fused.unsupported_reason(fake_cuda_tensor(dtype=torch.float64), w, None)
     assert "empty dimension" in fused.unsupported_reason(fake_cuda_tensor((0, 8)), w, None)
     assert fused.unsupported_reason(x, w, None) is None  # one rank: the plain GEMM
+    monkeypatch.setattr(_collectives, "group_size", lambda g: 1)
+    assert fused.unsupported_reason(x, w, FakeGroup()) is None  # (a group of one, too: nothing of the device asked)
     monkeypatch.setattr(_collectives, "group_size", lambda g: 16)
     assert "16 ranks: the fused path supports at most 8" in fused.unsupported_reason(x, w, FakeGroup())
     monkeypatch.setattr(_collectives, "group_size", lambda g: 2)
     if not _extension._C.stream_memory_ops_available():
         assert "stream memory operations" in fused.unsupported_reason(x, w, FakeGroup())
+    # past those, the group's topology decides (at most MAX_RANKS ranks); the collective alone has
+    # the all-reduce only, summed in the native dtypes, on such a group
+    monkeypatch.setattr(_extension._C, "stream_memory_ops_available", lambda: True)
+    monkeypatch.setattr(peer_memory, "topology_reason", lambda group, device: f"topology of {group.group_name}")
+    for p, reason in ((_extension._C.MAX_RANKS, "topology of fake"), (_extension._C.MAX_RANKS + 1, "at most")):
+        monkeypatch.setattr(_collectives, "group_size", lambda g, p=p: p)
+        assert reason in fused.unsupported_reason(x, w, FakeGroup())
+        assert reason in fused.unsupported_collective_reason("all_reduce", x, FakeGroup())
+    assert fused.unsupported_collective_reason("all_gather", x, FakeGroup()) == (
+        "the fused path has no all_gather (only the all-reduce)")
+    assert "dtype torch.float64 is not summed natively" in fused.unsupported_collective_reason(
+        "all_reduce", fake_cuda_tensor(dtype=torch.float64), FakeGroup())
+
+
+@built
+def test_the_fused_all_reduce_runs_a_named_algorithm_and_one_rank_copies():
+    """The fused ``matmul_all_reduce`` runs an algorithm its implementation names ("fused:4", a
+    chunk count, is refused, naming the algorithms); the all-reduce alone of one rank is x itself,
+    in ``out``."""
+    from tp_kernels.backends import parse
+
+    x, out = torch.randn(4, 8), torch.empty(4, 8)
+    with pytest.raises(ValueError, match=r"impl: the fused all-reduce runs an algorithm of \('one_shot', 'two_shot', "
+                                         r"'scatter_gather'\), named in the implementation .* got 'fused:4'"):
+        fused.matmul_all_reduce(x, torch.randn(3, 8), None, None, parse("fused:4"))
+    assert fused.all_reduce(x, out, None, None, parse("fused:one_shot")) is out and torch.equal(out, x)
+    assert fused.all_reduce(x, x, None, None, parse("fused:one_shot")) is x
+
+
+def test_a_fused_call_as_the_ranks_compare_it_when_they_grow():
+    """What the ranks exchange, and list where they disagree, before growing their workspaces: the
+    op, the shapes of x and the weight (none for the all-reduce alone), the dtype and how it runs."""
+    x, w = torch.empty(4, 8, dtype=torch.bfloat16), torch.empty(3, 8)
+    assert fused._call("all_gather_matmul", x, w, "4 chunks") == (
+        "all_gather_matmul of x [4, 8], weight [3, 8] bfloat16, 4 chunks")
+    assert fused._call("all_reduce", x, None, "one_shot") == "all_reduce of x [4, 8] bfloat16, one_shot"
+    assert fused._call("matmul_reduce_scatter", x, w, None) == (
+        "matmul_reduce_scatter of x [4, 8], weight [3, 8] bfloat16")
 
 
 @pytest.mark.parametrize("case", ["one_node", "one_gpu", "two_hosts", "no_peer_access"])
