@@ -158,8 +158,45 @@ def test_peer_topology_is_decided_alike_on_every_rank(monkeypatch, case):
     assert not peer_memory._topology
 
 
+def test_peer_topology_is_not_checked_inside_a_capture(monkeypatch):
+    """Inside a CUDA graph capture (or torch.compile's tracing) the topology check, collectives
+    over the host, cannot run: the fused path is refused for now, saying so, nothing exchanged
+    and nothing remembered (the first eager call checks)."""
+    def all_gather_bytes(*args):
+        raise AssertionError("nothing is exchanged")
+
+    monkeypatch.setattr(_collectives, "all_gather_bytes", all_gather_bytes)
+    monkeypatch.setattr(peer_memory, "capturing", lambda: True)
+    monkeypatch.setattr(peer_memory, "_topology", {})
+    reason = peer_memory.topology_reason(FakeGroup(), torch.device("cuda", 0))
+    assert "cannot run inside torch.compile tracing or a CUDA graph capture: run the op once eagerly" in reason
+    assert peer_memory._topology == {}
+
+
 def test_host_id_is_stable():
     assert peer_memory.host_id() == peer_memory.host_id() and len(peer_memory.host_id()) == 16
+
+
+def test_hosts_of_one_name_booted_apart_are_two_hosts(monkeypatch):
+    """A host id is its name and its boot: two machines of one host name (containers named alike)
+    are not taken for one node."""
+    import builtins
+    import io
+
+    real_open, boot = builtins.open, ["a"]
+
+    def fake_open(path, *args, **kwargs):
+        if path == "/proc/sys/kernel/random/boot_id":
+            return io.StringIO(boot[0] + "\n")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(peer_memory.socket, "gethostname", lambda: "localhost")
+    monkeypatch.setattr(builtins, "open", fake_open)
+    first = peer_memory.host_id()
+    boot[0] = "b"
+    assert peer_memory.host_id() != first
+    boot[0] = "a"
+    assert peer_memory.host_id() == first
 
 
 @built
@@ -240,6 +277,7 @@ def test_workspace_regions_grow_to_powers_of_two():
     # no workspace yet: a call that needs no region still gets one, for its flags
     assert peer_memory.grown(None, [0, 0, 0]) == [0, 0, 0]
     assert peer_memory.grown(None, [256, 0, mib + 1]) == [mib, 0, 2 * mib]
+    assert peer_memory.grown(None, [4 * mib, 0, 0]) == [4 * mib, 0, 0]  # (a power of two is its own size)
 
 
 @pytest.mark.parametrize("world", [2, 4], indirect=True)
