@@ -14,6 +14,7 @@ from unittest import mock
 
 import pytest
 import torch
+from hypothesis import given, settings as hypothesis_settings, strategies as st
 
 from helpers import matrix_products
 from tp_kernels import perf_model as pm
@@ -1383,6 +1384,34 @@ def test_timeline_summary_of_a_trace():
     assert any(e.get("cat") == "cpu_op" for e in trace) or torch.cuda.is_available()
     if not torch.cuda.is_available():
         assert held is None and timeline.summarize(trace) == {"activities": 0}
+
+
+@hypothesis_settings(max_examples=300, deadline=None)
+@given(gemms=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 10)), max_size=6),
+       copies=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 10)), max_size=6))
+def test_timeline_busy_times_are_the_time_covered(gemms, copies):
+    """The busy times and the copies' time beside a GEMM, for spans in any order, overlapping,
+    nested, touching or apart, are the time they cover (counted microsecond by microsecond); the
+    span runs from the first start to the last end; without copies their share beside a GEMM is
+    none."""
+    from tp_kernels.bench import timeline
+
+    events = [{"name": name, "cat": cat, "ts": float(ts), "dur": float(dur), "tid": 1, "ph": "X"}
+              for spans, name, cat in ((gemms, "nvjet", "kernel"), (copies, "Memcpy DtoD", "gpu_memcpy"))
+              for ts, dur in spans]
+    out = timeline.summarize(events)
+    if not events:
+        assert out == {"activities": 0}
+        return
+
+    def covered(spans):
+        return {t for ts, dur in spans for t in range(ts, ts + dur)}
+
+    assert out["busy_us"]["gemms"] == len(covered(gemms)) and out["busy_us"]["copies"] == len(covered(copies))
+    assert out["copies_beside_gemms_us"] == len(covered(gemms) & covered(copies))
+    assert out["span_us"] == max(ts + dur for ts, dur in gemms + copies) - min(ts for ts, _ in gemms + copies)
+    if not covered(copies):
+        assert out["copies_beside_gemms"] is None
 
 
 def test_timeline_names_the_kernels_of_a_traced_call_in_the_order_they_ran():
