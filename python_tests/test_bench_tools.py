@@ -921,6 +921,18 @@ def test_communicator_table_and_crossovers():
     assert lines[3].split()[:4] == ["512", "B", "1.0*", "5.0"] and lines[4].split()[3] == "6.0*"
     assert lines[5].startswith("   64 MiB") and lines[-1] == "# auto's crossovers: fused:one_shot -> native:1 at 1 MiB"
     assert communicator.SIZES[0] == 512 and communicator.SIZES[-1] == communicator.QUICK_SIZES[-1] == 64 * 2**20
+    # a path's name wider than the columns widens them all, each row's figures under its name
+    wide = ["fused:scatter_gather", "reference"]
+    rows = [{"bytes": 512, "numel": 256, "times_s": {"fused:scatter_gather": 7e-6, "reference": 9e-6},
+             "auto": "reference"}]
+    lines = communicator.format_table({"dtype": "bfloat16", "p": 2, "paths": wide, "rows": rows,
+                                       "crossovers": []}).splitlines()
+    assert len(lines[1]) == len(lines[2]) == len(lines[3]) - len("reference") + len("auto")
+    assert lines[3].index("7.0*") + len("7.0*") == lines[1].index("fused:scatter_gather") + len("fused:scatter_gather")
+    assert lines[-1] == "# auto's choice: reference at every size"
+    # a sweep of no size (nothing ran) says so
+    empty = communicator.format_table({"dtype": "bfloat16", "p": 2, "paths": wide, "rows": [], "crossovers": []})
+    assert empty.splitlines()[-1] == "# auto's choice: - at every size"
 
 
 def _has_matplotlib():
