@@ -488,6 +488,58 @@ def test_world_sets_per_rank_environment():
         assert world.run(check_rank_env) == ["host-0", "host-1"]
 
 
+def check_fails_on(failing, peer_waits=False):
+    """This rank's index, or a ValueError on rank ``failing``; with ``peer_waits``, the other ranks
+    wait in a barrier the failing rank never reaches."""
+    import torch.distributed as dist
+
+    r, p = rank_world()
+    if r == failing:
+        raise ValueError(f"rank {r} fails here")
+    if peer_waits:
+        dist.barrier()
+    return r
+
+
+def check_sleeps(seconds):
+    import time
+
+    time.sleep(seconds)
+    return seconds
+
+
+def test_a_world_names_the_ranks_that_failed_or_gave_no_answer_and_then_is_closed():
+    """A function that raises on a rank: WorkerError naming the call, that rank and its traceback;
+    a rank that gives no answer, waiting for the failed one, named too, within seconds of the
+    failure, not the collective timeout; a call past its deadline: WorkerError saying so. After an
+    error the world is closed, and says so; a world of no ranks is refused."""
+    import time
+
+    from tp_kernels.testing import World, WorkerError
+
+    with pytest.raises(ValueError, match="world_size: expected a positive int, got 0"):
+        World(0)
+    world = World(2, backend="gloo", timeout_s=60.0)
+    assert world.run(check_fails_on, -1) == [0, 1]  # (and again: the world is reused)
+    with pytest.raises(WorkerError,
+                       match=r"^check_fails_on on 2 ranks failed on ranks \[1\]\n--- rank 1 ---\n") as info:
+        world.run(check_fails_on, 1)
+    assert "ValueError: rank 1 fails here" in str(info.value) and "gave no answer" not in str(info.value)
+    assert not world.alive
+    with pytest.raises(WorkerError, match="this World is closed"):
+        world.run(check_fails_on, -1)
+    world = World(2, backend="gloo", timeout_s=60.0)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"failed on ranks \[1\]; ranks \[0\] gave no answer\n--- rank 1 ---"):
+        world.run(check_fails_on, 1, True)
+    assert time.monotonic() - start < 30 and not world.alive  # (a grace of seconds, then stopped: not 60 s)
+    world = World(1, backend="gloo")
+    with pytest.raises(WorkerError,
+                       match=r"check_sleeps on 1 ranks: no answer within 0.5 s \(waiting for ranks \[0\]\)"):
+        world.run(check_sleeps, 2.0, deadline_s=0.5)
+    assert not world.alive
+
+
 def test_a_world_collected_alive_stops_its_ranks_without_its_queues():
     """A World never closed, collected: its ranks are killed, and no queue is touched (a put starts a
     feeder thread, which a finalizer, running wherever the collector does, must not start)."""
