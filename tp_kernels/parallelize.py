@@ -487,10 +487,10 @@ def _watch_first_calls(module: nn.Module, chosen: Dict[str, tuple]) -> None:
       argument, a tensor whole and alike on every rank (the output of a row layer that sums it, a
       column layer that gathers it or an embedding that sums it, a view of all of it, or, where
       gradients are taken (autograd records the steps), a tensor computed from it by elementwise
-      steps alone: :data:`_ELEMENTWISE`, a residual sum), and no rank's block of
-      anything (a column layer's output, a sequence-parallel block): every rank computes the whole
-      gradient, which the sum counts p times (a norm of the residual stream named so without
-      sequence parallelism). The plan names it ``"replicate"``, or not at all.
+      steps alone: :data:`_ELEMENTWISE`, a residual sum), and no rank's block of anything (a
+      column layer's output, a sequence-parallel block): every rank computes the whole gradient,
+      which the sum counts p times (a norm of the residual stream named so without sequence
+      parallelism). The plan names it ``"replicate"``, or not at all.
 
     Either raises ``ValueError`` naming the module and the layer whose output it took, where
     gradients are taken (else a gradient that reaches the parameters later does). Forward hooks,
