@@ -440,6 +440,21 @@ def test_virtual_ranks_enqueue_every_ranks_phase_before_the_next_phase_of_any(ph
                 assert position[(q, k - 1)] < position[(q, k)]  # a rank's own phases in order
 
 
+def test_the_rank_order_sum_adds_in_float32_in_rank_order_then_rounds():
+    """The GPU tests' expected fused all-reduce: the parts added in float32 (bfloat16 adding 256 + 1
+    + 1 would stay at 256), in rank order (1e8 + 1 - 1e8 is 0 in float32, 1e8 - 1e8 + 1 is 1),
+    then rounded to the dtype asked."""
+    from tp_kernels.testing import rank_order_sum
+
+    parts = [torch.full((3,), v, dtype=torch.bfloat16) for v in (256.0, 1.0, 1.0)]
+    got = rank_order_sum(parts, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.tolist() == [258.0] * 3
+    parts = [torch.tensor([v]) for v in (1e8, 1.0, -1e8)]
+    assert rank_order_sum(parts, torch.float32).item() == 0.0
+    assert rank_order_sum([parts[0], parts[2], parts[1]], torch.float32).item() == 1.0  # (1e8 - 1e8 + 1)
+    assert rank_order_sum(parts, torch.float64).dtype == torch.float64
+
+
 def test_virtual_ranks_check_their_arguments():
     if _extension._C is None:
         with pytest.raises(RuntimeError, match="extension is unavailable"):
