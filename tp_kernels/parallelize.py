@@ -574,15 +574,16 @@ def _watch_first_calls(module: nn.Module, chosen: Dict[str, tuple]) -> None:
             watched.pop(id(m), None)
             tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
             fed = next(filter(None, (source_of(x, False) for x in tensors)), None)  # (a column layer's block)
-            whole = source_of(tensors[0], True) if tensors else None
-            computed = computed_from_whole(tensors[0]) if tensors and whole is None else None
             try:
                 if not summed and fed is not None:
                     params = _trained(m, False)
                     _misplaced_gradient(m, params, _shared_message(name, m, fed, params))
-                elif summed and (whole or computed) and fed is None and \
-                        not any(getattr(x, SEQUENCE_BLOCK, False) for x in tensors):
-                    _misplaced_gradient(m, _trained(m, True), _summed_message(name, m, whole or computed, not whole))
+                elif summed and fed is None and tensors and not any(getattr(x, SEQUENCE_BLOCK, False) for x in tensors):
+                    whole = source_of(tensors[0], True)  # (the graph walked only where no view of one is found)
+                    computed = None if whole else computed_from_whole(tensors[0])
+                    if whole or computed:
+                        _misplaced_gradient(m, _trained(m, True),
+                                            _summed_message(name, m, whole or computed, not whole))
             except ValueError:
                 finish()  # (the model's first call ends here)
                 raise
