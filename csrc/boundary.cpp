@@ -54,9 +54,10 @@ void require_data(const TensorRef& t) {
   if (t.data == 0 && t.numel() > 0) fail(t, "a non-null data pointer");
 }
 
+// Row-major; an empty tensor's strides are any (nothing is stored: torch calls it contiguous).
 void require_contiguous(const TensorRef& t) {
   int64_t expected = 1;
-  for (int64_t i = t.dim() - 1; i >= 0; --i) {
+  for (int64_t i = t.dim() - 1; i >= 0 && t.numel() > 0; --i) {
     if (t.shape[i] != 1 && t.strides[i] != expected) fail(t, "a contiguous tensor (strides " + dims(t.strides) + ")");
     expected *= t.shape[i];
   }
@@ -64,9 +65,11 @@ void require_contiguous(const TensorRef& t) {
 }
 
 // The leading dimension of the 2-D matrix made of dims (d, d + 1) of `t`, whose last dim must be
-// contiguous: the row stride, or the row length when there is at most one row.
+// contiguous: the row stride, or the row length when there is at most one row or `t` is empty
+// (its strides are any).
 int64_t row_stride(const TensorRef& t, int64_t d) {
   const int64_t rows = t.shape[d], cols = t.shape[d + 1];
+  if (t.numel() == 0) return std::max<int64_t>(1, cols);
   if (cols > 1 && t.strides[d + 1] != 1) fail(t, "a contiguous last dim (strides " + dims(t.strides) + ")");
   if (rows <= 1) return std::max<int64_t>(1, cols);
   if (t.strides[d] < std::max<int64_t>(1, cols)) fail(t, "rows that do not overlap (strides " + dims(t.strides) + ")");
@@ -74,9 +77,11 @@ int64_t row_stride(const TensorRef& t, int64_t d) {
 }
 
 // (leading dimension, column-major?) of weight [n, k] as the GEMM takes it (gemm.h): row-major
-// (last dim contiguous, rows at least k apart) first, else column-major.
+// (last dim contiguous, rows at least k apart) first, else column-major; an empty one row-major,
+// whatever its strides.
 std::pair<int64_t, bool> weight_layout(const TensorRef& w) {
   const int64_t n = w.shape[0], k = w.shape[1];
+  if (w.numel() == 0) return {std::max<int64_t>(1, k), false};
   if ((k <= 1 || w.strides[1] == 1) && (n <= 1 || w.strides[0] >= std::max<int64_t>(1, k)))
     return {n <= 1 ? std::max<int64_t>(1, k) : w.strides[0], false};
   if ((n <= 1 || w.strides[0] == 1) && (k <= 1 || w.strides[1] >= std::max<int64_t>(1, n)))
@@ -148,8 +153,8 @@ LinearArgs linear_args(const TensorRef& x, const TensorRef& weight, const Tensor
   a.ldy = row_stride(out, d);
   std::tie(a.ldw, a.w_col_major) = weight_layout(weight);
   a.batch = batch;
-  if (batch > 1) {
-    a.stride_x = x.strides[0], a.stride_y = out.strides[0];
+  if (batch > 1) {  // an empty x or out: the strides of a row-major one (nothing is stored)
+    a.stride_x = x.numel() ? x.strides[0] : m * a.ldx, a.stride_y = out.numel() ? out.strides[0] : m * a.ldy;
     if (a.stride_x < m * a.ldx) fail(x, "matrices of the batch that do not overlap (strides " + dims(x.strides) + ")");
     if (a.stride_y < m * a.ldy)
       fail(out, "matrices of the batch that do not overlap (strides " + dims(out.strides) + ")");

@@ -132,6 +132,32 @@ def test_empty_matrices_have_null_pointers_and_pass_the_checks():
                          out=ref("out", torch.empty(2, 8).bfloat16()), workspace=workspace())
 
 
+def test_an_empty_tensors_strides_are_any():
+    """torch calls a tensor with no elements contiguous whatever its strides (``contiguous()`` keeps
+    them), so the checks take any: nothing is stored. The leading dimensions are a row-major
+    tensor's; the same strides on a tensor with elements are refused."""
+    def odd(name, shape, strides):
+        return C.TensorRef(name, 0, shape, strides, "bfloat16", 0)
+
+    got = C.linear_problem(x=odd("x", [0, 8], [0, 0]), weight=odd("weight", [0, 8], [0, 0]), bias=odd("bias", [0], [0]),
+                           out=odd("out", [0, 0], [3, 7]), workspace=workspace())
+    assert (got["m"], got["n"], got["k"], got["ldx"], got["ldw"], got["w_col_major"], got["ldy"]) == (
+        0, 0, 8, 8, 8, False, 1)
+    got = C.linear_problem(x=odd("x", [5, 0], [0, 3]), weight=odd("weight", [3, 0], [2, 9]), bias=None,
+                           out=ref("out", torch.empty(5, 3).bfloat16()), workspace=workspace())
+    assert (got["k"], got["ldx"], got["ldw"], got["w_col_major"], got["ldy"]) == (0, 1, 1, False, 3)
+    got = C.linear_problem(x=odd("x", [2, 0, 8], [0, 0, 0]), weight=ref("weight", torch.randn(4, 8).bfloat16()),
+                           bias=None, out=odd("out", [2, 0, 4], [0, 1, 0]), workspace=workspace())
+    assert (got["batch"], got["m"], got["ldx"], got["stride_x"], got["ldy"], got["stride_y"]) == (2, 0, 8, 0, 4, 0)
+    assert collective("all_gather", rows=0, x=odd("x", [0, 6], [0, 0]), dtype=torch.bfloat16,
+                      out=odd("out", [0, 6], [5, 2]))["count"] == 0
+    with pytest.raises(ValueError, match=r"^x: expected a contiguous last dim \(strides \[0, 0\]\)"):
+        C.linear_problem(x=C.TensorRef("x", 64, [1, 8], [0, 0], "bfloat16", 0), weight=odd("weight", [0, 8], [0, 0]),
+                         bias=None, out=odd("out", [1, 0], [0, 0]), workspace=workspace())
+    with pytest.raises(ValueError, match=r"^x: expected a contiguous tensor \(strides \[0, 0\]\)"):
+        collective("all_reduce", rows=1, x=C.TensorRef("x", 64, [1, 6], [0, 0], "float32", 0))
+
+
 @pytest.mark.parametrize("case,message", [
     ("x_1d", r"^x: expected a 2-D tensor \[m, k\], or a 3-D \[batch, m, k\], got \[40\] float32 on cuda:0"),
     ("x_host", r"^x: expected a CUDA tensor, got \[6, 40\] float32 on the host"),

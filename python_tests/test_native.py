@@ -196,19 +196,20 @@ def test_the_python_side_passes_what_the_native_gemm_takes(x_shape, x_strides, n
     what the Python side passes (``_gemm_input``, ``gemm_weight``) has the same values and is taken
     by the native GEMM's checks; and it is the tensor itself whenever those checks take that as it
     is: a copy only where one is needed. An empty tensor's strides are any (torch calls it
-    contiguous whatever they are): one the native checks would refuse is passed as a new one. A
-    bias (of one product: a batch takes none) is passed contiguous."""
+    contiguous whatever they are): the native checks take it, and it is passed as it is. A bias
+    (of one product: a batch takes none) is passed contiguous."""
     x = _strided(x_shape, x_strides[:len(x_shape)])
     weight = _strided([n, x_shape[-1]], w_strides)
     bias = _strided([n], [b_stride])
     if len(x_shape) == 2:
         assert _native_layout_error(_extension._gemm_input(x), _extension.gemm_weight(weight),
-                                    _extension._contiguous(bias)) is None
+                                    bias.contiguous()) is None
     passed_x, passed_w = _extension._gemm_input(x), _extension.gemm_weight(weight)
     assert torch.equal(passed_x, x) and torch.equal(passed_w, weight)
     assert _native_layout_error(passed_x, passed_w) is None
     assert (passed_x is x) == (_native_layout_error(x, passed_w) is None), (x.shape, x.stride())
     assert (passed_w is weight) == (_native_layout_error(passed_x, weight) is None), (weight.shape, weight.stride())
+    assert (passed_x is x) >= (x.numel() == 0) and (passed_w is weight) >= (weight.numel() == 0)
 
 
 def test_comm_stream_priority(monkeypatch):

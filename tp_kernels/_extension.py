@@ -280,34 +280,29 @@ def has_workspace(stream: StreamRef) -> bool:
 def gemm_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` ``[n, k]`` as the native GEMMs take it: as it is when it is row-major or
     column-major (a transposed view, as backward passes use; rows or columns may be apart), else a
-    row-major copy. The layouts are those ``weight_layout`` in ``csrc/boundary.cpp`` takes (it
+    row-major copy (``contiguous`` keeps an empty one as it is: its strides are any, and the native
+    side takes them). The layouts are those ``weight_layout`` in ``csrc/boundary.cpp`` takes (it
     checks the weight it gets); python_tests/test_native.py holds the two to the same layouts."""
     if isinstance(weight, torch.Tensor) and weight.dim() == 2:
         (n, k), (s0, s1) = weight.shape, weight.stride()
         if not (((k <= 1 or s1 == 1) and (n <= 1 or (s0 >= k and s0 > 0)))  # row-major
                 or ((n <= 1 or s0 == 1) and (k <= 1 or (s1 >= n and s1 > 0)))):  # column-major
-            return _contiguous(weight)
+            return weight.contiguous()
     return weight
-
-
-def _contiguous(t: torch.Tensor) -> torch.Tensor:
-    """A row-major copy of ``t``; of an empty one, a new empty tensor (``contiguous`` would keep
-    its strides, which are any: nothing is stored)."""
-    return t.contiguous() if t.numel() else t.new_empty(t.shape)
 
 
 def _gemm_input(x: torch.Tensor) -> torch.Tensor:
     """``x`` ``[m, k]`` or ``[batch, m, k]`` as it is when the native GEMM takes its layout (a
     contiguous last dim; rows, and the batch's matrices, that may be apart but do not overlap:
-    ``row_stride`` and ``linear_args`` in ``csrc/boundary.cpp``), else a contiguous copy; other
-    tensors as they are (the native side checks them)."""
+    ``row_stride`` and ``linear_args`` in ``csrc/boundary.cpp``), else a contiguous copy (an empty
+    x as it is: its strides are any); other tensors as they are (the native side checks them)."""
     if isinstance(x, torch.Tensor) and 2 <= x.dim() <= 3:
         shape, strides = x.shape, x.stride()
         m, k, s0, s1 = shape[-2], shape[-1], strides[-2], strides[-1]
         if (k > 1 and s1 != 1) or (m > 1 and (s0 < k or s0 < 1)):
-            return _contiguous(x)
+            return x.contiguous()
         if len(shape) == 3 and shape[0] > 1 and strides[0] < m * (s0 if m > 1 else max(1, k)):
-            return _contiguous(x)
+            return x.contiguous()
     return x
 
 
@@ -336,7 +331,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     """
     C = require()
     x, weight = _gemm_input(x), gemm_weight(weight)
-    bias = _contiguous(bias) if isinstance(bias, torch.Tensor) else bias
+    bias = bias.contiguous() if isinstance(bias, torch.Tensor) else bias
     y = out if out is not None else x.new_empty(tuple(x.shape[:-1]) + (weight.shape[0],))
     call(C.linear, x=x, weight=weight, bias=bias, out=y, stream=_stream(x))  # host tensors: rejected there
     if x.shape[-1] == 0:  # an empty sum: the bias alone (the GEMM wrote nothing)
