@@ -27,11 +27,11 @@ from setuptools.build_meta import *  # noqa: F401,F403  (every hook not overridd
 CUDA_BUILD_TOOLS = ["pybind11>=2.12", "cmake>=3.24", "ninja"]
 
 #: Per CUDA major, each wheel the build uses: (requirement, the package holding its include/ and
-#: lib/, a file of it that the build needs). Pinned to the oldest versions we support (those a
-#: torch of that major brings: torch 2.4 for CUDA 12, 2.9 for CUDA 13), so the extension runs with
-#: those or newer. Build only: the headers the runtime headers include (``crt/``, in CUDA 12's nvcc
-#: wheel; ``nv/target``, in CCCL's, whose CUDA 12 wheels carry it from 12.9) and NVRTC; the others
-#: are loaded at run time too.
+#: lib/, a file of it that the build needs). Pinned to old versions (those torch 2.4 brought for
+#: CUDA 12, torch 2.9 for CUDA 13: none newer than a torch tp_kernels runs with brings), so the
+#: extension runs with those or newer. Build only: the headers the runtime headers include
+#: (``crt/``, in CUDA 12's nvcc wheel; ``nv/target``, in CCCL's, whose CUDA 12 wheels carry it
+#: from 12.9) and NVRTC; the others are loaded at run time too.
 CUDA_WHEELS = {
     12: {"cudart": ("nvidia-cuda-runtime-cu12==12.1.105", "nvidia.cuda_runtime", "include/cuda_runtime_api.h"),
          "crt": ("nvidia-cuda-nvcc-cu12==12.1.105", "nvidia.cuda_nvcc", "include/crt/host_defines.h"),

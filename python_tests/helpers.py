@@ -37,6 +37,14 @@ import tp_kernels
 from tp_kernels import settings
 
 
+def torch_before(major: int, minor: int, why: str):
+    """A strict ``xfail`` mark for the torch releases before ``major.minor`` (pyproject.toml admits
+    some: the oldest is tested by CI), saying why the test fails there; strict, so that it is
+    dropped once it passes."""
+    release = tuple(int(v) for v in torch.__version__.split(".")[:2])
+    return pytest.mark.xfail(release < (major, minor), reason=f"torch < {major}.{minor}: {why}", strict=True)
+
+
 def rank_world():
     return dist.get_rank(), dist.get_world_size()
 

@@ -28,7 +28,7 @@ PACKAGE = pathlib.Path(tp_kernels.__file__).parent
 #: every module of that package.
 LAYERS = [
     ("settings, groups and tables", ["settings", "parallel_state", "_op_table", "_checks", "schedule",
-                                     "_data_parallel"]),
+                                     "_data_parallel", "_torch_version"]),
     ("collectives", ["_collectives", "_agreement", "_timing"]),
     ("extension loader", ["_extension"]),
     ("backends", ["backends", "backends.*"]),

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import tp_kernels
-from helpers import assert_close, fingerprints_set, rank_world
+from helpers import assert_close, fingerprints_set, rank_world, torch_before
 from test_disagreement import DEADLINE_S, fingerprints
 from tp_kernels import Communicator, autotune, dispatch, settings
 from tp_kernels._collectives import group_name, resolve_group
@@ -793,7 +793,11 @@ def check_collectives_refuse_gradients(compiled: bool):
 
 
 @pytest.mark.parametrize("world", [1, 2], indirect=True)
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [
+    pytest.param(False, id="eager"),
+    pytest.param(True, id="compiled", marks=torch_before(2, 13, "compiled, the output of a call with out= (written by "
+                                                                 "the custom op) does not require a gradient")),
+])
 def test_collectives_refuse_gradients(world, compiled):
     world.run(check_collectives_refuse_gradients, compiled, deadline_s=600)
 

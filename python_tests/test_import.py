@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -181,3 +182,29 @@ def test_a_device_loads_the_cubin_of_its_family_else_the_ptx_else_none():
     newest = max(cubins) // 10 + 1
     assert _C.kernel_image_for(newest, 0) == f"compute_{ptx}"  # a family with no cubin: the driver compiles the PTX
     assert _C.kernel_image_for(ptx // 10 - 1, 5) is None  # older than every image
+
+
+def test_the_oldest_torch_is_pyprojects_and_an_older_one_is_refused_at_import():
+    """The floor is pyproject.toml's ``torch>=`` alone, read from the installed package's
+    metadata; a torch older by its major and minor release is refused when tp_kernels is
+    imported, naming both versions; a pre-release of the floor (NVIDIA's containers' builds) and
+    anything newer are taken."""
+    tomllib = pytest.importorskip("tomllib")
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
+        declared = [d for d in tomllib.load(f)["project"]["dependencies"] if d.startswith("torch")]
+    floor = tp_kernels._torch_version.required_torch()
+    assert declared == [f"torch>={floor}"], (declared, floor)
+    major, minor = (int(v) for v in floor.split(".")[:2])
+    assert tp_kernels._torch_version.oldest_release() == f"{major}.{minor}.0"  # what CI installs to test it
+    older = f"{major}.{minor - 1}.1" if minor else f"{major - 1}.99.0"
+    with pytest.raises(ImportError, match=rf"^tp_kernels needs torch >= {major}\.{minor}, and this torch is "
+                                          rf"{re.escape(older)}: install a newer torch first"):
+        tp_kernels._torch_version.require_torch(older)
+    for taken in (f"{major}.{minor}.0a0+5228986c39.nv25.05", f"{major}.{minor}.0", f"{major}.{minor + 5}.0+cpu",
+                  f"{major + 1}.0.0", torch.__version__):
+        tp_kernels._torch_version.require_torch(taken)
+    code = f"import torch; torch.__version__ = {older!r}; import tp_kernels"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert out.returncode == 1 and f"ImportError: tp_kernels needs torch >= {major}.{minor}, and this torch is " \
+        f"{older}" in out.stderr, out.stderr[-2000:]

@@ -31,6 +31,7 @@ Public API (see docs/api.md):
 docs/architecture.md draws the layers of the package and follows a call through them.
 """
 
+from . import _torch_version  # noqa: F401  (first: an ImportError where the torch is older than required)
 from . import autotune, communicator, experts, mappings, ops, rng, schedule, settings
 from ._extension import extension_status
 from .settings import get_timeout, set_comm_stream_priority, set_timeout

@@ -27,7 +27,6 @@ place), the model's metadata says its size and this rank's rank there
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 from typing import Any, Callable, Dict, Optional, Set, Tuple
 
@@ -171,9 +170,6 @@ def export(model: torch.nn.Module, args: tuple, f=None, *, kwargs: Optional[dict
         raise ValueError(f"opset_version: expected an int >= {OPSET}, got {opset_version!r}")
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    if "custom_translation_table" not in inspect.signature(torch.onnx.export).parameters:
-        raise RuntimeError(f"tp_kernels.onnx.export needs torch.onnx.export's custom_translation_table (torch >= "
-                           f"2.6); this torch is {torch.__version__}")
     args = args if isinstance(args, tuple) else (args,)
     _groups_met.clear()
     with torch.no_grad(), contextlib.redirect_stdout(None), _quiet_registry():  # the exporter's progress lines
