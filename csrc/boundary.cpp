@@ -56,10 +56,13 @@ void require_data(const TensorRef& t) {
 
 // Row-major; an empty tensor's strides are any (nothing is stored: torch calls it contiguous).
 void require_contiguous(const TensorRef& t) {
-  int64_t expected = 1;
-  for (int64_t i = t.dim() - 1; i >= 0 && t.numel() > 0; --i) {
-    if (t.shape[i] != 1 && t.strides[i] != expected) fail(t, "a contiguous tensor (strides " + dims(t.strides) + ")");
-    expected *= t.shape[i];
+  if (t.numel() > 0) {
+    int64_t expected = 1;
+    for (int64_t i = t.dim() - 1; i >= 0; --i) {
+      if (t.shape[i] != 1 && t.strides[i] != expected)
+        fail(t, "a contiguous tensor (strides " + dims(t.strides) + ")");
+      expected *= t.shape[i];
+    }
   }
   require_data(t);
 }
