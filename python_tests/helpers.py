@@ -34,15 +34,14 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tp_kernels
-from tp_kernels import settings
+from tp_kernels import _torch_version, settings
 
 
 def torch_before(major: int, minor: int, why: str):
     """A strict ``xfail`` mark for the torch releases before ``major.minor`` (pyproject.toml admits
     some: the oldest is tested by CI), saying why the test fails there; strict, so that it is
     dropped once it passes."""
-    release = tuple(int(v) for v in torch.__version__.split(".")[:2])
-    return pytest.mark.xfail(release < (major, minor), reason=f"torch < {major}.{minor}: {why}", strict=True)
+    return pytest.mark.xfail(_torch_version._release(torch.__version__) < (major, minor), reason=f"torch < {major}.{minor}: {why}", strict=True)
 
 
 def rank_world():
