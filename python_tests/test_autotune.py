@@ -47,16 +47,15 @@ def test_candidates_on_the_cpu(monkeypatch):
     x = torch.randn(4, 8)
     impls, why = dispatch.candidates(x, x, None, 2)
     assert impls == ["reference"]
-    # with the native module loaded, the tensors are the reason; without, the module is
-    reason = "not on a CUDA device" if _extension._C is not None else "the native extension is unavailable"
+    # host tensors are the reason, with the native module loaded or not
     for name in ("fused", "pipelined"):
-        assert any(w.startswith(f"{name}: ") and reason in w for w in why), f"no '{name}: ...{reason}...' in {why}"
+        assert f"{name}: x is on cpu, not on a CUDA device" in why, why
     assert dispatch.candidates(x, x, None, 1) == (["reference"], ["one rank, nothing to overlap"])
     # the native path switched on for auto but unable to run here: the portable schedule does not
     # stand in for it unless named (it measured slower than the reference on the CPU)
     monkeypatch.setenv("TP_KERNELS_AUTO_NATIVE", "1")
     impls, why = dispatch.candidates(x, x, None, 2)
-    assert impls == ["reference"] and any(w.startswith("pipelined: ") and reason in w for w in why), why
+    assert impls == ["reference"] and "pipelined: x is on cpu, not on a CUDA device" in why, why
     monkeypatch.delenv("TP_KERNELS_AUTO_NATIVE")
     autotune.set_auto_candidates(["reference", "pipelined"])  # the order named does not matter
     assert dispatch.candidates(x, x, None, 2)[0] == ["pipelined", "reference"]

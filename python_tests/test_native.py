@@ -81,12 +81,20 @@ def test_routing_falls_back_with_the_reason(monkeypatch, caplog):
 
 
 def test_unsupported_reasons_on_this_machine(monkeypatch):
+    """Host tensors are refused for their device, with the extension or without it (the reason
+    that holds on every install); a CUDA tensor without the extension, for the extension."""
     w = torch.randn(3, 8)
-    if _extension._C is not None:
-        assert "not on a CUDA device" in pipelined_native.unsupported_reason(torch.randn(4, 8), w, None)
-    monkeypatch.setattr(_extension, "_C", None)
-    monkeypatch.setattr(_extension, "_reason", "not built: test")
-    assert (pipelined_native.unsupported_reason(torch.randn(4, 8), w, None)
+    cuda = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, device=torch.device("cuda", 0), shape=(4, 8),
+                           numel=lambda: 32)
+    for reason in (_extension._reason, "not built: test"):
+        monkeypatch.setattr(_extension, "_reason", reason)
+        if reason == "not built: test":
+            monkeypatch.setattr(_extension, "_C", None)
+        assert pipelined_native.unsupported_reason(torch.randn(4, 8), w, None) == "x is on cpu, not on a CUDA device"
+        assert (pipelined_native.unsupported_collective_reason("all_gather", torch.randn(4, 8), None)
+                == "x is on cpu, not on a CUDA device")
+    assert pipelined_native.unsupported_reason(cuda, w, None) == "the native extension is unavailable: not built: test"
+    assert (pipelined_native.unsupported_collective_reason("all_reduce", cuda, None)
             == "the native extension is unavailable: not built: test")
 
 

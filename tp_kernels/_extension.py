@@ -159,11 +159,12 @@ NATIVE_DTYPES = frozenset(getattr(torch, name) for name in _C.DTYPES) if _C is n
 
 def unsupported_tensors_reason(x: torch.Tensor, weight: torch.Tensor) -> Optional[str]:
     """Why the native module cannot take these tensors here, or None (what every native path
-    needs: the module, a CUDA device, a dtype of ``_C.DTYPES``, no empty dimension)."""
-    if _C is None:
-        return unavailable()
+    needs: a CUDA device, the module, a dtype of ``_C.DTYPES``, no empty dimension). The device
+    comes first: tensors off the GPU are refused for that, with the extension built or not."""
     if not x.is_cuda:
         return f"x is on {x.device.type}, not on a CUDA device"
+    if _C is None:
+        return unavailable()
     if x.dtype not in NATIVE_DTYPES:
         return f"dtype {x.dtype} is not supported natively ({', '.join(_C.DTYPES)})"
     if x.numel() == 0 or weight.numel() == 0:
@@ -172,13 +173,13 @@ def unsupported_tensors_reason(x: torch.Tensor, weight: torch.Tensor) -> Optiona
 
 
 def unsupported_collective_reason(reduces: bool, x: torch.Tensor) -> Optional[str]:
-    """Why the native module cannot take this collective's input here, or None: the module, a CUDA
-    device and, for a collective that sums (``reduces``), a dtype of ``_C.DTYPES`` (the others
+    """Why the native module cannot take this collective's input here, or None: a CUDA device, the
+    module and, for a collective that sums (``reduces``), a dtype of ``_C.DTYPES`` (the others
     move any dtype, as bytes)."""
-    if _C is None:
-        return unavailable()
     if not x.is_cuda:
         return f"x is on {x.device.type}, not on a CUDA device"
+    if _C is None:
+        return unavailable()
     if reduces and x.dtype not in NATIVE_DTYPES:
         return f"dtype {x.dtype} is not summed natively ({', '.join(_C.DTYPES)})"
     return None
