@@ -113,15 +113,26 @@ def test_implementation_names_that_name_nothing_are_refused(name):
         getattr(torch.ops.tp_kernels, "matmul_all_reduce")(torch.randn(4, 8), torch.randn(6, 8), None, "", name)
 
 
-def test_implementation_names():
+def test_implementation_names(monkeypatch):
+    """Names parse to what they name; a fused all-reduce algorithm is one of the native module's
+    list, and without the module a name of one is refused with the install's reason (a ValueError
+    naming ``impl``, as for any name that names nothing here)."""
     from tp_kernels.backends import parse
 
     assert parse("reference") == Impl("reference")
     assert parse("native:4") == Impl("native", num_chunks=4) and parse("native:4").name == "native:4"
     assert parse("pipelined:1").module is IMPLEMENTATIONS["pipelined"]
+    assert parse("fused:2") == Impl("fused", num_chunks=2)
     if _extension._C is not None:
         assert parse("fused:two_shot") == Impl("fused", algorithm="two_shot")
         assert parse("fused:two_shot").name == "fused:two_shot"
+        with pytest.raises(ValueError, match="impl: expected .* got 'fused:three_shot'"):
+            parse("fused:three_shot")
+    monkeypatch.setattr(_extension, "_C", None)
+    monkeypatch.setattr(_extension, "_reason", "not built: test")
+    with pytest.raises(ValueError, match="impl: 'fused:one_shot' names an all-reduce algorithm of the fused path: "
+                                         "the native extension is unavailable: not built: test"):
+        parse.__wrapped__("fused:one_shot")  # (past parse's cache of names parsed with the module)
 
 
 def test_backward_names():

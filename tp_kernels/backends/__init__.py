@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from .. import _collectives as coll
+from .. import _collectives as coll, _extension
 from ..schedule import DEFAULT_NUM_CHUNKS
 from . import fused, peer_memory, pipelined, pipelined_native, reference
 
@@ -91,8 +91,12 @@ def parse(name: str) -> Impl:
         raise bad
     if param.isdigit() and int(param) > 0:
         return Impl(backend, num_chunks=int(param))
-    if backend == "fused" and param in fused.algorithms():
-        return Impl(backend, algorithm=param)
+    if backend == "fused":
+        reason = _extension.unavailable()  # (the algorithms are the native module's list)
+        if reason is not None:
+            raise ValueError(f"impl: {name!r} names an all-reduce algorithm of the fused path: {reason}")
+        if param in fused.algorithms():
+            return Impl(backend, algorithm=param)
     raise bad
 
 
