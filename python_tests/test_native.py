@@ -379,6 +379,7 @@ def test_a_capture_needs_the_second_gemm_streams_workspace_made_first(monkeypatc
     monkeypatch.setattr(pipelined_native.coll, "group_key", lambda group, device: (id(group), "g", 0))
     monkeypatch.setattr(pipelined_native, "_communicators", {})
     monkeypatch.setattr(_extension, "_workspaces", {})
+    monkeypatch.setattr(pipelined_native, "_nccl_can_revoke", lambda: True)  # (the extension's answer)
     x = torch.randn(4, 6)
     assert "communicator is made on its first call" in pipelined_native._capture_reason(x, group, gemms=True)
     pipelined_native._communicators[pipelined_native._key(group, x.device)] = (group, _Comm())
