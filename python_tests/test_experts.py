@@ -1120,6 +1120,57 @@ def test_sum_grads_over_group(world):
     world.run(check_sum_grads_over_group)
 
 
+def check_sum_grads_over_group_compiled_while_collected():
+    """A compiled forward of a module ``grads.sum_grads_over_group`` hooks, during whose compilation
+    the cycle collector frees a module it had hooked earlier (here at a fixed point: in the
+    backend, after the trace, before the compiled code runs; in a test suite, wherever a collection
+    falls): the compiled call runs and sums the gradient, where the registry's entry, removed then
+    by a weak reference's callback, raised a ``KeyError`` in torch.compile's code. The next eager
+    hook drops the freed module's entries."""
+    import gc
+
+    r, p = rank_world()
+    summed = tp_kernels.grads._SUMMED
+
+    def collecting(gm, example_inputs):
+        gc.collect()
+        return gm
+
+    torch._dynamo.reset()  # (which collects)
+    gc.disable()
+    try:
+        old = tp_kernels.grads.sum_grads_over_group(nn.Linear(3, 3, dtype=torch.float64))
+        old(torch.zeros(1, 3, dtype=torch.float64))
+        old.cycle = [old]  # (freed by the cycle collector only)
+        hooked_before = [id(old.weight), id(old.bias)]
+        del old
+        assert all(key in summed and summed[key]() is not None for key in hooked_before) or p == 1
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2, dtype=torch.float64)
+        dense = copy.deepcopy(model)
+        assert tp_kernels.grads.sum_grads_over_group(model) is model
+        inputs = [torch.randn(2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(q)) for q in range(p)]
+        torch.compile(model, backend=collecting)(inputs[r]).square().sum().backward()
+    finally:
+        gc.enable()
+        torch._dynamo.reset()
+    for x in inputs:
+        dense(x).square().sum().backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, dense.get_parameter(name).grad, rtol=1e-12, atol=0,
+                                   msg=lambda m: f"{name}: {m}")
+    if p > 1:
+        assert any(ref() is None for ref in summed.values())  # (kept while compiled)
+        later = tp_kernels.grads.sum_grads_over_group(nn.Linear(3, 3))
+        later(torch.zeros(1, 3))
+        assert all(ref() is not None for ref in summed.values()) and later.weight.grad is None
+
+
+@pytest.mark.parametrize("world", [1, 2], indirect=True)
+def test_sum_grads_over_group_compiled_while_collected(world):
+    world.run(check_sum_grads_over_group_compiled_while_collected)
+
+
 def check_hugging_face_local_params(kind, sequence=False):
     """transformers models whose attention applies per-head parameters of its own (``"local_params"``,
     each split as the heads are, ``"colwise"`` on a 1-D parameter): Granite SWA's attention sinks,

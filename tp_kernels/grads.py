@@ -92,8 +92,7 @@ def sum_grads_over_group(module: nn.Module, group=None) -> nn.Module:
             seen = _SUMMED.get(id(param))
             if param.requires_grad and (seen is None or seen() is not param):  # each parameter once
                 param.register_hook(summed)
-                key = id(param)
-                _SUMMED[key] = weakref.ref(param, lambda ref: _SUMMED.pop(key) if _SUMMED.get(key) is ref else None)
+                _remember_summed(param)
 
     module.register_forward_pre_hook(hook_parameters)
     return module
@@ -144,8 +143,21 @@ def sum_output_grads_over_group(module: nn.Module, columns: Optional[int], group
 
 
 #: id(parameter) -> the parameter whose gradients sum_grads_over_group sums (ids are reused: the
-#: weak reference tells the parameter hooked from a later one; shared parameters are hooked once)
+#: weak reference tells the parameter hooked from a later one; shared parameters are hooked once).
+#: Only :func:`_remember_summed` changes it, never a weak reference's callback: a compiled forward
+#: reads and writes this dict, and torch.compile's code rewrites it whole from what it read before
+#: running, so an entry a collected parameter's callback removed in between raised a ``KeyError``.
 _SUMMED: Dict[int, weakref.ref] = {}
+
+
+def _remember_summed(param: torch.Tensor) -> None:
+    """Enter ``param`` in :data:`_SUMMED`; in eager code, first drop the entries of parameters
+    collected since (under torch.compile the pass over every entry would be traced, and guarded, at
+    each new parameter: they wait for the next eager call)."""
+    if not torch.compiler.is_compiling():
+        for key in [key for key, ref in _SUMMED.items() if ref() is None]:
+            del _SUMMED[key]
+    _SUMMED[id(param)] = weakref.ref(param)
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, *,
