@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -88,11 +88,14 @@ def sum_grads_over_group(module: nn.Module, group=None) -> nn.Module:
         return coll.all_reduce(grad, group).wait()
 
     def hook_parameters(mod, args):
+        new = []
         for param in mod.parameters():
             seen = _SUMMED.get(id(param))
             if param.requires_grad and (seen is None or seen() is not param):  # each parameter once
                 param.register_hook(summed)
-                _remember_summed(param)
+                new.append(param)
+        if new:
+            _remember_summed(new)
 
     module.register_forward_pre_hook(hook_parameters)
     return module
@@ -150,14 +153,15 @@ def sum_output_grads_over_group(module: nn.Module, columns: Optional[int], group
 _SUMMED: Dict[int, weakref.ref] = {}
 
 
-def _remember_summed(param: torch.Tensor) -> None:
-    """Enter ``param`` in :data:`_SUMMED`; in eager code, first drop the entries of parameters
-    collected since (under torch.compile the pass over every entry would be traced, and guarded, at
-    each new parameter: they wait for the next eager call)."""
+def _remember_summed(params: List[torch.Tensor]) -> None:
+    """Enter ``params`` in :data:`_SUMMED`; in eager code, first drop the entries of parameters
+    collected since, in one pass per call (under torch.compile the pass over every entry would be
+    traced, and guarded, at each new parameter: they wait for the next eager call)."""
     if not torch.compiler.is_compiling():
         for key in [key for key, ref in _SUMMED.items() if ref() is None]:
             del _SUMMED[key]
-    _SUMMED[id(param)] = weakref.ref(param)
+    for param in params:
+        _SUMMED[id(param)] = weakref.ref(param)
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, *,
