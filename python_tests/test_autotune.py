@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import test_ops
-from helpers import assert_close, rank_world, torch_before
+from helpers import assert_close, rank_world
 from tp_kernels import _collectives, _extension, autotune, dispatch, ops, parallel_state, settings
 from tp_kernels.backends import fused, parse, pipelined_native
 from tp_kernels.schedule import DEFAULT_NUM_CHUNKS
@@ -170,10 +170,19 @@ def check_auto_compiles_whole_while_the_logger_says_why():
         autotune.forget()
 
 
-@torch_before(2, 12, "dynamo cannot trace id() of a process group, which auto's decision key (coll.group_key) takes")
 @pytest.mark.parametrize("world", [2], indirect=True)
 def test_auto_compiles_whole_while_the_dispatch_logger_says_why(world):
     world.run(check_auto_compiles_whole_while_the_logger_says_why)
+
+
+def test_the_group_key_is_a_constant_of_a_trace():
+    """``coll.group_key`` (what ``auto``'s decisions are keyed by) carries what
+    ``torch.compiler.assume_constant_result`` puts on a function, set without importing dynamo:
+    dynamo calls it while tracing, where torch 2.11's cannot trace the ``id()`` of a process group
+    it takes (the test above failed to compile there). Fails on a torch that marks otherwise."""
+    marked = torch.compiler.assume_constant_result(lambda: None)
+    assert vars(marked), "assume_constant_result put nothing on the function"
+    assert {k: getattr(_collectives.group_key, k, None) for k in vars(marked)} == vars(marked)
 
 
 def test_auto_measures_the_native_path_in_several_chunk_counts(monkeypatch):

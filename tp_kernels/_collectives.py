@@ -167,10 +167,19 @@ def check_alive(group) -> None:
 
 
 def group_key(group, device: torch.device):
-    """A key for per-group, per-device state (communicators, workspaces): the caller keeps the
-    group alive with the entry, so that its id cannot be reused by another group meanwhile (the
-    group's name is not read: ~0.15 µs of each call's host time)."""
+    """A key for per-group, per-device state (communicators, workspaces, ``auto``'s decisions): the
+    caller keeps the group alive with the entry, so that its id cannot be reused by another group
+    meanwhile (the group's name is not read: ~0.15 µs of each call's host time). Under
+    torch.compile, a constant of the trace (below)."""
     return (id(group), device.index)
+
+
+# What torch.compiler.assume_constant_result does to a function, without its import of
+# torch._dynamo (1.5 s more for `import tp_kernels`): dynamo calls group_key while it traces and
+# takes the result as a constant, sound as it guards on the group's identity and the tensor's
+# device. Torch 2.11's dynamo cannot trace id() of a process group: a call of backend="auto" with
+# several candidates failed to compile whole there.
+group_key._dynamo_marked_constant = True
 
 
 def group_size(group) -> int:
