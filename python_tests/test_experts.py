@@ -1085,6 +1085,40 @@ class _Sum(nn.Module):
         return x.sum()
 
 
+def check_sum_output_grads_refuses_a_whole_gradient():
+    """The first backward through ``grads.sum_output_grads_over_group``'s sum whose gradient there
+    is not zero on every rank compares that gradient across the ranks: the same on every rank (the
+    output scales a tensor every rank holds whole), every rank raises ValueError naming the module,
+    and no gradient reaches its parameters; each rank's own part passes, and is summed. A forward
+    without a gradient, and a backward whose gradient there is zero on every rank, check nothing."""
+    r, p = rank_world()
+    torch.manual_seed(0)  # (the modules and the inputs alike on every rank)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    whole = torch.randn(4, 5, dtype=torch.float64)
+    for columns, what in ((None, "its output"), (2, "its output's last 2 columns")):
+        module = tp_kernels.grads.sum_output_grads_over_group(nn.Linear(3, 5, dtype=torch.float64), columns)
+        with torch.no_grad():
+            module(x)
+        (module(x) * 0).sum().backward()  # (zero everywhere: nothing told)
+        module.zero_grad(set_to_none=True)
+        with pytest.raises(ValueError, match=rf"Linear: the gradient of {what} is the same on every rank of the "
+                                             rf"group: .* count it {p} times"):
+            (module(x) * whole).sum().backward()
+        assert module.weight.grad is None and module.bias.grad is None
+    part = tp_kernels.grads.sum_output_grads_over_group(nn.Linear(3, 5, dtype=torch.float64), None)
+    (part(x) * whole * (r + 1)).sum().backward()  # (each rank's part: passes)
+    summed = whole * (p * (p + 1) // 2)
+    torch.testing.assert_close(part.weight.grad, summed.t() @ x, rtol=1e-14, atol=1e-14)
+    part.zero_grad(set_to_none=True)
+    (part(x) * whole).sum().backward()  # (checked once: a whole gradient later is summed, unchecked)
+    torch.testing.assert_close(part.weight.grad, (whole * p).t() @ x, rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("world", [2, 4], indirect=True)
+def test_sum_output_grads_refuses_a_whole_gradient(world):
+    world.run(check_sum_output_grads_refuses_a_whole_gradient)
+
+
 @pytest.mark.parametrize("world", [1, 2, 4], indirect=True)
 def test_sum_output_grads_over_group(world):
     world.run(check_sum_output_grads_over_group)

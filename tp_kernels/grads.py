@@ -116,7 +116,15 @@ def sum_output_grads_over_group(module: nn.Module, columns: Optional[int], group
     output partial for the mixture's one reduce-scatter. Installed as a forward hook (one
     all-reduce per backward); returns ``module``. Nothing with one rank. :func:`parallelize`'s
     styles ``"mla_kv_a_proj"`` (Hugging Face's name) and ``"replicated_with_output_grad_allreduce"``
-    call it with the model's ``qk_rope_head_dim`` and with ``None``."""
+    call it with the model's ``qk_rope_head_dim`` and with ``None``.
+
+    The gradient summed must be each rank's part. In the first backward that reaches it (eager;
+    not zero on every rank), the gradient before the sum is compared across the ranks (a digest
+    of it: one all-gather of three numbers): the same on every rank, each rank already holds the
+    whole gradient, which the sum would count once per rank (the output scales something every
+    rank holds whole, a shared expert whose row layer sums its output, or feeds a column layer,
+    which sums its input's gradient itself). Every rank then raises a ``ValueError`` naming the
+    module, before the gradient reaches its parameters."""
     if not isinstance(module, nn.Module):
         raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
     if columns is not None:
@@ -124,6 +132,7 @@ def sum_output_grads_over_group(module: nn.Module, columns: Optional[int], group
     group = coll.resolve_group(group)
     if coll.group_size(group) == 1:
         return module
+    checked: List[bool] = []  # (the first backward's check has run: every rank alike)
 
     def hook(mod, args, output):
         def check():
@@ -136,13 +145,44 @@ def sum_output_grads_over_group(module: nn.Module, columns: Optional[int], group
         agree(f"{type(mod).__name__} (sum_output_grads_over_group)", group, check,
               lambda _: f"output {describe(output)}, {'all' if columns is None else f'its last {columns}'} columns",
               hint=output)
-        if columns is None:
-            return copy_to(output, group)
-        own, shared = output.split([output.shape[-1] - columns, columns], -1)
-        return torch.cat([own, copy_to(shared, group)], -1)
+        own, shared = (None, output) if columns is None else output.split([output.shape[-1] - columns, columns], -1)
+        summed = copy_to(shared, group)
+        if not torch.compiler.is_compiling() and not checked and summed.requires_grad:  # (nothing traced)
+            summed.register_hook(_check_parts(mod, columns, group, checked))
+        return summed if own is None else torch.cat([own, summed], -1)
 
     module.register_forward_hook(hook)
     return module
+
+
+def _check_parts(mod: nn.Module, columns: Optional[int], group, checked: List[bool]):
+    """The hook on the output of :func:`sum_output_grads_over_group`'s sum that checks, the first
+    time a backward reaches one with a gradient not zero on every rank, that each rank's gradient
+    there is its part, not the whole: a ``ValueError`` naming ``mod`` on every rank where the
+    ranks' gradients have one digest (their sum, the sum of their squares and of each times its
+    position, in float64: what the same gradient gives on every rank, and different parts do not)."""
+
+    def check(grad: torch.Tensor) -> None:
+        if checked:  # (a hook of another forward's output, run after the first)
+            return
+        g = grad.detach().reshape(-1).to(torch.float64)
+        positions = torch.arange(1, g.numel() + 1, dtype=torch.float64, device=g.device)
+        digest = torch.stack([g.sum(), g.square().sum(), (g * positions).sum()])
+        every = coll.all_gather_dim0(digest[None], group).wait()
+        if not bool(every[:, 1].any()):  # (zero on every rank: nothing told, checked at the next)
+            return
+        checked.append(True)
+        if bool((every == every[0]).all()):
+            what = "its output" if columns is None else f"its output's last {columns} columns"
+            raise ValueError(
+                f"tp_kernels: sum_output_grads_over_group: {type(mod).__name__}: the gradient of {what} is the "
+                f"same on every rank of the group: each rank holds the whole gradient already, and the sum would "
+                f"count it {coll.group_size(group)} times. Sum it only where each rank's output scales, or feeds, "
+                "its own part (a shared expert whose row layer leaves its output partial, this rank's heads); where "
+                "every rank uses it whole (a row layer's summed output, a column layer's input), keep the module "
+                "as it is ('replicate' in a plan)")
+
+    return check
 
 
 #: id(parameter) -> the parameter whose gradients sum_grads_over_group sums (ids are reused: the
