@@ -1154,6 +1154,36 @@ def test_sum_grads_over_group(world):
     world.run(check_sum_grads_over_group)
 
 
+def check_sum_grads_refuses_a_whole_gradient():
+    """The first backward whose gradient of a parameter ``grads.sum_grads_over_group`` hooks is
+    not zero on every rank compares it across the ranks before the sum: the same on every rank (the
+    module ran on a tensor whole on every rank), every rank raises ValueError naming the module and
+    the parameter, and the gradient does not accumulate; each rank's share passes, and is summed. A
+    backward whose gradient is zero on every rank checks nothing."""
+    r, p = rank_world()
+    torch.manual_seed(0)  # (the module and the input alike on every rank)
+    dense = nn.LayerNorm(4, dtype=torch.float64)
+    norm = tp_kernels.grads.sum_grads_over_group(copy.deepcopy(dense))
+    x = torch.randn(3, 4, dtype=torch.float64)
+    (norm(x) * 0).sum().backward()  # (zero everywhere: nothing told)
+    norm.zero_grad(set_to_none=True)
+    with pytest.raises(ValueError, match=rf"LayerNorm's parameter '(weight|bias)': its gradient is the same on every "
+                                         rf"rank of the group: .* count it {p} times"):
+        norm(x).square().sum().backward()
+    assert norm.weight.grad is None or norm.bias.grad is None
+    share = torch.randn(3, 4, dtype=torch.float64) * (r + 1)  # (each rank's own)
+    norm.zero_grad(set_to_none=True)
+    (norm(x) * share).sum().backward()
+    (dense(x) * share * (p * (p + 1) // 2) / (r + 1)).sum().backward()
+    for name, param in norm.named_parameters():
+        torch.testing.assert_close(param.grad, dense.get_parameter(name).grad, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("world", [2, 4], indirect=True)
+def test_sum_grads_refuses_a_whole_gradient(world):
+    world.run(check_sum_grads_refuses_a_whole_gradient)
+
+
 def check_sum_grads_over_group_compiled_while_collected():
     """A compiled forward of a module ``grads.sum_grads_over_group`` hooks, during whose compilation
     the cycle collector frees a module it had hooked earlier (here at a fixed point: in the

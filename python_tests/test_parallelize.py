@@ -3581,7 +3581,8 @@ def check_summed_gradients_of_whole_inputs():
     every rank (an embedding's summed output, a row layer's, a column layer's gathered) would take its whole gradient on
     every rank, summed p times: its first call raises ValueError naming it, the layer whose output
     it took and the entry that fixes it, where gradients are taken; under no_grad the output is the
-    dense one and a gradient that reaches its parameters later raises the same. Named "replicate"
+    dense one and a gradient that reaches its parameters later raises (the sum's own check, that the
+    gradient is the same on every rank, before the plan's refusal). Named "replicate"
     instead, its gradients are the dense model's. Not raised where its input is a part of that output
     that the model's own code takes (its rows' blocks, each rank's: then the sum is the dense
     gradient), or where another of its inputs is a rank's block of a column layer's output. The
@@ -3610,7 +3611,8 @@ def check_summed_gradients_of_whole_inputs():
         par = tp_kernels.parallelize(copy.deepcopy(dense), plan)
         with torch.no_grad():
             torch.testing.assert_close(par(ids), dense(ids), rtol=1e-12, atol=1e-12)
-        with pytest.raises(ValueError, match=rf"'{named}' \({kind}\) is named 'replicated_with_grad_allreduce'"):
+        with pytest.raises(ValueError, match=rf"sum_grads_over_group: {kind}'s parameter '[.0-9a-z]+': its gradient is "
+                                             rf"the same on every rank"):  # (the sum's own check, first)
             par(ids).square().sum().backward()
     # a residual sum of the row layer's output and the (plain) embedding's; a rank's block of its rows
     # (the model's own split: summed rightly); half the column layer's output (each rank's block of it)

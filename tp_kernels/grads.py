@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from . import _collectives as coll
 from . import _data_parallel as dp
-from ._agreement import agree, describe
+from ._agreement import _recording, agree, describe
 from ._checks import check_int
 from .layers import own_pieces, sharded_blocks
 from .mappings import copy_to
@@ -73,6 +73,12 @@ def sum_grads_over_group(module: nn.Module, group=None) -> nn.Module:
     see the whole gradient. Installed as a forward pre-hook on ``module`` that hooks each parameter
     it holds then; returns ``module``. Nothing with one rank. :func:`parallelize`'s style
     ``"replicated_with_grad_allreduce"`` (Hugging Face's name) calls it.
+
+    The gradient summed must be each rank's share. In the first backward whose gradient of a
+    parameter is not zero on every rank (eager), it is compared across the ranks before the sum
+    (a digest: one all-gather of three numbers): the same on every rank, the module ran on a tensor
+    whole on every rank and the sum would count the gradient p times: every rank raises a
+    ``ValueError`` naming the module and the parameter, before the gradient accumulates.
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"module: expected an nn.Module, got {type(module).__name__}")
@@ -84,21 +90,60 @@ def sum_grads_over_group(module: nn.Module, group=None) -> nn.Module:
     if coll.group_size(group) == 1:
         return module
 
-    def summed(grad: torch.Tensor) -> torch.Tensor:
-        return coll.all_reduce(grad, group).wait()
-
     def hook_parameters(mod, args):
         new = []
-        for param in mod.parameters():
+        for attr, param in mod.named_parameters():
             seen = _SUMMED.get(id(param))
             if param.requires_grad and (seen is None or seen() is not param):  # each parameter once
-                param.register_hook(summed)
+                param.register_hook(_summing(type(mod).__name__, attr, group))
                 new.append(param)
         if new:
             _remember_summed(new)
 
     module.register_forward_pre_hook(hook_parameters)
     return module
+
+
+def _summing(module_type: str, attr: str, group):
+    """The hook of :func:`sum_grads_over_group` on the parameter ``attr`` of a module of type
+    ``module_type`` (its name alone: a hook holding the module would keep it, and the parameter,
+    alive through the parameter's hooks, which the cycle collector does not see): the gradient
+    summed over the group; in the first backward whose gradient is not zero on every rank (eager),
+    first a ``ValueError`` on every rank where it is the same on every rank
+    (:func:`_same_on_every_rank`): the module ran on a tensor whole on every rank, and the sum
+    would count its gradient p times."""
+    checked: List[bool] = []
+
+    def summed(grad: torch.Tensor) -> torch.Tensor:
+        if not _recording() and not checked:  # (traced or captured: an eager backward checks)
+            same = _same_on_every_rank(grad, group)
+            if same is not None:
+                checked.append(True)
+            if same:
+                raise ValueError(
+                    f"tp_kernels: sum_grads_over_group: {module_type}'s parameter {attr!r}: its gradient is "
+                    "the same on every rank of the group: each rank computed the whole gradient already (the module "
+                    "ran on a tensor whole on every rank: the residual stream without sequence parallelism, a row "
+                    f"layer's summed output), and the sum would count it {coll.group_size(group)} times. Sum only "
+                    "the gradients of a module run on each rank's part (this rank's heads, a sequence-parallel "
+                    "block); keep this one as it is ('replicate' in a plan)")
+        return coll.all_reduce(grad, group).wait()
+
+    return summed
+
+
+def _same_on_every_rank(grad: torch.Tensor, group) -> Optional[bool]:
+    """Whether every rank of ``group`` holds the same ``grad`` (each rank calls it): the ranks'
+    digests of it compared (its sum, the sum of its squares and of each element times its
+    position, in float64: what the same tensor gives on every rank, and different ones do not;
+    one all-gather of three numbers). None where it is zero on every rank (nothing to tell)."""
+    g = grad.detach().reshape(-1).to(torch.float64)
+    positions = torch.arange(1, g.numel() + 1, dtype=torch.float64, device=g.device)
+    digest = torch.stack([g.sum(), g.square().sum(), (g * positions).sum()])
+    every = coll.all_gather_dim0(digest[None], group).wait()
+    if not bool(every[:, 1].any()):
+        return None
+    return bool((every == every[0]).all())
 
 
 def sum_output_grads_over_group(module: nn.Module, columns: Optional[int], group=None) -> nn.Module:
@@ -148,34 +193,30 @@ def sum_output_grads_over_group(module: nn.Module, columns: Optional[int], group
         own, shared = (None, output) if columns is None else output.split([output.shape[-1] - columns, columns], -1)
         summed = copy_to(shared, group)
         if not torch.compiler.is_compiling() and not checked and summed.requires_grad:  # (nothing traced)
-            summed.register_hook(_check_parts(mod, columns, group, checked))
+            summed.register_hook(_check_parts(type(mod).__name__, columns, group, checked))
         return summed if own is None else torch.cat([own, summed], -1)
 
     module.register_forward_hook(hook)
     return module
 
 
-def _check_parts(mod: nn.Module, columns: Optional[int], group, checked: List[bool]):
+def _check_parts(module_type: str, columns: Optional[int], group, checked: List[bool]):
     """The hook on the output of :func:`sum_output_grads_over_group`'s sum that checks, the first
     time a backward reaches one with a gradient not zero on every rank, that each rank's gradient
-    there is its part, not the whole: a ``ValueError`` naming ``mod`` on every rank where the
-    ranks' gradients have one digest (their sum, the sum of their squares and of each times its
-    position, in float64: what the same gradient gives on every rank, and different parts do not)."""
+    there is its part, not the whole: a ``ValueError`` naming the module's type on every rank
+    where it is the same on every rank (:func:`_same_on_every_rank`)."""
 
     def check(grad: torch.Tensor) -> None:
-        if checked:  # (a hook of another forward's output, run after the first)
+        if _recording() or checked:  # (traced or captured; or a hook of another forward's output, after the first)
             return
-        g = grad.detach().reshape(-1).to(torch.float64)
-        positions = torch.arange(1, g.numel() + 1, dtype=torch.float64, device=g.device)
-        digest = torch.stack([g.sum(), g.square().sum(), (g * positions).sum()])
-        every = coll.all_gather_dim0(digest[None], group).wait()
-        if not bool(every[:, 1].any()):  # (zero on every rank: nothing told, checked at the next)
+        same = _same_on_every_rank(grad, group)
+        if same is None:  # (zero on every rank: checked at the next)
             return
         checked.append(True)
-        if bool((every == every[0]).all()):
+        if same:
             what = "its output" if columns is None else f"its output's last {columns} columns"
             raise ValueError(
-                f"tp_kernels: sum_output_grads_over_group: {type(mod).__name__}: the gradient of {what} is the "
+                f"tp_kernels: sum_output_grads_over_group: {module_type}: the gradient of {what} is the "
                 f"same on every rank of the group: each rank holds the whole gradient already, and the sum would "
                 f"count it {coll.group_size(group)} times. Sum it only where each rank's output scales, or feeds, "
                 "its own part (a shared expert whose row layer leaves its output partial, this rank's heads); where "
