@@ -115,21 +115,29 @@ def _summing(module_type: str, attr: str, group):
     checked: List[bool] = []
 
     def summed(grad: torch.Tensor) -> torch.Tensor:
-        if not _recording() and not checked:  # (traced or captured: an eager backward checks)
-            same = _same_on_every_rank(grad, group)
-            if same is not None:
-                checked.append(True)
-            if same:
-                raise ValueError(
-                    f"tp_kernels: sum_grads_over_group: {module_type}'s parameter {attr!r}: its gradient is "
-                    "the same on every rank of the group: each rank computed the whole gradient already (the module "
-                    "ran on a tensor whole on every rank: the residual stream without sequence parallelism, a row "
-                    f"layer's summed output), and the sum would count it {coll.group_size(group)} times. Sum only "
-                    "the gradients of a module run on each rank's part (this rank's heads, a sequence-parallel "
-                    "block); keep this one as it is ('replicate' in a plan)")
+        if _whole_at_first(grad, group, checked):
+            raise ValueError(
+                f"tp_kernels: sum_grads_over_group: {module_type}'s parameter {attr!r}: its gradient is "
+                "the same on every rank of the group: each rank computed the whole gradient already (the module "
+                "ran on a tensor whole on every rank: the residual stream without sequence parallelism, a row "
+                f"layer's summed output), and the sum would count it {coll.group_size(group)} times. Sum only "
+                "the gradients of a module run on each rank's part (this rank's heads, a sequence-parallel "
+                "block); keep this one as it is ('replicate' in a plan)")
         return coll.all_reduce(grad, group).wait()
 
     return summed
+
+
+def _whole_at_first(grad: torch.Tensor, group, checked: List[bool]) -> bool:
+    """Whether ``grad`` is the same on every rank of ``group`` (:func:`_same_on_every_rank`), asked
+    once: in the first eager backward (not traced, not captured) whose gradient is not zero on
+    every rank, which then marks ``checked``; False at every other call, every rank alike."""
+    if _recording() or checked:
+        return False
+    same = _same_on_every_rank(grad, group)
+    if same is not None:
+        checked.append(True)
+    return bool(same)
 
 
 def _same_on_every_rank(grad: torch.Tensor, group) -> Optional[bool]:
@@ -192,7 +200,9 @@ def sum_output_grads_over_group(module: nn.Module, columns: Optional[int], group
               hint=output)
         own, shared = (None, output) if columns is None else output.split([output.shape[-1] - columns, columns], -1)
         summed = copy_to(shared, group)
-        if not torch.compiler.is_compiling() and not checked and summed.requires_grad:  # (nothing traced)
+        # (registered outside traces, whose graph would hold it; a CUDA graph's captured forward registers it too:
+        # its check runs in an eager backward, and _whole_at_first skips a captured one)
+        if not torch.compiler.is_compiling() and not checked and summed.requires_grad:
             summed.register_hook(_check_parts(type(mod).__name__, columns, group, checked))
         return summed if own is None else torch.cat([own, summed], -1)
 
@@ -207,13 +217,7 @@ def _check_parts(module_type: str, columns: Optional[int], group, checked: List[
     where it is the same on every rank (:func:`_same_on_every_rank`)."""
 
     def check(grad: torch.Tensor) -> None:
-        if _recording() or checked:  # (traced or captured; or a hook of another forward's output, after the first)
-            return
-        same = _same_on_every_rank(grad, group)
-        if same is None:  # (zero on every rank: checked at the next)
-            return
-        checked.append(True)
-        if same:
+        if _whole_at_first(grad, group, checked):  # (checked: also by the hooks of other forwards' outputs)
             what = "its output" if columns is None else f"its output's last {columns} columns"
             raise ValueError(
                 f"tp_kernels: sum_output_grads_over_group: {module_type}: the gradient of {what} is the "
