@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 import tp_kernels
-from helpers import assert_close, fingerprints_set, rank_world, torch_before
+from helpers import assert_close, fingerprints_set, rank_world
 from test_disagreement import DEADLINE_S, fingerprints
-from tp_kernels import Communicator, autotune, dispatch, settings
+from tp_kernels import Communicator, _library, autotune, dispatch, settings
 from tp_kernels._collectives import group_name, resolve_group
 
 SHAPE = (3, 5, 7)  # odd: nothing divisible by anything
@@ -759,7 +759,10 @@ def check_collectives_refuse_gradients(compiled: bool):
     """Every Communicator call on a tensor that wants a gradient (inference without
     ``torch.no_grad()``) returns what it returns without one, eagerly and compiled; a backward
     through it raises on every rank, naming the call, where one that wrote (``out``, in place,
-    ``broadcast``) was silently the identity and ``all_gather``'s failed inside the collective."""
+    ``broadcast``) was silently the identity and ``all_gather``'s failed inside the collective (and,
+    compiled on torch 2.11 and 2.12, what a call wrote kept its history: the identity again, or no
+    gradient at all for ``out``). An ``out`` that records a gradient, written with the sum of an
+    ``x`` that records none, gives its overwritten values none, as ``out.copy_`` would."""
     r, p = rank_world()
     comm = Communicator()
     calls = {
@@ -770,6 +773,7 @@ def check_collectives_refuse_gradients(compiled: bool):
         "gather": lambda t: comm.gather(t, dst=p - 1, dim=0),
         "reduce_scatter": lambda t: comm.reduce_scatter(t, dim=0),
         "broadcast": lambda t: comm.broadcast(t * 1, src=0),
+        "broadcast of a strided tensor": lambda t: comm.broadcast((t * 1).t(), src=0),
         "tensor_model_parallel_all_reduce": lambda t: tp_kernels.tensor_model_parallel_all_reduce(t),
     }
     for name, call in calls.items():
@@ -789,14 +793,25 @@ def check_collectives_refuse_gradients(compiled: bool):
         with pytest.raises(RuntimeError, match=f"Communicator.{called} has no gradient"):
             got.sum().backward()
         assert leaf.grad is None, name
+    x = torch.full((2 * p, 3), float(r + 1))
+    write = (lambda t: comm.all_reduce(x, out=t * 1))
+    leaf = torch.randn(2 * p, 3, generator=torch.Generator().manual_seed(r)).requires_grad_()
+    got = (torch.compile(write, fullgraph=True) if compiled else write)(leaf)
+    assert got.requires_grad and torch.equal(got.detach(), torch.full_like(x, p * (p + 1) / 2))
+    got.sum().backward()
+    assert torch.equal(leaf.grad, torch.zeros_like(leaf))  # overwritten: not the identity's ones
+    # the ops that write record no gradient: a call that would record one is refused, naming the op
+    for name, args in [("all_reduce_out", (x, leaf * 1)), ("all_reduce_inplace", (leaf * 1,)),
+                       ("broadcast", (leaf * 1, 0))]:
+        with pytest.raises(RuntimeError, match=f"tp_kernels::{name} writes into its arguments and has no gradient"):
+            _library.op(name)(*args, group_name(dist.group.WORLD), "reference")
     assert torch.equal(comm.all_reduce(torch.ones(2)), torch.full((2,), float(p)))  # the group goes on
 
 
 @pytest.mark.parametrize("world", [1, 2], indirect=True)
 @pytest.mark.parametrize("compiled", [
     pytest.param(False, id="eager"),
-    pytest.param(True, id="compiled", marks=torch_before(2, 13, "compiled, the output of a call with out= (written by "
-                                                                 "the custom op) does not require a gradient")),
+    pytest.param(True, id="compiled"),
 ])
 def test_collectives_refuse_gradients(world, compiled):
     world.run(check_collectives_refuse_gradients, compiled, deadline_s=600)

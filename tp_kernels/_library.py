@@ -17,10 +17,11 @@ return None); the autograd wrappers turn those back into None.
 
 The plain collectives of :class:`tp_kernels.Communicator` are custom ops too (``all_reduce``,
 ``all_reduce_out``, ``all_reduce_inplace``, ``all_gather``, ``reduce_scatter``, ``gather``,
-``broadcast``), over dim 0 of contiguous tensors, with the implementation decided before the call
-(:func:`tp_kernels.dispatch.resolve_collective`); their formula is a backward that raises
-(:func:`_no_gradient`: serving runs without gradients; :mod:`tp_kernels.mappings` has the
-differentiable ones).
+``broadcast``, ``broadcast_copy``), over dim 0 of contiguous tensors, with the implementation
+decided before the call (:func:`tp_kernels.dispatch.resolve_collective`). The formula of each that
+makes a new tensor is a backward that raises (:func:`_no_gradient`: serving runs without gradients;
+:mod:`tp_kernels.mappings` has the differentiable ones); those that write record none
+(:func:`_define_mutating`).
 
 Every op takes part in a collective (but :func:`refuse_gradient`, which raises), so every op is
 marked as having side effects (``torch.fx.node.has_side_effect``): a compiled graph keeps it where
@@ -96,9 +97,9 @@ class _Op:
     is needed (then bumping the version counter of each tensor it writes, as the dispatcher's
     ADInplaceOrView kernel does), else through a ``torch.autograd.Function`` of the registered
     formula, the same one the dispatcher's autograd kernel runs; otherwise through the dispatcher
-    (an op that writes has no formula: with a gradient needed, the dispatcher runs it). The direct
-    call saves the host time of the dispatcher and of its Python wrappers (about 6 µs a call, 14 µs
-    for a ``custom_op`` that writes). Under a ``torch.func`` transform with a gradient needed, the
+    (an op that writes has no formula: a call of one that would record a gradient is refused). The
+    direct call saves the host time of the dispatcher and of its Python wrappers (about 6 µs a call,
+    14 µs for a ``custom_op`` that writes). Under a ``torch.func`` transform with a gradient needed, the
     formula runs as a ``torch.autograd.Function`` around the dispatcher's op (:attr:`transformed`:
     torch's own function for a registered formula has no ``setup_context``, which the transforms
     need; its forward, batched by ``vmap``, runs each entry of the batch in turn)."""
@@ -123,7 +124,11 @@ class _Op:
             for i in self.written:
                 increment_version(args[i])
             return out
-        if self.function is not None and (route == _FUNCTION or (self.custom is not None and wants_grad(args))):
+        if self.custom is not None and wants_grad(args):
+            raise RuntimeError(f"{self.qualname} writes into its arguments and has no gradient formula: call it on "
+                               "tensors that record none (with one wanted, Communicator copies the result of the op "
+                               "that makes a new tensor into what it writes)")
+        if self.function is not None and route == _FUNCTION:
             return self.function.apply(*args)
         if self.transformed is not None and functorch_transforms() and wants_grad(args):
             return self.transformed.apply(*args)
@@ -137,26 +142,8 @@ class _Op:
 
     def register_no_gradient(self, call: str) -> None:
         """Make the op's formula a backward that raises, naming ``Communicator.<call>``
-        (:func:`_no_gradient`): what it returns, or writes, may flow into a loss, but the backward
-        is refused."""
-        backward = _no_gradient(call)
-        if self.custom is None:
-            self.register_autograd(backward, setup_context=_input_shapes)
-            return
-        # An op that writes cannot have a formula of its own (torch.library refuses one): with a
-        # gradient needed, it runs inside this function, which marks what it wrote as its output
-        # (on every route: torch.compile traces the function around the op).
-        written, op = self.written, self.op
-
-        def forward(ctx, *args):
-            op(*args)
-            _input_shapes(ctx, args, None)
-            outs = tuple(args[i] for i in written)
-            ctx.mark_dirty(*outs)
-            return outs[0] if len(outs) == 1 else outs
-
-        self.function = type(f"{self.qualname.partition('::')[2]}_autograd", (torch.autograd.Function,), {
-            "forward": staticmethod(forward), "backward": staticmethod(backward)})
+        (:func:`_no_gradient`): what it returns may flow into a loss, but the backward is refused."""
+        self.register_autograd(_no_gradient(call), setup_context=_input_shapes)
 
     def register_autograd(self, backward: Callable, setup_context: Callable) -> None:
         """Make ``backward`` the op's formula, first order (:func:`tp_kernels._checks.differentiable_once`)."""
@@ -189,7 +176,12 @@ def _define(fn: Callable) -> _Op:
 def _define_mutating(*written: str) -> Callable[[Callable], _Op]:
     """``tp_kernels::<fn's name>`` as a ``torch.library.custom_op`` that writes into the arguments
     named ``written`` (it bumps their version counters, and torch.compile functionalizes it), called
-    as an :class:`_Op`."""
+    as an :class:`_Op`, on tensors that record no gradient: a formula would have to mark what the op
+    wrote as its output (``mark_dirty``), and torch.compile's tracing of that loses the refusal (on
+    torch 2.11 and 2.12 the written tensor keeps its history, the identity; on later ones too when
+    only the written tensor requires grad). With a gradient wanted, :class:`tp_kernels.Communicator`
+    runs the op that makes a new tensor (``all_reduce``, ``broadcast_copy``), whose formula refuses,
+    and copies its result in."""
 
     def define(fn: Callable) -> _Op:
         name = fn.__name__
@@ -448,9 +440,6 @@ def _(x, out, group, impl):
     return None
 
 
-all_reduce_out.register_no_gradient("all_reduce")
-
-
 @_define_mutating("x")
 def all_reduce_inplace(x: Tensor, group: str, impl: str) -> None:
     _check_written("x", x)
@@ -461,9 +450,6 @@ def all_reduce_inplace(x: Tensor, group: str, impl: str) -> None:
 def _(x, group, impl):
     _check_written("x", x)
     return None
-
-
-all_reduce_inplace.register_no_gradient("all_reduce")
 
 
 @_define
@@ -507,6 +493,23 @@ def _(x, dst, group, impl):
 gather.register_no_gradient("gather")
 
 
+@_define
+def broadcast_copy(x: Tensor, src: int, group: str, impl: str) -> Tensor:
+    """Rank ``src``'s ``x`` in a new contiguous tensor: the broadcast that records a gradient
+    (refused), whose result ``Communicator.broadcast`` copies into ``x``."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    run_collective("broadcast", impl, out, out, src, coll.group_from_name(group))
+    return out
+
+
+@broadcast_copy.register_fake
+def _(x, src, group, impl):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+broadcast_copy.register_no_gradient("broadcast")
+
+
 @_define_mutating("x")
 def broadcast(x: Tensor, src: int, group: str, impl: str) -> None:
     _check_written("x", x)
@@ -518,5 +521,3 @@ def _(x, src, group, impl):
     _check_written("x", x)
     return None
 
-
-broadcast.register_no_gradient("broadcast")
