@@ -281,8 +281,9 @@ def check_sessions_of_models_the_ranks_disagree_on(path):
     """cpu_session refuses, on every rank, models the ranks cannot run together: rank 0's model
     loaded on both ranks (rank 1 names its model's metadata, rank 0 names rank 1 and its message),
     and models of two dense models, each made for its rank (both ranks list each rank's
-    collectives). Without the metadata, rank 0's model runs on both ranks, and its logits are
-    wrong: the metadata is what catches it."""
+    collectives); without the metadata, rank 0's model on both ranks is still refused on both (the
+    ranks' graphs are compared), where each rank's own model, stripped too, runs and gives the
+    dense logits."""
     import torch.distributed as dist
 
     r, _ = rank_world()
@@ -315,8 +316,13 @@ def check_sessions_of_models_the_ranks_disagree_on(path):
             "AllReduce(float64))")):
         tp_kernels.onnx.cpu_session(models["mlp"] if r == 0 else wide)
     del first.metadata_props[:]
-    logits = _run(first, ids)  # rank 1 runs rank 0's shards, unnoticed
-    assert logits.shape == (*ids.shape, 32) and not torch.allclose(logits.double(), dense.double()(ids), atol=1e-3)
+    with pytest.raises(RuntimeError, match=r"tp_kernels.onnx.cpu_session: ranks \[0, 1\] of group '.+' hold the same "
+                                           "model, and its metadata does not say which rank's it is " + re.escape(
+                                               f"({RANK_KEY!r}, {GROUP_SIZE_KEY!r}): load each rank's own model")):
+        _run(first, ids)  # without the check: rank 1 ran rank 0's shards, and the logits were wrong
+    own = models["lm"]
+    del own.metadata_props[:]
+    assert_close(f"rank {r}'s lm without its metadata", _run(own, ids), dense.double()(ids).detach())
 
 
 def test_sessions_of_models_the_ranks_disagree_on_are_refused(world2, tmp_path):

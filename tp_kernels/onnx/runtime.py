@@ -10,8 +10,9 @@ ops do not take, moves as float32 between two ``Cast`` nodes (summed in float32,
 is how the per-rank models are tested on the CPU (several gloo processes, one rank each), and a way
 to run them without a GPU build.
 
-Every rank makes its session at the same time (the ranks agree there on their models' collectives
-and each checks that its model was made for its rank), then runs its model with inputs of the same
+Every rank makes its session at the same time (the ranks agree there on their models' collectives,
+each checks that its model was made for its rank, and ranks whose models say no rank check that
+they do not hold the same one), then runs its model with inputs of the same
 shapes at the same time, as it would make the calls in PyTorch; each collective is bounded by
 :func:`tp_kernels.get_timeout`. A stand-in that fails cannot raise (onnxruntime-extensions would
 end the process): it keeps its error, and the session's ``run`` raises it once ONNX Runtime
@@ -20,6 +21,7 @@ returns.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -171,6 +173,33 @@ def _check_model(model: onnx.ModelProto, group) -> Tuple[object, onnx.ModelProto
     return host, _standins(model, types), types
 
 
+#: what a rank sends for its model in :func:`_refuse_copies` where its metadata says its rank
+_SAID = bytes(16)
+
+
+def _refuse_copies(model: onnx.ModelProto, host, group_name: str) -> None:
+    """A ``RuntimeError`` on every rank where ranks whose models do not say which rank's they are
+    (no :func:`_collective_ops.made_for` metadata: a model made elsewhere, or its metadata
+    stripped) hold the same graph, nodes and initializers alike: one rank's model loaded on several
+    ranks, which would run unnoticed, its shards counted as each of theirs. One bounded all-gather
+    of a digest of each rank's graph (``_SAID`` for a model whose metadata says its rank, checked
+    against it before)."""
+    mine = _SAID if _collective_ops.made_for(model) is not None else \
+        hashlib.blake2b(model.graph.SerializeToString(), digest_size=len(_SAID)).digest()
+    digests = coll.all_gather_bytes(mine, host, torch.device("cpu"))
+    alike: Dict[bytes, List[int]] = {}
+    for q, digest in enumerate(digests):
+        alike.setdefault(digest, []).append(q)
+    copies = [ranks for digest, ranks in alike.items() if digest != _SAID and len(ranks) > 1]
+    if copies:
+        raise RuntimeError(
+            f"tp_kernels.onnx.cpu_session: {'; '.join(f'ranks {ranks}' for ranks in copies)} of group {group_name!r} "
+            f"hold the same model, and its metadata does not say which rank's it is "
+            f"({_collective_ops.RANK_KEY!r}, {_collective_ops.GROUP_SIZE_KEY!r}): load each rank's own model. "
+            "A model rightly the same on every rank (nothing split) says its rank there: tp_kernels.onnx.export "
+            "and shard write it, onnx.helper.set_model_props writes it back")
+
+
 def _type_name(elem_type: int) -> str:
     """torch's name of an ONNX element type where there is one (``float32``), else ONNX's (``string``)."""
     T = onnx.TensorProto
@@ -264,14 +293,18 @@ def cpu_session(model, group=None, sess_options: Optional[ort.SessionOptions] = 
     float32 (:func:`standin_model`); a collective of another type is a ``ValueError`` naming it.
     A model whose metadata (``export``'s and ``shard``'s) says another rank or group size, or one
     of whose collective nodes spans another number of ranks (``group_size``), is a ``ValueError``
-    naming it on its rank, and a ``RuntimeError`` on the others. A collective that fails in a run (a
-    peer past the timeout) is a ``RuntimeError`` from the session's ``run``."""
+    naming it on its rank, and a ``RuntimeError`` on the others; ranks whose models say no rank and
+    are the same model (one rank's, loaded on several) all raise a ``RuntimeError`` naming them. A
+    collective that fails in a run (a peer past the timeout) is a ``RuntimeError`` from the
+    session's ``run``."""
     global _group
     if not isinstance(model, onnx.ModelProto):
         model = onnx.load(model)
     group = coll.resolve_group(group)
     host, standins, _ = agree("tp_kernels.onnx.cpu_session", group, lambda: _check_model(model, group),
                               lambda checked: _collectives_in_order(model, checked[2]), always=True)
+    if coll.group_size(group) > 1:
+        _refuse_copies(model, host, group.group_name)
     _group = host
     options = sess_options or ort.SessionOptions()
     options.register_custom_ops_library(get_library_path())
