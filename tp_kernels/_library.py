@@ -20,8 +20,8 @@ The plain collectives of :class:`tp_kernels.Communicator` are custom ops too (``
 ``broadcast``, ``broadcast_copy``), over dim 0 of contiguous tensors, with the implementation
 decided before the call (:func:`tp_kernels.dispatch.resolve_collective`). The formula of each that
 makes a new tensor is a backward that raises (:func:`_no_gradient`: serving runs without gradients;
-:mod:`tp_kernels.mappings` has the differentiable ones); those that write record none
-(:func:`_define_mutating`).
+:mod:`tp_kernels.mappings` has the differentiable ones); one that writes, called with a gradient
+recorded, copies such an op's result in (:func:`_define_mutating`).
 
 Every op takes part in a collective (but :func:`refuse_gradient`, which raises), so every op is
 marked as having side effects (``torch.fx.node.has_side_effect``): a compiled graph keeps it where
@@ -97,16 +97,19 @@ class _Op:
     is needed (then bumping the version counter of each tensor it writes, as the dispatcher's
     ADInplaceOrView kernel does), else through a ``torch.autograd.Function`` of the registered
     formula, the same one the dispatcher's autograd kernel runs; otherwise through the dispatcher
-    (an op that writes has no formula: a call of one that would record a gradient is refused). The
-    direct call saves the host time of the dispatcher and of its Python wrappers (about 6 µs a call,
-    14 µs for a ``custom_op`` that writes). Under a ``torch.func`` transform with a gradient needed, the
-    formula runs as a ``torch.autograd.Function`` around the dispatcher's op (:attr:`transformed`:
-    torch's own function for a registered formula has no ``setup_context``, which the transforms
-    need; its forward, batched by ``vmap``, runs each entry of the batch in turn)."""
+    (an op that writes has no formula: a call of one that records a gradient runs what
+    :func:`_define_mutating` says instead). The direct call saves the host time of the dispatcher
+    and of its Python wrappers (about 6 µs a call, 14 µs for a ``custom_op`` that writes). Under a
+    ``torch.func`` transform with a gradient needed, the formula runs as a ``torch.autograd.Function``
+    around the dispatcher's op (:attr:`transformed`: torch's own function for a registered formula
+    has no ``setup_context``, which the transforms need; its forward, batched by ``vmap``, runs each
+    entry of the batch in turn)."""
 
-    def __init__(self, name: str, fn: Callable, custom=None, written: Tuple[int, ...] = ()):
+    def __init__(self, name: str, fn: Callable, custom=None, written: Tuple[int, ...] = (),
+                 recorded: Optional[Callable] = None):
         self.qualname = f"tp_kernels::{name}"
         self.custom = custom  # the torch.library.custom_op of an op that writes, else None
+        self.recorded = recorded  # what a call of an op that writes runs instead when it records a gradient
         self.op = custom if custom is not None else getattr(torch.ops.tp_kernels, name)
         self.fn = fn
         self.written = written  # positions of the arguments it writes
@@ -125,9 +128,8 @@ class _Op:
                 increment_version(args[i])
             return out
         if self.custom is not None and wants_grad(args):
-            raise RuntimeError(f"{self.qualname} writes into its arguments and has no gradient formula: call it on "
-                               "tensors that record none (with one wanted, Communicator copies the result of the op "
-                               "that makes a new tensor into what it writes)")
+            self.recorded(*args)
+            return None
         if self.function is not None and route == _FUNCTION:
             return self.function.apply(*args)
         if self.transformed is not None and functorch_transforms() and wants_grad(args):
@@ -173,21 +175,21 @@ def _define(fn: Callable) -> _Op:
     return _OPS[name]
 
 
-def _define_mutating(*written: str) -> Callable[[Callable], _Op]:
+def _define_mutating(*written: str, recorded: Callable) -> Callable[[Callable], _Op]:
     """``tp_kernels::<fn's name>`` as a ``torch.library.custom_op`` that writes into the arguments
     named ``written`` (it bumps their version counters, and torch.compile functionalizes it), called
-    as an :class:`_Op`, on tensors that record no gradient: a formula would have to mark what the op
-    wrote as its output (``mark_dirty``), and torch.compile's tracing of that loses the refusal (on
-    torch 2.11 and 2.12 the written tensor keeps its history, the identity; on later ones too when
-    only the written tensor requires grad). With a gradient wanted, :class:`tp_kernels.Communicator`
-    runs the op that makes a new tensor (``all_reduce``, ``broadcast_copy``), whose formula refuses,
-    and copies its result in."""
+    as an :class:`_Op`. It has no formula: a call that records a gradient runs ``recorded(*args)``
+    instead, the op that makes a new tensor (whose formula refuses) copied into what it writes, so
+    that what it wrote takes that history, compiled as eagerly. (A formula would have to mark what
+    the op wrote as its output, ``mark_dirty``, and torch.compile's tracing of that lost the
+    refusal: on torch 2.11 and 2.12 what was written kept its old history, the identity, or had none
+    for ``out``; on later ones too where only the written tensor required grad.)"""
 
     def define(fn: Callable) -> _Op:
         name = fn.__name__
         custom = torch.library.custom_op(f"tp_kernels::{name}", mutates_args=written)(fn)
         names = list(inspect.signature(fn).parameters)
-        _OPS[name] = _Op(name, fn, custom, tuple(names.index(w) for w in written))
+        _OPS[name] = _Op(name, fn, custom, tuple(names.index(w) for w in written), recorded)
         return _OPS[name]
 
     return define
@@ -428,7 +430,7 @@ def _check_written(name: str, t: Tensor) -> None:
                          f"{list(t.stride())}")
 
 
-@_define_mutating("out")
+@_define_mutating("out", recorded=lambda x, out, group, impl: out.copy_(all_reduce(x, group, impl)))
 def all_reduce_out(x: Tensor, out: Tensor, group: str, impl: str) -> None:
     _check_written("out", out)
     run_collective("all_reduce", impl, x, out, -1, coll.group_from_name(group))
@@ -440,7 +442,7 @@ def _(x, out, group, impl):
     return None
 
 
-@_define_mutating("x")
+@_define_mutating("x", recorded=lambda x, group, impl: x.copy_(all_reduce(x, group, impl)))
 def all_reduce_inplace(x: Tensor, group: str, impl: str) -> None:
     _check_written("x", x)
     run_collective("all_reduce", impl, x, x, -1, coll.group_from_name(group))
@@ -495,8 +497,8 @@ gather.register_no_gradient("gather")
 
 @_define
 def broadcast_copy(x: Tensor, src: int, group: str, impl: str) -> Tensor:
-    """Rank ``src``'s ``x`` in a new contiguous tensor: the broadcast that records a gradient
-    (refused), whose result ``Communicator.broadcast`` copies into ``x``."""
+    """Rank ``src``'s ``x`` in a new contiguous tensor: what a ``broadcast`` that records a
+    gradient (refused) copies into ``x``."""
     out = x.clone(memory_format=torch.contiguous_format)
     run_collective("broadcast", impl, out, out, src, coll.group_from_name(group))
     return out
@@ -510,7 +512,7 @@ def _(x, src, group, impl):
 broadcast_copy.register_no_gradient("broadcast")
 
 
-@_define_mutating("x")
+@_define_mutating("x", recorded=lambda x, src, group, impl: x.copy_(broadcast_copy(x, src, group, impl)))
 def broadcast(x: Tensor, src: int, group: str, impl: str) -> None:
     _check_written("x", x)
     run_collective("broadcast", impl, x, x, src, coll.group_from_name(group))

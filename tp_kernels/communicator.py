@@ -280,9 +280,7 @@ class Communicator:
         impl, name = self._impl("all_reduce", x_), coll.group_name(self.group)
         if out is None:
             return _library.op("all_reduce")(x_, name, impl)
-        if wants_grad((x_, out)):  # the sum copied in: ``out`` takes its history (the ops that write record none)
-            out.copy_(_library.op("all_reduce")(x_, name, impl))
-        elif _same_memory(out, x_):  # in place: one tensor, which the op declares it writes
+        if _same_memory(out, x_):  # in place: one tensor, which the op declares it writes
             _library.op("all_reduce_inplace")(out, name, impl)
         else:
             _library.op("all_reduce_out")(x_, out, name, impl)
@@ -371,14 +369,11 @@ class Communicator:
         if self._alone(x):
             increment_version(x)
             return x
-        name = coll.group_name(self.group)
-        if wants_grad((x,)):  # src's x copied in: ``x`` takes its history (the ops that write record none)
-            return x.copy_(_library.op("broadcast_copy")(x, src, name, self._impl("broadcast", x, src)))
         if x.is_contiguous():
-            _library.op("broadcast")(x, src, name, self._impl("broadcast", x, src))
+            _library.op("broadcast")(x, src, coll.group_name(self.group), self._impl("broadcast", x, src))
             return x
         buf = x.contiguous()
-        _library.op("broadcast")(buf, src, name, self._impl("broadcast", buf, src))
+        _library.op("broadcast")(buf, src, coll.group_name(self.group), self._impl("broadcast", buf, src))
         return x.copy_(buf)
 
     def broadcast_tensor_dict(self, tensor_dict: Optional[dict] = None, src: int = 0) -> dict:
