@@ -33,7 +33,7 @@ from onnxruntime_extensions import PyCustomOpDef, default_opset_domain, get_libr
 
 from .. import _collectives as coll
 from .. import parallel_state
-from .._agreement import agree
+from .._agreement import DIGEST_BYTES, agree
 from . import _collective_ops
 
 __all__ = ["STANDIN_DOMAIN", "cpu_session", "standin_model"]
@@ -147,13 +147,14 @@ def _collective_nodes(model: onnx.ModelProto) -> List[onnx.NodeProto]:
     return [n for n in model.graph.node if _collective(n) is not None]
 
 
-def _check_model(model: onnx.ModelProto, group) -> Tuple[object, onnx.ModelProto, List[int]]:
-    """The group the stand-ins run over (``group`` or its host twin), :func:`standin_model`'s copy
-    of ``model`` and its collectives' element types. A ``ValueError`` naming the argument where
-    there is no such group, where ``model``'s metadata says another group size or another rank than
-    this rank's in ``group`` (:func:`_collective_ops.made_for`), where a collective node's
-    ``group_size`` is not the group's size (naming the first such node; an ``AllReduce`` has none to
-    check), or where one moves a type the stand-ins do not."""
+def _check_model(model: onnx.ModelProto, group) -> Tuple[object, onnx.ModelProto, List[int], bool]:
+    """The group the stand-ins run over (``group`` or its host twin), :func:`standin_model`'s copy of
+    ``model``, its collectives' element types and whether its metadata says its rank. A
+    ``ValueError`` naming the argument where there is no such group, where ``model``'s metadata says
+    another group size or another rank than this rank's in ``group``
+    (:func:`_collective_ops.made_for`), where a collective node's ``group_size`` is not the group's
+    size (naming the first such node; an ``AllReduce`` has none to check), or where one moves a type
+    the stand-ins do not."""
     host = parallel_state.host_group(group)
     if host is None:
         raise ValueError(f"group: {group.group_name!r} carries no host tensors ({dist.get_backend(group)}) and "
@@ -170,22 +171,21 @@ def _check_model(model: onnx.ModelProto, group) -> Tuple[object, onnx.ModelProto
             raise ValueError(f"model: its {node.op_type} node {node.name!r} spans {size} ranks (group_size), the "
                              f"group {p}; run each rank's model on a group of the size it was made for")
     types = _collective_types(model)
-    return host, _standins(model, types), types
+    return host, _standins(model, types), types, made is not None
 
 
 #: what a rank sends for its model in :func:`_refuse_copies` where its metadata says its rank
-_SAID = bytes(16)
+_SAID = bytes(DIGEST_BYTES)
 
 
-def _refuse_copies(model: onnx.ModelProto, host, group_name: str) -> None:
+def _refuse_copies(serialized: bytes, said: bool, host, group_name: str) -> None:
     """A ``RuntimeError`` on every rank where ranks whose models do not say which rank's they are
-    (no :func:`_collective_ops.made_for` metadata: a model made elsewhere, or its metadata
-    stripped) hold the same graph, nodes and initializers alike: one rank's model loaded on several
-    ranks, which would run unnoticed, its shards counted as each of theirs. One bounded all-gather
-    of a digest of each rank's graph (``_SAID`` for a model whose metadata says its rank, checked
-    against it before)."""
-    mine = _SAID if _collective_ops.made_for(model) is not None else \
-        hashlib.blake2b(model.graph.SerializeToString(), digest_size=len(_SAID)).digest()
+    (``said`` false: no :func:`_collective_ops.made_for` metadata, a model made elsewhere or its
+    metadata stripped) hold the same model, nodes and initializers alike: one rank's model loaded
+    on several ranks, which would run unnoticed, its shards counted as each of theirs. One bounded
+    all-gather of a digest of each rank's ``serialized`` model, the bytes its session is made of
+    (``_SAID`` for a model whose metadata says its rank, checked against it before)."""
+    mine = _SAID if said else hashlib.blake2b(serialized, digest_size=DIGEST_BYTES).digest()
     digests = coll.all_gather_bytes(mine, host, torch.device("cpu"))
     alike: Dict[bytes, List[int]] = {}
     for q, digest in enumerate(digests):
@@ -301,13 +301,14 @@ def cpu_session(model, group=None, sess_options: Optional[ort.SessionOptions] = 
     if not isinstance(model, onnx.ModelProto):
         model = onnx.load(model)
     group = coll.resolve_group(group)
-    host, standins, _ = agree("tp_kernels.onnx.cpu_session", group, lambda: _check_model(model, group),
-                              lambda checked: _collectives_in_order(model, checked[2]), always=True)
+    host, standins, _, said = agree("tp_kernels.onnx.cpu_session", group, lambda: _check_model(model, group),
+                                    lambda checked: _collectives_in_order(model, checked[2]), always=True)
+    serialized = standins.SerializeToString()
     if coll.group_size(group) > 1:
-        _refuse_copies(model, host, group.group_name)
+        _refuse_copies(serialized, said, host, group.group_name)
     _group = host
     options = sess_options or ort.SessionOptions()
     options.register_custom_ops_library(get_library_path())
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.inter_op_num_threads = 1
-    return _Session(standins.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return _Session(serialized, options, providers=["CPUExecutionProvider"])
